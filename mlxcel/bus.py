@@ -1,0 +1,238 @@
+"""The typed message bus and the Node that owns it.
+
+One bus per process, owned by a :class:`Node`. Handlers subscribe by message class; each
+subscription has its own bounded queue drained by its own task in the node's TaskGroup, and a
+declared overflow policy:
+
+* ``Overflow.BLOCK``: the publisher waits (up to its deadline) for room. Backpressure flows
+  back to whoever published -- ultimately a socket that stops reading.
+* ``Overflow.DROP``: a full queue drops the new message and counts it. For traffic that may be
+  lost (beacons, stats), so a slow consumer never stalls a reader.
+
+Every message is delivered inside an :class:`Envelope` naming its source: ``LOCAL`` for
+messages published in this process, the peer's authenticated identity for messages that came
+over the network. A handler that raises is logged and counted; the node keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from loguru import logger
+
+from mlxcel.deadlines import until
+from mlxcel.errors import BusError, DeadlineExceeded, QueueFull
+from mlxcel.messages import Message
+
+M = TypeVar("M", bound=Message)
+
+LOCAL = "local"
+
+
+class Overflow(enum.Enum):
+    BLOCK = "block"
+    DROP = "drop"
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope(Generic[M]):
+    msg: M
+    source: str = LOCAL
+
+
+Handler = Callable[[Envelope[Any]], Awaitable[None]]
+
+
+class Subscription:
+    """One handler's bounded inbox and the counters an operator needs to see it."""
+
+    def __init__(
+        self, bus: Bus, cls: type[Message], handler: Handler, maxsize: int, policy: Overflow,
+        name: str,
+    ) -> None:
+        if maxsize < 1:
+            raise BusError(f"subscription {name!r}: maxsize must be >= 1")
+        self.bus = bus
+        self.cls = cls
+        self.handler = handler
+        self.policy = policy
+        self.name = name
+        self.queue: asyncio.Queue[Envelope[Any]] = asyncio.Queue(maxsize)
+        self.delivered = 0
+        self.dropped = 0
+        self.failed = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    async def _offer(self, env: Envelope[Any], deadline: float | None) -> bool:
+        if self.policy is Overflow.DROP:
+            try:
+                self.queue.put_nowait(env)
+            except asyncio.QueueFull:
+                self.dropped += 1
+                logger.debug("bus: {} full, dropped {}", self.name, type(env.msg).__name__)
+                return False
+            return True
+        if self.queue.full() and deadline is None:
+            raise BusError(f"{self.name}: blocking publish needs a deadline")
+        try:
+            async with until(deadline, f"publish to {self.name}"):
+                await self.queue.put(env)
+        except DeadlineExceeded:
+            raise QueueFull(f"subscription {self.name!r} stayed full past the deadline") from None
+        return True
+
+    async def _drain(self) -> None:
+        while True:
+            env = await self.queue.get()
+            try:
+                await self.handler(env)
+                self.delivered += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.failed += 1
+                self.bus.handler_errors[self.name] += 1
+                logger.exception("handler {} failed on {}", self.name, type(env.msg).__name__)
+
+    def unsubscribe(self) -> None:
+        self.bus._remove(self)
+
+
+class Bus:
+    """Routes each published message to every subscription of its exact class."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self._subs: dict[type[Message], list[Subscription]] = {}
+        self.handler_errors: Counter[str] = Counter()
+        self.unrouted: Counter[str] = Counter()
+        self.closed = False
+
+    def subscribe(
+        self,
+        cls: type[M],
+        handler: Callable[[Envelope[M]], Awaitable[None]],
+        *,
+        maxsize: int = 64,
+        policy: Overflow = Overflow.BLOCK,
+        name: str | None = None,
+    ) -> Subscription:
+        if self.closed:
+            raise BusError("bus is closed")
+        if not (isinstance(cls, type) and issubclass(cls, Message)):
+            raise BusError(f"{cls!r} is not a message class")
+        sub = Subscription(
+            self, cls, handler, maxsize, policy, name or getattr(handler, "__qualname__", "handler")
+        )
+        self._subs.setdefault(cls, []).append(sub)
+        sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")
+        return sub
+
+    def _remove(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.cls, [])
+        if sub in subs:
+            subs.remove(sub)
+        if sub._task is not None:
+            sub._task.cancel()
+
+    def subscriptions(self) -> list[Subscription]:
+        return [s for subs in self._subs.values() for s in subs]
+
+    async def publish(
+        self, msg: Message, *, source: str = LOCAL, deadline: float | None = None
+    ) -> int:
+        """Offer ``msg`` to every subscriber of its class; return how many accepted it.
+
+        A BLOCK subscriber that stays full past ``deadline`` raises :class:`QueueFull`.
+        """
+        if self.closed:
+            raise BusError("bus is closed")
+        subs = self._subs.get(type(msg))
+        if not subs:
+            self.unrouted[type(msg).__name__] += 1
+            return 0
+        env = Envelope(msg, source)
+        accepted = 0
+        for sub in list(subs):
+            accepted += await sub._offer(env, deadline)
+        return accepted
+
+    def close(self) -> None:
+        self.closed = True
+        for sub in self.subscriptions():
+            if sub._task is not None:
+                sub._task.cancel()
+        self._subs.clear()
+
+
+class Node:
+    """A process's (or an embedded service's) bus plus the TaskGroup that owns every task.
+
+    Use as ``async with Node("name") as node:``. Leaving the block cancels the node's tasks
+    and waits for them; a task spawned with ``critical=True`` that fails takes the node down
+    (its exception surfaces from the ``async with``); any other task's failure is logged and
+    counted.
+    """
+
+    def __init__(self, name: str = "mlxcel") -> None:
+        self.name = name
+        self.bus = Bus(self)
+        self.task_errors = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+
+    async def __aenter__(self) -> Node:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> bool | None:
+        try:
+            for closer in reversed(self._closers):
+                try:
+                    await closer()
+                except Exception:
+                    logger.exception("node {}: closer failed", self.name)
+        finally:
+            self.bus.close()
+            for task in list(self._tasks):
+                task.cancel()
+            assert self._tg is not None
+            tg, self._tg = self._tg, None
+            return await tg.__aexit__(et, exc, tb)
+
+    def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run ``closer`` (newest first) when the node shuts down, before tasks are cancelled."""
+        self._closers.append(closer)
+
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, name: str | None = None, critical: bool = False
+    ) -> asyncio.Task[Any]:
+        if self._tg is None:
+            coro.close()
+            raise BusError(f"node {self.name} is not running")
+        wrapped = coro if critical else self._guard(coro, name or "task")
+        task = self._tg.create_task(wrapped, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guard(self, coro: Coroutine[Any, Any, Any], name: str) -> Any:
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.task_errors += 1
+            logger.exception("node {}: task {} failed", self.name, name)
+            return None

@@ -1,0 +1,175 @@
+"""Every message that crosses the bus, in one place.
+
+Messages are frozen, slotted dataclasses. The bus routes by class; the codec
+(:mod:`mlxcel.wire.codec`) gives each exactly one CBOR encoding, derived from the field
+annotations below, so adding a message means adding a class here and nothing else.
+
+Sequences are tuples (not lists) so a message is immutable all the way down. Tensors travel
+as raw bytes with a dtype name and a shape; :mod:`mlxcel.runtime.tensors` converts them to
+and from MLX arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+# dtype name -> bytes per element. The names match MLX's dtype names.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "uint64": 8,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+}
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """A dense array as raw little-endian bytes. Validated on construction."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # Imported lazily to keep this module free of import cycles.
+        from mlxcel.errors import TensorSizeError
+
+        if self.dtype not in DTYPE_SIZES:
+            raise TensorSizeError(f"unknown tensor dtype {self.dtype!r}")
+        if any(d < 0 for d in self.shape):
+            raise TensorSizeError(f"negative dimension in shape {self.shape}")
+        want = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        if len(self.data) != want:
+            raise TensorSizeError(
+                f"tensor {self.dtype}{list(self.shape)} needs {want} bytes, got {len(self.data)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the sampling stage turns logits into tokens. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    logprobs: bool = False
+
+
+class Message:
+    """Marker base. ``KIND`` is the stable wire tag; never reuse a retired number."""
+
+    KIND: ClassVar[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareSequence(Message):
+    """Claim ``request_id`` on a node: build fresh per-sequence state, discarding older state."""
+
+    KIND: ClassVar[int] = 1
+    request_id: str
+    max_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunEntry(Message):
+    """Coordinator -> entry stage (or the local engine): tokens to run and how to sample."""
+
+    KIND: ClassVar[int] = 2
+    request_id: str
+    micro_batch: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sampling: SamplingParams
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Activation(Message):
+    """Stage -> next stage: hidden states for the tokens of one exchange."""
+
+    KIND: ClassVar[int] = 3
+    request_id: str
+    micro_batch: int
+    hidden: Tensor
+    start_pos: int
+    sampling: SamplingParams
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult(Message):
+    """Final stage (or the local engine) -> the owner of the sequence: sampled tokens."""
+
+    KIND: ClassVar[int] = 4
+    request_id: str
+    micro_batch: int
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    nonce: int
+    logprobs: tuple[float, ...] | None = None
+    logits: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest(Message):
+    """Stop generating for ``request_id``; its state is freed."""
+
+    KIND: ClassVar[int] = 5
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSequence(Message):
+    """Free every cache held for ``request_id``."""
+
+    KIND: ClassVar[int] = 6
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    KIND: ClassVar[int] = 7
+    request_id: str
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A typed refusal or failure, answered to the sender of the offending message."""
+
+    KIND: ClassVar[int] = 8
+    code: str
+    message: str
+    request_id: str | None = None
+    nonce: int | None = None
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    PrepareSequence,
+    RunEntry,
+    Activation,
+    RunResult,
+    CancelRequest,
+    ReleaseSequence,
+    Ack,
+    Error,
+)

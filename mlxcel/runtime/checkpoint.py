@@ -1,0 +1,219 @@
+"""Deterministic random-weight checkpoints in the Hugging Face layout.
+
+Tests and benchmarks need real checkpoints without a model hub: real config.json, sharded
+safetensors with an index, and a real byte-level BPE tokenizer (trained with the
+``tokenizers`` library on a generated corpus) with a chat template. The model object comes
+from mlx-lm's own architecture classes, so what we write is exactly what mlx-lm loads.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlxcel.runtime  # noqa: F401  (chooses the BLAS before mlx loads)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+PROJ_SCALE = 2.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int  # model vocabulary (>= the tokenizer's)
+    tokenizer_vocab: int
+    dtype: str
+    max_positions: int
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(64, 4, 4, 2, 16, 128, 512, 512, "float32", 4096),
+    "small": Shape(512, 8, 8, 4, 64, 1536, 8192, 8192, "float32", 8192),
+    # The real Qwen3-0.6B shapes (vocabulary padded past our small tokenizer, as real ones are).
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, 8192, "bfloat16", 40960),
+}
+
+_SYLLABLES = [
+    c + v
+    for c in ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w"]
+    for v in ["a", "e", "i", "o", "u", "ai", "ou", "er"]
+]
+_SEED_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Hello, world! Distributed inference "
+    "splits one model over several machines. Pipeline stages pass activations; tensor "
+    "parallel ranks share each layer. 0123456789 + - * / = ( ) [ ] { } < > ; : ' \" ? !\n"
+)
+
+
+def _corpus(n_words: int) -> list[str]:
+    rng = random.Random(1234)  # fixed: the tokenizer does not depend on --seed
+    words = ["".join(rng.choices(_SYLLABLES, k=rng.randint(1, 4))) for _ in range(4000)]
+    lines = [_SEED_TEXT] * 50
+    line: list[str] = []
+    for _ in range(n_words):
+        line.append(rng.choice(words) if rng.random() < 0.9 else str(rng.randint(0, 999)))
+        if len(line) >= 12:
+            lines.append(" ".join(line) + ".\n")
+            line = []
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """Train a byte-level BPE of exactly ``vocab_size`` tokens (specials included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(max(20000, vocab_size * 40)), trainer=trainer)
+    return tok
+
+
+def model_config(shape: Shape, family: str) -> dict[str, Any]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+    cfg: dict[str, Any] = {
+        "architectures": [arch[family]],
+        "model_type": family,
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0 if family != "llama" else 500000.0,
+        "tie_word_embeddings": family != "llama",
+        "hidden_act": "silu",
+        "torch_dtype": shape.dtype,
+        "bos_token_id": 0,
+        "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),
+        "attention_bias": False,
+    }
+    return cfg
+
+
+def write_checkpoint(
+    out: Path,
+    shape_name: str,
+    family: str = "qwen3",
+    seed: int = 0,
+    quantize: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    shard_bytes: int = 512 << 20,
+) -> Path:
+    """Write a checkpoint to ``out`` and return it. Same arguments, same bytes."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes, quantize_model, save_config
+
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    if quantize not in (None, 4, 8):
+        raise ValueError("quantize must be 4 or 8")
+    say = progress or (lambda _msg: None)
+    shape = SHAPES[shape_name]
+    out.mkdir(parents=True, exist_ok=True)
+
+    say(f"training a {shape.tokenizer_vocab}-token byte-level BPE tokenizer")
+    tok = build_tokenizer(shape.tokenizer_vocab)
+    tok.save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": shape.max_positions,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
+
+    config = model_config(shape, family)
+    if family == "qwen2":
+        config["attention_bias"] = True
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    say(f"initialising {shape.layers} layers ({family}, hidden {shape.hidden}) with seed {seed}")
+    model = model_cls(args_cls.from_dict(config))
+    # mlx's default init leaves a random model collapsing onto one repeated token; wider
+    # projections make greedy output depend on the prompt, which makes equality tests bite.
+    from mlx.utils import tree_map_with_path
+
+    model.update(
+        tree_map_with_path(
+            lambda path, a: a * PROJ_SCALE if path.endswith("proj.weight") else a,
+            model.parameters(),
+        )
+    )
+    model.set_dtype(getattr(mx, shape.dtype))
+    mx.eval(model.parameters())
+    if quantize:
+        model, config = quantize_model(model, config, group_size=64, bits=quantize)
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name in sorted(weights):
+        arr = weights[name]
+        if shards[-1] and size + arr.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        mx.save_safetensors(str(out / fname), shard, metadata={"format": "mlx"})
+        nbytes = sum(a.nbytes for a in shard.values())
+        total += nbytes
+        weight_map.update({k: fname for k in shard})
+        say(f"wrote {fname} ({nbytes / 2**20:.1f} MiB, shard {i + 1}/{len(shards)})")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    save_config(config, out / "config.json")
+    del model
+    say(f"checkpoint ready at {out} ({total / 2**20:.1f} MiB)")
+    return out
+
+
+def stderr_progress(msg: str) -> None:
+    print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,138 @@
+"""Loading a local checkpoint through mlx-lm, and running any contiguous layer range of it.
+
+:class:`LayerRange` is the unit every parallel mode is built from: a pipeline stage runs one
+range, the single-process runtime runs ``[0, n)``. It reuses mlx-lm's own modules (embedding,
+decoder layers, final norm, head, masks and KV caches); it only decides which of them run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlxcel.runtime  # noqa: F401  (BLAS first)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.models.base import create_attention_mask  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from mlxcel.errors import ModelLoadError  # noqa: E402
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict[str, Any]
+
+    @property
+    def family(self) -> str:
+        return str(self.config.get("model_type"))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    """Load a checkpoint from a local folder, never from a hub."""
+    from mlx_lm.utils import load
+
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p}: no config.json (is this a model folder?)")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{p}/config.json: {exc}") from None
+    if not list(p.glob("*.safetensors")):
+        raise ModelLoadError(f"{p}: no *.safetensors weights")
+    try:
+        model, tokenizer = load(str(p))
+    except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
+        raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    return LoadedModel(p, model, tokenizer, config)
+
+
+class LayerRange:
+    """Runs layers ``[start, end)`` of a dense decoder.
+
+    The first range embeds token ids; the last applies the final norm and the LM head and
+    returns logits. Every other range maps hidden states to hidden states.
+    """
+
+    def __init__(self, loaded: LoadedModel, start: int, end: int) -> None:
+        n = loaded.n_layers
+        if not 0 <= start < end <= n:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {n})")
+        if loaded.family not in SUPPORTED_FAMILIES:
+            raise ModelLoadError(
+                f"family {loaded.family!r} has no layer-range executor "
+                f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
+            )
+        self.loaded = loaded
+        self.start = start
+        self.end = end
+        inner = loaded.model.model
+        self.layers = inner.layers[start:end]
+        self.is_first = start == 0
+        self.is_last = end == n
+        self._embed = inner.embed_tokens
+        self._norm = inner.norm
+        self._window = getattr(inner, "sliding_window", None)
+        top = loaded.model
+        self._head = (
+            top.lm_head if hasattr(top, "lm_head") and not top.args.tie_word_embeddings
+            else inner.embed_tokens.as_linear
+        )
+
+    def make_cache(self) -> list[Any]:
+        """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
+        return make_prompt_cache(self.loaded.model)[self.start : self.end]
+
+    def __call__(self, x: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """``x``: token ids ``[B, L]`` on the first range, hidden ``[B, L, D]`` otherwise."""
+        h = self._embed(x) if self.is_first else x
+        if cache is None:
+            cache = [None] * len(self.layers)
+        masks: dict[bool, Any] = {}
+        for layer, c in zip(self.layers, cache, strict=True):
+            sliding = bool(getattr(layer, "use_sliding", False))
+            if sliding not in masks:
+                masks[sliding] = create_attention_mask(
+                    h, c, window_size=self._window if sliding else None
+                )
+            h = layer(h, masks[sliding], cache=c)
+        if self.is_last:
+            h = self._head(self._norm(h))
+        return h
+
+
+def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal ranges covering ``[0, n_layers)``."""
+    if not 1 <= parts <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {parts} ranges")
+    base, extra = divmod(n_layers, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out

@@ -1,0 +1,33 @@
+"""Conversion between MLX arrays and wire :class:`~mlxcel.messages.Tensor` values.
+
+bfloat16 has no NumPy dtype, so it travels as its raw 16-bit patterns (a ``view`` as
+uint16): bit-exact both ways.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import mlxcel.runtime  # noqa: F401
+
+import mlx.core as mx  # noqa: E402
+
+from mlxcel.messages import Tensor  # noqa: E402
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def to_tensor(a: mx.array) -> Tensor:
+    name = _dtype_name(a.dtype)
+    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    data = np.ascontiguousarray(np.array(raw, copy=False)).tobytes()
+    return Tensor(name, tuple(a.shape), data)
+
+
+def from_tensor(t: Tensor) -> mx.array:
+    if t.dtype == "bfloat16":
+        arr = np.frombuffer(t.data, dtype=np.uint16).reshape(t.shape)
+        return mx.array(arr).view(mx.bfloat16)
+    return mx.array(np.frombuffer(t.data, dtype=np.dtype(t.dtype)).reshape(t.shape))
