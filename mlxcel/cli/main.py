@@ -1,0 +1,137 @@
+"""``python -m mlxcel`` / ``mlxcel`` / ``mlxcel-server``: the entry points.
+
+This is the only place that picks an event loop implementation (uvloop where available) and
+configures logging; everything below runs on whatever loop it is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from loguru import logger
+
+from mlxcel import __version__
+from mlxcel.config import (
+    BenchBatchingSettings,
+    CheckpointSettings,
+    GenerateSettings,
+    ServeSettings,
+    _OneLineParser,
+    add_arguments,
+    die,
+    load_settings,
+)
+from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
+from mlxcel.platform_guard import refuse_distributed_on_windows
+
+COMMANDS: dict[str, tuple[type, str]] = {
+    "generate": (GenerateSettings, "generate text from a prompt and print timing"),
+    "serve": (ServeSettings, "run the OpenAI-compatible HTTP server"),
+    "checkpoint": (CheckpointSettings, "write a deterministic random-weight checkpoint"),
+}
+BENCHES: dict[str, tuple[type, str]] = {
+    "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
+}
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on uvloop when installed (the only place a loop is chosen)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if sys.platform != "win32":
+        try:
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def _setup_logging(level: str) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level=level, format="{time:HH:mm:ss.SSS} {level: <7} {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="mlxcel", description="Distributed LLM inference on MLX.")
+    parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    for name, (cls, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p, cls)
+    bench = sub.add_parser("bench", help="benchmarks that print figures", description="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=_OneLineParser)
+    for name, (cls, help_text) in BENCHES.items():
+        p = bsub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p, cls)
+    return parser
+
+
+def _guard(command: str, args: argparse.Namespace) -> None:
+    # Raw values, before validation and before any model is resolved.
+    raw = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    for field in ("tp_size", "pp_size"):
+        env = os.environ.get(f"MLXCEL_{field.upper()}")
+        if field not in raw and env is not None:
+            raw[field] = env
+    refuse_distributed_on_windows(command, raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            raise SystemExit(2)
+        if args.command in ("generate", "serve"):
+            _guard(args.command, args)
+        if args.command == "bench":
+            if args.bench is None:
+                raise ConfigError("bench", "name a benchmark: " + ", ".join(BENCHES))
+            cls = BENCHES[args.bench][0]
+        else:
+            cls = COMMANDS[args.command][0]
+        settings = load_settings(cls, args)
+    except ConfigError as exc:
+        die(exc)
+    except PlatformUnsupported as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _setup_logging(getattr(settings, "log_level", "INFO"))
+    try:
+        code = _dispatch(args, settings)
+    except KeyboardInterrupt:
+        code = 130
+    except MlxcelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    raise SystemExit(code)
+
+
+def server_main() -> None:
+    """``mlxcel-server``: the same as ``mlxcel serve``."""
+    main(["serve", *sys.argv[1:]])
+
+
+def _dispatch(args: argparse.Namespace, settings: Any) -> int:
+    from mlxcel.cli import commands
+
+    if args.command == "checkpoint":
+        return commands.checkpoint(settings)
+    if args.command == "bench":
+        return run_async(commands.bench_batching(settings))
+    for field in ("tp_size", "pp_size"):
+        if getattr(settings, field) > 1:
+            raise ConfigError(f"--{field.replace('_', '-')}", "distributed modes are not in this build yet")
+    if args.command == "generate":
+        return run_async(commands.generate(settings))
+    if args.command == "serve":
+        return run_async(commands.serve(settings))
+    raise AssertionError(args.command)  # pragma: no cover

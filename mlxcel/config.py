@@ -1,0 +1,209 @@
+"""Settings for every command, with one precedence rule: CLI > environment > TOML file > default.
+
+Each command has a pydantic-settings model. The CLI parser is generated from the model's fields
+(so ``--help`` always lists every setting with its default), every field is also read from
+``MLXCEL_<NAME>`` and from a TOML file (``--config FILE`` or ``MLXCEL_CONFIG``; flat keys named
+like the fields, e.g. ``max_batch_size = 8``). An invalid value raises :class:`ConfigError`
+naming the flag (and the variable or file it came from); the entry point turns that into one
+line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from mlxcel.errors import ConfigError
+
+ENV_PREFIX = "MLXCEL_"
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # Set by :func:`load_settings` just before construction; read by the source hook.
+    _toml_file: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        return tuple(sources)
+
+
+def _short(flag: str) -> dict[str, Any]:
+    return {"short": flag}
+
+
+class ModelSettings(_Base):
+    model: str | None = Field(
+        None,
+        description="model folder (Hugging Face layout); default: the embedded tiny model",
+        json_schema_extra=_short("-m"),
+    )
+    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
+    prefill_step_size: int = Field(512, ge=16, le=65536, description="prompt tokens per prefill chunk")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (distributed; not in this build yet)")
+    pp_size: int = Field(1, ge=1, description="pipeline stages (distributed; not in this build yet)")
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level on stderr"
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().is_dir():
+            raise ValueError(f"no such model folder: {v}")
+        return v
+
+
+class SamplingSettings(_Base):
+    max_tokens: int = Field(100, ge=1, le=1 << 20, description="tokens to generate", json_schema_extra=_short("-n"))
+    temp: float = Field(0.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0 = all)")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="random seed for sampling")
+
+
+class GenerateSettings(ModelSettings, SamplingSettings):
+    prompt: str = Field("Hello", description="prompt text", json_schema_extra=_short("-p"))
+    chat: bool = Field(False, description="wrap the prompt in the model's chat template")
+
+
+class ServeSettings(ModelSettings):
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
+    parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")
+    queue_size: int = Field(64, ge=0, le=100000, description="requests waiting for a slot before 503")
+    request_timeout: float = Field(600.0, gt=0, description="seconds before a request fails")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    served_model_name: str | None = Field(None, description="model id in the API (default: folder name)")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+
+
+class CheckpointSettings(_Base):
+    shape: Literal["tiny", "small", "qwen3-0.6b"] = Field("tiny", description="model shape")
+    family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
+    out: Path = Field(..., description="output folder")
+    seed: int = Field(0, ge=0, lt=2**32, description="weight seed")
+    quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
+
+
+class BenchBatchingSettings(ModelSettings):
+    streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
+    tokens: int = Field(64, ge=1, description="tokens generated per stream")
+    json_lines: bool = Field(False, description="print one JSON object per line", json_schema_extra={"flag": "--json"})
+
+    @field_validator("streams")
+    @classmethod
+    def _streams(cls, v: str) -> str:
+        try:
+            counts = [int(x) for x in v.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError("must be comma-separated integers, e.g. 1,4,8") from None
+        if not counts or min(counts) < 1:
+            raise ValueError("needs at least one count, each >= 1")
+        return v
+
+
+# --- CLI generation --------------------------------------------------------------------------
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(self.prog, message)
+
+
+def flag_of(name: str, cls: type[BaseSettings]) -> str:
+    extra = cls.model_fields[name].json_schema_extra or {}
+    return str(extra.get("flag", "--" + name.replace("_", "-")))  # type: ignore[union-attr]
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    parser.add_argument(
+        "--config", dest="_config", metavar="FILE", default=argparse.SUPPRESS,
+        help="TOML file of settings (default: $MLXCEL_CONFIG, else none)",
+    )
+    for name, f in cls.model_fields.items():
+        extra = f.json_schema_extra or {}
+        flags = [flag_of(name, cls)]
+        if isinstance(extra, dict) and "short" in extra:
+            flags.insert(0, str(extra["short"]))
+        default = "required" if f.is_required() else repr(f.default)
+        help_text = f"{f.description} (default: {default}; env {ENV_PREFIX}{name.upper()})"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if f.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = name.upper()
+        parser.add_argument(*flags, **kwargs)
+
+
+def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
+    """Build settings from parsed CLI args plus environment and TOML; raise ConfigError."""
+    cli = {k: v for k, v in vars(args).items() if k in cls.model_fields}
+    config_file = getattr(args, "_config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
+    toml_path = None
+    if config_file:
+        toml_path = Path(config_file)
+        if not toml_path.is_file():
+            raise ConfigError("--config", f"no such file: {config_file}")
+        import tomllib
+
+        try:
+            data = tomllib.loads(toml_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError("--config", f"{config_file}: {exc}") from None
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError("--config", f"{config_file}: unknown setting(s) {', '.join(unknown)}")
+    cls._toml_file = toml_path
+    try:
+        return cls(**cli)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        flag = flag_of(name, cls) if name in cls.model_fields else name
+        if name in cli:
+            where = ""
+        elif ENV_PREFIX + name.upper() in os.environ:
+            where = f" (from {ENV_PREFIX}{name.upper()})"
+        elif toml_path is not None:
+            where = f" (from {toml_path})"
+        else:
+            where = ""
+        raw = err.get("input")
+        shown = f" (got {raw!r})" if raw is not None and not isinstance(raw, dict) else ""
+        raise ConfigError(flag + where, f"{err['msg']}{shown}") from None
+    finally:
+        cls._toml_file = None
+
+
+def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argparse.ArgumentParser:
+    p = _OneLineParser(prog=prog, description=description)
+    add_arguments(p, cls)
+    return p
+
+
+def die(err: ConfigError) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    raise SystemExit(2)

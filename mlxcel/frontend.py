@@ -1,0 +1,188 @@
+"""The request side of a serving node: admission, per-request streams, text and stop strings.
+
+HTTP handlers and the ``generate`` command talk to a :class:`Frontend`. It publishes one
+``RunEntry`` per request on the bus and reads the ``RunResult`` (or ``Error``) messages that
+come back, whoever produced them -- the local engine today, the final pipeline stage later.
+Detokenizing and stop strings live here, on the reactor (cheap per token), because only the
+node that owns the request has the text.
+
+Admission: at most ``parallel`` requests run at once; up to ``queue_size`` more wait for a
+slot; anything beyond is refused at once with :class:`AdmissionRejected` (HTTP 503).
+Every wait has the request's absolute deadline; a request that ends for any reason (finish,
+error, deadline, client gone) releases its slot and, if it was still running, cancels its
+sequence so no cache outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from loguru import logger
+
+from mlxcel.bus import Envelope, Node
+from mlxcel.deadlines import deadline_in, until
+from mlxcel.errors import (
+    AdmissionRejected,
+    DeadlineExceeded,
+    MlxcelError,
+    RequestError,
+)
+from mlxcel.messages import CancelRequest, Error, RunEntry, RunResult, SamplingParams
+from mlxcel.runtime.sampling import StopStrings
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One step of a stream: new text (possibly empty) and, at the end, why it finished."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    submitted_at: float = 0.0
+
+
+class EngineError(MlxcelError):
+    """The generating side reported an error for this request."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Frontend:
+    def __init__(
+        self,
+        node: Node,
+        tokenizer: object,
+        *,
+        parallel: int = 8,
+        queue_size: int = 64,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.node = node
+        self.tokenizer = tokenizer
+        self.parallel = parallel
+        self.queue_size = queue_size
+        self.request_timeout = request_timeout
+        self._slots = asyncio.Semaphore(parallel)
+        self._waiting = 0
+        self._streams: dict[str, asyncio.Queue[RunResult | Error]] = {}
+        self._ids = itertools.count(1)
+        self._nonces = itertools.count(1)
+        self.unmatched = 0
+        self.in_flight = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def attach(self) -> None:
+        self.node.bus.subscribe(RunResult, self._route, maxsize=1024, name="frontend.results")
+        self.node.bus.subscribe(Error, self._route, maxsize=256, name="frontend.errors")
+
+    async def _route(self, env: Envelope[RunResult | Error]) -> None:
+        rid = env.msg.request_id
+        q = self._streams.get(rid) if rid is not None else None
+        if q is None:
+            self.unmatched += 1
+            logger.debug("frontend: result for unknown request {}", rid)
+            return
+        # Bounded by construction (max_tokens + 2 messages per request); never blocks.
+        q.put_nowait(env.msg)
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    async def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: Sequence[str] = (),
+        usage: Usage | None = None,
+        deadline: float | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if self._waiting >= self.queue_size and self._slots.locked():
+            raise AdmissionRejected(
+                f"admission queue full ({self._waiting} waiting, {self.parallel} running)"
+            )
+        deadline = deadline if deadline is not None else deadline_in(self.request_timeout)
+        usage = usage if usage is not None else Usage()
+        usage.prompt_tokens = len(prompt_ids)
+        loop = asyncio.get_running_loop()
+        usage.submitted_at = loop.time()
+        self._waiting += 1
+        try:
+            async with until(deadline, "waiting for a generation slot"):
+                await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        request_id = f"req-{next(self._ids)}"
+        q: asyncio.Queue[RunResult | Error] = asyncio.Queue(params.max_tokens + 2)
+        self._streams[request_id] = q
+        self.in_flight += 1
+        finished = False
+        try:
+            entry = RunEntry(request_id, 0, tuple(prompt_ids), 0, params, next(self._nonces))
+            await self.node.bus.publish(entry, deadline=deadline)
+            detok = self.tokenizer.detokenizer
+            stops = StopStrings(stop)
+            while True:
+                async with until(deadline, f"request {request_id}"):
+                    msg = await q.get()
+                if isinstance(msg, Error):
+                    finished = True
+                    if msg.code == "bad_request":
+                        raise RequestError(msg.message)
+                    raise EngineError(msg.code, msg.message)
+                now = loop.time()
+                if usage.first_token_at is None:
+                    usage.first_token_at = now
+                usage.last_token_at = now
+                usage.completion_tokens += len(msg.token_ids)
+                for t in msg.token_ids:
+                    detok.add_token(t)
+                if msg.finish_reason is not None:
+                    finished = True
+                    detok.finalize()
+                text, hit = stops.feed(detok.last_segment)
+                if hit:
+                    yield Delta(text, msg.token_ids, "stop", msg.logprobs)
+                    return
+                if msg.finish_reason is not None:
+                    yield Delta(text + stops.flush(), msg.token_ids, msg.finish_reason, msg.logprobs)
+                    return
+                yield Delta(text, msg.token_ids, None, msg.logprobs)
+        finally:
+            self._streams.pop(request_id, None)
+            self.in_flight -= 1
+            self._slots.release()
+            if not finished:
+                await self._cancel(request_id, "client went away or stop string")
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.node.bus.publish(
+                CancelRequest(request_id, reason), deadline=deadline_in(5.0)
+            )
+        except (DeadlineExceeded, MlxcelError) as exc:
+            logger.warning("could not cancel {}: {}", request_id, exc)

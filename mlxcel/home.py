@@ -1,0 +1,43 @@
+"""The cache folder (``MLXCEL_HOME``, default ``~/.cache/mlxcel``) and the embedded models.
+
+With no ``--model``, commands use a tiny checkpoint that mlxcel writes once under
+``$MLXCEL_HOME/models/`` and reuses. Creation is atomic (written to a temporary folder, then
+renamed), so concurrent first runs never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_SHAPE = "tiny"
+DEFAULT_FAMILY = "qwen3"
+
+
+def home() -> Path:
+    root = os.environ.get("MLXCEL_HOME")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "mlxcel"
+
+
+def embedded_model(shape: str = DEFAULT_SHAPE, family: str = DEFAULT_FAMILY, seed: int = 0) -> Path:
+    """Path of the embedded checkpoint, created on first use."""
+    from mlxcel.runtime.checkpoint import stderr_progress, write_checkpoint
+
+    target = home() / "models" / f"{shape}-{family}-s{seed}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        progress = stderr_progress if shape != "tiny" else None
+        write_checkpoint(tmp, shape, family, seed, progress=progress)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner is done
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,260 @@
+"""The single-process generation role: continuous batching on mlx-lm's BatchGenerator.
+
+It is a bus role like any other. It consumes ``RunEntry`` (start a sequence),
+``CancelRequest`` and ``ReleaseSequence`` (drop one and free its caches), and publishes one
+``RunResult`` per generated token to the owner of the request. New sequences join between
+decode steps; finished or cancelled ones leave without stalling the rest; up to
+``max_batch_size`` sequences share one batched forward pass.
+
+All MLX work happens in :meth:`_step` on the compute thread; the reactor only moves
+messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+import mlxcel.runtime  # noqa: F401
+from mlxcel.bus import Envelope, Node  # noqa: E402
+from mlxcel.deadlines import deadline_in  # noqa: E402
+from mlxcel.messages import (  # noqa: E402
+    CancelRequest,
+    Error,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+)
+from mlxcel.runtime.compute import ComputeThread  # noqa: E402
+from mlxcel.runtime.model import LoadedModel  # noqa: E402
+from mlxcel.runtime.sampling import make_sampler  # noqa: E402
+
+
+class SeqState(enum.Enum):
+    QUEUED = "queued"  # accepted, not yet handed to the batch generator
+    RUNNING = "running"  # inside the batch generator (prefill or decode)
+
+
+@dataclass
+class _Seq:
+    entry: RunEntry
+    source: str
+    state: SeqState = SeqState.QUEUED
+    uid: int | None = None
+    generated: int = 0
+
+
+@dataclass
+class _StepOutput:
+    # (request_id, token, finish_reason, logprob)
+    tokens: list[tuple[str, int, str | None, float | None]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    new_uids: dict[str, int] = field(default_factory=dict)
+
+
+class LocalEngine:
+    """Owns the batch generator. Use :meth:`attach` to subscribe it to a node's bus."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        compute: ComputeThread,
+        *,
+        max_batch_size: int = 8,
+        prefill_step_size: int = 512,
+        max_sequences: int = 64,
+    ) -> None:
+        self.loaded = loaded
+        self.compute = compute
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.max_sequences = max_sequences
+        self.eos = loaded.eos_token_ids()
+        self._seqs: dict[str, _Seq] = {}
+        self._by_uid: dict[int, str] = {}
+        self._to_remove: list[int] = []
+        self._wake = asyncio.Event()
+        self._gen: BatchGenerator | None = None
+        self._node: Node | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+
+    # --- introspection (metrics, tests) --------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Sequences that hold (or are about to hold) KV caches."""
+        return len(self._seqs)
+
+    def batch_cache_rows(self) -> int:
+        """Rows the batch generator itself holds; 0 once every sequence has left."""
+        gen = self._gen
+        if gen is None:
+            return 0
+        return len(gen._generation_batch) + len(gen._prompt_batch) + len(
+            gen._unprocessed_sequences
+        )
+
+    # --- wiring ---------------------------------------------------------------------------
+    async def attach(self, node: Node) -> None:
+        self._node = node
+        self._gen = await self.compute.run(self._make_generator)
+        node.bus.subscribe(RunEntry, self._on_run_entry, maxsize=self.max_sequences, name="engine.run")
+        node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
+        node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
+        node.spawn(self._loop(), name="engine.loop", critical=True)
+
+    def _make_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            stop_tokens=[[t] for t in sorted(self.eos)],
+            completion_batch_size=self.max_batch_size,
+            prefill_batch_size=self.max_batch_size,
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:
+        e = env.msg
+        problem = self._validate(e)
+        if problem is None and e.request_id in self._seqs:
+            problem = f"request {e.request_id!r} is already running"
+        if problem is not None:
+            await self._reply(Error("bad_request", problem, e.request_id, e.nonce))
+            return
+        self._seqs[e.request_id] = _Seq(e, env.source)
+        self._wake.set()
+
+    def _validate(self, e: RunEntry) -> str | None:
+        vocab = int(self.loaded.config["vocab_size"])
+        if not e.token_ids:
+            return "empty prompt"
+        if any(not 0 <= t < vocab for t in e.token_ids):
+            return f"token id outside the vocabulary [0, {vocab})"
+        if e.sampling.max_tokens < 1:
+            return "max_tokens must be >= 1"
+        limit = int(self.loaded.config.get("max_position_embeddings", 1 << 30))
+        if len(e.token_ids) + e.sampling.max_tokens > limit:
+            return (
+                f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
+                f"exceeds the model's context of {limit}"
+            )
+        return None
+
+    async def _on_cancel(self, env: Envelope[CancelRequest]) -> None:
+        self._drop(env.msg.request_id, env.source)
+
+    async def _on_release(self, env: Envelope[ReleaseSequence]) -> None:
+        self._drop(env.msg.request_id, env.source)
+
+    def _drop(self, request_id: str, source: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.source != source:
+            return  # unknown, finished, or not the owner: changes nothing
+        del self._seqs[request_id]
+        if seq.uid is not None:
+            self._by_uid.pop(seq.uid, None)
+            self._to_remove.append(seq.uid)
+        self._wake.set()
+
+    async def _reply(self, msg: Any) -> None:
+        assert self._node is not None
+        await self._node.bus.publish(msg, deadline=deadline_in(30.0))
+
+    # --- the decode loop --------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if not self._seqs and not self._to_remove:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            inserts = [s for s in self._seqs.values() if s.state is SeqState.QUEUED]
+            for s in inserts:
+                s.state = SeqState.RUNNING
+            removals, self._to_remove = self._to_remove, []
+            want_lp = {r for r, s in self._seqs.items() if s.entry.sampling.logprobs}
+            try:
+                out = await self.compute.run(
+                    self._step, [s.entry for s in inserts], removals, dict(self._by_uid), want_lp
+                )
+            except Exception as exc:
+                logger.exception("engine step failed; failing every running sequence")
+                await self._fail_all(f"engine step failed: {exc}")
+                continue
+            for s in inserts:
+                uid = out.new_uids[s.entry.request_id]
+                if self._seqs.get(s.entry.request_id) is s:
+                    s.uid = uid
+                    self._by_uid[uid] = s.entry.request_id
+                else:  # dropped while its insert was running: remove it next step
+                    self._to_remove.append(uid)
+            self.steps += 1
+            self.prompt_tokens += out.prompt_tokens
+            for request_id, token, finish, logprob in out.tokens:
+                seq = self._seqs.get(request_id)
+                if seq is None:
+                    continue  # cancelled while the step ran
+                seq.generated += 1
+                if finish is not None:
+                    self._seqs.pop(request_id, None)
+                    if seq.uid is not None:
+                        self._by_uid.pop(seq.uid, None)
+                is_eos = finish == "stop" and token in self.eos
+                if not is_eos:
+                    self.tokens_generated += 1
+                await self._reply(
+                    RunResult(
+                        request_id,
+                        seq.entry.micro_batch,
+                        () if is_eos else (token,),
+                        finish,
+                        seq.entry.nonce,
+                        logprobs=(logprob,) if logprob is not None and not is_eos else None,
+                    )
+                )
+
+    def _step(
+        self, inserts: list[RunEntry], removals: list[int], by_uid: dict[int, str], want_lp: set[str]
+    ) -> _StepOutput:
+        """Compute thread: apply joins and leaves, then run one batched step.
+
+        Touches no reactor-owned state: it gets snapshots and returns what changed.
+        """
+        gen = self._gen
+        assert gen is not None
+        out = _StepOutput()
+        if removals:
+            gen.remove(removals)
+        if inserts:
+            uids = gen.insert(
+                [list(e.token_ids) for e in inserts],
+                max_tokens=[e.sampling.max_tokens for e in inserts],
+                samplers=[make_sampler(e.sampling) for e in inserts],
+            )
+            for e, uid in zip(inserts, uids, strict=True):
+                by_uid[uid] = e.request_id
+                out.new_uids[e.request_id] = uid
+                out.prompt_tokens += len(e.token_ids)
+        _prompt_responses, responses = gen.next()
+        for r in responses:
+            request_id = by_uid.get(r.uid)
+            if request_id is None:
+                continue
+            lp = float(r.logprobs[r.token].item()) if request_id in want_lp else None
+            out.tokens.append((request_id, int(r.token), r.finish_reason, lp))
+        return out
+
+    async def _fail_all(self, why: str) -> None:
+        seqs, self._seqs = self._seqs, {}
+        uids = [s.uid for s in seqs.values() if s.uid is not None]
+        self._by_uid.clear()
+        try:
+            await self.compute.run(self._gen.remove, uids) if self._gen else None
+        except Exception:
+            self._gen = await self.compute.run(self._make_generator)
+        for rid, s in seqs.items():
+            await self._reply(Error("engine_failed", why, rid, s.entry.nonce))
