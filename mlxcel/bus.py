@@ -52,7 +52,12 @@ class Subscription:
     """One handler's bounded inbox and the counters an operator needs to see it."""
 
     def __init__(
-        self, bus: Bus, cls: type[Message], handler: Handler, maxsize: int, policy: Overflow,
+        self,
+        bus: Bus,
+        cls: type[Message],
+        handler: Handler,
+        maxsize: int,
+        policy: Overflow,
         name: str,
     ) -> None:
         if maxsize < 1:
@@ -197,19 +202,20 @@ class Node:
         return self
 
     async def __aexit__(self, et: Any, exc: Any, tb: Any) -> bool | None:
-        try:
-            for closer in reversed(self._closers):
-                try:
-                    await closer()
-                except Exception:
-                    logger.exception("node {}: closer failed", self.name)
-        finally:
-            self.bus.close()
-            for task in list(self._tasks):
-                task.cancel()
-            assert self._tg is not None
-            tg, self._tg = self._tg, None
-            return await tg.__aexit__(et, exc, tb)
+        for closer in reversed(self._closers):
+            try:
+                await closer()
+            except Exception:
+                logger.exception("node {}: closer failed", self.name)
+        self.bus.close()
+        for task in list(self._tasks):
+            task.cancel()
+        assert self._tg is not None
+        tg, self._tg = self._tg, None
+        # The body's own exception propagates as itself (not wrapped in an ExceptionGroup);
+        # a failed critical task surfaces as the TaskGroup's ExceptionGroup.
+        await tg.__aexit__(None, None, None)
+        return None
 
     def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Run ``closer`` (newest first) when the node shuts down, before tasks are cancelled."""

@@ -61,9 +61,15 @@ class ModelSettings(_Base):
         json_schema_extra=_short("-m"),
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
-    prefill_step_size: int = Field(512, ge=16, le=65536, description="prompt tokens per prefill chunk")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (distributed; not in this build yet)")
-    pp_size: int = Field(1, ge=1, description="pipeline stages (distributed; not in this build yet)")
+    prefill_step_size: int = Field(
+        512, ge=16, le=65536, description="prompt tokens per prefill chunk"
+    )
+    tp_size: int = Field(
+        1, ge=1, description="tensor-parallel ranks (distributed; not in this build yet)"
+    )
+    pp_size: int = Field(
+        1, ge=1, description="pipeline stages (distributed; not in this build yet)"
+    )
     log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="log level on stderr"
     )
@@ -77,7 +83,9 @@ class ModelSettings(_Base):
 
 
 class SamplingSettings(_Base):
-    max_tokens: int = Field(100, ge=1, le=1 << 20, description="tokens to generate", json_schema_extra=_short("-n"))
+    max_tokens: int = Field(
+        100, ge=1, le=1 << 20, description="tokens to generate", json_schema_extra=_short("-n")
+    )
     temp: float = Field(0.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0 = all)")
@@ -93,10 +101,14 @@ class ServeSettings(ModelSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")
-    queue_size: int = Field(64, ge=0, le=100000, description="requests waiting for a slot before 503")
+    queue_size: int = Field(
+        64, ge=0, le=100000, description="requests waiting for a slot before 503"
+    )
     request_timeout: float = Field(600.0, gt=0, description="seconds before a request fails")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
-    served_model_name: str | None = Field(None, description="model id in the API (default: folder name)")
+    served_model_name: str | None = Field(
+        None, description="model id in the API (default: folder name)"
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
 
 
@@ -111,7 +123,9 @@ class CheckpointSettings(_Base):
 class BenchBatchingSettings(ModelSettings):
     streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
     tokens: int = Field(64, ge=1, description="tokens generated per stream")
-    json_lines: bool = Field(False, description="print one JSON object per line", json_schema_extra={"flag": "--json"})
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
 
     @field_validator("streams")
     @classmethod
@@ -140,7 +154,10 @@ def flag_of(name: str, cls: type[BaseSettings]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     parser.add_argument(
-        "--config", dest="_config", metavar="FILE", default=argparse.SUPPRESS,
+        "--config",
+        dest="_config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
         help="TOML file of settings (default: $MLXCEL_CONFIG, else none)",
     )
     for name, f in cls.model_fields.items():

@@ -169,7 +169,9 @@ class Frontend:
                     yield Delta(text, msg.token_ids, "stop", msg.logprobs)
                     return
                 if msg.finish_reason is not None:
-                    yield Delta(text + stops.flush(), msg.token_ids, msg.finish_reason, msg.logprobs)
+                    yield Delta(
+                        text + stops.flush(), msg.token_ids, msg.finish_reason, msg.logprobs
+                    )
                     return
                 yield Delta(text, msg.token_ids, None, msg.logprobs)
         finally:

@@ -39,7 +39,9 @@ DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
 }
 
 
-def refuse_distributed_on_windows(command: str, values: dict[str, Any], platform: str | None = None) -> None:
+def refuse_distributed_on_windows(
+    command: str, values: dict[str, Any], platform: str | None = None
+) -> None:
     if (platform or sys.platform) != "win32":
         return
     for flag, field, asks in DISTRIBUTED_FLAGS.get(command, []):

@@ -38,15 +38,17 @@ async def generate(s: GenerateSettings) -> int:
 
     logger.info("BLAS: {}", ensure_blas())
     path = resolve_model(s.model)
-    async with local_stack(path, max_batch_size=1, prefill_step_size=s.prefill_step_size,
-                           parallel=1, name="generate") as stack:
+    async with local_stack(
+        path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1, name="generate"
+    ) as stack:
         fe = stack.frontend
         if s.chat:
             ids = fe.apply_chat_template([{"role": "user", "content": s.prompt}])
         else:
             ids = fe.encode_prompt(s.prompt)
-        params = SamplingParams(temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                                max_tokens=s.max_tokens)
+        params = SamplingParams(
+            temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
+        )
         usage = Usage()
         async with aclosing(fe.stream(ids, params, usage=usage)) as it:
             async for d in it:
@@ -87,8 +89,13 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
     counts = [int(x) for x in s.streams.split(",") if x.strip()]
     path = resolve_model(s.model, shape="small")
     top = max(counts)
-    async with local_stack(path, max_batch_size=max(top, s.max_batch_size), parallel=top,
-                           prefill_step_size=s.prefill_step_size, name="bench") as stack:
+    async with local_stack(
+        path,
+        max_batch_size=max(top, s.max_batch_size),
+        parallel=top,
+        prefill_step_size=s.prefill_step_size,
+        name="bench",
+    ) as stack:
         fe = stack.frontend
 
         async def one(i: int, n: int) -> Usage:
@@ -117,15 +124,22 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
             rate = total / wall
             base = base or rate
             row = {
-                "bench": "batching", "streams": n, "tokens": total, "wall_s": round(wall, 4),
-                "tok_per_s": round(rate, 2), "decode_tok_per_s": round(decode, 2),
-                "speedup_vs_first": round(rate / base, 2), "blas": blas_name(),
+                "bench": "batching",
+                "streams": n,
+                "tokens": total,
+                "wall_s": round(wall, 4),
+                "tok_per_s": round(rate, 2),
+                "decode_tok_per_s": round(decode, 2),
+                "speedup_vs_first": round(rate / base, 2),
+                "blas": blas_name(),
                 "all_started_s": round(first - start, 4),
             }
             if s.json_lines:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"streams {n:>3}: {rate:8.1f} tok/s aggregate ({decode:.1f} decode-only), "
-                      f"x{rate / base:.2f} vs {counts[0]} stream(s), {total} tokens in {wall:.2f}s",
-                      flush=True)
+                print(
+                    f"streams {n:>3}: {rate:8.1f} tok/s aggregate ({decode:.1f} decode-only), "
+                    f"x{rate / base:.2f} vs {counts[0]} stream(s), {total} tokens in {wall:.2f}s",
+                    flush=True,
+                )
     return 0

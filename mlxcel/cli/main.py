@@ -129,7 +129,9 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return run_async(commands.bench_batching(settings))
     for field in ("tp_size", "pp_size"):
         if getattr(settings, field) > 1:
-            raise ConfigError(f"--{field.replace('_', '-')}", "distributed modes are not in this build yet")
+            raise ConfigError(
+                f"--{field.replace('_', '-')}", "distributed modes are not in this build yet"
+            )
     if args.command == "generate":
         return run_async(commands.generate(settings))
     if args.command == "serve":

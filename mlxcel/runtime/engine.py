@@ -96,15 +96,15 @@ class LocalEngine:
         gen = self._gen
         if gen is None:
             return 0
-        return len(gen._generation_batch) + len(gen._prompt_batch) + len(
-            gen._unprocessed_sequences
-        )
+        return len(gen._generation_batch) + len(gen._prompt_batch) + len(gen._unprocessed_sequences)
 
     # --- wiring ---------------------------------------------------------------------------
     async def attach(self, node: Node) -> None:
         self._node = node
         self._gen = await self.compute.run(self._make_generator)
-        node.bus.subscribe(RunEntry, self._on_run_entry, maxsize=self.max_sequences, name="engine.run")
+        node.bus.subscribe(
+            RunEntry, self._on_run_entry, maxsize=self.max_sequences, name="engine.run"
+        )
         node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
         node.spawn(self._loop(), name="engine.loop", critical=True)
@@ -218,7 +218,11 @@ class LocalEngine:
                 )
 
     def _step(
-        self, inserts: list[RunEntry], removals: list[int], by_uid: dict[int, str], want_lp: set[str]
+        self,
+        inserts: list[RunEntry],
+        removals: list[int],
+        by_uid: dict[int, str],
+        want_lp: set[str],
     ) -> _StepOutput:
         """Compute thread: apply joins and leaves, then run one batched step.
 

@@ -98,7 +98,8 @@ class LayerRange:
         self._window = getattr(inner, "sliding_window", None)
         top = loaded.model
         self._head = (
-            top.lm_head if hasattr(top, "lm_head") and not top.args.tie_word_embeddings
+            top.lm_head
+            if hasattr(top, "lm_head") and not top.args.tie_word_embeddings
             else inner.embed_tokens.as_linear
         )
 

@@ -14,20 +14,35 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "mlxcel_requests", "HTTP API requests by endpoint and status", ["endpoint", "status"], registry=r
+            "mlxcel_requests",
+            "HTTP API requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.prompt_tokens = Counter("mlxcel_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("mlxcel_generated_tokens", "tokens generated", registry=r)
         self.latency = Histogram(
-            "mlxcel_request_latency_seconds", "end-to-end request latency", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "mlxcel_request_latency_seconds",
+            "end-to-end request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            "mlxcel_time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+            "mlxcel_time_to_first_token_seconds",
+            "time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.queue_depth = Gauge("mlxcel_queue_depth", "requests waiting for a generation slot", registry=r)
-        self.inflight = Gauge("mlxcel_inflight_sequences", "sequences holding KV caches", registry=r)
-        self.inflight_requests = Gauge("mlxcel_inflight_requests", "requests generating", registry=r)
+        self.queue_depth = Gauge(
+            "mlxcel_queue_depth", "requests waiting for a generation slot", registry=r
+        )
+        self.inflight = Gauge(
+            "mlxcel_inflight_sequences", "sequences holding KV caches", registry=r
+        )
+        self.inflight_requests = Gauge(
+            "mlxcel_inflight_requests", "requests generating", registry=r
+        )
         self.handler_errors = Gauge("mlxcel_bus_handler_errors", "bus handler failures", registry=r)
 
     def bind(

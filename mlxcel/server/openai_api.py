@@ -33,8 +33,13 @@ SETTINGS = web.AppKey("settings", dict)
 
 
 def error_response(
-    status: int, message: str, *, param: str | None = None, code: str | None = None,
-    err_type: str = "invalid_request_error", headers: dict[str, str] | None = None,
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    err_type: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
@@ -60,10 +65,14 @@ async def _read_json(request: web.Request) -> Any:
 def _model_check(app: web.Application, name: str) -> None:
     served = app[SETTINGS]["model_name"]
     if name != served:
-        raise RequestError(f"model {name!r} does not exist; this server serves {served!r}", param="model")
+        raise RequestError(
+            f"model {name!r} does not exist; this server serves {served!r}", param="model"
+        )
 
 
-def _params(req: ChatCompletionRequest | CompletionRequest, default_max: int, logprobs: bool) -> SamplingParams:
+def _params(
+    req: ChatCompletionRequest | CompletionRequest, default_max: int, logprobs: bool
+) -> SamplingParams:
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -100,8 +109,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return error_response(400, str(exc), param=exc.param)
     except AdmissionRejected as exc:
         status = 503
-        return error_response(503, str(exc), err_type="server_busy", code="queue_full",
-                              headers={"Retry-After": "1"})
+        return error_response(
+            503, str(exc), err_type="server_busy", code="queue_full", headers={"Retry-After": "1"}
+        )
     except DeadlineExceeded as exc:
         status = 504
         return error_response(504, str(exc), err_type="timeout", code="deadline_exceeded")
@@ -128,7 +138,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         return _validation_error(exc)
     _model_check(app, req.model)
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = fe.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt_ids = fe.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in req.messages]
+        )
         want_lp = req.logprobs
     else:
         assert isinstance(req, CompletionRequest)
@@ -141,7 +153,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _sse(request, stream, kind, rid, created, req.model, usage, include_usage, metrics)
+        return await _sse(
+            request, stream, kind, rid, created, req.model, usage, include_usage, metrics
+        )
     text: list[str] = []
     lps: list[tuple[int, float]] = []
     finish = None
@@ -162,13 +176,23 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": content, "finish_reason": finish,
-                  "logprobs": _completion_logprobs(fe, lps) if want_lp else None}
+        choice = {
+            "index": 0,
+            "text": content,
+            "finish_reason": finish,
+            "logprobs": _completion_logprobs(fe, lps) if want_lp else None,
+        }
         obj = "text_completion"
-    return web.json_response({
-        "id": rid, "object": obj, "created": created, "model": req.model,
-        "choices": [choice], "usage": _usage(usage),
-    })
+    return web.json_response(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": _usage(usage),
+        }
+    )
 
 
 def _usage(u: Usage) -> dict[str, int]:
@@ -191,21 +215,38 @@ def _token_str(fe: Frontend, t: int) -> str:
 
 
 def _chat_logprobs(fe: Frontend, lps: list[tuple[int, float]]) -> dict[str, Any]:
-    return {"content": [
-        {"token": _token_str(fe, t), "logprob": lp, "bytes": list(_token_str(fe, t).encode()),
-         "top_logprobs": []}
-        for t, lp in lps
-    ]}
+    return {
+        "content": [
+            {
+                "token": _token_str(fe, t),
+                "logprob": lp,
+                "bytes": list(_token_str(fe, t).encode()),
+                "top_logprobs": [],
+            }
+            for t, lp in lps
+        ]
+    }
 
 
 def _completion_logprobs(fe: Frontend, lps: list[tuple[int, float]]) -> dict[str, Any]:
-    return {"tokens": [_token_str(fe, t) for t, _ in lps], "token_logprobs": [lp for _, lp in lps],
-            "top_logprobs": None, "text_offset": None}
+    return {
+        "tokens": [_token_str(fe, t) for t, _ in lps],
+        "token_logprobs": [lp for _, lp in lps],
+        "top_logprobs": None,
+        "text_offset": None,
+    }
 
 
 async def _sse(
-    request: web.Request, stream: Any, kind: str, rid: str, created: int, model: str,
-    usage: Usage, include_usage: bool, metrics: Metrics,
+    request: web.Request,
+    stream: Any,
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    usage: Usage,
+    include_usage: bool,
+    metrics: Metrics,
 ) -> web.StreamResponse:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     resp: web.StreamResponse | None = None
@@ -214,11 +255,28 @@ async def _sse(
         choices: list[dict[str, Any]] = []
         if d is not None or first:
             if kind == "chat":
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": d.text}  # type: ignore[union-attr]
-                choices = [{"index": 0, "delta": delta, "finish_reason": None if first else d.finish_reason, "logprobs": None}]  # type: ignore[union-attr]
+                delta: dict[str, Any] = (
+                    {"role": "assistant", "content": ""} if first else {"content": d.text}
+                )  # type: ignore[union-attr]
+                choices = [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "finish_reason": None if first else d.finish_reason,
+                        "logprobs": None,
+                    }
+                ]  # type: ignore[union-attr]
             else:
-                choices = [{"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}]  # type: ignore[union-attr]
-        out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+                choices = [
+                    {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
+                ]  # type: ignore[union-attr]
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
         if include_usage:
             out["usage"] = None
         return out
@@ -232,7 +290,9 @@ async def _sse(
         async for d in it:
             if resp is None:
                 # Headers go out with the first token, so admission errors can still be a 4xx/5xx.
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await resp.prepare(request)
                 if kind == "chat":
                     await send(chunk(None, first=True))
@@ -241,8 +301,16 @@ async def _sse(
         raise RequestError("generation produced nothing")
     _account(metrics, usage)
     if include_usage:
-        await send({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                    "usage": _usage(usage)})
+        await send(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(usage),
+            }
+        )
     await send("[DONE]")
     await resp.write_eof()
     return resp
@@ -250,9 +318,19 @@ async def _sse(
 
 async def list_models(request: web.Request) -> web.Response:
     name = request.app[SETTINGS]["model_name"]
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": request.app[SETTINGS]["created"], "owned_by": "mlxcel"}
-    ]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": request.app[SETTINGS]["created"],
+                    "owned_by": "mlxcel",
+                }
+            ],
+        }
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -262,7 +340,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
 
 
 @web.middleware
@@ -279,13 +359,17 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return error_response(500, "internal server error", err_type="server_error")
 
 
-def build_app(fe: Frontend, metrics: Metrics, *, model_name: str, default_max_tokens: int,
-              max_body_bytes: int) -> web.Application:
+def build_app(
+    fe: Frontend, metrics: Metrics, *, model_name: str, default_max_tokens: int, max_body_bytes: int
+) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[FRONTEND] = fe
     app[METRICS] = metrics
-    app[SETTINGS] = {"model_name": model_name, "default_max_tokens": default_max_tokens,
-                     "created": int(time.time())}
+    app[SETTINGS] = {
+        "model_name": model_name,
+        "default_max_tokens": default_max_tokens,
+        "created": int(time.time()),
+    }
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

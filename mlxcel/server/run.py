@@ -51,12 +51,20 @@ async def local_stack(
         loaded = await compute.run(load_model, model_path)
         async with Node(name) as node:
             engine = LocalEngine(
-                loaded, compute, max_batch_size=max_batch_size,
-                prefill_step_size=prefill_step_size, max_sequences=max(parallel, 1),
+                loaded,
+                compute,
+                max_batch_size=max_batch_size,
+                prefill_step_size=prefill_step_size,
+                max_sequences=max(parallel, 1),
             )
             await engine.attach(node)
-            fe = Frontend(node, loaded.tokenizer, parallel=parallel, queue_size=queue_size,
-                          request_timeout=request_timeout)
+            fe = Frontend(
+                node,
+                loaded.tokenizer,
+                parallel=parallel,
+                queue_size=queue_size,
+                request_timeout=request_timeout,
+            )
             fe.attach()
             yield LocalStack(node, loaded, engine, fe)
     finally:
@@ -82,9 +90,13 @@ async def serve(settings: ServeSettings, model_path: Path) -> None:
             handler_errors=lambda: sum(stack.node.bus.handler_errors.values()),
         )
         model_name = settings.served_model_name or stack.loaded.name
-        app = build_app(stack.frontend, metrics, model_name=model_name,
-                        default_max_tokens=settings.default_max_tokens,
-                        max_body_bytes=settings.max_body_bytes)
+        app = build_app(
+            stack.frontend,
+            metrics,
+            model_name=model_name,
+            default_max_tokens=settings.default_max_tokens,
+            max_body_bytes=settings.max_body_bytes,
+        )
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -92,15 +104,18 @@ async def serve(settings: ServeSettings, model_path: Path) -> None:
         port = runner.addresses[0][1] if runner.addresses else settings.port
         logger.info(
             "model {} ({}, {} layers); decode path: batched forward, up to {} sequences per step",
-            model_name, stack.loaded.family, stack.loaded.n_layers, settings.max_batch_size,
+            model_name,
+            stack.loaded.family,
+            stack.loaded.n_layers,
+            settings.max_batch_size,
         )
-        # One stable line on stdout that scripts and tests wait for.
-        print(f"mlxcel serving {model_name} on http://{settings.host}:{port}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         if sys.platform != "win32":
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+        # One stable line on stdout that scripts and tests wait for (signals are armed by now).
+        print(f"mlxcel serving {model_name} on http://{settings.host}:{port}", flush=True)
         try:
             await stop.wait()
             logger.info("shutting down")

@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def mlxcel_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("mlxcel-home")
+    os.environ["MLXCEL_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny float32 checkpoints of every supported family, written once per session."""
+    from mlxcel.runtime.checkpoint import write_checkpoint
+
+    base = tmp_path_factory.mktemp("ckpt")
+    return {fam: write_checkpoint(base / f"tiny-{fam}", "tiny", fam) for fam in ("qwen3", "llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["qwen3"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+        self.port = free_port(host)
+        self.host = host
+        cmd = [sys.executable, "-m", "mlxcel", "serve", "--host", host, "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})}, cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 120
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith("mlxcel serving"):
+                return
+        self.stop()
+        raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_server() -> Iterator[type[ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    class _Tracked(ServerProcess):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, **kw)  # type: ignore[arg-type]
+            started.append(self)
+
+    yield _Tracked
+    for s in started:
+        s.stop()

@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlxcel.bus import LOCAL, Envelope, Node, Overflow
+from mlxcel.deadlines import deadline_in, until
+from mlxcel.errors import BusError, DeadlineExceeded, QueueFull
+from mlxcel.messages import Ack, CancelRequest, ReleaseSequence
+
+
+async def test_messages_reach_subscribers_of_their_class_with_source() -> None:
+    got: list[Envelope[Ack]] = []
+
+    async def on_ack(env: Envelope[Ack]) -> None:
+        got.append(env)
+
+    async with Node("t") as node:
+        node.bus.subscribe(Ack, on_ack)
+        assert await node.bus.publish(Ack("r", 1), deadline=deadline_in(1)) == 1
+        assert await node.bus.publish(Ack("r", 2), source="10.0.0.1:9000", deadline=deadline_in(1)) == 1
+        assert await node.bus.publish(CancelRequest("r", "x")) == 0  # nobody listens
+        await asyncio.sleep(0.01)
+    assert [(e.msg.nonce, e.source) for e in got] == [(1, LOCAL), (2, "10.0.0.1:9000")]
+    assert node.bus.unrouted["CancelRequest"] == 1
+
+
+async def test_block_policy_applies_backpressure_until_the_deadline() -> None:
+    release = asyncio.Event()
+
+    async def slow(env: Envelope[Ack]) -> None:
+        await release.wait()
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, slow, maxsize=2, policy=Overflow.BLOCK)
+        # The drain task takes one message and blocks in the handler; two more fill the queue.
+        for i in range(3):
+            await node.bus.publish(Ack("r", i), deadline=deadline_in(1))
+            await asyncio.sleep(0)
+        assert sub.depth == 2
+        with pytest.raises(QueueFull):
+            await node.bus.publish(Ack("r", 9), deadline=deadline_in(0.05))
+        with pytest.raises(BusError, match="deadline"):
+            await node.bus.publish(Ack("r", 9))
+        # Room appears: a blocked publisher proceeds.
+        pending = asyncio.create_task(node.bus.publish(Ack("r", 10), deadline=deadline_in(2)))
+        await asyncio.sleep(0.01)
+        assert not pending.done()
+        release.set()
+        assert await pending == 1
+        await asyncio.sleep(0.01)
+        assert sub.delivered == 4 and sub.dropped == 0
+
+
+async def test_drop_policy_drops_and_counts_without_blocking() -> None:
+    release = asyncio.Event()
+
+    async def slow(env: Envelope[Ack]) -> None:
+        await release.wait()
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, slow, maxsize=1, policy=Overflow.DROP)
+        accepted = [await node.bus.publish(Ack("r", i)) for i in range(5)]
+        await asyncio.sleep(0)
+        accepted += [await node.bus.publish(Ack("r", i)) for i in range(5)]
+        assert sub.dropped >= 5
+        assert sum(accepted) + sub.dropped == 10
+        release.set()
+
+
+async def test_handler_exception_is_logged_counted_and_not_fatal() -> None:
+    seen: list[int] = []
+
+    async def flaky(env: Envelope[Ack]) -> None:
+        if env.msg.nonce == 1:
+            raise RuntimeError("boom")
+        seen.append(env.msg.nonce)
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, flaky, name="flaky")
+        for i in range(3):
+            await node.bus.publish(Ack("r", i), deadline=deadline_in(1))
+        await asyncio.sleep(0.01)
+    assert seen == [0, 2]
+    assert sub.failed == 1 and node.bus.handler_errors["flaky"] == 1
+
+
+async def test_non_critical_task_failure_is_counted_critical_failure_surfaces() -> None:
+    async def bad() -> None:
+        raise ValueError("task failed")
+
+    async with Node("t") as node:
+        node.spawn(bad(), name="bad")
+        await asyncio.sleep(0.01)
+        assert node.task_errors == 1
+
+    with pytest.raises(ExceptionGroup) as info:
+        async with Node("t") as node:
+            node.spawn(bad(), name="bad", critical=True)
+            await asyncio.sleep(1)
+    assert info.group_contains(ValueError)
+
+
+async def test_closing_the_node_cancels_its_tasks_and_closes_the_bus() -> None:
+    cancelled = asyncio.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cancelled.set()
+
+    async with Node("t") as node:
+        node.spawn(forever())
+        await asyncio.sleep(0.01)
+        closed: list[str] = []
+
+        async def closer() -> None:
+            closed.append("closed")
+
+        node.on_close(closer)
+    assert cancelled.is_set() and closed == ["closed"]
+    with pytest.raises(BusError):
+        await node.bus.publish(ReleaseSequence("r"))
+    with pytest.raises(BusError):
+        node.spawn(asyncio.sleep(0))
+
+
+async def test_until_uses_the_loop_clock_and_names_the_wait() -> None:
+    loop = asyncio.get_running_loop()
+    with pytest.raises(DeadlineExceeded, match="waiting for godot"):
+        async with until(loop.time() + 0.02, "waiting for godot"):
+            await asyncio.sleep(1)
+    async with until(None, "no deadline"):
+        await asyncio.sleep(0)
+
+
+async def test_subscription_size_must_be_positive() -> None:
+    async def h(env: Envelope[Ack]) -> None:
+        pass
+
+    async with Node("t") as node:
+        with pytest.raises(BusError):
+            node.bus.subscribe(Ack, h, maxsize=0)
+        with pytest.raises(BusError):
+            node.bus.subscribe(int, h)  # type: ignore[arg-type]

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import cbor2
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from mlxcel.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
+from mlxcel.messages import (
+    ALL_MESSAGES,
+    DTYPE_SIZES,
+    Ack,
+    Activation,
+    CancelRequest,
+    Error,
+    PrepareSequence,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+)
+from mlxcel.wire.codec import decode, encode
+
+u64 = st.integers(min_value=0, max_value=2**64 - 1)
+small_ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+ids = st.text(max_size=40)
+floats = st.floats(allow_nan=False)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> Tensor:
+    dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    n = int(np.prod(shape)) * DTYPE_SIZES[dtype]
+    return Tensor(dtype, shape, draw(st.binary(min_size=n, max_size=n)))
+
+
+sampling = st.builds(
+    SamplingParams, temperature=floats, top_p=floats, top_k=small_ints,
+    seed=st.none() | small_ints, max_tokens=small_ints, logprobs=st.booleans(),
+)
+
+messages = st.one_of(
+    st.builds(PrepareSequence, ids, small_ints),
+    st.builds(RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64),
+    st.builds(Activation, ids, small_ints, tensors(), small_ints, sampling, u64),
+    st.builds(
+        RunResult, ids, small_ints, st.lists(u64, max_size=5).map(tuple),
+        st.none() | st.sampled_from(["stop", "length"]), u64,
+        st.none() | st.lists(floats, max_size=5).map(tuple), st.none() | tensors(),
+    ),
+    st.builds(CancelRequest, ids, ids),
+    st.builds(ReleaseSequence, ids),
+    st.builds(Ack, ids, u64),
+    st.builds(Error, ids, ids, st.none() | ids, st.none() | u64),
+)
+
+
+@given(messages)
+def test_round_trip(msg: object) -> None:
+    assert decode(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+def test_every_message_class_is_covered_by_the_strategy() -> None:
+    names = {"PrepareSequence", "RunEntry", "Activation", "RunResult", "CancelRequest",
+             "ReleaseSequence", "Ack", "Error"}
+    assert {c.__name__ for c in ALL_MESSAGES} == names
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_parse_or_raise_decode_error(data: bytes) -> None:
+    try:
+        msg = decode(data)
+    except DecodeError:
+        return
+    assert type(msg) in ALL_MESSAGES
+
+
+@given(messages, st.integers(0, 10**6), st.integers(0, 255))
+def test_mutated_messages_parse_or_raise_decode_error(msg: object, pos: int, byte: int) -> None:
+    data = bytearray(encode(msg))  # type: ignore[arg-type]
+    data[pos % len(data)] = byte
+    try:
+        decode(bytes(data))
+    except DecodeError:
+        pass
+
+
+def _raw(msg: object) -> dict:
+    return cbor2.loads(encode(msg))  # type: ignore[arg-type]
+
+
+ENTRY = RunEntry("r", 0, (1, 2), 0, SamplingParams(), 7)
+
+
+def test_unknown_kind() -> None:
+    raw = _raw(ENTRY) | {"kind": 99}
+    with pytest.raises(UnknownKindError, match="99"):
+        decode(cbor2.dumps(raw))
+
+
+def test_missing_field() -> None:
+    raw = _raw(ENTRY)
+    del raw["nonce"]
+    with pytest.raises(FieldError, match="missing field 'nonce'"):
+        decode(cbor2.dumps(raw))
+
+
+def test_extra_field() -> None:
+    with pytest.raises(FieldError, match="unexpected"):
+        decode(cbor2.dumps(_raw(ENTRY) | {"evil": 1}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("nonce", True), ("nonce", 1.5), ("nonce", "7"), ("request_id", b"r"), ("token_ids", b"\x01"),
+     ("token_ids", [1, "2"]), ("nonce", 2**64), ("sampling", [0.0])],
+)
+def test_mistyped_field(field: str, value: object) -> None:
+    with pytest.raises(FieldError, match=field):
+        decode(cbor2.dumps(_raw(ENTRY) | {field: value}))
+
+
+def test_int_is_not_a_float() -> None:
+    raw = _raw(ENTRY)
+    raw["sampling"]["temperature"] = 1
+    with pytest.raises(FieldError, match="temperature"):
+        decode(cbor2.dumps(raw))
+
+
+def test_tensor_byte_length_must_match_dtype_and_shape() -> None:
+    act = Activation("r", 0, Tensor("float32", (1, 2), b"\0" * 8), 0, SamplingParams(), 1)
+    raw = _raw(act)
+    raw["hidden"]["data"] = b"\0" * 7
+    with pytest.raises(TensorSizeError, match="needs 8 bytes, got 7"):
+        decode(cbor2.dumps(raw))
+    raw["hidden"]["data"] = b"\0" * 8
+    raw["hidden"]["dtype"] = "complex64"
+    with pytest.raises(TensorSizeError, match="dtype"):
+        decode(cbor2.dumps(raw))
+
+
+def test_trailing_bytes_and_non_map() -> None:
+    with pytest.raises(DecodeError, match="trailing"):
+        decode(encode(ENTRY) + b"\x00")
+    with pytest.raises(DecodeError, match="map"):
+        decode(cbor2.dumps([1, 2]))
+    with pytest.raises(DecodeError):
+        decode(b"")
+
+
+def test_tensor_data_is_a_raw_byte_string() -> None:
+    data = bytes(range(16))
+    act = Activation("r", 0, Tensor("float32", (4,), data), 0, SamplingParams(), 1)
+    blob = encode(act)
+    assert b"\x50" + data in blob  # CBOR major type 2, length 16, then the raw bytes
+
+
+def test_bfloat16_round_trips_bit_exactly() -> None:
+    import mlx.core as mx
+
+    from mlxcel.runtime.tensors import from_tensor, to_tensor
+
+    a = (mx.random.normal((3, 5)) * 1e3).astype(mx.bfloat16)
+    t = to_tensor(a)
+    assert t.dtype == "bfloat16" and t.shape == (3, 5) and len(t.data) == 30
+    back = from_tensor(decode(encode(Activation("r", 0, t, 0, SamplingParams(), 1))).hidden)  # type: ignore[attr-defined]
+    assert back.dtype == mx.bfloat16
+    assert mx.array_equal(back.view(mx.uint16), a.view(mx.uint16)).item()

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from mlxcel.deadlines import deadline_in
+from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
+from mlxcel.frontend import Usage
+from mlxcel.messages import Error, RunEntry, SamplingParams
+from mlxcel.bus import Envelope
+from mlxcel.server.run import LocalStack, local_stack
+
+PROMPTS = [
+    "Hello world", "The quick brown fox", "Distributed inference splits one model",
+    "0123456789", "A longer prompt about pipeline stages and activations between hosts",
+    "tensor parallel ranks", "abc", "What is the capital of nowhere?",
+]
+
+
+async def collect(stack: LocalStack, prompt: str, params: SamplingParams, stop: list[str] | None = None,
+                  usage: Usage | None = None) -> tuple[list[int], str, str | None]:
+    fe = stack.frontend
+    toks: list[int] = []
+    text: list[str] = []
+    finish = None
+    async with aclosing(fe.stream(fe.encode_prompt(prompt), params, stop or [], usage)) as it:
+        async for d in it:
+            toks.extend(d.token_ids)
+            text.append(d.text)
+            finish = d.finish_reason
+    return toks, "".join(text), finish
+
+
+async def wait_for(cond: object, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():  # type: ignore[operator]
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_batched_greedy_equals_sequential_for_8_concurrent(tiny: Path) -> None:
+    params = SamplingParams(max_tokens=24)
+    async with local_stack(tiny, max_batch_size=8, parallel=8) as stack:
+        sequential = [await collect(stack, p, params) for p in PROMPTS]
+        steps_before = stack.engine.steps
+        concurrent = await asyncio.gather(*(collect(stack, p, params) for p in PROMPTS))
+        batched_steps = stack.engine.steps - steps_before
+        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+    assert concurrent == sequential
+    assert all(len(t) == 24 and f == "length" for t, _, f in sequential)
+    assert len({tuple(t) for t, _, _ in sequential}) > 4  # prompts lead to different outputs
+    # 8 x 24 tokens in far fewer than 8 x 24 steps: sequences really shared forward passes.
+    assert batched_steps < 24 * 3
+
+
+async def test_requests_join_and_leave_between_steps(tiny: Path) -> None:
+    async with local_stack(tiny, max_batch_size=4, parallel=8) as stack:
+        long = asyncio.create_task(collect(stack, PROMPTS[0], SamplingParams(max_tokens=60)))
+        await wait_for(lambda: stack.engine.tokens_generated >= 5)
+        short = await collect(stack, PROMPTS[1], SamplingParams(max_tokens=5))
+        assert not long.done(), "a short request joined and left while the long one kept going"
+        result = await long
+        alone = await collect(stack, PROMPTS[0], SamplingParams(max_tokens=60))
+        assert result == alone
+        assert short[2] == "length" and len(short[0]) == 5
+
+
+async def test_seeded_sampling_is_reproducible_inside_a_batch(tiny: Path) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16)
+    async with local_stack(tiny) as stack:
+        a, b, c = await asyncio.gather(
+            collect(stack, "Hello", p), collect(stack, "Hello", p),
+            collect(stack, "Hello", SamplingParams(temperature=1.0, seed=8, max_tokens=16)),
+        )
+    assert a == b and a != c
+
+
+async def test_stop_string_ends_the_request_and_frees_the_sequence(tiny: Path) -> None:
+    params = SamplingParams(max_tokens=40)
+    async with local_stack(tiny) as stack:
+        _, full_text, _ = await collect(stack, PROMPTS[2], params)
+        stop = full_text[10:13]
+        assert stop and stop in full_text
+        toks, text, finish = await collect(stack, PROMPTS[2], params, stop=[stop])
+        assert finish == "stop"
+        assert text == full_text[: full_text.index(stop)]
+        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+
+
+async def test_cancelled_stream_frees_its_cache(tiny: Path) -> None:
+    async with local_stack(tiny, max_batch_size=4) as stack:
+        fe = stack.frontend
+        it = fe.stream(fe.encode_prompt("Hello"), SamplingParams(max_tokens=500))
+        first = await anext(it)
+        assert first.finish_reason is None
+        assert stack.engine.active == 1
+        await it.aclose()  # what an HTTP disconnect does
+        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        assert fe.in_flight == 0
+        # And the engine keeps serving.
+        toks, _, finish = await collect(stack, "Hello", SamplingParams(max_tokens=3))
+        assert len(toks) == 3 and finish == "length"
+
+
+async def test_deadline_fails_the_request_and_releases_it(tiny: Path) -> None:
+    async with local_stack(tiny) as stack:
+        fe = stack.frontend
+        with pytest.raises(DeadlineExceeded):
+            async with aclosing(fe.stream(fe.encode_prompt("Hello"), SamplingParams(max_tokens=4000),
+                                          deadline=deadline_in(0.3))) as it:
+                async for _ in it:
+                    pass
+        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+
+
+async def test_admission_queue_full_is_refused_at_once(tiny: Path) -> None:
+    async with local_stack(tiny, parallel=1, queue_size=1) as stack:
+        fe = stack.frontend
+        running = asyncio.create_task(collect(stack, "a", SamplingParams(max_tokens=200)))
+        await wait_for(lambda: fe.in_flight == 1)
+        waiting = asyncio.create_task(collect(stack, "b", SamplingParams(max_tokens=2)))
+        await wait_for(lambda: fe.waiting == 1)
+        with pytest.raises(AdmissionRejected, match="queue full"):
+            await collect(stack, "c", SamplingParams(max_tokens=2))
+        assert len((await running)[0]) == 200
+        assert len((await waiting)[0]) == 2
+
+
+async def test_invalid_run_entry_gets_an_error_and_changes_nothing(tiny: Path) -> None:
+    async with local_stack(tiny) as stack:
+        errors: list[Error] = []
+
+        async def on_error(env: Envelope[Error]) -> None:
+            errors.append(env.msg)
+
+        stack.node.bus.subscribe(Error, on_error)
+        bus = stack.node.bus
+        await bus.publish(RunEntry("x1", 0, (10**9,), 0, SamplingParams(), 5), deadline=deadline_in(1))
+        await bus.publish(RunEntry("x2", 0, (), 0, SamplingParams(), 6), deadline=deadline_in(1))
+        await bus.publish(RunEntry("x3", 0, (1,), 0, SamplingParams(max_tokens=10**7), 7), deadline=deadline_in(1))
+        await wait_for(lambda: len(errors) == 3)
+        assert [(e.request_id, e.nonce) for e in errors] == [("x1", 5), ("x2", 6), ("x3", 7)]
+        assert "vocabulary" in errors[0].message and "context" in errors[2].message
+        assert stack.engine.active == 0
+        with pytest.raises(RequestError):
+            await collect(stack, "hi", SamplingParams(max_tokens=10**7))
+        assert len((await collect(stack, "hi", SamplingParams(max_tokens=2)))[0]) == 2
+
+
+async def test_usage_counts_tokens_and_times(tiny: Path) -> None:
+    async with local_stack(tiny) as stack:
+        u = Usage()
+        toks, _, _ = await collect(stack, "Hello world", SamplingParams(max_tokens=7), usage=u)
+        assert u.completion_tokens == len(toks) == 7
+        assert u.prompt_tokens == len(stack.frontend.encode_prompt("Hello world"))
+        assert u.submitted_at <= u.first_token_at <= u.last_token_at  # type: ignore[operator]
