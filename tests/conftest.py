@@ -26,7 +26,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from mlxcel.runtime.checkpoint import write_checkpoint
 
     base = tmp_path_factory.mktemp("ckpt")
-    return {fam: write_checkpoint(base / f"tiny-{fam}", "tiny", fam) for fam in ("qwen3", "llama", "qwen2")}
+    return {
+        fam: write_checkpoint(base / f"tiny-{fam}", "tiny", fam)
+        for fam in ("qwen3", "llama", "qwen2")
+    }
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +44,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.port = free_port(host)
         self.host = host
-        cmd = [sys.executable, "-m", "mlxcel", "serve", "--host", host, "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, cwd=ROOT,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
         )
         self.lines: list[str] = []
         deadline = time.monotonic() + 120

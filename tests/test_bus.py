@@ -19,7 +19,10 @@ async def test_messages_reach_subscribers_of_their_class_with_source() -> None:
     async with Node("t") as node:
         node.bus.subscribe(Ack, on_ack)
         assert await node.bus.publish(Ack("r", 1), deadline=deadline_in(1)) == 1
-        assert await node.bus.publish(Ack("r", 2), source="10.0.0.1:9000", deadline=deadline_in(1)) == 1
+        assert (
+            await node.bus.publish(Ack("r", 2), source="10.0.0.1:9000", deadline=deadline_in(1))
+            == 1
+        )
         assert await node.bus.publish(CancelRequest("r", "x")) == 0  # nobody listens
         await asyncio.sleep(0.01)
     assert [(e.msg.nonce, e.source) for e in got] == [(1, LOCAL), (2, "10.0.0.1:9000")]

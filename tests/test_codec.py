@@ -38,18 +38,30 @@ def tensors(draw: st.DrawFn) -> Tensor:
 
 
 sampling = st.builds(
-    SamplingParams, temperature=floats, top_p=floats, top_k=small_ints,
-    seed=st.none() | small_ints, max_tokens=small_ints, logprobs=st.booleans(),
+    SamplingParams,
+    temperature=floats,
+    top_p=floats,
+    top_k=small_ints,
+    seed=st.none() | small_ints,
+    max_tokens=small_ints,
+    logprobs=st.booleans(),
 )
 
 messages = st.one_of(
     st.builds(PrepareSequence, ids, small_ints),
-    st.builds(RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64),
+    st.builds(
+        RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64
+    ),
     st.builds(Activation, ids, small_ints, tensors(), small_ints, sampling, u64),
     st.builds(
-        RunResult, ids, small_ints, st.lists(u64, max_size=5).map(tuple),
-        st.none() | st.sampled_from(["stop", "length"]), u64,
-        st.none() | st.lists(floats, max_size=5).map(tuple), st.none() | tensors(),
+        RunResult,
+        ids,
+        small_ints,
+        st.lists(u64, max_size=5).map(tuple),
+        st.none() | st.sampled_from(["stop", "length"]),
+        u64,
+        st.none() | st.lists(floats, max_size=5).map(tuple),
+        st.none() | tensors(),
     ),
     st.builds(CancelRequest, ids, ids),
     st.builds(ReleaseSequence, ids),
@@ -64,8 +76,16 @@ def test_round_trip(msg: object) -> None:
 
 
 def test_every_message_class_is_covered_by_the_strategy() -> None:
-    names = {"PrepareSequence", "RunEntry", "Activation", "RunResult", "CancelRequest",
-             "ReleaseSequence", "Ack", "Error"}
+    names = {
+        "PrepareSequence",
+        "RunEntry",
+        "Activation",
+        "RunResult",
+        "CancelRequest",
+        "ReleaseSequence",
+        "Ack",
+        "Error",
+    }
     assert {c.__name__ for c in ALL_MESSAGES} == names
 
 
@@ -116,8 +136,16 @@ def test_extra_field() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("nonce", True), ("nonce", 1.5), ("nonce", "7"), ("request_id", b"r"), ("token_ids", b"\x01"),
-     ("token_ids", [1, "2"]), ("nonce", 2**64), ("sampling", [0.0])],
+    [
+        ("nonce", True),
+        ("nonce", 1.5),
+        ("nonce", "7"),
+        ("request_id", b"r"),
+        ("token_ids", b"\x01"),
+        ("token_ids", [1, "2"]),
+        ("nonce", 2**64),
+        ("sampling", [0.0]),
+    ],
 )
 def test_mistyped_field(field: str, value: object) -> None:
     with pytest.raises(FieldError, match=field):

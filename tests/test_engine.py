@@ -6,22 +6,32 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.bus import Envelope
 from mlxcel.deadlines import deadline_in
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Usage
 from mlxcel.messages import Error, RunEntry, SamplingParams
-from mlxcel.bus import Envelope
 from mlxcel.server.run import LocalStack, local_stack
 
 PROMPTS = [
-    "Hello world", "The quick brown fox", "Distributed inference splits one model",
-    "0123456789", "A longer prompt about pipeline stages and activations between hosts",
-    "tensor parallel ranks", "abc", "What is the capital of nowhere?",
+    "Hello world",
+    "The quick brown fox",
+    "Distributed inference splits one model",
+    "0123456789",
+    "A longer prompt about pipeline stages and activations between hosts",
+    "tensor parallel ranks",
+    "abc",
+    "What is the capital of nowhere?",
 ]
 
 
-async def collect(stack: LocalStack, prompt: str, params: SamplingParams, stop: list[str] | None = None,
-                  usage: Usage | None = None) -> tuple[list[int], str, str | None]:
+async def collect(
+    stack: LocalStack,
+    prompt: str,
+    params: SamplingParams,
+    stop: list[str] | None = None,
+    usage: Usage | None = None,
+) -> tuple[list[int], str, str | None]:
     fe = stack.frontend
     toks: list[int] = []
     text: list[str] = []
@@ -73,7 +83,8 @@ async def test_seeded_sampling_is_reproducible_inside_a_batch(tiny: Path) -> Non
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16)
     async with local_stack(tiny) as stack:
         a, b, c = await asyncio.gather(
-            collect(stack, "Hello", p), collect(stack, "Hello", p),
+            collect(stack, "Hello", p),
+            collect(stack, "Hello", p),
             collect(stack, "Hello", SamplingParams(temperature=1.0, seed=8, max_tokens=16)),
         )
     assert a == b and a != c
@@ -110,8 +121,13 @@ async def test_deadline_fails_the_request_and_releases_it(tiny: Path) -> None:
     async with local_stack(tiny) as stack:
         fe = stack.frontend
         with pytest.raises(DeadlineExceeded):
-            async with aclosing(fe.stream(fe.encode_prompt("Hello"), SamplingParams(max_tokens=4000),
-                                          deadline=deadline_in(0.3))) as it:
+            async with aclosing(
+                fe.stream(
+                    fe.encode_prompt("Hello"),
+                    SamplingParams(max_tokens=4000),
+                    deadline=deadline_in(0.3),
+                )
+            ) as it:
                 async for _ in it:
                     pass
         await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
@@ -139,9 +155,13 @@ async def test_invalid_run_entry_gets_an_error_and_changes_nothing(tiny: Path) -
 
         stack.node.bus.subscribe(Error, on_error)
         bus = stack.node.bus
-        await bus.publish(RunEntry("x1", 0, (10**9,), 0, SamplingParams(), 5), deadline=deadline_in(1))
+        await bus.publish(
+            RunEntry("x1", 0, (10**9,), 0, SamplingParams(), 5), deadline=deadline_in(1)
+        )
         await bus.publish(RunEntry("x2", 0, (), 0, SamplingParams(), 6), deadline=deadline_in(1))
-        await bus.publish(RunEntry("x3", 0, (1,), 0, SamplingParams(max_tokens=10**7), 7), deadline=deadline_in(1))
+        await bus.publish(
+            RunEntry("x3", 0, (1,), 0, SamplingParams(max_tokens=10**7), 7), deadline=deadline_in(1)
+        )
         await wait_for(lambda: len(errors) == 3)
         assert [(e.request_id, e.nonce) for e in errors] == [("x1", 5), ("x2", 6), ("x3", 7)]
         assert "vocabulary" in errors[0].message and "context" in errors[2].message

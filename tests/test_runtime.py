@@ -5,13 +5,11 @@ import hashlib
 import json
 from pathlib import Path
 
-import pytest
-
-import mlxcel.runtime  # noqa: F401
-
 import mlx.core as mx  # noqa: E402
+import pytest
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+import mlxcel.runtime  # noqa: F401
 from mlxcel.errors import ModelLoadError  # noqa: E402
 from mlxcel.messages import SamplingParams  # noqa: E402
 from mlxcel.runtime.checkpoint import write_checkpoint  # noqa: E402
@@ -22,7 +20,9 @@ from mlxcel.runtime.sampling import StopStrings, make_sampler  # noqa: E402
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 @pytest.mark.parametrize("parts", [2, 3])
-def test_layer_ranges_equal_the_whole_model(checkpoints: dict[str, Path], family: str, parts: int) -> None:
+def test_layer_ranges_equal_the_whole_model(
+    checkpoints: dict[str, Path], family: str, parts: int
+) -> None:
     lm = load_model(checkpoints[family])
     assert lm.family == family
     ranges = [LayerRange(lm, a, b) for a, b in split_even(lm.n_layers, parts)]
@@ -75,8 +75,13 @@ def test_checkpoints_are_deterministic_and_in_hf_layout(tmp_path: Path) -> None:
     assert _digest(a)["model.safetensors"] != _digest(c)["model.safetensors"]
     assert _digest(a)["tokenizer.json"] == _digest(c)["tokenizer.json"]
     names = {p.name for p in a.iterdir()}
-    assert {"config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-            "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     index = json.loads((a / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model.safetensors"}
     tok_cfg = json.loads((a / "tokenizer_config.json").read_text())
@@ -84,7 +89,14 @@ def test_checkpoints_are_deterministic_and_in_hf_layout(tmp_path: Path) -> None:
     lm = load_model(a)
     ids = lm.tokenizer.encode("hello world")
     assert lm.tokenizer.decode(ids) == "hello world"
-    assert len(lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)) > 3
+    assert (
+        len(
+            lm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], add_generation_prompt=True
+            )
+        )
+        > 3
+    )
 
 
 def test_sharded_and_quantized_checkpoints_load(tmp_path: Path) -> None:

@@ -20,15 +20,18 @@ MODEL = "tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def server(tiny: Path) -> ServerProcess:
-    srv = ServerProcess(["-m", str(tiny), "--parallel", "8", "--max-batch-size", "8",
-                         "--served-model-name", MODEL])
+    srv = ServerProcess(
+        ["-m", str(tiny), "--parallel", "8", "--max-batch-size", "8", "--served-model-name", MODEL]
+    )
     yield srv  # type: ignore[misc]
     assert srv.stop() == 0, "".join(srv.lines)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def metric(server: ServerProcess, name: str) -> float:
@@ -49,44 +52,69 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)  # type: ignore[arg-type]
     assert full.choices[0].finish_reason == "length"
     assert full.usage is not None and full.usage.completion_tokens == 20
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True,  # type: ignore[arg-type]
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=20,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
 def test_completions_with_stop_and_seed(client: openai.OpenAI) -> None:
-    base = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=30, temperature=0)
+    base = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=30, temperature=0
+    )
     text = base.choices[0].text
     stop = text[8:11]
-    cut = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=30, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=30, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
-    a = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0, top_p=0.9, seed=5)
-    b = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+    a = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0, top_p=0.9, seed=5
+    )
+    b = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0, top_p=0.9, seed=5
+    )
     assert a.choices[0].text == b.choices[0].text
-    streamed = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=30, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=30, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text
 
 
-def test_eight_concurrent_streams_match_sequential(server: ServerProcess, client: openai.OpenAI) -> None:
+def test_eight_concurrent_streams_match_sequential(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
     prompts = [f"Prompt number {i} about things" for i in range(8)]
     sequential = [
-        client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+        client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
         for p in prompts
     ]
 
     async def run() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-        rs = await asyncio.gather(*(
-            ac.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0) for p in prompts
-        ))
+        rs = await asyncio.gather(
+            *(
+                ac.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
+                for p in prompts
+            )
+        )
         await ac.close()
         return [r.choices[0].text for r in rs]
 
@@ -96,23 +124,45 @@ def test_eight_concurrent_streams_match_sequential(server: ServerProcess, client
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, "max_tokens"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+            "temperature",
+        ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            "stream",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "stop": ["a", "b", "c", "d", "e"],
+            },
+            "stop",
+        ),
         ({"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, "model"),
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7}, None),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7},
+            None,
+        ),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(
     server: ServerProcess, client: openai.OpenAI, body: dict, param: str | None
 ) -> None:
-    req = urllib.request.Request(server.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.base_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 400
@@ -120,7 +170,9 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:
         assert err["param"] == param
-    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)  # type: ignore[arg-type]
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )  # type: ignore[arg-type]
     assert ok.choices[0].message.content is not None
 
 
@@ -142,8 +194,16 @@ def test_openai_client_sees_bad_request_error(client: openai.OpenAI) -> None:
 def test_client_disconnect_mid_stream_frees_the_sequence(server: ServerProcess) -> None:
     async def run() -> None:
         async with aiohttp.ClientSession() as s:
-            resp = await s.post(server.base_url + "/v1/completions", json={
-                "model": MODEL, "prompt": "long", "max_tokens": 3000, "temperature": 0, "stream": True})
+            resp = await s.post(
+                server.base_url + "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "long",
+                    "max_tokens": 3000,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            )
             assert resp.status == 200
             async for line in resp.content:
                 if line.startswith(b"data: {"):
@@ -167,23 +227,35 @@ def test_metrics_count_requests_and_tokens(server: ServerProcess, client: openai
     assert metric(server, "mlxcel_queue_depth") == 0
 
 
-def test_full_admission_queue_gets_503_with_retry_after(tiny: Path, start_server: type[ServerProcess]) -> None:
-    srv = start_server(["-m", str(tiny), "--parallel", "1", "--queue-size", "0", "--served-model-name", MODEL])
+def test_full_admission_queue_gets_503_with_retry_after(
+    tiny: Path, start_server: type[ServerProcess]
+) -> None:
+    srv = start_server(
+        ["-m", str(tiny), "--parallel", "1", "--queue-size", "0", "--served-model-name", MODEL]
+    )
 
     async def run() -> tuple[int, str | None, int]:
         async with aiohttp.ClientSession() as s:
-            long = await s.post(srv.base_url + "/v1/completions", json={
-                "model": MODEL, "prompt": "x", "max_tokens": 3000, "stream": True})
+            long = await s.post(
+                srv.base_url + "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 3000, "stream": True},
+            )
             async for line in long.content:
                 if line.startswith(b"data: {"):
                     break
-            busy = await s.post(srv.base_url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
+            busy = await s.post(
+                srv.base_url + "/v1/completions",
+                json={"model": MODEL, "prompt": "y", "max_tokens": 2},
+            )
             status, retry = busy.status, busy.headers.get("Retry-After")
             body = await busy.json()
             assert body["error"]["code"] == "queue_full"
             long.close()
             await asyncio.sleep(0.3)
-            after = await s.post(srv.base_url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
+            after = await s.post(
+                srv.base_url + "/v1/completions",
+                json={"model": MODEL, "prompt": "y", "max_tokens": 2},
+            )
             return status, retry, after.status
 
     status, retry, after = asyncio.run(run())

@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cls = COMMANDS[args.command][0]
         settings = load_settings(cls, args)
+        for field in ("tp_size", "pp_size"):
+            if getattr(settings, field, 1) > 1:
+                raise ConfigError(
+                    f"--{field.replace('_', '-')}", "distributed modes are not in this build yet"
+                )
     except ConfigError as exc:
         die(exc)
     except PlatformUnsupported as exc:

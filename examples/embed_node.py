@@ -1,0 +1,65 @@
+"""Embed mlxcel in your own asyncio service.
+
+Runs the one-process generation stack (engine + frontend) on a Node inside this program's
+event loop, next to the service's own task and its own bus handler. Run it with
+``python examples/embed_node.py``; it writes a tiny random checkpoint to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from contextlib import aclosing
+from pathlib import Path
+
+from mlxcel.bus import Envelope, Overflow
+from mlxcel.messages import RunResult, SamplingParams
+from mlxcel.runtime.checkpoint import write_checkpoint
+from mlxcel.server.run import local_stack
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_checkpoint(Path(tmp) / "tiny", "tiny", "qwen3")
+        async with local_stack(model, max_batch_size=4, parallel=4) as stack:
+            # Your own handler on the same bus: it sees every RunResult the engine publishes.
+            # DROP policy: an audit log must never slow generation down.
+            seen: list[int] = []
+
+            async def audit(env: Envelope[RunResult]) -> None:
+                if not seen:
+                    seen.append(-1)
+                    raise RuntimeError("handlers may fail; the node logs and counts it")
+                seen.extend(env.msg.token_ids)
+
+            stack.node.bus.subscribe(
+                RunResult, audit, maxsize=256, policy=Overflow.DROP, name="audit"
+            )
+
+            # Your service's own work keeps running on the same loop.
+            ticks = 0
+
+            async def heartbeat() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.001)
+
+            beat = stack.node.spawn(heartbeat(), name="heartbeat")
+
+            fe = stack.frontend
+            text = []
+            prompt = fe.apply_chat_template([{"role": "user", "content": "Hello from my service"}])
+            async with aclosing(fe.stream(prompt, SamplingParams(max_tokens=32))) as stream:
+                async for delta in stream:
+                    text.append(delta.text)
+            beat.cancel()
+            await asyncio.sleep(0.01)
+            print("generated:", repr("".join(text)))
+            print("ticks while generating:", ticks)
+            print("tokens seen by the audit handler:", len(seen) - 1)
+            print("handler errors counted:", stack.node.bus.handler_errors["audit"])
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _py(code: str, env: dict[str, str]) -> str:
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_blas_choice_is_reported_and_can_be_opted_out() -> None:
+    code = "from mlxcel.runtime.blas import ensure_blas; print(ensure_blas())"
+    assert _py(code, {"MLXCEL_BLAS": "bundled"}).startswith(
+        "bundled reference BLAS (MLXCEL_BLAS=bundled)"
+    )
+    auto = _py(code, {"MLXCEL_BLAS": ""})
+    assert auto.startswith("openblas (") or auto.startswith("bundled reference BLAS (slow); hint:")
+    late = _py("import mlx.core; " + code, {"MLXCEL_BLAS": ""})
+    assert "imported before" in late
+
+
+def test_bench_batching_prints_json_lines(tiny: Path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "bench",
+            "batching",
+            "--json",
+            "-m",
+            str(tiny),
+            "--streams",
+            "1,2",
+            "--tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["streams"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["tok_per_s"] > 0 and row["blas"] in ("openblas", "bundled")
+        assert row["tokens"] == 8 * row["streams"]
+
+
+@pytest.mark.slow
+def test_bench_batching_small_full() -> None:
+    """The issue's benchmark on the `small` checkpoint; prints figures, asserts only their shape."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "bench", "batching", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["streams"] for row in rows] == [1, 4, 8]

@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxcel.cli import main as cli_main
+from mlxcel.config import GenerateSettings, ServeSettings, load_settings
+from mlxcel.errors import ConfigError, PlatformUnsupported
+from mlxcel.platform_guard import refuse_distributed_on_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _ns(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**kw)
+
+
+def test_precedence_cli_over_env_over_file_over_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "mlxcel.toml"
+    toml.write_text("port = 7000\nparallel = 3\nqueue_size = 5\n")
+    monkeypatch.setenv("MLXCEL_PARALLEL", "4")
+    monkeypatch.setenv("MLXCEL_QUEUE_SIZE", "6")
+    s = load_settings(ServeSettings, _ns(_config=str(toml), queue_size="7"))
+    assert s.port == 7000  # file beats default
+    assert s.parallel == 4  # env beats file
+    assert s.queue_size == 7  # CLI beats env
+    assert s.host == "127.0.0.1"  # default
+    monkeypatch.setenv("MLXCEL_CONFIG", str(toml))
+    monkeypatch.delenv("MLXCEL_PARALLEL")
+    assert load_settings(ServeSettings, _ns()).parallel == 3
+
+
+def test_invalid_values_name_flag_and_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"^--parallel: .*greater than or equal to 1"):
+        load_settings(ServeSettings, _ns(parallel="0"))
+    monkeypatch.setenv("MLXCEL_PORT", "99999")
+    with pytest.raises(ConfigError, match=r"^--port \(from MLXCEL_PORT\)"):
+        load_settings(ServeSettings, _ns())
+    monkeypatch.delenv("MLXCEL_PORT")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("temp = 'hot'\n")
+    with pytest.raises(ConfigError, match=r"^--temp \(from .*bad.toml\)"):
+        load_settings(GenerateSettings, _ns(_config=str(bad)))
+    bad.write_text("no_such_setting = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_settings(GenerateSettings, _ns(_config=str(bad)))
+    bad.write_text("this is [not toml\n")
+    with pytest.raises(ConfigError, match="--config"):
+        load_settings(GenerateSettings, _ns(_config=str(bad)))
+    with pytest.raises(ConfigError, match="no such model folder"):
+        load_settings(GenerateSettings, _ns(model=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["generate", "--top-p", "2"], "--top-p"),
+        (["serve", "--port", "x"], "--port"),
+        (["generate", "--nope"], "unrecognized"),
+        (["checkpoint"], "--out"),
+        (["serve", "--log-level", "LOUD"], "--log-level"),
+    ],
+)
+def test_invalid_flag_exits_2_with_one_line(args: list[str], flag: str) -> None:
+    r = run_cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], r.stderr
+
+
+def test_help_lists_every_flag_with_its_default() -> None:
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for name, f in ServeSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"default: {f.default!r}" in text, name
+    assert "MLXCEL_PARALLEL" in text
+
+
+def test_generate_prints_text_and_a_stats_line(tiny: Path) -> None:
+    r = run_cli("generate", "-m", str(tiny), "-p", "Hello there", "-n", "12", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    *text, stats = r.stdout.rstrip("\n").split("\n")
+    assert "".join(text)
+    assert stats.startswith("prompt tokens: ") and "generated tokens: 12" in stats
+    assert "prefill:" in stats and "decode:" in stats and "tok/s" in stats
+    assert "BLAS:" in r.stderr
+    again = run_cli("generate", "-m", str(tiny), "-p", "Hello there", "-n", "12", "--temp", "0")
+    assert again.stdout.split("\n")[:-2] == r.stdout.split("\n")[:-2]  # greedy is deterministic
+
+
+def test_embedded_default_is_created_once_and_reused(tmp_path: Path) -> None:
+    env = {"MLXCEL_HOME": str(tmp_path)}
+    first = run_cli("generate", "-p", "hi", "-n", "3", env=env)
+    assert first.returncode == 0, first.stderr
+    model = tmp_path / "models" / "tiny-qwen3-s0"
+    assert (model / "config.json").is_file()
+    stamp = (model / "model.safetensors").stat().st_mtime_ns
+    second = run_cli("generate", "-p", "hi", "-n", "3", env=env)
+    assert second.returncode == 0
+    assert (model / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.stdout == second.stdout.replace(
+        second.stdout.splitlines()[-1], first.stdout.splitlines()[-1]
+    )
+
+
+def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
+    out = tmp_path / "ck"
+    r = run_cli(
+        "checkpoint", "--shape", "tiny", "--family", "llama", "--out", str(out), "--seed", "5"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint ready" in r.stderr
+    g = run_cli("generate", "-m", str(out), "-n", "3")
+    assert g.returncode == 0 and "generated tokens: 3" in g.stdout
+
+
+def test_windows_refuses_distributed_flags_before_resolving_the_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(PlatformUnsupported, match="--tp-size"):
+        refuse_distributed_on_windows("generate", {"tp_size": "2"}, platform="win32")
+    refuse_distributed_on_windows("generate", {"tp_size": "2"}, platform="linux")
+    refuse_distributed_on_windows("generate", {"tp_size": "1"}, platform="win32")
+
+    resolved: list[str] = []
+    monkeypatch.setattr("mlxcel.home.embedded_model", lambda *a, **k: resolved.append("x"))
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setenv("MLXCEL_HOME", str(tmp_path))
+    for argv, flag in (
+        (["generate", "--pp-size", "2"], "--pp-size"),
+        (["serve", "--tp-size", "4", "-m", "/does/not/exist"], "--tp-size"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            cli_main.main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Windows" in err
+    monkeypatch.setenv("MLXCEL_TP_SIZE", "2")
+    with pytest.raises(SystemExit):
+        cli_main.main(["generate"])
+    assert "--tp-size" in capsys.readouterr().err
+    assert resolved == [] and not any(tmp_path.iterdir())
+
+
+def test_distributed_flags_are_refused_until_built(tiny: Path) -> None:
+    r = run_cli("generate", "-m", str(tiny), "--tp-size", "2")
+    assert r.returncode == 2 and "--tp-size" in r.stderr and "not in this build" in r.stderr
+
+
+def test_embedding_example_runs() -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed_node.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ticks while generating:" in r.stdout
+    assert "handler errors counted: 1" in r.stdout
