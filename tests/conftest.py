@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import mlxcel  # noqa: F401  (chooses the BLAS before any test module imports mlx)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -5,17 +5,16 @@ import hashlib
 import json
 from pathlib import Path
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache
 
-import mlxcel.runtime  # noqa: F401
-from mlxcel.errors import ModelLoadError  # noqa: E402
-from mlxcel.messages import SamplingParams  # noqa: E402
-from mlxcel.runtime.checkpoint import write_checkpoint  # noqa: E402
-from mlxcel.runtime.compute import ComputeThread  # noqa: E402
-from mlxcel.runtime.model import LayerRange, load_model, split_even  # noqa: E402
-from mlxcel.runtime.sampling import StopStrings, make_sampler  # noqa: E402
+from mlxcel.errors import ModelLoadError
+from mlxcel.messages import SamplingParams
+from mlxcel.runtime.checkpoint import write_checkpoint
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LayerRange, load_model, split_even
+from mlxcel.runtime.sampling import StopStrings, make_sampler
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])

@@ -1,5 +1,1 @@
-"""MLX runtime through mlx-lm. Importing this package chooses the BLAS before MLX loads."""
-
-from mlxcel.runtime.blas import ensure_blas
-
-ensure_blas()
+"""MLX runtime through mlx-lm. The BLAS is chosen by ``mlxcel/__init__.py`` before MLX loads."""

@@ -8,6 +8,7 @@ One thread (not a pool) keeps MLX's per-thread stream state and the batch caches
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,5 +27,25 @@ class ComputeThread:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
+        """Release the thread's MLX streams on the thread itself, then join it.
+
+        MLX streams are thread-local; left to the thread's own teardown, their destructors
+        race interpreter shutdown and can abort the process ("terminate called without an
+        active exception"). ``mx.clear_streams()`` on the owning thread is MLX's remedy.
+        """
+        if self.closed:
+            return
         self.closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            self._pool.submit(_release_thread_streams).result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _release_thread_streams() -> None:
+    import mlx.core as mx
+
+    gc.collect()  # drop arrays whose last reference was a cycle, while streams still exist
+    mx.synchronize()
+    if hasattr(mx, "clear_streams"):
+        mx.clear_streams()

@@ -18,21 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
-from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.generate import BatchGenerator
 
-import mlxcel.runtime  # noqa: F401
-from mlxcel.bus import Envelope, Node  # noqa: E402
-from mlxcel.deadlines import deadline_in  # noqa: E402
-from mlxcel.messages import (  # noqa: E402
+from mlxcel.bus import Envelope, Node
+from mlxcel.deadlines import deadline_in
+from mlxcel.messages import (
     CancelRequest,
     Error,
     ReleaseSequence,
     RunEntry,
     RunResult,
 )
-from mlxcel.runtime.compute import ComputeThread  # noqa: E402
-from mlxcel.runtime.model import LoadedModel  # noqa: E402
-from mlxcel.runtime.sampling import make_sampler  # noqa: E402
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LoadedModel
+from mlxcel.runtime.sampling import make_sampler
 
 
 class SeqState(enum.Enum):
@@ -253,12 +252,10 @@ class LocalEngine:
         return out
 
     async def _fail_all(self, why: str) -> None:
+        """After a failed step the batch state is suspect: drop it all and start fresh."""
         seqs, self._seqs = self._seqs, {}
-        uids = [s.uid for s in seqs.values() if s.uid is not None]
         self._by_uid.clear()
-        try:
-            await self.compute.run(self._gen.remove, uids) if self._gen else None
-        except Exception:
-            self._gen = await self.compute.run(self._make_generator)
+        self._to_remove.clear()
+        self._gen = await self.compute.run(self._make_generator)
         for rid, s in seqs.items():
             await self._reply(Error("engine_failed", why, rid, s.entry.nonce))

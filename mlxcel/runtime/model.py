@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.base import create_attention_mask  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
 
-import mlxcel.runtime  # noqa: F401  (BLAS first)
-from mlxcel.errors import ModelLoadError  # noqa: E402
+from mlxcel.errors import ModelLoadError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 

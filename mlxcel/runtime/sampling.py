@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.sample_utils import apply_top_k, apply_top_p  # noqa: E402
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-import mlxcel.runtime  # noqa: F401
-from mlxcel.messages import SamplingParams  # noqa: E402
+from mlxcel.messages import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 

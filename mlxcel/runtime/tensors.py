@@ -6,11 +6,10 @@ uint16): bit-exact both ways.
 
 from __future__ import annotations
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 import numpy as np
 
-import mlxcel.runtime  # noqa: F401
-from mlxcel.messages import Tensor  # noqa: E402
+from mlxcel.messages import Tensor
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

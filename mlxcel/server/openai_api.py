@@ -20,8 +20,7 @@ from aiohttp import web
 from loguru import logger
 from pydantic import BaseModel, ValidationError
 
-from mlxcel.deadlines import DeadlineExceeded
-from mlxcel.errors import AdmissionRejected, RequestError
+from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Delta, EngineError, Frontend, Usage
 from mlxcel.messages import SamplingParams
 from mlxcel.server.metrics import Metrics
@@ -52,10 +51,7 @@ def _validation_error(exc: ValidationError) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise
+    raw = await request.read()  # aiohttp enforces client_max_size (413)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
