@@ -1,0 +1,62 @@
+"""Drives a sans-I/O handshake over an asyncio stream: the only place it meets a socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mlxcel.wire.handshake import (
+    LEN,
+    PREAMBLE_LEN,
+    ClientHandshake,
+    Established,
+    Failure,
+    HandshakeError,
+    ServerHandshake,
+)
+
+
+def _wanted(hs: ClientHandshake | ServerHandshake) -> int:
+    """How many more bytes the machine needs: exact reads never swallow the first frame."""
+    buf = hs._in
+    if not hs._got_preamble:
+        return PREAMBLE_LEN - len(buf)
+    if len(buf) < LEN.size:
+        return LEN.size - len(buf)
+    (n,) = LEN.unpack_from(buf)
+    return max(1, LEN.size + n - len(buf))
+
+
+async def drive(
+    hs: ClientHandshake | ServerHandshake,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> Established:
+    """Run ``hs`` to completion; raise HandshakeError on failure (bytes owed are sent first)."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            out = hs.data_to_send()
+            if out:
+                writer.write(out)
+                await writer.drain()
+            if hs.finished:
+                break
+            timer = hs.get_timer()
+            try:
+                async with asyncio.timeout_at(timer):
+                    data = await reader.readexactly(_wanted(hs))
+            except TimeoutError:
+                hs.handle_timer(loop.time())
+                continue
+            except asyncio.IncompleteReadError as exc:
+                hs.receive_data(exc.partial)
+                hs.connection_lost()
+                continue
+            hs.receive_data(data)
+    except (ConnectionError, OSError):
+        hs.connection_lost()
+    if hs.error is not None:
+        raise hs.error
+    if hs.result is None:  # pragma: no cover - finished implies one of the two
+        raise HandshakeError(Failure.CLOSED, "handshake ended without a result")
+    return hs.result

@@ -1,0 +1,197 @@
+"""Accepting side of the cluster transport: pending pool, handshake, connection cap.
+
+Unfinished handshakes draw from a pending pool (``max_pending`` in flight, at most
+``max_pending_per_source`` per source -- an IPv4 address or an IPv6 /64); a socket beyond
+either bound is closed at accept. Each handshake has an absolute deadline. Authenticated
+connections are capped at ``max_connections``; a peer that authenticates beyond it gets the
+authenticated at-capacity verdict. Every accepted connection's messages reach the node's bus
+with the peer's bound identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
+from mlxcel.net.handshake_io import drive
+from mlxcel.net.ratelimit import WarningLimiter
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection
+from mlxcel.wire.handshake import (
+    HANDSHAKE_TIMEOUT,
+    Channel,
+    Failure,
+    HandshakeError,
+    Identity,
+    ServerHandshake,
+    Verdict,
+    source_key,
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 512
+    max_pending: int = 64
+    max_pending_per_source: int = 8
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    max_frame: int = DEFAULT_MAX_FRAME
+    record_size: int = DEFAULT_RECORD_SIZE
+
+
+class ClusterListener:
+    def __init__(
+        self,
+        node: Node,
+        secret: ClusterSecret,
+        host: str,
+        port: int = 0,
+        *,
+        node_id: str = "",
+        channel: Channel = Channel.TRANSPORT,
+        limits: Limits | None = None,
+        limiter: WarningLimiter | None = None,
+        on_connection: Callable[[SecureConnection], None] | None = None,
+        publish: bool = True,
+    ) -> None:
+        self.node = node
+        self.secret = secret
+        self.host = host
+        self.port = port
+        self.node_id = node_id
+        self.channel = channel
+        self.limits = limits or Limits()
+        loop = asyncio.get_running_loop()
+        self.limiter = limiter or WarningLimiter(loop.time)
+        self.on_connection = on_connection
+        self.publish = publish
+        self.connections: set[SecureConnection] = set()
+        self.pending = 0
+        self.pending_by_source: Counter[str] = Counter()
+        self.failures: Counter[Failure] = Counter()
+        self.refused_at_accept = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        loop = asyncio.get_running_loop()
+
+        def factory() -> asyncio.StreamReaderProtocol:
+            reader = asyncio.StreamReader(limit=1 << 20)
+            return asyncio.StreamReaderProtocol(reader, lambda r, w: self._accepted(r, w))
+
+        self._server = await loop.create_server(factory, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+        async def stop() -> None:
+            await self.close()
+
+        self.node.on_close(stop)
+        logger.info(
+            "cluster listener on {}:{} (channel {})",
+            self.host,
+            self.port,
+            self.channel.name.lower(),
+        )
+        return self.port
+
+    @property
+    def address(self) -> str:
+        return Identity(self.host, self.port).address
+
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        ip = peer[0] if peer else "?"
+        key = source_key(ip) if peer else "?"
+        if (
+            self.pending >= self.limits.max_pending
+            or self.pending_by_source[key] >= self.limits.max_pending_per_source
+        ):
+            self.refused_at_accept += 1
+            self.limiter.warn(
+                "noise", f"cluster: pending-handshake pool full, closing connection from {ip}"
+            )
+            writer.transport.abort()
+            return
+        self.pending += 1
+        self.pending_by_source[key] += 1
+        self.node.spawn(self._handshake(reader, writer, ip, key), name=f"handshake:{ip}")
+
+    def _admit(self, ident: Identity) -> Verdict:
+        if len(self.connections) >= self.limits.max_connections:
+            return Verdict.AT_CAPACITY
+        return Verdict.ACCEPT
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, key: str
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        hs = ServerHandshake(
+            self.secret.value,
+            self.channel,
+            ip,
+            loop.time(),
+            os.urandom,
+            self._admit,
+            node_id=self.node_id,
+            timeout=self.limits.handshake_timeout,
+        )
+        try:
+            est = await drive(hs, reader, writer)
+        except HandshakeError as exc:
+            self.failures[exc.failure] += 1
+            self._report(exc, ip)
+            writer.transport.abort() if not hs.close_after_send else writer.close()
+            return
+        finally:
+            self.pending -= 1
+            self.pending_by_source[key] -= 1
+            if self.pending_by_source[key] <= 0:
+                del self.pending_by_source[key]
+        protection = AeadProtection(est.send_key, est.recv_key, max_frame=self.limits.max_frame)
+        conn = SecureConnection(
+            reader,
+            writer,
+            protection,
+            est.peer,
+            self.limiter,
+            max_frame=self.limits.max_frame,
+            record_size=self.limits.record_size,
+        )
+        self.connections.add(conn)
+        logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)
+        try:
+            if self.on_connection is not None:
+                self.on_connection(conn)
+            if self.publish:
+                await conn.run(self.node)
+            else:
+                await conn.done
+        finally:
+            self.connections.discard(conn)
+            await conn.wait_closed()
+
+    def _report(self, exc: HandshakeError, ip: str) -> None:
+        f = exc.failure
+        if f is Failure.PROBE:
+            self.limiter.debug(f"cluster: {ip} connected and closed before the handshake (probe)")
+        elif f is Failure.AT_CAPACITY:
+            self.limiter.warn(
+                "at-capacity",
+                f"cluster: max connections ({self.limits.max_connections}) reached; refused {ip}",
+            )
+        else:
+            self.limiter.warn(f.rate_class, f"cluster: handshake from {ip} failed: {exc}")
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self.connections):
+            conn.close()

@@ -1,0 +1,170 @@
+"""Connecting side: dial, handshake, reconnect with exponential backoff.
+
+A refused or reset connect and an at-capacity verdict are retried ``attempts`` times from
+``base_delay`` (doubling); every other handshake failure (secret mismatch, identity not owned,
+version or suite mismatch, forged verdict) is final at once, because retrying cannot fix it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.deadlines import until
+from mlxcel.errors import DeadlineExceeded, MlxcelError
+from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
+from mlxcel.net.handshake_io import drive
+from mlxcel.net.ratelimit import WarningLimiter
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection
+from mlxcel.wire.handshake import (
+    HANDSHAKE_TIMEOUT,
+    Channel,
+    ClientHandshake,
+    Failure,
+    HandshakeError,
+    Identity,
+)
+
+
+class ConnectFailed(MlxcelError):
+    """Could not establish an authenticated connection; ``failure`` says why (None: network)."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass(frozen=True)
+class Backoff:
+    attempts: int = 5
+    base_delay: float = 0.2
+    max_delay: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_delay, self.base_delay * (2**attempt))
+
+
+class ConnectionPool:
+    """One authenticated outbound connection per peer address, reconnected on demand."""
+
+    def __init__(
+        self,
+        node: Node,
+        secret: ClusterSecret,
+        identity: Identity,
+        *,
+        channel: Channel = Channel.TRANSPORT,
+        backoff: Backoff | None = None,
+        limiter: WarningLimiter | None = None,
+        bind_ip: str | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        record_size: int = DEFAULT_RECORD_SIZE,
+        publish: bool = True,
+    ) -> None:
+        self.node = node
+        self.secret = secret
+        self.identity = identity
+        self.channel = channel
+        self.backoff = backoff or Backoff()
+        self.limiter = limiter or WarningLimiter(asyncio.get_running_loop().time)
+        self.bind_ip = bind_ip
+        self.handshake_timeout = handshake_timeout
+        self.max_frame = max_frame
+        self.record_size = record_size
+        self.publish = publish
+        self._conns: dict[tuple[str, int], SecureConnection] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.attempts_made = 0
+
+        async def close_all() -> None:
+            for c in list(self._conns.values()):
+                c.close()
+
+        node.on_close(close_all)
+
+    async def get(self, host: str, port: int, deadline: float | None = None) -> SecureConnection:
+        key = (host, port)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(key)
+            if conn is not None and not conn.closed:
+                return conn
+            conn = await self.connect(host, port, deadline)
+            self._conns[key] = conn
+            if self.publish:
+                self.node.spawn(conn.run(self.node), name=f"conn:{host}:{port}")
+            return conn
+
+    async def connect(
+        self, host: str, port: int, deadline: float | None = None
+    ) -> SecureConnection:
+        """Dial and authenticate, retrying refusals and at-capacity with backoff."""
+        target = Identity(host, port).address
+        last: Exception | None = None
+        for attempt in range(self.backoff.attempts):
+            self.attempts_made += 1
+            try:
+                async with until(deadline, f"connect to {target}"):
+                    return await self._connect_once(host, port)
+            except HandshakeError as exc:
+                if not exc.failure.retryable:
+                    self.limiter.warn(
+                        exc.failure.rate_class, f"cluster: connection to {target} refused: {exc}"
+                    )
+                    raise ConnectFailed(f"{target}: {exc}", exc.failure) from None
+                self.limiter.warn(
+                    "at-capacity",
+                    f"cluster: {target} is at capacity; retrying (attempt {attempt + 1})",
+                )
+                last = exc
+            except DeadlineExceeded:
+                raise ConnectFailed(f"{target}: connect deadline passed") from None
+            except OSError as exc:
+                logger.debug("cluster: connect to {} failed: {}", target, exc)
+                last = exc
+            if attempt + 1 < self.backoff.attempts:
+                await asyncio.sleep(self.backoff.delay(attempt))
+        failure = last.failure if isinstance(last, HandshakeError) else None
+        raise ConnectFailed(
+            f"{target}: gave up after {self.backoff.attempts} attempts: {last}", failure
+        )
+
+    async def _connect_once(self, host: str, port: int) -> SecureConnection:
+        loop = asyncio.get_running_loop()
+        local = (self.bind_ip, 0) if self.bind_ip else None
+        reader, writer = await asyncio.open_connection(host, port, local_addr=local, limit=1 << 20)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hs = ClientHandshake(
+            self.secret.value,
+            self.identity,
+            self.channel,
+            loop.time(),
+            os.urandom,
+            timeout=self.handshake_timeout,
+        )
+        try:
+            est = await drive(hs, reader, writer)
+        except BaseException:
+            writer.transport.abort()
+            raise
+        protection = AeadProtection(est.send_key, est.recv_key, max_frame=self.max_frame)
+        peer = Identity(host, port, est.peer.node_id)
+        return SecureConnection(
+            reader,
+            writer,
+            protection,
+            peer,
+            self.limiter,
+            max_frame=self.max_frame,
+            record_size=self.record_size,
+            outbound=True,
+        )

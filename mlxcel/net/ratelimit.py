@@ -1,0 +1,73 @@
+"""Rate-limited cluster warnings, in classes that cannot starve each other.
+
+Four classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
+mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop`` and
+``at-capacity`` -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
+debug. The first warning of a class after a window that suppressed some reports how many and
+when that window ended. The clock is injected (the loop's clock in production).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+CLASSES = ("noise", "diagnostic", "router-drop", "at-capacity")
+
+
+@dataclass
+class _Window:
+    start: float
+    logged: int = 0
+    suppressed: int = 0
+
+
+class WarningLimiter:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        per_window: int = 5,
+        window: float = 60.0,
+        emit: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.per_window = per_window
+        self.window = window
+        self._emit = emit or (lambda level, msg: logger.log(level, msg))
+        self._windows: dict[str, _Window] = {}
+        self.warned: dict[str, int] = dict.fromkeys(CLASSES, 0)
+        self.debugged: dict[str, int] = dict.fromkeys(CLASSES, 0)
+
+    def warn(self, cls: str, message: str) -> bool:
+        """Log ``message`` in class ``cls``; return True if it went out as a warning."""
+        if cls not in CLASSES:
+            raise ValueError(f"unknown warning class {cls!r}")
+        now = self.clock()
+        w = self._windows.get(cls)
+        summary = None
+        if w is None or now - w.start >= self.window:
+            if w is not None and w.suppressed:
+                ended = w.start + self.window
+                summary = (
+                    f"{w.suppressed} cluster warnings ({cls}) were logged at debug during the "
+                    f"{self.window:g}s window that ended {now - ended:.0f}s ago"
+                )
+            w = _Window(now)
+            self._windows[cls] = w
+        if w.logged < self.per_window:
+            w.logged += 1
+            if summary:
+                self._emit("WARNING", summary)
+            self._emit("WARNING", message)
+            self.warned[cls] += 1
+            return True
+        w.suppressed += 1
+        self.debugged[cls] += 1
+        self._emit("DEBUG", message)
+        return False
+
+    def debug(self, message: str) -> None:
+        self._emit("DEBUG", message)
