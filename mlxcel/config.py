@@ -224,3 +224,44 @@ def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argpars
 def die(err: ConfigError) -> None:
     print(f"error: {err}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class BenchFramesSettings(_Base):
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    sizes: str = Field(
+        "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 1M, 2M, 16M or bytes)"
+    )
+    scale: float = Field(1.0, gt=0, le=100, description="multiply every iteration count by this")
+    modes: str = Field(
+        "unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305", description="modes to measure"
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, v: str) -> str:
+        for part in v.split(","):
+            p = part.strip().upper()
+            if p not in ("8K", "64K", "1M", "2M", "16M") and not (
+                p.isdigit() and 0 < int(p) <= 1 << 28
+            ):
+                raise ValueError(f"bad size {part!r}")
+        return v
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, v: str) -> str:
+        known = {"unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305"}
+        bad = [m for m in v.split(",") if m.strip() not in known]
+        if bad:
+            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(known)}")
+        return v
+
+
+class KeygenSettings(_Base):
+    out: Path = Field(..., description="file to write the secret to (mode 0600)")
+    force: bool = Field(False, description="overwrite an existing file")

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.config import BenchBatchingSettings, CheckpointSettings, GenerateSettings, ServeSettings
+from mlxcel.config import (
+    BenchBatchingSettings,
+    BenchFramesSettings,
+    CheckpointSettings,
+    GenerateSettings,
+    KeygenSettings,
+    ServeSettings,
+)
 from mlxcel.frontend import Usage
 from mlxcel.home import embedded_model
 from mlxcel.messages import SamplingParams
@@ -142,4 +149,21 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
                     f"x{rate / base:.2f} vs {counts[0]} stream(s), {total} tokens in {wall:.2f}s",
                     flush=True,
                 )
+    return 0
+
+
+async def bench_frames(s: BenchFramesSettings) -> int:
+    from mlxcel.net.bench_frames import parse_sizes, run_bench
+
+    modes = [m.strip() for m in s.modes.split(",")]
+    return await run_bench(s.json_lines, parse_sizes(s.sizes), s.scale, modes)
+
+
+def keygen(s: KeygenSettings) -> int:
+    from mlxcel.net.secret import keygen as write_secret
+
+    path = write_secret(s.out, force=s.force)
+    print(
+        f"wrote a new cluster secret to {path} (mode 0600); copy it to every node", file=sys.stderr
+    )
     return 0

@@ -18,8 +18,10 @@ from loguru import logger
 from mlxcel import __version__
 from mlxcel.config import (
     BenchBatchingSettings,
+    BenchFramesSettings,
     CheckpointSettings,
     GenerateSettings,
+    KeygenSettings,
     ServeSettings,
     _OneLineParser,
     add_arguments,
@@ -33,9 +35,11 @@ COMMANDS: dict[str, tuple[type, str]] = {
     "generate": (GenerateSettings, "generate text from a prompt and print timing"),
     "serve": (ServeSettings, "run the OpenAI-compatible HTTP server"),
     "checkpoint": (CheckpointSettings, "write a deterministic random-weight checkpoint"),
+    "keygen": (KeygenSettings, "write a new random cluster secret (32 bytes, hex, mode 0600)"),
 }
 BENCHES: dict[str, tuple[type, str]] = {
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
+    "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
 }
 
 
@@ -130,6 +134,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
     if args.command == "checkpoint":
         return commands.checkpoint(settings)
+    if args.command == "keygen":
+        return commands.keygen(settings)
+    if args.command == "bench" and args.bench == "frames":
+        return run_async(commands.bench_frames(settings))
     if args.command == "bench":
         return run_async(commands.bench_batching(settings))
     for field in ("tp_size", "pp_size"):

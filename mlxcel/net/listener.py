@@ -23,7 +23,7 @@ from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection
+from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
     Channel,
@@ -60,6 +60,7 @@ class ClusterListener:
         limiter: WarningLimiter | None = None,
         on_connection: Callable[[SecureConnection], None] | None = None,
         publish: bool = True,
+        protection: Callable[[bytes, bytes], Protection] | None = None,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -72,6 +73,9 @@ class ClusterListener:
         self.limiter = limiter or WarningLimiter(loop.time)
         self.on_connection = on_connection
         self.publish = publish
+        self._protection = protection or (
+            lambda send, recv: AeadProtection(send, recv, max_frame=self.limits.max_frame)
+        )
         self.connections: set[SecureConnection] = set()
         self.pending = 0
         self.pending_by_source: Counter[str] = Counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loguru import logger
@@ -21,7 +22,7 @@ from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection
+from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
     Channel,
@@ -67,6 +68,7 @@ class ConnectionPool:
         max_frame: int = DEFAULT_MAX_FRAME,
         record_size: int = DEFAULT_RECORD_SIZE,
         publish: bool = True,
+        protection: Callable[[bytes, bytes], Protection] | None = None,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -79,6 +81,9 @@ class ConnectionPool:
         self.max_frame = max_frame
         self.record_size = record_size
         self.publish = publish
+        self._protection = protection or (
+            lambda send, recv: AeadProtection(send, recv, max_frame=self.max_frame)
+        )
         self._conns: dict[tuple[str, int], SecureConnection] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.attempts_made = 0

@@ -1,0 +1,218 @@
+"""``python -m mlxcel bench frames``: what frame protection costs, over real loopback sockets.
+
+For each mode a peer process is started. This process dials the peer (connection A, the full
+cluster handshake) and the peer dials back (connection B); each message goes out on A, and
+the peer echoes it back on B, so one-way latency is half the round trip and includes both
+ends' frame work. Both connections use the mode's protection with the keys their handshakes
+derived. ``handshake`` times a fresh TCP connect plus the cluster handshake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from mlxcel.bus import Node
+from mlxcel.net.connection import SecureConnection
+from mlxcel.net.listener import ClusterListener
+from mlxcel.net.pool import Backoff, ConnectionPool
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.wire.frames import AeadProtection, ChaChaSuite, HmacSha256, Protection, Unprotected
+from mlxcel.wire.handshake import Identity
+
+MODES: dict[str, Callable[[bytes, bytes], Protection]] = {
+    "unprotected": Unprotected,
+    "hmac-sha256": HmacSha256,
+    "aes-256-gcm": AeadProtection,
+    "chacha20-poly1305": ChaChaSuite,
+}
+SIZES = {"8K": 8 << 10, "64K": 64 << 10, "1M": 1 << 20, "2M": 2 << 20, "16M": 16 << 20}
+ITERATIONS = {8 << 10: 3000, 64 << 10: 1500, 1 << 20: 300, 2 << 20: 150, 16 << 20: 40}
+HOST = "127.0.0.1"
+BENCH_SECRET = ClusterSecret(b"mlxcel-frame-benchmark-secret-0123456789", "benchmark")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_peer(mode: str, parent_port: int) -> None:
+    """Echo every message received on A back on B (runs in the peer process)."""
+    factory = MODES[mode]
+    async with Node("bench-peer") as node:
+        inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
+        listener = ClusterListener(
+            node,
+            BENCH_SECRET,
+            HOST,
+            0,
+            publish=False,
+            protection=factory,
+            on_connection=inbound.put_nowait,
+        )
+        port = await listener.start()
+        print(port, flush=True)
+        conn_a = await inbound.get()
+        pool = ConnectionPool(
+            node, BENCH_SECRET, Identity(HOST, port), publish=False, protection=factory
+        )
+        conn_b = await pool.connect(HOST, parent_port)
+        try:
+            while True:
+                payload = await conn_a.recv_payload()
+                await conn_b.send_payload(payload)
+        except Exception:
+            pass
+        finally:
+            conn_a.close()
+            conn_b.close()
+
+
+async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[str, object]]:
+    factory = MODES[mode]
+    rows: list[dict[str, object]] = []
+    async with Node("bench") as node:
+        inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
+        listener = ClusterListener(
+            node,
+            BENCH_SECRET,
+            HOST,
+            0,
+            publish=False,
+            protection=factory,
+            on_connection=inbound.put_nowait,
+        )
+        port = await listener.start()
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel.net.bench_frames", "--peer", mode, str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert peer.stdout is not None
+            peer_port = int(await asyncio.to_thread(peer.stdout.readline))
+            pool = ConnectionPool(
+                node, BENCH_SECRET, Identity(HOST, port), publish=False, protection=factory
+            )
+            conn_a = await pool.connect(HOST, peer_port)
+            conn_b = await inbound.get()
+            for size in sizes:
+                payload = os.urandom(size)
+                iters = max(10, int(ITERATIONS.get(size, 100) * scale))
+                for _ in range(max(3, iters // 20)):  # warm-up
+                    await conn_a.send_payload(payload)
+                    await conn_b.recv_payload()
+                samples = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    await conn_a.send_payload(payload)
+                    echoed = await conn_b.recv_payload()
+                    samples.append((time.perf_counter() - t0) / 2)
+                if len(echoed) != size:
+                    raise RuntimeError("echo returned a different size")
+                p50 = pct(samples, 0.50)
+                rows.append(
+                    {
+                        "mode": mode,
+                        "payload_bytes": size,
+                        "iterations": iters,
+                        "p50_us": round(p50 * 1e6, 1),
+                        "p95_us": round(pct(samples, 0.95) * 1e6, 1),
+                        "p99_us": round(pct(samples, 0.99) * 1e6, 1),
+                        "gib_per_s": round(size / p50 / 2**30, 3),
+                    }
+                )
+            await conn_a.wait_closed()  # the peer exits when A closes
+        finally:
+            try:
+                await asyncio.to_thread(peer.wait, 10)
+            except subprocess.TimeoutExpired:
+                peer.kill()
+    return rows
+
+
+async def measure_handshake(iterations: int) -> dict[str, object]:
+    async with Node("bench-hs") as node:
+        listener = ClusterListener(node, BENCH_SECRET, HOST, 0, publish=False)
+        port = await listener.start()
+        pool = ConnectionPool(
+            node, BENCH_SECRET, Identity(HOST, 1), publish=False, backoff=Backoff(attempts=1)
+        )
+        samples = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            conn = await pool.connect(HOST, port)
+            samples.append(time.perf_counter() - t0)
+            await conn.wait_closed()
+    return {
+        "mode": "handshake",
+        "payload_bytes": 0,
+        "iterations": iterations,
+        "p50_us": round(statistics.median(samples) * 1e6, 1),
+        "p95_us": round(pct(samples, 0.95) * 1e6, 1),
+        "p99_us": round(pct(samples, 0.99) * 1e6, 1),
+        "gib_per_s": 0.0,
+    }
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: list[str]) -> int:
+    rows: list[dict[str, object]] = []
+    for mode in modes:
+        for row in await measure_mode(mode, sizes, scale):
+            rows.append(row)
+            if json_lines:
+                print(json.dumps(row), flush=True)
+    hs = await measure_handshake(max(10, int(200 * scale)))
+    rows.append(hs)
+    if json_lines:
+        print(json.dumps(hs), flush=True)
+        return 0
+    base = {r["payload_bytes"]: r["p50_us"] for r in rows if r["mode"] == "unprotected"}
+    print(
+        f"{'mode':<19}{'payload':>9}{'iters':>7}{'p50':>11}{'p95':>11}{'p99':>11}{'GiB/s':>8}{'x unprot.':>10}"
+    )
+    for r in rows:
+        ratio = ""
+        if r["mode"] != "handshake" and r["payload_bytes"] in base:
+            ratio = f"{float(r['p50_us']) / float(base[r['payload_bytes']]):.2f}"  # type: ignore[arg-type]
+        size = human(int(r["payload_bytes"])) if r["mode"] != "handshake" else "-"  # type: ignore[call-overload]
+        print(
+            f"{r['mode']:<19}{size:>9}{r['iterations']:>7}{r['p50_us']:>9}us{r['p95_us']:>9}us"
+            f"{r['p99_us']:>9}us{r['gib_per_s']:>8}{ratio:>10}"
+        )
+    return 0
+
+
+def parse_sizes(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        if part in SIZES:
+            out.append(SIZES[part])
+        else:
+            out.append(int(part))
+    return out
+
+
+if __name__ == "__main__":  # the echo peer: python -m mlxcel.net.bench_frames --peer MODE PORT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", nargs=2, metavar=("MODE", "PORT"), required=True)
+    a = ap.parse_args()
+    from loguru import logger
+
+    from mlxcel.cli.main import run_async
+
+    logger.remove()
+    run_async(run_peer(a.peer[0], int(a.peer[1])))

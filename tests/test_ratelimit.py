@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from mlxcel.net.ratelimit import WarningLimiter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make() -> tuple[WarningLimiter, Clock, list[tuple[str, str]]]:
+    clock = Clock()
+    lines: list[tuple[str, str]] = []
+    return WarningLimiter(clock, emit=lambda level, msg: lines.append((level, msg))), clock, lines
+
+
+def test_five_warnings_per_class_per_minute_then_debug() -> None:
+    lim, clock, lines = make()
+    results = [lim.warn("noise", f"junk {i}") for i in range(8)]
+    assert results == [True] * 5 + [False] * 3
+    assert [lvl for lvl, _ in lines] == ["WARNING"] * 5 + ["DEBUG"] * 3
+    # Another class has its own budget: noise cannot push diagnostics down to debug.
+    assert lim.warn("diagnostic", "secret mismatch") is True
+    assert lim.warn("at-capacity", "full") is True
+    assert lim.warn("router-drop", "dropped") is True
+
+
+def test_summary_after_a_suppressing_window() -> None:
+    lim, clock, lines = make()
+    for i in range(7):
+        lim.warn("diagnostic", f"d{i}")
+    clock.t += 200  # a quiet period well past the window
+    lines.clear()
+    assert lim.warn("diagnostic", "again") is True
+    assert lines[0] == ("WARNING", "2 cluster warnings (diagnostic) were logged at debug during the 60s window that ended 140s ago")
+    assert lines[1] == ("WARNING", "again")
+    lines.clear()
+    clock.t += 61
+    lim.warn("diagnostic", "no summary when nothing was suppressed")
+    assert len(lines) == 1
+
+
+def test_window_resets_budget() -> None:
+    lim, clock, _ = make()
+    for _ in range(5):
+        assert lim.warn("noise", "x")
+    assert not lim.warn("noise", "x")
+    clock.t += 60
+    assert lim.warn("noise", "x")
+    assert lim.warned["noise"] == 6 and lim.debugged["noise"] == 1
+
+
+def test_unknown_class() -> None:
+    lim, _, _ = make()
+    with pytest.raises(ValueError):
+        lim.warn("chatter", "x")
