@@ -78,3 +78,39 @@ def test_bench_batching_small_full() -> None:
     print(r.stdout)
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["streams"] for row in rows] == [1, 4, 8]
+
+
+def test_bench_frames_prints_json_lines_for_every_mode() -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "bench",
+            "frames",
+            "--json",
+            "--scale",
+            "0.01",
+            "--sizes",
+            "8K,64K",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    modes = {row["mode"] for row in rows}
+    assert modes == {"unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305", "handshake"}
+    for row in rows:
+        assert {
+            "mode",
+            "payload_bytes",
+            "iterations",
+            "p50_us",
+            "p95_us",
+            "p99_us",
+            "gib_per_s",
+        } <= set(row)
+        assert row["p50_us"] > 0 and row["iterations"] >= 10

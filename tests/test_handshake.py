@@ -28,14 +28,33 @@ SECRET = b"correct horse battery staple 123"
 
 
 def pair(
-    *, client_secret: bytes = SECRET, server_secret: bytes = SECRET, ident: Identity | None = None,
-    source: str = "127.0.0.2", verdict: Verdict = Verdict.ACCEPT, client_kw: dict | None = None,
+    *,
+    client_secret: bytes = SECRET,
+    server_secret: bytes = SECRET,
+    ident: Identity | None = None,
+    source: str = "127.0.0.2",
+    verdict: Verdict = Verdict.ACCEPT,
+    client_kw: dict | None = None,
     server_kw: dict | None = None,
 ) -> tuple[ClientHandshake, ServerHandshake]:
-    c = ClientHandshake(client_secret, ident or Identity("127.0.0.2", 9000, "stage-1"), Channel.TRANSPORT, 0.0,
-                        os.urandom, **(client_kw or {}))
-    s = ServerHandshake(server_secret, Channel.TRANSPORT, source, 0.0, os.urandom, lambda i: verdict,
-                        node_id="coord", **(server_kw or {}))
+    c = ClientHandshake(
+        client_secret,
+        ident or Identity("127.0.0.2", 9000, "stage-1"),
+        Channel.TRANSPORT,
+        0.0,
+        os.urandom,
+        **(client_kw or {}),
+    )
+    s = ServerHandshake(
+        server_secret,
+        Channel.TRANSPORT,
+        source,
+        0.0,
+        os.urandom,
+        lambda i: verdict,
+        node_id="coord",
+        **(server_kw or {}),
+    )
     return c, s
 
 
@@ -105,11 +124,23 @@ def test_identity_that_is_not_an_address_is_closed_without_a_verdict() -> None:
 @pytest.mark.parametrize(
     ("kw", "failure", "client_text", "server_text"),
     [
-        ({"version": 2}, Failure.VERSION_MISMATCH, "this node speaks v2, the server v1", "peer speaks v2, this node v1"),
-        ({"suite": 9}, Failure.SUITE_MISMATCH, "this node uses suite 9, the server suite 1", "peer uses suite 9"),
+        (
+            {"version": 2},
+            Failure.VERSION_MISMATCH,
+            "this node speaks v2, the server v1",
+            "peer speaks v2, this node v1",
+        ),
+        (
+            {"suite": 9},
+            Failure.SUITE_MISMATCH,
+            "this node uses suite 9, the server suite 1",
+            "peer uses suite 9",
+        ),
     ],
 )
-def test_version_and_suite_mismatch_report_both_sides(kw: dict, failure: Failure, client_text: str, server_text: str) -> None:
+def test_version_and_suite_mismatch_report_both_sides(
+    kw: dict, failure: Failure, client_text: str, server_text: str
+) -> None:
     c, s = pair(client_kw=kw)
     exchange(c, s)
     assert s.error is not None and s.error.failure is failure and server_text in str(s.error)
@@ -118,7 +149,9 @@ def test_version_and_suite_mismatch_report_both_sides(kw: dict, failure: Failure
 
 def test_channel_mismatch() -> None:
     c = ClientHandshake(SECRET, Identity("127.0.0.2", 1), Channel.ASSIGNMENT, 0.0, os.urandom)
-    s = ServerHandshake(SECRET, Channel.TRANSPORT, "127.0.0.2", 0.0, os.urandom, lambda i: Verdict.ACCEPT)
+    s = ServerHandshake(
+        SECRET, Channel.TRANSPORT, "127.0.0.2", 0.0, os.urandom, lambda i: Verdict.ACCEPT
+    )
     exchange(c, s)
     assert c.error is not None and c.error.failure is Failure.CHANNEL_MISMATCH
 
@@ -126,7 +159,9 @@ def test_channel_mismatch() -> None:
 def test_at_capacity_is_an_authenticated_retryable_verdict() -> None:
     c, s = pair(verdict=Verdict.AT_CAPACITY)
     exchange(c, s)
-    assert c.error is not None and c.error.failure is Failure.AT_CAPACITY and c.error.failure.retryable
+    assert (
+        c.error is not None and c.error.failure is Failure.AT_CAPACITY and c.error.failure.retryable
+    )
     assert "retry later" in str(c.error)
     assert s.error is not None and s.error.failure is Failure.AT_CAPACITY
 
@@ -136,14 +171,19 @@ def test_every_bit_flip_of_the_verdict_is_detected(verdict: Verdict) -> None:
     c0, s0 = pair(verdict=verdict)
     s0.receive_data(c0.data_to_send())
     reply = s0.data_to_send()
-    for bit in range((PREAMBLE_LEN + 2) * 8, len(reply) * 8):  # every bit of msg2 (ephemeral, verdict, tag)
+    for bit in range(
+        (PREAMBLE_LEN + 2) * 8, len(reply) * 8
+    ):  # every bit of msg2 (ephemeral, verdict, tag)
         c, s = pair(verdict=verdict)
         # Replay the same server reply against a fresh client: it must never verify.
         tampered = bytearray(reply)
         tampered[bit // 8] ^= 1 << (bit % 8)
         c.receive_data(bytes(tampered))
         assert c.result is None
-        assert c.error is not None and c.error.failure in (Failure.VERDICT_FORGED, Failure.MALFORMED)
+        assert c.error is not None and c.error.failure in (
+            Failure.VERDICT_FORGED,
+            Failure.MALFORMED,
+        )
 
 
 def test_a_recorded_reply_does_not_complete_another_handshake() -> None:
@@ -164,7 +204,11 @@ def test_timeout_and_probe_and_bad_magic() -> None:
     assert s.error is not None and s.error.failure is Failure.TIMEOUT and s.get_timer() is None
     _, s = pair()
     s.connection_lost()
-    assert s.error is not None and s.error.failure is Failure.PROBE and s.error.failure.rate_class == "noise"
+    assert (
+        s.error is not None
+        and s.error.failure is Failure.PROBE
+        and s.error.failure.rate_class == "noise"
+    )
     _, s = pair()
     s.receive_data(b"GET / HTTP/1.1\r\n")
     assert s.error is not None and s.error.failure is Failure.BAD_MAGIC

@@ -9,7 +9,9 @@ import pytest
 
 from mlxcel.wire.noise import DecryptFailed, HandshakeState
 
-VECTORS = json.loads((Path(__file__).parent / "data" / "noise-cacophony-nn.json").read_text())["vectors"]
+VECTORS = json.loads((Path(__file__).parent / "data" / "noise-cacophony-nn.json").read_text())[
+    "vectors"
+]
 
 
 @pytest.mark.parametrize("v", VECTORS, ids=[v["protocol_name"] for v in VECTORS])
@@ -17,10 +19,20 @@ def test_cacophony_vector(v: dict) -> None:
     pattern = v["protocol_name"].split("_")[1]
     psk_i = bytes.fromhex(v["init_psks"][0]) if v.get("init_psks") else None
     psk_r = bytes.fromhex(v["resp_psks"][0]) if v.get("resp_psks") else None
-    init = HandshakeState(pattern, True, bytes.fromhex(v["init_prologue"]), psk=psk_i,
-                          ephemeral=bytes.fromhex(v["init_ephemeral"]))
-    resp = HandshakeState(pattern, False, bytes.fromhex(v["resp_prologue"]), psk=psk_r,
-                          ephemeral=bytes.fromhex(v["resp_ephemeral"]))
+    init = HandshakeState(
+        pattern,
+        True,
+        bytes.fromhex(v["init_prologue"]),
+        psk=psk_i,
+        ephemeral=bytes.fromhex(v["init_ephemeral"]),
+    )
+    resp = HandshakeState(
+        pattern,
+        False,
+        bytes.fromhex(v["resp_prologue"]),
+        psk=psk_r,
+        ephemeral=bytes.fromhex(v["resp_ephemeral"]),
+    )
     msgs = v["messages"]
     for i, m in enumerate(msgs[:2]):
         sender, receiver = (init, resp) if i % 2 == 0 else (resp, init)

@@ -37,7 +37,10 @@ def test_summary_after_a_suppressing_window() -> None:
     clock.t += 200  # a quiet period well past the window
     lines.clear()
     assert lim.warn("diagnostic", "again") is True
-    assert lines[0] == ("WARNING", "2 cluster warnings (diagnostic) were logged at debug during the 60s window that ended 140s ago")
+    assert lines[0] == (
+        "WARNING",
+        "2 cluster warnings (diagnostic) were logged at debug during the 60s window that ended 140s ago",
+    )
     assert lines[1] == ("WARNING", "again")
     lines.clear()
     clock.t += 61

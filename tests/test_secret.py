@@ -33,19 +33,28 @@ def test_precedence(tmp_path: Path) -> None:
     assert load_cluster_secret(None, env, toml).value == b"env-file-secret-0123456789"  # type: ignore[union-attr]
     assert load_cluster_secret(None, {"MLXCEL_CLUSTER_SECRET": GOOD}, toml).value == GOOD.encode()  # type: ignore[union-attr]
     got = load_cluster_secret(None, {}, toml)
-    assert got is not None and got.value == b"toml-secret-0123456789" and "cluster.toml" in got.source
+    assert (
+        got is not None and got.value == b"toml-secret-0123456789" and "cluster.toml" in got.source
+    )
 
 
 def test_both_environment_variables_is_an_error(tmp_path: Path) -> None:
     f = write(tmp_path / "f", GOOD)
     with pytest.raises(SecretError, match="both"):
-        load_cluster_secret(None, {"MLXCEL_CLUSTER_SECRET_FILE": str(f), "MLXCEL_CLUSTER_SECRET": GOOD})
+        load_cluster_secret(
+            None, {"MLXCEL_CLUSTER_SECRET_FILE": str(f), "MLXCEL_CLUSTER_SECRET": GOOD}
+        )
 
 
 def test_missing_secret_names_every_source() -> None:
     with pytest.raises(SecretError) as info:
         load_cluster_secret(None, {}, None)
-    for src in ("--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE", "MLXCEL_CLUSTER_SECRET", "[cluster]"):
+    for src in (
+        "--cluster-secret-file",
+        "MLXCEL_CLUSTER_SECRET_FILE",
+        "MLXCEL_CLUSTER_SECRET",
+        "[cluster]",
+    ):
         assert src in str(info.value)
     assert load_cluster_secret(None, {}, None, required=False) is None
 
@@ -100,8 +109,14 @@ def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path: Path) -> None:
 
 def test_keygen_cli(tmp_path: Path) -> None:
     out = tmp_path / "cluster.secret"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "mlxcel", "keygen", *a], capture_output=True,  # noqa: E731
-                                    text=True, env=os.environ, timeout=60)
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "mlxcel", "keygen", *a],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+            timeout=60,
+        )
     assert run("--out", str(out)).returncode == 0
     again = run("--out", str(out))
     assert again.returncode == 1 and "--force" in again.stderr
