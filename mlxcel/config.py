@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -198,7 +198,12 @@ def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
         return cls(**cli)
     except ValidationError as exc:
         err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
+        if not err["loc"]:  # a rule across several settings
+            raise ConfigError(
+                cls.__name__.removesuffix("Settings").lower(),
+                err["msg"].removeprefix("Value error, "),
+            ) from None
+        name = str(err["loc"][0])
         flag = flag_of(name, cls) if name in cls.model_fields else name
         if name in cli:
             where = ""
@@ -265,3 +270,37 @@ class BenchFramesSettings(_Base):
 class KeygenSettings(_Base):
     out: Path = Field(..., description="file to write the secret to (mode 0600)")
     force: bool = Field(False, description="overwrite an existing file")
+
+
+class ClusterCheckSettings(_Base):
+    listen: str | None = Field(None, description="run an authenticated ping endpoint on HOST:PORT")
+    connect: str | None = Field(
+        None, description="dial HOST:PORT with the cluster handshake and ping it"
+    )
+    advertise: str | None = Field(
+        None, description="listener identity HOST:PORT this node claims (connect mode)"
+    )
+    node_id: str = Field("check", description="node id announced in the handshake")
+    cluster_secret_file: Path | None = Field(
+        None, description="cluster secret file (see docs/security.md)"
+    )
+    cluster_interface: str | None = Field(
+        None, description="bind and connect through this network interface"
+    )
+    pings: int = Field(5, ge=0, le=10000, description="pings to send after connecting")
+    attempts: int = Field(
+        5, ge=1, le=1000, description="connect attempts (refusals and at-capacity are retried)"
+    )
+    base_delay: float = Field(
+        0.2, gt=0, le=60, description="first reconnect delay in seconds (doubles)"
+    )
+    duration: float = Field(0.0, ge=0, description="listen mode: seconds to run (0 = until Ctrl-C)")
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level on stderr"
+    )
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> ClusterCheckSettings:
+        if (self.listen is None) == (self.connect is None):
+            raise ValueError("give exactly one of --listen or --connect")
+        return self

@@ -109,6 +109,7 @@ def test_keygen_writes_0600_and_refuses_to_overwrite(tmp_path: Path) -> None:
 
 def test_keygen_cli(tmp_path: Path) -> None:
     out = tmp_path / "cluster.secret"
+
     def run(*a):
         return subprocess.run(
             [sys.executable, "-m", "mlxcel", "keygen", *a],
@@ -117,6 +118,7 @@ def test_keygen_cli(tmp_path: Path) -> None:
             env=os.environ,
             timeout=60,
         )
+
     assert run("--out", str(out)).returncode == 0
     again = run("--out", str(out))
     assert again.returncode == 1 and "--force" in again.stderr

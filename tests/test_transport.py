@@ -341,3 +341,111 @@ async def test_cluster_interface_binds_outbound_connections() -> None:
         await conn.send(Ack("x", 1))
         await until_true(lambda: len(srv.received) == 1)
         assert srv.received[0].source == f"{ip}:9100"
+
+
+async def test_truncated_handshake_is_closed_and_logged_as_noise() -> None:
+    async with server() as srv, Node("client") as client:
+        loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection(
+            SERVER_IP, srv.listener.port, local_addr=("127.0.0.2", 0)
+        )
+        hs = ClientHandshake(
+            SECRET.value, Identity("127.0.0.2", 9000), Channel.TRANSPORT, loop.time(), os.urandom
+        )
+        first = hs.data_to_send()
+        writer.write(first[: len(first) // 2])
+        await writer.drain()
+        writer.close()
+        await until_true(lambda: srv.listener.failures[Failure.CLOSED] == 1)
+        assert srv.listener.pending == 0
+        conn = await client_pool(client, "127.0.0.2").get(SERVER_IP, srv.listener.port)
+        await conn.send(Ack("after", 1))
+        await until_true(lambda: len(srv.received) == 1)
+
+
+def test_cluster_check_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    secret = tmp_path / "cluster.secret"
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(secret)], check=True, timeout=60
+    )
+    port = free_port("127.0.0.3")
+    listen = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "cluster-check",
+            "--listen",
+            f"127.0.0.3:{port}",
+            "--cluster-secret-file",
+            str(secret),
+            "--node-id",
+            "coord",
+            "--duration",
+            "30",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert listen.stdout is not None
+        for line in listen.stdout:
+            if line.startswith("listening on"):
+                break
+
+        def check(*extra: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "mlxcel",
+                    "cluster-check",
+                    "--connect",
+                    f"127.0.0.3:{port}",
+                    "--attempts",
+                    "1",
+                    *extra,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        ok = check(
+            "--cluster-secret-file",
+            str(secret),
+            "--cluster-interface",
+            "lo",
+            "--advertise",
+            "127.0.0.1:7000",
+        )
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "authenticated to 127.0.0.3" in ok.stdout and "node 'coord'" in ok.stdout
+        assert "5 pings over protected frames" in ok.stdout and "via lo (127.0.0.1)" in ok.stdout
+        other = tmp_path / "other.secret"
+        subprocess.run(
+            [sys.executable, "-m", "mlxcel", "keygen", "--out", str(other)], check=True, timeout=60
+        )
+        bad = check("--cluster-secret-file", str(other))
+        assert bad.returncode == 1 and "secret mismatch" in bad.stdout
+        assert secret.read_text().strip() not in bad.stdout + bad.stderr
+        liar = check("--cluster-secret-file", str(secret), "--advertise", "127.0.0.9:7000")
+        assert liar.returncode == 1 and "advertised identity 127.0.0.9:7000" in liar.stdout
+        missing = check()
+        assert missing.returncode == 1
+        for src in (
+            "--cluster-secret-file",
+            "MLXCEL_CLUSTER_SECRET_FILE",
+            "MLXCEL_CLUSTER_SECRET",
+            "[cluster]",
+        ):
+            assert src in missing.stderr
+    finally:
+        listen.terminate()
+        listen.wait(10)

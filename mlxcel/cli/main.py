@@ -20,6 +20,7 @@ from mlxcel.config import (
     BenchBatchingSettings,
     BenchFramesSettings,
     CheckpointSettings,
+    ClusterCheckSettings,
     GenerateSettings,
     KeygenSettings,
     ServeSettings,
@@ -35,6 +36,10 @@ COMMANDS: dict[str, tuple[type, str]] = {
     "generate": (GenerateSettings, "generate text from a prompt and print timing"),
     "serve": (ServeSettings, "run the OpenAI-compatible HTTP server"),
     "checkpoint": (CheckpointSettings, "write a deterministic random-weight checkpoint"),
+    "cluster-check": (
+        ClusterCheckSettings,
+        "check the cluster handshake between two hosts (secret, address, interface)",
+    ),
     "keygen": (KeygenSettings, "write a new random cluster secret (32 bytes, hex, mode 0600)"),
 }
 BENCHES: dict[str, tuple[type, str]] = {
@@ -136,6 +141,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return commands.checkpoint(settings)
     if args.command == "keygen":
         return commands.keygen(settings)
+    if args.command == "cluster-check":
+        from mlxcel.net.check import run_check
+
+        return run_async(run_check(settings))
     if args.command == "bench" and args.bench == "frames":
         return run_async(commands.bench_frames(settings))
     if args.command == "bench":

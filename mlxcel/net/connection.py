@@ -1,7 +1,7 @@
 """One authenticated connection: frames in and out, messages to the bus.
 
 Thin glue over the wire layer. Sending encodes a message (CBOR), seals it as one frame (or,
-above ``record_size``, as a run of PART frames and an END frame, so the receiver can open
+above ``record_size`` (256 KiB), as a run of PART frames and an END frame, so the receiver can open
 one record while the next is in flight) and drains the socket. The reader loop refuses an
 oversize length from the header before reading the body, opens every frame, reassembles, decodes
 and publishes to the bus with the peer's authenticated identity as the source -- blocking when
@@ -35,7 +35,7 @@ from mlxcel.wire.frames import (
 )
 from mlxcel.wire.handshake import Identity
 
-DEFAULT_RECORD_SIZE = 1 << 20
+DEFAULT_RECORD_SIZE = 256 << 10
 _ids = itertools.count(1)
 
 

@@ -77,6 +77,7 @@ class ClusterListener:
             lambda send, recv: AeadProtection(send, recv, max_frame=self.limits.max_frame)
         )
         self.connections: set[SecureConnection] = set()
+        self._by_source: dict[str, SecureConnection] = {}
         self.pending = 0
         self.pending_by_source: Counter[str] = Counter()
         self.failures: Counter[Failure] = Counter()
@@ -108,6 +109,11 @@ class ClusterListener:
     @property
     def address(self) -> str:
         return Identity(self.host, self.port).address
+
+    def connection_for(self, source: str) -> SecureConnection | None:
+        """The live connection whose authenticated identity is ``source`` (replies go there)."""
+        conn = self._by_source.get(source)
+        return conn if conn is not None and not conn.closed else None
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -169,6 +175,7 @@ class ClusterListener:
             record_size=self.limits.record_size,
         )
         self.connections.add(conn)
+        self._by_source[conn.source] = conn
         logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)
         try:
             if self.on_connection is not None:
@@ -179,6 +186,8 @@ class ClusterListener:
                 await conn.done
         finally:
             self.connections.discard(conn)
+            if self._by_source.get(conn.source) is conn:
+                del self._by_source[conn.source]
             await conn.wait_closed()
 
     def _report(self, exc: HandshakeError, ip: str) -> None:
