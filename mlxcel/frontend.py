@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from mlxcel.bus import Envelope, Node
+from mlxcel.bus import LOCAL, Envelope, Node
 from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import (
     AdmissionRejected,
@@ -93,6 +93,10 @@ class Frontend:
         self.node.bus.subscribe(Error, self._route, maxsize=256, name="frontend.errors")
 
     async def _route(self, env: Envelope[RunResult | Error]) -> None:
+        if env.source != LOCAL:
+            # Only this node's own generating role (engine or coordinator) answers requests;
+            # results that arrived from the network are the coordinator's to check first.
+            return
         rid = env.msg.request_id
         q = self._streams.get(rid) if rid is not None else None
         if q is None:

@@ -86,6 +86,7 @@ class PrepareSequence(Message):
     KIND: ClassVar[int] = 1
     request_id: str
     max_len: int
+    nonce: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,42 @@ class Error(Message):
     nonce: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BeginDrain(Message):
+    """Stop admitting new sequences; finish the ones in flight."""
+
+    KIND: ClassVar[int] = 9
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(Message):
+    """Exit cleanly (after draining)."""
+
+    KIND: ClassVar[int] = 10
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class State(Message):
+    """A node's answer to a state query: who it is and what it holds."""
+
+    KIND: ClassVar[int] = 11
+    node_id: str
+    layers: tuple[int, ...]  # (start, end) of the layer range it runs, end exclusive
+    sequences: int
+    draining: bool
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueryState(Message):
+    """Ask a node for its State (answered to the authenticated source)."""
+
+    KIND: ClassVar[int] = 12
+    nonce: int
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,
@@ -172,4 +209,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ReleaseSequence,
     Ack,
     Error,
+    BeginDrain,
+    Shutdown,
+    State,
+    QueryState,
 )

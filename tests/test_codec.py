@@ -12,6 +12,10 @@ from mlxcel.messages import (
     DTYPE_SIZES,
     Ack,
     Activation,
+    BeginDrain,
+    QueryState,
+    Shutdown,
+    State,
     CancelRequest,
     Error,
     PrepareSequence,
@@ -48,7 +52,7 @@ sampling = st.builds(
 )
 
 messages = st.one_of(
-    st.builds(PrepareSequence, ids, small_ints),
+    st.builds(PrepareSequence, ids, small_ints, u64),
     st.builds(
         RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64
     ),
@@ -67,6 +71,10 @@ messages = st.one_of(
     st.builds(ReleaseSequence, ids),
     st.builds(Ack, ids, u64),
     st.builds(Error, ids, ids, st.none() | ids, st.none() | u64),
+    st.builds(BeginDrain, ids),
+    st.builds(Shutdown, ids),
+    st.builds(State, ids, st.lists(small_ints, max_size=2).map(tuple), small_ints, st.booleans(), u64),
+    st.builds(QueryState, u64),
 )
 
 
@@ -76,16 +84,8 @@ def test_round_trip(msg: object) -> None:
 
 
 def test_every_message_class_is_covered_by_the_strategy() -> None:
-    names = {
-        "PrepareSequence",
-        "RunEntry",
-        "Activation",
-        "RunResult",
-        "CancelRequest",
-        "ReleaseSequence",
-        "Ack",
-        "Error",
-    }
+    names = {"PrepareSequence", "RunEntry", "Activation", "RunResult", "CancelRequest", "ReleaseSequence",
+             "Ack", "Error", "BeginDrain", "Shutdown", "State", "QueryState"}
     assert {c.__name__ for c in ALL_MESSAGES} == names
 
 

@@ -1,0 +1,290 @@
+"""The pipeline coordinator: turns each local RunEntry into a sequence of stage exchanges.
+
+It takes the engine's place on the serving node's bus: the Frontend publishes ``RunEntry``
+and ``CancelRequest`` locally, and gets one local ``RunResult`` per token back. For each
+request the coordinator prepares the sequence on every stage (each answers Ack), then per
+step sends one RunEntry to the entry stage and waits for the RunResult of that exchange from
+the final stage -- three frames per decoded token. When the request ends for any reason, the
+sequence is released on every stage.
+
+What it accepts from the network: Ack/State only from the stage it addressed, RunResult only
+from the final stage and only with the fresh nonce of the exchange that is waiting, for the
+same request and micro-batch (and, with ``return_logits``, logits of shape
+``[1, seq_len, vocab]``); Error carrying a waiting exchange's nonce from any stage of the
+pipeline (a stage downstream reports a bad activation that way). Everything else is dropped
+and counted while the exchange keeps waiting on its absolute deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+from mlxcel.bus import LOCAL, Envelope, Node
+from mlxcel.deadlines import deadline_in, until
+from mlxcel.errors import DeadlineExceeded, MlxcelError
+from mlxcel.messages import (
+    Ack,
+    CancelRequest,
+    Error,
+    Message,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    State,
+)
+from mlxcel.net.network import Endpoint, SendFailed
+
+
+class PipelineError(MlxcelError):
+    """A pipeline exchange failed (stage error, unreachable stage, deadline)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Exchange:
+    kind: type[Message]  # what answers it: Ack, State or RunResult
+    dest: str  # the stage addressed (Ack/State must come from it)
+    request_id: str
+    micro_batch: int
+    future: asyncio.Future[Any]
+    seq_len: int = 0
+
+
+class PipelineCoordinator:
+    def __init__(
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        stages: list[str],
+        *,
+        eos: set[int],
+        vocab: int,
+        max_len: int,
+        step_timeout: float = 30.0,
+        return_logits: bool = False,
+        max_sequences: int = 64,
+    ) -> None:
+        self.node = node
+        self.endpoint = endpoint
+        self.stages = stages
+        self.eos = eos
+        self.vocab = vocab
+        self.max_len = max_len
+        self.step_timeout = step_timeout
+        self.return_logits = return_logits
+        self.max_sequences = max_sequences
+        self._nonces = itertools.count(1)
+        self._exchanges: dict[int, _Exchange] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.dropped: Counter[str] = Counter()
+        self.completed = 0
+        self.failed = 0
+        self.steps = 0
+
+    @property
+    def final(self) -> str:
+        return self.stages[-1]
+
+    @property
+    def active(self) -> int:
+        return len(self._tasks)
+
+    def attach(self) -> None:
+        bus = self.node.bus
+        bus.subscribe(RunEntry, self._on_local_entry, maxsize=self.max_sequences, name="coordinator.entry")
+        bus.subscribe(CancelRequest, self._on_local_cancel, maxsize=256, name="coordinator.cancel")
+        bus.subscribe(RunResult, self._on_result, maxsize=1024, name="coordinator.results")
+        bus.subscribe(Ack, self._on_reply, maxsize=1024, name="coordinator.acks")
+        bus.subscribe(State, self._on_reply, maxsize=256, name="coordinator.state")
+        bus.subscribe(Error, self._on_error, maxsize=1024, name="coordinator.errors")
+
+    # --- inbound checks ------------------------------------------------------------------------
+    def _drop(self, why: str, env: Envelope[Any]) -> None:
+        self.dropped[why] += 1
+        logger.warning("coordinator: dropping {} from {}: {}", type(env.msg).__name__, env.source, why)
+
+    async def _on_result(self, env: Envelope[RunResult]) -> None:
+        if env.source == LOCAL:
+            return  # our own result to the frontend
+        m = env.msg
+        if env.source != self.final:
+            self._drop("not from the final stage", env)
+            return
+        ex = self._exchanges.get(m.nonce)
+        if ex is None or ex.kind is not RunResult:
+            self._drop("stale or unknown nonce", env)
+            return
+        if ex.request_id != m.request_id or ex.micro_batch != m.micro_batch:
+            self._drop("request or micro-batch does not match the exchange", env)
+            return
+        if self.return_logits:
+            t = m.logits
+            if t is None or t.shape != (1, ex.seq_len, self.vocab):
+                self._drop(f"logits shape {None if t is None else list(t.shape)} is not [1, {ex.seq_len}, {self.vocab}]", env)
+                return
+        elif len(m.token_ids) != 1:
+            self._drop("a sampled RunResult carries exactly one token", env)
+            return
+        del self._exchanges[m.nonce]
+        if not ex.future.done():
+            ex.future.set_result(m)
+
+    async def _on_reply(self, env: Envelope[Ack | State]) -> None:
+        if env.source == LOCAL:
+            return
+        ex = self._exchanges.get(env.msg.nonce)
+        if ex is None or ex.kind is not type(env.msg):
+            self._drop("stale or unknown nonce", env)
+            return
+        if env.source != ex.dest:
+            self._drop(f"the exchange addressed {ex.dest}", env)
+            return
+        del self._exchanges[env.msg.nonce]
+        if not ex.future.done():
+            ex.future.set_result(env.msg)
+
+    async def _on_error(self, env: Envelope[Error]) -> None:
+        if env.source == LOCAL:
+            return
+        m = env.msg
+        ex = self._exchanges.get(m.nonce) if m.nonce is not None else None
+        if ex is None or env.source not in self.stages or ex.request_id != (m.request_id or ex.request_id):
+            self._drop(f"unmatched error {m.code}: {m.message}", env)
+            return
+        if ex.kind is not RunResult and env.source != ex.dest:
+            self._drop(f"the exchange addressed {ex.dest}", env)
+            return
+        del self._exchanges[m.nonce]
+        if not ex.future.done():
+            ex.future.set_exception(PipelineError(m.code, f"{env.source}: {m.message}"))
+
+    # --- exchanges -----------------------------------------------------------------------------
+    async def exchange(self, dest: str, msg_for: Any, kind: type[Message], request_id: str,
+                       micro_batch: int = 0, seq_len: int = 0, timeout: float | None = None) -> Any:
+        """Send ``msg_for(nonce)`` to ``dest`` and wait for its matching answer."""
+        nonce = next(self._nonces)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._exchanges[nonce] = _Exchange(kind, dest, request_id, micro_batch, fut, seq_len)
+        deadline = deadline_in(timeout or self.step_timeout)
+        try:
+            await self.endpoint.send(dest, msg_for(nonce), deadline)
+            async with until(deadline, f"{kind.__name__} from {dest} for {request_id}"):
+                return await fut
+        except SendFailed as exc:
+            raise PipelineError("stage_unreachable", str(exc)) from None
+        finally:
+            self._exchanges.pop(nonce, None)
+
+    async def query_states(self, timeout: float = 10.0) -> list[State]:
+        """Ask every stage for its State (also proves each connection authenticates)."""
+        return list(await asyncio.gather(*(
+            self.exchange(s, lambda n: QueryState(n), State, "", timeout=timeout) for s in self.stages
+        )))
+
+    # --- the local side -------------------------------------------------------------------------
+    async def _on_local_entry(self, env: Envelope[RunEntry]) -> None:
+        if env.source != LOCAL:
+            self._drop("RunEntry is only accepted from this node's frontend", env)
+            return
+        m = env.msg
+        if m.request_id in self._tasks:
+            await self._local(Error("bad_request", "request id already running", m.request_id, m.nonce))
+            return
+        self._tasks[m.request_id] = self.node.spawn(self._drive(m), name=f"pipeline:{m.request_id}")
+
+    async def _on_local_cancel(self, env: Envelope[CancelRequest]) -> None:
+        if env.source != LOCAL:
+            self._drop("CancelRequest is only accepted from this node's frontend", env)
+            return
+        task = self._tasks.get(env.msg.request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _local(self, msg: Message) -> None:
+        await self.node.bus.publish(msg, deadline=deadline_in(30))
+
+    async def _drive(self, entry: RunEntry) -> None:
+        rid = entry.request_id
+        p = entry.sampling
+        total = len(entry.token_ids) + p.max_tokens
+        try:
+            if any(not 0 <= t < self.vocab for t in entry.token_ids) or not entry.token_ids:
+                raise PipelineError("bad_request", f"prompt empty or token id outside the vocabulary [0, {self.vocab})")
+            if total > self.max_len:
+                raise PipelineError("bad_request", f"prompt ({len(entry.token_ids)} tokens) + max_tokens "
+                                    f"({p.max_tokens}) exceeds the model's context of {self.max_len}")
+            await asyncio.gather(*(
+                self.exchange(s, lambda n: PrepareSequence(rid, total, n), Ack, rid) for s in self.stages
+            ))
+            tokens = entry.token_ids
+            pos = 0
+            generated = 0
+            sampler = None
+            while True:
+                step_tokens = tokens
+                res: RunResult = await self.exchange(
+                    self.stages[0],
+                    lambda n, t=step_tokens, q=pos: RunEntry(rid, entry.micro_batch, t, q, p, n),
+                    RunResult, rid, entry.micro_batch, seq_len=len(step_tokens),
+                )
+                self.steps += 1
+                if self.return_logits:
+                    token, sampler = self._sample_logits(res, p, sampler)
+                    lp = None
+                else:
+                    token = res.token_ids[0]
+                    lp = res.logprobs
+                pos += len(step_tokens)
+                generated += 1
+                if token in self.eos:
+                    await self._local(RunResult(rid, entry.micro_batch, (), "stop", entry.nonce))
+                    break
+                finish = "length" if generated >= p.max_tokens else None
+                await self._local(RunResult(rid, entry.micro_batch, (token,), finish, entry.nonce, logprobs=lp))
+                if finish:
+                    break
+                tokens = (token,)
+            self.completed += 1
+        except asyncio.CancelledError:
+            pass  # the frontend cancelled (client gone, stop string): release below
+        except (PipelineError, DeadlineExceeded) as exc:
+            self.failed += 1
+            code = exc.code if isinstance(exc, PipelineError) else "deadline_exceeded"
+            logger.warning("coordinator: request {} failed: {}", rid, exc)
+            await self._local(Error(code, str(exc), rid, entry.nonce))
+        finally:
+            self._tasks.pop(rid, None)
+            await self._release_everywhere(rid)
+
+    def _sample_logits(self, res: RunResult, p: Any, sampler: Any) -> tuple[int, Any]:
+        import mlx.core as mx
+
+        from mlxcel.runtime.sampling import make_sampler
+        from mlxcel.runtime.tensors import from_tensor
+
+        assert res.logits is not None
+        logits = from_tensor(res.logits)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if sampler is None:
+            sampler = make_sampler(p) or (lambda lp: mx.argmax(lp, axis=-1))
+        return int(sampler(logprobs).item()), sampler
+
+    async def _release_everywhere(self, rid: str) -> None:
+        async def one(stage: str) -> None:
+            try:
+                await self.endpoint.send(stage, ReleaseSequence(rid), deadline_in(5))
+            except (SendFailed, MlxcelError) as exc:
+                logger.debug("coordinator: release of {} on {} failed: {}", rid, stage, exc)
+
+        await asyncio.shield(asyncio.gather(*(one(s) for s in self.stages)))

@@ -1,0 +1,83 @@
+"""In-process pipeline: N stage nodes and a coordinator node in one process, on a LocalFabric.
+
+The same roles and messages as the multi-host path, minus the sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxcel.bus import Node
+from mlxcel.frontend import Frontend
+from mlxcel.net.network import LocalFabric
+from mlxcel.pipeline.coordinator import PipelineCoordinator
+from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
+from mlxcel.pipeline.stage import StageConfig, StageService
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
+
+
+@dataclass
+class PipelineStack:
+    node: Node
+    loaded: LoadedModel
+    frontend: Frontend
+    coordinator: PipelineCoordinator
+    stages: list[StageService]
+    plan: list[StagePlan]
+    fabric: LocalFabric
+
+
+def make_plan(model_path: Path, n_layers: int, pp_size: int, pp_layers: str | None) -> list[StagePlan]:
+    costs = layer_costs(model_path, n_layers)
+    if pp_layers:
+        return plan(costs, parse_layers(pp_layers, n_layers))
+    return auto_split(costs, pp_size)
+
+
+@asynccontextmanager
+async def pipeline_stack(
+    model_path: Path,
+    pp_size: int,
+    *,
+    pp_layers: str | None = None,
+    parallel: int = 8,
+    queue_size: int = 64,
+    request_timeout: float = 600.0,
+    return_logits: bool = False,
+) -> AsyncIterator[PipelineStack]:
+    compute = ComputeThread()
+    try:
+        loaded = await compute.run(load_model, model_path)
+        stages_plan = make_plan(model_path, loaded.n_layers, pp_size, pp_layers)
+        names = [f"stage-{i}" for i in range(len(stages_plan))]
+        fabric = LocalFabric()
+        async with AsyncExitStack() as stack:
+            services = []
+            for i, sp in enumerate(stages_plan):
+                node = await stack.enter_async_context(Node(names[i]))
+                cfg = StageConfig(names[i], i, len(names), "coordinator",
+                                  upstream=names[i - 1] if i else None,
+                                  downstream=names[i + 1] if i + 1 < len(names) else None,
+                                  return_logits=return_logits)
+                svc = StageService(node, fabric.endpoint(names[i], node), LayerRange(loaded, sp.start, sp.end),
+                                   compute, cfg)
+                svc.attach()
+                services.append(svc)
+            coord_node = await stack.enter_async_context(Node("coordinator"))
+            coordinator = PipelineCoordinator(
+                coord_node, fabric.endpoint("coordinator", coord_node), names,
+                eos=loaded.eos_token_ids(), vocab=int(loaded.config["vocab_size"]),
+                max_len=int(loaded.config.get("max_position_embeddings", 1 << 30)),
+                return_logits=return_logits, max_sequences=max(parallel, 1),
+            )
+            coordinator.attach()
+            fe = Frontend(coord_node, loaded.tokenizer, parallel=parallel, queue_size=queue_size,
+                          request_timeout=request_timeout)
+            fe.attach()
+            yield PipelineStack(coord_node, loaded, fe, coordinator, services, stages_plan, fabric)
+    finally:
+        compute.close()

@@ -1,0 +1,204 @@
+"""Splitting a model's layers into contiguous pipeline stages.
+
+Costs come from the checkpoint itself: the byte size of every tensor, read from the
+safetensors headers (no weights are loaded). A decoder layer costs the bytes of its tensors;
+the embedding is charged to the first stage and the final norm and LM head to the last (a tied
+head re-uses the embedding, so the last stage is charged for it too). Uneven models -- a
+dense layer 0, cheap attention-only layers, heavy expert layers -- therefore split correctly
+without per-family tables. With declared per-node memory the split balances cost/memory and
+refuses a plan that does not fit, showing the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxcel.errors import MlxcelError
+
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+class PartitionError(MlxcelError):
+    """A layer split is malformed or cannot fit."""
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    layers: tuple[int, ...]  # bytes per decoder layer
+    embed: int
+    head: int  # final norm + LM head (+ the embedding again when tied)
+    other: int  # anything else (charged to the first stage)
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers) + self.embed + self.head + self.other
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    start: int  # first layer
+    end: int  # one past the last layer
+    bytes: int
+    share: float
+    memory: float | None = None  # declared bytes, when known
+
+    @property
+    def spec(self) -> str:
+        return f"{self.start}-{self.end - 1}"
+
+
+def read_safetensors_sizes(model_dir: Path) -> dict[str, int]:
+    """Tensor name -> byte size, from the headers of every *.safetensors file."""
+    sizes: dict[str, int] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise PartitionError(f"{model_dir}: no *.safetensors files to size the layers from")
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise PartitionError(f"{f}: not a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 << 20:
+                raise PartitionError(f"{f}: implausible header size {n}")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as exc:
+                raise PartitionError(f"{f}: bad safetensors header: {exc}") from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            sizes[name] = int(end) - int(start)
+    return sizes
+
+
+def layer_costs(model_dir: Path, n_layers: int | None = None, tied: bool | None = None) -> LayerCosts:
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    n = n_layers if n_layers is not None else int(config["num_hidden_layers"])
+    tie = bool(config.get("tie_word_embeddings", False)) if tied is None else tied
+    per_layer = [0] * n
+    embed = head = other = 0
+    for name, size in read_safetensors_sizes(model_dir).items():
+        m = _LAYER.match(name)
+        if m:
+            i = int(m.group(1))
+            if i < n:
+                per_layer[i] += size
+            continue
+        if "embed_tokens" in name:
+            embed += size
+        elif name.startswith(("lm_head", "model.norm", "norm")):
+            head += size
+        else:
+            other += size
+    if tie:
+        head += embed
+    return LayerCosts(tuple(per_layer), embed, head, other)
+
+
+def parse_layers(spec: str, n_layers: int) -> list[tuple[int, int]]:
+    """``"0-15,16-31"`` (inclusive ranges) -> ``[(0, 16), (16, 32)]``, fully validated."""
+    ranges: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)-(\d+)", part)
+        if not m:
+            raise PartitionError(f"--pp-layers: bad range {part!r} (expected START-END, e.g. 0-15)")
+        a, b = int(m.group(1)), int(m.group(2))
+        if b < a:
+            raise PartitionError(f"--pp-layers: range {part!r} is empty (end before start)")
+        ranges.append((a, b + 1))
+    expected = 0
+    for a, b in ranges:
+        if a != expected:
+            raise PartitionError(
+                f"--pp-layers: range {a}-{b - 1} should start at layer {expected} "
+                "(ranges must be contiguous, in order, from layer 0)"
+            )
+        expected = b
+    if expected != n_layers:
+        raise PartitionError(
+            f"--pp-layers: ranges cover layers 0-{expected - 1} but the model has {n_layers} (0-{n_layers - 1})"
+        )
+    return ranges
+
+
+def _stage_cost(costs: LayerCosts, start: int, end: int, n_stages_last: bool, first: bool) -> int:
+    c = sum(costs.layers[start:end])
+    if first:
+        c += costs.embed + costs.other
+    if n_stages_last:
+        c += costs.head
+    return c
+
+
+def plan(costs: LayerCosts, ranges: list[tuple[int, int]], memory: list[float] | None = None) -> list[StagePlan]:
+    total = costs.total or 1
+    out = []
+    for i, (a, b) in enumerate(ranges):
+        c = _stage_cost(costs, a, b, i == len(ranges) - 1, i == 0)
+        out.append(StagePlan(i, a, b, c, c / total, memory[i] if memory else None))
+    if memory:
+        over = [s for s in out if s.memory is not None and s.bytes > s.memory]
+        if over:
+            raise PartitionError("plan does not fit the declared memory:\n" + format_plan(out))
+    return out
+
+
+def auto_split(costs: LayerCosts, n_stages: int, memory: list[float] | None = None) -> list[StagePlan]:
+    """Contiguous split minimising the largest cost/memory ratio (dynamic programming)."""
+    n = len(costs.layers)
+    if not 1 <= n_stages <= n:
+        raise PartitionError(f"cannot split {n} layers into {n_stages} stages")
+    if memory is not None and len(memory) != n_stages:
+        raise PartitionError(f"{len(memory)} memory figures for {n_stages} stages")
+    weight = memory or [1.0] * n_stages
+    prefix = [0]
+    for c in costs.layers:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][j]: minimal bottleneck placing layers [0, j) on stages [0, s)
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        last = s == n_stages
+        for j in range(s, n + 1):
+            if last and j != n:
+                continue
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                c = prefix[j] - prefix[i]
+                if s == 1:
+                    c += costs.embed + costs.other
+                if last:
+                    c += costs.head
+                v = max(best[s - 1][i], c / weight[s - 1])
+                if v < best[s][j]:
+                    best[s][j] = v
+                    cut[s][j] = i
+    ranges = []
+    j = n
+    for s in range(n_stages, 0, -1):
+        i = cut[s][j]
+        ranges.append((i, j))
+        j = i
+    ranges.reverse()
+    return plan(costs, ranges, memory)
+
+
+def format_plan(stages: list[StagePlan]) -> str:
+    rows = [f"{'stage':>5}  {'layers':>9}  {'bytes':>14}  {'share':>6}  {'memory':>14}"]
+    for s in stages:
+        mem = f"{s.memory:>14,.0f}" if s.memory is not None else f"{'-':>14}"
+        flag = "  <- does not fit" if s.memory is not None and s.bytes > s.memory else ""
+        rows.append(f"{s.index:>5}  {s.spec:>9}  {s.bytes:>14,}  {s.share:>6.1%}  {mem}{flag}")
+    return "\n".join(rows)

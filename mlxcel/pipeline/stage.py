@@ -1,0 +1,327 @@
+"""A pipeline stage: runs one contiguous layer range for every sequence it was prepared for.
+
+Authorization (by the authenticated source of each message):
+
+* commands -- PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain,
+  Shutdown, QueryState -- only from the configured coordinator;
+* activations only from the upstream stage;
+* the identity that prepared a request id owns it here: a command for that id from anyone
+  else is answered with Error and changes nothing; re-preparing discards older caches;
+* results go to the owner (the authenticated source of PrepareSequence), never to an address
+  named in a payload; other replies go to the authenticated source.
+
+Tensors are bounded before anything is built from them: hidden states must be ``[1, n, width]``
+float with ``n <= 2**20`` and ``width`` the model's. A bad activation is answered with an Error
+carrying the exchange nonce, so the coordinator fails that request at once.
+
+The last stage samples (the RunEntry's sampling parameters travel with the activation) and
+returns token ids; with ``return_logits`` it returns the logits instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+import mlx.core as mx
+
+from mlxcel.bus import Envelope, Node
+from mlxcel.deadlines import deadline_in
+from mlxcel.errors import MlxcelError
+from mlxcel.messages import (
+    Ack,
+    Activation,
+    BeginDrain,
+    CancelRequest,
+    Error,
+    Message,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Shutdown,
+    State,
+    Tensor,
+)
+from mlxcel.net.network import Endpoint, SendFailed
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LayerRange
+from mlxcel.runtime.sampling import Sampler, make_sampler
+from mlxcel.runtime.tensors import from_tensor, to_tensor
+
+MAX_ACTIVATION_TOKENS = 1 << 20
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class StageState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class StageConfig:
+    node_id: str
+    index: int
+    n_stages: int
+    coordinator: str  # identity; an unspecified IP ("0.0.0.0:port") accepts any IP on that port
+    upstream: str | None = None
+    downstream: str | None = None
+    return_logits: bool = False
+    reply_deadline: float = 30.0
+
+
+@dataclass
+class _Seq:
+    owner: str
+    cache: list[Any]
+    max_len: int
+    sampler: Sampler | None = None
+    sampling: SamplingParams | None = None
+    tokens: int = 0
+
+
+@dataclass
+class StageStats:
+    forwards: int = 0
+    refused: int = 0
+    errors: int = 0
+    dropped: int = 0
+    by_code: dict[str, int] = field(default_factory=dict)
+
+
+class StageService:
+    def __init__(self, node: Node, endpoint: Endpoint, layers: LayerRange, compute: ComputeThread,
+                 config: StageConfig) -> None:
+        self.node = node
+        self.endpoint = endpoint
+        self.layers = layers
+        self.compute = compute
+        self.config = config
+        self.width = layers.loaded.hidden_size
+        self.vocab = int(layers.loaded.config["vocab_size"])
+        self.state = StageState.SERVING
+        self.seqs: dict[str, _Seq] = {}
+        self.stats = StageStats()
+        self.stopped = asyncio.Event()
+        self._shutdown = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.config.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.config.index == self.config.n_stages - 1
+
+    def attach(self) -> None:
+        bus = self.node.bus
+        for cls, handler in (
+            (PrepareSequence, self._on_prepare), (RunEntry, self._on_run_entry), (Activation, self._on_activation),
+            (CancelRequest, self._on_release), (ReleaseSequence, self._on_release), (BeginDrain, self._on_drain),
+            (Shutdown, self._on_shutdown), (QueryState, self._on_query),
+        ):
+            bus.subscribe(cls, handler, maxsize=256, name=f"stage{self.config.index}.{cls.__name__}")
+
+    # --- authorization --------------------------------------------------------------------
+    def _is_coordinator(self, source: str) -> bool:
+        want = self.config.coordinator
+        if source == want:
+            return True
+        host, _, port = want.rpartition(":")
+        try:
+            unspecified = ipaddress.ip_address(host.strip("[]")).is_unspecified
+        except ValueError:
+            return False
+        return unspecified and source.rpartition(":")[2] == port
+
+    async def _refuse(self, env: Envelope[Any], code: str, why: str, request_id: str | None, nonce: int | None) -> None:
+        self.stats.refused += 1
+        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
+        logger.warning("stage {}: refusing {} from {}: {}", self.config.index, type(env.msg).__name__, env.source, why)
+        await self._send(env.source, Error(code, why, request_id, nonce))
+
+    async def _send(self, dest: str, msg: Message) -> bool:
+        try:
+            await self.endpoint.send(dest, msg, deadline_in(self.config.reply_deadline))
+            return True
+        except (SendFailed, MlxcelError) as exc:
+            self.stats.dropped += 1
+            logger.warning("stage {}: could not send {} to {}: {}", self.config.index, type(msg).__name__, dest, exc)
+            return False
+
+    def _command_ok(self, env: Envelope[Any]) -> bool:
+        return self._is_coordinator(env.source)
+
+    # --- commands ---------------------------------------------------------------------------
+    async def _on_prepare(self, env: Envelope[PrepareSequence]) -> None:
+        m = env.msg
+        if not self._command_ok(env):
+            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", m.request_id, m.nonce)
+            return
+        old = self.seqs.get(m.request_id)
+        if old is not None and old.owner != env.source:
+            await self._refuse(env, "not_owner", f"request {m.request_id!r} is owned by another identity", m.request_id, m.nonce)
+            return
+        if self.state is not StageState.SERVING:
+            await self._refuse(env, "draining", "stage is draining; no new sequences", m.request_id, m.nonce)
+            return
+        # A fresh claim: whatever was cached under this id is discarded.
+        self.seqs[m.request_id] = _Seq(env.source, self.layers.make_cache(), m.max_len)
+        await self._send(env.source, Ack(m.request_id, m.nonce))
+
+    async def _on_release(self, env: Envelope[CancelRequest | ReleaseSequence]) -> None:
+        m = env.msg
+        seq = self.seqs.get(m.request_id)
+        if not self._command_ok(env) or (seq is not None and seq.owner != env.source):
+            await self._refuse(env, "not_owner", f"{type(m).__name__} for {m.request_id!r} from a non-owner", m.request_id, None)
+            return
+        if seq is not None:
+            del self.seqs[m.request_id]
+        self._maybe_stopped()
+
+    async def _on_drain(self, env: Envelope[BeginDrain]) -> None:
+        if not self._command_ok(env):
+            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", None, None)
+            return
+        self.begin_drain()
+        await self._send(env.source, Ack("", 0))
+
+    async def _on_shutdown(self, env: Envelope[Shutdown]) -> None:
+        if not self._command_ok(env):
+            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", None, None)
+            return
+        logger.info("stage {}: shutdown requested by the coordinator", self.config.index)
+        self.request_shutdown()
+
+    async def _on_query(self, env: Envelope[QueryState]) -> None:
+        if not self._command_ok(env):
+            await self._refuse(env, "not_coordinator", "state is reported only to the coordinator", None, env.msg.nonce)
+            return
+        await self._send(env.source, State(self.config.node_id, (self.layers.start, self.layers.end), len(self.seqs),
+                                           self.state is not StageState.SERVING, env.msg.nonce))
+
+    def begin_drain(self) -> None:
+        """Refuse new sequences; the ones in flight run to their end."""
+        if self.state is StageState.SERVING:
+            self.state = StageState.DRAINING
+            logger.info("stage {}: draining ({} sequences in flight)", self.config.index, len(self.seqs))
+
+    def request_shutdown(self) -> None:
+        """Drain, then stop once the last sequence is released (``stopped`` is set)."""
+        self.begin_drain()
+        self._shutdown = True
+        self._maybe_stopped()
+
+    def _maybe_stopped(self) -> None:
+        if self._shutdown and not self.seqs and self.state is not StageState.STOPPED:
+            self.state = StageState.STOPPED
+            self.stopped.set()
+
+    # --- the data path ----------------------------------------------------------------------
+    async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:
+        m = env.msg
+        if not self.is_first:
+            await self._refuse(env, "not_entry", "this stage is not the entry stage", m.request_id, m.nonce)
+            return
+        seq = self.seqs.get(m.request_id)
+        if not self._command_ok(env) or seq is None or seq.owner != env.source:
+            code = "not_coordinator" if not self._command_ok(env) else ("not_prepared" if seq is None else "not_owner")
+            await self._refuse(env, code, f"RunEntry for {m.request_id!r} refused ({code})", m.request_id, m.nonce)
+            return
+        if not m.token_ids or seq.tokens + len(m.token_ids) > seq.max_len:
+            await self._refuse(env, "bad_request", "token ids empty or beyond the prepared length", m.request_id, m.nonce)
+            return
+        vocab = self.vocab
+        if any(not 0 <= t < vocab for t in m.token_ids):
+            await self._refuse(env, "bad_request", f"token id outside [0, {vocab})", m.request_id, m.nonce)
+            return
+        x = mx.array([list(m.token_ids)], dtype=mx.int32)
+        await self._forward(seq, m.request_id, m.micro_batch, x, len(m.token_ids), m.sampling, m.nonce)
+
+    def _check_hidden(self, t: Tensor) -> str | None:
+        if t.dtype not in FLOAT_DTYPES:
+            return f"hidden states must be float, got {t.dtype}"
+        if len(t.shape) != 3 or t.shape[0] != 1:
+            return f"hidden states must be [1, n, width], got {list(t.shape)}"
+        if not 1 <= t.shape[1] <= MAX_ACTIVATION_TOKENS:
+            return f"hidden states claim {t.shape[1]} tokens (1..{MAX_ACTIVATION_TOKENS})"
+        if t.shape[2] != self.width:
+            return f"hidden width {t.shape[2]} differs from the model's {self.width}"
+        return None
+
+    async def _on_activation(self, env: Envelope[Activation]) -> None:
+        m = env.msg
+        seq = self.seqs.get(m.request_id)
+        if env.source != self.config.upstream:
+            # Only the upstream stage feeds this one. Tell the owner if there is one to tell.
+            logger.warning("stage {}: activation from {} is not from the upstream stage", self.config.index, env.source)
+            self.stats.refused += 1
+            if seq is not None:
+                await self._send(seq.owner, Error("not_upstream", f"activation from {env.source} refused", m.request_id, m.nonce))
+            return
+        if seq is None:
+            self.stats.dropped += 1
+            logger.warning("stage {}: activation for unprepared request {}; dropped", self.config.index, m.request_id)
+            return
+        problem = self._check_hidden(m.hidden)
+        if problem is None and seq.tokens + m.hidden.shape[1] > seq.max_len:
+            problem = "activation beyond the prepared length"
+        if problem is not None:
+            self.stats.errors += 1
+            await self._send(seq.owner, Error("bad_activation", problem, m.request_id, m.nonce))
+            return
+        await self._forward(seq, m.request_id, m.micro_batch, from_tensor(m.hidden), m.hidden.shape[1], m.sampling, m.nonce)
+
+    async def _forward(self, seq: _Seq, request_id: str, micro_batch: int, x: mx.array, n: int,
+                       sampling: SamplingParams, nonce: int) -> None:
+        if self.is_last and seq.sampling is None and not self.config.return_logits:
+            seq.sampling = sampling
+            seq.sampler = make_sampler(sampling)
+        try:
+            out = await self.compute.run(self._compute, seq, x)
+        except Exception as exc:  # an execution failure is reported like a bad activation
+            self.stats.errors += 1
+            logger.exception("stage {}: forward failed", self.config.index)
+            await self._send(seq.owner, Error("forward_failed", f"stage {self.config.index}: {exc}", request_id, nonce))
+            return
+        self.stats.forwards += 1
+        seq.tokens += n
+        if self.seqs.get(request_id) is not seq:
+            return  # released or re-prepared while we computed
+        if not self.is_last:
+            assert self.config.downstream is not None
+            act = Activation(request_id, micro_batch, out, 0, sampling, nonce)
+            if not await self._send(self.config.downstream, act):
+                await self._send(seq.owner, Error("downstream_unreachable", f"stage {self.config.index} cannot reach "
+                                                  f"{self.config.downstream}", request_id, nonce))
+            return
+        if self.config.return_logits:
+            await self._send(seq.owner, RunResult(request_id, micro_batch, (), None, nonce, logits=out))
+        else:
+            token, logprob = out
+            lp = (logprob,) if sampling.logprobs else None
+            await self._send(seq.owner, RunResult(request_id, micro_batch, (token,), None, nonce, logprobs=lp))
+
+    def _compute(self, seq: _Seq, x: mx.array) -> Any:
+        """Compute thread: run the range; on the last stage sample (or return logits)."""
+        h = self.layers(x, seq.cache)
+        if not self.is_last:
+            mx.eval(h)
+            return to_tensor(h)
+        if self.config.return_logits:
+            mx.eval(h)
+            return to_tensor(h.astype(mx.float32))
+        logits = h[:, -1, :].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tok = seq.sampler(logprobs) if seq.sampler is not None else mx.argmax(logprobs, axis=-1)
+        mx.eval(tok, logprobs)
+        t = int(tok.item())
+        return t, float(logprobs[0, t].item())
