@@ -68,7 +68,7 @@ class ModelSettings(_Base):
         1, ge=1, description="tensor-parallel ranks (distributed; not in this build yet)"
     )
     pp_size: int = Field(
-        1, ge=1, description="pipeline stages (distributed; not in this build yet)"
+        1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"
     )
     log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="log level on stderr"
@@ -92,12 +92,24 @@ class SamplingSettings(_Base):
     seed: int | None = Field(None, ge=0, lt=2**63, description="random seed for sampling")
 
 
-class GenerateSettings(ModelSettings, SamplingSettings):
+class PipelineSettings(_Base):
+    pp_layers: str | None = Field(None, description="explicit stage layer ranges, e.g. 0-15,16-31")
+    pp_micro_batch_size: int = Field(4, ge=1, le=4096, description="sequences in flight through the pipeline at once")
+    pp_return_logits: bool = Field(False, description="final stage returns logits; the coordinator samples")
+    dry_run: bool = Field(False, description="print the pipeline plan and exit")
+
+
+class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
     prompt: str = Field("Hello", description="prompt text", json_schema_extra=_short("-p"))
     chat: bool = Field(False, description="wrap the prompt in the model's chat template")
 
 
-class ServeSettings(ModelSettings):
+class ServeSettings(ModelSettings, PipelineSettings):
+    distributed_config: Path | None = Field(None, description="cluster TOML (pipeline across processes/hosts)")
+    node_id: str | None = Field(None, description="this process's node id in the cluster TOML")
+    cluster_secret_file: Path | None = Field(None, description="cluster secret file (see docs/security.md)")
+    cluster_interface: str | None = Field(None, description="bind and connect cluster traffic through this interface")
+    startup_timeout: float = Field(60.0, gt=0, description="seconds the coordinator waits for its stages")
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")
@@ -110,6 +122,7 @@ class ServeSettings(ModelSettings):
         None, description="model id in the API (default: folder name)"
     )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for requests in flight")
 
 
 class CheckpointSettings(_Base):

@@ -83,6 +83,7 @@ class Frontend:
         self._nonces = itertools.count(1)
         self.unmatched = 0
         self.in_flight = 0
+        self.draining = False
 
     @property
     def waiting(self) -> int:
@@ -125,6 +126,8 @@ class Frontend:
         """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
+        if self.draining:
+            raise AdmissionRejected("server is draining and admits no new requests")
         if self._waiting >= self.queue_size and self._slots.locked():
             raise AdmissionRejected(
                 f"admission queue full ({self._waiting} waiting, {self.parallel} running)"
@@ -184,6 +187,13 @@ class Frontend:
             self._slots.release()
             if not finished:
                 await self._cancel(request_id, "client went away or stop string")
+
+    async def drain(self, deadline: float) -> None:
+        """Stop admitting; wait (until ``deadline``) for the requests in flight to finish."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        while (self.in_flight or self._waiting) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:

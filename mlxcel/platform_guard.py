@@ -31,10 +31,13 @@ DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
     "generate": [
         ("--tp-size", "tp_size", _above_one),
         ("--pp-size", "pp_size", _above_one),
+        ("--pp-layers", "pp_layers", _present),
     ],
     "serve": [
         ("--tp-size", "tp_size", _above_one),
         ("--pp-size", "pp_size", _above_one),
+        ("--pp-layers", "pp_layers", _present),
+        ("--distributed-config", "distributed_config", _present),
     ],
 }
 

@@ -41,21 +41,20 @@ def checkpoint(s: CheckpointSettings) -> int:
 
 async def generate(s: GenerateSettings) -> int:
     from mlxcel.runtime.blas import ensure_blas
-    from mlxcel.server.run import local_stack
 
     logger.info("BLAS: {}", ensure_blas())
     path = resolve_model(s.model)
-    async with local_stack(
-        path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1, name="generate"
-    ) as stack:
+    pipelined = s.pp_size > 1 or s.pp_layers is not None
+    if s.dry_run:
+        return _print_plan(path, s.pp_size, s.pp_layers)
+    async with _generation_stack(s, path, pipelined) as stack:
         fe = stack.frontend
         if s.chat:
             ids = fe.apply_chat_template([{"role": "user", "content": s.prompt}])
         else:
             ids = fe.encode_prompt(s.prompt)
-        params = SamplingParams(
-            temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
-        )
+        params = SamplingParams(temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                max_tokens=s.max_tokens)
         usage = Usage()
         async with aclosing(fe.stream(ids, params, usage=usage)) as it:
             async for d in it:
@@ -63,6 +62,30 @@ async def generate(s: GenerateSettings) -> int:
                 sys.stdout.flush()
         sys.stdout.write("\n")
         print(_stats_line(usage), flush=True)
+    return 0
+
+
+def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type: ignore[no-untyped-def]
+    if pipelined:
+        from mlxcel.pipeline.inproc import pipeline_stack
+
+        return pipeline_stack(path, s.pp_size, pp_layers=s.pp_layers, parallel=s.pp_micro_batch_size,
+                              return_logits=s.pp_return_logits)
+    from mlxcel.server.run import local_stack
+
+    return local_stack(path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1,
+                       name="generate")
+
+
+def _print_plan(path: Path, pp_size: int, pp_layers: str | None, memory: list[float] | None = None) -> int:
+    import json as _json
+
+    from mlxcel.pipeline.partition import auto_split, format_plan, layer_costs, parse_layers, plan
+
+    n_layers = int(_json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    costs = layer_costs(path, n_layers)
+    stages = plan(costs, parse_layers(pp_layers, n_layers), memory) if pp_layers else auto_split(costs, pp_size, memory)
+    print(format_plan(stages))
     return 0
 
 
@@ -81,9 +104,55 @@ def _stats_line(u: Usage) -> str:
 
 
 async def serve(s: ServeSettings) -> int:
+    if s.distributed_config is not None:
+        return await _serve_distributed(s)
+    path = resolve_model(s.model)
+    if s.dry_run:
+        return _print_plan(path, s.pp_size, s.pp_layers)
+    if s.pp_size > 1 or s.pp_layers is not None:
+        from mlxcel.pipeline.inproc import pipeline_stack
+        from mlxcel.server.run import serve_http
+
+        async with pipeline_stack(path, s.pp_size, pp_layers=s.pp_layers, parallel=s.parallel,
+                                  queue_size=s.queue_size, request_timeout=s.request_timeout,
+                                  return_logits=s.pp_return_logits) as st:
+            await serve_http(s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.coordinator.active)
+        return 0
     from mlxcel.server.run import serve as run_server
 
-    await run_server(s, resolve_model(s.model))
+    await run_server(s, path)
+    return 0
+
+
+async def _serve_distributed(s: ServeSettings) -> int:
+    from mlxcel.errors import ConfigError
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.remote import cluster_secret, run_coordinator, run_stage
+
+    assert s.distributed_config is not None
+    cfg = load_cluster_config(s.distributed_config)
+    if s.model is not None:
+        path = Path(s.model).expanduser()
+    elif cfg.model is not None:
+        path = (s.distributed_config.parent / cfg.model).expanduser()
+    else:
+        path = resolve_model(None)
+    if s.dry_run:
+        return _print_plan(path, cfg.pipeline_parallel_size, cfg.pp_layers, cfg.memory)
+    if s.node_id is None:
+        raise ConfigError("--node-id", "required with --distributed-config (which node of the cluster is this?)")
+    me = cfg.node(s.node_id)
+    secret = cluster_secret(s, cfg, s.distributed_config)
+    if secret is None:  # a one-stage "cluster": nothing crosses a network that needs protecting
+        import secrets as _secrets
+
+        from mlxcel.net.secret import ClusterSecret
+
+        secret = ClusterSecret(_secrets.token_bytes(32), "ephemeral (single-stage cluster)")
+    if me.role == "stage":
+        await run_stage(cfg, me, path, s, secret)
+    else:
+        await run_coordinator(cfg, me, path, s, secret)
     return 0
 
 

@@ -30,6 +30,7 @@ from mlxcel.config import (
     load_settings,
 )
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
+from mlxcel.pipeline.partition import PartitionError
 from mlxcel.platform_guard import refuse_distributed_on_windows
 
 COMMANDS: dict[str, tuple[type, str]] = {
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _guard(command: str, args: argparse.Namespace) -> None:
     # Raw values, before validation and before any model is resolved.
     raw = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    for field in ("tp_size", "pp_size"):
+    for field in ("tp_size", "pp_size", "pp_layers", "distributed_config"):
         env = os.environ.get(f"MLXCEL_{field.upper()}")
         if field not in raw and env is not None:
             raw[field] = env
@@ -108,11 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cls = COMMANDS[args.command][0]
         settings = load_settings(cls, args)
-        for field in ("tp_size", "pp_size"):
-            if getattr(settings, field, 1) > 1:
-                raise ConfigError(
-                    f"--{field.replace('_', '-')}", "distributed modes are not in this build yet"
-                )
+        if getattr(settings, "tp_size", 1) > 1:
+            raise ConfigError("--tp-size", "tensor parallelism is not in this build yet")
     except ConfigError as exc:
         die(exc)
     except PlatformUnsupported as exc:
@@ -123,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         code = _dispatch(args, settings)
     except KeyboardInterrupt:
         code = 130
+    except (ConfigError, PartitionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
     except MlxcelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
@@ -149,11 +150,6 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return run_async(commands.bench_frames(settings))
     if args.command == "bench":
         return run_async(commands.bench_batching(settings))
-    for field in ("tp_size", "pp_size"):
-        if getattr(settings, field) > 1:
-            raise ConfigError(
-                f"--{field.replace('_', '-')}", "distributed modes are not in this build yet"
-            )
     if args.command == "generate":
         return run_async(commands.generate(settings))
     if args.command == "serve":

@@ -26,9 +26,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
-from loguru import logger
-
 import mlx.core as mx
+from loguru import logger
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in

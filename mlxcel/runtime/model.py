@@ -49,8 +49,12 @@ class LoadedModel:
         return set(self.tokenizer.eos_token_ids)
 
 
-def load_model(path: str | Path) -> LoadedModel:
-    """Load a checkpoint from a local folder, never from a hub."""
+def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
+    """Load a checkpoint from a local folder, never from a hub.
+
+    ``lazy`` leaves weights memory-mapped until first used: a pipeline stage then only ever
+    reads the layers it runs.
+    """
     from mlx_lm.utils import load
 
     p = Path(path).expanduser()
@@ -63,7 +67,7 @@ def load_model(path: str | Path) -> LoadedModel:
     if not list(p.glob("*.safetensors")):
         raise ModelLoadError(f"{p}: no *.safetensors weights")
     try:
-        model, tokenizer = load(str(p))
+        model, tokenizer = load(str(p), lazy=lazy)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
     return LoadedModel(p, model, tokenizer, config)
@@ -135,3 +139,16 @@ def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer and config of a checkpoint without its weights (a coordinator's needs)."""
+    from mlx_lm.utils import load_tokenizer
+
+    p = Path(path).expanduser()
+    try:
+        config = json.loads((p / "config.json").read_text())
+        tokenizer = load_tokenizer(p, eos_token_ids=config.get("eos_token_id"))
+    except Exception as exc:
+        raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    return tokenizer, config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,42 +82,56 @@ async def serve(settings: ServeSettings, model_path: Path) -> None:
         request_timeout=settings.request_timeout,
         name="serve",
     ) as stack:
-        metrics = Metrics()
-        metrics.bind(
-            queue_depth=lambda: stack.frontend.waiting,
-            inflight=lambda: stack.engine.active,
-            inflight_requests=lambda: stack.frontend.in_flight,
-            handler_errors=lambda: sum(stack.node.bus.handler_errors.values()),
-        )
-        model_name = settings.served_model_name or stack.loaded.name
-        app = build_app(
-            stack.frontend,
-            metrics,
-            model_name=model_name,
-            default_max_tokens=settings.default_max_tokens,
-            max_body_bytes=settings.max_body_bytes,
-        )
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        port = runner.addresses[0][1] if runner.addresses else settings.port
         logger.info(
             "model {} ({}, {} layers); decode path: batched forward, up to {} sequences per step",
-            model_name,
-            stack.loaded.family,
-            stack.loaded.n_layers,
-            settings.max_batch_size,
+            stack.loaded.name, stack.loaded.family, stack.loaded.n_layers, settings.max_batch_size,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        await serve_http(
+            settings, stack.frontend, stack.node, stack.loaded.name,
+            inflight=lambda: stack.engine.active,
+        )
+
+
+async def serve_http(
+    settings: ServeSettings,
+    frontend: Frontend,
+    node: Node,
+    default_name: str,
+    *,
+    inflight: Callable[[], float],
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve the HTTP API until SIGINT/SIGTERM (or ``stop``), then drain and close."""
+    metrics = Metrics()
+    metrics.bind(
+        queue_depth=lambda: frontend.waiting,
+        inflight=inflight,
+        inflight_requests=lambda: frontend.in_flight,
+        handler_errors=lambda: sum(node.bus.handler_errors.values()),
+    )
+    model_name = settings.served_model_name or default_name
+    app = build_app(frontend, metrics, model_name=model_name,
+                    default_max_tokens=settings.default_max_tokens,
+                    max_body_bytes=settings.max_body_bytes)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else settings.port
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if sys.platform != "win32":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    # One stable line on stdout that scripts and tests wait for (signals are armed by now).
+    print(f"mlxcel serving {model_name} on http://{settings.host}:{port}", flush=True)
+    try:
+        await stop.wait()
+        logger.info("draining: admitting no new requests, finishing {} in flight", frontend.in_flight)
+        await frontend.drain(loop.time() + settings.drain_timeout)
+        logger.info("shutting down")
+    finally:
         if sys.platform != "win32":
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-        # One stable line on stdout that scripts and tests wait for (signals are armed by now).
-        print(f"mlxcel serving {model_name} on http://{settings.host}:{port}", flush=True)
-        try:
-            await stop.wait()
-            logger.info("shutting down")
-        finally:
-            await runner.cleanup()
+                loop.remove_signal_handler(sig)
+        await runner.cleanup()

@@ -1,0 +1,163 @@
+"""Multi-host pipeline processes: ``serve --distributed-config cluster.toml --node-id ID``.
+
+A stage process listens on its address, loads its layer range lazily, and serves the stage
+protocol. The coordinator process listens on its address (stages send results there),
+connects to every stage at start-up -- so a wrong secret or address fails it at once, naming
+the problem -- checks that each stage runs the planned layers, then serves the HTTP API.
+Every node of a pipeline with two or more stages requires the cluster secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.config import ServeSettings
+from mlxcel.errors import ConfigError, MlxcelError
+from mlxcel.frontend import Frontend
+from mlxcel.net.interfaces import interface_ipv4, probe_rdma
+from mlxcel.net.listener import ClusterListener, Limits
+from mlxcel.net.network import TcpEndpoint
+from mlxcel.net.pool import Backoff, ConnectFailed, ConnectionPool
+from mlxcel.net.secret import ClusterSecret, load_cluster_secret
+from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
+from mlxcel.pipeline.coordinator import PipelineCoordinator, PipelineError
+from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
+from mlxcel.pipeline.stage import StageConfig, StageService
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LayerRange, load_model, load_tokenizer_only
+from mlxcel.wire.handshake import Identity
+
+
+def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[StagePlan]:
+    costs = layer_costs(model_path, n_layers)
+    if cfg.pp_layers:
+        return plan(costs, parse_layers(cfg.pp_layers, n_layers), cfg.memory)
+    return auto_split(costs, cfg.pipeline_parallel_size, cfg.memory)
+
+
+def cluster_secret(settings: ServeSettings, cfg: ClusterConfig, toml_path: Path) -> ClusterSecret | None:
+    required = cfg.pipeline_parallel_size >= 2
+    return load_cluster_secret(settings.cluster_secret_file, None, toml_path, required=required)
+
+
+def _net(node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
+         ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
+    c = cfg.cluster
+    bind = interface_ipv4(interface) if interface else me.host
+    limits = Limits(max_connections=c.max_connections, max_pending=c.max_pending_handshakes,
+                    max_pending_per_source=c.max_pending_handshakes_per_ip,
+                    handshake_timeout=c.handshake_timeout, max_frame=c.max_frame_bytes)
+    listener = ClusterListener(node, secret, bind, me.port, node_id=me.id, limits=limits)
+    src = None if me.host in ("0.0.0.0", "::") else bind
+    pool = ConnectionPool(node, secret, Identity(me.host, me.port, me.id), bind_ip=src,
+                          backoff=Backoff(c.reconnect_attempts, c.reconnect_base_delay),
+                          handshake_timeout=c.handshake_timeout, max_frame=c.max_frame_bytes)
+    return listener, pool, TcpEndpoint(me.address, pool)
+
+
+def _signals(stop: asyncio.Event) -> None:
+    if sys.platform != "win32":
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def run_stage(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings: ServeSettings,
+                    secret: ClusterSecret) -> None:
+    stages = cfg.stages
+    index = [s.id for s in stages].index(me.id)
+    compute = ComputeThread()
+    try:
+        loaded = await compute.run(load_model, model_path, True)
+        stage_plan = cluster_plan(cfg, model_path, loaded.n_layers)[index]
+        async with Node(me.id) as node:
+            listener, pool, endpoint = _net(node, cfg, me, secret, settings.cluster_interface)
+            service = StageService(
+                node, endpoint, LayerRange(loaded, stage_plan.start, stage_plan.end), compute,
+                StageConfig(me.id, index, len(stages), cfg.coordinator.address,
+                            upstream=stages[index - 1].address if index else None,
+                            downstream=stages[index + 1].address if index + 1 < len(stages) else None,
+                            return_logits=settings.pp_return_logits),
+            )
+            service.attach()
+            await listener.start()
+            logger.info("transport: {}", probe_rdma().detail)
+            print(f"mlxcel stage {me.id} (layers {stage_plan.spec}) listening on {me.address}", flush=True)
+            stop = asyncio.Event()
+            _signals(stop)
+            stopper = asyncio.create_task(stop.wait())
+            done_task = asyncio.create_task(service.stopped.wait())
+            await asyncio.wait({stopper, done_task}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not service.stopped.is_set():
+                logger.info("stage {}: SIGTERM: draining {} sequences", me.id, len(service.seqs))
+                service.request_shutdown()
+                try:
+                    await asyncio.wait_for(service.stopped.wait(), settings.drain_timeout)
+                except TimeoutError:
+                    logger.warning("stage {}: drain timed out with {} sequences", me.id, len(service.seqs))
+            stopper.cancel()
+            done_task.cancel()
+            logger.info("stage {} stopped", me.id)
+    finally:
+        compute.close()
+
+
+async def run_coordinator(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings: ServeSettings,
+                          secret: ClusterSecret) -> None:
+    from mlxcel.server.run import serve_http
+
+    tokenizer, config = load_tokenizer_only(model_path)
+    n_layers = int(config["num_hidden_layers"])
+    stages_plan = cluster_plan(cfg, model_path, n_layers)
+    async with Node(me.id) as node:
+        listener, pool, endpoint = _net(node, cfg, me, secret, settings.cluster_interface)
+        coordinator = PipelineCoordinator(
+            node, endpoint, [s.address for s in cfg.stages],
+            eos=set(tokenizer.eos_token_ids), vocab=int(config["vocab_size"]),
+            max_len=int(config.get("max_position_embeddings", 1 << 30)),
+            step_timeout=cfg.cluster.step_timeout, return_logits=settings.pp_return_logits,
+            max_sequences=settings.parallel,
+        )
+        coordinator.attach()
+        await listener.start()
+        await connect_stages(coordinator, pool, cfg, stages_plan, settings.startup_timeout)
+        fe = Frontend(node, tokenizer, parallel=settings.parallel, queue_size=settings.queue_size,
+                      request_timeout=settings.request_timeout)
+        fe.attach()
+        logger.info("pipeline of {} stages ready: {}", len(stages_plan),
+                    ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)))
+        await serve_http(settings, fe, node, model_path.name, inflight=lambda: coordinator.active)
+
+
+async def connect_stages(coordinator: PipelineCoordinator, pool: ConnectionPool, cfg: ClusterConfig,
+                         stages_plan: list[StagePlan], timeout: float) -> None:
+    """Reach every stage (retrying while they start) and check its layers; fail fast on refusals."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for spec in cfg.stages:
+        while True:
+            try:
+                await pool.get(spec.host, spec.port, deadline)
+                break
+            except ConnectFailed as exc:
+                if exc.failure is not None and not exc.failure.retryable:
+                    raise MlxcelError(f"stage {spec.id} at {spec.address}: {exc}") from None
+                if loop.time() >= deadline:
+                    raise MlxcelError(f"stage {spec.id} at {spec.address} unreachable within {timeout:g}s: {exc}") from None
+                await asyncio.sleep(0.2)
+    try:
+        states = await coordinator.query_states(timeout=max(1.0, deadline - loop.time()))
+    except (PipelineError, MlxcelError) as exc:
+        raise MlxcelError(f"stages did not answer their state query: {exc}") from None
+    for spec, planned, st in zip(cfg.stages, stages_plan, states, strict=True):
+        if tuple(st.layers) != (planned.start, planned.end):
+            raise MlxcelError(f"stage {spec.id} runs layers {st.layers[0]}-{st.layers[1] - 1}, "
+                              f"the plan says {planned.spec}: same model and config on every node?")
+        if st.node_id != spec.id:
+            raise ConfigError("--distributed-config", f"{spec.address} answers as {st.node_id!r}, expected {spec.id!r}")
