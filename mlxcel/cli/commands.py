@@ -116,7 +116,8 @@ async def serve(s: ServeSettings) -> int:
         async with pipeline_stack(path, s.pp_size, pp_layers=s.pp_layers, parallel=s.parallel,
                                   queue_size=s.queue_size, request_timeout=s.request_timeout,
                                   return_logits=s.pp_return_logits) as st:
-            await serve_http(s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.coordinator.active)
+            await serve_http(s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.coordinator.active,
+                             health_extra=st.coordinator.health)
         return 0
     from mlxcel.server.run import serve as run_server
 

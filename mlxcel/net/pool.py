@@ -85,6 +85,8 @@ class ConnectionPool:
             lambda send, recv: AeadProtection(send, recv, max_frame=self.max_frame)
         )
         self._conns: dict[tuple[str, int], SecureConnection] = {}
+        # Called with "host:port" when a pooled connection closes (peer died, frame failure).
+        self.on_lost: list[Callable[[str], None]] = []
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.attempts_made = 0
 
@@ -104,8 +106,15 @@ class ConnectionPool:
             conn = await self.connect(host, port, deadline)
             self._conns[key] = conn
             if self.publish:
-                self.node.spawn(conn.run(self.node), name=f"conn:{host}:{port}")
+                self.node.spawn(self._read(conn), name=f"conn:{host}:{port}")
             return conn
+
+    async def _read(self, conn: SecureConnection) -> None:
+        try:
+            await conn.run(self.node)
+        finally:
+            for cb in list(self.on_lost):
+                cb(Identity(conn.peer.host, conn.peer.port).address)
 
     async def connect(
         self, host: str, port: int, deadline: float | None = None

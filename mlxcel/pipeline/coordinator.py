@@ -101,6 +101,9 @@ class PipelineCoordinator:
         return len(self._tasks)
 
     def attach(self) -> None:
+        pool = getattr(self.endpoint, "pool", None)
+        if pool is not None:
+            pool.on_lost.append(self._stage_lost)
         bus = self.node.bus
         bus.subscribe(RunEntry, self._on_local_entry, maxsize=self.max_sequences, name="coordinator.entry")
         bus.subscribe(CancelRequest, self._on_local_cancel, maxsize=256, name="coordinator.cancel")
@@ -169,6 +172,16 @@ class PipelineCoordinator:
         if not ex.future.done():
             ex.future.set_exception(PipelineError(m.code, f"{env.source}: {m.message}"))
 
+    def _stage_lost(self, address: str) -> None:
+        """A stage connection closed: every exchange that needs that stage fails now."""
+        if address not in self.stages:
+            return
+        for nonce, ex in list(self._exchanges.items()):
+            if ex.kind is RunResult or ex.dest == address:
+                del self._exchanges[nonce]
+                if not ex.future.done():
+                    ex.future.set_exception(PipelineError("stage_unreachable", f"lost the connection to stage {address}"))
+
     # --- exchanges -----------------------------------------------------------------------------
     async def exchange(self, dest: str, msg_for: Any, kind: type[Message], request_id: str,
                        micro_batch: int = 0, seq_len: int = 0, timeout: float | None = None) -> Any:
@@ -191,6 +204,19 @@ class PipelineCoordinator:
         return list(await asyncio.gather(*(
             self.exchange(s, lambda n: QueryState(n), State, "", timeout=timeout) for s in self.stages
         )))
+
+    async def health(self) -> dict[str, Any]:
+        """Per-stage state for /health: reachability, layers, sequences held, draining."""
+        out = []
+        for stage in self.stages:
+            try:
+                st = await self.exchange(stage, lambda n: QueryState(n), State, "", timeout=2.0)
+                out.append({"address": stage, "id": st.node_id, "layers": list(st.layers),
+                            "sequences": st.sequences, "draining": st.draining})
+            except (PipelineError, MlxcelError) as exc:
+                out.append({"address": stage, "error": str(exc)})
+        return {"pipeline": {"stages": out, "active": self.active, "completed": self.completed,
+                             "failed": self.failed, "dropped": dict(self.dropped)}}
 
     # --- the local side -------------------------------------------------------------------------
     async def _on_local_entry(self, env: Envelope[RunEntry]) -> None:

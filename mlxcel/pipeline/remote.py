@@ -132,7 +132,8 @@ async def run_coordinator(cfg: ClusterConfig, me: NodeSpec, model_path: Path, se
         fe.attach()
         logger.info("pipeline of {} stages ready: {}", len(stages_plan),
                     ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)))
-        await serve_http(settings, fe, node, model_path.name, inflight=lambda: coordinator.active)
+        await serve_http(settings, fe, node, model_path.name, inflight=lambda: coordinator.active,
+                         health_extra=coordinator.health)
 
 
 async def connect_stages(coordinator: PipelineCoordinator, pool: ConnectionPool, cfg: ClusterConfig,

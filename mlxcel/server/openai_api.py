@@ -29,6 +29,7 @@ from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
 SETTINGS = web.AppKey("settings", dict)
+HEALTH = web.AppKey("health", object)  # optional async callable adding role details to /health
 
 
 def error_response(
@@ -282,17 +283,26 @@ async def _sse(
         data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
         await resp.write(f"data: {data}\n\n".encode())
 
-    async with aclosing(stream) as it:
-        async for d in it:
-            if resp is None:
-                # Headers go out with the first token, so admission errors can still be a 4xx/5xx.
-                resp = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await resp.prepare(request)
-                if kind == "chat":
-                    await send(chunk(None, first=True))
-            await send(chunk(d))
+    try:
+        async with aclosing(stream) as it:
+            async for d in it:
+                if resp is None:
+                    # Headers go out with the first token, so admission errors can still be a 4xx/5xx.
+                    resp = web.StreamResponse(
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                    )
+                    await resp.prepare(request)
+                    if kind == "chat":
+                        await send(chunk(None, first=True))
+                await send(chunk(d))
+    except (EngineError, DeadlineExceeded) as exc:
+        if resp is None:
+            raise
+        # The status line is gone; report the failure in-band, as OpenAI's API does.
+        code = exc.code if isinstance(exc, EngineError) else "deadline_exceeded"
+        await send({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
+        await resp.write_eof()
+        return resp
     if resp is None:  # pragma: no cover - a stream always yields its final delta
         raise RequestError("generation produced nothing")
     _account(metrics, usage)
@@ -331,7 +341,12 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND]
-    return web.json_response({"status": "ok", "in_flight": fe.in_flight, "waiting": fe.waiting})
+    body: dict[str, Any] = {"status": "draining" if fe.draining else "ok", "in_flight": fe.in_flight,
+                            "waiting": fe.waiting}
+    extra = request.app.get(HEALTH)
+    if extra is not None:
+        body.update(await extra())  # type: ignore[operator]
+    return web.json_response(body)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -356,11 +371,14 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 def build_app(
-    fe: Frontend, metrics: Metrics, *, model_name: str, default_max_tokens: int, max_body_bytes: int
+    fe: Frontend, metrics: Metrics, *, model_name: str, default_max_tokens: int, max_body_bytes: int,
+    health_extra: Any = None,
 ) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[FRONTEND] = fe
     app[METRICS] = metrics
+    if health_extra is not None:
+        app[HEALTH] = health_extra
     app[SETTINGS] = {
         "model_name": model_name,
         "default_max_tokens": default_max_tokens,

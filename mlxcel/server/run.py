@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from loguru import logger
@@ -100,6 +101,7 @@ async def serve_http(
     *,
     inflight: Callable[[], float],
     stop: asyncio.Event | None = None,
+    health_extra: Callable[[], Awaitable[dict[str, Any]]] | None = None,
 ) -> None:
     """Serve the HTTP API until SIGINT/SIGTERM (or ``stop``), then drain and close."""
     metrics = Metrics()
@@ -112,7 +114,7 @@ async def serve_http(
     model_name = settings.served_model_name or default_name
     app = build_app(frontend, metrics, model_name=model_name,
                     default_max_tokens=settings.default_max_tokens,
-                    max_body_bytes=settings.max_body_bytes)
+                    max_body_bytes=settings.max_body_bytes, health_extra=health_extra)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)

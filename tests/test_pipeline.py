@@ -1,0 +1,293 @@
+"""Pipeline roles in one process over the LocalFabric: equality, authorization, bounds, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from mlxcel.errors import ConfigError
+from mlxcel.frontend import EngineError
+from mlxcel.messages import (
+    Activation,
+    BeginDrain,
+    CancelRequest,
+    Error,
+    PrepareSequence,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Shutdown,
+    Tensor,
+)
+from mlxcel.net.network import LocalEndpoint
+from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.pipeline.inproc import PipelineStack, pipeline_stack
+from mlxcel.pipeline.partition import (
+    LayerCosts,
+    PartitionError,
+    auto_split,
+    format_plan,
+    layer_costs,
+    parse_layers,
+    plan,
+)
+from mlxcel.server.run import local_stack
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [f"Pipeline prompt {i}: the quick brown fox" for i in range(8)]
+
+
+async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ignore[no-untyped-def]
+    toks: list[int] = []
+    async with aclosing(fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))) as it:
+        async for d in it:
+            toks.extend(d.token_ids)
+    return toks
+
+
+async def until_true(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with local_stack(tiny) as st:
+            return [await collect(st.frontend, p) for p in PROMPTS]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_inproc_pipeline_matches_single_process(tiny: Path, reference: list[list[int]], stages: int) -> None:
+    async with pipeline_stack(tiny, stages, parallel=8) as st:
+        got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS))
+        assert got == reference
+        assert all(not s.seqs for s in st.stages)  # every sequence released everywhere
+        assert st.coordinator.active == 0 and not st.coordinator.dropped
+        assert st.stages[0].stats.forwards == 8 * 16
+
+
+async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:
+    async with pipeline_stack(tiny, 2, return_logits=True) as st:
+        assert [await collect(st.frontend, p) for p in PROMPTS[:3]] == reference[:3]
+
+
+async def test_explicit_layers(tiny: Path, reference: list[list[int]]) -> None:
+    async with pipeline_stack(tiny, 2, pp_layers="0-0,1-3") as st:
+        assert [(s.layers.start, s.layers.end) for s in st.stages] == [(0, 1), (1, 4)]
+        assert await collect(st.frontend, PROMPTS[0]) == reference[0]
+
+
+def rogue(st: PipelineStack, identity: str) -> LocalEndpoint:
+    return LocalEndpoint(st.fabric, identity)
+
+
+async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny: Path) -> None:
+    from mlxcel.bus import Envelope, Node
+
+    async with pipeline_stack(tiny, 2) as st, Node("mallory") as mallory:
+        seen: list[Error] = []
+
+        async def on_error(env: Envelope[Error]) -> None:
+            seen.append(env.msg)
+
+        mallory.bus.subscribe(Error, on_error)
+        evil = st.fabric.endpoint("mallory", mallory)
+        fe = st.frontend
+        it = fe.stream(fe.encode_prompt("hello"), SamplingParams(max_tokens=400))
+        await anext(it)
+        (rid,) = st.stages[0].seqs
+        before = {s.config.index: dict(s.seqs) for s in st.stages}
+        s0 = "stage-0"
+        for msg in (RunEntry(rid, 0, (1, 2), 0, SamplingParams(), 99), CancelRequest(rid, "evil"),
+                    ReleaseSequence(rid), PrepareSequence(rid, 10, 98), BeginDrain("evil"), Shutdown("evil")):
+            await evil.send(s0, msg, asyncio.get_running_loop().time() + 5)
+        await until_true(lambda: len(seen) == 6)
+        assert {e.code for e in seen} == {"not_coordinator", "not_owner"}
+        assert {e.nonce for e in seen if e.nonce} == {99, 98}
+        assert {s.config.index: dict(s.seqs) for s in st.stages} == before  # unchanged
+        assert st.stages[0].state.value == "serving"
+        # An activation from anyone but the upstream stage is refused too.
+        hidden = Tensor("float32", (1, 1, 64), bytes(256))
+        await evil.send("stage-1", Activation(rid, 0, hidden, 0, SamplingParams(), 5), asyncio.get_running_loop().time() + 5)
+        await until_true(lambda: st.stages[1].stats.refused == 1)
+        # The real request is unharmed.
+        n = 1
+        async for d in it:
+            n += len(d.token_ids)
+            if n >= 30:
+                break
+        await it.aclose()
+        await until_true(lambda: all(not s.seqs for s in st.stages))
+
+
+async def test_stale_nonce_and_wrong_sender_results_are_dropped(tiny: Path, reference: list[list[int]]) -> None:
+    async with pipeline_stack(tiny, 2) as st:
+        coord = st.coordinator
+        real_send = coord.endpoint.send
+        forged: list[str] = []
+
+        async def send_and_forge(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
+            await real_send(dest, msg, deadline)
+            if isinstance(msg, RunEntry) and len(forged) < 3:
+                # Before the real answer: a stale nonce from the final stage, the right nonce
+                # from a non-final stage, and a result for another request.
+                final, first = rogue(st, "stage-1"), rogue(st, "stage-0")
+                t = asyncio.get_running_loop().time() + 5
+                await final.send("coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce - 1000), t)
+                await first.send("coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce), t)
+                await final.send("coordinator", RunResult("someone-else", 0, (7,), None, msg.nonce), t)
+                forged.append(msg.request_id)
+
+        coord.endpoint.send = send_and_forge  # type: ignore[method-assign]
+        assert await collect(st.frontend, PROMPTS[0]) == reference[0]
+        assert coord.dropped["not from the final stage"] >= 1
+        assert coord.dropped["stale or unknown nonce"] >= 1
+        assert coord.dropped["request or micro-batch does not match the exchange"] >= 1
+
+
+@pytest.mark.parametrize("problem", ["width", "tokens", "dtype"])
+async def test_out_of_bounds_activation_fails_the_request_fast(tiny: Path, problem: str) -> None:
+    async with pipeline_stack(tiny, 2, request_timeout=60) as st:
+        s0 = st.stages[0]
+        real = s0.endpoint.send
+        tampered = []
+
+        async def tamper(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
+            if isinstance(msg, Activation) and not tampered:
+                tampered.append(1)
+                if problem == "width":
+                    hidden = Tensor("float32", (1, 1, 65), bytes(260))
+                elif problem == "dtype":
+                    hidden = Tensor("int32", (1, 1, 64), bytes(256))
+                else:  # claims more than 2**20 tokens without sending them
+                    hidden = object.__new__(Tensor)
+                    for k, v in (("dtype", "float32"), ("shape", (1, (1 << 20) + 1, 64)), ("data", b"")):
+                        object.__setattr__(hidden, k, v)
+                msg = Activation(msg.request_id, msg.micro_batch, hidden, 0, msg.sampling, msg.nonce)
+            await real(dest, msg, deadline)
+
+        s0.endpoint.send = tamper  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(EngineError) as info:
+            await collect(st.frontend, "hello", 50)
+        assert info.value.code == "bad_activation"
+        assert loop.time() - t0 < 5  # failed at once, not at a deadline
+        assert st.stages[1].stats.errors == 1
+        await until_true(lambda: all(not s.seqs for s in st.stages))
+        # The stage keeps serving.
+        assert len(await collect(st.frontend, "again", 5)) == 5
+
+
+async def test_drain_refuses_new_sequences_and_finishes_running_ones(tiny: Path) -> None:
+    async with pipeline_stack(tiny, 2) as st:
+        running = asyncio.create_task(collect(st.frontend, "long one", 60))
+        await until_true(lambda: bool(st.stages[0].seqs))
+        st.stages[0].request_shutdown()
+        with pytest.raises(EngineError) as info:
+            await collect(st.frontend, "new", 3)
+        assert info.value.code == "draining"
+        assert len(await running) == 60
+        await until_true(lambda: st.stages[0].stopped.is_set())
+
+
+# --- partitioner ---------------------------------------------------------------------------------
+
+
+def test_parse_layers_errors_name_the_range() -> None:
+    assert parse_layers("0-1,2-3", 4) == [(0, 2), (2, 4)]
+    for spec, text in (("0-1,3-3", "should start at layer 2"), ("0-1", "the model has 4"),
+                       ("0-2,1-3", "should start at layer 3"), ("2-1,2-3", "empty"), ("zero-3", "bad range")):
+        with pytest.raises(PartitionError, match=text):
+            parse_layers(spec, 4)
+
+
+def test_auto_split_uses_real_costs_for_uneven_models() -> None:
+    # A heavy dense layer 0, cheap attention-only layers, heavy expert layers.
+    costs = LayerCosts((900, 100, 100, 100, 800, 800), embed=200, head=200, other=0)
+    stages = auto_split(costs, 3)
+    assert [(s.start, s.end) for s in stages] == [(0, 1), (1, 5), (5, 6)]
+    assert sum(s.bytes for s in stages) == costs.total
+    # Declared memory shifts the split; a plan that cannot fit is an error with the numbers.
+    weighted = auto_split(costs, 2, memory=[3000.0, 1000.0])
+    assert weighted[0].bytes > weighted[1].bytes
+    with pytest.raises(PartitionError) as info:
+        plan(costs, [(0, 3), (3, 6)], memory=[100.0, 100.0])
+    assert "does not fit" in str(info.value) and "1,300" in str(info.value)
+
+
+def test_layer_costs_come_from_safetensors_headers(tiny: Path) -> None:
+    c = layer_costs(tiny)
+    assert len(c.layers) == 4 and len(set(c.layers)) == 1 and c.embed > 0
+    assert c.head >= c.embed  # tied head is charged to the last stage
+    text = format_plan(auto_split(c, 2))
+    assert "0-1" in text and "2-3" in text and "share" in text
+
+
+def test_dry_run_prints_the_plan(tiny: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "--pp-size", "3", "--dry-run"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].split() == ["stage", "layers", "bytes", "share", "memory"] and len(lines) == 4
+    bad = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "--pp-layers", "0-1,3-3"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--pp-layers" in bad.stderr
+
+
+@pytest.mark.parametrize("stages", ["2", "3"])
+def test_generate_pp_size_prints_the_single_process_tokens(tiny: Path, stages: str) -> None:
+    def run(*extra: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "-p", "Hello there",
+                            "-n", "20", *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.rsplit("\n", 2)[0]
+
+    assert run("--pp-size", stages) == run()
+
+
+# --- cluster config --------------------------------------------------------------------------------
+
+
+def test_example_configs_validate() -> None:
+    for name in ("pipeline_2stage.toml", "pipeline_3stage.toml"):
+        cfg = load_cluster_config(ROOT / "examples" / "distributed" / name)
+        assert len(cfg.stages) == cfg.pipeline_parallel_size
+        assert cfg.cluster.secret_file == "cluster.secret"
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        ("pipeline_parallel_size = 2\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n", "2 but 0 stage"),
+        ("pipeline_parallel_size = 1\n[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.1:1'\n", "exactly one"),
+        ("pipeline_parallel_size = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='host:1'\n"
+         "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n", "IP address"),
+        ("pipeline_parallel_size = 1\nbogus = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n"
+         "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n", "bogus"),
+        ("not toml [", "not valid TOML"),
+    ],
+)
+def test_bad_cluster_configs_name_the_problem(tmp_path: Path, body: str, text: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(body)
+    with pytest.raises(ConfigError, match=text):
+        load_cluster_config(p)
+
+
+def test_json_plan_shares_sum_to_one(tiny: Path) -> None:
+    stages = auto_split(layer_costs(tiny), 2)
+    assert abs(sum(s.share for s in stages) - 1.0) < 1e-9
+    json.dumps([s.spec for s in stages])
