@@ -94,8 +94,12 @@ class SamplingSettings(_Base):
 
 class PipelineSettings(_Base):
     pp_layers: str | None = Field(None, description="explicit stage layer ranges, e.g. 0-15,16-31")
-    pp_micro_batch_size: int = Field(4, ge=1, le=4096, description="sequences in flight through the pipeline at once")
-    pp_return_logits: bool = Field(False, description="final stage returns logits; the coordinator samples")
+    pp_micro_batch_size: int = Field(
+        4, ge=1, le=4096, description="sequences in flight through the pipeline at once"
+    )
+    pp_return_logits: bool = Field(
+        False, description="final stage returns logits; the coordinator samples"
+    )
     dry_run: bool = Field(False, description="print the pipeline plan and exit")
 
 
@@ -105,11 +109,19 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
 
 
 class ServeSettings(ModelSettings, PipelineSettings):
-    distributed_config: Path | None = Field(None, description="cluster TOML (pipeline across processes/hosts)")
+    distributed_config: Path | None = Field(
+        None, description="cluster TOML (pipeline across processes/hosts)"
+    )
     node_id: str | None = Field(None, description="this process's node id in the cluster TOML")
-    cluster_secret_file: Path | None = Field(None, description="cluster secret file (see docs/security.md)")
-    cluster_interface: str | None = Field(None, description="bind and connect cluster traffic through this interface")
-    startup_timeout: float = Field(60.0, gt=0, description="seconds the coordinator waits for its stages")
+    cluster_secret_file: Path | None = Field(
+        None, description="cluster secret file (see docs/security.md)"
+    )
+    cluster_interface: str | None = Field(
+        None, description="bind and connect cluster traffic through this interface"
+    )
+    startup_timeout: float = Field(
+        60.0, gt=0, description="seconds the coordinator waits for its stages"
+    )
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")
@@ -122,7 +134,9 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None, description="model id in the API (default: folder name)"
     )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
-    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for requests in flight")
+    drain_timeout: float = Field(
+        30.0, ge=0, description="seconds SIGTERM waits for requests in flight"
+    )
 
 
 class CheckpointSettings(_Base):
@@ -317,3 +331,33 @@ class ClusterCheckSettings(_Base):
         if (self.listen is None) == (self.connect is None):
             raise ValueError("give exactly one of --listen or --connect")
         return self
+
+
+class BenchPipelineSettings(_Base):
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded small checkpoint)",
+        json_schema_extra=_short("-m"),
+    )
+    tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+
+class DemoSettings(_Base):
+    prompt: str = Field(
+        "Explain pipeline parallelism in one sentence.", description="the chat message to send"
+    )
+    max_tokens: int = Field(32, ge=1, le=4096, description="tokens to stream")
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded tiny model)",
+        json_schema_extra=_short("-m"),
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )

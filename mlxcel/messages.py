@@ -190,6 +190,8 @@ class State(Message):
     sequences: int
     draining: bool
     nonce: int
+    wire_bytes_out: int = 0  # bytes this node has written to cluster connections
+    compute_us: int = 0  # time this node has spent computing, in microseconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,16 +13,16 @@ from mlxcel.messages import (
     Ack,
     Activation,
     BeginDrain,
-    QueryState,
-    Shutdown,
-    State,
     CancelRequest,
     Error,
     PrepareSequence,
+    QueryState,
     ReleaseSequence,
     RunEntry,
     RunResult,
     SamplingParams,
+    Shutdown,
+    State,
     Tensor,
 )
 from mlxcel.wire.codec import decode, encode
@@ -73,7 +73,16 @@ messages = st.one_of(
     st.builds(Error, ids, ids, st.none() | ids, st.none() | u64),
     st.builds(BeginDrain, ids),
     st.builds(Shutdown, ids),
-    st.builds(State, ids, st.lists(small_ints, max_size=2).map(tuple), small_ints, st.booleans(), u64),
+    st.builds(
+        State,
+        ids,
+        st.lists(small_ints, max_size=2).map(tuple),
+        small_ints,
+        st.booleans(),
+        u64,
+        u64,
+        u64,
+    ),
     st.builds(QueryState, u64),
 )
 
@@ -84,8 +93,20 @@ def test_round_trip(msg: object) -> None:
 
 
 def test_every_message_class_is_covered_by_the_strategy() -> None:
-    names = {"PrepareSequence", "RunEntry", "Activation", "RunResult", "CancelRequest", "ReleaseSequence",
-             "Ack", "Error", "BeginDrain", "Shutdown", "State", "QueryState"}
+    names = {
+        "PrepareSequence",
+        "RunEntry",
+        "Activation",
+        "RunResult",
+        "CancelRequest",
+        "ReleaseSequence",
+        "Ack",
+        "Error",
+        "BeginDrain",
+        "Shutdown",
+        "State",
+        "QueryState",
+    }
     assert {c.__name__ for c in ALL_MESSAGES} == names
 
 

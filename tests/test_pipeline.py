@@ -46,7 +46,9 @@ PROMPTS = [f"Pipeline prompt {i}: the quick brown fox" for i in range(8)]
 
 async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ignore[no-untyped-def]
     toks: list[int] = []
-    async with aclosing(fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))) as it:
+    async with aclosing(
+        fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))
+    ) as it:
         async for d in it:
             toks.extend(d.token_ids)
     return toks
@@ -69,7 +71,9 @@ def reference(tiny: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-async def test_inproc_pipeline_matches_single_process(tiny: Path, reference: list[list[int]], stages: int) -> None:
+async def test_inproc_pipeline_matches_single_process(
+    tiny: Path, reference: list[list[int]], stages: int
+) -> None:
     async with pipeline_stack(tiny, stages, parallel=8) as st:
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS))
         assert got == reference
@@ -110,8 +114,14 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
         (rid,) = st.stages[0].seqs
         before = {s.config.index: dict(s.seqs) for s in st.stages}
         s0 = "stage-0"
-        for msg in (RunEntry(rid, 0, (1, 2), 0, SamplingParams(), 99), CancelRequest(rid, "evil"),
-                    ReleaseSequence(rid), PrepareSequence(rid, 10, 98), BeginDrain("evil"), Shutdown("evil")):
+        for msg in (
+            RunEntry(rid, 0, (1, 2), 0, SamplingParams(), 99),
+            CancelRequest(rid, "evil"),
+            ReleaseSequence(rid),
+            PrepareSequence(rid, 10, 98),
+            BeginDrain("evil"),
+            Shutdown("evil"),
+        ):
             await evil.send(s0, msg, asyncio.get_running_loop().time() + 5)
         await until_true(lambda: len(seen) == 6)
         assert {e.code for e in seen} == {"not_coordinator", "not_owner"}
@@ -120,7 +130,11 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
         assert st.stages[0].state.value == "serving"
         # An activation from anyone but the upstream stage is refused too.
         hidden = Tensor("float32", (1, 1, 64), bytes(256))
-        await evil.send("stage-1", Activation(rid, 0, hidden, 0, SamplingParams(), 5), asyncio.get_running_loop().time() + 5)
+        await evil.send(
+            "stage-1",
+            Activation(rid, 0, hidden, 0, SamplingParams(), 5),
+            asyncio.get_running_loop().time() + 5,
+        )
         await until_true(lambda: st.stages[1].stats.refused == 1)
         # The real request is unharmed.
         n = 1
@@ -132,7 +146,9 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
         await until_true(lambda: all(not s.seqs for s in st.stages))
 
 
-async def test_stale_nonce_and_wrong_sender_results_are_dropped(tiny: Path, reference: list[list[int]]) -> None:
+async def test_stale_nonce_and_wrong_sender_results_are_dropped(
+    tiny: Path, reference: list[list[int]]
+) -> None:
     async with pipeline_stack(tiny, 2) as st:
         coord = st.coordinator
         real_send = coord.endpoint.send
@@ -145,9 +161,15 @@ async def test_stale_nonce_and_wrong_sender_results_are_dropped(tiny: Path, refe
                 # from a non-final stage, and a result for another request.
                 final, first = rogue(st, "stage-1"), rogue(st, "stage-0")
                 t = asyncio.get_running_loop().time() + 5
-                await final.send("coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce - 1000), t)
-                await first.send("coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce), t)
-                await final.send("coordinator", RunResult("someone-else", 0, (7,), None, msg.nonce), t)
+                await final.send(
+                    "coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce - 1000), t
+                )
+                await first.send(
+                    "coordinator", RunResult(msg.request_id, 0, (7,), None, msg.nonce), t
+                )
+                await final.send(
+                    "coordinator", RunResult("someone-else", 0, (7,), None, msg.nonce), t
+                )
                 forged.append(msg.request_id)
 
         coord.endpoint.send = send_and_forge  # type: ignore[method-assign]
@@ -173,9 +195,15 @@ async def test_out_of_bounds_activation_fails_the_request_fast(tiny: Path, probl
                     hidden = Tensor("int32", (1, 1, 64), bytes(256))
                 else:  # claims more than 2**20 tokens without sending them
                     hidden = object.__new__(Tensor)
-                    for k, v in (("dtype", "float32"), ("shape", (1, (1 << 20) + 1, 64)), ("data", b"")):
+                    for k, v in (
+                        ("dtype", "float32"),
+                        ("shape", (1, (1 << 20) + 1, 64)),
+                        ("data", b""),
+                    ):
                         object.__setattr__(hidden, k, v)
-                msg = Activation(msg.request_id, msg.micro_batch, hidden, 0, msg.sampling, msg.nonce)
+                msg = Activation(
+                    msg.request_id, msg.micro_batch, hidden, 0, msg.sampling, msg.nonce
+                )
             await real(dest, msg, deadline)
 
         s0.endpoint.send = tamper  # type: ignore[method-assign]
@@ -208,8 +236,13 @@ async def test_drain_refuses_new_sequences_and_finishes_running_ones(tiny: Path)
 
 def test_parse_layers_errors_name_the_range() -> None:
     assert parse_layers("0-1,2-3", 4) == [(0, 2), (2, 4)]
-    for spec, text in (("0-1,3-3", "should start at layer 2"), ("0-1", "the model has 4"),
-                       ("0-2,1-3", "should start at layer 3"), ("2-1,2-3", "empty"), ("zero-3", "bad range")):
+    for spec, text in (
+        ("0-1,3-3", "should start at layer 2"),
+        ("0-1", "the model has 4"),
+        ("0-2,1-3", "should start at layer 3"),
+        ("2-1,2-3", "empty"),
+        ("zero-3", "bad range"),
+    ):
         with pytest.raises(PartitionError, match=text):
             parse_layers(spec, 4)
 
@@ -237,21 +270,58 @@ def test_layer_costs_come_from_safetensors_headers(tiny: Path) -> None:
 
 
 def test_dry_run_prints_the_plan(tiny: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "--pp-size", "3", "--dry-run"],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "generate",
+            "-m",
+            str(tiny),
+            "--pp-size",
+            "3",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].split() == ["stage", "layers", "bytes", "share", "memory"] and len(lines) == 4
-    bad = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "--pp-layers", "0-1,3-3"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "--pp-layers", "0-1,3-3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and "--pp-layers" in bad.stderr
 
 
 @pytest.mark.parametrize("stages", ["2", "3"])
 def test_generate_pp_size_prints_the_single_process_tokens(tiny: Path, stages: str) -> None:
     def run(*extra: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "-p", "Hello there",
-                            "-n", "20", *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlxcel",
+                "generate",
+                "-m",
+                str(tiny),
+                "-p",
+                "Hello there",
+                "-n",
+                "20",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout.rsplit("\n", 2)[0]
 
@@ -271,12 +341,24 @@ def test_example_configs_validate() -> None:
 @pytest.mark.parametrize(
     ("body", "text"),
     [
-        ("pipeline_parallel_size = 2\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n", "2 but 0 stage"),
-        ("pipeline_parallel_size = 1\n[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.1:1'\n", "exactly one"),
-        ("pipeline_parallel_size = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='host:1'\n"
-         "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n", "IP address"),
-        ("pipeline_parallel_size = 1\nbogus = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n"
-         "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n", "bogus"),
+        (
+            "pipeline_parallel_size = 2\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n",
+            "2 but 0 stage",
+        ),
+        (
+            "pipeline_parallel_size = 1\n[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.1:1'\n",
+            "exactly one",
+        ),
+        (
+            "pipeline_parallel_size = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='host:1'\n"
+            "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n",
+            "IP address",
+        ),
+        (
+            "pipeline_parallel_size = 1\nbogus = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n"
+            "[[nodes]]\nid='s'\nrole='stage'\naddress='127.0.0.2:1'\n",
+            "bogus",
+        ),
         ("not toml [", "not valid TOML"),
     ],
 )
@@ -291,3 +373,34 @@ def test_json_plan_shares_sum_to_one(tiny: Path) -> None:
     stages = auto_split(layer_costs(tiny), 2)
     assert abs(sum(s.share for s in stages) - 1.0) < 1e-9
     json.dumps([s.spec for s in stages])
+
+
+async def test_begin_drain_and_shutdown_from_the_coordinator(tiny: Path) -> None:
+    async with pipeline_stack(tiny, 2) as st:
+        coord = st.coordinator
+        loop = asyncio.get_running_loop()
+        await coord.endpoint.send("stage-1", BeginDrain("maintenance"), loop.time() + 5)
+        await until_true(lambda: st.stages[1].state.value == "draining")
+        with pytest.raises(EngineError) as info:
+            await collect(st.frontend, "refused while draining", 3)
+        assert info.value.code == "draining"
+        await coord.endpoint.send("stage-1", Shutdown("bye"), loop.time() + 5)
+        await until_true(lambda: st.stages[1].stopped.is_set())
+        assert not st.stages[0].stopped.is_set()
+
+
+def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
+    env = {**__import__("os").environ, "MLXCEL_HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "demo", "--max-tokens", "12"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cluster up: stages on 127.0.0.2 and 127.0.0.3" in r.stdout
+    assert "tokens: 12;" in r.stdout and "per-token latency" in r.stdout
+    assert "bytes on the wire" in r.stdout
+    assert "stage-0 exit 0, stage-1 exit 0, coordinator exit 0" in r.stdout

@@ -26,9 +26,18 @@ MESSAGES = [{"role": "user", "content": "Tell me about pipelines"}]
 def write_cluster(tmp: Path, n_stages: int, secret: Path) -> tuple[Path, list[str]]:
     coord = f"127.0.0.1:{free_port('127.0.0.1')}"
     stages = [f"127.0.0.{i + 2}:{free_port(f'127.0.0.{i + 2}')}" for i in range(n_stages)]
-    lines = [f'name = "test-{n_stages}"', f"pipeline_parallel_size = {n_stages}", "[cluster]",
-             f'secret_file = "{secret.name}"', "step_timeout = 20", "",
-             "[[nodes]]", 'id = "coordinator"', 'role = "coordinator"', f'address = "{coord}"']
+    lines = [
+        f'name = "test-{n_stages}"',
+        f"pipeline_parallel_size = {n_stages}",
+        "[cluster]",
+        f'secret_file = "{secret.name}"',
+        "step_timeout = 20",
+        "",
+        "[[nodes]]",
+        'id = "coordinator"',
+        'role = "coordinator"',
+        f'address = "{coord}"',
+    ]
     for i, a in enumerate(stages):
         lines += ["", "[[nodes]]", f'id = "stage-{i}"', 'role = "stage"', f'address = "{a}"']
     path = tmp / f"cluster{n_stages}.toml"
@@ -38,8 +47,14 @@ def write_cluster(tmp: Path, n_stages: int, secret: Path) -> tuple[Path, list[st
 
 class Proc:
     def __init__(self, args: list[str], ready: str, env: dict[str, str] | None = None) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
         self.lines: list[str] = []
         assert self.p.stdout is not None
         end = time.monotonic() + 120
@@ -65,20 +80,40 @@ class Proc:
 
 
 def start_stage(model: Path, cfg: Path, i: int, *extra: str) -> Proc:
-    return Proc(["-m", str(model), "--distributed-config", str(cfg), "--node-id", f"stage-{i}", *extra],
-                "mlxcel stage")
+    return Proc(
+        ["-m", str(model), "--distributed-config", str(cfg), "--node-id", f"stage-{i}", *extra],
+        "mlxcel stage",
+    )
 
 
 def start_coordinator(model: Path, cfg: Path, port: int, *extra: str) -> Proc:
-    return Proc(["-m", str(model), "--distributed-config", str(cfg), "--node-id", "coordinator", "--port", str(port),
-                 "--served-model-name", MODEL, "--parallel", "8", *extra], "mlxcel serving")
+    return Proc(
+        [
+            "-m",
+            str(model),
+            "--distributed-config",
+            str(cfg),
+            "--node-id",
+            "coordinator",
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            "--parallel",
+            "8",
+            *extra,
+        ],
+        "mlxcel serving",
+    )
 
 
 @pytest.fixture(scope="module")
 def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("cluster")
     path = d / "cluster.secret"
-    subprocess.run([sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
+    )
     return path
 
 
@@ -89,18 +124,31 @@ def reference(tiny: Path) -> dict[str, str]:
     p = Proc(["-m", str(tiny), "--port", str(port), "--served-model-name", MODEL], "mlxcel serving")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        out = {"chat": c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)  # type: ignore[arg-type]
-               .choices[0].message.content or ""}
+        out = {
+            "chat": c.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0
+            )  # type: ignore[arg-type]
+            .choices[0]
+            .message.content
+            or ""
+        }
         for i in range(8):
-            out[f"p{i}"] = c.completions.create(model=MODEL, prompt=f"Concurrent {i} prompt", max_tokens=12,
-                                                temperature=0).choices[0].text
+            out[f"p{i}"] = (
+                c.completions.create(
+                    model=MODEL, prompt=f"Concurrent {i} prompt", max_tokens=12, temperature=0
+                )
+                .choices[0]
+                .text
+            )
         return out
     finally:
         p.stop()
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def cluster(request: pytest.FixtureRequest, tiny: Path, secret: Path) -> Iterator[tuple[int, list[Proc], Proc, Path]]:
+def cluster(
+    request: pytest.FixtureRequest, tiny: Path, secret: Path
+) -> Iterator[tuple[int, list[Proc], Proc, Path]]:
     n = request.param
     cfg, _ = write_cluster(secret.parent, n, secret)
     stages = [start_stage(tiny, cfg, i) for i in range(n)]
@@ -118,17 +166,30 @@ def health(port: int) -> dict:
 
 def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
     port, stages, _, _ = cluster
-    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    c = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+    )
     full = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)  # type: ignore[arg-type]
     assert full.choices[0].message.content == reference["chat"]
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True) if ch.choices)  # type: ignore[arg-type]
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        )
+        if ch.choices
+    )  # type: ignore[arg-type]
     assert streamed == reference["chat"]
 
     async def concurrent() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        rs = await asyncio.gather(*(ac.completions.create(model=MODEL, prompt=f"Concurrent {i} prompt",
-                                                          max_tokens=12, temperature=0) for i in range(8)))
+        rs = await asyncio.gather(
+            *(
+                ac.completions.create(
+                    model=MODEL, prompt=f"Concurrent {i} prompt", max_tokens=12, temperature=0
+                )
+                for i in range(8)
+            )
+        )
         await ac.close()
         return [r.choices[0].text for r in rs]
 
@@ -138,16 +199,37 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
     assert all(s["sequences"] == 0 for s in h["pipeline"]["stages"])
 
 
-def test_stage_with_another_secret_fails_the_coordinator_at_startup(tiny: Path, secret: Path, tmp_path: Path) -> None:
+def test_stage_with_another_secret_fails_the_coordinator_at_startup(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
     cfg, _ = write_cluster(secret.parent, 2, secret)
     other = tmp_path / "other.secret"
-    subprocess.run([sys.executable, "-m", "mlxcel", "keygen", "--out", str(other)], check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(other)], check=True, timeout=60
+    )
     s0 = start_stage(tiny, cfg, 0)
     s1 = start_stage(tiny, cfg, 1, "--cluster-secret-file", str(other))
     try:
-        r = subprocess.run([sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), "--distributed-config", str(cfg),
-                            "--node-id", "coordinator", "--port", str(free_port())],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlxcel",
+                "serve",
+                "-m",
+                str(tiny),
+                "--distributed-config",
+                str(cfg),
+                "--node-id",
+                "coordinator",
+                "--port",
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert r.returncode == 1
         assert "stage-1" in r.stderr and "secret mismatch" in r.stderr
         assert secret.read_text().strip() not in r.stderr
@@ -159,11 +241,32 @@ def test_stage_with_another_secret_fails_the_coordinator_at_startup(tiny: Path, 
 def test_missing_secret_is_refused_naming_every_source(tiny: Path, tmp_path: Path) -> None:
     cfg, _ = write_cluster(tmp_path, 2, tmp_path / "absent.secret")
     cfg.write_text(cfg.read_text().replace('secret_file = "absent.secret"\n', ""))
-    r = subprocess.run([sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), "--distributed-config", str(cfg),
-                        "--node-id", "stage-0"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env={k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER")})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "-m",
+            str(tiny),
+            "--distributed-config",
+            str(cfg),
+            "--node-id",
+            "stage-0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER")},
+    )
     assert r.returncode == 1
-    for src in ("--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE", "MLXCEL_CLUSTER_SECRET", "[cluster]"):
+    for src in (
+        "--cluster-secret-file",
+        "MLXCEL_CLUSTER_SECRET_FILE",
+        "MLXCEL_CLUSTER_SECRET",
+        "[cluster]",
+    ):
         assert src in r.stderr
 
 
@@ -174,18 +277,24 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
     port = free_port()
     coord = start_coordinator(tiny, cfg, port)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        stream = c.completions.create(model=MODEL, prompt="long", max_tokens=3000, temperature=0, stream=True)
+        c = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+        )
+        stream = c.completions.create(
+            model=MODEL, prompt="long", max_tokens=3000, temperature=0, stream=True
+        )
         got = 0
         t_kill = None
         with pytest.raises(openai.APIError) as info:
-            for chunk in stream:
+            for _chunk in stream:
                 got += 1
                 if got == 5:
                     s1.p.kill()
                     s1.p.wait()
                     t_kill = time.monotonic()
-        assert t_kill is not None and time.monotonic() - t_kill < 15  # well before the 20 s step deadline
+        assert (
+            t_kill is not None and time.monotonic() - t_kill < 15
+        )  # well before the 20 s step deadline
         assert "unreachable" in str(info.value) or "stage" in str(info.value), str(info.value)
         s1 = start_stage(tiny, cfg, 1)
         ok = c.completions.create(model=MODEL, prompt="after restart", max_tokens=5, temperature=0)
@@ -193,6 +302,34 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
         h = health(port)
         assert [s["sequences"] for s in h["pipeline"]["stages"]] == [0, 0]
         assert h["in_flight"] == 0 and h["pipeline"]["failed"] >= 1
+    finally:
+        coord.stop()
+        s0.stop()
+        s1.stop()
+
+
+def test_sigterm_on_a_stage_drains_then_exits(tiny: Path, secret: Path) -> None:
+    cfg, _ = write_cluster(secret.parent, 2, secret)
+    s0 = start_stage(tiny, cfg, 0)
+    s1 = start_stage(tiny, cfg, 1)
+    port = free_port()
+    coord = start_coordinator(tiny, cfg, port)
+    try:
+        c = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+        )
+        stream = c.completions.create(
+            model=MODEL, prompt="drain me", max_tokens=300, temperature=0, stream=True
+        )
+        it = iter(stream)
+        next(it)
+        s0.p.send_signal(signal.SIGTERM)  # drains: the running request still completes
+        rest = list(it)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert s0.p.wait(30) == 0
+        assert any(
+            "draining" in line for line in s0.lines + [s0.p.stdout.read() if s0.p.stdout else ""]
+        )
     finally:
         coord.stop()
         s0.stop()

@@ -15,6 +15,7 @@ from mlxcel.config import (
     BenchBatchingSettings,
     BenchFramesSettings,
     CheckpointSettings,
+    DemoSettings,
     GenerateSettings,
     KeygenSettings,
     ServeSettings,
@@ -53,8 +54,9 @@ async def generate(s: GenerateSettings) -> int:
             ids = fe.apply_chat_template([{"role": "user", "content": s.prompt}])
         else:
             ids = fe.encode_prompt(s.prompt)
-        params = SamplingParams(temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                                max_tokens=s.max_tokens)
+        params = SamplingParams(
+            temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
+        )
         usage = Usage()
         async with aclosing(fe.stream(ids, params, usage=usage)) as it:
             async for d in it:
@@ -69,22 +71,34 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
     if pipelined:
         from mlxcel.pipeline.inproc import pipeline_stack
 
-        return pipeline_stack(path, s.pp_size, pp_layers=s.pp_layers, parallel=s.pp_micro_batch_size,
-                              return_logits=s.pp_return_logits)
+        return pipeline_stack(
+            path,
+            s.pp_size,
+            pp_layers=s.pp_layers,
+            parallel=s.pp_micro_batch_size,
+            return_logits=s.pp_return_logits,
+        )
     from mlxcel.server.run import local_stack
 
-    return local_stack(path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1,
-                       name="generate")
+    return local_stack(
+        path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1, name="generate"
+    )
 
 
-def _print_plan(path: Path, pp_size: int, pp_layers: str | None, memory: list[float] | None = None) -> int:
+def _print_plan(
+    path: Path, pp_size: int, pp_layers: str | None, memory: list[float] | None = None
+) -> int:
     import json as _json
 
     from mlxcel.pipeline.partition import auto_split, format_plan, layer_costs, parse_layers, plan
 
     n_layers = int(_json.loads((path / "config.json").read_text())["num_hidden_layers"])
     costs = layer_costs(path, n_layers)
-    stages = plan(costs, parse_layers(pp_layers, n_layers), memory) if pp_layers else auto_split(costs, pp_size, memory)
+    stages = (
+        plan(costs, parse_layers(pp_layers, n_layers), memory)
+        if pp_layers
+        else auto_split(costs, pp_size, memory)
+    )
     print(format_plan(stages))
     return 0
 
@@ -113,11 +127,23 @@ async def serve(s: ServeSettings) -> int:
         from mlxcel.pipeline.inproc import pipeline_stack
         from mlxcel.server.run import serve_http
 
-        async with pipeline_stack(path, s.pp_size, pp_layers=s.pp_layers, parallel=s.parallel,
-                                  queue_size=s.queue_size, request_timeout=s.request_timeout,
-                                  return_logits=s.pp_return_logits) as st:
-            await serve_http(s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.coordinator.active,
-                             health_extra=st.coordinator.health)
+        async with pipeline_stack(
+            path,
+            s.pp_size,
+            pp_layers=s.pp_layers,
+            parallel=s.parallel,
+            queue_size=s.queue_size,
+            request_timeout=s.request_timeout,
+            return_logits=s.pp_return_logits,
+        ) as st:
+            await serve_http(
+                s,
+                st.frontend,
+                st.node,
+                st.loaded.name,
+                inflight=lambda: st.coordinator.active,
+                health_extra=st.coordinator.health,
+            )
         return 0
     from mlxcel.server.run import serve as run_server
 
@@ -141,7 +167,9 @@ async def _serve_distributed(s: ServeSettings) -> int:
     if s.dry_run:
         return _print_plan(path, cfg.pipeline_parallel_size, cfg.pp_layers, cfg.memory)
     if s.node_id is None:
-        raise ConfigError("--node-id", "required with --distributed-config (which node of the cluster is this?)")
+        raise ConfigError(
+            "--node-id", "required with --distributed-config (which node of the cluster is this?)"
+        )
     me = cfg.node(s.node_id)
     secret = cluster_secret(s, cfg, s.distributed_config)
     if secret is None:  # a one-stage "cluster": nothing crosses a network that needs protecting
@@ -237,3 +265,86 @@ def keygen(s: KeygenSettings) -> int:
         f"wrote a new cluster secret to {path} (mode 0600); copy it to every node", file=sys.stderr
     )
     return 0
+
+
+async def demo(s: DemoSettings) -> int:
+    """A real loopback cluster: 2 stage processes + a coordinator process, one streamed chat."""
+    import tempfile
+    import time as _time
+
+    import aiohttp
+
+    from mlxcel.pipeline.launch import LoopbackCluster
+
+    model = resolve_model(s.model)
+    with tempfile.TemporaryDirectory(prefix="mlxcel-demo-") as tmp:
+        print(
+            f"starting a 2-stage pipeline on loopback (model {model.name}, secret and config in {tmp}) ...",
+            flush=True,
+        )
+        async with LoopbackCluster(model, 2, Path(tmp)) as cluster:
+            base = f"http://127.0.0.1:{cluster.http_port}"
+            async with aiohttp.ClientSession() as http:
+                before = await _wire_bytes(http, base)
+                print(f"cluster up: stages on 127.0.0.2 and 127.0.0.3, API on {base}", flush=True)
+                print(f"> {s.prompt}", flush=True)
+                body = {
+                    "model": model.name,
+                    "messages": [{"role": "user", "content": s.prompt}],
+                    "max_tokens": s.max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                gaps: list[float] = []
+                last = _time.perf_counter()
+                usage = {}
+                async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    if resp.status != 200:
+                        print(f"error: HTTP {resp.status}: {await resp.text()}", file=sys.stderr)
+                        return 1
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            print(f"\nerror: {chunk['error']['message']}", file=sys.stderr)
+                            return 1
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for choice in chunk.get("choices", []):
+                            text = choice.get("delta", {}).get("content")
+                            if text:
+                                now = _time.perf_counter()
+                                gaps.append(now - last)
+                                last = now
+                                sys.stdout.write(text)
+                                sys.stdout.flush()
+                after = await _wire_bytes(http, base)
+            tokens = int(usage.get("completion_tokens", len(gaps)))
+            per_token = sorted(gaps[1:]) or [0.0]
+            print("\n")
+            print(
+                f"tokens: {tokens}; first token after {gaps[0] * 1e3:.1f} ms; per-token latency "
+                f"p50 {per_token[len(per_token) // 2] * 1e3:.2f} ms, max {per_token[-1] * 1e3:.2f} ms",
+                flush=True,
+            )
+            wire = after - before
+            print(
+                f"bytes on the wire (all nodes, encrypted frames): {wire} total, "
+                f"{wire / max(tokens, 1):.0f} per token",
+                flush=True,
+            )
+            codes = await cluster.stop()
+            print("shut down: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()), flush=True)
+    return 0
+
+
+async def _wire_bytes(http, base: str) -> int:  # type: ignore[no-untyped-def]
+    async with http.get(f"{base}/health") as r:
+        h = await r.json()
+    p = h.get("pipeline", {})
+    return int(p.get("wire_bytes_out", 0)) + sum(
+        int(s.get("wire_bytes_out", 0)) for s in p.get("stages", [])
+    )

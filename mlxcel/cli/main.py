@@ -19,8 +19,10 @@ from mlxcel import __version__
 from mlxcel.config import (
     BenchBatchingSettings,
     BenchFramesSettings,
+    BenchPipelineSettings,
     CheckpointSettings,
     ClusterCheckSettings,
+    DemoSettings,
     GenerateSettings,
     KeygenSettings,
     ServeSettings,
@@ -34,6 +36,7 @@ from mlxcel.pipeline.partition import PartitionError
 from mlxcel.platform_guard import refuse_distributed_on_windows
 
 COMMANDS: dict[str, tuple[type, str]] = {
+    "demo": (DemoSettings, "start a loopback 2-stage cluster, stream a chat completion, shut down"),
     "generate": (GenerateSettings, "generate text from a prompt and print timing"),
     "serve": (ServeSettings, "run the OpenAI-compatible HTTP server"),
     "checkpoint": (CheckpointSettings, "write a deterministic random-weight checkpoint"),
@@ -46,6 +49,10 @@ COMMANDS: dict[str, tuple[type, str]] = {
 BENCHES: dict[str, tuple[type, str]] = {
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
+    "pipeline": (
+        BenchPipelineSettings,
+        "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
+    ),
 }
 
 
@@ -146,6 +153,18 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from mlxcel.net.check import run_check
 
         return run_async(run_check(settings))
+    if args.command == "demo":
+        return run_async(commands.demo(settings))
+    if args.command == "bench" and args.bench == "pipeline":
+        from mlxcel.pipeline.bench import run_bench
+
+        return run_async(
+            run_bench(
+                commands.resolve_model(settings.model, "small"),
+                settings.tokens,
+                settings.json_lines,
+            )
+        )
     if args.command == "bench" and args.bench == "frames":
         return run_async(commands.bench_frames(settings))
     if args.command == "bench":

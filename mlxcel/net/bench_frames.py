@@ -169,7 +169,9 @@ def human(n: int) -> str:
 
 async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: list[str]) -> int:
     rows: list[dict[str, object]] = []
-    await measure_mode("unprotected", sizes, min(scale, 0.1))  # warm-up, discarded: first runs pay for it
+    await measure_mode(
+        "unprotected", sizes, min(scale, 0.1)
+    )  # warm-up, discarded: first runs pay for it
     for mode in modes:
         for row in await measure_mode(mode, sizes, scale):
             rows.append(row)

@@ -58,7 +58,9 @@ class NodeSpec(_Strict):
         try:
             ipaddress.ip_address(host.strip("[]"))
         except ValueError:
-            raise ValueError(f"host of {v!r} must be an IP address (identities are bound to source IPs)") from None
+            raise ValueError(
+                f"host of {v!r} must be an IP address (identities are bound to source IPs)"
+            ) from None
         return v
 
     @property
@@ -93,10 +95,14 @@ class ClusterConfig(_Strict):
     def _shape(self) -> ClusterConfig:
         coords = [n for n in self.nodes if n.role == "coordinator"]
         if len(coords) != 1:
-            raise ValueError(f"exactly one node must have role = 'coordinator' (found {len(coords)})")
+            raise ValueError(
+                f"exactly one node must have role = 'coordinator' (found {len(coords)})"
+            )
         stages = self.stages
         if len(stages) != self.pipeline_parallel_size:
-            raise ValueError(f"pipeline_parallel_size is {self.pipeline_parallel_size} but {len(stages)} stage nodes are listed")
+            raise ValueError(
+                f"pipeline_parallel_size is {self.pipeline_parallel_size} but {len(stages)} stage nodes are listed"
+            )
         ids = [n.id for n in self.nodes]
         if len(set(ids)) != len(ids):
             raise ValueError("node ids must be unique")
@@ -120,7 +126,10 @@ class ClusterConfig(_Strict):
         for n in self.nodes:
             if n.id == node_id:
                 return n
-        raise ConfigError("--node-id", f"no node {node_id!r} in the cluster config (have: {', '.join(n.id for n in self.nodes)})")
+        raise ConfigError(
+            "--node-id",
+            f"no node {node_id!r} in the cluster config (have: {', '.join(n.id for n in self.nodes)})",
+        )
 
     @property
     def pp_layers(self) -> str | None:
@@ -148,4 +157,6 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "cluster"
-        raise ConfigError("--distributed-config", f"{p}: {loc}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(
+            "--distributed-config", f"{p}: {loc}: {err['msg'].removeprefix('Value error, ')}"
+        ) from None

@@ -105,7 +105,9 @@ class PipelineCoordinator:
         if pool is not None:
             pool.on_lost.append(self._stage_lost)
         bus = self.node.bus
-        bus.subscribe(RunEntry, self._on_local_entry, maxsize=self.max_sequences, name="coordinator.entry")
+        bus.subscribe(
+            RunEntry, self._on_local_entry, maxsize=self.max_sequences, name="coordinator.entry"
+        )
         bus.subscribe(CancelRequest, self._on_local_cancel, maxsize=256, name="coordinator.cancel")
         bus.subscribe(RunResult, self._on_result, maxsize=1024, name="coordinator.results")
         bus.subscribe(Ack, self._on_reply, maxsize=1024, name="coordinator.acks")
@@ -115,7 +117,9 @@ class PipelineCoordinator:
     # --- inbound checks ------------------------------------------------------------------------
     def _drop(self, why: str, env: Envelope[Any]) -> None:
         self.dropped[why] += 1
-        logger.warning("coordinator: dropping {} from {}: {}", type(env.msg).__name__, env.source, why)
+        logger.warning(
+            "coordinator: dropping {} from {}: {}", type(env.msg).__name__, env.source, why
+        )
 
     async def _on_result(self, env: Envelope[RunResult]) -> None:
         if env.source == LOCAL:
@@ -134,7 +138,10 @@ class PipelineCoordinator:
         if self.return_logits:
             t = m.logits
             if t is None or t.shape != (1, ex.seq_len, self.vocab):
-                self._drop(f"logits shape {None if t is None else list(t.shape)} is not [1, {ex.seq_len}, {self.vocab}]", env)
+                self._drop(
+                    f"logits shape {None if t is None else list(t.shape)} is not [1, {ex.seq_len}, {self.vocab}]",
+                    env,
+                )
                 return
         elif len(m.token_ids) != 1:
             self._drop("a sampled RunResult carries exactly one token", env)
@@ -162,7 +169,11 @@ class PipelineCoordinator:
             return
         m = env.msg
         ex = self._exchanges.get(m.nonce) if m.nonce is not None else None
-        if ex is None or env.source not in self.stages or ex.request_id != (m.request_id or ex.request_id):
+        if (
+            ex is None
+            or env.source not in self.stages
+            or ex.request_id != (m.request_id or ex.request_id)
+        ):
             self._drop(f"unmatched error {m.code}: {m.message}", env)
             return
         if ex.kind is not RunResult and env.source != ex.dest:
@@ -180,11 +191,23 @@ class PipelineCoordinator:
             if ex.kind is RunResult or ex.dest == address:
                 del self._exchanges[nonce]
                 if not ex.future.done():
-                    ex.future.set_exception(PipelineError("stage_unreachable", f"lost the connection to stage {address}"))
+                    ex.future.set_exception(
+                        PipelineError(
+                            "stage_unreachable", f"lost the connection to stage {address}"
+                        )
+                    )
 
     # --- exchanges -----------------------------------------------------------------------------
-    async def exchange(self, dest: str, msg_for: Any, kind: type[Message], request_id: str,
-                       micro_batch: int = 0, seq_len: int = 0, timeout: float | None = None) -> Any:
+    async def exchange(
+        self,
+        dest: str,
+        msg_for: Any,
+        kind: type[Message],
+        request_id: str,
+        micro_batch: int = 0,
+        seq_len: int = 0,
+        timeout: float | None = None,
+    ) -> Any:
         """Send ``msg_for(nonce)`` to ``dest`` and wait for its matching answer."""
         nonce = next(self._nonces)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -201,9 +224,14 @@ class PipelineCoordinator:
 
     async def query_states(self, timeout: float = 10.0) -> list[State]:
         """Ask every stage for its State (also proves each connection authenticates)."""
-        return list(await asyncio.gather(*(
-            self.exchange(s, lambda n: QueryState(n), State, "", timeout=timeout) for s in self.stages
-        )))
+        return list(
+            await asyncio.gather(
+                *(
+                    self.exchange(s, lambda n: QueryState(n), State, "", timeout=timeout)
+                    for s in self.stages
+                )
+            )
+        )
 
     async def health(self) -> dict[str, Any]:
         """Per-stage state for /health: reachability, layers, sequences held, draining."""
@@ -211,12 +239,29 @@ class PipelineCoordinator:
         for stage in self.stages:
             try:
                 st = await self.exchange(stage, lambda n: QueryState(n), State, "", timeout=2.0)
-                out.append({"address": stage, "id": st.node_id, "layers": list(st.layers),
-                            "sequences": st.sequences, "draining": st.draining})
+                out.append(
+                    {
+                        "address": stage,
+                        "id": st.node_id,
+                        "layers": list(st.layers),
+                        "sequences": st.sequences,
+                        "draining": st.draining,
+                        "wire_bytes_out": st.wire_bytes_out,
+                    }
+                )
             except (PipelineError, MlxcelError) as exc:
                 out.append({"address": stage, "error": str(exc)})
-        return {"pipeline": {"stages": out, "active": self.active, "completed": self.completed,
-                             "failed": self.failed, "dropped": dict(self.dropped)}}
+        return {
+            "pipeline": {
+                "stages": out,
+                "active": self.active,
+                "completed": self.completed,
+                "failed": self.failed,
+                "steps": self.steps,
+                "dropped": dict(self.dropped),
+                "wire_bytes_out": int(getattr(self.endpoint, "wire_bytes", 0)),
+            }
+        }
 
     # --- the local side -------------------------------------------------------------------------
     async def _on_local_entry(self, env: Envelope[RunEntry]) -> None:
@@ -225,7 +270,9 @@ class PipelineCoordinator:
             return
         m = env.msg
         if m.request_id in self._tasks:
-            await self._local(Error("bad_request", "request id already running", m.request_id, m.nonce))
+            await self._local(
+                Error("bad_request", "request id already running", m.request_id, m.nonce)
+            )
             return
         self._tasks[m.request_id] = self.node.spawn(self._drive(m), name=f"pipeline:{m.request_id}")
 
@@ -246,13 +293,22 @@ class PipelineCoordinator:
         total = len(entry.token_ids) + p.max_tokens
         try:
             if any(not 0 <= t < self.vocab for t in entry.token_ids) or not entry.token_ids:
-                raise PipelineError("bad_request", f"prompt empty or token id outside the vocabulary [0, {self.vocab})")
+                raise PipelineError(
+                    "bad_request",
+                    f"prompt empty or token id outside the vocabulary [0, {self.vocab})",
+                )
             if total > self.max_len:
-                raise PipelineError("bad_request", f"prompt ({len(entry.token_ids)} tokens) + max_tokens "
-                                    f"({p.max_tokens}) exceeds the model's context of {self.max_len}")
-            await asyncio.gather(*(
-                self.exchange(s, lambda n: PrepareSequence(rid, total, n), Ack, rid) for s in self.stages
-            ))
+                raise PipelineError(
+                    "bad_request",
+                    f"prompt ({len(entry.token_ids)} tokens) + max_tokens "
+                    f"({p.max_tokens}) exceeds the model's context of {self.max_len}",
+                )
+            await asyncio.gather(
+                *(
+                    self.exchange(s, lambda n: PrepareSequence(rid, total, n), Ack, rid)
+                    for s in self.stages
+                )
+            )
             tokens = entry.token_ids
             pos = 0
             generated = 0
@@ -262,7 +318,10 @@ class PipelineCoordinator:
                 res: RunResult = await self.exchange(
                     self.stages[0],
                     lambda n, t=step_tokens, q=pos: RunEntry(rid, entry.micro_batch, t, q, p, n),
-                    RunResult, rid, entry.micro_batch, seq_len=len(step_tokens),
+                    RunResult,
+                    rid,
+                    entry.micro_batch,
+                    seq_len=len(step_tokens),
                 )
                 self.steps += 1
                 if self.return_logits:
@@ -277,7 +336,9 @@ class PipelineCoordinator:
                     await self._local(RunResult(rid, entry.micro_batch, (), "stop", entry.nonce))
                     break
                 finish = "length" if generated >= p.max_tokens else None
-                await self._local(RunResult(rid, entry.micro_batch, (token,), finish, entry.nonce, logprobs=lp))
+                await self._local(
+                    RunResult(rid, entry.micro_batch, (token,), finish, entry.nonce, logprobs=lp)
+                )
                 if finish:
                     break
                 tokens = (token,)

@@ -31,7 +31,9 @@ class PipelineStack:
     fabric: LocalFabric
 
 
-def make_plan(model_path: Path, n_layers: int, pp_size: int, pp_layers: str | None) -> list[StagePlan]:
+def make_plan(
+    model_path: Path, n_layers: int, pp_size: int, pp_layers: str | None
+) -> list[StagePlan]:
     costs = layer_costs(model_path, n_layers)
     if pp_layers:
         return plan(costs, parse_layers(pp_layers, n_layers))
@@ -59,24 +61,43 @@ async def pipeline_stack(
             services = []
             for i, sp in enumerate(stages_plan):
                 node = await stack.enter_async_context(Node(names[i]))
-                cfg = StageConfig(names[i], i, len(names), "coordinator",
-                                  upstream=names[i - 1] if i else None,
-                                  downstream=names[i + 1] if i + 1 < len(names) else None,
-                                  return_logits=return_logits)
-                svc = StageService(node, fabric.endpoint(names[i], node), LayerRange(loaded, sp.start, sp.end),
-                                   compute, cfg)
+                cfg = StageConfig(
+                    names[i],
+                    i,
+                    len(names),
+                    "coordinator",
+                    upstream=names[i - 1] if i else None,
+                    downstream=names[i + 1] if i + 1 < len(names) else None,
+                    return_logits=return_logits,
+                )
+                svc = StageService(
+                    node,
+                    fabric.endpoint(names[i], node),
+                    LayerRange(loaded, sp.start, sp.end),
+                    compute,
+                    cfg,
+                )
                 svc.attach()
                 services.append(svc)
             coord_node = await stack.enter_async_context(Node("coordinator"))
             coordinator = PipelineCoordinator(
-                coord_node, fabric.endpoint("coordinator", coord_node), names,
-                eos=loaded.eos_token_ids(), vocab=int(loaded.config["vocab_size"]),
+                coord_node,
+                fabric.endpoint("coordinator", coord_node),
+                names,
+                eos=loaded.eos_token_ids(),
+                vocab=int(loaded.config["vocab_size"]),
                 max_len=int(loaded.config.get("max_position_embeddings", 1 << 30)),
-                return_logits=return_logits, max_sequences=max(parallel, 1),
+                return_logits=return_logits,
+                max_sequences=max(parallel, 1),
             )
             coordinator.attach()
-            fe = Frontend(coord_node, loaded.tokenizer, parallel=parallel, queue_size=queue_size,
-                          request_timeout=request_timeout)
+            fe = Frontend(
+                coord_node,
+                loaded.tokenizer,
+                parallel=parallel,
+                queue_size=queue_size,
+                request_timeout=request_timeout,
+            )
             fe.attach()
             yield PipelineStack(coord_node, loaded, fe, coordinator, services, stages_plan, fabric)
     finally:

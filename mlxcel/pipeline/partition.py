@@ -78,7 +78,9 @@ def read_safetensors_sizes(model_dir: Path) -> dict[str, int]:
     return sizes
 
 
-def layer_costs(model_dir: Path, n_layers: int | None = None, tied: bool | None = None) -> LayerCosts:
+def layer_costs(
+    model_dir: Path, n_layers: int | None = None, tied: bool | None = None
+) -> LayerCosts:
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     n = n_layers if n_layers is not None else int(config["num_hidden_layers"])
@@ -139,7 +141,9 @@ def _stage_cost(costs: LayerCosts, start: int, end: int, n_stages_last: bool, fi
     return c
 
 
-def plan(costs: LayerCosts, ranges: list[tuple[int, int]], memory: list[float] | None = None) -> list[StagePlan]:
+def plan(
+    costs: LayerCosts, ranges: list[tuple[int, int]], memory: list[float] | None = None
+) -> list[StagePlan]:
     total = costs.total or 1
     out = []
     for i, (a, b) in enumerate(ranges):
@@ -152,7 +156,9 @@ def plan(costs: LayerCosts, ranges: list[tuple[int, int]], memory: list[float] |
     return out
 
 
-def auto_split(costs: LayerCosts, n_stages: int, memory: list[float] | None = None) -> list[StagePlan]:
+def auto_split(
+    costs: LayerCosts, n_stages: int, memory: list[float] | None = None
+) -> list[StagePlan]:
     """Contiguous split minimising the largest cost/memory ratio (dynamic programming)."""
     n = len(costs.layers)
     if not 1 <= n_stages <= n:

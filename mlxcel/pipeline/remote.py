@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
@@ -41,23 +44,36 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
     return auto_split(costs, cfg.pipeline_parallel_size, cfg.memory)
 
 
-def cluster_secret(settings: ServeSettings, cfg: ClusterConfig, toml_path: Path) -> ClusterSecret | None:
+def cluster_secret(
+    settings: ServeSettings, cfg: ClusterConfig, toml_path: Path
+) -> ClusterSecret | None:
     required = cfg.pipeline_parallel_size >= 2
     return load_cluster_secret(settings.cluster_secret_file, None, toml_path, required=required)
 
 
-def _net(node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
-         ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
+def _net(
+    node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
+) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
     c = cfg.cluster
     bind = interface_ipv4(interface) if interface else me.host
-    limits = Limits(max_connections=c.max_connections, max_pending=c.max_pending_handshakes,
-                    max_pending_per_source=c.max_pending_handshakes_per_ip,
-                    handshake_timeout=c.handshake_timeout, max_frame=c.max_frame_bytes)
+    limits = Limits(
+        max_connections=c.max_connections,
+        max_pending=c.max_pending_handshakes,
+        max_pending_per_source=c.max_pending_handshakes_per_ip,
+        handshake_timeout=c.handshake_timeout,
+        max_frame=c.max_frame_bytes,
+    )
     listener = ClusterListener(node, secret, bind, me.port, node_id=me.id, limits=limits)
     src = None if me.host in ("0.0.0.0", "::") else bind
-    pool = ConnectionPool(node, secret, Identity(me.host, me.port, me.id), bind_ip=src,
-                          backoff=Backoff(c.reconnect_attempts, c.reconnect_base_delay),
-                          handshake_timeout=c.handshake_timeout, max_frame=c.max_frame_bytes)
+    pool = ConnectionPool(
+        node,
+        secret,
+        Identity(me.host, me.port, me.id),
+        bind_ip=src,
+        backoff=Backoff(c.reconnect_attempts, c.reconnect_base_delay),
+        handshake_timeout=c.handshake_timeout,
+        max_frame=c.max_frame_bytes,
+    )
     return listener, pool, TcpEndpoint(me.address, pool)
 
 
@@ -68,8 +84,13 @@ def _signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-async def run_stage(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings: ServeSettings,
-                    secret: ClusterSecret) -> None:
+async def run_stage(
+    cfg: ClusterConfig,
+    me: NodeSpec,
+    model_path: Path,
+    settings: ServeSettings,
+    secret: ClusterSecret,
+) -> None:
     stages = cfg.stages
     index = [s.id for s in stages].index(me.id)
     compute = ComputeThread()
@@ -79,16 +100,27 @@ async def run_stage(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings
         async with Node(me.id) as node:
             listener, pool, endpoint = _net(node, cfg, me, secret, settings.cluster_interface)
             service = StageService(
-                node, endpoint, LayerRange(loaded, stage_plan.start, stage_plan.end), compute,
-                StageConfig(me.id, index, len(stages), cfg.coordinator.address,
-                            upstream=stages[index - 1].address if index else None,
-                            downstream=stages[index + 1].address if index + 1 < len(stages) else None,
-                            return_logits=settings.pp_return_logits),
+                node,
+                endpoint,
+                LayerRange(loaded, stage_plan.start, stage_plan.end),
+                compute,
+                StageConfig(
+                    me.id,
+                    index,
+                    len(stages),
+                    cfg.coordinator.address,
+                    upstream=stages[index - 1].address if index else None,
+                    downstream=stages[index + 1].address if index + 1 < len(stages) else None,
+                    return_logits=settings.pp_return_logits,
+                ),
             )
             service.attach()
             await listener.start()
             logger.info("transport: {}", probe_rdma().detail)
-            print(f"mlxcel stage {me.id} (layers {stage_plan.spec}) listening on {me.address}", flush=True)
+            print(
+                f"mlxcel stage {me.id} (layers {stage_plan.spec}) listening on {me.address}",
+                flush=True,
+            )
             stop = asyncio.Event()
             _signals(stop)
             stopper = asyncio.create_task(stop.wait())
@@ -100,7 +132,9 @@ async def run_stage(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings
                 try:
                     await asyncio.wait_for(service.stopped.wait(), settings.drain_timeout)
                 except TimeoutError:
-                    logger.warning("stage {}: drain timed out with {} sequences", me.id, len(service.seqs))
+                    logger.warning(
+                        "stage {}: drain timed out with {} sequences", me.id, len(service.seqs)
+                    )
             stopper.cancel()
             done_task.cancel()
             logger.info("stage {} stopped", me.id)
@@ -108,36 +142,102 @@ async def run_stage(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings
         compute.close()
 
 
-async def run_coordinator(cfg: ClusterConfig, me: NodeSpec, model_path: Path, settings: ServeSettings,
-                          secret: ClusterSecret) -> None:
-    from mlxcel.server.run import serve_http
+@dataclass
+class RemoteCoordinator:
+    node: Node
+    coordinator: PipelineCoordinator
+    frontend: Frontend
+    endpoint: TcpEndpoint
+    plan: list[StagePlan]
 
+
+@asynccontextmanager
+async def remote_coordinator(
+    cfg: ClusterConfig,
+    me: NodeSpec,
+    model_path: Path,
+    secret: ClusterSecret,
+    *,
+    parallel: int = 8,
+    queue_size: int = 64,
+    request_timeout: float = 600.0,
+    return_logits: bool = False,
+    interface: str | None = None,
+    startup_timeout: float = 60.0,
+) -> AsyncIterator[RemoteCoordinator]:
+    """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
     tokenizer, config = load_tokenizer_only(model_path)
-    n_layers = int(config["num_hidden_layers"])
-    stages_plan = cluster_plan(cfg, model_path, n_layers)
+    stages_plan = cluster_plan(cfg, model_path, int(config["num_hidden_layers"]))
     async with Node(me.id) as node:
-        listener, pool, endpoint = _net(node, cfg, me, secret, settings.cluster_interface)
+        listener, pool, endpoint = _net(node, cfg, me, secret, interface)
         coordinator = PipelineCoordinator(
-            node, endpoint, [s.address for s in cfg.stages],
-            eos=set(tokenizer.eos_token_ids), vocab=int(config["vocab_size"]),
+            node,
+            endpoint,
+            [s.address for s in cfg.stages],
+            eos=set(tokenizer.eos_token_ids),
+            vocab=int(config["vocab_size"]),
             max_len=int(config.get("max_position_embeddings", 1 << 30)),
-            step_timeout=cfg.cluster.step_timeout, return_logits=settings.pp_return_logits,
-            max_sequences=settings.parallel,
+            step_timeout=cfg.cluster.step_timeout,
+            return_logits=return_logits,
+            max_sequences=parallel,
         )
         coordinator.attach()
         await listener.start()
-        await connect_stages(coordinator, pool, cfg, stages_plan, settings.startup_timeout)
-        fe = Frontend(node, tokenizer, parallel=settings.parallel, queue_size=settings.queue_size,
-                      request_timeout=settings.request_timeout)
+        await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout)
+        fe = Frontend(
+            node,
+            tokenizer,
+            parallel=parallel,
+            queue_size=queue_size,
+            request_timeout=request_timeout,
+        )
         fe.attach()
-        logger.info("pipeline of {} stages ready: {}", len(stages_plan),
-                    ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)))
-        await serve_http(settings, fe, node, model_path.name, inflight=lambda: coordinator.active,
-                         health_extra=coordinator.health)
+        logger.info(
+            "pipeline of {} stages ready: {}",
+            len(stages_plan),
+            ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)),
+        )
+        yield RemoteCoordinator(node, coordinator, fe, endpoint, stages_plan)
 
 
-async def connect_stages(coordinator: PipelineCoordinator, pool: ConnectionPool, cfg: ClusterConfig,
-                         stages_plan: list[StagePlan], timeout: float) -> None:
+async def run_coordinator(
+    cfg: ClusterConfig,
+    me: NodeSpec,
+    model_path: Path,
+    settings: ServeSettings,
+    secret: ClusterSecret,
+) -> None:
+    from mlxcel.server.run import serve_http
+
+    async with remote_coordinator(
+        cfg,
+        me,
+        model_path,
+        secret,
+        parallel=settings.parallel,
+        queue_size=settings.queue_size,
+        request_timeout=settings.request_timeout,
+        return_logits=settings.pp_return_logits,
+        interface=settings.cluster_interface,
+        startup_timeout=settings.startup_timeout,
+    ) as rc:
+        await serve_http(
+            settings,
+            rc.frontend,
+            rc.node,
+            model_path.name,
+            inflight=lambda: rc.coordinator.active,
+            health_extra=rc.coordinator.health,
+        )
+
+
+async def connect_stages(
+    coordinator: PipelineCoordinator,
+    pool: ConnectionPool,
+    cfg: ClusterConfig,
+    stages_plan: list[StagePlan],
+    timeout: float,
+) -> None:
     """Reach every stage (retrying while they start) and check its layers; fail fast on refusals."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -150,7 +250,9 @@ async def connect_stages(coordinator: PipelineCoordinator, pool: ConnectionPool,
                 if exc.failure is not None and not exc.failure.retryable:
                     raise MlxcelError(f"stage {spec.id} at {spec.address}: {exc}") from None
                 if loop.time() >= deadline:
-                    raise MlxcelError(f"stage {spec.id} at {spec.address} unreachable within {timeout:g}s: {exc}") from None
+                    raise MlxcelError(
+                        f"stage {spec.id} at {spec.address} unreachable within {timeout:g}s: {exc}"
+                    ) from None
                 await asyncio.sleep(0.2)
     try:
         states = await coordinator.query_states(timeout=max(1.0, deadline - loop.time()))
@@ -158,7 +260,12 @@ async def connect_stages(coordinator: PipelineCoordinator, pool: ConnectionPool,
         raise MlxcelError(f"stages did not answer their state query: {exc}") from None
     for spec, planned, st in zip(cfg.stages, stages_plan, states, strict=True):
         if tuple(st.layers) != (planned.start, planned.end):
-            raise MlxcelError(f"stage {spec.id} runs layers {st.layers[0]}-{st.layers[1] - 1}, "
-                              f"the plan says {planned.spec}: same model and config on every node?")
+            raise MlxcelError(
+                f"stage {spec.id} runs layers {st.layers[0]}-{st.layers[1] - 1}, "
+                f"the plan says {planned.spec}: same model and config on every node?"
+            )
         if st.node_id != spec.id:
-            raise ConfigError("--distributed-config", f"{spec.address} answers as {st.node_id!r}, expected {spec.id!r}")
+            raise ConfigError(
+                "--distributed-config",
+                f"{spec.address} answers as {st.node_id!r}, expected {spec.id!r}",
+            )

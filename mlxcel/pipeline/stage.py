@@ -90,6 +90,7 @@ class _Seq:
 @dataclass
 class StageStats:
     forwards: int = 0
+    compute_s: float = 0.0
     refused: int = 0
     errors: int = 0
     dropped: int = 0
@@ -97,8 +98,14 @@ class StageStats:
 
 
 class StageService:
-    def __init__(self, node: Node, endpoint: Endpoint, layers: LayerRange, compute: ComputeThread,
-                 config: StageConfig) -> None:
+    def __init__(
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        layers: LayerRange,
+        compute: ComputeThread,
+        config: StageConfig,
+    ) -> None:
         self.node = node
         self.endpoint = endpoint
         self.layers = layers
@@ -123,11 +130,18 @@ class StageService:
     def attach(self) -> None:
         bus = self.node.bus
         for cls, handler in (
-            (PrepareSequence, self._on_prepare), (RunEntry, self._on_run_entry), (Activation, self._on_activation),
-            (CancelRequest, self._on_release), (ReleaseSequence, self._on_release), (BeginDrain, self._on_drain),
-            (Shutdown, self._on_shutdown), (QueryState, self._on_query),
+            (PrepareSequence, self._on_prepare),
+            (RunEntry, self._on_run_entry),
+            (Activation, self._on_activation),
+            (CancelRequest, self._on_release),
+            (ReleaseSequence, self._on_release),
+            (BeginDrain, self._on_drain),
+            (Shutdown, self._on_shutdown),
+            (QueryState, self._on_query),
         ):
-            bus.subscribe(cls, handler, maxsize=256, name=f"stage{self.config.index}.{cls.__name__}")
+            bus.subscribe(
+                cls, handler, maxsize=256, name=f"stage{self.config.index}.{cls.__name__}"
+            )
 
     # --- authorization --------------------------------------------------------------------
     def _is_coordinator(self, source: str) -> bool:
@@ -141,10 +155,18 @@ class StageService:
             return False
         return unspecified and source.rpartition(":")[2] == port
 
-    async def _refuse(self, env: Envelope[Any], code: str, why: str, request_id: str | None, nonce: int | None) -> None:
+    async def _refuse(
+        self, env: Envelope[Any], code: str, why: str, request_id: str | None, nonce: int | None
+    ) -> None:
         self.stats.refused += 1
         self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
-        logger.warning("stage {}: refusing {} from {}: {}", self.config.index, type(env.msg).__name__, env.source, why)
+        logger.warning(
+            "stage {}: refusing {} from {}: {}",
+            self.config.index,
+            type(env.msg).__name__,
+            env.source,
+            why,
+        )
         await self._send(env.source, Error(code, why, request_id, nonce))
 
     async def _send(self, dest: str, msg: Message) -> bool:
@@ -153,7 +175,13 @@ class StageService:
             return True
         except (SendFailed, MlxcelError) as exc:
             self.stats.dropped += 1
-            logger.warning("stage {}: could not send {} to {}: {}", self.config.index, type(msg).__name__, dest, exc)
+            logger.warning(
+                "stage {}: could not send {} to {}: {}",
+                self.config.index,
+                type(msg).__name__,
+                dest,
+                exc,
+            )
             return False
 
     def _command_ok(self, env: Envelope[Any]) -> bool:
@@ -163,14 +191,28 @@ class StageService:
     async def _on_prepare(self, env: Envelope[PrepareSequence]) -> None:
         m = env.msg
         if not self._command_ok(env):
-            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", m.request_id, m.nonce)
+            await self._refuse(
+                env,
+                "not_coordinator",
+                "commands are accepted only from the coordinator",
+                m.request_id,
+                m.nonce,
+            )
             return
         old = self.seqs.get(m.request_id)
         if old is not None and old.owner != env.source:
-            await self._refuse(env, "not_owner", f"request {m.request_id!r} is owned by another identity", m.request_id, m.nonce)
+            await self._refuse(
+                env,
+                "not_owner",
+                f"request {m.request_id!r} is owned by another identity",
+                m.request_id,
+                m.nonce,
+            )
             return
         if self.state is not StageState.SERVING:
-            await self._refuse(env, "draining", "stage is draining; no new sequences", m.request_id, m.nonce)
+            await self._refuse(
+                env, "draining", "stage is draining; no new sequences", m.request_id, m.nonce
+            )
             return
         # A fresh claim: whatever was cached under this id is discarded.
         self.seqs[m.request_id] = _Seq(env.source, self.layers.make_cache(), m.max_len)
@@ -180,7 +222,13 @@ class StageService:
         m = env.msg
         seq = self.seqs.get(m.request_id)
         if not self._command_ok(env) or (seq is not None and seq.owner != env.source):
-            await self._refuse(env, "not_owner", f"{type(m).__name__} for {m.request_id!r} from a non-owner", m.request_id, None)
+            await self._refuse(
+                env,
+                "not_owner",
+                f"{type(m).__name__} for {m.request_id!r} from a non-owner",
+                m.request_id,
+                None,
+            )
             return
         if seq is not None:
             del self.seqs[m.request_id]
@@ -188,30 +236,61 @@ class StageService:
 
     async def _on_drain(self, env: Envelope[BeginDrain]) -> None:
         if not self._command_ok(env):
-            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", None, None)
+            await self._refuse(
+                env,
+                "not_coordinator",
+                "commands are accepted only from the coordinator",
+                None,
+                None,
+            )
             return
         self.begin_drain()
         await self._send(env.source, Ack("", 0))
 
     async def _on_shutdown(self, env: Envelope[Shutdown]) -> None:
         if not self._command_ok(env):
-            await self._refuse(env, "not_coordinator", "commands are accepted only from the coordinator", None, None)
+            await self._refuse(
+                env,
+                "not_coordinator",
+                "commands are accepted only from the coordinator",
+                None,
+                None,
+            )
             return
         logger.info("stage {}: shutdown requested by the coordinator", self.config.index)
         self.request_shutdown()
 
     async def _on_query(self, env: Envelope[QueryState]) -> None:
         if not self._command_ok(env):
-            await self._refuse(env, "not_coordinator", "state is reported only to the coordinator", None, env.msg.nonce)
+            await self._refuse(
+                env,
+                "not_coordinator",
+                "state is reported only to the coordinator",
+                None,
+                env.msg.nonce,
+            )
             return
-        await self._send(env.source, State(self.config.node_id, (self.layers.start, self.layers.end), len(self.seqs),
-                                           self.state is not StageState.SERVING, env.msg.nonce))
+        wire = int(getattr(self.endpoint, "wire_bytes", 0))
+        await self._send(
+            env.source,
+            State(
+                self.config.node_id,
+                (self.layers.start, self.layers.end),
+                len(self.seqs),
+                self.state is not StageState.SERVING,
+                env.msg.nonce,
+                wire,
+                int(self.stats.compute_s * 1e6),
+            ),
+        )
 
     def begin_drain(self) -> None:
         """Refuse new sequences; the ones in flight run to their end."""
         if self.state is StageState.SERVING:
             self.state = StageState.DRAINING
-            logger.info("stage {}: draining ({} sequences in flight)", self.config.index, len(self.seqs))
+            logger.info(
+                "stage {}: draining ({} sequences in flight)", self.config.index, len(self.seqs)
+            )
 
     def request_shutdown(self) -> None:
         """Drain, then stop once the last sequence is released (``stopped`` is set)."""
@@ -228,22 +307,40 @@ class StageService:
     async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:
         m = env.msg
         if not self.is_first:
-            await self._refuse(env, "not_entry", "this stage is not the entry stage", m.request_id, m.nonce)
+            await self._refuse(
+                env, "not_entry", "this stage is not the entry stage", m.request_id, m.nonce
+            )
             return
         seq = self.seqs.get(m.request_id)
         if not self._command_ok(env) or seq is None or seq.owner != env.source:
-            code = "not_coordinator" if not self._command_ok(env) else ("not_prepared" if seq is None else "not_owner")
-            await self._refuse(env, code, f"RunEntry for {m.request_id!r} refused ({code})", m.request_id, m.nonce)
+            code = (
+                "not_coordinator"
+                if not self._command_ok(env)
+                else ("not_prepared" if seq is None else "not_owner")
+            )
+            await self._refuse(
+                env, code, f"RunEntry for {m.request_id!r} refused ({code})", m.request_id, m.nonce
+            )
             return
         if not m.token_ids or seq.tokens + len(m.token_ids) > seq.max_len:
-            await self._refuse(env, "bad_request", "token ids empty or beyond the prepared length", m.request_id, m.nonce)
+            await self._refuse(
+                env,
+                "bad_request",
+                "token ids empty or beyond the prepared length",
+                m.request_id,
+                m.nonce,
+            )
             return
         vocab = self.vocab
         if any(not 0 <= t < vocab for t in m.token_ids):
-            await self._refuse(env, "bad_request", f"token id outside [0, {vocab})", m.request_id, m.nonce)
+            await self._refuse(
+                env, "bad_request", f"token id outside [0, {vocab})", m.request_id, m.nonce
+            )
             return
         x = mx.array([list(m.token_ids)], dtype=mx.int32)
-        await self._forward(seq, m.request_id, m.micro_batch, x, len(m.token_ids), m.sampling, m.nonce)
+        await self._forward(
+            seq, m.request_id, m.micro_batch, x, len(m.token_ids), m.sampling, m.nonce
+        )
 
     def _check_hidden(self, t: Tensor) -> str | None:
         if t.dtype not in FLOAT_DTYPES:
@@ -261,14 +358,30 @@ class StageService:
         seq = self.seqs.get(m.request_id)
         if env.source != self.config.upstream:
             # Only the upstream stage feeds this one. Tell the owner if there is one to tell.
-            logger.warning("stage {}: activation from {} is not from the upstream stage", self.config.index, env.source)
+            logger.warning(
+                "stage {}: activation from {} is not from the upstream stage",
+                self.config.index,
+                env.source,
+            )
             self.stats.refused += 1
             if seq is not None:
-                await self._send(seq.owner, Error("not_upstream", f"activation from {env.source} refused", m.request_id, m.nonce))
+                await self._send(
+                    seq.owner,
+                    Error(
+                        "not_upstream",
+                        f"activation from {env.source} refused",
+                        m.request_id,
+                        m.nonce,
+                    ),
+                )
             return
         if seq is None:
             self.stats.dropped += 1
-            logger.warning("stage {}: activation for unprepared request {}; dropped", self.config.index, m.request_id)
+            logger.warning(
+                "stage {}: activation for unprepared request {}; dropped",
+                self.config.index,
+                m.request_id,
+            )
             return
         problem = self._check_hidden(m.hidden)
         if problem is None and seq.tokens + m.hidden.shape[1] > seq.max_len:
@@ -277,20 +390,42 @@ class StageService:
             self.stats.errors += 1
             await self._send(seq.owner, Error("bad_activation", problem, m.request_id, m.nonce))
             return
-        await self._forward(seq, m.request_id, m.micro_batch, from_tensor(m.hidden), m.hidden.shape[1], m.sampling, m.nonce)
+        await self._forward(
+            seq,
+            m.request_id,
+            m.micro_batch,
+            from_tensor(m.hidden),
+            m.hidden.shape[1],
+            m.sampling,
+            m.nonce,
+        )
 
-    async def _forward(self, seq: _Seq, request_id: str, micro_batch: int, x: mx.array, n: int,
-                       sampling: SamplingParams, nonce: int) -> None:
+    async def _forward(
+        self,
+        seq: _Seq,
+        request_id: str,
+        micro_batch: int,
+        x: mx.array,
+        n: int,
+        sampling: SamplingParams,
+        nonce: int,
+    ) -> None:
         if self.is_last and seq.sampling is None and not self.config.return_logits:
             seq.sampling = sampling
             seq.sampler = make_sampler(sampling)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             out = await self.compute.run(self._compute, seq, x)
         except Exception as exc:  # an execution failure is reported like a bad activation
             self.stats.errors += 1
             logger.exception("stage {}: forward failed", self.config.index)
-            await self._send(seq.owner, Error("forward_failed", f"stage {self.config.index}: {exc}", request_id, nonce))
+            await self._send(
+                seq.owner,
+                Error("forward_failed", f"stage {self.config.index}: {exc}", request_id, nonce),
+            )
             return
+        self.stats.compute_s += loop.time() - t0
         self.stats.forwards += 1
         seq.tokens += n
         if self.seqs.get(request_id) is not seq:
@@ -299,15 +434,26 @@ class StageService:
             assert self.config.downstream is not None
             act = Activation(request_id, micro_batch, out, 0, sampling, nonce)
             if not await self._send(self.config.downstream, act):
-                await self._send(seq.owner, Error("downstream_unreachable", f"stage {self.config.index} cannot reach "
-                                                  f"{self.config.downstream}", request_id, nonce))
+                await self._send(
+                    seq.owner,
+                    Error(
+                        "downstream_unreachable",
+                        f"stage {self.config.index} cannot reach {self.config.downstream}",
+                        request_id,
+                        nonce,
+                    ),
+                )
             return
         if self.config.return_logits:
-            await self._send(seq.owner, RunResult(request_id, micro_batch, (), None, nonce, logits=out))
+            await self._send(
+                seq.owner, RunResult(request_id, micro_batch, (), None, nonce, logits=out)
+            )
         else:
             token, logprob = out
             lp = (logprob,) if sampling.logprobs else None
-            await self._send(seq.owner, RunResult(request_id, micro_batch, (token,), None, nonce, logprobs=lp))
+            await self._send(
+                seq.owner, RunResult(request_id, micro_batch, (token,), None, nonce, logprobs=lp)
+            )
 
     def _compute(self, seq: _Seq, x: mx.array) -> Any:
         """Compute thread: run the range; on the last stage sample (or return logits)."""
@@ -318,7 +464,13 @@ class StageService:
         if self.config.return_logits:
             mx.eval(h)
             return to_tensor(h.astype(mx.float32))
-        logits = h[:, -1, :].astype(mx.float32)
+        logits = h[:, -1, :]
+        want_lp = seq.sampling is not None and seq.sampling.logprobs
+        if seq.sampler is None and not want_lp:  # greedy: the argmax needs no normalisation
+            tok = mx.argmax(logits, axis=-1)
+            mx.eval(tok)
+            return int(tok.item()), 0.0
+        logits = logits.astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tok = seq.sampler(logprobs) if seq.sampler is not None else mx.argmax(logprobs, axis=-1)
         mx.eval(tok, logprobs)

@@ -300,7 +300,9 @@ async def _sse(
             raise
         # The status line is gone; report the failure in-band, as OpenAI's API does.
         code = exc.code if isinstance(exc, EngineError) else "deadline_exceeded"
-        await send({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
+        await send(
+            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
+        )
         await resp.write_eof()
         return resp
     if resp is None:  # pragma: no cover - a stream always yields its final delta
@@ -341,8 +343,11 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND]
-    body: dict[str, Any] = {"status": "draining" if fe.draining else "ok", "in_flight": fe.in_flight,
-                            "waiting": fe.waiting}
+    body: dict[str, Any] = {
+        "status": "draining" if fe.draining else "ok",
+        "in_flight": fe.in_flight,
+        "waiting": fe.waiting,
+    }
     extra = request.app.get(HEALTH)
     if extra is not None:
         body.update(await extra())  # type: ignore[operator]
@@ -371,7 +376,12 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 def build_app(
-    fe: Frontend, metrics: Metrics, *, model_name: str, default_max_tokens: int, max_body_bytes: int,
+    fe: Frontend,
+    metrics: Metrics,
+    *,
+    model_name: str,
+    default_max_tokens: int,
+    max_body_bytes: int,
     health_extra: Any = None,
 ) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])

@@ -85,10 +85,16 @@ async def serve(settings: ServeSettings, model_path: Path) -> None:
     ) as stack:
         logger.info(
             "model {} ({}, {} layers); decode path: batched forward, up to {} sequences per step",
-            stack.loaded.name, stack.loaded.family, stack.loaded.n_layers, settings.max_batch_size,
+            stack.loaded.name,
+            stack.loaded.family,
+            stack.loaded.n_layers,
+            settings.max_batch_size,
         )
         await serve_http(
-            settings, stack.frontend, stack.node, stack.loaded.name,
+            settings,
+            stack.frontend,
+            stack.node,
+            stack.loaded.name,
             inflight=lambda: stack.engine.active,
         )
 
@@ -112,9 +118,14 @@ async def serve_http(
         handler_errors=lambda: sum(node.bus.handler_errors.values()),
     )
     model_name = settings.served_model_name or default_name
-    app = build_app(frontend, metrics, model_name=model_name,
-                    default_max_tokens=settings.default_max_tokens,
-                    max_body_bytes=settings.max_body_bytes, health_extra=health_extra)
+    app = build_app(
+        frontend,
+        metrics,
+        model_name=model_name,
+        default_max_tokens=settings.default_max_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        health_extra=health_extra,
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
@@ -129,7 +140,9 @@ async def serve_http(
     print(f"mlxcel serving {model_name} on http://{settings.host}:{port}", flush=True)
     try:
         await stop.wait()
-        logger.info("draining: admitting no new requests, finishing {} in flight", frontend.in_flight)
+        logger.info(
+            "draining: admitting no new requests, finishing {} in flight", frontend.in_flight
+        )
         await frontend.drain(loop.time() + settings.drain_timeout)
         logger.info("shutting down")
     finally:

@@ -1,0 +1,133 @@
+"""``python -m mlxcel bench pipeline``: what pipelining costs, one process vs two stages.
+
+Greedy decode of one stream, in one run: (a) ``single`` -- one process, the local engine;
+(b) ``inproc-2`` -- two stage nodes and a coordinator in one process (no sockets);
+(c) ``remote-2`` -- two stage processes on 127.0.0.2/127.0.0.3 and a coordinator here, over the
+authenticated, encrypted transport.
+
+``overhead_ms_per_token`` of ``remote-2`` is the protocol's share of a decode step: the step
+time minus the time both stages spent computing (they report it in ``State``);
+``vs_single_ms_per_token`` is the whole difference to the one-process step.
+``wire_bytes_per_token`` counts every byte the coordinator and both stages wrote to cluster
+connections per additional decoded token.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import aclosing
+from pathlib import Path
+
+from mlxcel.frontend import Frontend, Usage
+from mlxcel.messages import SamplingParams
+
+PROMPT = "Pipeline benchmark: the quick brown fox jumps over the lazy dog"
+
+
+async def decode_rate(fe: Frontend, tokens: int) -> tuple[float, int]:
+    """(decode tok/s after the first token, tokens generated) for one greedy stream."""
+    u = Usage()
+    async with aclosing(
+        fe.stream(fe.encode_prompt(PROMPT), SamplingParams(max_tokens=tokens), usage=u)
+    ) as it:
+        async for _ in it:
+            pass
+    assert u.first_token_at is not None and u.last_token_at is not None
+    span = u.last_token_at - u.first_token_at
+    return ((u.completion_tokens - 1) / span if span > 0 else 0.0), u.completion_tokens
+
+
+async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2) -> int:
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.inproc import pipeline_stack
+    from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.pipeline.remote import remote_coordinator
+    from mlxcel.runtime.blas import blas_name
+    from mlxcel.server.run import local_stack
+
+    rows = []
+
+    async def measure(fe: Frontend) -> float:
+        await decode_rate(fe, 8)  # warm-up
+        return max([(await decode_rate(fe, tokens))[0] for _ in range(repeats)])
+
+    async with local_stack(model, max_batch_size=1, parallel=1, name="bench-single") as st:
+        single = await measure(st.frontend)
+    rows.append(
+        {
+            "mode": "single",
+            "tok_per_s": single,
+            "overhead_ms_per_token": 0.0,
+            "wire_bytes_per_token": 0,
+        }
+    )
+
+    async with pipeline_stack(model, 2, parallel=1) as ps:
+        inproc = await measure(ps.frontend)
+    rows.append(
+        {
+            "mode": "inproc-2",
+            "tok_per_s": inproc,
+            "overhead_ms_per_token": 1e3 / inproc - 1e3 / single,
+            "wire_bytes_per_token": 0,
+        }
+    )
+
+    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+        async with LoopbackCluster(model, 2, Path(tmp), spawn_coordinator=False) as cl:
+            cfg = load_cluster_config(cl.config)
+            secret = load_cluster_secret(None, {}, cl.config)
+            assert secret is not None
+            async with remote_coordinator(cfg, cfg.coordinator, model, secret, parallel=1) as rc:
+                await decode_rate(rc.frontend, 8)
+
+                async def totals() -> tuple[int, float, int]:
+                    states = await rc.coordinator.query_states()
+                    wire = rc.endpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
+                    return wire, sum(s.compute_us for s in states) / 1e3, rc.coordinator.steps
+
+                rates = []
+                for _ in range(repeats):
+                    w0, c0, s0 = await totals()
+                    rate, _n = await decode_rate(rc.frontend, tokens)
+                    w1, c1, s1 = await totals()
+                    rates.append((rate, (c1 - c0) / (s1 - s0)))
+                # Bytes per *decoded* token: the marginal cost of a longer run of the same prompt
+                # (the prompt's prefill activation is paid once per request, not per token).
+                half = tokens // 2
+                w0, _, _ = await totals()
+                await decode_rate(rc.frontend, half)
+                w1, _, _ = await totals()
+                await decode_rate(rc.frontend, tokens)
+                w2, _, _ = await totals()
+                per_token_wire = ((w2 - w1) - (w1 - w0)) / (tokens - half)
+    remote, compute_ms = max(rates)
+    rows.append(
+        {
+            "mode": "remote-2",
+            "tok_per_s": remote,
+            "overhead_ms_per_token": 1e3 / remote - compute_ms,
+            "wire_bytes_per_token": round(per_token_wire),
+            "stage_compute_ms_per_token": round(compute_ms, 3),
+            "vs_single_ms_per_token": round(1e3 / remote - 1e3 / single, 3),
+        }
+    )
+    for r in rows:
+        r["tok_per_s"] = round(float(r["tok_per_s"]), 2)
+        r["overhead_ms_per_token"] = round(float(r["overhead_ms_per_token"]), 3)
+        r["ratio_vs_single"] = round(float(r["tok_per_s"]) / single, 3)
+        r["tokens"] = tokens
+        r["blas"] = blas_name()
+        if json_lines:
+            print(json.dumps(r), flush=True)
+    if not json_lines:
+        print(f"model {model} | {tokens} greedy tokens per run, best of {repeats}")
+        print(f"{'mode':<10}{'tok/s':>9}{'x single':>10}{'overhead ms/tok':>17}{'wire B/tok':>12}")
+        for r in rows:
+            print(
+                f"{r['mode']:<10}{r['tok_per_s']:>9}{r['ratio_vs_single']:>10}{r['overhead_ms_per_token']:>17}"
+                f"{r['wire_bytes_per_token']:>12}"
+            )
+    return 0

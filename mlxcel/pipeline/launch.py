@@ -1,0 +1,148 @@
+"""Start a loopback pipeline cluster as real processes (for the demo, the benchmark and scripts).
+
+Writes a fresh secret (mode 0600) and a cluster TOML into a work folder, puts the stages on
+127.0.0.2, 127.0.0.3, ... and the coordinator on 127.0.0.1 (free ports), starts one
+``python -m mlxcel serve`` process per stage (and optionally the coordinator), waits until
+each says it is ready, and on exit -- normal, error or Ctrl-C -- sends SIGTERM to every process
+and waits for it (SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from mlxcel.errors import MlxcelError
+from mlxcel.net.secret import keygen
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LoopbackCluster:
+    def __init__(
+        self,
+        model: Path,
+        n_stages: int,
+        workdir: Path,
+        *,
+        http_port: int | None = None,
+        spawn_coordinator: bool = True,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.model = model
+        self.n_stages = n_stages
+        self.workdir = workdir
+        self.spawn_coordinator = spawn_coordinator
+        self.http_port = http_port or free_port("127.0.0.1")
+        self.extra_args = extra_args
+        self.procs: list[tuple[str, asyncio.subprocess.Process, Path]] = []
+        self.config = workdir / "cluster.toml"
+        self.secret = workdir / "cluster.secret"
+        self.coordinator_address = ""
+
+    def write_config(self) -> None:
+        keygen(self.secret, force=True)
+        self.coordinator_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        lines = [
+            f'name = "loopback-{self.n_stages}"',
+            f"pipeline_parallel_size = {self.n_stages}",
+            "",
+            "[cluster]",
+            'secret_file = "cluster.secret"',
+            "",
+            "[[nodes]]",
+            'id = "coordinator"',
+            'role = "coordinator"',
+            f'address = "{self.coordinator_address}"',
+        ]
+        for i in range(self.n_stages):
+            host = f"127.0.0.{i + 2}"
+            lines += [
+                "",
+                "[[nodes]]",
+                f'id = "stage-{i}"',
+                'role = "stage"',
+                f'address = "{host}:{free_port(host)}"',
+            ]
+        self.config.write_text("\n".join(lines) + "\n")
+
+    async def _start(self, node_id: str, ready: str, *extra: str) -> None:
+        log = self.workdir / f"{node_id}.log"
+        fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "-m",
+            str(self.model),
+            "--distributed-config",
+            str(self.config),
+            "--node-id",
+            node_id,
+            *extra,
+            *self.extra_args,
+            stdout=fh,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self._env(),
+        )
+        fh.close()
+        self.procs.append((node_id, proc, log))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 120
+        while loop.time() < end:
+            if ready in log.read_text():
+                return
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
+        raise MlxcelError(f"{node_id} did not start:\n{log.read_text()[-2000:]}")
+
+    def _env(self) -> dict[str, str]:
+        """Co-located stages take turns on the same cores: keep idle BLAS threads from spinning.
+
+        OpenBLAS worker threads busy-wait after each call; with several stage processes on
+        one small host, an idle stage's spinning threads steal the cores the working stage
+        needs. A short spin (2^4 cycles) makes them sleep instead.
+        """
+        env = dict(os.environ)
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+        return env
+
+    async def __aenter__(self) -> LoopbackCluster:
+        self.write_config()
+        try:
+            await asyncio.gather(
+                *(self._start(f"stage-{i}", "mlxcel stage") for i in range(self.n_stages))
+            )
+            if self.spawn_coordinator:
+                await self._start("coordinator", "mlxcel serving", "--port", str(self.http_port))
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self, grace: float = 15.0) -> dict[str, int | None]:
+        for _, proc, _ in reversed(self.procs):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        codes: dict[str, int | None] = {}
+        for name, proc, _ in self.procs:
+            try:
+                codes[name] = await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                proc.kill()
+                codes[name] = await proc.wait()
+        self.procs.clear()
+        return codes
