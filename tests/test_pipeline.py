@@ -80,6 +80,8 @@ async def test_inproc_pipeline_matches_single_process(
         assert all(not s.seqs for s in st.stages)  # every sequence released everywhere
         assert st.coordinator.active == 0 and not st.coordinator.dropped
         assert st.stages[0].stats.forwards == 8 * 16
+        # Concurrent sequences' decode steps shared forward passes inside each stage.
+        assert all(s.stats.batches < s.stats.forwards for s in st.stages)
 
 
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:

@@ -38,7 +38,27 @@ async def decode_rate(fe: Frontend, tokens: int) -> tuple[float, int]:
     return ((u.completion_tokens - 1) / span if span > 0 else 0.0), u.completion_tokens
 
 
-async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2) -> int:
+async def aggregate_rate(fe: Frontend, tokens: int, streams: int) -> float:
+    """Aggregate tok/s of ``streams`` concurrent greedy streams (all tokens over wall time)."""
+    import asyncio
+    import time
+
+    async def one(i: int) -> int:
+        u = Usage()
+        ids = fe.encode_prompt(f"{PROMPT} ({i})")
+        async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
+            async for _ in it:
+                pass
+        return u.completion_tokens
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(streams)))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+async def run_bench(
+    model: Path, tokens: int, json_lines: bool, repeats: int = 2, streams: int = 8
+) -> int:
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
     from mlxcel.pipeline.inproc import pipeline_stack
@@ -53,8 +73,14 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
         await decode_rate(fe, 8)  # warm-up
         return max([(await decode_rate(fe, tokens))[0] for _ in range(repeats)])
 
+    concurrent: dict[str, float] = {}
     async with local_stack(model, max_batch_size=1, parallel=1, name="bench-single") as st:
         single = await measure(st.frontend)
+    async with local_stack(
+        model, max_batch_size=streams, parallel=streams, name="bench-batch"
+    ) as st:
+        await aggregate_rate(st.frontend, 8, streams)  # warm-up
+        concurrent["single"] = await aggregate_rate(st.frontend, tokens, streams)
     rows.append(
         {
             "mode": "single",
@@ -64,8 +90,9 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
         }
     )
 
-    async with pipeline_stack(model, 2, parallel=1) as ps:
+    async with pipeline_stack(model, 2, parallel=streams, max_batch_size=streams) as ps:
         inproc = await measure(ps.frontend)
+        concurrent["inproc-2"] = await aggregate_rate(ps.frontend, tokens, streams)
     rows.append(
         {
             "mode": "inproc-2",
@@ -80,7 +107,9 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
             cfg = load_cluster_config(cl.config)
             secret = load_cluster_secret(None, {}, cl.config)
             assert secret is not None
-            async with remote_coordinator(cfg, cfg.coordinator, model, secret, parallel=1) as rc:
+            async with remote_coordinator(
+                cfg, cfg.coordinator, model, secret, parallel=streams
+            ) as rc:
                 await decode_rate(rc.frontend, 8)
 
                 async def totals() -> tuple[int, float, int]:
@@ -103,6 +132,7 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
                 await decode_rate(rc.frontend, tokens)
                 w2, _, _ = await totals()
                 per_token_wire = ((w2 - w1) - (w1 - w0)) / (tokens - half)
+                concurrent["remote-2"] = await aggregate_rate(rc.frontend, tokens, streams)
     remote, compute_ms = max(rates)
     rows.append(
         {
@@ -115,6 +145,7 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
         }
     )
     for r in rows:
+        r[f"tok_per_s_{streams}_streams"] = round(concurrent[str(r["mode"])], 2)
         r["tok_per_s"] = round(float(r["tok_per_s"]), 2)
         r["overhead_ms_per_token"] = round(float(r["overhead_ms_per_token"]), 3)
         r["ratio_vs_single"] = round(float(r["tok_per_s"]) / single, 3)
@@ -124,10 +155,14 @@ async def run_bench(model: Path, tokens: int, json_lines: bool, repeats: int = 2
             print(json.dumps(r), flush=True)
     if not json_lines:
         print(f"model {model} | {tokens} greedy tokens per run, best of {repeats}")
-        print(f"{'mode':<10}{'tok/s':>9}{'x single':>10}{'overhead ms/tok':>17}{'wire B/tok':>12}")
+        col = f"tok/s x{streams} streams"
+        print(
+            f"{'mode':<10}{'tok/s':>9}{'x single':>10}{'overhead ms/tok':>17}{'wire B/tok':>12}{col:>22}"
+        )
         for r in rows:
             print(
-                f"{r['mode']:<10}{r['tok_per_s']:>9}{r['ratio_vs_single']:>10}{r['overhead_ms_per_token']:>17}"
-                f"{r['wire_bytes_per_token']:>12}"
+                f"{r['mode']:<10}{r['tok_per_s']:>9}{r['ratio_vs_single']:>10}"
+                f"{r['overhead_ms_per_token']:>17}{r['wire_bytes_per_token']:>12}"
+                f"{r[f'tok_per_s_{streams}_streams']:>22}"
             )
     return 0

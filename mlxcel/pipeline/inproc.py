@@ -50,6 +50,7 @@ async def pipeline_stack(
     queue_size: int = 64,
     request_timeout: float = 600.0,
     return_logits: bool = False,
+    max_batch_size: int = 8,
 ) -> AsyncIterator[PipelineStack]:
     compute = ComputeThread()
     try:
@@ -69,6 +70,7 @@ async def pipeline_stack(
                     upstream=names[i - 1] if i else None,
                     downstream=names[i + 1] if i + 1 < len(names) else None,
                     return_logits=return_logits,
+                    max_batch=max_batch_size,
                 )
                 svc = StageService(
                     node,

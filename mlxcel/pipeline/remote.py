@@ -112,6 +112,7 @@ async def run_stage(
                     upstream=stages[index - 1].address if index else None,
                     downstream=stages[index + 1].address if index + 1 < len(stages) else None,
                     return_logits=settings.pp_return_logits,
+                    max_batch=settings.max_batch_size,
                 ),
             )
             service.attach()

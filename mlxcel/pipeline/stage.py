@@ -21,6 +21,7 @@ returns token ids; with ``return_logits`` it returns the logits instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import ipaddress
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 from loguru import logger
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
@@ -75,6 +77,7 @@ class StageConfig:
     downstream: str | None = None
     return_logits: bool = False
     reply_deadline: float = 30.0
+    max_batch: int = 8  # decode steps of different sequences run as one forward
 
 
 @dataclass
@@ -88,8 +91,22 @@ class _Seq:
 
 
 @dataclass
+class _Work:
+    """One step of one sequence waiting for the stage's worker."""
+
+    seq: _Seq
+    request_id: str
+    micro_batch: int
+    x: mx.array
+    n: int
+    sampling: SamplingParams
+    nonce: int
+
+
+@dataclass
 class StageStats:
     forwards: int = 0
+    batches: int = 0
     compute_s: float = 0.0
     refused: int = 0
     errors: int = 0
@@ -118,6 +135,8 @@ class StageService:
         self.stats = StageStats()
         self.stopped = asyncio.Event()
         self._shutdown = False
+        self._work: collections.deque[_Work] = collections.deque()
+        self._wake = asyncio.Event()
 
     @property
     def is_first(self) -> bool:
@@ -142,6 +161,7 @@ class StageService:
             bus.subscribe(
                 cls, handler, maxsize=256, name=f"stage{self.config.index}.{cls.__name__}"
             )
+        self.node.spawn(self._worker(), name=f"stage{self.config.index}.worker", critical=True)
 
     # --- authorization --------------------------------------------------------------------
     def _is_coordinator(self, source: str) -> bool:
@@ -410,61 +430,108 @@ class StageService:
         sampling: SamplingParams,
         nonce: int,
     ) -> None:
+        """Queue one step for the worker; steps queued together decode as one batch."""
         if self.is_last and seq.sampling is None and not self.config.return_logits:
             seq.sampling = sampling
             seq.sampler = make_sampler(sampling)
+        # Bounded by construction: each prepared sequence has at most one step in flight.
+        self._work.append(_Work(seq, request_id, micro_batch, x, n, sampling, nonce))
+        self._wake.set()
+
+    async def _worker(self) -> None:
+        """Take everything queued; decode steps (one token each) run as one batched forward."""
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            out = await self.compute.run(self._compute, seq, x)
-        except Exception as exc:  # an execution failure is reported like a bad activation
-            self.stats.errors += 1
-            logger.exception("stage {}: forward failed", self.config.index)
-            await self._send(
-                seq.owner,
-                Error("forward_failed", f"stage {self.config.index}: {exc}", request_id, nonce),
-            )
-            return
-        self.stats.compute_s += loop.time() - t0
-        self.stats.forwards += 1
-        seq.tokens += n
-        if self.seqs.get(request_id) is not seq:
-            return  # released or re-prepared while we computed
+        while True:
+            if not self._work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            items = [w for w in self._work if self.seqs.get(w.request_id) is w.seq]
+            self._work.clear()
+            decode = [w for w in items if w.n == 1 and w.seq.tokens > 0][: self.config.max_batch]
+            rest = [w for w in items if w not in decode]
+            self._work.extend(w for w in rest[1:])  # prompts run one at a time, after this batch
+            groups = ([decode] if decode else []) + ([[rest[0]]] if rest else [])
+            for group in groups:
+                t0 = loop.time()
+                try:
+                    outs = await self.compute.run(self._compute, group)
+                except Exception as exc:  # an execution failure is reported like a bad activation
+                    self.stats.errors += len(group)
+                    logger.exception("stage {}: forward failed", self.config.index)
+                    for w in group:
+                        await self._send(
+                            w.seq.owner,
+                            Error(
+                                "forward_failed",
+                                f"stage {self.config.index}: {exc}",
+                                w.request_id,
+                                w.nonce,
+                            ),
+                        )
+                    continue
+                self.stats.compute_s += loop.time() - t0
+                self.stats.forwards += len(group)
+                self.stats.batches += 1
+                for w, out in zip(group, outs, strict=True):
+                    w.seq.tokens += w.n
+                    if self.seqs.get(w.request_id) is w.seq:  # not released while we computed
+                        await self._deliver(w, out)
+
+    async def _deliver(self, w: _Work, out: Any) -> None:
         if not self.is_last:
             assert self.config.downstream is not None
-            act = Activation(request_id, micro_batch, out, 0, sampling, nonce)
+            act = Activation(w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce)
             if not await self._send(self.config.downstream, act):
                 await self._send(
-                    seq.owner,
+                    w.seq.owner,
                     Error(
                         "downstream_unreachable",
                         f"stage {self.config.index} cannot reach {self.config.downstream}",
-                        request_id,
-                        nonce,
+                        w.request_id,
+                        w.nonce,
                     ),
                 )
             return
         if self.config.return_logits:
             await self._send(
-                seq.owner, RunResult(request_id, micro_batch, (), None, nonce, logits=out)
+                w.seq.owner, RunResult(w.request_id, w.micro_batch, (), None, w.nonce, logits=out)
             )
         else:
             token, logprob = out
-            lp = (logprob,) if sampling.logprobs else None
+            lp = (logprob,) if w.sampling.logprobs else None
             await self._send(
-                seq.owner, RunResult(request_id, micro_batch, (token,), None, nonce, logprobs=lp)
+                w.seq.owner,
+                RunResult(w.request_id, w.micro_batch, (token,), None, w.nonce, logprobs=lp),
             )
 
-    def _compute(self, seq: _Seq, x: mx.array) -> Any:
-        """Compute thread: run the range; on the last stage sample (or return logits)."""
-        h = self.layers(x, seq.cache)
+    def _compute(self, group: list[_Work]) -> list[Any]:
+        """Compute thread: run the range for one step of each sequence in ``group``.
+
+        One sequence runs on its own cache. Several (single-token decode steps) run as one
+        batch: their caches are merged into mlx-lm's BatchKVCache (left-padded to a common
+        length, with the matching attention mask), and split back afterwards.
+        """
+        if len(group) == 1:
+            w = group[0]
+            h = self.layers(w.x, w.seq.cache)
+        else:
+            n_layers = len(group[0].seq.cache)
+            batch = [BatchKVCache.merge([w.seq.cache[i] for w in group]) for i in range(n_layers)]
+            h = self.layers(mx.concatenate([w.x for w in group], axis=0), batch)
+            mx.eval(h)
+            for row, w in enumerate(group):
+                w.seq.cache = [c.extract(row) for c in batch]
         if not self.is_last:
             mx.eval(h)
-            return to_tensor(h)
+            return [to_tensor(h[row : row + 1]) for row in range(len(group))]
         if self.config.return_logits:
             mx.eval(h)
-            return to_tensor(h.astype(mx.float32))
-        logits = h[:, -1, :]
+            return [to_tensor(h[row : row + 1].astype(mx.float32)) for row in range(len(group))]
+        return [self._sample(w.seq, h[row : row + 1, -1, :]) for row, w in enumerate(group)]
+
+    @staticmethod
+    def _sample(seq: _Seq, logits: mx.array) -> tuple[int, float]:
         want_lp = seq.sampling is not None and seq.sampling.logprobs
         if seq.sampler is None and not want_lp:  # greedy: the argmax needs no normalisation
             tok = mx.argmax(logits, axis=-1)
