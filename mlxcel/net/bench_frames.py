@@ -20,11 +20,18 @@ import time
 from collections.abc import Callable
 
 from mlxcel.bus import Node
-from mlxcel.net.connection import SecureConnection
+from mlxcel.net.connection import ConnectionClosed, SecureConnection
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import AeadProtection, ChaChaSuite, HmacSha256, Protection, Unprotected
+from mlxcel.wire.frames import (
+    AeadProtection,
+    ChaChaSuite,
+    FrameError,
+    HmacSha256,
+    Protection,
+    Unprotected,
+)
 from mlxcel.wire.handshake import Identity
 
 MODES: dict[str, Callable[[bytes, bytes], Protection]] = {
@@ -44,21 +51,28 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def _inbound(
+    node: Node, factory: Callable[[bytes, bytes], Protection]
+) -> tuple[asyncio.Queue[SecureConnection], int]:
+    """A listener whose authenticated connections are handed over raw (not to the bus)."""
+    inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
+    listener = ClusterListener(
+        node,
+        BENCH_SECRET,
+        HOST,
+        0,
+        publish=False,
+        protection=factory,
+        on_connection=inbound.put_nowait,
+    )
+    return inbound, await listener.start()
+
+
 async def run_peer(mode: str, parent_port: int) -> None:
     """Echo every message received on A back on B (runs in the peer process)."""
     factory = MODES[mode]
     async with Node("bench-peer") as node:
-        inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
-        listener = ClusterListener(
-            node,
-            BENCH_SECRET,
-            HOST,
-            0,
-            publish=False,
-            protection=factory,
-            on_connection=inbound.put_nowait,
-        )
-        port = await listener.start()
+        inbound, port = await _inbound(node, factory)
         print(port, flush=True)
         conn_a = await inbound.get()
         pool = ConnectionPool(
@@ -69,8 +83,8 @@ async def run_peer(mode: str, parent_port: int) -> None:
             while True:
                 payload = await conn_a.recv_payload()
                 await conn_b.send_payload(payload)
-        except Exception:
-            pass
+        except (ConnectionClosed, FrameError):
+            pass  # A closed: the measuring side is done with this mode
         finally:
             conn_a.close()
             conn_b.close()
@@ -80,17 +94,7 @@ async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[s
     factory = MODES[mode]
     rows: list[dict[str, object]] = []
     async with Node("bench") as node:
-        inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
-        listener = ClusterListener(
-            node,
-            BENCH_SECRET,
-            HOST,
-            0,
-            publish=False,
-            protection=factory,
-            on_connection=inbound.put_nowait,
-        )
-        port = await listener.start()
+        inbound, port = await _inbound(node, factory)
         peer = subprocess.Popen(
             [sys.executable, "-m", "mlxcel.net.bench_frames", "--peer", mode, str(port)],
             stdout=subprocess.PIPE,

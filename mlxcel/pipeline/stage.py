@@ -207,17 +207,25 @@ class StageService:
     def _command_ok(self, env: Envelope[Any]) -> bool:
         return self._is_coordinator(env.source)
 
+    async def _from_coordinator(
+        self, env: Envelope[Any], request_id: str | None = None, nonce: int | None = None
+    ) -> bool:
+        """True for a command from the coordinator; anything else is refused with Error."""
+        if self._command_ok(env):
+            return True
+        await self._refuse(
+            env,
+            "not_coordinator",
+            "commands are accepted only from the coordinator",
+            request_id,
+            nonce,
+        )
+        return False
+
     # --- commands ---------------------------------------------------------------------------
     async def _on_prepare(self, env: Envelope[PrepareSequence]) -> None:
         m = env.msg
-        if not self._command_ok(env):
-            await self._refuse(
-                env,
-                "not_coordinator",
-                "commands are accepted only from the coordinator",
-                m.request_id,
-                m.nonce,
-            )
+        if not await self._from_coordinator(env, m.request_id, m.nonce):
             return
         old = self.seqs.get(m.request_id)
         if old is not None and old.owner != env.source:
@@ -255,40 +263,19 @@ class StageService:
         self._maybe_stopped()
 
     async def _on_drain(self, env: Envelope[BeginDrain]) -> None:
-        if not self._command_ok(env):
-            await self._refuse(
-                env,
-                "not_coordinator",
-                "commands are accepted only from the coordinator",
-                None,
-                None,
-            )
+        if not await self._from_coordinator(env):
             return
         self.begin_drain()
         await self._send(env.source, Ack("", 0))
 
     async def _on_shutdown(self, env: Envelope[Shutdown]) -> None:
-        if not self._command_ok(env):
-            await self._refuse(
-                env,
-                "not_coordinator",
-                "commands are accepted only from the coordinator",
-                None,
-                None,
-            )
+        if not await self._from_coordinator(env):
             return
         logger.info("stage {}: shutdown requested by the coordinator", self.config.index)
         self.request_shutdown()
 
     async def _on_query(self, env: Envelope[QueryState]) -> None:
-        if not self._command_ok(env):
-            await self._refuse(
-                env,
-                "not_coordinator",
-                "state is reported only to the coordinator",
-                None,
-                env.msg.nonce,
-            )
+        if not await self._from_coordinator(env, None, env.msg.nonce):
             return
         wire = int(getattr(self.endpoint, "wire_bytes", 0))
         await self._send(

@@ -193,6 +193,20 @@ class _Side:
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
 
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes from the peer; results appear in ``result``/``error``/``data_to_send``."""
+        if self.finished:
+            return
+        self.received_any = self.received_any or bool(data)
+        self._in += data
+        try:
+            self._advance()
+        except HandshakeError as exc:
+            self._fail(exc.failure, str(exc))
+
+    def _advance(self) -> None:
+        raise NotImplementedError
+
     def data_to_send(self) -> bytes:
         out, self._out = bytes(self._out), bytearray()
         return out
@@ -221,9 +235,30 @@ class _Side:
         return msg
 
 
-def _describe_preamble(data: bytes) -> tuple[int, int, int]:
-    _magic, version, suite, channel, _ = PREAMBLE.unpack(data)
-    return version, suite, channel
+def _preamble_mismatch(mine: bytes, theirs: bytes, *, we_dialed: bool) -> HandshakeError:
+    """The typed refusal for a preamble that differs from ours, naming both sides' values."""
+    _, mv, ms, mc, _ = PREAMBLE.unpack(mine)
+    _, v, s, c, _ = PREAMBLE.unpack(theirs)
+    if v != mv:
+        text = (
+            f"this node speaks v{mv}, the server v{v}"
+            if we_dialed
+            else f"peer speaks v{v}, this node v{mv}"
+        )
+        return HandshakeError(Failure.VERSION_MISMATCH, f"protocol version mismatch: {text}")
+    if s != ms:
+        text = (
+            f"this node uses suite {ms}, the server suite {s}"
+            if we_dialed
+            else f"peer uses suite {s}, this node suite {ms}"
+        )
+        return HandshakeError(Failure.SUITE_MISMATCH, f"frame suite mismatch: {text}")
+    text = (
+        f"this node dialed channel {mc}, the server serves {c}"
+        if we_dialed
+        else f"peer dialed channel {c}, this listener serves {mc}"
+    )
+    return HandshakeError(Failure.CHANNEL_MISMATCH, f"channel mismatch: {text}")
 
 
 class ClientHandshake(_Side):
@@ -251,16 +286,6 @@ class ClientHandshake(_Side):
         msg1 = self._hs.write_message(encode_identity(identity))
         self._out += self.preamble + LEN.pack(len(msg1)) + msg1
 
-    def receive_data(self, data: bytes) -> None:
-        if self.finished:
-            return
-        self.received_any = self.received_any or bool(data)
-        self._in += data
-        try:
-            self._advance()
-        except HandshakeError as exc:
-            self._fail(exc.failure, str(exc))
-
     def _advance(self) -> None:
         if not self._got_preamble:
             if len(self._in) < PREAMBLE_LEN:
@@ -272,22 +297,7 @@ class ClientHandshake(_Side):
                     Failure.BAD_MAGIC, "server is not an mlxcel cluster endpoint (bad magic)"
                 )
             if theirs != self.preamble:
-                v, s, c = _describe_preamble(theirs)
-                mv, ms, mc = _describe_preamble(self.preamble)
-                if v != mv:
-                    raise HandshakeError(
-                        Failure.VERSION_MISMATCH,
-                        f"protocol version mismatch: this node speaks v{mv}, the server v{v}",
-                    )
-                if s != ms:
-                    raise HandshakeError(
-                        Failure.SUITE_MISMATCH,
-                        f"frame suite mismatch: this node uses suite {ms}, the server suite {s}",
-                    )
-                raise HandshakeError(
-                    Failure.CHANNEL_MISMATCH,
-                    f"channel mismatch: this node dialed channel {mc}, the server serves {c}",
-                )
+                raise _preamble_mismatch(self.preamble, theirs, we_dialed=True)
             self._got_preamble = True
         msg2 = self._take_message()
         if msg2 is None:
@@ -364,16 +374,6 @@ class ServerHandshake(_Side):
         self.verdict: Verdict | None = None
         self.peer: Identity | None = None
 
-    def receive_data(self, data: bytes) -> None:
-        if self.finished:
-            return
-        self.received_any = self.received_any or bool(data)
-        self._in += data
-        try:
-            self._advance()
-        except HandshakeError as exc:
-            self._fail(exc.failure, str(exc))
-
     def _advance(self) -> None:
         if not self._got_preamble:
             if len(self._in) < PREAMBLE_LEN:
@@ -388,22 +388,7 @@ class ServerHandshake(_Side):
                 # Answer with our own preamble so the client can name both versions, then close.
                 self._out += self.preamble
                 self.close_after_send = True
-                v, s, c = _describe_preamble(theirs)
-                mv, ms, mc = _describe_preamble(self.preamble)
-                if v != mv:
-                    raise HandshakeError(
-                        Failure.VERSION_MISMATCH,
-                        f"protocol version mismatch: peer speaks v{v}, this node v{mv}",
-                    )
-                if s != ms:
-                    raise HandshakeError(
-                        Failure.SUITE_MISMATCH,
-                        f"frame suite mismatch: peer uses suite {s}, this node suite {ms}",
-                    )
-                raise HandshakeError(
-                    Failure.CHANNEL_MISMATCH,
-                    f"channel mismatch: peer dialed channel {c}, this listener serves {mc}",
-                )
+                raise _preamble_mismatch(self.preamble, theirs, we_dialed=False)
             self._got_preamble = True
         msg1 = self._take_message()
         if msg1 is None:
