@@ -171,13 +171,7 @@ async def _serve_distributed(s: ServeSettings) -> int:
             "--node-id", "required with --distributed-config (which node of the cluster is this?)"
         )
     me = cfg.node(s.node_id)
-    secret = cluster_secret(s, cfg, s.distributed_config)
-    if secret is None:  # a one-stage "cluster": nothing crosses a network that needs protecting
-        import secrets as _secrets
-
-        from mlxcel.net.secret import ClusterSecret
-
-        secret = ClusterSecret(_secrets.token_bytes(32), "ephemeral (single-stage cluster)")
+    secret = cluster_secret(s, s.distributed_config)
     if me.role == "stage":
         await run_stage(cfg, me, path, s, secret)
     else:

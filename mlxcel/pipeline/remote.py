@@ -44,11 +44,11 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
     return auto_split(costs, cfg.pipeline_parallel_size, cfg.memory)
 
 
-def cluster_secret(
-    settings: ServeSettings, cfg: ClusterConfig, toml_path: Path
-) -> ClusterSecret | None:
-    required = cfg.pipeline_parallel_size >= 2
-    return load_cluster_secret(settings.cluster_secret_file, None, toml_path, required=required)
+def cluster_secret(settings: ServeSettings, toml_path: Path) -> ClusterSecret:
+    """Every process of a distributed config authenticates its peers: fail closed."""
+    secret = load_cluster_secret(settings.cluster_secret_file, None, toml_path, required=True)
+    assert secret is not None
+    return secret
 
 
 def _net(
