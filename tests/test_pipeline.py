@@ -406,3 +406,23 @@ def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
     assert "tokens: 12;" in r.stdout and "per-token latency" in r.stdout
     assert "bytes on the wire" in r.stdout
     assert "stage-0 exit 0, stage-1 exit 0, coordinator exit 0" in r.stdout
+
+
+async def test_run_entry_with_a_wrong_position_is_refused(tiny: Path) -> None:
+    async with pipeline_stack(tiny, 2) as st:
+        coord = st.coordinator
+        from mlxcel.messages import Ack
+        from mlxcel.pipeline.coordinator import PipelineError
+
+        await coord.exchange("stage-0", lambda n: PrepareSequence("r-pos", 64, n), Ack, "r-pos")
+        with pytest.raises(PipelineError) as info:
+            await coord.exchange(
+                "stage-0",
+                lambda n: RunEntry("r-pos", 0, (5, 6), 3, SamplingParams(), n),
+                RunResult,
+                "r-pos",
+                seq_len=2,
+                timeout=5,
+            )
+        assert info.value.code == "bad_request" and "start_pos 3" in str(info.value)
+        assert st.stages[0].seqs["r-pos"].tokens == 0  # nothing ran

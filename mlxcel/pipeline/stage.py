@@ -338,6 +338,18 @@ class StageService:
                 m.nonce,
             )
             return
+        if m.start_pos != seq.tokens + sum(w.n for w in self._work if w.seq is seq):
+            # The cache holds exactly the tokens before start_pos; anything else would
+            # silently attend to the wrong history.
+            await self._refuse(
+                env,
+                "bad_request",
+                f"start_pos {m.start_pos} does not follow the "
+                f"{seq.tokens} tokens cached for {m.request_id!r}",
+                m.request_id,
+                m.nonce,
+            )
+            return
         vocab = self.vocab
         if any(not 0 <= t < vocab for t in m.token_ids):
             await self._refuse(
