@@ -65,7 +65,22 @@ class ModelSettings(_Base):
         512, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     tp_size: int = Field(
-        1, ge=1, description="tensor-parallel ranks (distributed; not in this build yet)"
+        1, ge=1, le=64, description="tensor-parallel ranks (processes on mx.distributed)"
+    )
+    tp_hostfile: Path | None = Field(
+        None, description="ring hostfile to join ranks on several hosts (with --tp-rank)"
+    )
+    tp_rank: int | None = Field(
+        None, ge=0, description="this process's rank with --tp-hostfile (default $MLX_RANK)"
+    )
+    tp_moe_mode: Literal["replicated", "sharded"] = Field(
+        "replicated", description="expert layers under TP"
+    )
+    tp_embedding_mode: Literal["replicated", "sharded"] = Field(
+        "replicated", description="embedding under TP"
+    )
+    tp_lm_head_mode: Literal["replicated", "sharded"] = Field(
+        "replicated", description="LM head under TP"
     )
     pp_size: int = Field(
         1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"

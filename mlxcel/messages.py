@@ -202,6 +202,29 @@ class QueryState(Message):
     nonce: int
 
 
+@dataclass(frozen=True, slots=True)
+class TpInsert:
+    """A sequence joining the tensor-parallel batch (what rank 0 inserted this step)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TpStep(Message):
+    """Rank 0 -> every other tensor-parallel rank: replay exactly this batch step.
+
+    Travels over MLX's own collective (``mx.distributed``), not a cluster connection: the
+    followers apply the same joins and leaves to their batch and run the same forward pass.
+    """
+
+    KIND: ClassVar[int] = 13
+    inserts: tuple[TpInsert, ...]
+    removals: tuple[int, ...]
+    stop: bool = False
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,
@@ -215,4 +238,5 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Shutdown,
     State,
     QueryState,
+    TpStep,
 )

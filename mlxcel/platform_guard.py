@@ -30,11 +30,13 @@ def _present(v: Any) -> bool:
 DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
     "generate": [
         ("--tp-size", "tp_size", _above_one),
+        ("--tp-hostfile", "tp_hostfile", _present),
         ("--pp-size", "pp_size", _above_one),
         ("--pp-layers", "pp_layers", _present),
     ],
     "serve": [
         ("--tp-size", "tp_size", _above_one),
+        ("--tp-hostfile", "tp_hostfile", _present),
         ("--pp-size", "pp_size", _above_one),
         ("--pp-layers", "pp_layers", _present),
         ("--distributed-config", "distributed_config", _present),

@@ -24,6 +24,8 @@ from mlxcel.messages import (
     Shutdown,
     State,
     Tensor,
+    TpInsert,
+    TpStep,
 )
 from mlxcel.wire.codec import decode, encode
 
@@ -84,6 +86,12 @@ messages = st.one_of(
         u64,
     ),
     st.builds(QueryState, u64),
+    st.builds(
+        TpStep,
+        st.lists(st.builds(TpInsert, ids, st.lists(u64, max_size=5).map(tuple), sampling), max_size=3).map(tuple),
+        st.lists(small_ints, max_size=4).map(tuple),
+        st.booleans(),
+    ),
 )
 
 
@@ -106,6 +114,7 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "Shutdown",
         "State",
         "QueryState",
+        "TpStep",
     }
     assert {c.__name__ for c in ALL_MESSAGES} == names
 

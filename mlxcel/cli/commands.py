@@ -46,6 +46,8 @@ async def generate(s: GenerateSettings) -> int:
     logger.info("BLAS: {}", ensure_blas())
     path = resolve_model(s.model)
     pipelined = s.pp_size > 1 or s.pp_layers is not None
+    if _tp_follower(s, path):
+        return 0
     if s.dry_run:
         return _print_plan(path, s.pp_size, s.pp_layers)
     async with _generation_stack(s, path, pipelined) as stack:
@@ -67,7 +69,40 @@ async def generate(s: GenerateSettings) -> int:
     return 0
 
 
+def _tp_rank(s: GenerateSettings | ServeSettings) -> int:
+    import os as _os
+
+    if s.tp_rank is not None:
+        return s.tp_rank
+    return int(_os.environ.get("MLX_RANK", "0"))
+
+
+def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
+    """With --tp-hostfile, every rank but 0 only follows: run that here and report True."""
+    if s.tp_hostfile is None or _tp_rank(s) == 0:
+        return False
+    from mlxcel.errors import MlxcelError
+    from mlxcel.tp.follower import run_follower
+
+    code = run_follower(path, _tp_rank(s), s.tp_hostfile, s.max_batch_size, s.prefill_step_size)
+    if code:
+        raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
+    return True
+
+
 def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type: ignore[no-untyped-def]
+    if s.tp_size > 1 or s.tp_hostfile is not None:
+        from mlxcel.tp.launch import tp_stack
+
+        return tp_stack(
+            path,
+            s.tp_size,
+            hostfile=s.tp_hostfile,
+            max_batch_size=1,
+            prefill_step_size=s.prefill_step_size,
+            parallel=1,
+            name="generate",
+        )
     if pipelined:
         from mlxcel.pipeline.inproc import pipeline_stack
 
@@ -121,8 +156,12 @@ async def serve(s: ServeSettings) -> int:
     if s.distributed_config is not None:
         return await _serve_distributed(s)
     path = resolve_model(s.model)
+    if _tp_follower(s, path):
+        return 0
     if s.dry_run:
         return _print_plan(path, s.pp_size, s.pp_layers)
+    if s.tp_size > 1 or s.tp_hostfile is not None:
+        return await _serve_tp(s, path)
     if s.pp_size > 1 or s.pp_layers is not None:
         from mlxcel.pipeline.inproc import pipeline_stack
         from mlxcel.server.run import serve_http
@@ -148,6 +187,34 @@ async def serve(s: ServeSettings) -> int:
     from mlxcel.server.run import serve as run_server
 
     await run_server(s, path)
+    return 0
+
+
+async def _serve_tp(s: ServeSettings, path: Path) -> int:
+    from mlxcel.server.run import serve_http
+    from mlxcel.tp.launch import TpGroupFailed, tp_stack
+
+    async with tp_stack(
+        path,
+        s.tp_size,
+        hostfile=s.tp_hostfile,
+        max_batch_size=s.max_batch_size,
+        prefill_step_size=s.prefill_step_size,
+        parallel=s.parallel,
+        queue_size=s.queue_size,
+        request_timeout=s.request_timeout,
+        name="serve-tp",
+    ) as st:
+        await serve_http(
+            s,
+            st.frontend,
+            st.node,
+            st.loaded.name,
+            inflight=lambda: st.engine.active,
+            stop=st.engine.fatal,
+        )
+        if st.engine.fatal.is_set():
+            raise TpGroupFailed(f"tensor-parallel group failed: {st.engine.fatal_reason}")
     return 0
 
 

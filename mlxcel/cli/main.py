@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _guard(command: str, args: argparse.Namespace) -> None:
     # Raw values, before validation and before any model is resolved.
     raw = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    for field in ("tp_size", "pp_size", "pp_layers", "distributed_config"):
+    for field in ("tp_size", "tp_hostfile", "pp_size", "pp_layers", "distributed_config"):
         env = os.environ.get(f"MLXCEL_{field.upper()}")
         if field not in raw and env is not None:
             raw[field] = env
@@ -116,8 +116,20 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cls = COMMANDS[args.command][0]
         settings = load_settings(cls, args)
-        if getattr(settings, "tp_size", 1) > 1:
-            raise ConfigError("--tp-size", "tensor parallelism is not in this build yet")
+        if hasattr(settings, "tp_size"):
+            from mlxcel.tp.group import check_modes
+
+            check_modes(settings.tp_moe_mode, settings.tp_embedding_mode, settings.tp_lm_head_mode)
+            pipelined = (
+                getattr(settings, "pp_size", 1) > 1
+                or getattr(settings, "pp_layers", None) is not None
+            )
+            if (settings.tp_size > 1 or settings.tp_hostfile) and (
+                pipelined or getattr(settings, "distributed_config", None)
+            ):
+                raise ConfigError(
+                    "--tp-size", "tensor and pipeline parallelism cannot be combined yet"
+                )
     except ConfigError as exc:
         die(exc)
     except PlatformUnsupported as exc:

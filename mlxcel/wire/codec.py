@@ -25,7 +25,7 @@ from typing import Any
 import cbor2
 
 from mlxcel.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
-from mlxcel.messages import ALL_MESSAGES, Message, SamplingParams, Tensor
+from mlxcel.messages import ALL_MESSAGES, Message, SamplingParams, Tensor, TpInsert
 
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -35,7 +35,7 @@ _BY_KIND: dict[int, type[Message]] = {cls.KIND: cls for cls in ALL_MESSAGES}
 if len(_BY_KIND) != len(ALL_MESSAGES):  # pragma: no cover - a programming error
     raise RuntimeError("two message classes share a KIND")
 
-_NESTED = (SamplingParams, Tensor)
+_NESTED = (SamplingParams, Tensor, TpInsert)
 
 
 def encode(msg: Message) -> bytes:
@@ -54,7 +54,7 @@ def _to_plain(obj: Any) -> dict[str, Any]:
         if isinstance(value, _NESTED):
             value = _to_plain(value)
         elif isinstance(value, tuple):
-            value = list(value)
+            value = [_to_plain(v) if isinstance(v, _NESTED) else v for v in value]
         out[f.name] = value
     return out
 

@@ -1,0 +1,71 @@
+"""A tensor-parallel rank other than 0: replay rank 0's batch steps until told to stop.
+
+``python -m mlxcel.tp.follower --model DIR --rank N --hostfile F``. It holds its shard of the
+weights and a batch generator configured like rank 0's; every step it receives a
+:class:`~mlxcel.messages.TpStep`, applies the same joins and leaves, and runs the same batched
+forward (whose collectives need every rank). It exits 0 on a stop step and non-zero if the
+group breaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlxcel  # noqa: F401  (BLAS before mlx)
+
+
+def run_follower(
+    model: Path, rank: int, hostfile: Path, max_batch_size: int = 8, prefill_step_size: int = 512
+) -> int:
+    """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxcel.runtime.sampling import make_sampler
+    from mlxcel.tp.group import broadcast_step, init_group, load_sharded
+
+    try:
+        group = init_group(rank, hostfile)
+        loaded = load_sharded(model, group)
+        gen = BatchGenerator(
+            loaded.model,
+            stop_tokens=[[t] for t in sorted(loaded.eos_token_ids())],
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=max_batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        print(f"tp rank {rank} of {group.size()} ready", file=sys.stderr, flush=True)
+        while True:
+            step = broadcast_step(group, None)
+            if step.stop:
+                return 0
+            if step.removals:
+                gen.remove(list(step.removals))
+            if step.inserts:
+                gen.insert(
+                    [list(i.token_ids) for i in step.inserts],
+                    max_tokens=[i.sampling.max_tokens for i in step.inserts],
+                    samplers=[make_sampler(i.sampling) for i in step.inserts],
+                )
+            gen.next()
+    except RuntimeError as exc:
+        print(f"tp rank {rank}: group failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="mlxcel.tp.follower")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--hostfile", required=True)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--prefill-step-size", type=int, default=512)
+    a = ap.parse_args()
+    return run_follower(
+        Path(a.model), a.rank, Path(a.hostfile), a.max_batch_size, a.prefill_step_size
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

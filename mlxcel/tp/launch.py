@@ -1,0 +1,137 @@
+"""Rank 0 of a tensor-parallel group: start the local ranks, load the shard, run the engine.
+
+With no hostfile, ``tp_size - 1`` follower processes are started on this host with a
+generated ring hostfile. With ``--tp-hostfile`` the ranks are started by the operator on
+their hosts (each with ``--tp-rank``); this process is rank 0 and owns the bus and the API.
+A follower that exits while the group is serving makes the group fatal: in-flight requests
+fail with an error and the process exits non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.errors import MlxcelError
+from mlxcel.frontend import Frontend
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.model import LoadedModel
+from mlxcel.tp.engine import TpEngine
+from mlxcel.tp.group import check_shardable, init_group, load_sharded, write_local_hostfile
+
+
+@dataclass
+class TpStack:
+    node: Node
+    loaded: LoadedModel
+    engine: TpEngine
+    frontend: Frontend
+    size: int
+
+
+class TpGroupFailed(MlxcelError):
+    """A tensor-parallel rank died or the group broke."""
+
+
+@asynccontextmanager
+async def tp_stack(
+    model_path: Path,
+    tp_size: int,
+    *,
+    hostfile: Path | None = None,
+    max_batch_size: int = 8,
+    prefill_step_size: int = 512,
+    parallel: int = 8,
+    queue_size: int = 64,
+    request_timeout: float = 600.0,
+    name: str = "tp",
+) -> AsyncIterator[TpStack]:
+    config = json.loads((model_path / "config.json").read_text())
+    check_shardable(config, tp_size)  # before any weights load
+    compute = ComputeThread()
+    followers: list[asyncio.subprocess.Process] = []
+    with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
+        if hostfile is None:
+            hostfile = write_local_hostfile(tp_size, Path(tmp))
+            for rank in range(1, tp_size):
+                followers.append(
+                    await asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-m",
+                        "mlxcel.tp.follower",
+                        "--model",
+                        str(model_path),
+                        "--rank",
+                        str(rank),
+                        "--hostfile",
+                        str(hostfile),
+                        "--max-batch-size",
+                        str(max_batch_size),
+                        "--prefill-step-size",
+                        str(prefill_step_size),
+                    )
+                )
+        stopping = False
+        try:
+            group = await compute.run(init_group, 0, hostfile)
+            if group.size() != tp_size:
+                raise TpGroupFailed(
+                    f"the hostfile has {group.size()} ranks, --tp-size is {tp_size}"
+                )
+            loaded = await compute.run(load_sharded, model_path, group)
+            async with Node(name) as node:
+                engine = TpEngine(
+                    loaded,
+                    compute,
+                    max_batch_size=max_batch_size,
+                    prefill_step_size=prefill_step_size,
+                    max_sequences=max(parallel, 1),
+                    group=group,
+                )
+                await engine.attach(node)
+                for rank, proc in enumerate(followers, start=1):
+                    node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
+                fe = Frontend(
+                    node,
+                    loaded.tokenizer,
+                    parallel=parallel,
+                    queue_size=queue_size,
+                    request_timeout=request_timeout,
+                )
+                fe.attach()
+                logger.info(
+                    "tensor parallel: {} ranks; decode path: batched forward on every rank, "
+                    "up to {} sequences per step",
+                    tp_size,
+                    max_batch_size,
+                )
+                yield TpStack(node, loaded, engine, fe, tp_size)
+                stopping = True
+                if not engine.fatal.is_set():
+                    await compute.run(engine.stop_followers)
+        finally:
+            stopping = True
+            for proc in followers:
+                try:
+                    await asyncio.wait_for(proc.wait(), 10)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+            compute.close()
+
+
+async def _watch(proc: asyncio.subprocess.Process, rank: int, engine: TpEngine, stopping) -> None:  # type: ignore[no-untyped-def]
+    code = await proc.wait()
+    if not stopping() and not engine.fatal.is_set():
+        engine.fatal_reason = f"rank {rank} exited with status {code}"
+        logger.error("tensor parallel: {}", engine.fatal_reason)
+        engine.fatal.set()
