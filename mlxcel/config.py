@@ -376,3 +376,18 @@ class DemoSettings(_Base):
     log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="log level on stderr"
     )
+
+
+class BenchTpSettings(_Base):
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded small checkpoint)",
+        json_schema_extra=_short("-m"),
+    )
+    tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )

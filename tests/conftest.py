@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,9 +80,20 @@ class ServerProcess:
                 break
             self.lines.append(line)
             if line.startswith("mlxcel serving"):
+                # Keep draining its output, so a chatty server never blocks on a full pipe.
+                threading.Thread(target=self._drain, daemon=True).start()
                 return
         self.stop()
         raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
 
     @property
     def base_url(self) -> str:

@@ -167,11 +167,6 @@ def test_windows_refuses_distributed_flags_before_resolving_the_model(
     assert resolved == [] and not any(tmp_path.iterdir())
 
 
-def test_distributed_flags_are_refused_until_built(tiny: Path) -> None:
-    r = run_cli("generate", "-m", str(tiny), "--tp-size", "2")
-    assert r.returncode == 2 and "--tp-size" in r.stderr and "not in this build" in r.stderr
-
-
 def test_embedding_example_runs() -> None:
     r = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "embed_node.py")],

@@ -88,7 +88,9 @@ messages = st.one_of(
     st.builds(QueryState, u64),
     st.builds(
         TpStep,
-        st.lists(st.builds(TpInsert, ids, st.lists(u64, max_size=5).map(tuple), sampling), max_size=3).map(tuple),
+        st.lists(
+            st.builds(TpInsert, ids, st.lists(u64, max_size=5).map(tuple), sampling), max_size=3
+        ).map(tuple),
         st.lists(small_ints, max_size=4).map(tuple),
         st.booleans(),
     ),

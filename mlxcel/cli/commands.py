@@ -205,15 +205,17 @@ async def _serve_tp(s: ServeSettings, path: Path) -> int:
         request_timeout=s.request_timeout,
         name="serve-tp",
     ) as st:
+        stop = asyncio.Event()  # SIGTERM/SIGINT, or the group failing
+
+        async def relay() -> None:
+            await st.engine.fatal.wait()
+            stop.set()
+
+        st.node.spawn(relay(), name="tp-fatal")
         await serve_http(
-            s,
-            st.frontend,
-            st.node,
-            st.loaded.name,
-            inflight=lambda: st.engine.active,
-            stop=st.engine.fatal,
+            s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.engine.active, stop=stop
         )
-        if st.engine.fatal.is_set():
+        if st.engine.fatal_reason:
             raise TpGroupFailed(f"tensor-parallel group failed: {st.engine.fatal_reason}")
     return 0
 

@@ -20,6 +20,7 @@ from mlxcel.config import (
     BenchBatchingSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
+    BenchTpSettings,
     CheckpointSettings,
     ClusterCheckSettings,
     DemoSettings,
@@ -49,6 +50,7 @@ COMMANDS: dict[str, tuple[type, str]] = {
 BENCHES: dict[str, tuple[type, str]] = {
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
+    "tp": (BenchTpSettings, "decode tok/s at tensor-parallel sizes 1 and 2"),
     "pipeline": (
         BenchPipelineSettings,
         "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
@@ -70,9 +72,26 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
         return runner.run(coro)
 
 
+def _enable_stack_dumps() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack to stderr (for a stuck process)."""
+    if sys.platform != "win32":
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _setup_logging(level: str) -> None:
     logger.remove()
-    logger.add(sys.stderr, level=level, format="{time:HH:mm:ss.SSS} {level: <7} {message}")
+    # diagnose=False: tracebacks never print variable values, which could hold secrets or
+    # payload bytes (rules of the house: neither reaches a log line).
+    logger.add(
+        sys.stderr,
+        level=level,
+        format="{time:HH:mm:ss.SSS} {level: <7} {message}",
+        diagnose=False,
+        backtrace=False,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     _setup_logging(getattr(settings, "log_level", "INFO"))
+    _enable_stack_dumps()
     try:
         code = _dispatch(args, settings)
     except KeyboardInterrupt:
@@ -146,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     except MlxcelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
+        if type(exc).__name__ == "TpGroupFailed" or getattr(exc, "code", None) == "tp_group_failed":
+            # A broken tensor-parallel group can leave a thread blocked in a collective that
+            # never returns; joining it at exit would hang. Leave now, with the error shown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     raise SystemExit(code)
 
 
@@ -172,6 +198,16 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_bench(
+                commands.resolve_model(settings.model, "small"),
+                settings.tokens,
+                settings.json_lines,
+            )
+        )
+    if args.command == "bench" and args.bench == "tp":
+        from mlxcel.tp.bench import run_bench as run_tp_bench
+
+        return run_async(
+            run_tp_bench(
                 commands.resolve_model(settings.model, "small"),
                 settings.tokens,
                 settings.json_lines,

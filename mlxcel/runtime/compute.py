@@ -41,6 +41,16 @@ class ComputeThread:
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def abandon(self) -> None:
+        """Stop accepting work without joining a thread that may never return.
+
+        For a broken tensor-parallel group: the thread can be blocked inside a collective.
+        The process must then leave with ``os._exit`` (the CLI does), since the interpreter
+        would otherwise wait for this thread at exit.
+        """
+        self.closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 def _release_thread_streams() -> None:
     import mlx.core as mx

@@ -81,6 +81,9 @@ class LocalEngine:
         self._gen: BatchGenerator | None = None
         self._node: Node | None = None
         self.steps = 0
+        # None: a step may take as long as it takes (one process cannot wedge itself); a
+        # tensor-parallel engine bounds it, since a lost rank can block a collective forever.
+        self.step_timeout: float | None = None
         self.tokens_generated = 0
         self.prompt_tokens = 0
 
@@ -177,9 +180,17 @@ class LocalEngine:
             removals, self._to_remove = self._to_remove, []
             want_lp = {r for r, s in self._seqs.items() if s.entry.sampling.logprobs}
             try:
-                out = await self.compute.run(
-                    self._step, [s.entry for s in inserts], removals, dict(self._by_uid), want_lp
-                )
+                async with asyncio.timeout(self.step_timeout):
+                    out = await self.compute.run(
+                        self._step,
+                        [s.entry for s in inserts],
+                        removals,
+                        dict(self._by_uid),
+                        want_lp,
+                    )
+            except TimeoutError:
+                await self._fail_all(f"engine step took longer than {self.step_timeout:g}s")
+                continue
             except Exception as exc:
                 logger.exception("engine step failed; failing every running sequence")
                 await self._fail_all(f"engine step failed: {exc}")

@@ -21,11 +21,14 @@ from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
 from mlxcel.runtime.engine import LocalEngine, _StepOutput
 from mlxcel.tp.group import broadcast_step
 
+STEP_TIMEOUT = 120.0  # a batch step (even a long CPU prefill) far below this; a wedged group above
+
 
 class TpEngine(LocalEngine):
     def __init__(self, *args: Any, group: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        self.step_timeout = STEP_TIMEOUT
         self.fatal: asyncio.Event = asyncio.Event()
         self.fatal_reason = ""
 
@@ -56,16 +59,22 @@ class TpEngine(LocalEngine):
         """Compute thread: tell the other ranks to exit (after the last step)."""
         broadcast_step(self.group, TpStep((), (), stop=True))
 
-    async def _fail_all(self, why: str) -> None:
+    async def abort(self, why: str) -> None:
+        """The group is broken: fail every request now, without waiting on the compute thread
+        (which may be blocked in a collective that will never complete)."""
+        if self.fatal.is_set():
+            return
         self.fatal_reason = why
         logger.error("tensor-parallel group failed: {}", why)
         seqs, self._seqs = self._seqs, {}
         for rid, s in seqs.items():
-            await self._reply(
-                Error(
-                    "tp_group_failed", f"a tensor-parallel rank failed: {why}", rid, s.entry.nonce
-                )
+            err = Error(
+                "tp_group_failed", f"a tensor-parallel rank failed: {why}", rid, s.entry.nonce
             )
+            await self._reply(err)
         self.fatal.set()
+
+    async def _fail_all(self, why: str) -> None:
+        await self.abort(why)
         # The group is gone; waiting here keeps the loop from spinning until the node exits.
         await asyncio.Event().wait()

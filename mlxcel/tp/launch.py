@@ -81,6 +81,7 @@ async def tp_stack(
                     )
                 )
         stopping = False
+        engine: TpEngine | None = None
         try:
             group = await compute.run(init_group, 0, hostfile)
             if group.size() != tp_size:
@@ -126,12 +127,13 @@ async def tp_stack(
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
-            compute.close()
+            if engine is not None and engine.fatal.is_set():
+                compute.abandon()  # its thread may sit in a dead collective: do not join it
+            else:
+                compute.close()
 
 
 async def _watch(proc: asyncio.subprocess.Process, rank: int, engine: TpEngine, stopping) -> None:  # type: ignore[no-untyped-def]
     code = await proc.wait()
-    if not stopping() and not engine.fatal.is_set():
-        engine.fatal_reason = f"rank {rank} exited with status {code}"
-        logger.error("tensor parallel: {}", engine.fatal_reason)
-        engine.fatal.set()
+    if not stopping():
+        await engine.abort(f"rank {rank} exited with status {code}")

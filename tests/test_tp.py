@@ -1,0 +1,176 @@
+"""Tensor parallelism: ranks are real processes joined by mx.distributed's ring backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import aclosing
+from pathlib import Path
+
+import openai
+import pytest
+
+from mlxcel.errors import ConfigError
+from mlxcel.messages import SamplingParams
+from mlxcel.server.run import local_stack
+from mlxcel.tp.group import check_modes, check_shardable
+from tests.conftest import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_generate_tp2_prints_the_single_process_tokens(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    model = str(checkpoints[family])
+    single = run("generate", "-m", model, "-p", "Hello there", "-n", "16")
+    tp = run("generate", "-m", model, "-p", "Hello there", "-n", "16", "--tp-size", "2")
+    assert single.returncode == 0 and tp.returncode == 0, tp.stderr
+    assert tp.stdout.rsplit("\n", 2)[0] == single.stdout.rsplit("\n", 2)[0]
+    assert "generated tokens: 16" in tp.stdout
+    assert "decode path: batched forward on every rank" in tp.stderr
+
+
+def test_uneven_sharding_is_refused_before_loading(tiny: Path) -> None:
+    t0 = time.monotonic()
+    r = run("generate", "-m", str(tiny), "--tp-size", "3")
+    assert r.returncode == 2
+    assert (
+        "attention heads 4" in r.stderr and "key/value heads 2" in r.stderr and "by 3" in r.stderr
+    )
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ConfigError, match="key/value heads 2"):
+        check_shardable(json.loads((tiny / "config.json").read_text()), 4)
+    check_shardable(json.loads((tiny / "config.json").read_text()), 2)
+
+
+@pytest.mark.parametrize("flag", ["--tp-moe-mode", "--tp-embedding-mode", "--tp-lm-head-mode"])
+def test_unsupported_modes_are_refused(tiny: Path, flag: str) -> None:
+    r = run("generate", "-m", str(tiny), "--tp-size", "2", flag, "sharded")
+    assert r.returncode == 2 and flag in r.stderr and "not implemented" in r.stderr
+    with pytest.raises(ConfigError):
+        check_modes("replicated", "replicated", "sharded")
+    bad = run("generate", "-m", str(tiny), "--tp-size", "2", flag, "bogus")
+    assert bad.returncode == 2 and flag in bad.stderr
+
+
+def test_tp_and_pp_together_are_refused(tiny: Path) -> None:
+    r = run("generate", "-m", str(tiny), "--tp-size", "2", "--pp-size", "2")
+    assert r.returncode == 2 and "cannot be combined" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> list[str]:
+    async def go() -> list[str]:
+        async with local_stack(tiny) as st:
+            fe = st.frontend
+            out = []
+            for i in range(4):
+                text = []
+                async with aclosing(
+                    fe.stream(
+                        fe.encode_prompt(f"Concurrent {i} prompt"), SamplingParams(max_tokens=12)
+                    )
+                ) as it:
+                    async for d in it:
+                        text.append(d.text)
+                out.append("".join(text))
+            return out
+
+    return asyncio.run(go())
+
+
+def test_serve_tp2_through_the_openai_client(
+    tiny: Path, reference: list[str], start_server
+) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server(
+        ["-m", str(tiny), "--tp-size", "2", "--served-model-name", MODEL, "--parallel", "4"]
+    )
+
+    async def concurrent() -> list[str]:
+        ac = openai.AsyncOpenAI(
+            base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60
+        )
+        rs = await asyncio.gather(
+            *(
+                ac.completions.create(
+                    model=MODEL, prompt=f"Concurrent {i} prompt", max_tokens=12, temperature=0
+                )
+                for i in range(4)
+            )
+        )
+        await ac.close()
+        return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(concurrent()) == reference
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="Concurrent 0 prompt", max_tokens=12, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == reference[0]
+    a = c.completions.create(model=MODEL, prompt="seeded", max_tokens=8, temperature=0.9, seed=11)
+    b = c.completions.create(model=MODEL, prompt="seeded", max_tokens=8, temperature=0.9, seed=11)
+    assert a.choices[0].text == b.choices[0].text
+    # Unseeded sampling must also stay in step across ranks (rank 0 seeds it): it completes.
+    u = c.completions.create(model=MODEL, prompt="unseeded", max_tokens=8, temperature=1.0)
+    assert u.usage is not None and u.usage.completion_tokens == 8
+    assert srv.stop() == 0
+
+
+def _followers(pid: int) -> list[int]:
+    r = subprocess.run(
+        ["pgrep", "-P", str(pid), "-f", "mlxcel.tp.follower"], capture_output=True, text=True
+    )
+    return [int(x) for x in r.stdout.split()]
+
+
+def test_killed_rank_fails_requests_and_the_server_exits_nonzero(tiny: Path) -> None:
+    srv = ServerProcess(["-m", str(tiny), "--tp-size", "2", "--served-model-name", MODEL])
+    try:
+        (follower,) = _followers(srv.proc.pid)
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = c.completions.create(
+            model=MODEL, prompt="long", max_tokens=3000, temperature=0, stream=True
+        )
+        t_kill = None
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            for n, _ in enumerate(stream):
+                if n == 3:
+                    os.kill(follower, signal.SIGKILL)
+                    t_kill = time.monotonic()
+        code = srv.proc.wait(30)
+        assert t_kill is not None and time.monotonic() - t_kill < 30
+        assert code != 0
+        time.sleep(0.2)
+        assert "tensor-parallel group failed" in srv.output
+    finally:
+        srv.stop()
+
+
+def test_bench_tp_prints_json_lines(tiny: Path) -> None:
+    r = run("bench", "tp", "--json", "-m", str(tiny), "--tokens", "4")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["tp_size"] for row in rows] == [1, 2]
+    assert all(row["tok_per_s"] > 0 for row in rows)
