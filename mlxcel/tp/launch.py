@@ -81,14 +81,19 @@ async def tp_stack(
                     )
                 )
         stopping = False
+        startup_failed = False
         engine: TpEngine | None = None
         try:
-            group = await compute.run(init_group, 0, hostfile)
+            group = await _while_ranks_live(
+                compute.run(init_group, 0, hostfile), followers, "join the group"
+            )
             if group.size() != tp_size:
                 raise TpGroupFailed(
                     f"the hostfile has {group.size()} ranks, --tp-size is {tp_size}"
                 )
-            loaded = await compute.run(load_sharded, model_path, group)
+            loaded = await _while_ranks_live(
+                compute.run(load_sharded, model_path, group), followers, "load the shards"
+            )
             async with Node(name) as node:
                 engine = TpEngine(
                     loaded,
@@ -119,6 +124,9 @@ async def tp_stack(
                 stopping = True
                 if not engine.fatal.is_set():
                     await compute.run(engine.stop_followers)
+        except TpGroupFailed:
+            startup_failed = engine is None
+            raise
         finally:
             stopping = True
             for proc in followers:
@@ -127,10 +135,34 @@ async def tp_stack(
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
-            if engine is not None and engine.fatal.is_set():
+            if startup_failed or (engine is not None and engine.fatal.is_set()):
                 compute.abandon()  # its thread may sit in a dead collective: do not join it
             else:
                 compute.close()
+
+
+STARTUP_TIMEOUT = 120.0
+
+
+async def _while_ranks_live(work, followers: list[asyncio.subprocess.Process], what: str):  # type: ignore[no-untyped-def]
+    """Await ``work`` unless a follower exits first or it takes longer than STARTUP_TIMEOUT."""
+    task = asyncio.ensure_future(work)
+    exits = [asyncio.ensure_future(p.wait()) for p in followers]
+    try:
+        done, _ = await asyncio.wait(
+            [task, *exits], timeout=STARTUP_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task in done:
+            return task.result()
+        for rank, e in enumerate(exits, start=1):
+            if e in done:
+                raise TpGroupFailed(
+                    f"rank {rank} exited with status {e.result()} before the group could {what}"
+                )
+        raise TpGroupFailed(f"the ranks did not {what} within {STARTUP_TIMEOUT:g}s")
+    finally:
+        for e in exits:
+            e.cancel()
 
 
 async def _watch(proc: asyncio.subprocess.Process, rank: int, engine: TpEngine, stopping) -> None:  # type: ignore[no-untyped-def]
