@@ -76,10 +76,15 @@ def test_tp_and_pp_together_are_refused(tiny: Path) -> None:
     assert r.returncode == 2 and "cannot be combined" in r.stderr
 
 
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def reference(tiny: Path) -> list[str]:
+def reference(checkpoints: dict[str, Path], family: str) -> list[str]:
     async def go() -> list[str]:
-        async with local_stack(tiny) as st:
+        async with local_stack(checkpoints[family]) as st:
             fe = st.frontend
             out = []
             for i in range(4):
@@ -98,10 +103,19 @@ def reference(tiny: Path) -> list[str]:
 
 
 def test_serve_tp2_through_the_openai_client(
-    tiny: Path, reference: list[str], start_server
+    checkpoints: dict[str, Path], family: str, reference: list[str], start_server
 ) -> None:  # type: ignore[no-untyped-def]
     srv = start_server(
-        ["-m", str(tiny), "--tp-size", "2", "--served-model-name", MODEL, "--parallel", "4"]
+        [
+            "-m",
+            str(checkpoints[family]),
+            "--tp-size",
+            "2",
+            "--served-model-name",
+            MODEL,
+            "--parallel",
+            "4",
+        ]
     )
 
     async def concurrent() -> list[str]:
@@ -174,3 +188,37 @@ def test_bench_tp_prints_json_lines(tiny: Path) -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["tp_size"] for row in rows] == [1, 2]
     assert all(row["tok_per_s"] > 0 for row in rows)
+
+
+def test_tp_hostfile_joins_ranks_started_separately(tiny: Path, tmp_path: Path) -> None:
+    """The multi-host shape on one host: each rank is started by hand with --tp-rank."""
+    from mlxcel.tp.group import write_local_hostfile
+
+    hostfile = write_local_hostfile(2, tmp_path)
+    args = [
+        "generate",
+        "-m",
+        str(tiny),
+        "-p",
+        "Hello there",
+        "-n",
+        "12",
+        "--tp-hostfile",
+        str(hostfile),
+    ]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args, "--tp-rank", "1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lead = run(*args, "--tp-rank", "0")
+        assert lead.returncode == 0, lead.stderr
+        assert follower.wait(60) == 0
+        single = run("generate", "-m", str(tiny), "-p", "Hello there", "-n", "12")
+        assert lead.stdout.rsplit("\n", 2)[0] == single.stdout.rsplit("\n", 2)[0]
+    finally:
+        if follower.poll() is None:
+            follower.kill()

@@ -56,6 +56,14 @@ async def tp_stack(
     name: str = "tp",
 ) -> AsyncIterator[TpStack]:
     config = json.loads((model_path / "config.json").read_text())
+    if hostfile is not None:
+        try:
+            ranks = len(json.loads(hostfile.read_text()))
+        except (OSError, ValueError) as exc:
+            raise TpGroupFailed(f"--tp-hostfile {hostfile}: {exc}") from None
+        if tp_size not in (1, ranks):
+            raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {tp_size}")
+        tp_size = ranks
     check_shardable(config, tp_size)  # before any weights load
     compute = ComputeThread()
     followers: list[asyncio.subprocess.Process] = []
