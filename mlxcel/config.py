@@ -349,6 +349,8 @@ class ClusterCheckSettings(_Base):
 
 
 class BenchPipelineSettings(_Base):
+    """A model-level benchmark: which model (default small), how many tokens, JSON or table."""
+
     model: str | None = Field(
         None,
         description="model folder (default: the embedded small checkpoint)",
@@ -378,16 +380,5 @@ class DemoSettings(_Base):
     )
 
 
-class BenchTpSettings(_Base):
-    model: str | None = Field(
-        None,
-        description="model folder (default: the embedded small checkpoint)",
-        json_schema_extra=_short("-m"),
-    )
-    tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
-    )
+class BenchTpSettings(BenchPipelineSettings):
+    """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
