@@ -148,7 +148,9 @@ def test_serve_tp2_through_the_openai_client(
     assert a.choices[0].text == b.choices[0].text
     # Unseeded sampling must also stay in step across ranks (rank 0 seeds it): it completes.
     u = c.completions.create(model=MODEL, prompt="unseeded", max_tokens=8, temperature=1.0)
-    assert u.usage is not None and u.usage.completion_tokens == 8
+    # (an unseeded draw may hit the end-of-sequence token early; it must still finish)
+    assert u.usage is not None and 1 <= u.usage.completion_tokens <= 8
+    assert u.choices[0].finish_reason in ("stop", "length")
     assert srv.stop() == 0
 
 
