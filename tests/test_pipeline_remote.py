@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -270,13 +271,25 @@ def test_missing_secret_is_refused_naming_every_source(tiny: Path, tmp_path: Pat
         assert src in r.stderr
 
 
-def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, secret: Path) -> None:
+@contextmanager
+def two_stage_cluster(tiny: Path, secret: Path) -> Iterator[tuple[list[Proc], Path, int]]:
+    """Stage 0, stage 1 and a coordinator as processes: yields them, the config and the port.
+
+    At the end it stops whatever the list then holds (a test that restarts a stage puts
+    the new process in the list)."""
     cfg, _ = write_cluster(secret.parent, 2, secret)
-    s0 = start_stage(tiny, cfg, 0)
-    s1 = start_stage(tiny, cfg, 1)
+    procs = [start_stage(tiny, cfg, 0), start_stage(tiny, cfg, 1)]
     port = free_port()
-    coord = start_coordinator(tiny, cfg, port)
+    procs.append(start_coordinator(tiny, cfg, port))
     try:
+        yield procs, cfg, port  # type: ignore[misc]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, secret: Path) -> None:
+    with two_stage_cluster(tiny, secret) as (procs, cfg, port):
         c = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
         )
@@ -289,32 +302,24 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
             for _chunk in stream:
                 got += 1
                 if got == 5:
-                    s1.p.kill()
-                    s1.p.wait()
+                    procs[1].p.kill()
+                    procs[1].p.wait()
                     t_kill = time.monotonic()
         assert (
             t_kill is not None and time.monotonic() - t_kill < 15
         )  # well before the 20 s step deadline
         assert "unreachable" in str(info.value) or "stage" in str(info.value), str(info.value)
-        s1 = start_stage(tiny, cfg, 1)
+        procs[1] = start_stage(tiny, cfg, 1)
         ok = c.completions.create(model=MODEL, prompt="after restart", max_tokens=5, temperature=0)
         assert ok.usage is not None and ok.usage.completion_tokens == 5
         h = health(port)
         assert [s["sequences"] for s in h["pipeline"]["stages"]] == [0, 0]
         assert h["in_flight"] == 0 and h["pipeline"]["failed"] >= 1
-    finally:
-        coord.stop()
-        s0.stop()
-        s1.stop()
 
 
 def test_sigterm_on_a_stage_drains_then_exits(tiny: Path, secret: Path) -> None:
-    cfg, _ = write_cluster(secret.parent, 2, secret)
-    s0 = start_stage(tiny, cfg, 0)
-    s1 = start_stage(tiny, cfg, 1)
-    port = free_port()
-    coord = start_coordinator(tiny, cfg, port)
-    try:
+    with two_stage_cluster(tiny, secret) as (procs, _cfg, port):
+        s0 = procs[0]
         c = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
         )
@@ -330,7 +335,3 @@ def test_sigterm_on_a_stage_drains_then_exits(tiny: Path, secret: Path) -> None:
         assert any(
             "draining" in line for line in s0.lines + [s0.p.stdout.read() if s0.p.stdout else ""]
         )
-    finally:
-        coord.stop()
-        s0.stop()
-        s1.stop()

@@ -78,4 +78,4 @@ class TcpEndpoint:
 
     @property
     def wire_bytes(self) -> int:
-        return sum(c.bytes_out for c in self.pool._conns.values())
+        return self.pool.bytes_out

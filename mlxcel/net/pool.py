@@ -96,6 +96,11 @@ class ConnectionPool:
 
         node.on_close(close_all)
 
+    @property
+    def bytes_out(self) -> int:
+        """Bytes written to the pool's current connections (frames, headers and tags)."""
+        return sum(c.bytes_out for c in self._conns.values())
+
     async def get(self, host: str, port: int, deadline: float | None = None) -> SecureConnection:
         key = (host, port)
         lock = self._locks.setdefault(key, asyncio.Lock())
