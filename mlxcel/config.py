@@ -282,7 +282,8 @@ class BenchFramesSettings(_Base):
     )
     scale: float = Field(1.0, gt=0, le=100, description="multiply every iteration count by this")
     modes: str = Field(
-        "unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305", description="modes to measure"
+        "reference,unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305",
+        description="modes to measure (reference: a bare length-prefixed uvloop stream)",
     )
     log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="log level on stderr"
@@ -302,7 +303,7 @@ class BenchFramesSettings(_Base):
     @field_validator("modes")
     @classmethod
     def _modes(cls, v: str) -> str:
-        known = {"unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305"}
+        known = {"reference", "unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305"}
         bad = [m for m in v.split(",") if m.strip() not in known]
         if bad:
             raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(known)}")

@@ -102,7 +102,14 @@ def test_bench_frames_prints_json_lines_for_every_mode() -> None:
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     modes = {row["mode"] for row in rows}
-    assert modes == {"unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305", "handshake"}
+    assert modes == {
+        "reference",
+        "unprotected",
+        "hmac-sha256",
+        "aes-256-gcm",
+        "chacha20-poly1305",
+        "handshake",
+    }
     for row in rows:
         assert {
             "mode",

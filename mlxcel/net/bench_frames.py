@@ -5,6 +5,11 @@ cluster handshake) and the peer dials back (connection B); each message goes out
 the peer echoes it back on B, so one-way latency is half the round trip and includes both
 ends' frame work. Both connections use the mode's protection with the keys their handshakes
 derived. ``handshake`` times a fresh TCP connect plus the cluster handshake.
+
+``reference`` is what a user would write without mlxcel: the same payloads echoed over one
+plain uvloop stream with a 4-byte length prefix (a peer started from a short script that
+imports nothing of mlxcel). Reference vs unprotected is the framework's cost; unprotected vs
+the protected modes is the protection's cost.
 """
 
 from __future__ import annotations
@@ -40,10 +45,43 @@ MODES: dict[str, Callable[[bytes, bytes], Protection]] = {
     "aes-256-gcm": AeadProtection,
     "chacha20-poly1305": ChaChaSuite,
 }
+ORDER = ["reference", *MODES, "handshake"]
 SIZES = {"8K": 8 << 10, "64K": 64 << 10, "1M": 1 << 20, "2M": 2 << 20, "16M": 16 << 20}
 ITERATIONS = {8 << 10: 3000, 64 << 10: 1500, 1 << 20: 300, 2 << 20: 150, 16 << 20: 40}
 HOST = "127.0.0.1"
 BENCH_SECRET = ClusterSecret(b"mlxcel-frame-benchmark-secret-0123456789", "benchmark")
+
+# The reference peer: a length-prefixed echo on a bare uvloop stream, no mlxcel code at all.
+REFERENCE_PEER = """
+import asyncio, struct, sys
+try:
+    import uvloop
+    factory = uvloop.new_event_loop
+except ImportError:
+    factory = None
+
+async def echo(reader, writer):
+    try:
+        while True:
+            head = await reader.readexactly(4)
+            body = await reader.readexactly(struct.unpack("!I", head)[0])
+            writer.write(head)
+            writer.write(body)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+        done.set()
+
+async def main():
+    global done
+    done = asyncio.Event()
+    server = await asyncio.start_server(echo, sys.argv[1], 0, limit=1 << 20)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await done.wait()
+
+with asyncio.Runner(loop_factory=factory) as runner:
+    runner.run(main())
+"""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -90,6 +128,64 @@ async def run_peer(mode: str, parent_port: int) -> None:
             conn_b.close()
 
 
+def _row(mode: str, size: int, samples: list[float]) -> dict[str, object]:
+    p50 = pct(samples, 0.50)
+    return {
+        "mode": mode,
+        "payload_bytes": size,
+        "iterations": len(samples),
+        "p50_us": round(p50 * 1e6, 1),
+        "p95_us": round(pct(samples, 0.95) * 1e6, 1),
+        "p99_us": round(pct(samples, 0.99) * 1e6, 1),
+        "gib_per_s": round(size / p50 / 2**30, 3),
+    }
+
+
+async def measure_reference(sizes: list[int], scale: float) -> list[dict[str, object]]:
+    """One-way latency over a bare length-prefixed stream (the reference row)."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", REFERENCE_PEER, HOST], stdout=subprocess.PIPE, text=True
+    )
+    rows: list[dict[str, object]] = []
+    try:
+        assert peer.stdout is not None
+        port = int(await asyncio.to_thread(peer.stdout.readline))
+        reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 20)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        async def once(payload: bytes) -> int:
+            writer.write(len(payload).to_bytes(4, "big"))
+            writer.write(payload)
+            await writer.drain()
+            n = int.from_bytes(await reader.readexactly(4), "big")
+            return len(await reader.readexactly(n))
+
+        for size in sizes:
+            payload = os.urandom(size)
+            iters = max(10, int(ITERATIONS.get(size, 100) * scale))
+            for _ in range(max(3, iters // 20)):
+                await once(payload)
+            samples = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                got = await once(payload)
+                samples.append((time.perf_counter() - t0) / 2)
+            if got != size:
+                raise RuntimeError("reference echo returned a different size")
+            rows.append(_row("reference", size, samples))
+        writer.close()
+    finally:
+        try:
+            await asyncio.to_thread(peer.wait, 10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+    return rows
+
+
 async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[str, object]]:
     factory = MODES[mode]
     rows: list[dict[str, object]] = []
@@ -122,18 +218,7 @@ async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[s
                     samples.append((time.perf_counter() - t0) / 2)
                 if len(echoed) != size:
                     raise RuntimeError("echo returned a different size")
-                p50 = pct(samples, 0.50)
-                rows.append(
-                    {
-                        "mode": mode,
-                        "payload_bytes": size,
-                        "iterations": iters,
-                        "p50_us": round(p50 * 1e6, 1),
-                        "p95_us": round(pct(samples, 0.95) * 1e6, 1),
-                        "p99_us": round(pct(samples, 0.99) * 1e6, 1),
-                        "gib_per_s": round(size / p50 / 2**30, 3),
-                    }
-                )
+                rows.append(_row(mode, size, samples))
             await conn_a.wait_closed()  # the peer exits when A closes
         finally:
             try:
@@ -177,7 +262,12 @@ async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: lis
         "unprotected", sizes, min(scale, 0.1)
     )  # warm-up, discarded: first runs pay for it
     for mode in modes:
-        for row in await measure_mode(mode, sizes, scale):
+        measured = (
+            await measure_reference(sizes, scale)
+            if mode == "reference"
+            else await measure_mode(mode, sizes, scale)
+        )
+        for row in measured:
             rows.append(row)
             if json_lines:
                 print(json.dumps(row), flush=True)
@@ -186,18 +276,25 @@ async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: lis
     if json_lines:
         print(json.dumps(hs), flush=True)
         return 0
-    base = {r["payload_bytes"]: r["p50_us"] for r in rows if r["mode"] == "unprotected"}
+    unprot = {r["payload_bytes"]: r["p50_us"] for r in rows if r["mode"] == "unprotected"}
+    ref = {r["payload_bytes"]: r["p50_us"] for r in rows if r["mode"] == "reference"}
+
+    def ratio(r: dict[str, object], base: dict[object, object]) -> str:
+        if r["mode"] == "handshake" or r["payload_bytes"] not in base:
+            return ""
+        return f"{float(r['p50_us']) / float(base[r['payload_bytes']]):.2f}"  # type: ignore[arg-type]
+
     print(
-        f"{'mode':<19}{'payload':>9}{'iters':>7}{'p50':>11}{'p95':>11}{'p99':>11}{'GiB/s':>8}{'x unprot.':>10}"
+        f"{'mode':<19}{'payload':>9}{'iters':>7}{'p50':>11}{'p95':>11}{'p99':>11}{'GiB/s':>8}"
+        f"{'x unprot.':>10}{'x ref.':>8}"
     )
-    for r in rows:
-        ratio = ""
-        if r["mode"] != "handshake" and r["payload_bytes"] in base:
-            ratio = f"{float(r['p50_us']) / float(base[r['payload_bytes']]):.2f}"  # type: ignore[arg-type]
+    for r in sorted(
+        rows, key=lambda r: (int(r["payload_bytes"]) or 1 << 40, ORDER.index(r["mode"]))
+    ):  # type: ignore[call-overload]
         size = human(int(r["payload_bytes"])) if r["mode"] != "handshake" else "-"  # type: ignore[call-overload]
         print(
             f"{r['mode']:<19}{size:>9}{r['iterations']:>7}{r['p50_us']:>9}us{r['p95_us']:>9}us"
-            f"{r['p99_us']:>9}us{r['gib_per_s']:>8}{ratio:>10}"
+            f"{r['p99_us']:>9}us{r['gib_per_s']:>8}{ratio(r, unprot):>10}{ratio(r, ref):>8}"
         )
     return 0
 

@@ -164,7 +164,7 @@ class ClusterListener:
             self.pending_by_source[key] -= 1
             if self.pending_by_source[key] <= 0:
                 del self.pending_by_source[key]
-        protection = AeadProtection(est.send_key, est.recv_key, max_frame=self.limits.max_frame)
+        protection = self._protection(est.send_key, est.recv_key)
         conn = SecureConnection(
             reader,
             writer,

@@ -175,7 +175,7 @@ class ConnectionPool:
         except BaseException:
             writer.transport.abort()
             raise
-        protection = AeadProtection(est.send_key, est.recv_key, max_frame=self.max_frame)
+        protection = self._protection(est.send_key, est.recv_key)
         peer = Identity(host, port, est.peer.node_id)
         return SecureConnection(
             reader,
