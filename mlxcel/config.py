@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -27,6 +28,14 @@ from pydantic_settings import (
 from mlxcel.errors import ConfigError
 
 ENV_PREFIX = "MLXCEL_"
+# Read by their own loaders, which know the precedence among them (mlxcel.net.secret): mapped
+# onto a setting, MLXCEL_CLUSTER_SECRET_FILE would pose as --cluster-secret-file.
+NOT_FROM_ENV = frozenset({"cluster_secret_file"})
+
+
+class _EnvSource(EnvSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in super().__call__().items() if k not in NOT_FROM_ENV}
 
 
 class _Base(BaseSettings):
@@ -44,7 +53,7 @@ class _Base(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
         if cls._toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
         return tuple(sources)
@@ -161,6 +170,14 @@ class CheckpointSettings(_Base):
     seed: int = Field(0, ge=0, lt=2**32, description="weight seed")
     quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
 
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _bits_from_text(cls, v: Any) -> Any:
+        # The CLI and the environment deliver text; the choices are numbers.
+        if isinstance(v, str) and v.strip().isdigit():
+            return int(v)
+        return v
+
 
 class BenchBatchingSettings(ModelSettings):
     streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
@@ -209,6 +226,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
             flags.insert(0, str(extra["short"]))
         default = "required" if f.is_required() else repr(f.default)
         help_text = f"{f.description} (default: {default}; env {ENV_PREFIX}{name.upper()})"
+        if name in NOT_FROM_ENV:
+            help_text = f"{f.description} (default: {default})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if f.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,56 @@ def test_embedding_example_runs() -> None:
     assert r.returncode == 0, r.stderr
     assert "ticks while generating:" in r.stdout
     assert "handler errors counted: 1" in r.stdout
+
+
+def _literal_choices(annotation: object) -> tuple[object, ...]:
+    """The values of every Literal inside ``annotation`` (``Literal[4, 8] | None`` included)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return tuple(v for a in typing.get_args(annotation) for v in _literal_choices(a))
+
+
+# The least each command needs besides the setting under test.
+_REQUIRED: dict[str, list[str]] = {
+    "checkpoint": ["--out", "/tmp/x"],
+    "keygen": ["--out", "/tmp/x"],
+    "cluster-check": ["--listen", "127.0.0.1:1"],
+}
+
+
+def _every_literal_setting() -> list[tuple[list[str], str, object]]:
+    cases = []
+    commands = [([name], cls) for name, (cls, _) in cli_main.COMMANDS.items()]
+    commands += [(["bench", name], cls) for name, (cls, _) in cli_main.BENCHES.items()]
+    for words, cls in commands:
+        for field, info in cls.model_fields.items():
+            for value in _literal_choices(info.annotation):
+                cases.append((words, field, value))
+    return cases
+
+
+@pytest.mark.parametrize(("words", "field", "value"), _every_literal_setting())
+def test_every_documented_choice_is_accepted_from_cli_and_environment(
+    words: list[str], field: str, value: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choices reach the model as text from both places (``--quantize 4`` was refused once)."""
+    cls = (cli_main.BENCHES if words[0] == "bench" else cli_main.COMMANDS)[words[-1]][0]
+    flag = "--" + field.replace("_", "-")
+    base = [*words, *_REQUIRED.get(words[-1], [])]
+    args = cli_main.build_parser().parse_args([*base, flag, str(value)])
+    assert getattr(load_settings(cls, args), field) == value
+    monkeypatch.setenv("MLXCEL_" + field.upper(), str(value))
+    assert getattr(load_settings(cls, cli_main.build_parser().parse_args(base)), field) == value
+
+
+def test_checkpoint_quantize_through_the_cli(tmp_path: Path) -> None:
+    for bits, how in ((4, "flag"), (8, "env")):
+        out = tmp_path / f"q{bits}"
+        args = ["checkpoint", "--out", str(out)]
+        env = {"MLXCEL_QUANTIZE": str(bits)} if how == "env" else None
+        r = run_cli(*args, *(["--quantize", str(bits)] if how == "flag" else []), env=env)
+        assert r.returncode == 0, r.stderr
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["quantization"]["bits"] == bits
+    r = run_cli("checkpoint", "--out", str(tmp_path / "bad"), "--quantize", "3")
+    assert r.returncode == 2 and "--quantize" in r.stderr

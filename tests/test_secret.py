@@ -123,3 +123,42 @@ def test_keygen_cli(tmp_path: Path) -> None:
     again = run("--out", str(out))
     assert again.returncode == 1 and "--force" in again.stderr
     assert run("--out", str(out), "--force").returncode == 0
+
+
+def _stage(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    """``serve --distributed-config`` for stage-0 with exactly ``env`` as the secret sources."""
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(
+        'pipeline_parallel_size = 2\n[[nodes]]\nid = "coordinator"\nrole = "coordinator"\n'
+        'address = "127.0.0.1:1"\n[[nodes]]\nid = "stage-0"\nrole = "stage"\n'
+        'address = "127.0.0.2:1"\n[[nodes]]\nid = "stage-1"\nrole = "stage"\n'
+        'address = "127.0.0.3:1"\n'
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel", "serve", "--distributed-config", str(toml)]
+        + ["--node-id", "stage-0", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **env},
+    )
+
+
+def test_serve_refuses_both_secret_variables_from_the_real_environment(tmp_path: Path) -> None:
+    f = write(tmp_path / "env.secret", GOOD)
+    r = _stage(tmp_path, {"MLXCEL_CLUSTER_SECRET_FILE": str(f), "MLXCEL_CLUSTER_SECRET": GOOD})
+    assert r.returncode == 1
+    assert "both MLXCEL_CLUSTER_SECRET_FILE and MLXCEL_CLUSTER_SECRET are set" in r.stderr
+
+
+def test_serve_labels_the_secret_file_variable_as_its_source(tmp_path: Path) -> None:
+    short = write(tmp_path / "short.secret", "too-short")
+    r = _stage(tmp_path, {"MLXCEL_CLUSTER_SECRET_FILE": str(short)})
+    assert r.returncode == 1
+    assert "cluster secret from MLXCEL_CLUSTER_SECRET_FILE" in r.stderr
+    # The flag still wins over the variable, and is named as the source.
+    r = _stage(
+        tmp_path, {"MLXCEL_CLUSTER_SECRET_FILE": str(short)}, "--cluster-secret-file", str(short)
+    )
+    assert r.returncode == 1 and "cluster secret from --cluster-secret-file" in r.stderr

@@ -48,6 +48,7 @@ def cluster_secret(settings: ServeSettings, toml_path: Path) -> ClusterSecret:
     """Every process of a distributed config authenticates its peers: fail closed."""
     secret = load_cluster_secret(settings.cluster_secret_file, None, toml_path, required=True)
     assert secret is not None
+    logger.info("cluster secret from {}", secret.source)
     return secret
 
 
