@@ -115,6 +115,16 @@ class Frontend:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
+    # Tokenizing a multi-megabyte prompt takes seconds: the HTTP path does it on a worker
+    # thread so the reactor keeps streaming everyone else's tokens meanwhile.
+    async def encode_prompt_async(self, prompt: str | Sequence[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await asyncio.to_thread(self.encode_prompt, prompt)
+
+    async def apply_chat_template_async(self, messages: list[dict[str, str]]) -> list[int]:
+        return await asyncio.to_thread(self.apply_chat_template, messages)
+
     async def stream(
         self,
         prompt_ids: list[int],

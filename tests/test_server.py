@@ -176,13 +176,37 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
     assert ok.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
-def test_malformed_bodies_get_400(server: ServerProcess, raw: bytes) -> None:
-    req = urllib.request.Request(server.base_url + "/v1/completions", data=raw)
+DEEP = b"[" * 50_000 + b"]" * 50_000
+LONE_SURROGATE_CHAT = (
+    b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+)
+LONE_SURROGATE_PROMPT = b'{"model": "tiny-qwen3", "prompt": "\\udfff", "max_tokens": 2}'
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "says"),
+    [
+        ("completions", b"{not json", "not valid JSON"),
+        ("completions", b"[1, 2]", "JSON object"),
+        ("completions", b"\xff\xfe", "not valid JSON"),
+        ("completions", b"", "not valid JSON"),
+        ("completions", DEEP, "nested too deeply"),
+        ("chat/completions", LONE_SURROGATE_CHAT, "lone UTF-16 surrogate"),
+        ("completions", LONE_SURROGATE_PROMPT, "lone UTF-16 surrogate"),
+    ],
+)
+def test_malformed_bodies_get_400(
+    server: ServerProcess, client: openai.OpenAI, path: str, raw: bytes, says: str
+) -> None:
+    req = urllib.request.Request(f"{server.base_url}/v1/{path}", data=raw)
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 400
-    assert "error" in json.loads(info.value.read())
+    err = json.loads(info.value.read())["error"]
+    assert says in err["message"] and err["type"] == "invalid_request_error"
+    assert "Traceback" not in server.output
+    ok = client.completions.create(model=MODEL, prompt="still here", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
 
 
 def test_openai_client_sees_bad_request_error(client: openai.OpenAI) -> None:
@@ -265,3 +289,70 @@ def test_full_admission_queue_gets_503_with_retry_after(
 def test_sigterm_exits_cleanly(tiny: Path, start_server: type[ServerProcess]) -> None:
     srv = start_server(["-m", str(tiny)])
     assert srv.stop() == 0
+
+
+async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
+    """A multi-megabyte prompt takes seconds to tokenize; the reactor must not be the one doing it."""
+    import threading
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from mlxcel.server.metrics import Metrics
+    from mlxcel.server.openai_api import build_app
+    from mlxcel.server.run import local_stack
+
+    reactor = threading.get_ident()
+    seen: list[tuple[str, int]] = []
+
+    class Recording:
+        def __init__(self, inner: object) -> None:
+            self._inner = inner
+
+        def encode(self, *a: object, **kw: object) -> object:
+            seen.append(("encode", threading.get_ident()))
+            return self._inner.encode(*a, **kw)  # type: ignore[attr-defined]
+
+        def apply_chat_template(self, *a: object, **kw: object) -> object:
+            seen.append(("chat", threading.get_ident()))
+            return self._inner.apply_chat_template(*a, **kw)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._inner, name)
+
+    async with local_stack(tiny) as stack:
+        stack.frontend.tokenizer = Recording(stack.frontend.tokenizer)
+        app = build_app(
+            stack.frontend,
+            Metrics(),
+            model_name=MODEL,
+            default_max_tokens=4,
+            max_body_bytes=1 << 20,
+        )
+        async with TestClient(TestServer(app)) as http:
+            for path, body in (
+                ("/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 2}),
+                (
+                    "/v1/chat/completions",
+                    {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 2,
+                    },
+                ),
+            ):
+                r = await http.post(path, json=body)
+                assert r.status == 200, await r.text()
+    assert {kind for kind, _ in seen} == {"encode", "chat"}
+    assert all(thread != reactor for _, thread in seen)
+
+
+def test_top_k_beyond_the_vocabulary_breaks_nothing(client: openai.OpenAI) -> None:
+    """The outside report: top_k=600 on serve, then every unseeded sampled request failed."""
+    msgs = [{"role": "user", "content": "x"}]
+    big = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, extra_body={"top_k": 600}
+    )  # type: ignore[arg-type]
+    assert big.choices[0].finish_reason in ("length", "stop")
+    for _ in range(3):
+        after = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+        assert after.choices[0].finish_reason in ("length", "stop")

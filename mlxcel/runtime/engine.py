@@ -31,7 +31,7 @@ from mlxcel.messages import (
 )
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.runtime.sampling import make_sampler
+from mlxcel.runtime.sampling import Sampler, guarded_sampler
 
 
 class SeqState(enum.Enum):
@@ -54,6 +54,7 @@ class _StepOutput:
     tokens: list[tuple[str, int, str | None, float | None]] = field(default_factory=list)
     prompt_tokens: int = 0
     new_uids: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
 
 
 class LocalEngine:
@@ -86,6 +87,9 @@ class LocalEngine:
         self.step_timeout: float | None = None
         self.tokens_generated = 0
         self.prompt_tokens = 0
+        self.sequence_failures = 0
+        # Written by guarded samplers on the compute thread; drained by _step on it too.
+        self._sample_failures: dict[str, str] = {}
 
     # --- introspection (metrics, tests) --------------------------------------------------
     @property
@@ -110,6 +114,16 @@ class LocalEngine:
         node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
         node.spawn(self._loop(), name="engine.loop", critical=True)
+
+    def _fresh_generator(self) -> BatchGenerator:
+        """Compute thread: a new batch, and the global random state re-seeded in case a
+        half-built step left it pointing at a graph that never ran."""
+        import secrets
+
+        import mlx.core as mx
+
+        mx.random.seed(secrets.randbits(32))
+        return self._make_generator()
 
     def _make_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -204,6 +218,8 @@ class LocalEngine:
                     self._to_remove.append(uid)
             self.steps += 1
             self.prompt_tokens += out.prompt_tokens
+            for request_id, why in out.failed.items():
+                await self._fail_one(request_id, why)
             for request_id, token, finish, logprob in out.tokens:
                 seq = self._seqs.get(request_id)
                 if seq is None:
@@ -247,7 +263,7 @@ class LocalEngine:
             uids = gen.insert(
                 [list(e.token_ids) for e in inserts],
                 max_tokens=[e.sampling.max_tokens for e in inserts],
-                samplers=[make_sampler(e.sampling) for e in inserts],
+                samplers=[self._guarded(e) for e in inserts],
             )
             for e, uid in zip(inserts, uids, strict=True):
                 by_uid[uid] = e.request_id
@@ -260,13 +276,32 @@ class LocalEngine:
                 continue
             lp = float(r.logprobs[r.token].item()) if request_id in want_lp else None
             out.tokens.append((request_id, int(r.token), r.finish_reason, lp))
+        out.failed = dict(self._sample_failures)  # the guards keep this dict: clear, never swap
+        self._sample_failures.clear()
         return out
+
+    def _guarded(self, e: RunEntry) -> Sampler | None:
+        """Compute thread: this request's sampler, failing alone (None: the shared greedy path)."""
+        return guarded_sampler(e.sampling, self._sample_failures, e.request_id)
+
+    async def _fail_one(self, request_id: str, why: str) -> None:
+        """One sequence failed inside a step the others completed: end it, keep the rest."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.sequence_failures += 1
+        if seq.uid is not None:
+            self._by_uid.pop(seq.uid, None)
+            self._to_remove.append(seq.uid)
+        logger.warning("engine: request {} failed alone: {}", request_id, why)
+        await self._reply(Error("sampling_failed", why, request_id, seq.entry.nonce))
 
     async def _fail_all(self, why: str) -> None:
         """After a failed step the batch state is suspect: drop it all and start fresh."""
         seqs, self._seqs = self._seqs, {}
         self._by_uid.clear()
         self._to_remove.clear()
-        self._gen = await self.compute.run(self._make_generator)
+        self._sample_failures.clear()
+        self._gen = await self.compute.run(self._fresh_generator)
         for rid, s in seqs.items():
             await self._reply(Error("engine_failed", why, rid, s.entry.nonce))

@@ -1,12 +1,18 @@
 """Per-request samplers built from mlx-lm's sampling pieces, plus stop-string matching.
 
-mlx-lm's ``make_sampler`` draws from MLX's global random state, so two requests with the
-same seed would not reproduce inside a shared batch. Here a seeded request carries its own
-PRNG key and splits it once per token; the filtering (top-p, top-k) is mlx-lm's.
+mlx-lm's ``make_sampler`` draws from MLX's global random state. Here every sampled request
+carries its own PRNG key (from its seed, or a fresh random one) and splits it once per token:
+two requests with the same seed reproduce inside a shared batch, and no request -- even one
+whose step fails half-built -- can leave the process-wide random state broken for the others.
+The filtering (top-p, top-k) is mlx-lm's; ``top_k`` at or above the vocabulary size keeps
+every token (it is clamped, not an error).
+
+Call :func:`make_sampler` on the thread that will run the sampler: the key is an MLX array.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -21,23 +27,47 @@ def make_sampler(p: SamplingParams) -> Sampler | None:
     """``None`` means greedy (the batch generator's shared argmax path)."""
     if p.temperature == 0:
         return None
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0 < p.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, p.top_p))
-    if p.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, p.top_k))
     inv_temp = 1.0 / p.temperature
-    key = [mx.random.key(p.seed)] if p.seed is not None else None
+    key = [mx.random.key(p.seed if p.seed is not None else secrets.randbits(63))]
 
     def sample(logprobs: mx.array) -> mx.array:
-        for f in filters:
-            logprobs = f(logprobs)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
+        if 0 < p.top_p < 1:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if 0 < p.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, p.top_k)
         key[0], sub = mx.random.split(key[0])
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
+
+
+class GuardedSampler:
+    """Runs one sequence's sampler; if building its graph raises, that sequence alone fails.
+
+    mlx-lm samples a whole batch in one step, so an exception from one request's sampler
+    would abort the step for every sequence in it. The guard records the error, answers a
+    stand-in token (argmax) so the batch step completes, and the engine then ends that one
+    sequence with the recorded error.
+    """
+
+    def __init__(self, inner: Sampler | None, failures: dict[str, str], key: str) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.key = key
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.inner is not None and self.key not in self.failures:
+            try:
+                return self.inner(logprobs)
+            except Exception as exc:
+                self.failures[self.key] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return mx.argmax(logprobs, axis=-1)
+
+
+def guarded_sampler(p: SamplingParams, failures: dict[str, str], key: str) -> Sampler | None:
+    """The request's sampler behind a :class:`GuardedSampler` (None: greedy, nothing to guard)."""
+    inner = make_sampler(p)
+    return None if inner is None else GuardedSampler(inner, failures, key)
 
 
 class StopStrings:

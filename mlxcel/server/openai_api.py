@@ -54,9 +54,32 @@ def _validation_error(exc: ValidationError) -> web.Response:
 async def _read_json(request: web.Request) -> Any:
     raw = await request.read()  # aiohttp enforces client_max_size (413)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply") from None
+    _no_lone_surrogates(body)
+    return body
+
+
+def _no_lone_surrogates(value: Any) -> None:
+    """JSON may escape half of a UTF-16 pair (``"\\ud800"``); no tokenizer can encode that."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(
+                    "request body contains a lone UTF-16 surrogate (invalid Unicode text)"
+                ) from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def _model_check(app: web.Application, name: str) -> None:
@@ -81,6 +104,21 @@ def _params(
         max_tokens=max_tokens or default_max,
         logprobs=logprobs,
     )
+
+
+# Codes the generating side reports that mean "not now", not "broken": a load balancer may retry.
+UNAVAILABLE_CODES = frozenset(
+    {"stage_unreachable", "downstream_unreachable", "draining", "not_prepared"}
+)
+
+
+def engine_error_status(code: str) -> tuple[int, str, dict[str, str] | None]:
+    """HTTP status, OpenAI error type and headers for an error the engine or pipeline sent."""
+    if code == "deadline_exceeded":
+        return 504, "timeout", None
+    if code in UNAVAILABLE_CODES:
+        return 503, "server_busy", {"Retry-After": "1"}
+    return 500, "server_error", None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -113,8 +151,8 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         status = 504
         return error_response(504, str(exc), err_type="timeout", code="deadline_exceeded")
     except EngineError as exc:
-        status = 500
-        return error_response(500, str(exc), err_type="server_error", code=exc.code)
+        status, err_type, headers = engine_error_status(exc.code)
+        return error_response(status, str(exc), err_type=err_type, code=exc.code, headers=headers)
     finally:
         metrics.requests.labels(endpoint, str(status)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
@@ -135,13 +173,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         return _validation_error(exc)
     _model_check(app, req.model)
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = fe.apply_chat_template(
+        prompt_ids = await fe.apply_chat_template_async(
             [{"role": m.role, "content": m.text()} for m in req.messages]
         )
         want_lp = req.logprobs
     else:
         assert isinstance(req, CompletionRequest)
-        prompt_ids = fe.encode_prompt(req.prompt)
+        prompt_ids = await fe.encode_prompt_async(req.prompt)
         want_lp = bool(req.logprobs)
     params = _params(req, settings["default_max_tokens"], want_lp)
     usage = Usage()

@@ -22,7 +22,7 @@ def run_follower(
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlxcel.runtime.sampling import make_sampler
+    from mlxcel.runtime.sampling import guarded_sampler
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
 
     try:
@@ -46,7 +46,7 @@ def run_follower(
                 gen.insert(
                     [list(i.token_ids) for i in step.inserts],
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
-                    samplers=[make_sampler(i.sampling) for i in step.inserts],
+                    samplers=[guarded_sampler(i.sampling, {}, i.request_id) for i in step.inserts],
                 )
             gen.next()
     except RuntimeError as exc:
