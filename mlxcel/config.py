@@ -118,9 +118,6 @@ class SamplingSettings(_Base):
 
 class PipelineSettings(_Base):
     pp_layers: str | None = Field(None, description="explicit stage layer ranges, e.g. 0-15,16-31")
-    pp_micro_batch_size: int = Field(
-        4, ge=1, le=4096, description="sequences in flight through the pipeline at once"
-    )
     pp_return_logits: bool = Field(
         False, description="final stage returns logits; the coordinator samples"
     )
@@ -133,6 +130,12 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
 
 
 class ServeSettings(ModelSettings, PipelineSettings):
+    pp_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="pipeline: sequences in the stages at once; more wait (default: --parallel)",
+    )
     distributed_config: Path | None = Field(
         None, description="cluster TOML (pipeline across processes/hosts)"
     )

@@ -100,6 +100,8 @@ class RunEntry(Message):
     start_pos: int
     sampling: SamplingParams
     nonce: int
+    # False: a prompt chunk that only fills caches; the final stage answers with no token.
+    sample: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class Activation(Message):
     start_pos: int
     sampling: SamplingParams
     nonce: int
+    sample: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,7 @@ class State(Message):
     nonce: int
     wire_bytes_out: int = 0  # bytes this node has written to cluster connections
     compute_us: int = 0  # time this node has spent computing, in microseconds
+    largest_batch: int = 0  # most sequences this node has run in one forward pass
 
 
 @dataclass(frozen=True, slots=True)

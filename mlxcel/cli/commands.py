@@ -110,8 +110,9 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
             path,
             s.pp_size,
             pp_layers=s.pp_layers,
-            parallel=s.pp_micro_batch_size,
+            parallel=1,
             return_logits=s.pp_return_logits,
+            prefill_chunk=s.prefill_step_size,
         )
     from mlxcel.server.run import local_stack
 
@@ -174,6 +175,9 @@ async def serve(s: ServeSettings) -> int:
             queue_size=s.queue_size,
             request_timeout=s.request_timeout,
             return_logits=s.pp_return_logits,
+            max_batch_size=s.max_batch_size,
+            prefill_chunk=s.prefill_step_size,
+            max_in_flight=s.pp_micro_batch_size,
         ) as st:
             await serve_http(
                 s,

@@ -7,6 +7,12 @@ step sends one RunEntry to the entry stage and waits for the RunResult of that e
 the final stage -- three frames per decoded token. When the request ends for any reason, the
 sequence is released on every stage.
 
+A prompt longer than ``prefill_chunk`` tokens runs as several exchanges: every chunk but the
+last only fills the stages' caches (``sample=False``, answered with an empty RunResult), so
+each exchange's deadline bounds one chunk of work, not the whole prompt, and the stages run
+other sequences' decode steps between chunks. At most ``max_in_flight`` sequences are in the
+stages at once; later requests wait for one to finish (within their own deadline).
+
 What it accepts from the network: Ack/State only from the stage it addressed, RunResult only
 from the final stage and only with the fresh nonce of the exchange that is waiting, for the
 same request and micro-batch (and, with ``return_logits``, logits of shape
@@ -59,6 +65,7 @@ class _Exchange:
     micro_batch: int
     future: asyncio.Future[Any]
     seq_len: int = 0
+    tokens: int = 1  # a RunResult's token count: 0 for a cache-filling prompt chunk
 
 
 class PipelineCoordinator:
@@ -74,6 +81,8 @@ class PipelineCoordinator:
         step_timeout: float = 30.0,
         return_logits: bool = False,
         max_sequences: int = 64,
+        prefill_chunk: int = 512,
+        max_in_flight: int | None = None,
     ) -> None:
         self.node = node
         self.endpoint = endpoint
@@ -84,6 +93,11 @@ class PipelineCoordinator:
         self.step_timeout = step_timeout
         self.return_logits = return_logits
         self.max_sequences = max_sequences
+        self.prefill_chunk = prefill_chunk
+        self.max_in_flight = max_in_flight or max_sequences
+        self._in_flight = asyncio.Semaphore(self.max_in_flight)
+        self.peak_in_flight = 0
+        self._held = 0
         self._nonces = itertools.count(1)
         self._exchanges: dict[int, _Exchange] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -135,7 +149,11 @@ class PipelineCoordinator:
         if ex.request_id != m.request_id or ex.micro_batch != m.micro_batch:
             self._drop("request or micro-batch does not match the exchange", env)
             return
-        if self.return_logits:
+        if ex.tokens == 0:
+            if m.token_ids or m.logits is not None:
+                self._drop("a prompt-chunk RunResult carries no token and no logits", env)
+                return
+        elif self.return_logits:
             t = m.logits
             if t is None or t.shape != (1, ex.seq_len, self.vocab):
                 self._drop(
@@ -207,11 +225,14 @@ class PipelineCoordinator:
         micro_batch: int = 0,
         seq_len: int = 0,
         timeout: float | None = None,
+        tokens: int = 1,
     ) -> Any:
         """Send ``msg_for(nonce)`` to ``dest`` and wait for its matching answer."""
         nonce = next(self._nonces)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._exchanges[nonce] = _Exchange(kind, dest, request_id, micro_batch, fut, seq_len)
+        self._exchanges[nonce] = _Exchange(
+            kind, dest, request_id, micro_batch, fut, seq_len, tokens
+        )
         deadline = deadline_in(timeout or self.step_timeout)
         try:
             await self.endpoint.send(dest, msg_for(nonce), deadline)
@@ -247,6 +268,7 @@ class PipelineCoordinator:
                         "sequences": st.sequences,
                         "draining": st.draining,
                         "wire_bytes_out": st.wire_bytes_out,
+                        "largest_batch": st.largest_batch,
                     }
                 )
             except (PipelineError, MlxcelError) as exc:
@@ -255,6 +277,8 @@ class PipelineCoordinator:
             "pipeline": {
                 "stages": out,
                 "active": self.active,
+                "max_in_flight": self.max_in_flight,
+                "peak_in_flight": self.peak_in_flight,
                 "completed": self.completed,
                 "failed": self.failed,
                 "steps": self.steps,
@@ -289,59 +313,13 @@ class PipelineCoordinator:
 
     async def _drive(self, entry: RunEntry) -> None:
         rid = entry.request_id
-        p = entry.sampling
-        total = len(entry.token_ids) + p.max_tokens
+        admitted = False
         try:
-            if any(not 0 <= t < self.vocab for t in entry.token_ids) or not entry.token_ids:
-                raise PipelineError(
-                    "bad_request",
-                    f"prompt empty or token id outside the vocabulary [0, {self.vocab})",
-                )
-            if total > self.max_len:
-                raise PipelineError(
-                    "bad_request",
-                    f"prompt ({len(entry.token_ids)} tokens) + max_tokens "
-                    f"({p.max_tokens}) exceeds the model's context of {self.max_len}",
-                )
-            await asyncio.gather(
-                *(
-                    self.exchange(s, lambda n: PrepareSequence(rid, total, n), Ack, rid)
-                    for s in self.stages
-                )
-            )
-            tokens = entry.token_ids
-            pos = 0
-            generated = 0
-            sampler = None
-            while True:
-                step_tokens = tokens
-                res: RunResult = await self.exchange(
-                    self.stages[0],
-                    lambda n, t=step_tokens, q=pos: RunEntry(rid, entry.micro_batch, t, q, p, n),
-                    RunResult,
-                    rid,
-                    entry.micro_batch,
-                    seq_len=len(step_tokens),
-                )
-                self.steps += 1
-                if self.return_logits:
-                    token, sampler = self._sample_logits(res, p, sampler)
-                    lp = None
-                else:
-                    token = res.token_ids[0]
-                    lp = res.logprobs
-                pos += len(step_tokens)
-                generated += 1
-                if token in self.eos:
-                    await self._local(RunResult(rid, entry.micro_batch, (), "stop", entry.nonce))
-                    break
-                finish = "length" if generated >= p.max_tokens else None
-                await self._local(
-                    RunResult(rid, entry.micro_batch, (token,), finish, entry.nonce, logprobs=lp)
-                )
-                if finish:
-                    break
-                tokens = (token,)
+            await self._in_flight.acquire()
+            admitted = True
+            self._held += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._held)
+            await self._run(entry)
             self.completed += 1
         except asyncio.CancelledError:
             pass  # the frontend cancelled (client gone, stop string): release below
@@ -352,7 +330,81 @@ class PipelineCoordinator:
             await self._local(Error(code, str(exc), rid, entry.nonce))
         finally:
             self._tasks.pop(rid, None)
-            await self._release_everywhere(rid)
+            if admitted:
+                self._held -= 1
+                self._in_flight.release()
+                await self._release_everywhere(rid)
+
+    async def _run(self, entry: RunEntry) -> None:
+        rid = entry.request_id
+        p = entry.sampling
+        total = len(entry.token_ids) + p.max_tokens
+        if any(not 0 <= t < self.vocab for t in entry.token_ids) or not entry.token_ids:
+            raise PipelineError(
+                "bad_request",
+                f"prompt empty or token id outside the vocabulary [0, {self.vocab})",
+            )
+        if total > self.max_len:
+            raise PipelineError(
+                "bad_request",
+                f"prompt ({len(entry.token_ids)} tokens) + max_tokens "
+                f"({p.max_tokens}) exceeds the model's context of {self.max_len}",
+            )
+        await asyncio.gather(
+            *(
+                self.exchange(s, lambda n: PrepareSequence(rid, total, n), Ack, rid)
+                for s in self.stages
+            )
+        )
+        tokens = entry.token_ids
+        pos = 0
+        chunk = self.prefill_chunk
+        while len(tokens) > chunk:  # every prompt chunk but the last fills caches only
+            piece, tokens = tokens[:chunk], tokens[chunk:]
+            await self.exchange(
+                self.stages[0],
+                lambda n, t=piece, q=pos: RunEntry(
+                    rid, entry.micro_batch, t, q, p, n, sample=False
+                ),
+                RunResult,
+                rid,
+                entry.micro_batch,
+                seq_len=len(piece),
+                tokens=0,
+            )
+            self.steps += 1
+            pos += len(piece)
+        generated = 0
+        sampler = None
+        while True:
+            step_tokens = tokens
+            res: RunResult = await self.exchange(
+                self.stages[0],
+                lambda n, t=step_tokens, q=pos: RunEntry(rid, entry.micro_batch, t, q, p, n),
+                RunResult,
+                rid,
+                entry.micro_batch,
+                seq_len=len(step_tokens),
+            )
+            self.steps += 1
+            if self.return_logits:
+                token, sampler = self._sample_logits(res, p, sampler)
+                lp = None
+            else:
+                token = res.token_ids[0]
+                lp = res.logprobs
+            pos += len(step_tokens)
+            generated += 1
+            if token in self.eos:
+                await self._local(RunResult(rid, entry.micro_batch, (), "stop", entry.nonce))
+                break
+            finish = "length" if generated >= p.max_tokens else None
+            await self._local(
+                RunResult(rid, entry.micro_batch, (token,), finish, entry.nonce, logprobs=lp)
+            )
+            if finish:
+                break
+            tokens = (token,)
 
     def _sample_logits(self, res: RunResult, p: Any, sampler: Any) -> tuple[int, Any]:
         import mlx.core as mx

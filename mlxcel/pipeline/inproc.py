@@ -51,6 +51,8 @@ async def pipeline_stack(
     request_timeout: float = 600.0,
     return_logits: bool = False,
     max_batch_size: int = 8,
+    prefill_chunk: int = 512,
+    max_in_flight: int | None = None,
 ) -> AsyncIterator[PipelineStack]:
     compute = ComputeThread()
     try:
@@ -91,6 +93,8 @@ async def pipeline_stack(
                 max_len=int(loaded.config.get("max_position_embeddings", 1 << 30)),
                 return_logits=return_logits,
                 max_sequences=max(parallel, 1),
+                prefill_chunk=prefill_chunk,
+                max_in_flight=max_in_flight,
             )
             coordinator.attach()
             fe = Frontend(

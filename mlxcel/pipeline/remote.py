@@ -166,6 +166,8 @@ async def remote_coordinator(
     return_logits: bool = False,
     interface: str | None = None,
     startup_timeout: float = 60.0,
+    prefill_chunk: int = 512,
+    max_in_flight: int | None = None,
 ) -> AsyncIterator[RemoteCoordinator]:
     """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
     tokenizer, config = load_tokenizer_only(model_path)
@@ -182,6 +184,8 @@ async def remote_coordinator(
             step_timeout=cfg.cluster.step_timeout,
             return_logits=return_logits,
             max_sequences=parallel,
+            prefill_chunk=prefill_chunk,
+            max_in_flight=max_in_flight,
         )
         coordinator.attach()
         await listener.start()
@@ -222,6 +226,8 @@ async def run_coordinator(
         return_logits=settings.pp_return_logits,
         interface=settings.cluster_interface,
         startup_timeout=settings.startup_timeout,
+        prefill_chunk=settings.prefill_step_size,
+        max_in_flight=settings.pp_micro_batch_size,
     ) as rc:
         await serve_http(
             settings,

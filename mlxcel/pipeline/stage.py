@@ -15,7 +15,12 @@ float with ``n <= 2**20`` and ``width`` the model's. A bad activation is answere
 carrying the exchange nonce, so the coordinator fails that request at once.
 
 The last stage samples (the RunEntry's sampling parameters travel with the activation) and
-returns token ids; with ``return_logits`` it returns the logits instead.
+returns token ids; with ``return_logits`` it returns the logits instead. A step marked
+``sample=False`` is a prompt chunk that only fills caches: it is answered with no token.
+
+Every MLX object of a stage -- caches, input arrays, samplers -- is created and used on the
+stage's compute thread: MLX streams belong to the thread that made them (on GPUs, and on
+CPUs for any op), so the reactor only ever holds plain bytes and ints.
 """
 
 from __future__ import annotations
@@ -83,8 +88,8 @@ class StageConfig:
 @dataclass
 class _Seq:
     owner: str
-    cache: list[Any]
     max_len: int
+    cache: list[Any] | None = None  # built on the compute thread at the first step
     sampler: Sampler | None = None
     sampling: SamplingParams | None = None
     tokens: int = 0
@@ -92,21 +97,33 @@ class _Seq:
 
 @dataclass
 class _Work:
-    """One step of one sequence waiting for the stage's worker."""
+    """One step of one sequence waiting for the stage's worker (no MLX objects: plain data)."""
 
     seq: _Seq
     request_id: str
     micro_batch: int
-    x: mx.array
+    tokens: tuple[int, ...] | None  # the entry stage's input
+    hidden: Tensor | None  # every other stage's input
     n: int
     sampling: SamplingParams
     nonce: int
+    sample: bool = True
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """One sequence's step failed while the rest of its batch completed."""
+
+    code: str
+    why: str
 
 
 @dataclass
 class StageStats:
     forwards: int = 0
     batches: int = 0
+    largest_batch: int = 0
+    discarded: int = 0  # queued steps dropped because their sequence was released
     compute_s: float = 0.0
     refused: int = 0
     errors: int = 0
@@ -243,7 +260,7 @@ class StageService:
             )
             return
         # A fresh claim: whatever was cached under this id is discarded.
-        self.seqs[m.request_id] = _Seq(env.source, self.layers.make_cache(), m.max_len)
+        self.seqs[m.request_id] = _Seq(env.source, m.max_len)
         await self._send(env.source, Ack(m.request_id, m.nonce))
 
     async def _on_release(self, env: Envelope[CancelRequest | ReleaseSequence]) -> None:
@@ -260,6 +277,16 @@ class StageService:
             return
         if seq is not None:
             del self.seqs[m.request_id]
+            queued = sum(1 for w in self._work if w.seq is seq)
+            if queued:
+                self.stats.discarded += queued
+                logger.info(
+                    "stage {}: released {} ({} tokens cached); discarding {} queued step(s)",
+                    self.config.index,
+                    m.request_id,
+                    seq.tokens,
+                    queued,
+                )
         self._maybe_stopped()
 
     async def _on_drain(self, env: Envelope[BeginDrain]) -> None:
@@ -288,6 +315,7 @@ class StageService:
                 env.msg.nonce,
                 wire,
                 int(self.stats.compute_s * 1e6),
+                self.stats.largest_batch,
             ),
         )
 
@@ -356,9 +384,18 @@ class StageService:
                 env, "bad_request", f"token id outside [0, {vocab})", m.request_id, m.nonce
             )
             return
-        x = mx.array([list(m.token_ids)], dtype=mx.int32)
-        await self._forward(
-            seq, m.request_id, m.micro_batch, x, len(m.token_ids), m.sampling, m.nonce
+        self._enqueue(
+            _Work(
+                seq,
+                m.request_id,
+                m.micro_batch,
+                tuple(m.token_ids),
+                None,
+                len(m.token_ids),
+                m.sampling,
+                m.nonce,
+                m.sample,
+            )
         )
 
     def _check_hidden(self, t: Tensor) -> str | None:
@@ -384,13 +421,15 @@ class StageService:
             )
             self.stats.refused += 1
             if seq is not None:
+                # Reported without the sender's nonce: a non-upstream sender must not be able
+                # to fail a live exchange by guessing its nonce.
                 await self._send(
                     seq.owner,
                     Error(
                         "not_upstream",
                         f"activation from {env.source} refused",
                         m.request_id,
-                        m.nonce,
+                        None,
                     ),
                 )
             return
@@ -409,32 +448,24 @@ class StageService:
             self.stats.errors += 1
             await self._send(seq.owner, Error("bad_activation", problem, m.request_id, m.nonce))
             return
-        await self._forward(
-            seq,
-            m.request_id,
-            m.micro_batch,
-            from_tensor(m.hidden),
-            m.hidden.shape[1],
-            m.sampling,
-            m.nonce,
+        self._enqueue(
+            _Work(
+                seq,
+                m.request_id,
+                m.micro_batch,
+                None,
+                m.hidden,
+                m.hidden.shape[1],
+                m.sampling,
+                m.nonce,
+                m.sample,
+            )
         )
 
-    async def _forward(
-        self,
-        seq: _Seq,
-        request_id: str,
-        micro_batch: int,
-        x: mx.array,
-        n: int,
-        sampling: SamplingParams,
-        nonce: int,
-    ) -> None:
+    def _enqueue(self, work: _Work) -> None:
         """Queue one step for the worker; steps queued together decode as one batch."""
-        if self.is_last and seq.sampling is None and not self.config.return_logits:
-            seq.sampling = sampling
-            seq.sampler = make_sampler(sampling)
         # Bounded by construction: each prepared sequence has at most one step in flight.
-        self._work.append(_Work(seq, request_id, micro_batch, x, n, sampling, nonce))
+        self._work.append(work)
         self._wake.set()
 
     async def _worker(self) -> None:
@@ -472,15 +503,22 @@ class StageService:
                 self.stats.compute_s += loop.time() - t0
                 self.stats.forwards += len(group)
                 self.stats.batches += 1
+                self.stats.largest_batch = max(self.stats.largest_batch, len(group))
                 for w, out in zip(group, outs, strict=True):
                     w.seq.tokens += w.n
-                    if self.seqs.get(w.request_id) is w.seq:  # not released while we computed
+                    if self.seqs.get(w.request_id) is not w.seq:
+                        continue  # released while we computed
+                    if isinstance(out, _Failed):
+                        self.stats.errors += 1
+                        err = Error(out.code, out.why, w.request_id, w.nonce)
+                        await self._send(w.seq.owner, err)
+                    else:
                         await self._deliver(w, out)
 
     async def _deliver(self, w: _Work, out: Any) -> None:
         if not self.is_last:
             assert self.config.downstream is not None
-            act = Activation(w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce)
+            act = Activation(w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce, w.sample)
             if not await self._send(self.config.downstream, act):
                 await self._send(
                     w.seq.owner,
@@ -492,7 +530,9 @@ class StageService:
                     ),
                 )
             return
-        if self.config.return_logits:
+        if not w.sample:  # a cache-filling prompt chunk: progress, no token
+            await self._send(w.seq.owner, RunResult(w.request_id, w.micro_batch, (), None, w.nonce))
+        elif self.config.return_logits:
             await self._send(
                 w.seq.owner, RunResult(w.request_id, w.micro_batch, (), None, w.nonce, logits=out)
             )
@@ -507,38 +547,68 @@ class StageService:
     def _compute(self, group: list[_Work]) -> list[Any]:
         """Compute thread: run the range for one step of each sequence in ``group``.
 
-        One sequence runs on its own cache. Several (single-token decode steps) run as one
-        batch: their caches are merged into mlx-lm's BatchKVCache (left-padded to a common
-        length, with the matching attention mask), and split back afterwards.
+        Caches, inputs and samplers are made here, on the thread that evaluates them. One
+        sequence runs on its own cache. Several (single-token decode steps) run as one batch:
+        their caches are merged into mlx-lm's BatchKVCache (left-padded to a common length,
+        with the matching attention mask), and split back afterwards.
         """
+        for w in group:
+            if w.seq.cache is None:
+                w.seq.cache = self.layers.make_cache()
+        xs = [
+            mx.array([list(w.tokens)], dtype=mx.int32)
+            if w.tokens is not None
+            else from_tensor(w.hidden)  # type: ignore[arg-type]
+            for w in group
+        ]
+        head = "none" if not any(w.sample for w in group) else "all"
+        if self.is_last and not self.config.return_logits and head != "none":
+            head = "last"  # sampling needs the last position's logits only
         if len(group) == 1:
             w = group[0]
-            h = self.layers(w.x, w.seq.cache)
+            h = self.layers(xs[0], w.seq.cache, head=head)
         else:
-            n_layers = len(group[0].seq.cache)
-            batch = [BatchKVCache.merge([w.seq.cache[i] for w in group]) for i in range(n_layers)]
-            h = self.layers(mx.concatenate([w.x for w in group], axis=0), batch)
+            n_layers = len(group[0].seq.cache)  # type: ignore[arg-type]
+            batch = [
+                BatchKVCache.merge([w.seq.cache[i] for w in group])  # type: ignore[index]
+                for i in range(n_layers)
+            ]
+            h = self.layers(mx.concatenate(xs, axis=0), batch, head=head)
             mx.eval(h)
             for row, w in enumerate(group):
                 w.seq.cache = [c.extract(row) for c in batch]
         if not self.is_last:
             mx.eval(h)
             return [to_tensor(h[row : row + 1]) for row in range(len(group))]
+        if head == "none":
+            mx.eval([c.state for w in group for c in w.seq.cache])  # type: ignore[union-attr]
+            return [None] * len(group)
         if self.config.return_logits:
             mx.eval(h)
             return [to_tensor(h[row : row + 1].astype(mx.float32)) for row in range(len(group))]
-        return [self._sample(w.seq, h[row : row + 1, -1, :]) for row, w in enumerate(group)]
+        return [
+            self._sample(w, h[row : row + 1, -1, :]) if w.sample else None
+            for row, w in enumerate(group)
+        ]
 
     @staticmethod
-    def _sample(seq: _Seq, logits: mx.array) -> tuple[int, float]:
-        want_lp = seq.sampling is not None and seq.sampling.logprobs
-        if seq.sampler is None and not want_lp:  # greedy: the argmax needs no normalisation
-            tok = mx.argmax(logits, axis=-1)
-            mx.eval(tok)
-            return int(tok.item()), 0.0
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tok = seq.sampler(logprobs) if seq.sampler is not None else mx.argmax(logprobs, axis=-1)
-        mx.eval(tok, logprobs)
-        t = int(tok.item())
-        return t, float(logprobs[0, t].item())
+    def _sample(w: _Work, logits: mx.array) -> tuple[int, float] | _Failed:
+        """Compute thread: one row's token; a failure here fails this sequence only."""
+        seq = w.seq
+        try:
+            if seq.sampling is None:
+                seq.sampling = w.sampling
+                seq.sampler = make_sampler(w.sampling)
+            want_lp = seq.sampling.logprobs
+            if seq.sampler is None and not want_lp:  # greedy: argmax needs no normalisation
+                tok = mx.argmax(logits, axis=-1)
+                mx.eval(tok)
+                return int(tok.item()), 0.0
+            logits = logits.astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tok = seq.sampler(logprobs) if seq.sampler is not None else mx.argmax(logprobs, -1)
+            mx.eval(tok, logprobs)
+            t = int(tok.item())
+            return t, float(logprobs[0, t].item())
+        except Exception as exc:
+            return _Failed("sampling_failed", f"sampling failed: {type(exc).__name__}: {exc}")

@@ -110,8 +110,13 @@ class LayerRange:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
         return make_prompt_cache(self.loaded.model)[self.start : self.end]
 
-    def __call__(self, x: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """``x``: token ids ``[B, L]`` on the first range, hidden ``[B, L, D]`` otherwise."""
+    def __call__(self, x: mx.array, cache: list[Any] | None = None, head: str = "all") -> mx.array:
+        """``x``: token ids ``[B, L]`` on the first range, hidden ``[B, L, D]`` otherwise.
+
+        On the last range ``head`` picks what comes out: ``"all"`` logits for every position,
+        ``"last"`` for the last position only (what sampling needs; the head is the largest
+        matmul of a prompt chunk), ``"none"`` the final hidden states (a cache-filling chunk).
+        """
         h = self._embed(x) if self.is_first else x
         if cache is None:
             cache = [None] * len(self.layers)
@@ -123,7 +128,9 @@ class LayerRange:
                     h, c, window_size=self._window if sliding else None
                 )
             h = layer(h, masks[sliding], cache=c)
-        if self.is_last:
+        if self.is_last and head != "none":
+            if head == "last":
+                h = h[:, -1:, :]
             h = self._head(self._norm(h))
         return h
 
