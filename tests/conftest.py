@@ -40,6 +40,27 @@ def tiny(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["qwen3"]
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint in bfloat16, as real checkpoints ship (arrays made by ops, not data)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("ckpt-bf16") / "tiny-qwen3-bf16"
+    shutil.copytree(tiny, out)
+    for f in out.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(
+            str(f), {k: v.astype(mx.bfloat16) for k, v in weights.items()}, {"format": "mlx"}
+        )
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -272,7 +272,9 @@ def test_missing_secret_is_refused_naming_every_source(tiny: Path, tmp_path: Pat
 
 
 @contextmanager
-def two_stage_cluster(tiny: Path, secret: Path) -> Iterator[tuple[list[Proc], Path, int]]:
+def two_stage_cluster(
+    tiny: Path, secret: Path, *coord_args: str
+) -> Iterator[tuple[list[Proc], Path, int]]:
     """Stage 0, stage 1 and a coordinator as processes: yields them, the config and the port.
 
     At the end it stops whatever the list then holds (a test that restarts a stage puts
@@ -280,7 +282,7 @@ def two_stage_cluster(tiny: Path, secret: Path) -> Iterator[tuple[list[Proc], Pa
     cfg, _ = write_cluster(secret.parent, 2, secret)
     procs = [start_stage(tiny, cfg, 0), start_stage(tiny, cfg, 1)]
     port = free_port()
-    procs.append(start_coordinator(tiny, cfg, port))
+    procs.append(start_coordinator(tiny, cfg, port, *coord_args))
     try:
         yield procs, cfg, port  # type: ignore[misc]
     finally:
@@ -335,3 +337,125 @@ def test_sigterm_on_a_stage_drains_then_exits(tiny: Path, secret: Path) -> None:
         assert any(
             "draining" in line for line in s0.lines + [s0.p.stdout.read() if s0.p.stdout else ""]
         )
+
+
+def test_long_prompt_streams_between_decode_steps_and_frees_every_cache(
+    tiny: Path, secret: Path
+) -> None:
+    """A prompt of many prefill chunks while 4 short streams decode, on stage processes."""
+    chunk = 16
+    long_prompt = " ".join(f"w{i}" for i in range(400))
+    with two_stage_cluster(tiny, secret, "--prefill-step-size", str(chunk)) as (_, _cfg, port):
+        base = f"http://127.0.0.1:{port}/v1"
+
+        async def run() -> dict[str, object]:
+            ac = openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0, timeout=120)
+            short_times: list[list[float]] = [[] for _ in range(4)]
+            started = asyncio.Event()
+
+            async def short(i: int) -> str | None:
+                s = await ac.completions.create(
+                    model=MODEL, prompt=f"short {i}", max_tokens=80, temperature=0, stream=True
+                )
+                finish = None
+                async for ch in s:
+                    short_times[i].append(time.monotonic())
+                    finish = ch.choices[0].finish_reason or finish
+                    if sum(len(t) for t in short_times) >= 12:
+                        started.set()
+                return finish
+
+            tasks = [asyncio.create_task(short(i)) for i in range(4)]
+            await started.wait()
+            t0 = time.monotonic()
+            long = await ac.completions.create(
+                model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0, stream=True
+            )
+            t_first = None
+            finish = None
+            async for ch in long:
+                t_first = t_first or time.monotonic()
+                finish = ch.choices[0].finish_reason or finish
+            finishes = await asyncio.gather(*tasks)
+            await ac.close()
+            return {
+                "t0": t0,
+                "t_first": t_first,
+                "finish": finish,
+                "shorts": finishes,
+                "short_times": short_times,
+            }
+
+        r = asyncio.run(run())
+        prompt_tokens = (
+            openai.OpenAI(base_url=base, api_key="x")
+            .completions.create(model=MODEL, prompt=long_prompt, max_tokens=1, temperature=0)
+            .usage.prompt_tokens
+        )  # type: ignore[union-attr]
+        n_chunks = -(-prompt_tokens // chunk)
+        assert n_chunks >= 8
+        assert r["finish"] == "length"
+        assert all(f in ("length", "stop") for f in r["shorts"])  # type: ignore[union-attr]
+        t0, t1 = float(r["t0"]), float(r["t_first"])  # type: ignore[arg-type]
+        times: list[list[float]] = r["short_times"]  # type: ignore[assignment]
+        during = sum(1 for ts in times for t in ts if t0 < t < t1)
+        assert during > 0, "no short stream produced a token while the long prompt prefilled"
+        gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:], strict=False))
+        p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+        print(
+            f"\nlong prompt: {prompt_tokens} tokens in {n_chunks} chunks of {chunk}; "
+            f"prefill {1e3 * (t1 - t0):.1f} ms = {1e3 * (t1 - t0) / n_chunks:.2f} ms/chunk; "
+            f"short streams: {during} tokens during the prefill, inter-token p99 {1e3 * p99:.2f} ms"
+        )
+        h = health(port)
+        assert [s["sequences"] for s in h["pipeline"]["stages"]] == [0, 0]
+        assert h["in_flight"] == 0
+
+
+def test_pp_micro_batch_size_and_max_batch_size_are_honoured(tiny: Path) -> None:
+    """In-process ``serve --pp-size 2``: both flags change what the stages do."""
+
+    def run(*flags: str) -> dict:
+        port = free_port()
+        p = Proc(
+            [
+                "-m",
+                str(tiny),
+                "--port",
+                str(port),
+                "--served-model-name",
+                MODEL,
+                "--pp-size",
+                "2",
+                *flags,
+            ],
+            "mlxcel serving",
+        )
+        try:
+
+            async def many() -> list[str | None]:
+                ac = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+                )
+                rs = await asyncio.gather(
+                    *(
+                        ac.completions.create(
+                            model=MODEL, prompt=f"batch {i}", max_tokens=24, temperature=0
+                        )
+                        for i in range(6)
+                    )
+                )
+                await ac.close()
+                return [r.choices[0].finish_reason for r in rs]
+
+            assert asyncio.run(many()) == ["length"] * 6
+            return health(port)["pipeline"]
+        finally:
+            assert p.stop() == 0
+
+    one = run("--pp-micro-batch-size", "1")
+    assert one["max_in_flight"] == 1 and one["peak_in_flight"] == 1
+    assert all(s["largest_batch"] == 1 for s in one["stages"])
+    two = run("--pp-micro-batch-size", "6", "--max-batch-size", "2")
+    assert two["peak_in_flight"] > 1
+    assert all(s["largest_batch"] == 2 for s in two["stages"])
