@@ -7,10 +7,11 @@ step sends one RunEntry to the entry stage and waits for the RunResult of that e
 the final stage -- three frames per decoded token. When the request ends for any reason, the
 sequence is released on every stage.
 
-A prompt longer than ``prefill_chunk`` tokens runs as several exchanges: every chunk but the
-last only fills the stages' caches (``sample=False``, answered with an empty RunResult), so
-each exchange's deadline bounds one chunk of work, not the whole prompt, and the stages run
-other sequences' decode steps between chunks. At most ``max_in_flight`` sequences are in the
+The prompt runs as mlx-lm's batch generator runs it: all tokens but the last in chunks of
+``prefill_chunk`` that only fill the stages' caches (``sample=False``, answered with an empty
+RunResult), then the last token as the first sampling step -- so each exchange's deadline
+bounds one chunk of work, not the whole prompt, the stages run other sequences' decode steps
+between chunks, and the arithmetic (shapes included) is the one-process engine's. At most ``max_in_flight`` sequences are in the
 stages at once; later requests wait for one to finish (within their own deadline).
 
 What it accepts from the network: Ack/State only from the stage it addressed, RunResult only
@@ -356,11 +357,13 @@ class PipelineCoordinator:
                 for s in self.stages
             )
         )
-        tokens = entry.token_ids
+        # As mlx-lm's batch generator does: every prompt token but the last fills caches in
+        # chunks; the last one runs as the first decode step. Same shapes, same numerics.
+        prefix, tokens = entry.token_ids[:-1], entry.token_ids[-1:]
         pos = 0
         chunk = self.prefill_chunk
-        while len(tokens) > chunk:  # every prompt chunk but the last fills caches only
-            piece, tokens = tokens[:chunk], tokens[chunk:]
+        while prefix:
+            piece, prefix = prefix[:chunk], prefix[chunk:]
             await self.exchange(
                 self.stages[0],
                 lambda n, t=piece, q=pos: RunEntry(

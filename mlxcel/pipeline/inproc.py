@@ -82,6 +82,7 @@ async def pipeline_stack(
                     cfg,
                 )
                 svc.attach()
+                await svc.warm_up()
                 services.append(svc)
             coord_node = await stack.enter_async_context(Node("coordinator"))
             coordinator = PipelineCoordinator(

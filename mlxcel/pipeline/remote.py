@@ -117,6 +117,7 @@ async def run_stage(
                 ),
             )
             service.attach()
+            await service.warm_up()
             await listener.start()
             logger.info("transport: {}", probe_rdma().detail)
             print(

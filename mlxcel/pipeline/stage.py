@@ -180,6 +180,35 @@ class StageService:
             )
         self.node.spawn(self._worker(), name=f"stage{self.config.index}.worker", critical=True)
 
+    async def warm_up(self) -> float:
+        """Run a throwaway prompt chunk and decode step before serving; returns the seconds.
+
+        A GPU compiles its kernels on first use (tens of seconds on a fresh machine); done
+        here, that happens before the stage reports ready instead of inside the first
+        request's step deadline.
+        """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self.compute.run(self._warm_up)
+        took = loop.time() - t0
+        logger.info("stage {}: warmed up in {:.2f}s", self.config.index, took)
+        return took
+
+    def _warm_up(self) -> None:
+        cache = self.layers.make_cache()
+        dtype = self.layers.dtype
+        for n in (16, 1):
+            if self.is_first:
+                x = mx.zeros((1, n), dtype=mx.int32)
+            else:
+                x = mx.zeros((1, n, self.width), dtype=dtype)
+            h = self.layers(x, cache, head="last")
+            if self.is_last:
+                logits = h[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                h = mx.argmax(logprobs, axis=-1)
+            mx.eval(h)
+
     # --- authorization --------------------------------------------------------------------
     def _is_coordinator(self, source: str) -> bool:
         want = self.config.coordinator
@@ -599,12 +628,9 @@ class StageService:
             if seq.sampling is None:
                 seq.sampling = w.sampling
                 seq.sampler = make_sampler(w.sampling)
-            want_lp = seq.sampling.logprobs
-            if seq.sampler is None and not want_lp:  # greedy: argmax needs no normalisation
-                tok = mx.argmax(logits, axis=-1)
-                mx.eval(tok)
-                return int(tok.item()), 0.0
-            logits = logits.astype(mx.float32)
+            # Exactly the one-process engine's arithmetic (mlx-lm's batch generator): normalise
+            # in the model's dtype, then argmax or sample. In bf16 the normalisation rounds, so
+            # skipping it would break near-ties differently.
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tok = seq.sampler(logprobs) if seq.sampler is not None else mx.argmax(logprobs, -1)
             mx.eval(tok, logprobs)

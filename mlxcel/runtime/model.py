@@ -106,6 +106,11 @@ class LayerRange:
             else inner.embed_tokens.as_linear
         )
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype hidden states travel in (the embedding's, as mlx-lm computes them)."""
+        return getattr(self._embed, "scales", self._embed.weight).dtype  # quantized: scales
+
     def make_cache(self) -> list[Any]:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
         return make_prompt_cache(self.loaded.model)[self.start : self.end]
