@@ -94,6 +94,11 @@ class ModelSettings(_Base):
     pp_size: int = Field(
         1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"
     )
+    startup_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds to wait for pipeline stages or tensor-parallel ranks at start-up",
+    )
     log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="log level on stderr"
     )
@@ -145,9 +150,6 @@ class ServeSettings(ModelSettings, PipelineSettings):
     )
     cluster_interface: str | None = Field(
         None, description="bind and connect cluster traffic through this interface"
-    )
-    startup_timeout: float = Field(
-        60.0, gt=0, description="seconds the coordinator waits for its stages"
     )
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")

@@ -83,3 +83,7 @@ class RequestCancelled(MlxcelError):
 
 class PlatformUnsupported(MlxcelError):
     """A flag asks for something this platform cannot do (distributed modes on Windows)."""
+
+
+class ListenError(MlxcelError):
+    """A listening socket could not be opened (address in use, not local, no permission)."""

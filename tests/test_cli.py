@@ -233,3 +233,17 @@ def test_checkpoint_quantize_through_the_cli(tmp_path: Path) -> None:
         assert cfg["quantization"]["bits"] == bits
     r = run_cli("checkpoint", "--out", str(tmp_path / "bad"), "--quantize", "3")
     assert r.returncode == 2 and "--quantize" in r.stderr
+
+
+def test_busy_http_port_is_one_line_naming_the_address(tiny: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("serve", "-m", str(tiny), "--port", str(port))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert f"127.0.0.1:{port}" in line and "address already in use" in line

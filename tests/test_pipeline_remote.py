@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -161,8 +162,15 @@ def cluster(
         assert s.stop() == 0, "".join(s.lines)
 
 
-def health(port: int) -> dict:
-    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read())
+def health(port: int, path: str = "/health", want: int = 200) -> dict:
+    """The JSON body of GET ``path``, which must answer ``want``."""
+    try:
+        r = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+        status, body = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    assert status == want, body
+    return json.loads(body)
 
 
 def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
@@ -311,10 +319,16 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
             t_kill is not None and time.monotonic() - t_kill < 15
         )  # well before the 20 s step deadline
         assert "unreachable" in str(info.value) or "stage" in str(info.value), str(info.value)
+        # Not ready while a stage is down (a load balancer stops sending), but alive.
+        down = health(port, want=503)
+        assert down["status"] == "degraded"
+        assert "error" in down["pipeline"]["stages"][1]
+        assert health(port, "/health/live")["status"] == "alive"
         procs[1] = start_stage(tiny, cfg, 1)
         ok = c.completions.create(model=MODEL, prompt="after restart", max_tokens=5, temperature=0)
         assert ok.usage is not None and ok.usage.completion_tokens == 5
         h = health(port)
+        assert h["status"] == "ok"
         assert [s["sequences"] for s in h["pipeline"]["stages"]] == [0, 0]
         assert h["in_flight"] == 0 and h["pipeline"]["failed"] >= 1
 
@@ -459,3 +473,40 @@ def test_pp_micro_batch_size_and_max_batch_size_are_honoured(tiny: Path) -> None
     two = run("--pp-micro-batch-size", "6", "--max-batch-size", "2")
     assert two["peak_in_flight"] > 1
     assert all(s["largest_batch"] == 2 for s in two["stages"])
+
+
+def test_busy_stage_port_and_missing_stages_fail_in_one_line(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    import socket
+
+    cfg, stages = write_cluster(secret.parent, 2, secret)
+    host, port = stages[0].rsplit(":", 1)
+    with socket.socket() as s:
+        s.bind((host, int(port)))
+        s.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny)]
+            + ["--distributed-config", str(cfg), "--node-id", "stage-0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert stages[0] in line and "address already in use" in line
+    # A coordinator whose stages never come says what it waits for, then gives up.
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny)]
+        + ["--distributed-config", str(cfg), "--node-id", "coordinator"]
+        + ["--port", str(free_port()), "--startup-timeout", "7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"waiting for stage stage-0 at {stages[0]}" in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "unreachable within 7s (--startup-timeout)" in line

@@ -224,3 +224,27 @@ def test_tp_hostfile_joins_ranks_started_separately(tiny: Path, tmp_path: Path) 
     finally:
         if follower.poll() is None:
             follower.kill()
+
+
+def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Rank 0 alone: it says what it waits for, then fails in one line (it hung for minutes)."""
+    from mlxcel.tp.group import write_local_hostfile
+
+    hostfile = write_local_hostfile(2, tmp_path)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "-p", "x", "-n", "2"]
+        + ["--tp-hostfile", str(hostfile), "--tp-rank", "0", "--startup-timeout", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - t0
+    assert r.returncode != 0, r.stderr
+    assert "waiting for the ranks to join the group (rank 1 at 127.0.0.1:" in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "within 6s (--startup-timeout)" in errors[0]
+    assert "Traceback" not in r.stderr
+    assert took < 60

@@ -84,7 +84,14 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
     from mlxcel.errors import MlxcelError
     from mlxcel.tp.follower import run_follower
 
-    code = run_follower(path, _tp_rank(s), s.tp_hostfile, s.max_batch_size, s.prefill_step_size)
+    code = run_follower(
+        path,
+        _tp_rank(s),
+        s.tp_hostfile,
+        s.max_batch_size,
+        s.prefill_step_size,
+        s.startup_timeout,
+    )
     if code:
         raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
     return True
@@ -102,6 +109,7 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
             prefill_step_size=s.prefill_step_size,
             parallel=1,
             name="generate",
+            startup_timeout=s.startup_timeout,
         )
     if pipelined:
         from mlxcel.pipeline.inproc import pipeline_stack
@@ -208,6 +216,7 @@ async def _serve_tp(s: ServeSettings, path: Path) -> int:
         queue_size=s.queue_size,
         request_timeout=s.request_timeout,
         name="serve-tp",
+        startup_timeout=s.startup_timeout,
     ) as st:
         stop = asyncio.Event()  # SIGTERM/SIGINT, or the group failing
 
@@ -216,8 +225,22 @@ async def _serve_tp(s: ServeSettings, path: Path) -> int:
             stop.set()
 
         st.node.spawn(relay(), name="tp-fatal")
+
+        async def tp_health() -> dict[str, object]:
+            failed = st.engine.fatal.is_set()
+            out: dict[str, object] = {"ready": not failed, "tensor_parallel": {"ranks": st.tp_size}}
+            if failed:
+                out["tensor_parallel"] = {"ranks": st.tp_size, "error": st.engine.fatal_reason}
+            return out
+
         await serve_http(
-            s, st.frontend, st.node, st.loaded.name, inflight=lambda: st.engine.active, stop=stop
+            s,
+            st.frontend,
+            st.node,
+            st.loaded.name,
+            inflight=lambda: st.engine.active,
+            stop=stop,
+            health_extra=tp_health,
         )
         if st.engine.fatal_reason:
             raise TpGroupFailed(f"tensor-parallel group failed: {st.engine.fatal_reason}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 from mlxcel.bus import Node
+from mlxcel.errors import ListenError
 from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
@@ -91,7 +92,12 @@ class ClusterListener:
             reader = asyncio.StreamReader(limit=1 << 20)
             return asyncio.StreamReaderProtocol(reader, lambda r, w: self._accepted(r, w))
 
-        self._server = await loop.create_server(factory, self.host, self.port)
+        try:
+            self._server = await loop.create_server(factory, self.host, self.port)
+        except OSError as exc:
+            raise ListenError(
+                f"cannot listen for cluster connections on {self.address}: {exc.strerror or exc}"
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
 
         async def stop() -> None:

@@ -274,7 +274,9 @@ class PipelineCoordinator:
                 )
             except (PipelineError, MlxcelError) as exc:
                 out.append({"address": stage, "error": str(exc)})
+        ready = all("error" not in st and not st["draining"] for st in out)
         return {
+            "ready": ready,
             "pipeline": {
                 "stages": out,
                 "active": self.active,
@@ -285,7 +287,7 @@ class PipelineCoordinator:
                 "steps": self.steps,
                 "dropped": dict(self.dropped),
                 "wire_bytes_out": int(getattr(self.endpoint, "wire_bytes", 0)),
-            }
+            },
         }
 
     # --- the local side -------------------------------------------------------------------------

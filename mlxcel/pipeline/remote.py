@@ -249,19 +249,33 @@ async def connect_stages(
 ) -> None:
     """Reach every stage (retrying while they start) and check its layers; fail fast on refusals."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    start = loop.time()
+    deadline = start + timeout
     for spec in cfg.stages:
+        next_note = loop.time() + 5.0
         while True:
             try:
                 await pool.get(spec.host, spec.port, deadline)
+                logger.info("stage {} at {} connected", spec.id, spec.address)
                 break
             except ConnectFailed as exc:
                 if exc.failure is not None and not exc.failure.retryable:
                     raise MlxcelError(f"stage {spec.id} at {spec.address}: {exc}") from None
                 if loop.time() >= deadline:
                     raise MlxcelError(
-                        f"stage {spec.id} at {spec.address} unreachable within {timeout:g}s: {exc}"
+                        f"stage {spec.id} at {spec.address} unreachable within {timeout:g}s "
+                        f"(--startup-timeout): {exc}"
                     ) from None
+                if loop.time() >= next_note:
+                    next_note = loop.time() + 5.0
+                    logger.info(
+                        "waiting for stage {} at {} ({:.0f}s of {:g}s): {}",
+                        spec.id,
+                        spec.address,
+                        loop.time() - start,
+                        timeout,
+                        exc,
+                    )
                 await asyncio.sleep(0.2)
     try:
         states = await coordinator.query_states(timeout=max(1.0, deadline - loop.time()))

@@ -380,16 +380,28 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 only when this node can serve a request now, else 503 and why.
+
+    A role adds its details through the HEALTH callable; a ``"ready": False`` among them (a
+    pipeline stage unreachable or draining, a broken tensor-parallel group) makes the node
+    ``degraded``, so a load balancer stops sending it traffic.
+    """
     fe = request.app[FRONTEND]
-    body: dict[str, Any] = {
-        "status": "draining" if fe.draining else "ok",
-        "in_flight": fe.in_flight,
-        "waiting": fe.waiting,
-    }
+    body: dict[str, Any] = {"status": "ok", "in_flight": fe.in_flight, "waiting": fe.waiting}
     extra = request.app.get(HEALTH)
     if extra is not None:
         body.update(await extra())  # type: ignore[operator]
-    return web.json_response(body)
+    ready = body.pop("ready", True)
+    if fe.draining:
+        body["status"] = "draining"
+    elif not ready:
+        body["status"] = "degraded"
+    return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+
+
+async def liveness(request: web.Request) -> web.Response:
+    """Liveness: 200 for as long as the process runs and its reactor answers."""
+    return web.json_response({"status": "alive"})
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -436,5 +448,6 @@ def build_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", liveness)
     app.router.add_get("/metrics", metrics_endpoint)
     return app

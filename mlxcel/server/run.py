@@ -16,6 +16,7 @@ from loguru import logger
 
 from mlxcel.bus import Node
 from mlxcel.config import ServeSettings
+from mlxcel.errors import ListenError
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.blas import ensure_blas
 from mlxcel.runtime.compute import ComputeThread
@@ -129,7 +130,13 @@ async def serve_http(
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError(
+            f"cannot serve HTTP on {settings.host}:{settings.port}: {exc.strerror or exc}"
+        ) from None
     port = runner.addresses[0][1] if runner.addresses else settings.port
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

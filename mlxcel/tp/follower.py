@@ -17,7 +17,12 @@ import mlxcel  # noqa: F401  (BLAS before mlx)
 
 
 def run_follower(
-    model: Path, rank: int, hostfile: Path, max_batch_size: int = 8, prefill_step_size: int = 512
+    model: Path,
+    rank: int,
+    hostfile: Path,
+    max_batch_size: int = 8,
+    prefill_step_size: int = 512,
+    startup_timeout: float = 60.0,
 ) -> int:
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
@@ -26,7 +31,7 @@ def run_follower(
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
 
     try:
-        group = init_group(rank, hostfile)
+        group = init_group(rank, hostfile, startup_timeout)
         loaded = load_sharded(model, group)
         gen = BatchGenerator(
             loaded.model,
@@ -61,9 +66,15 @@ def main() -> int:
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--prefill-step-size", type=int, default=512)
+    ap.add_argument("--startup-timeout", type=float, default=60.0)
     a = ap.parse_args()
     return run_follower(
-        Path(a.model), a.rank, Path(a.hostfile), a.max_batch_size, a.prefill_step_size
+        Path(a.model),
+        a.rank,
+        Path(a.hostfile),
+        a.max_batch_size,
+        a.prefill_step_size,
+        a.startup_timeout,
     )
 
 

@@ -72,13 +72,51 @@ def write_local_hostfile(n: int, folder: Path) -> Path:
     return path
 
 
-def init_group(rank: int, hostfile: Path) -> Any:
-    """Join the ring. Every rank must call this; it blocks until all are connected."""
+# A watchdog in a child process: MLX's ring ``init`` blocks while holding the GIL, so nothing
+# in this process -- reactor, timer, signal handler -- can report progress or give up. The
+# child prints what is being waited for every few seconds and, past the deadline, one error
+# line and a SIGKILL for the stuck process. Closing its stdin (or dying) releases it.
+_WATCHDOG = """
+import os, select, signal, sys, time
+timeout, pid, what = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+start = time.monotonic()
+while (left := start + timeout - time.monotonic()) > 0:
+    if select.select([sys.stdin], [], [], min(5.0, left))[0]:
+        sys.exit(0)
+    print(time.strftime("%H:%M:%S.000"), "INFO    tensor parallel: waiting for", what,
+          "(%.0fs of %gs)" % (time.monotonic() - start, timeout), file=sys.stderr, flush=True)
+print("error: tensor parallel: could not", what, "within %gs (--startup-timeout);" % timeout,
+      "is every rank of the hostfile started?", file=sys.stderr, flush=True)
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
+    """Join the ring. Every rank must call this; it blocks until all are connected, or kills
+    this process after ``timeout`` seconds with one line saying which ranks never came."""
+    import subprocess
+    import sys
+
     import mlx.core as mx
 
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
-    return mx.distributed.init(backend="ring", strict=True)
+    try:
+        ranks = json.loads(Path(hostfile).read_text())
+        peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
+    except (OSError, ValueError, TypeError):
+        peers = f"the ranks of {hostfile}"
+    what = f"the ranks to join the group ({peers})"
+    dog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(timeout), str(os.getpid()), what],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        return mx.distributed.init(backend="ring", strict=True)
+    finally:
+        assert dog.stdin is not None
+        dog.stdin.close()
+        dog.wait()
 
 
 def broadcast_step(group: Any, step: TpStep | None) -> TpStep:

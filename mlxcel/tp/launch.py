@@ -54,6 +54,7 @@ async def tp_stack(
     queue_size: int = 64,
     request_timeout: float = 600.0,
     name: str = "tp",
+    startup_timeout: float = 60.0,
 ) -> AsyncIterator[TpStack]:
     config = json.loads((model_path / "config.json").read_text())
     if hostfile is not None:
@@ -86,6 +87,8 @@ async def tp_stack(
                         str(max_batch_size),
                         "--prefill-step-size",
                         str(prefill_step_size),
+                        "--startup-timeout",
+                        str(startup_timeout),
                     )
                 )
         stopping = False
@@ -93,14 +96,20 @@ async def tp_stack(
         engine: TpEngine | None = None
         try:
             group = await _while_ranks_live(
-                compute.run(init_group, 0, hostfile), followers, "join the group"
+                compute.run(init_group, 0, hostfile, startup_timeout),
+                followers,
+                "join the group",
+                startup_timeout,
             )
             if group.size() != tp_size:
                 raise TpGroupFailed(
                     f"the hostfile has {group.size()} ranks, --tp-size is {tp_size}"
                 )
             loaded = await _while_ranks_live(
-                compute.run(load_sharded, model_path, group), followers, "load the shards"
+                compute.run(load_sharded, model_path, group),
+                followers,
+                "load the shards",
+                max(startup_timeout, 120.0),
             )
             async with Node(name) as node:
                 engine = TpEngine(
@@ -149,25 +158,45 @@ async def tp_stack(
                 compute.close()
 
 
-STARTUP_TIMEOUT = 120.0
+PROGRESS_EVERY = 5.0  # seconds between "still waiting" lines
 
 
-async def _while_ranks_live(work, followers: list[asyncio.subprocess.Process], what: str):  # type: ignore[no-untyped-def]
-    """Await ``work`` unless a follower exits first or it takes longer than STARTUP_TIMEOUT."""
+async def _while_ranks_live(  # type: ignore[no-untyped-def]
+    work, followers: list[asyncio.subprocess.Process], what: str, timeout: float
+):
+    """Await ``work`` unless a follower exits first or it takes longer than ``timeout``;
+    say every few seconds what is being waited for."""
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(work)
     exits = [asyncio.ensure_future(p.wait()) for p in followers]
+    start = loop.time()
     try:
-        done, _ = await asyncio.wait(
-            [task, *exits], timeout=STARTUP_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        while True:
+            left = start + timeout - loop.time()
+            if left <= 0:
+                break
+            done, _ = await asyncio.wait(
+                [task, *exits],
+                timeout=min(PROGRESS_EVERY, left),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if task in done:
+                return task.result()
+            for rank, e in enumerate(exits, start=1):
+                if e in done:
+                    raise TpGroupFailed(
+                        f"rank {rank} exited with status {e.result()} before the group could {what}"
+                    )
+            logger.info(
+                "tensor parallel: waiting for the ranks to {} ({:.0f}s of {:g}s)",
+                what,
+                loop.time() - start,
+                timeout,
+            )
+        raise TpGroupFailed(
+            f"the ranks did not {what} within {timeout:g}s (--startup-timeout); "
+            "is every rank of the hostfile started?"
         )
-        if task in done:
-            return task.result()
-        for rank, e in enumerate(exits, start=1):
-            if e in done:
-                raise TpGroupFailed(
-                    f"rank {rank} exited with status {e.result()} before the group could {what}"
-                )
-        raise TpGroupFailed(f"the ranks did not {what} within {STARTUP_TIMEOUT:g}s")
     finally:
         for e in exits:
             e.cancel()
