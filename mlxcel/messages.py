@@ -116,6 +116,7 @@ class Activation(Message):
     sampling: SamplingParams
     nonce: int
     sample: bool = True
+    compute_us: int = 0  # time the stages upstream spent computing this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,7 @@ class RunResult(Message):
     nonce: int
     logprobs: tuple[float, ...] | None = None
     logits: Tensor | None = None
+    compute_us: int = 0  # pipeline: time every stage spent computing this step, summed
 
 
 @dataclass(frozen=True, slots=True)

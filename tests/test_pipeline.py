@@ -499,3 +499,46 @@ async def test_cancelled_long_prompt_stops_within_one_chunk(tiny: Path) -> None:
         assert st.stages[1].stats.forwards <= at_cancel + 1
         n_chunks = len(fe.encode_prompt(long_prompt)) // 16
         assert st.stages[0].stats.forwards < n_chunks
+
+
+async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path) -> None:
+    """Each stage adds its compute for a step to the message it passes on; the coordinator
+    subtracts that from the step's wall time. With 20 ms of extra work per stage per step,
+    the reported compute holds it and the overhead does not."""
+    import time as _time
+
+    async with pipeline_stack(tiny, 2) as st:
+        for svc in st.stages:
+            real = svc._compute
+
+            def slow(group, real=real):  # type: ignore[no-untyped-def]
+                _time.sleep(0.02)
+                return real(group)
+
+            svc._compute = slow  # type: ignore[method-assign]
+        c = st.coordinator
+        await collect(st.frontend, PROMPTS[0], 10)
+        assert c.decode_steps == 10
+        compute_ms = 1e3 * c.decode_compute_s / c.decode_steps
+        wall_ms = 1e3 * c.decode_wall_s / c.decode_steps
+        assert compute_ms >= 40  # both stages' sleeps are inside the reported compute
+        assert 0 <= c.decode_overhead_ms() == pytest.approx(wall_ms - compute_ms)
+        assert c.decode_overhead_ms() < compute_ms  # the sleeps did not land in the overhead
+
+
+def test_bench_pipeline_reports_direct_overhead(tiny: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "bench", "pipeline", "--json", "-m", str(tiny)]
+        + ["--tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {row["mode"]: row for row in map(json.loads, r.stdout.splitlines())}
+    assert set(rows) == {"single", "inproc-2", "remote-2"}
+    for mode in ("inproc-2", "remote-2"):
+        assert rows[mode]["overhead_ms_per_token"] >= 0
+        assert rows[mode]["stage_compute_ms_per_token"] > 0
+    assert rows["remote-2"]["wire_bytes_per_token"] > 0

@@ -99,6 +99,12 @@ class PipelineCoordinator:
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
         self.peak_in_flight = 0
         self._held = 0
+        # Decode steps (one token in, one out), measured at the hand-offs: wall time from
+        # sending the RunEntry to receiving its RunResult, and the compute time the stages
+        # report for that same step. Their difference is what the protocol costs.
+        self.decode_steps = 0
+        self.decode_wall_s = 0.0
+        self.decode_compute_s = 0.0
         self._nonces = itertools.count(1)
         self._exchanges: dict[int, _Exchange] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -285,10 +291,18 @@ class PipelineCoordinator:
                 "completed": self.completed,
                 "failed": self.failed,
                 "steps": self.steps,
+                "decode_steps": self.decode_steps,
+                "decode_overhead_ms": round(self.decode_overhead_ms(), 3),
                 "dropped": dict(self.dropped),
                 "wire_bytes_out": int(getattr(self.endpoint, "wire_bytes", 0)),
             },
         }
+
+    def decode_overhead_ms(self) -> float:
+        """Mean protocol time per decode step: wall time minus the stages' compute for it."""
+        if not self.decode_steps:
+            return 0.0
+        return 1e3 * (self.decode_wall_s - self.decode_compute_s) / self.decode_steps
 
     # --- the local side -------------------------------------------------------------------------
     async def _on_local_entry(self, env: Envelope[RunEntry]) -> None:
@@ -381,8 +395,10 @@ class PipelineCoordinator:
             pos += len(piece)
         generated = 0
         sampler = None
+        loop = asyncio.get_running_loop()
         while True:
             step_tokens = tokens
+            t0 = loop.time()
             res: RunResult = await self.exchange(
                 self.stages[0],
                 lambda n, t=step_tokens, q=pos: RunEntry(rid, entry.micro_batch, t, q, p, n),
@@ -392,6 +408,9 @@ class PipelineCoordinator:
                 seq_len=len(step_tokens),
             )
             self.steps += 1
+            self.decode_steps += 1
+            self.decode_wall_s += loop.time() - t0
+            self.decode_compute_s += res.compute_us / 1e6
             if self.return_logits:
                 token, sampler = self._sample_logits(res, p, sampler)
                 lp = None

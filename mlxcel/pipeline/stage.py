@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import enum
 import ipaddress
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class _Work:
     sampling: SamplingParams
     nonce: int
     sample: bool = True
+    compute_us: int = 0  # spent upstream on this step; this stage adds its own
 
 
 @dataclass(frozen=True)
@@ -488,6 +490,7 @@ class StageService:
                 m.sampling,
                 m.nonce,
                 m.sample,
+                m.compute_us,
             )
         )
 
@@ -529,7 +532,10 @@ class StageService:
                             ),
                         )
                     continue
-                self.stats.compute_s += loop.time() - t0
+                took = loop.time() - t0
+                self.stats.compute_s += took
+                for w in group:  # each member waited for the whole batched forward
+                    w.compute_us += int(took * 1e6)
                 self.stats.forwards += len(group)
                 self.stats.batches += 1
                 self.stats.largest_batch = max(self.stats.largest_batch, len(group))
@@ -547,7 +553,9 @@ class StageService:
     async def _deliver(self, w: _Work, out: Any) -> None:
         if not self.is_last:
             assert self.config.downstream is not None
-            act = Activation(w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce, w.sample)
+            act = Activation(
+                w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce, w.sample, w.compute_us
+            )
             if not await self._send(self.config.downstream, act):
                 await self._send(
                     w.seq.owner,
@@ -559,19 +567,16 @@ class StageService:
                     ),
                 )
             return
+        result = RunResult(w.request_id, w.micro_batch, (), None, w.nonce, compute_us=w.compute_us)
         if not w.sample:  # a cache-filling prompt chunk: progress, no token
-            await self._send(w.seq.owner, RunResult(w.request_id, w.micro_batch, (), None, w.nonce))
+            pass
         elif self.config.return_logits:
-            await self._send(
-                w.seq.owner, RunResult(w.request_id, w.micro_batch, (), None, w.nonce, logits=out)
-            )
+            result = dataclasses.replace(result, logits=out)
         else:
             token, logprob = out
             lp = (logprob,) if w.sampling.logprobs else None
-            await self._send(
-                w.seq.owner,
-                RunResult(w.request_id, w.micro_batch, (token,), None, w.nonce, logprobs=lp),
-            )
+            result = dataclasses.replace(result, token_ids=(token,), logprobs=lp)
+        await self._send(w.seq.owner, result)
 
     def _compute(self, group: list[_Work]) -> list[Any]:
         """Compute thread: run the range for one step of each sequence in ``group``.
