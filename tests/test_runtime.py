@@ -158,7 +158,6 @@ async def test_reactor_keeps_ticking_during_a_long_prefill(tiny: Path) -> None:
     try:
         lm = await compute.run(load_model, tiny)
         full = LayerRange(lm, 0, lm.n_layers)
-        tokens = mx.array([[i % 500 for i in range(4096)]])
         loop = asyncio.get_running_loop()
         ticks: list[float] = []
         done = False
@@ -171,9 +170,14 @@ async def test_reactor_keeps_ticking_during_a_long_prefill(tiny: Path) -> None:
         def prefill() -> float:
             import time
 
+            # Made here: MLX arrays belong to the thread whose stream built them. Repeated
+            # until it lasts long enough to matter, however fast the device.
+            tokens = mx.array([[i % 500 for i in range(4096)]])
             t0 = time.perf_counter()
-            for _ in range(3):
+            for _ in range(200):
                 mx.eval(full(tokens, full.make_cache()))
+                if time.perf_counter() - t0 > 0.5:
+                    break
             return time.perf_counter() - t0
 
         ticker = asyncio.create_task(tick())

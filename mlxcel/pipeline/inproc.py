@@ -73,6 +73,7 @@ async def pipeline_stack(
                     downstream=names[i + 1] if i + 1 < len(names) else None,
                     return_logits=return_logits,
                     max_batch=max_batch_size,
+                    warm_up_tokens=prefill_chunk,
                 )
                 svc = StageService(
                     node,

@@ -114,6 +114,7 @@ async def run_stage(
                     downstream=stages[index + 1].address if index + 1 < len(stages) else None,
                     return_logits=settings.pp_return_logits,
                     max_batch=settings.max_batch_size,
+                    warm_up_tokens=settings.prefill_step_size,
                 ),
             )
             service.attach()

@@ -35,7 +35,6 @@ from typing import Any
 
 import mlx.core as mx
 from loguru import logger
-from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
@@ -59,7 +58,7 @@ from mlxcel.messages import (
 )
 from mlxcel.net.network import Endpoint, SendFailed
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import LayerRange
+from mlxcel.runtime.model import LayerRange, merge_rows, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 
@@ -84,6 +83,7 @@ class StageConfig:
     return_logits: bool = False
     reply_deadline: float = 30.0
     max_batch: int = 8  # decode steps of different sequences run as one forward
+    warm_up_tokens: int = 512  # the prompt-chunk size, so its kernels compile before serving
 
 
 @dataclass
@@ -197,9 +197,9 @@ class StageService:
         return took
 
     def _warm_up(self) -> None:
-        cache = self.layers.make_cache()
+        cache = self.layers.make_batch_cache()
         dtype = self.layers.dtype
-        for n in (16, 1):
+        for n in (self.config.warm_up_tokens, 1):
             if self.is_first:
                 x = mx.zeros((1, n), dtype=mx.int32)
             else:
@@ -588,7 +588,7 @@ class StageService:
         """
         for w in group:
             if w.seq.cache is None:
-                w.seq.cache = self.layers.make_cache()
+                w.seq.cache = self.layers.make_batch_cache()
         xs = [
             mx.array([list(w.tokens)], dtype=mx.int32)
             if w.tokens is not None
@@ -604,13 +604,13 @@ class StageService:
         else:
             n_layers = len(group[0].seq.cache)  # type: ignore[arg-type]
             batch = [
-                BatchKVCache.merge([w.seq.cache[i] for w in group])  # type: ignore[index]
+                merge_rows([w.seq.cache[i] for w in group])  # type: ignore[index]
                 for i in range(n_layers)
             ]
             h = self.layers(mx.concatenate(xs, axis=0), batch, head=head)
             mx.eval(h)
             for row, w in enumerate(group):
-                w.seq.cache = [c.extract(row) for c in batch]
+                w.seq.cache = [split_row(c, row) for c in batch]
         if not self.is_last:
             mx.eval(h)
             return [to_tensor(h[row : row + 1]) for row in range(len(group))]

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
 
@@ -111,6 +111,12 @@ class LayerRange:
         """The dtype hidden states travel in (the embedding's, as mlx-lm computes them)."""
         return getattr(self._embed, "scales", self._embed.weight).dtype  # quantized: scales
 
+    def make_batch_cache(self) -> list[Any]:
+        """One sequence's caches as mlx-lm's batch generator keeps them: a BatchKVCache of one
+        row per layer. Same cache type, same masks and RoPE offsets as the one-process engine,
+        so a stage's arithmetic is the engine's, bit for bit (GPU kernels included)."""
+        return [BatchKVCache([0]) for _ in self.layers]
+
     def make_cache(self) -> list[Any]:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
         return make_prompt_cache(self.loaded.model)[self.start : self.end]
@@ -164,3 +170,26 @@ def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
     except Exception as exc:
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
     return tokenizer, config
+
+
+def merge_rows(rows: list[Any]) -> Any:
+    """One BatchKVCache over several one-row BatchKVCaches (left-padded to a common length)."""
+    plain = []
+    for r in rows:
+        kv = KVCache()
+        if r.keys is not None:
+            kv.keys = r.keys[..., : r._idx, :]
+            kv.values = r.values[..., : r._idx, :]
+            kv.offset = r._idx
+        plain.append(kv)
+    return BatchKVCache.merge(plain)
+
+
+def split_row(batch: Any, row: int) -> Any:
+    """Row ``row`` of a BatchKVCache as a one-row BatchKVCache without padding."""
+    kv = batch.extract(row)
+    one = BatchKVCache([0])
+    one.keys, one.values = kv.keys, kv.values
+    one._idx = kv.offset
+    one.offset = mx.array([kv.offset])
+    return one
