@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from mlxcel.bus import Node
 from mlxcel.net.connection import ConnectionClosed, SecureConnection
@@ -146,7 +146,6 @@ async def measure_reference(sizes: list[int], scale: float) -> list[dict[str, ob
     peer = subprocess.Popen(
         [sys.executable, "-c", REFERENCE_PEER, HOST], stdout=subprocess.PIPE, text=True
     )
-    rows: list[dict[str, object]] = []
     try:
         assert peer.stdout is not None
         port = int(await asyncio.to_thread(peer.stdout.readline))
@@ -164,31 +163,43 @@ async def measure_reference(sizes: list[int], scale: float) -> list[dict[str, ob
             n = int.from_bytes(await reader.readexactly(4), "big")
             return len(await reader.readexactly(n))
 
-        for size in sizes:
-            payload = os.urandom(size)
-            iters = max(10, int(ITERATIONS.get(size, 100) * scale))
-            for _ in range(max(3, iters // 20)):
-                await once(payload)
-            samples = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                got = await once(payload)
-                samples.append((time.perf_counter() - t0) / 2)
-            if got != size:
-                raise RuntimeError("reference echo returned a different size")
-            rows.append(_row("reference", size, samples))
+        rows = await _time_echoes("reference", sizes, scale, once)
         writer.close()
     finally:
-        try:
-            await asyncio.to_thread(peer.wait, 10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
+        await _reap(peer)
     return rows
+
+
+async def _time_echoes(
+    mode: str, sizes: list[int], scale: float, once: Callable[[bytes], Awaitable[int]]
+) -> list[dict[str, object]]:
+    """Warm up, then time ``once`` (send a payload, await its echo, return its size)."""
+    rows = []
+    for size in sizes:
+        payload = os.urandom(size)
+        iters = max(10, int(ITERATIONS.get(size, 100) * scale))
+        for _ in range(max(3, iters // 20)):
+            await once(payload)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            got = await once(payload)
+            samples.append((time.perf_counter() - t0) / 2)
+        if got != size:
+            raise RuntimeError(f"{mode}: the echo returned a different size")
+        rows.append(_row(mode, size, samples))
+    return rows
+
+
+async def _reap(peer: subprocess.Popen[str]) -> None:
+    try:
+        await asyncio.to_thread(peer.wait, 10)
+    except subprocess.TimeoutExpired:
+        peer.kill()
 
 
 async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[str, object]]:
     factory = MODES[mode]
-    rows: list[dict[str, object]] = []
     async with Node("bench") as node:
         inbound, port = await _inbound(node, factory)
         peer = subprocess.Popen(
@@ -204,27 +215,15 @@ async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[s
             )
             conn_a = await pool.connect(HOST, peer_port)
             conn_b = await inbound.get()
-            for size in sizes:
-                payload = os.urandom(size)
-                iters = max(10, int(ITERATIONS.get(size, 100) * scale))
-                for _ in range(max(3, iters // 20)):  # warm-up
-                    await conn_a.send_payload(payload)
-                    await conn_b.recv_payload()
-                samples = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    await conn_a.send_payload(payload)
-                    echoed = await conn_b.recv_payload()
-                    samples.append((time.perf_counter() - t0) / 2)
-                if len(echoed) != size:
-                    raise RuntimeError("echo returned a different size")
-                rows.append(_row(mode, size, samples))
+
+            async def once(payload: bytes) -> int:
+                await conn_a.send_payload(payload)
+                return len(await conn_b.recv_payload())
+
+            rows = await _time_echoes(mode, sizes, scale, once)
             await conn_a.wait_closed()  # the peer exits when A closes
         finally:
-            try:
-                await asyncio.to_thread(peer.wait, 10)
-            except subprocess.TimeoutExpired:
-                peer.kill()
+            await _reap(peer)
     return rows
 
 
