@@ -162,3 +162,28 @@ def test_serve_labels_the_secret_file_variable_as_its_source(tmp_path: Path) -> 
         tmp_path, {"MLXCEL_CLUSTER_SECRET_FILE": str(short)}, "--cluster-secret-file", str(short)
     )
     assert r.returncode == 1 and "cluster secret from --cluster-secret-file" in r.stderr
+
+
+def test_keygen_refuses_symlinks_and_missing_folders(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("precious\n")
+    link = tmp_path / "link.secret"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.secret"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for path in (link, dangling):
+        for force in (False, True):
+            with pytest.raises(SecretError, match="symbolic link"):
+                keygen(path, force=force)
+    assert target.read_text() == "precious\n" and not (tmp_path / "nowhere").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(tmp_path / "no" / "such" / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: cannot write {tmp_path / 'no' / 'such' / 's'}: the folder "
+        f"{tmp_path / 'no' / 'such'} does not exist"
+    ]

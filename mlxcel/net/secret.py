@@ -119,11 +119,19 @@ def load_cluster_secret(
 
 def keygen(out: Path, force: bool = False) -> Path:
     """Write 32 random bytes as hex (plus newline) with mode 0600; refuse to overwrite."""
+    if out.is_symlink():  # dangling ones too: writing through a link lands somewhere else
+        raise SecretError(f"{out} is a symbolic link; refusing to write a secret through it")
     if out.exists() and not force:
         raise SecretError(f"{out} exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise SecretError(f"cannot write {out}: the folder {out.parent} does not exist")
     data = (secrets.token_bytes(32).hex() + "\n").encode()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(out, flags, 0o600)
+    # O_NOFOLLOW: a link planted between the check above and this open is refused too.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(out, flags, 0o600)
+    except OSError as exc:
+        raise SecretError(f"cannot write {out}: {exc.strerror}") from None
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, data)
