@@ -15,6 +15,7 @@ from mlxcel.wire.handshake import (
     Failure,
     HandshakeError,
     Identity,
+    ReplayGuard,
     ServerHandshake,
     Verdict,
     decode_identity,
@@ -25,6 +26,9 @@ from mlxcel.wire.handshake import (
 )
 
 SECRET = b"correct horse battery staple 123"
+
+
+WALL = 1_800_000_000.0  # a fixed wall-clock time for both sides
 
 
 def pair(
@@ -43,7 +47,7 @@ def pair(
         Channel.TRANSPORT,
         0.0,
         os.urandom,
-        **(client_kw or {}),
+        **{"wall": WALL, **(client_kw or {})},
     )
     s = ServerHandshake(
         server_secret,
@@ -53,7 +57,7 @@ def pair(
         os.urandom,
         lambda i: verdict,
         node_id="coord",
-        **(server_kw or {}),
+        **{"wall": WALL, "replay": ReplayGuard(), **(server_kw or {})},
     )
     return c, s
 
@@ -125,10 +129,10 @@ def test_identity_that_is_not_an_address_is_closed_without_a_verdict() -> None:
     ("kw", "failure", "client_text", "server_text"),
     [
         (
-            {"version": 2},
+            {"version": 3},
             Failure.VERSION_MISMATCH,
-            "this node speaks v2, the server v1",
-            "peer speaks v2, this node v1",
+            "this node speaks v3, the server v2",
+            "peer speaks v3, this node v2",
         ),
         (
             {"suite": 9},
@@ -148,9 +152,18 @@ def test_version_and_suite_mismatch_report_both_sides(
 
 
 def test_channel_mismatch() -> None:
-    c = ClientHandshake(SECRET, Identity("127.0.0.2", 1), Channel.ASSIGNMENT, 0.0, os.urandom)
+    c = ClientHandshake(
+        SECRET, Identity("127.0.0.2", 1), Channel.ASSIGNMENT, 0.0, os.urandom, wall=WALL
+    )
     s = ServerHandshake(
-        SECRET, Channel.TRANSPORT, "127.0.0.2", 0.0, os.urandom, lambda i: Verdict.ACCEPT
+        SECRET,
+        Channel.TRANSPORT,
+        "127.0.0.2",
+        0.0,
+        os.urandom,
+        lambda i: Verdict.ACCEPT,
+        wall=WALL,
+        replay=ReplayGuard(),
     )
     exchange(c, s)
     assert c.error is not None and c.error.failure is Failure.CHANNEL_MISMATCH

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -154,13 +155,14 @@ async def test_version_and_suite_mismatch_over_sockets(kw: dict, failure: Failur
             Channel.TRANSPORT,
             loop.time(),
             os.urandom,
+            wall=time.time(),
             **kw,
         )
         with pytest.raises(HandshakeError) as info:
             await drive(hs, reader, writer)
         writer.close()
         assert info.value.failure is failure
-        assert "the server v1" in str(info.value) or "the server suite 1" in str(info.value)
+        assert "the server v2" in str(info.value) or "the server suite 1" in str(info.value)
         await until_true(lambda: srv.listener.failures[failure] == 1)
 
 
@@ -288,12 +290,14 @@ async def test_truncated_frame_then_close_reaches_nothing() -> None:
         assert srv.received == []
 
 
-async def test_oversize_length_is_refused_without_reading_it() -> None:
-    async with server(Limits(max_frame=1 << 16)) as srv, Node("client") as client:
+@pytest.mark.parametrize("announced", [200 << 20, (256 << 10) + 1])
+async def test_oversize_length_is_refused_without_reading_it(announced: int) -> None:
+    """A frame is one 256 KiB record at most: anything larger is refused from the header."""
+    async with server() as srv, Node("client") as client:
         conn = await _established(srv, client, "127.0.0.2")
-        conn.writer.write(bytes([KIND_MESSAGE]) + (200 << 20).to_bytes(4, "big"))
+        conn.writer.write(bytes([KIND_MESSAGE]) + announced.to_bytes(4, "big"))
         await until_true(lambda: not srv.listener.connections)
-        assert any("cap is 65536" in m for _, m in srv.lines)
+        assert any("cap is 262144" in m for _, m in srv.lines)
 
 
 async def test_bus_backpressure_pauses_reading() -> None:
@@ -350,7 +354,12 @@ async def test_truncated_handshake_is_closed_and_logged_as_noise() -> None:
             SERVER_IP, srv.listener.port, local_addr=("127.0.0.2", 0)
         )
         hs = ClientHandshake(
-            SECRET.value, Identity("127.0.0.2", 9000), Channel.TRANSPORT, loop.time(), os.urandom
+            SECRET.value,
+            Identity("127.0.0.2", 9000),
+            Channel.TRANSPORT,
+            loop.time(),
+            os.urandom,
+            wall=time.time(),
         )
         first = hs.data_to_send()
         writer.write(first[: len(first) // 2])

@@ -30,15 +30,17 @@ def test_doc_example_can_be_followed_by_hand() -> None:
     """An independent reading of the documented bytes, using only the documented layout."""
     d = doc_values()
     c2s = bytes.fromhex(d["client_to_server"])
-    assert c2s[:8] == b"MLXC\x01\x01\x01\x00"
-    assert int.from_bytes(c2s[8:10], "big") == len(c2s) - 10 == 68
+    assert c2s[:8] == b"MLXC\x02\x01\x01\x00"
+    assert int.from_bytes(c2s[8:10], "big") == len(c2s) - 10 == 80
     s2c = bytes.fromhex(d["server_to_client"])
     assert s2c[:8] == c2s[:8] and int.from_bytes(s2c[8:10], "big") == len(s2c) - 10
-    frame = bytes.fromhex(d["first_frame"])
+    key = AESGCM(bytes.fromhex(d["key_client_to_server"]))
+    confirm = bytes.fromhex(d["confirm_frame"])
+    assert confirm[0] == 4 and confirm[1:5] == bytes(4) and len(confirm) == 5 + 16
+    assert key.decrypt(bytes(12), confirm[5:], confirm[:5]) == b""
+    frame = bytes.fromhex(d["first_message_frame"])
     kind, length = frame[0], int.from_bytes(frame[1:5], "big")
     assert kind == 1 and length == len(frame) - 5 - 16
-    plain = AESGCM(bytes.fromhex(d["key_client_to_server"])).decrypt(
-        bytes(12), frame[5:], frame[:5]
-    )
+    plain = key.decrypt((1).to_bytes(12, "big"), frame[5:], frame[:5])
     assert plain.hex() == d["ack_cbor"]
     assert decode(plain) == Ack("req-1", 7)

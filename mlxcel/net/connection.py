@@ -2,11 +2,16 @@
 
 Thin glue over the wire layer. Sending encodes a message (CBOR), seals it as one frame (or,
 above ``record_size`` (256 KiB), as a run of PART frames and an END frame, so the receiver can open
-one record while the next is in flight) and drains the socket. The reader loop refuses an
-oversize length from the header before reading the body, opens every frame, reassembles, decodes
-and publishes to the bus with the peer's authenticated identity as the source -- blocking when
-the bus is full, which stops reading and lets the kernel buffer push back on the sender.
-Any frame failure closes the connection; nothing from it reaches the bus.
+one record while the next is in flight) and drains the socket.
+
+Receiving is bounded in memory and in time. A frame may announce at most one record
+(``max_frame``), refused from the header alone, so at most 256 KiB is allocated before a tag
+is checked. A message being reassembled may grow to ``max_message`` bytes on this connection,
+and every connection of a node draws on one :class:`MemoryBudget`. A frame's body must follow
+its header within ``frame_timeout``; a listener-side connection that receives nothing for
+``idle_timeout`` is closed. Any frame failure closes the connection; nothing from it reaches
+the bus. A decoded message that the bus cannot take before its deadline is dropped and
+counted (``bus_drops``) -- a declared decision, never a teardown.
 """
 
 from __future__ import annotations
@@ -18,25 +23,52 @@ from loguru import logger
 
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
-from mlxcel.errors import DecodeError, MlxcelError
+from mlxcel.errors import DeadlineExceeded, DecodeError, MlxcelError, QueueFull
 from mlxcel.messages import Message
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.wire.codec import decode, encode
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_MESSAGE,
     HEADER_LEN,
+    KIND_CONFIRM,
     KIND_END,
     KIND_MESSAGE,
     KIND_PART,
+    BudgetExceeded,
     FrameError,
+    FrameTimeout,
     FrameTooLarge,
     Protection,
     parse_header,
 )
 from mlxcel.wire.handshake import Identity
 
-DEFAULT_RECORD_SIZE = 256 << 10
+DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
+DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
+DEFAULT_MEMORY_BUDGET = 1 << 30  # reassembly buffers of all connections of one node
 _ids = itertools.count(1)
+
+
+class MemoryBudget:
+    """One node's allowance for message reassembly across all its connections."""
+
+    def __init__(self, limit: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.refusals = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            self.refusals += 1
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 class ConnectionClosed(MlxcelError):
@@ -52,18 +84,26 @@ class SecureConnection:
         peer: Identity,
         limiter: WarningLimiter,
         *,
-        max_frame: int = DEFAULT_MAX_FRAME,
+        max_message: int = DEFAULT_MAX_MESSAGE,
         record_size: int = DEFAULT_RECORD_SIZE,
         outbound: bool = False,
+        budget: MemoryBudget | None = None,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+        idle_timeout: float | None = None,
     ) -> None:
         self.reader = reader
         self.writer = writer
         self.protection = protection
         self.peer = peer
         self.limiter = limiter
-        self.max_frame = max_frame
-        self.record_size = record_size
+        self.max_message = max_message
+        self.record_size = min(record_size, DEFAULT_MAX_FRAME)
+        self.max_frame = DEFAULT_MAX_FRAME
         self.outbound = outbound
+        self.budget = budget or MemoryBudget()
+        self.frame_timeout = frame_timeout
+        self.idle_timeout = idle_timeout
+        self.bus_drops = 0
         self.id = next(_ids)
         self.closed = False
         self.frames_in = 0
@@ -91,9 +131,9 @@ class SecureConnection:
     ) -> None:
         if self.closed:
             raise ConnectionClosed(f"{self!r} is closed")
-        if len(payload) > self.max_frame:
+        if len(payload) > self.max_message:
             raise FrameTooLarge(
-                f"message of {len(payload)} bytes exceeds the {self.max_frame}-byte cap"
+                f"message of {len(payload)} bytes exceeds the {self.max_message}-byte cap"
             )
         mv = memoryview(payload)
         async with until(deadline, f"send to {self.source}"), self._send_lock:
@@ -113,41 +153,81 @@ class SecureConnection:
         self.frames_out += 1
         self.bytes_out += len(frame)
 
+    async def confirm(self) -> None:
+        """The dialing side's first frame: proof that it holds the session keys."""
+        async with self._send_lock:
+            self._write(self.protection.seal(KIND_CONFIRM, b""))
+            await self.writer.drain()
+
+    async def expect_confirm(self, deadline: float) -> None:
+        """Listening side: the first frame must be a CONFIRM that opens, before ``deadline``."""
+        async with until(deadline, f"confirmation from {self.source}"):
+            kind, plain = await self._read_frame(idle=None)
+        if kind != KIND_CONFIRM or plain:
+            raise FrameError(f"{self.source}: first frame is not a confirmation (kind {kind})")
+
     # --- receiving ---------------------------------------------------------------------------
+    async def _read_frame(self, idle: float | None) -> tuple[int, bytes | bytearray]:
+        """One opened frame. ``idle`` bounds the wait for its header; its body always has
+        ``frame_timeout`` (a damaged length or a stalled peer cannot wedge the reader)."""
+        try:
+            try:
+                async with asyncio.timeout(idle):
+                    header = await self.reader.readexactly(HEADER_LEN)
+            except TimeoutError:
+                raise FrameTimeout(f"{self.source} sent nothing for {idle:g}s") from None
+            kind, length = parse_header(header, self.max_frame)
+            try:
+                async with asyncio.timeout(self.frame_timeout):
+                    body = await self.reader.readexactly(length + self.protection.overhead)
+            except TimeoutError:
+                raise FrameTimeout(
+                    f"{self.source}: a frame of {length} bytes did not arrive within "
+                    f"{self.frame_timeout:g}s of its header"
+                ) from None
+        except asyncio.IncompleteReadError:
+            raise ConnectionClosed(f"{self.source} closed the connection") from None
+        except (ConnectionError, OSError) as exc:
+            raise ConnectionClosed(f"{self.source}: {exc}") from None
+        plain = self.protection.open(header, body)
+        self.frames_in += 1
+        self.bytes_in += HEADER_LEN + len(body)
+        return kind, plain
+
     async def recv_payload(self) -> bytes | bytearray:
         """The next complete message payload (raises ConnectionClosed or FrameError)."""
         parts: list[bytes | bytearray] = []
         total = 0
-        while True:
-            try:
-                header = await self.reader.readexactly(HEADER_LEN)
-                kind, length = parse_header(header, self.max_frame)
-                if total + length > self.max_frame:
-                    raise FrameTooLarge(f"message exceeds the {self.max_frame}-byte cap")
-                body = await self.reader.readexactly(length + self.protection.overhead)
-            except asyncio.IncompleteReadError:
-                raise ConnectionClosed(f"{self.source} closed the connection") from None
-            except (ConnectionError, OSError) as exc:
-                raise ConnectionClosed(f"{self.source}: {exc}") from None
-            plain = self.protection.open(header, body)
-            self.frames_in += 1
-            self.bytes_in += HEADER_LEN + len(body)
-            if kind == KIND_MESSAGE and not parts:
-                return plain
-            if kind in (KIND_PART, KIND_END):
-                parts.append(plain)
-                total += len(plain)
-                if kind == KIND_END:
-                    return b"".join(parts)
-                continue
-            # Authenticated, but not a kind this build knows (or a MESSAGE inside a PART run).
-            self.unknown_kinds += 1
-            self.limiter.warn(
-                "diagnostic",
-                f"cluster: dropping an authenticated frame of unknown kind {kind} from {self.source}",
-            )
-            parts.clear()
-            total = 0
+        try:
+            while True:
+                kind, plain = await self._read_frame(None if parts else self.idle_timeout)
+                if kind == KIND_MESSAGE and not parts:
+                    return plain
+                if kind in (KIND_PART, KIND_END):
+                    if total + len(plain) > self.max_message:
+                        raise FrameTooLarge(f"message exceeds the {self.max_message}-byte cap")
+                    if not self.budget.take(len(plain)):
+                        raise BudgetExceeded(
+                            f"reassembling a message from {self.source} would pass this node's "
+                            f"{self.budget.limit}-byte budget for messages in flight"
+                        )
+                    parts.append(plain)
+                    total += len(plain)
+                    if kind == KIND_END:
+                        return b"".join(parts)
+                    continue
+                # Authenticated, but not a kind this build knows (or a MESSAGE inside a PART run).
+                self.unknown_kinds += 1
+                self.limiter.warn(
+                    "diagnostic",
+                    f"cluster: dropping an authenticated frame of unknown kind {kind} "
+                    f"from {self.source}",
+                )
+                self.budget.give(total)
+                parts.clear()
+                total = 0
+        finally:
+            self.budget.give(total)
 
     async def run(self, node: Node, deadline_s: float = 30.0) -> None:
         """Reader loop: decode each message and publish it with the peer's identity."""
@@ -162,7 +242,18 @@ class SecureConnection:
                         "diagnostic", f"cluster: undecodable message from {self.source}: {exc}"
                     )
                     continue
-                await node.bus.publish(msg, source=self.source, deadline=loop.time() + deadline_s)
+                try:
+                    await node.bus.publish(
+                        msg, source=self.source, deadline=loop.time() + deadline_s
+                    )
+                except (DeadlineExceeded, QueueFull):
+                    # Back-pressure held for the whole deadline: drop this one, keep the link.
+                    self.bus_drops += 1
+                    self.limiter.warn(
+                        "router-drop",
+                        f"cluster: dropped a {type(msg).__name__} from {self.source}: "
+                        "its handler's queue stayed full",
+                    )
         except FrameError as exc:
             self.limiter.warn(
                 "diagnostic", f"cluster: closing connection from {self.source}: {exc}"

@@ -2,16 +2,21 @@
 
 Unfinished handshakes draw from a pending pool (``max_pending`` in flight, at most
 ``max_pending_per_source`` per source -- an IPv4 address or an IPv6 /64); a socket beyond
-either bound is closed at accept. Each handshake has an absolute deadline. Authenticated
-connections are capped at ``max_connections``; a peer that authenticates beyond it gets the
-authenticated at-capacity verdict. Every accepted connection's messages reach the node's bus
-with the peer's bound identity.
+either bound is closed at accept. A connection stays *pending* -- holding its pending slot,
+not an authenticated one -- until the peer's CONFIRM frame opens under the session keys, all
+within one absolute handshake deadline; a replayed message 1 (refused by the replay guard) or
+a peer that cannot confirm never counts as authenticated. Authenticated connections are
+capped at ``max_connections`` (pending confirmations included); a peer that authenticates
+beyond it gets the authenticated at-capacity verdict. An authenticated connection that sends
+nothing for ``idle_timeout`` seconds is closed (its peer reconnects when it next needs to).
+Every accepted connection's messages reach the node's bus with the peer's bound identity.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,22 +24,32 @@ from dataclasses import dataclass
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.errors import ListenError
-from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
+from mlxcel.errors import DeadlineExceeded, ListenError
+from mlxcel.net.connection import (
+    DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_RECORD_SIZE,
+    ConnectionClosed,
+    MemoryBudget,
+    SecureConnection,
+)
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection, Protection
+from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, FrameError, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
+    MAX_CLOCK_SKEW,
     Channel,
     Failure,
     HandshakeError,
     Identity,
+    ReplayGuard,
     ServerHandshake,
     Verdict,
     source_key,
 )
+
+DEFAULT_IDLE_TIMEOUT = 600.0  # seconds an authenticated peer may stay silent
 
 
 @dataclass(frozen=True)
@@ -43,8 +58,11 @@ class Limits:
     max_pending: int = 64
     max_pending_per_source: int = 8
     handshake_timeout: float = HANDSHAKE_TIMEOUT
-    max_frame: int = DEFAULT_MAX_FRAME
+    max_message: int = DEFAULT_MAX_MESSAGE
     record_size: int = DEFAULT_RECORD_SIZE
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    frame_timeout: float = DEFAULT_FRAME_TIMEOUT
+    max_clock_skew: float = MAX_CLOCK_SKEW
 
 
 class ClusterListener:
@@ -62,6 +80,8 @@ class ClusterListener:
         on_connection: Callable[[SecureConnection], None] | None = None,
         publish: bool = True,
         protection: Callable[[bytes, bytes], Protection] | None = None,
+        budget: MemoryBudget | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -74,9 +94,13 @@ class ClusterListener:
         self.limiter = limiter or WarningLimiter(loop.time)
         self.on_connection = on_connection
         self.publish = publish
-        self._protection = protection or (
-            lambda send, recv: AeadProtection(send, recv, max_frame=self.limits.max_frame)
-        )
+        self._protection = protection or (lambda send, recv: AeadProtection(send, recv))
+        self.budget = budget or MemoryBudget()
+        self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
+        self.replay = ReplayGuard(self.limits.max_clock_skew)
+        # Called with the peer's identity when an authenticated connection from it closes.
+        self.on_lost: list[Callable[[str], None]] = []
+        self.confirming = 0
         self.connections: set[SecureConnection] = set()
         self._by_source: dict[str, SecureConnection] = {}
         self.pending = 0
@@ -140,7 +164,7 @@ class ClusterListener:
         self.node.spawn(self._handshake(reader, writer, ip, key), name=f"handshake:{ip}")
 
     def _admit(self, ident: Identity) -> Verdict:
-        if len(self.connections) >= self.limits.max_connections:
+        if len(self.connections) + self.confirming >= self.limits.max_connections:
             return Verdict.AT_CAPACITY
         return Verdict.ACCEPT
 
@@ -155,31 +179,52 @@ class ClusterListener:
             loop.time(),
             os.urandom,
             self._admit,
+            wall=self.wall_clock(),
+            replay=self.replay,
             node_id=self.node_id,
             timeout=self.limits.handshake_timeout,
         )
+        conn: SecureConnection | None = None
         try:
-            est = await drive(hs, reader, writer)
-        except HandshakeError as exc:
-            self.failures[exc.failure] += 1
-            self._report(exc, ip)
-            writer.transport.abort() if not hs.close_after_send else writer.close()
-            return
+            try:
+                est = await drive(hs, reader, writer)
+            except HandshakeError as exc:
+                self.failures[exc.failure] += 1
+                self._report(exc, ip)
+                writer.transport.abort() if not hs.close_after_send else writer.close()
+                return
+            conn = SecureConnection(
+                reader,
+                writer,
+                self._protection(est.send_key, est.recv_key),
+                est.peer,
+                self.limiter,
+                max_message=self.limits.max_message,
+                record_size=self.limits.record_size,
+                budget=self.budget,
+                frame_timeout=self.limits.frame_timeout,
+                idle_timeout=self.limits.idle_timeout,
+            )
+            # Authenticated only once the peer proves it holds the session keys.
+            self.confirming += 1
+            try:
+                await conn.expect_confirm(hs.deadline)
+            except (FrameError, ConnectionClosed, DeadlineExceeded) as exc:
+                self.failures[Failure.UNCONFIRMED] += 1
+                self.limiter.warn(
+                    Failure.UNCONFIRMED.rate_class,
+                    f"cluster: {ip} (claims {est.peer.address}) completed the handshake but "
+                    f"did not confirm it: {exc}",
+                )
+                conn.close()
+                return
+            finally:
+                self.confirming -= 1
         finally:
             self.pending -= 1
             self.pending_by_source[key] -= 1
             if self.pending_by_source[key] <= 0:
                 del self.pending_by_source[key]
-        protection = self._protection(est.send_key, est.recv_key)
-        conn = SecureConnection(
-            reader,
-            writer,
-            protection,
-            est.peer,
-            self.limiter,
-            max_frame=self.limits.max_frame,
-            record_size=self.limits.record_size,
-        )
         self.connections.add(conn)
         self._by_source[conn.source] = conn
         logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)
@@ -194,6 +239,8 @@ class ClusterListener:
             self.connections.discard(conn)
             if self._by_source.get(conn.source) is conn:
                 del self._by_source[conn.source]
+            for cb in list(self.on_lost):
+                cb(conn.source)
             await conn.wait_closed()
 
     def _report(self, exc: HandshakeError, ip: str) -> None:

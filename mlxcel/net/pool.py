@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,11 +19,16 @@ from loguru import logger
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
 from mlxcel.errors import DeadlineExceeded, MlxcelError
-from mlxcel.net.connection import DEFAULT_RECORD_SIZE, SecureConnection
+from mlxcel.net.connection import (
+    DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_RECORD_SIZE,
+    MemoryBudget,
+    SecureConnection,
+)
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import DEFAULT_MAX_FRAME, AeadProtection, Protection
+from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
     Channel,
@@ -65,10 +71,13 @@ class ConnectionPool:
         limiter: WarningLimiter | None = None,
         bind_ip: str | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        max_frame: int = DEFAULT_MAX_FRAME,
+        max_message: int = DEFAULT_MAX_MESSAGE,
         record_size: int = DEFAULT_RECORD_SIZE,
         publish: bool = True,
         protection: Callable[[bytes, bytes], Protection] | None = None,
+        budget: MemoryBudget | None = None,
+        frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -78,12 +87,13 @@ class ConnectionPool:
         self.limiter = limiter or WarningLimiter(asyncio.get_running_loop().time)
         self.bind_ip = bind_ip
         self.handshake_timeout = handshake_timeout
-        self.max_frame = max_frame
+        self.max_message = max_message
         self.record_size = record_size
         self.publish = publish
-        self._protection = protection or (
-            lambda send, recv: AeadProtection(send, recv, max_frame=self.max_frame)
-        )
+        self._protection = protection or (lambda send, recv: AeadProtection(send, recv))
+        self.budget = budget or MemoryBudget()
+        self.frame_timeout = frame_timeout
+        self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
         self._conns: dict[tuple[str, int], SecureConnection] = {}
         # Called with "host:port" when a pooled connection closes (peer died, frame failure).
         self.on_lost: list[Callable[[str], None]] = []
@@ -168,6 +178,7 @@ class ConnectionPool:
             self.channel,
             loop.time(),
             os.urandom,
+            wall=self.wall_clock(),
             timeout=self.handshake_timeout,
         )
         try:
@@ -177,13 +188,21 @@ class ConnectionPool:
             raise
         protection = self._protection(est.send_key, est.recv_key)
         peer = Identity(host, port, est.peer.node_id)
-        return SecureConnection(
+        conn = SecureConnection(
             reader,
             writer,
             protection,
             peer,
             self.limiter,
-            max_frame=self.max_frame,
+            max_message=self.max_message,
             record_size=self.record_size,
             outbound=True,
+            budget=self.budget,
+            frame_timeout=self.frame_timeout,
         )
+        try:
+            await conn.confirm()  # the listener counts us as authenticated only after this
+        except (ConnectionError, OSError) as exc:
+            conn.close()
+            raise OSError(f"connection lost while confirming the handshake: {exc}") from None
+        return conn

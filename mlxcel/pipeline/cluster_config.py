@@ -32,10 +32,21 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mlxcel.errors import ConfigError
-from mlxcel.wire.frames import DEFAULT_MAX_FRAME
+from mlxcel.net.connection import DEFAULT_FRAME_TIMEOUT, DEFAULT_MEMORY_BUDGET
+from mlxcel.net.listener import DEFAULT_IDLE_TIMEOUT
+from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE
+from mlxcel.wire.handshake import MAX_CLOCK_SKEW
 
 
 class _Strict(BaseModel):
@@ -78,7 +89,17 @@ class ClusterSection(_Strict):
     max_pending_handshakes: int = Field(64, ge=1)
     max_pending_handshakes_per_ip: int = Field(8, ge=1)
     handshake_timeout: float = Field(5.0, gt=0)
-    max_frame_bytes: int = Field(DEFAULT_MAX_FRAME, ge=1024)
+    # One message's cap; frames themselves are 256 KiB records. `max_frame_bytes` (its old
+    # name) is still accepted.
+    max_message_bytes: int = Field(
+        DEFAULT_MAX_MESSAGE,
+        ge=1024,
+        validation_alias=AliasChoices("max_message_bytes", "max_frame_bytes"),
+    )
+    memory_budget_bytes: int = Field(DEFAULT_MEMORY_BUDGET, ge=1 << 20)
+    idle_timeout: float = Field(DEFAULT_IDLE_TIMEOUT, gt=0)
+    frame_timeout: float = Field(DEFAULT_FRAME_TIMEOUT, gt=0)
+    max_clock_skew: float = Field(MAX_CLOCK_SKEW, gt=0)
     reconnect_attempts: int = Field(5, ge=1)
     reconnect_base_delay: float = Field(0.2, gt=0)
     step_timeout: float = Field(30.0, gt=0)

@@ -23,6 +23,7 @@ from mlxcel.bus import Node
 from mlxcel.config import ServeSettings
 from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.frontend import Frontend
+from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4, probe_rdma
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import TcpEndpoint
@@ -62,9 +63,15 @@ def _net(
         max_pending=c.max_pending_handshakes,
         max_pending_per_source=c.max_pending_handshakes_per_ip,
         handshake_timeout=c.handshake_timeout,
-        max_frame=c.max_frame_bytes,
+        max_message=c.max_message_bytes,
+        idle_timeout=c.idle_timeout,
+        frame_timeout=c.frame_timeout,
+        max_clock_skew=c.max_clock_skew,
     )
-    listener = ClusterListener(node, secret, bind, me.port, node_id=me.id, limits=limits)
+    budget = MemoryBudget(c.memory_budget_bytes)  # one for every connection of this node
+    listener = ClusterListener(
+        node, secret, bind, me.port, node_id=me.id, limits=limits, budget=budget
+    )
     src = None if me.host in ("0.0.0.0", "::") else bind
     pool = ConnectionPool(
         node,
@@ -73,7 +80,9 @@ def _net(
         bind_ip=src,
         backoff=Backoff(c.reconnect_attempts, c.reconnect_base_delay),
         handshake_timeout=c.handshake_timeout,
-        max_frame=c.max_frame_bytes,
+        max_message=c.max_message_bytes,
+        budget=budget,
+        frame_timeout=c.frame_timeout,
     )
     return listener, pool, TcpEndpoint(me.address, pool)
 

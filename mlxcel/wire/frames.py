@@ -35,16 +35,23 @@ from mlxcel.errors import MlxcelError
 HEADER = struct.Struct("!BI")
 HEADER_LEN = HEADER.size  # 5
 TAG_LEN = 16
-DEFAULT_MAX_FRAME = 256 << 20
+# A frame carries at most one 256 KiB record: a message above that travels as PART..END
+# records, so a receiver never allocates more than this before a frame's tag is checked.
+DEFAULT_MAX_FRAME = 256 << 10
+# A reassembled message (and so the buffer a connection may grow) is capped separately.
+DEFAULT_MAX_MESSAGE = 256 << 20
 DEFAULT_REKEY_BYTES = 1 << 36
 DEFAULT_REKEY_FRAMES = 1 << 32
 LAST_COUNTER = 2**64 - 1  # reserved for REKEY, never a frame nonce
 
-# Frame kinds. A message larger than one record travels as PART..., END.
+# Frame kinds. A message larger than one record travels as PART..., END. CONFIRM (empty) is
+# the dialing side's first frame: it proves to the listener that the peer holds the session
+# keys, which a replayed handshake message cannot.
 KIND_MESSAGE = 0x01
 KIND_PART = 0x02
 KIND_END = 0x03
-KNOWN_KINDS = frozenset({KIND_MESSAGE, KIND_PART, KIND_END})
+KIND_CONFIRM = 0x04
+KNOWN_KINDS = frozenset({KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM})
 
 
 class FrameError(MlxcelError):
@@ -61,6 +68,14 @@ class FrameAuthFailed(FrameError):
 
 class CounterExhausted(FrameError):
     """A direction used its last nonce; the connection must be replaced."""
+
+
+class FrameTimeout(FrameError):
+    """A frame's body did not follow its header in time, or a peer stayed silent too long."""
+
+
+class BudgetExceeded(FrameError):
+    """Reassembling a message would pass the connection's or the node's memory budget."""
 
 
 def _nonce(n: int) -> bytes:

@@ -1,9 +1,17 @@
 """The cluster handshake, sans-I/O: bytes and ``now`` in; bytes, events and a deadline out.
 
-Wire flow (one round trip; byte layouts in docs/wire-protocol.md)::
+Wire flow (byte layouts in docs/wire-protocol.md)::
 
-    client -> server   preamble(8) || u16 len || Noise msg1  (psk, e  + payload: identity)
+    client -> server   preamble(8) || u16 len || Noise msg1  (psk, e  + payload: identity, time)
     server -> client   preamble(8) || u16 len || Noise msg2  (e, ee   + payload: verdict)
+    client -> server   first frame: CONFIRM (empty, sealed with the new keys)
+
+Message 1 carries the client's wall-clock time. The server refuses a message 1 whose time is
+more than ``max_skew`` from its own (answering an authenticated *stale* verdict), and closes
+without answering one it has already seen inside that window (:class:`ReplayGuard`): a
+recorded message 1 can be replayed neither later nor now. Until the client's CONFIRM frame
+opens under the session keys -- which only the holder of the client's ephemeral private key
+can produce -- the listener counts the connection as pending, not authenticated.
 
 The preamble (magic, protocol version, frame suite, channel) is cleartext and fixed-size;
 a server that does not speak the client's preamble answers with its own preamble alone and
@@ -32,10 +40,11 @@ from dataclasses import dataclass
 from mlxcel.wire.noise import DecryptFailed, HandshakeState, NoiseError
 
 MAGIC = b"MLXC"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: timestamp in message 1, CONFIRM frame
 SUITE_NNPSK0_AESGCM = 1  # Noise_NNpsk0_25519_AESGCM_SHA256 handshake + AES-256-GCM frames
 PATTERN = "NNpsk0"
 HANDSHAKE_TIMEOUT = 5.0
+MAX_CLOCK_SKEW = 60.0  # seconds between two members' clocks that a handshake tolerates
 MAX_HANDSHAKE_MESSAGE = 1024  # msg1 and msg2 are far smaller; anything bigger is junk
 
 PREAMBLE = struct.Struct("!4sBBBB")  # magic, version, suite, channel, reserved(0)
@@ -52,6 +61,7 @@ class Verdict(enum.IntEnum):
     ACCEPT = 0
     AT_CAPACITY = 1
     REFUSED_IDENTITY = 2
+    REFUSED_STALE = 3  # message 1's timestamp is outside the server's window
 
 
 class Failure(enum.Enum):
@@ -69,6 +79,9 @@ class Failure(enum.Enum):
     VERDICT_FORGED = "verdict does not verify under the cluster secret"
     TIMEOUT = "handshake timed out"
     CLOSED = "connection closed during the handshake"
+    REPLAYED = "handshake message 1 replayed"
+    CLOCK_SKEW = "handshake timestamp outside the clock-skew window"
+    UNCONFIRMED = "peer did not prove it holds the session keys"
 
     @property
     def rate_class(self) -> str:
@@ -79,6 +92,9 @@ class Failure(enum.Enum):
             Failure.VERSION_MISMATCH,
             Failure.CHANNEL_MISMATCH,
             Failure.VERDICT_FORGED,
+            Failure.REPLAYED,
+            Failure.CLOCK_SKEW,
+            Failure.UNCONFIRMED,
         ):
             return "diagnostic"
         if self is Failure.AT_CAPACITY:
@@ -150,6 +166,59 @@ def decode_identity(data: bytes) -> Identity:
     except (IndexError, ValueError, UnicodeDecodeError):
         raise HandshakeError(Failure.MALFORMED, "malformed identity payload") from None
     return Identity(host, port, node)
+
+
+TIMESTAMP = struct.Struct("!QI")  # Unix seconds, nanoseconds
+
+
+def encode_hello(ident: Identity, wall: float) -> bytes:
+    """Message 1's payload: the identity, then the client's wall-clock time."""
+    secs = int(wall)
+    nanos = min(999_999_999, max(0, int(round((wall - secs) * 1e9))))
+    return encode_identity(ident) + TIMESTAMP.pack(secs, nanos)
+
+
+def decode_hello(data: bytes) -> tuple[Identity, float]:
+    if len(data) < TIMESTAMP.size:
+        raise HandshakeError(Failure.MALFORMED, "message 1 payload has no timestamp")
+    secs, nanos = TIMESTAMP.unpack(data[-TIMESTAMP.size :])
+    if nanos > 999_999_999:
+        raise HandshakeError(Failure.MALFORMED, "message 1 timestamp out of range")
+    return decode_identity(data[: -TIMESTAMP.size]), secs + nanos / 1e9
+
+
+class ReplayGuard:
+    """Remembers every message 1 accepted inside the clock-skew window (sans-I/O).
+
+    A message 1 is identified by the client's ephemeral public key (its first 32 bytes): fresh
+    per handshake, so a duplicate is a replay. Entries expire once their timestamp has left
+    the window, after which the timestamp check alone refuses them. Only messages that
+    decrypted under the secret are recorded, so an outsider cannot fill it; ``max_entries``
+    bounds it anyway (oldest first out).
+    """
+
+    def __init__(self, max_skew: float = MAX_CLOCK_SKEW, max_entries: int = 1 << 16) -> None:
+        self.max_skew = max_skew
+        self.max_entries = max_entries
+        self._seen: dict[bytes, float] = {}  # ephemeral key -> expiry (wall clock)
+        self.replays = 0
+        self.stale = 0
+
+    def check(self, ephemeral: bytes, stamp: float, wall_now: float) -> Failure | None:
+        """None to go on; CLOCK_SKEW or REPLAYED to refuse. Records the message if fresh."""
+        while self._seen:  # insertion order ~ expiry order: stop at the first live entry
+            key, expiry = next(iter(self._seen.items()))
+            if expiry > wall_now and len(self._seen) < self.max_entries:
+                break
+            del self._seen[key]
+        if abs(stamp - wall_now) > self.max_skew:
+            self.stale += 1
+            return Failure.CLOCK_SKEW
+        if ephemeral in self._seen:
+            self.replays += 1
+            return Failure.REPLAYED
+        self._seen[ephemeral] = stamp + self.max_skew
+        return None
 
 
 def encode_verdict(verdict: Verdict, text: str = "") -> bytes:
@@ -272,6 +341,7 @@ class ClientHandshake(_Side):
         now: float,
         random_bytes: Callable[[int], bytes],
         *,
+        wall: float,
         timeout: float = HANDSHAKE_TIMEOUT,
         version: int = PROTOCOL_VERSION,
         suite: int = SUITE_NNPSK0_AESGCM,
@@ -283,7 +353,7 @@ class ClientHandshake(_Side):
             PATTERN, True, self.preamble, psk=derive_psk(secret), random_bytes=random_bytes
         )
         self._got_preamble = False
-        msg1 = self._hs.write_message(encode_identity(identity))
+        msg1 = self._hs.write_message(encode_hello(identity, wall))
         self._out += self.preamble + LEN.pack(len(msg1)) + msg1
 
     def _advance(self) -> None:
@@ -326,6 +396,12 @@ class ClientHandshake(_Side):
                 f"server refused this node's advertised identity {self.identity.address}: the "
                 "advertised IP must be the address the server sees this connection come from",
             )
+        if verdict is Verdict.REFUSED_STALE:
+            raise HandshakeError(
+                Failure.CLOCK_SKEW,
+                f"server refused this node's handshake time: the two clocks differ by more "
+                f"than {text or 'the allowed skew'}; synchronise them (NTP)",
+            )
         c1, c2 = self._hs.split()
         assert c1.k is not None and c2.k is not None
         self.result = Established(Identity("", 0, text), c1.k, c2.k, self._hs.handshake_hash)
@@ -357,12 +433,16 @@ class ServerHandshake(_Side):
         random_bytes: Callable[[int], bytes],
         admit: Callable[[Identity], Verdict],
         *,
+        wall: float,
+        replay: ReplayGuard,
         node_id: str = "",
         timeout: float = HANDSHAKE_TIMEOUT,
         version: int = PROTOCOL_VERSION,
         suite: int = SUITE_NNPSK0_AESGCM,
     ) -> None:
         super().__init__(channel, now, timeout)
+        self.wall = wall
+        self.replay = replay
         self.preamble = preamble(channel, version, suite)
         self.source_ip = source_ip
         self.node_id = node_id
@@ -406,13 +486,25 @@ class ServerHandshake(_Side):
             ) from None
         except NoiseError as exc:
             raise HandshakeError(Failure.MALFORMED, f"client handshake message: {exc}") from None
-        claimed = decode_identity(payload)
+        claimed, stamp = decode_hello(payload)
+        problem = self.replay.check(msg1[:32], stamp, self.wall)
+        if problem is Failure.REPLAYED:
+            # Seen inside the window: a recording. No answer, no state, no slot.
+            raise HandshakeError(
+                Failure.REPLAYED,
+                f"handshake message 1 from {self.source_ip} was already used "
+                f"(claims {claimed.address}): a replay",
+            )
         bound = self._bind(claimed)
-        if bound is None:
+        text = self.node_id
+        if problem is Failure.CLOCK_SKEW:
+            verdict = Verdict.REFUSED_STALE
+            text = f"{self.replay.max_skew:g}s"
+        elif bound is None:
             verdict = Verdict.REFUSED_IDENTITY
         else:
             verdict = self._admit(bound)
-        msg2 = hs.write_message(encode_verdict(verdict, self.node_id))
+        msg2 = hs.write_message(encode_verdict(verdict, text))
         self._out += self.preamble + LEN.pack(len(msg2)) + msg2
         self.verdict = verdict
         if verdict is Verdict.REFUSED_IDENTITY:
@@ -421,6 +513,14 @@ class ServerHandshake(_Side):
                 Failure.IDENTITY_NOT_OWNED,
                 f"refusing to bind a listener address the peer does not own: it claims "
                 f"{claimed.address} but connects from {self.source_ip}",
+            )
+        if verdict is Verdict.REFUSED_STALE:
+            self.close_after_send = True
+            raise HandshakeError(
+                Failure.CLOCK_SKEW,
+                f"handshake from {self.source_ip} (claims {claimed.address}) is stamped "
+                f"{stamp - self.wall:+.0f}s from this node's clock (allowed: "
+                f"{self.replay.max_skew:g}s): clock skew, or an old recording replayed",
             )
         if verdict is Verdict.AT_CAPACITY:
             self.close_after_send = True
