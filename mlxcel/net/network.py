@@ -14,6 +14,7 @@ from typing import Protocol
 from mlxcel.bus import Node
 from mlxcel.errors import MlxcelError
 from mlxcel.messages import Message
+from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import ConnectionPool
 
 
@@ -25,6 +26,9 @@ class Endpoint(Protocol):
     identity: str
 
     async def send(self, dest: str, msg: Message, deadline: float) -> None: ...
+
+    def reset(self, dest: str) -> None:
+        """Drop every connection with ``dest`` (both directions); the next send redials."""
 
 
 class LocalFabric:
@@ -51,6 +55,9 @@ class LocalEndpoint:
         self.fabric.sent += 1
         await node.bus.publish(msg, source=self.identity, deadline=deadline)
 
+    def reset(self, dest: str) -> None:
+        """Nothing to reset in memory."""
+
 
 def split_hostport(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
@@ -62,9 +69,12 @@ def split_hostport(address: str) -> tuple[str, int]:
 class TcpEndpoint:
     """Sends over the cluster transport; replies reach a peer at its authenticated identity."""
 
-    def __init__(self, identity: str, pool: ConnectionPool) -> None:
+    def __init__(
+        self, identity: str, pool: ConnectionPool, listener: ClusterListener | None = None
+    ) -> None:
         self.identity = identity
         self.pool = pool
+        self.listener = listener
 
     async def send(self, dest: str, msg: Message, deadline: float) -> None:
         host, port = split_hostport(dest)
@@ -75,6 +85,16 @@ class TcpEndpoint:
             raise SendFailed(f"send to {dest} failed: {exc}") from exc
         except (ConnectionError, OSError) as exc:
             raise SendFailed(f"send to {dest} failed: {exc}") from exc
+
+    def reset(self, dest: str) -> None:
+        """Close our connection to ``dest`` and its connection to us: a wedged stream (a
+        damaged length, a stalled peer) is replaced instead of failing every later request."""
+        host, port = split_hostport(dest)
+        self.pool.drop(host, port)
+        if self.listener is not None:
+            inbound = self.listener.connection_for(dest)
+            if inbound is not None:
+                inbound.close()
 
     @property
     def wire_bytes(self) -> int:

@@ -124,6 +124,15 @@ class ConnectionPool:
                 self.node.spawn(self._read(conn), name=f"conn:{host}:{port}")
             return conn
 
+    def drop(self, host: str, port: int) -> None:
+        """Close the pooled connection to ``host:port`` (the next ``get`` dials again)."""
+        conn = self._conns.pop((host, port), None)
+        if conn is not None:
+            conn.close()
+        lock = self._locks.get((host, port))
+        if lock is not None and not lock.locked():
+            del self._locks[(host, port)]
+
     async def _read(self, conn: SecureConnection) -> None:
         try:
             await conn.run(self.node)

@@ -108,6 +108,7 @@ class PipelineCoordinator:
         self._nonces = itertools.count(1)
         self._exchanges: dict[int, _Exchange] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
         self.dropped: Counter[str] = Counter()
         self.completed = 0
         self.failed = 0
@@ -122,9 +123,12 @@ class PipelineCoordinator:
         return len(self._tasks)
 
     def attach(self) -> None:
-        pool = getattr(self.endpoint, "pool", None)
-        if pool is not None:
-            pool.on_lost.append(self._stage_lost)
+        # Either direction lost is the stage lost: our connection to it (pool) and its
+        # connection to us, which carries its replies (listener).
+        for side in ("pool", "listener"):
+            conns = getattr(self.endpoint, side, None)
+            if conns is not None:
+                conns.on_lost.append(self._stage_lost)
         bus = self.node.bus
         bus.subscribe(
             RunEntry, self._on_local_entry, maxsize=self.max_sequences, name="coordinator.entry"
@@ -136,10 +140,14 @@ class PipelineCoordinator:
         bus.subscribe(Error, self._on_error, maxsize=1024, name="coordinator.errors")
 
     # --- inbound checks ------------------------------------------------------------------------
-    def _drop(self, why: str, env: Envelope[Any]) -> None:
+    def _drop(self, why: str, env: Envelope[Any], detail: str = "") -> None:
         self.dropped[why] += 1
         logger.warning(
-            "coordinator: dropping {} from {}: {}", type(env.msg).__name__, env.source, why
+            "coordinator: dropping {} from {}: {}{}",
+            type(env.msg).__name__,
+            env.source,
+            why,
+            f" ({detail})" if detail else "",
         )
 
     async def _on_result(self, env: Envelope[RunResult]) -> None:
@@ -163,9 +171,11 @@ class PipelineCoordinator:
         elif self.return_logits:
             t = m.logits
             if t is None or t.shape != (1, ex.seq_len, self.vocab):
+                shape = None if t is None else list(t.shape)
                 self._drop(
-                    f"logits shape {None if t is None else list(t.shape)} is not [1, {ex.seq_len}, {self.vocab}]",
+                    "logits of the wrong shape",
                     env,
+                    f"{shape}, expected [1, {ex.seq_len}, {self.vocab}]",
                 )
                 return
         elif len(m.token_ids) != 1:
@@ -183,7 +193,7 @@ class PipelineCoordinator:
             self._drop("stale or unknown nonce", env)
             return
         if env.source != ex.dest:
-            self._drop(f"the exchange addressed {ex.dest}", env)
+            self._drop("not from the stage the exchange addressed", env, ex.dest)
             return
         del self._exchanges[env.msg.nonce]
         if not ex.future.done():
@@ -199,10 +209,10 @@ class PipelineCoordinator:
             or env.source not in self.stages
             or ex.request_id != (m.request_id or ex.request_id)
         ):
-            self._drop(f"unmatched error {m.code}: {m.message}", env)
+            self._drop("unmatched error", env, f"{m.code}: {m.message[:200]}")
             return
         if ex.kind is not RunResult and env.source != ex.dest:
-            self._drop(f"the exchange addressed {ex.dest}", env)
+            self._drop("not from the stage the exchange addressed", env, ex.dest)
             return
         del self._exchanges[m.nonce]
         if not ex.future.done():
@@ -240,13 +250,24 @@ class PipelineCoordinator:
         self._exchanges[nonce] = _Exchange(
             kind, dest, request_id, micro_batch, fut, seq_len, tokens
         )
-        deadline = deadline_in(timeout or self.step_timeout)
+        budget = timeout or self.step_timeout
+        deadline = deadline_in(budget)
+        if kind is RunResult:
+            what = f"no result for {request_id} from the pipeline ({dest} -> {self.final})"
+        else:
+            what = f"no {kind.__name__} from {dest} for {request_id or 'a query'}"
         try:
             await self.endpoint.send(dest, msg_for(nonce), deadline)
-            async with until(deadline, f"{kind.__name__} from {dest} for {request_id}"):
+            async with until(deadline, f"{what} within {budget:g}s"):
                 return await fut
         except SendFailed as exc:
             raise PipelineError("stage_unreachable", str(exc)) from None
+        except DeadlineExceeded:
+            # A stream that missed a deadline may be wedged mid-frame: replace it, so the
+            # next request dials afresh instead of waiting out its own deadline too.
+            logger.warning("coordinator: {}; resetting the connections to {}", what, dest)
+            self.endpoint.reset(dest)
+            raise
         finally:
             self._exchanges.pop(nonce, None)
 

@@ -84,7 +84,7 @@ def _net(
         budget=budget,
         frame_timeout=c.frame_timeout,
     )
-    return listener, pool, TcpEndpoint(me.address, pool)
+    return listener, pool, TcpEndpoint(me.address, pool, listener)
 
 
 def _signals(stop: asyncio.Event) -> None:
