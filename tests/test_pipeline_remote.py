@@ -519,3 +519,94 @@ def test_busy_stage_port_and_missing_stages_fail_in_one_line(
     assert f"waiting for stage stage-0 at {stages[0]}" in r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert "unreachable within 7s (--startup-timeout)" in line
+
+
+def _flip_length(data: bytes) -> bytes:
+    """Announce 1000 more body bytes than follow (still under the frame cap): a stall."""
+    b = bytearray(data)
+    b[3] = (b[3] + 4) % 256  # the length's second-lowest byte: +1024
+    return bytes(b)
+
+
+def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, secret: Path) -> None:
+    """A relay between the coordinator (here) and stage 0 (a process) flips a length byte,
+    truncates, drops and stalls RunEntry frames; each time the request fails quickly and the
+    next one succeeds on a fresh connection."""
+    from mlxcel.frontend import EngineError
+    from mlxcel.messages import SamplingParams
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.remote import remote_coordinator
+    from tests.wiretap import WireTap
+
+    cfg_path, stages = write_cluster(secret.parent, 2, secret)
+    cfg_path.write_text(
+        cfg_path.read_text().replace("step_timeout = 20", "step_timeout = 3\nframe_timeout = 1.5")
+    )
+    procs = [start_stage(tiny, cfg_path, 0), start_stage(tiny, cfg_path, 1)]
+
+    async def run() -> list[str]:
+        cfg = load_cluster_config(cfg_path)
+        sec = load_cluster_secret(None, {}, cfg_path)
+        assert sec is not None
+        out = []
+        async with remote_coordinator(cfg, cfg.coordinator, tiny, sec) as rc:
+            s0 = stages[0]
+            host, port = s0.rsplit(":", 1)
+            tap = WireTap("127.0.0.8", (host, int(port)), bind_ip="127.0.0.1")
+            rc.endpoint.pool.routes[s0] = ("127.0.0.8", await tap.start())
+            rc.endpoint.reset(s0)  # from now on, coordinator -> stage 0 goes through the relay
+            fe = rc.frontend
+
+            async def ask(n: int = 4) -> int:
+                got = 0
+                it = fe.stream(fe.encode_prompt("wedge test"), SamplingParams(max_tokens=n))
+                async for d in it:
+                    got += len(d.token_ids)
+                return got
+
+            assert await ask() == 4
+            faults = {
+                "flipped length": lambda: tap.once(_flip_length),
+                "truncated frame": lambda: tap.once(lambda d: d[: len(d) // 2]),
+                "dropped frame": lambda: tap.once(lambda d: None),
+                "stalled frame (5 s)": lambda: setattr(tap, "delay_up", 5.0),
+            }
+            loop = asyncio.get_running_loop()
+            for name, arm in faults.items():
+                await asyncio.sleep(0.3)  # the last request's releases are out: hit a RunEntry
+                arm()
+                t0 = loop.time()
+                with pytest.raises(EngineError) as info:
+                    await ask(8)
+                failed_after = loop.time() - t0
+                assert await ask() == 4  # the very next request succeeds
+                recovered = loop.time() - t0
+                out.append(
+                    f"{name}: request failed after {failed_after:.2f}s ({info.value.code}), "
+                    f"next request succeeded {recovered:.2f}s after the fault"
+                )
+                assert failed_after < 3 + 1.5  # one step deadline at most, never 30 s
+            # The other direction: the final stage's own connection to us, which carries its
+            # results, drops mid-request. That is losing the stage too: fail at once.
+            long = asyncio.create_task(ask(400))
+            await asyncio.sleep(0.5)
+            t0 = loop.time()
+            inbound = rc.endpoint.listener.connection_for(stages[1])  # type: ignore[union-attr]
+            assert inbound is not None
+            inbound.close()
+            with pytest.raises(EngineError) as info:
+                await long
+            assert info.value.code == "stage_unreachable" and stages[1] in str(info.value)
+            out.append(f"results connection lost: request failed after {loop.time() - t0:.2f}s")
+            assert loop.time() - t0 < 1.0
+            assert await ask() == 4
+            tap.close()
+        return out
+
+    try:
+        lines = asyncio.run(run())
+        print("\n" + "\n".join(lines))
+    finally:
+        for p in procs:
+            p.stop()

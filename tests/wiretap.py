@@ -22,6 +22,7 @@ class WireTap:
         self.up = bytearray()  # client -> server
         self.down = bytearray()  # server -> client
         self.mutate_up: Mutator | None = None
+        self.delay_up = 0.0  # one-shot: hold the next client -> server chunk this long
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
 
@@ -45,6 +46,9 @@ class WireTap:
         try:
             while data := await r.read(1 << 16):
                 log += data
+                if up and self.delay_up:
+                    delay, self.delay_up = self.delay_up, 0.0
+                    await asyncio.sleep(delay)
                 if up and self.mutate_up is not None:
                     changed = self.mutate_up(data)
                     if changed is None:
@@ -54,6 +58,15 @@ class WireTap:
                 await w.drain()
         finally:
             w.close()
+
+    def once(self, mutate: Mutator) -> None:
+        """Apply ``mutate`` to the next client -> server chunk only."""
+
+        def one_shot(data: bytes) -> bytes | None:
+            self.mutate_up = None
+            return mutate(data)
+
+        self.mutate_up = one_shot
 
     def close(self) -> None:
         if self._server is not None:

@@ -94,6 +94,10 @@ class ConnectionPool:
         self.budget = budget or MemoryBudget()
         self.frame_timeout = frame_timeout
         self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
+        # Where to dial a peer whose identity is not directly reachable (a port forward, a
+        # relay): identity "host:port" -> the address to connect to. The handshake still
+        # authenticates the peer by the secret.
+        self.routes: dict[str, tuple[str, int]] = {}
         self._conns: dict[tuple[str, int], SecureConnection] = {}
         # Called with "host:port" when a pooled connection closes (peer died, frame failure).
         self.on_lost: list[Callable[[str], None]] = []
@@ -177,7 +181,10 @@ class ConnectionPool:
     async def _connect_once(self, host: str, port: int) -> SecureConnection:
         loop = asyncio.get_running_loop()
         local = (self.bind_ip, 0) if self.bind_ip else None
-        reader, writer = await asyncio.open_connection(host, port, local_addr=local, limit=1 << 20)
+        dial_host, dial_port = self.routes.get(Identity(host, port).address, (host, port))
+        reader, writer = await asyncio.open_connection(
+            dial_host, dial_port, local_addr=local, limit=1 << 20
+        )
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
