@@ -117,7 +117,9 @@ class SamplingSettings(_Base):
     )
     temp: float = Field(0.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
-    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0 = all)")
+    top_k: int = Field(
+        0, ge=0, le=(1 << 31) - 1, description="sample from the k most likely tokens (0 = all)"
+    )
     seed: int | None = Field(None, ge=0, lt=2**63, description="random seed for sampling")
 
 

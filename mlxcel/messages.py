@@ -231,6 +231,21 @@ class TpStep(Message):
     stop: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable(Message):
+    """Local only (never on the wire): a message from the envelope's source failed to decode.
+
+    The connection publishes what it could still read of it, so a role can answer the
+    sender's exchange with an ``Error`` at once instead of letting it wait out its deadline.
+    """
+
+    KIND: ClassVar[int] = 1000
+    kind: int | None
+    request_id: str | None
+    nonce: int | None
+    reason: str
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,

@@ -14,6 +14,7 @@ import pytest
 from mlxcel.errors import ConfigError
 from mlxcel.frontend import EngineError
 from mlxcel.messages import (
+    Ack,
     Activation,
     BeginDrain,
     CancelRequest,
@@ -28,6 +29,7 @@ from mlxcel.messages import (
 )
 from mlxcel.net.network import LocalEndpoint
 from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.pipeline.coordinator import PipelineError
 from mlxcel.pipeline.inproc import PipelineStack, pipeline_stack
 from mlxcel.pipeline.partition import (
     LayerCosts,
@@ -542,3 +544,29 @@ def test_bench_pipeline_reports_direct_overhead(tiny: Path) -> None:
         assert rows[mode]["overhead_ms_per_token"] >= 0
         assert rows[mode]["stage_compute_ms_per_token"] > 0
     assert rows["remote-2"]["wire_bytes_per_token"] > 0
+
+
+async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -> None:
+    """A stage holds at most max_sequences, frees a sequence whose lease ran out (a lost
+    ReleaseSequence) and everything its owner held once the owner is gone."""
+    async with pipeline_stack(tiny, 2) as st:
+        s0 = st.stages[0]
+        s0.config.max_sequences = 3
+        s0.config.lease = 0.3
+        coord = st.coordinator
+        for i in range(3):
+            await coord.exchange(
+                "stage-0", lambda n, i=i: PrepareSequence(f"held-{i}", 16, n), Ack, f"held-{i}"
+            )
+        assert len(s0.seqs) == 3
+        with pytest.raises(PipelineError) as info:
+            await coord.exchange(
+                "stage-0", lambda n: PrepareSequence("one-more", 16, n), Ack, "one-more"
+            )
+        assert info.value.code == "too_many_sequences"
+        await until_true(lambda: not s0.seqs, timeout=5)  # nobody released them: leases ran out
+        assert s0.stats.leases_expired == 3
+        s0.config.lease = 300.0
+        await coord.exchange("stage-0", lambda n: PrepareSequence("orphan", 16, n), Ack, "orphan")
+        s0._peer_lost("coordinator")  # what the transport reports when the owner's link drops
+        assert not s0.seqs

@@ -610,3 +610,99 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
     finally:
         for p in procs:
             p.stop()
+
+
+def test_undecodable_messages_are_answered_with_an_error_carrying_the_nonce(
+    tiny: Path, secret: Path
+) -> None:
+    """A tensor whose bytes do not match its shape, a top_k beyond 64 bits: once dropped in
+    silence (the request waited 30 s); now the exchange fails at once."""
+    import cbor2
+
+    from mlxcel.bus import Envelope, Node
+    from mlxcel.deadlines import deadline_in
+    from mlxcel.messages import Ack, Error, PrepareSequence
+    from mlxcel.net.listener import ClusterListener
+    from mlxcel.net.pool import ConnectionPool
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.wire.handshake import Identity
+
+    cfg, stages = write_cluster(secret.parent, 2, secret)
+    coord = cfg.read_text().split('address = "')[1].split('"')[0]
+    procs = [start_stage(tiny, cfg, 0), start_stage(tiny, cfg, 1)]
+
+    async def run() -> list[Error]:
+        sec = load_cluster_secret(None, {}, cfg)
+        assert sec is not None
+        errors: list[Error] = []
+        acks: list[Ack] = []
+        async with Node("fake-coordinator") as node:
+
+            async def on_error(env: Envelope[Error]) -> None:
+                errors.append(env.msg)
+
+            async def on_ack(env: Envelope[Ack]) -> None:
+                acks.append(env.msg)
+
+            node.bus.subscribe(Error, on_error)
+            node.bus.subscribe(Ack, on_ack)
+            host, port = coord.rsplit(":", 1)
+            await ClusterListener(node, sec, host, int(port)).start()
+            as_coord = ConnectionPool(node, sec, Identity(host, int(port), "coordinator"))
+            s0h, s0p = stages[0].rsplit(":", 1)
+            s1h, s1p = stages[1].rsplit(":", 1)
+            to0 = await as_coord.get(s0h, int(s0p))
+            to1 = await as_coord.get(s1h, int(s1p))
+            for conn in (to0, to1):
+                await conn.send(PrepareSequence("r1", 64, 1), deadline_in(5))
+            for _ in range(200):
+                if len(acks) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            sampling = {
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 2**65,
+                "seed": None,
+                "max_tokens": 4,
+                "logprobs": False,
+            }
+            entry = {
+                "kind": 2,
+                "request_id": "r1",
+                "micro_batch": 0,
+                "token_ids": [1, 2],
+                "start_pos": 0,
+                "sampling": sampling,
+                "nonce": 41,
+            }
+            await to0.send_payload(cbor2.dumps(entry), deadline_in(5))
+            # stage 0 -> stage 1: an activation whose tensor bytes do not match its shape.
+            as_stage0 = ConnectionPool(node, sec, Identity(s0h, int(s0p), "stage-0"), bind_ip=s0h)
+            up = await as_stage0.get(s1h, int(s1p))
+            sampling["top_k"] = 0
+            act = {
+                "kind": 3,
+                "request_id": "r1",
+                "micro_batch": 0,
+                "hidden": {"dtype": "float32", "shape": [1, 1, 64], "data": b"\0" * 10},
+                "start_pos": 0,
+                "sampling": sampling,
+                "nonce": 42,
+            }
+            await up.send_payload(cbor2.dumps(act), deadline_in(5))
+            for _ in range(250):
+                if len(errors) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        return errors
+
+    try:
+        errors = asyncio.run(run())
+    finally:
+        for p in procs:
+            p.stop()
+    by_nonce = {e.nonce: e for e in errors}
+    assert set(by_nonce) == {41, 42}, errors
+    assert all(e.code == "bad_message" and e.request_id == "r1" for e in by_nonce.values())
+    assert "64-bit" in by_nonce[41].message and "needs 256 bytes" in by_nonce[42].message

@@ -245,6 +245,22 @@ def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
     assert r.returncode != 0, r.stderr
     assert "waiting for the ranks to join the group (rank 1 at 127.0.0.1:" in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "within 6s (--startup-timeout)" in errors[0]
+    assert len(errors) == 1 and "after 6s (--startup-timeout)" in errors[0]
     assert "Traceback" not in r.stderr
     assert took < 60
+
+
+def test_a_hostfile_of_the_wrong_shape_is_one_line(tiny: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "hosts.json"
+    for text in ('{"a": 1}', "[[1, 2]]", "[]", "not json"):
+        bad.write_text(text)
+        r = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "-p", "x", "-n", "2"]
+            + ["--tp-hostfile", str(bad), "--tp-rank", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith("error: --tp-hostfile: ")

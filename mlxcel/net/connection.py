@@ -24,9 +24,9 @@ from loguru import logger
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
 from mlxcel.errors import DeadlineExceeded, DecodeError, MlxcelError, QueueFull
-from mlxcel.messages import Message
+from mlxcel.messages import Message, Undecodable
 from mlxcel.net.ratelimit import WarningLimiter
-from mlxcel.wire.codec import decode, encode
+from mlxcel.wire.codec import decode, encode, salvage
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_MESSAGE,
@@ -241,7 +241,10 @@ class SecureConnection:
                     self.limiter.warn(
                         "diagnostic", f"cluster: undecodable message from {self.source}: {exc}"
                     )
-                    continue
+                    kind, request_id, nonce = salvage(payload)
+                    if nonce is None:
+                        continue  # nothing anyone waits on can be named
+                    msg = Undecodable(kind, request_id, nonce, str(exc)[:300])
                 try:
                     await node.bus.publish(
                         msg, source=self.source, deadline=loop.time() + deadline_s

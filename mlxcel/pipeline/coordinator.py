@@ -46,6 +46,7 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     State,
+    Undecodable,
 )
 from mlxcel.net.network import Endpoint, SendFailed
 
@@ -138,6 +139,9 @@ class PipelineCoordinator:
         bus.subscribe(Ack, self._on_reply, maxsize=1024, name="coordinator.acks")
         bus.subscribe(State, self._on_reply, maxsize=256, name="coordinator.state")
         bus.subscribe(Error, self._on_error, maxsize=1024, name="coordinator.errors")
+        bus.subscribe(
+            Undecodable, self._on_undecodable, maxsize=256, name="coordinator.undecodable"
+        )
 
     # --- inbound checks ------------------------------------------------------------------------
     def _drop(self, why: str, env: Envelope[Any], detail: str = "") -> None:
@@ -218,6 +222,12 @@ class PipelineCoordinator:
         if not ex.future.done():
             ex.future.set_exception(PipelineError(m.code, f"{env.source}: {m.message}"))
 
+    async def _on_undecodable(self, env: Envelope[Undecodable]) -> None:
+        """A stage's answer that failed to decode fails its exchange now (not at the deadline)."""
+        m = env.msg
+        why = f"undecodable message (kind {m.kind}): {m.reason}"
+        await self._on_error(Envelope(Error("bad_message", why, m.request_id, m.nonce), env.source))
+
     def _stage_lost(self, address: str) -> None:
         """A stage connection closed: every exchange that needs that stage fails now."""
         if address not in self.stages:
@@ -243,6 +253,7 @@ class PipelineCoordinator:
         seq_len: int = 0,
         timeout: float | None = None,
         tokens: int = 1,
+        reset: bool = True,
     ) -> Any:
         """Send ``msg_for(nonce)`` to ``dest`` and wait for its matching answer."""
         nonce = next(self._nonces)
@@ -264,9 +275,11 @@ class PipelineCoordinator:
             raise PipelineError("stage_unreachable", str(exc)) from None
         except DeadlineExceeded:
             # A stream that missed a deadline may be wedged mid-frame: replace it, so the
-            # next request dials afresh instead of waiting out its own deadline too.
-            logger.warning("coordinator: {}; resetting the connections to {}", what, dest)
-            self.endpoint.reset(dest)
+            # next request dials afresh instead of waiting out its own deadline too. (Not for
+            # a health probe's short deadline: a busy stage is not a wedged one.)
+            if reset:
+                logger.warning("coordinator: {}; resetting the connections to {}", what, dest)
+                self.endpoint.reset(dest)
             raise
         finally:
             self._exchanges.pop(nonce, None)
@@ -284,23 +297,26 @@ class PipelineCoordinator:
 
     async def health(self) -> dict[str, Any]:
         """Per-stage state for /health: reachability, layers, sequences held, draining."""
-        out = []
-        for stage in self.stages:
+
+        async def one(stage: str) -> dict[str, Any]:
             try:
-                st = await self.exchange(stage, lambda n: QueryState(n), State, "", timeout=2.0)
-                out.append(
-                    {
-                        "address": stage,
-                        "id": st.node_id,
-                        "layers": list(st.layers),
-                        "sequences": st.sequences,
-                        "draining": st.draining,
-                        "wire_bytes_out": st.wire_bytes_out,
-                        "largest_batch": st.largest_batch,
-                    }
+                st = await self.exchange(
+                    stage, lambda n: QueryState(n), State, "", timeout=1.0, reset=False
                 )
             except (PipelineError, MlxcelError) as exc:
-                out.append({"address": stage, "error": str(exc)})
+                return {"address": stage, "error": str(exc)}
+            return {
+                "address": stage,
+                "id": st.node_id,
+                "layers": list(st.layers),  # [start, end): end exclusive
+                "sequences": st.sequences,
+                "draining": st.draining,
+                "wire_bytes_out": st.wire_bytes_out,
+                "largest_batch": st.largest_batch,
+            }
+
+        # All stages at once, each bounded: a load balancer gets its answer within ~1 s.
+        out = list(await asyncio.gather(*(one(s) for s in self.stages)))
         ready = all("error" not in st and not st["draining"] for st in out)
         return {
             "ready": ready,

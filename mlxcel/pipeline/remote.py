@@ -124,6 +124,9 @@ async def run_stage(
                     return_logits=settings.pp_return_logits,
                     max_batch=settings.max_batch_size,
                     warm_up_tokens=settings.prefill_step_size,
+                    max_sequences=cfg.cluster.max_sequences_per_stage,
+                    lease=cfg.cluster.sequence_lease,
+                    forward_timeout=cfg.cluster.forward_timeout,
                 ),
             )
             service.attach()

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import ipaddress
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ from mlxcel.messages import (
     Shutdown,
     State,
     Tensor,
+    Undecodable,
 )
 from mlxcel.net.network import Endpoint, SendFailed
 from mlxcel.runtime.compute import ComputeThread
@@ -63,6 +65,7 @@ from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 
 MAX_ACTIVATION_TOKENS = 1 << 20
+OUTBOX_SIZE = 1024  # messages queued for one destination before they are dropped
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -84,12 +87,16 @@ class StageConfig:
     reply_deadline: float = 30.0
     max_batch: int = 8  # decode steps of different sequences run as one forward
     warm_up_tokens: int = 512  # the prompt-chunk size, so its kernels compile before serving
+    max_sequences: int = 256  # prepared sequences held at once (each holds KV caches)
+    lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
+    forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail
 
 
 @dataclass
 class _Seq:
     owner: str
     max_len: int
+    touched: float = 0.0  # loop time of the last command or step: the lease runs from here
     cache: list[Any] | None = None  # built on the compute thread at the first step
     sampler: Sampler | None = None
     sampling: SamplingParams | None = None
@@ -129,6 +136,7 @@ class StageStats:
     compute_s: float = 0.0
     refused: int = 0
     errors: int = 0
+    leases_expired: int = 0
     dropped: int = 0
     by_code: dict[str, int] = field(default_factory=dict)
 
@@ -155,6 +163,7 @@ class StageService:
         self.stopped = asyncio.Event()
         self._shutdown = False
         self._work: collections.deque[_Work] = collections.deque()
+        self._outboxes: dict[str, asyncio.Queue[Any]] = {}
         self._wake = asyncio.Event()
 
     @property
@@ -176,11 +185,43 @@ class StageService:
             (BeginDrain, self._on_drain),
             (Shutdown, self._on_shutdown),
             (QueryState, self._on_query),
+            (Undecodable, self._on_undecodable),
         ):
             bus.subscribe(
                 cls, handler, maxsize=256, name=f"stage{self.config.index}.{cls.__name__}"
             )
         self.node.spawn(self._worker(), name=f"stage{self.config.index}.worker", critical=True)
+        self.node.spawn(self._sweep_leases(), name=f"stage{self.config.index}.leases")
+        # Losing the coordinator (either direction) frees everything it holds here: nobody
+        # is left to release it, and a drain must not wait for it.
+        for side in ("pool", "listener"):
+            conns = getattr(self.endpoint, side, None)
+            if conns is not None:
+                conns.on_lost.append(self._peer_lost)
+
+    def _free(self, request_ids: list[str], why: str) -> None:
+        for rid in request_ids:
+            self.seqs.pop(rid, None)
+        if request_ids:
+            if why == "lease":
+                self.stats.leases_expired += len(request_ids)
+            logger.info(
+                "stage {}: freed {} sequence(s) ({})", self.config.index, len(request_ids), why
+            )
+        self._maybe_stopped()
+
+    def _peer_lost(self, identity: str) -> None:
+        owned = [rid for rid, seq in self.seqs.items() if seq.owner == identity]
+        self._free(owned, f"lost the connection to their owner {identity}")
+
+    async def _sweep_leases(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, max(0.05, self.config.lease / 4)))
+            stale = loop.time() - self.config.lease
+            busy = {w.request_id for w in self._work}
+            idle = [r for r, q in self.seqs.items() if q.touched < stale and r not in busy]
+            self._free(idle, "lease")
 
     async def warm_up(self) -> float:
         """Run a throwaway prompt chunk and decode step before serving; returns the seconds.
@@ -237,20 +278,53 @@ class StageService:
         )
         await self._send(env.source, Error(code, why, request_id, nonce))
 
-    async def _send(self, dest: str, msg: Message) -> bool:
+    async def _send(
+        self,
+        dest: str,
+        msg: Message,
+        on_fail: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Queue ``msg`` for ``dest``; never waits on the network.
+
+        Each known peer (the coordinator, the stages up- and downstream) has its own outbox
+        and sender task, so a slow or dead destination delays only what goes to it -- never a
+        handler, and so never a whole message class. Refusals to anyone else share one
+        outbox with a short deadline. A full outbox drops the message and counts it.
+        """
+        known = dest in (self.config.upstream, self.config.downstream) or self._is_coordinator(dest)
+        key = dest if known else "*"
+        box = self._outboxes.get(key)
+        if box is None:
+            box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE)
+            self.node.spawn(self._drain(box, known), name=f"stage{self.config.index}.out:{key}")
         try:
-            await self.endpoint.send(dest, msg, deadline_in(self.config.reply_deadline))
-            return True
-        except (SendFailed, MlxcelError) as exc:
+            box.put_nowait((dest, msg, on_fail))
+        except asyncio.QueueFull:
             self.stats.dropped += 1
             logger.warning(
-                "stage {}: could not send {} to {}: {}",
+                "stage {}: outbox for {} is full; dropping a {}",
                 self.config.index,
-                type(msg).__name__,
                 dest,
-                exc,
+                type(msg).__name__,
             )
-            return False
+
+    async def _drain(self, box: asyncio.Queue[Any], known: bool) -> None:
+        budget = self.config.reply_deadline if known else 2.0
+        while True:
+            dest, msg, on_fail = await box.get()
+            try:
+                await self.endpoint.send(dest, msg, deadline_in(budget))
+            except (SendFailed, MlxcelError) as exc:
+                self.stats.dropped += 1
+                logger.warning(
+                    "stage {}: could not send {} to {}: {}",
+                    self.config.index,
+                    type(msg).__name__,
+                    dest,
+                    exc,
+                )
+                if on_fail is not None:
+                    await on_fail()
 
     def _command_ok(self, env: Envelope[Any]) -> bool:
         return self._is_coordinator(env.source)
@@ -290,8 +364,17 @@ class StageService:
                 env, "draining", "stage is draining; no new sequences", m.request_id, m.nonce
             )
             return
+        if old is None and len(self.seqs) >= self.config.max_sequences:
+            await self._refuse(
+                env,
+                "too_many_sequences",
+                f"stage holds its maximum of {self.config.max_sequences} sequences",
+                m.request_id,
+                m.nonce,
+            )
+            return
         # A fresh claim: whatever was cached under this id is discarded.
-        self.seqs[m.request_id] = _Seq(env.source, m.max_len)
+        self.seqs[m.request_id] = _Seq(env.source, m.max_len, asyncio.get_running_loop().time())
         await self._send(env.source, Ack(m.request_id, m.nonce))
 
     async def _on_release(self, env: Envelope[CancelRequest | ReleaseSequence]) -> None:
@@ -429,6 +512,27 @@ class StageService:
             )
         )
 
+    async def _on_undecodable(self, env: Envelope[Undecodable]) -> None:
+        """A message that failed to decode (a tensor whose bytes do not match its shape, an
+        integer out of range): answer its exchange now instead of letting it time out."""
+        m = env.msg
+        seq = self.seqs.get(m.request_id) if m.request_id is not None else None
+        err = Error(
+            "bad_message",
+            f"stage {self.config.index}: undecodable message (kind {m.kind}): {m.reason}",
+            m.request_id,
+            m.nonce,
+        )
+        self.stats.errors += 1
+        if env.source == self.config.upstream and seq is not None:
+            await self._send(seq.owner, err)  # a bad activation: its owner's exchange fails
+        elif self._is_coordinator(env.source):
+            await self._send(env.source, err)
+        else:
+            logger.warning(
+                "stage {}: undecodable message from {}: {}", self.config.index, env.source, m.reason
+            )
+
     def _check_hidden(self, t: Tensor) -> str | None:
         if t.dtype not in FLOAT_DTYPES:
             return f"hidden states must be float, got {t.dtype}"
@@ -496,6 +600,7 @@ class StageService:
 
     def _enqueue(self, work: _Work) -> None:
         """Queue one step for the worker; steps queued together decode as one batch."""
+        work.seq.touched = asyncio.get_running_loop().time()
         # Bounded by construction: each prepared sequence has at most one step in flight.
         self._work.append(work)
         self._wake.set()
@@ -517,7 +622,23 @@ class StageService:
             for group in groups:
                 t0 = loop.time()
                 try:
-                    outs = await self.compute.run(self._compute, group)
+                    async with asyncio.timeout(self.config.forward_timeout):
+                        outs = await asyncio.shield(self.compute.run(self._compute, group))
+                except TimeoutError:
+                    # The thread may still finish it; the requests cannot wait that long.
+                    self.stats.errors += len(group)
+                    for w in group:
+                        await self._send(
+                            w.seq.owner,
+                            Error(
+                                "forward_timeout",
+                                f"stage {self.config.index}: a step took longer than "
+                                f"{self.config.forward_timeout:g}s",
+                                w.request_id,
+                                w.nonce,
+                            ),
+                        )
+                    continue
                 except Exception as exc:  # an execution failure is reported like a bad activation
                     self.stats.errors += len(group)
                     logger.exception("stage {}: forward failed", self.config.index)
@@ -556,7 +677,8 @@ class StageService:
             act = Activation(
                 w.request_id, w.micro_batch, out, 0, w.sampling, w.nonce, w.sample, w.compute_us
             )
-            if not await self._send(self.config.downstream, act):
+
+            async def tell_owner() -> None:
                 await self._send(
                     w.seq.owner,
                     Error(
@@ -566,6 +688,8 @@ class StageService:
                         w.nonce,
                     ),
                 )
+
+            await self._send(self.config.downstream, act, tell_owner)
             return
         result = RunResult(w.request_id, w.micro_batch, (), None, w.nonce, compute_us=w.compute_us)
         if not w.sample:  # a cache-filling prompt chunk: progress, no token

@@ -24,7 +24,7 @@ from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Delta, EngineError, Frontend, Usage
 from mlxcel.messages import SamplingParams
 from mlxcel.server.metrics import Metrics
-from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxcel.server.schemas import MAX_INT, ChatCompletionRequest, CompletionRequest
 
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
@@ -99,7 +99,7 @@ def _params(
     return SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=req.top_k or 0,
+        top_k=min(req.top_k or 0, MAX_INT),
         seed=req.seed,
         max_tokens=max_tokens or default_max,
         logprobs=logprobs,

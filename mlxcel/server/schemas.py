@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4
+MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and must fit the wire
 
 
 class _Strict(BaseModel):
@@ -41,9 +42,11 @@ class ChatMessage(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Any k at or above the vocabulary keeps every token, so larger values are clamped (to a
+    # number every node can carry: the cluster codec holds 64-bit integers).
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
@@ -66,7 +69,7 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
 
 

@@ -85,10 +85,38 @@ while (left := start + timeout - time.monotonic()) > 0:
         sys.exit(0)
     print(time.strftime("%H:%M:%S.000"), "INFO    tensor parallel: waiting for", what,
           "(%.0fs of %gs)" % (time.monotonic() - start, timeout), file=sys.stderr, flush=True)
-print("error: tensor parallel: could not", what, "within %gs (--startup-timeout);" % timeout,
-      "is every rank of the hostfile started?", file=sys.stderr, flush=True)
+print("error: tensor parallel: gave up waiting for", what, "after %gs (--startup-timeout);"
+      % timeout, "is every rank of the hostfile started? (exit status 137: killed by the"
+      " start-up watchdog)", file=sys.stderr, flush=True)
 os.kill(pid, signal.SIGKILL)
 """
+
+
+def read_hostfile(path: Path) -> list[list[str]]:
+    """The ring hostfile: a JSON list with one list of "HOST:PORT" strings per rank."""
+    try:
+        ranks = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("--tp-hostfile", f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError("--tp-hostfile", f"{path} is not JSON: {exc}") from None
+    ok = (
+        isinstance(ranks, list)
+        and len(ranks) >= 1
+        and all(
+            isinstance(r, list)
+            and r
+            and all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in r)
+            for r in ranks
+        )
+    )
+    if not ok:
+        raise ConfigError(
+            "--tp-hostfile",
+            f'{path} must be a JSON list with one list of "HOST:PORT" strings per rank, '
+            'e.g. [["10.0.0.1:5000"], ["10.0.0.2:5000"]]',
+        )
+    return ranks
 
 
 def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
@@ -101,11 +129,8 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
 
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
-    try:
-        ranks = json.loads(Path(hostfile).read_text())
-        peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
-    except (OSError, ValueError, TypeError):
-        peers = f"the ranks of {hostfile}"
+    ranks = read_hostfile(hostfile)
+    peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
     what = f"the ranks to join the group ({peers})"
     dog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(timeout), str(os.getpid()), what],

@@ -26,7 +26,13 @@ from mlxcel.frontend import Frontend
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.tp.engine import TpEngine
-from mlxcel.tp.group import check_shardable, init_group, load_sharded, write_local_hostfile
+from mlxcel.tp.group import (
+    check_shardable,
+    init_group,
+    load_sharded,
+    read_hostfile,
+    write_local_hostfile,
+)
 
 
 @dataclass
@@ -58,10 +64,7 @@ async def tp_stack(
 ) -> AsyncIterator[TpStack]:
     config = json.loads((model_path / "config.json").read_text())
     if hostfile is not None:
-        try:
-            ranks = len(json.loads(hostfile.read_text()))
-        except (OSError, ValueError) as exc:
-            raise TpGroupFailed(f"--tp-hostfile {hostfile}: {exc}") from None
+        ranks = len(read_hostfile(hostfile))
         if tp_size not in (1, ranks):
             raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {tp_size}")
         tp_size = ranks

@@ -81,6 +81,25 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     return _build(cls, raw, cls.__name__)
 
 
+def salvage(data: bytes | bytearray | memoryview) -> tuple[int | None, str | None, int | None]:
+    """(kind, request_id, nonce) of a message that failed :func:`decode`, where its CBOR
+    still parses; Nones otherwise. Only for answering the sender; never trusted further."""
+    try:
+        raw = cbor2.CBORDecoder(io.BytesIO(data), max_depth=MAX_DEPTH).decode()
+    except Exception:
+        return None, None, None
+    if not isinstance(raw, dict):
+        return None, None, None
+
+    def pick(key: str, tp: type) -> Any:
+        v = raw.get(key)
+        if type(v) is not tp or (tp is int and not _INT_MIN <= v <= _INT_MAX):
+            return None
+        return v if tp is not str or len(v) <= 256 else None
+
+    return pick("kind", int), pick("request_id", str), pick("nonce", int)
+
+
 @cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
