@@ -268,3 +268,49 @@ async def test_a_flood_of_large_messages_stays_within_the_node_budget() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_full_handler_queue_drops_and_counts_but_keeps_the_connection() -> None:
+    from mlxcel.bus import Envelope
+    from mlxcel.messages import Ack
+
+    release = asyncio.Event()
+    got: list[int] = []
+    async with Node("server") as node, Node("member") as member:
+
+        async def slow(env: Envelope[Ack]) -> None:
+            await release.wait()
+            got.append(env.msg.nonce)
+
+        node.bus.subscribe(Ack, slow, maxsize=1)
+        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(bus_deadline=0.2))
+        port = await lst.start()
+        conn = await pool(member, "127.0.0.2").get(SERVER, port)
+        for i in range(5):
+            await conn.send(Ack("r", i))
+        await until_true(lambda: len(lst.connections) == 1)
+        (inbound,) = list(lst.connections)
+        await until_true(lambda: inbound.bus_drops >= 1, timeout=10)
+        assert not inbound.closed  # a declared drop, not a teardown
+        release.set()
+        await conn.send(Ack("r", 99))
+        await until_true(lambda: 99 in got)
+
+
+async def test_pool_entries_do_not_outlive_their_connections() -> None:
+    async with Node("server") as node, Node("member") as member:
+        lst = ClusterListener(node, SECRET, SERVER, 0)
+        port = await lst.start()
+        p = pool(member, "127.0.0.2")
+        for closed_port in (1, 2, 3):  # destinations that refuse: nothing is kept for them
+            try:
+                await p.get(SERVER, closed_port)
+            except Exception:
+                pass
+        conn = await p.get(SERVER, port)
+        assert set(p._locks) <= {(SERVER, port)}
+        await until_true(lambda: len(lst.connections) == 1)
+        for c in list(lst.connections):
+            c.close()
+        await until_true(lambda: conn.closed)
+        await until_true(lambda: not p._locks and not p._conns)

@@ -570,3 +570,30 @@ async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -
         await coord.exchange("stage-0", lambda n: PrepareSequence("orphan", 16, n), Ack, "orphan")
         s0._peer_lost("coordinator")  # what the transport reports when the owner's link drops
         assert not s0.seqs
+
+
+async def test_a_forward_that_overruns_fails_its_requests_and_the_stage_keeps_serving(
+    tiny: Path,
+) -> None:
+    import time as _time
+
+    async with pipeline_stack(tiny, 2) as st:
+        s1 = st.stages[1]
+        s1.config.forward_timeout = 0.3
+        real = s1._compute
+        stuck = [True]
+
+        def slow(group):  # type: ignore[no-untyped-def]
+            if stuck[0]:
+                _time.sleep(1.0)
+            return real(group)
+
+        s1._compute = slow  # type: ignore[method-assign]
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineError) as info:
+            await collect(st.frontend, PROMPTS[0], 4)
+        assert info.value.code == "forward_timeout"
+        assert asyncio.get_running_loop().time() - t0 < 1.0  # not the 30 s step deadline
+        stuck[0] = False
+        await asyncio.sleep(1.0)  # the stuck step finishes on the compute thread
+        assert len(await collect(st.frontend, PROMPTS[1], 4)) == 4

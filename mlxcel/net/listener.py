@@ -63,6 +63,7 @@ class Limits:
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     frame_timeout: float = DEFAULT_FRAME_TIMEOUT
     max_clock_skew: float = MAX_CLOCK_SKEW
+    bus_deadline: float = 30.0  # how long a received message may wait for a full handler queue
 
 
 class ClusterListener:
@@ -232,7 +233,7 @@ class ClusterListener:
             if self.on_connection is not None:
                 self.on_connection(conn)
             if self.publish:
-                await conn.run(self.node)
+                await conn.run(self.node, self.limits.bus_deadline)
             else:
                 await conn.done
         finally:

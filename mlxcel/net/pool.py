@@ -99,6 +99,7 @@ class ConnectionPool:
         # authenticates the peer by the secret.
         self.routes: dict[str, tuple[str, int]] = {}
         self._conns: dict[tuple[str, int], SecureConnection] = {}
+        self._bytes_of_closed = 0
         # Called with "host:port" when a pooled connection closes (peer died, frame failure).
         self.on_lost: list[Callable[[str], None]] = []
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -113,34 +114,46 @@ class ConnectionPool:
     @property
     def bytes_out(self) -> int:
         """Bytes written to the pool's current connections (frames, headers and tags)."""
-        return sum(c.bytes_out for c in self._conns.values())
+        return self._bytes_of_closed + sum(c.bytes_out for c in self._conns.values())
 
     async def get(self, host: str, port: int, deadline: float | None = None) -> SecureConnection:
         key = (host, port)
         lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            conn = self._conns.get(key)
-            if conn is not None and not conn.closed:
+        try:
+            async with lock:
+                conn = self._conns.get(key)
+                if conn is not None and not conn.closed:
+                    return conn
+                conn = await self.connect(host, port, deadline)
+                self._conns[key] = conn
+                if self.publish:
+                    self.node.spawn(self._read(conn, key), name=f"conn:{host}:{port}")
                 return conn
-            conn = await self.connect(host, port, deadline)
-            self._conns[key] = conn
-            if self.publish:
-                self.node.spawn(self._read(conn), name=f"conn:{host}:{port}")
-            return conn
+        finally:
+            # No entry outlives its connection: destinations named by peers cannot pile up.
+            if key not in self._conns and not lock.locked():
+                self._locks.pop(key, None)
 
     def drop(self, host: str, port: int) -> None:
         """Close the pooled connection to ``host:port`` (the next ``get`` dials again)."""
         conn = self._conns.pop((host, port), None)
         if conn is not None:
+            self._bytes_of_closed += conn.bytes_out
             conn.close()
         lock = self._locks.get((host, port))
         if lock is not None and not lock.locked():
             del self._locks[(host, port)]
 
-    async def _read(self, conn: SecureConnection) -> None:
+    async def _read(self, conn: SecureConnection, key: tuple[str, int]) -> None:
         try:
             await conn.run(self.node)
         finally:
+            if self._conns.get(key) is conn:
+                del self._conns[key]
+                self._bytes_of_closed += conn.bytes_out
+                lock = self._locks.get(key)
+                if lock is not None and not lock.locked():
+                    del self._locks[key]
             for cb in list(self.on_lost):
                 cb(Identity(conn.peer.host, conn.peer.port).address)
 
