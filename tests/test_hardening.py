@@ -314,3 +314,17 @@ async def test_pool_entries_do_not_outlive_their_connections() -> None:
             c.close()
         await until_true(lambda: conn.closed)
         await until_true(lambda: not p._locks and not p._conns)
+
+
+async def test_keepalives_keep_a_quiet_live_member_connected() -> None:
+    async with Node("server") as node, Node("member") as member:
+        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(idle_timeout=0.5))
+        port = await lst.start()
+        p = pool(member, "127.0.0.2")
+        p.keepalive = 0.15
+        conn = await p.get(SERVER, port)
+        await until_true(lambda: len(lst.connections) == 1)
+        await asyncio.sleep(1.5)  # three idle timeouts without a message
+        assert not conn.closed and len(lst.connections) == 1
+        (inbound,) = list(lst.connections)
+        assert inbound.frames_in >= 5 and inbound.unknown_kinds == 0

@@ -33,6 +33,7 @@ from mlxcel.wire.frames import (
     HEADER_LEN,
     KIND_CONFIRM,
     KIND_END,
+    KIND_KEEPALIVE,
     KIND_MESSAGE,
     KIND_PART,
     BudgetExceeded,
@@ -104,6 +105,7 @@ class SecureConnection:
         self.frame_timeout = frame_timeout
         self.idle_timeout = idle_timeout
         self.bus_drops = 0
+        self._last_write = asyncio.get_running_loop().time()
         self.id = next(_ids)
         self.closed = False
         self.frames_in = 0
@@ -152,6 +154,27 @@ class SecureConnection:
         self.writer.write(frame)
         self.frames_out += 1
         self.bytes_out += len(frame)
+        self._last_write = asyncio.get_running_loop().time()
+
+    async def keep_alive(self, interval: float) -> None:
+        """Dialing side: an empty KEEPALIVE frame whenever ``interval`` passed without a
+        write, so the listener's idle timeout only ever closes peers that are gone."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            wait = max(0.01, self._last_write + interval - loop.time())
+            try:
+                await asyncio.wait_for(asyncio.shield(self.done), wait)
+                return  # closed
+            except TimeoutError:
+                pass
+            if self.closed or loop.time() - self._last_write < interval:
+                continue
+            try:
+                async with self._send_lock:
+                    self._write(self.protection.seal(KIND_KEEPALIVE, b""))
+                    await self.writer.drain()
+            except (ConnectionError, OSError, FrameError):
+                self.close()
 
     async def confirm(self) -> None:
         """The dialing side's first frame: proof that it holds the session keys."""
@@ -203,6 +226,8 @@ class SecureConnection:
                 kind, plain = await self._read_frame(None if parts else self.idle_timeout)
                 if kind == KIND_MESSAGE and not parts:
                     return plain
+                if kind == KIND_KEEPALIVE and not parts and not plain:
+                    continue
                 if kind in (KIND_PART, KIND_END):
                     if total + len(plain) > self.max_message:
                         raise FrameTooLarge(f"message exceeds the {self.max_message}-byte cap")

@@ -38,6 +38,8 @@ from mlxcel.wire.handshake import (
     Identity,
 )
 
+DEFAULT_KEEPALIVE = 60.0  # seconds of silence before a dialer sends a KEEPALIVE frame
+
 
 class ConnectFailed(MlxcelError):
     """Could not establish an authenticated connection; ``failure`` says why (None: network)."""
@@ -78,6 +80,7 @@ class ConnectionPool:
         budget: MemoryBudget | None = None,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         wall_clock: Callable[[], float] = time.time,
+        keepalive: float = DEFAULT_KEEPALIVE,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -93,6 +96,7 @@ class ConnectionPool:
         self._protection = protection or (lambda send, recv: AeadProtection(send, recv))
         self.budget = budget or MemoryBudget()
         self.frame_timeout = frame_timeout
+        self.keepalive = keepalive
         self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
         # Where to dial a peer whose identity is not directly reachable (a port forward, a
         # relay): identity "host:port" -> the address to connect to. The handshake still
@@ -128,6 +132,9 @@ class ConnectionPool:
                 self._conns[key] = conn
                 if self.publish:
                     self.node.spawn(self._read(conn, key), name=f"conn:{host}:{port}")
+                    self.node.spawn(
+                        conn.keep_alive(self.keepalive), name=f"keepalive:{host}:{port}"
+                    )
                 return conn
         finally:
             # No entry outlives its connection: destinations named by peers cannot pile up.

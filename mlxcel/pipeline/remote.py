@@ -83,6 +83,7 @@ def _net(
         max_message=c.max_message_bytes,
         budget=budget,
         frame_timeout=c.frame_timeout,
+        keepalive=min(60.0, c.idle_timeout / 3),  # peers never look idle while alive
     )
     return listener, pool, TcpEndpoint(me.address, pool, listener)
 

@@ -51,7 +51,8 @@ KIND_MESSAGE = 0x01
 KIND_PART = 0x02
 KIND_END = 0x03
 KIND_CONFIRM = 0x04
-KNOWN_KINDS = frozenset({KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM})
+KIND_KEEPALIVE = 0x05  # empty; a dialer with nothing to say sends one so it is not "idle"
+KNOWN_KINDS = frozenset({KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM, KIND_KEEPALIVE})
 
 
 class FrameError(MlxcelError):
