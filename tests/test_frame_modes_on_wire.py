@@ -28,7 +28,7 @@ from tests.wiretap import WireTap
 
 SECRET = ClusterSecret(b"frame-mode-wire-test-secret-0001", "test")
 MARKER = b"MLXCEL-CLEARTEXT-MARKER:"
-NONCE0 = bytes(12)  # first frame of a direction: counter 0
+NONCE1 = (1).to_bytes(12, "big")  # the payload is the 2nd frame: CONFIRM used counter 0
 
 
 async def _capture(mode: str) -> tuple[bytes, bytes, bytes]:
@@ -96,7 +96,7 @@ async def test_hmac_frame_is_cleartext_plus_a_verifying_tag() -> None:
     header = _header_ok(frame, payload)
     body, tag = frame[HEADER_LEN:-TAG_LEN], frame[-TAG_LEN:]
     assert body == payload
-    want = hmac.new(key, (0).to_bytes(8, "big") + header + payload, hashlib.sha256).digest()
+    want = hmac.new(key, (1).to_bytes(8, "big") + header + payload, hashlib.sha256).digest()
     assert tag == want[:TAG_LEN]
 
 
@@ -114,6 +114,6 @@ async def test_aead_payload_is_hidden_and_opens_only_under_its_cipher(
     header = _header_ok(frame, payload)
     assert MARKER not in frame
     sealed = frame[HEADER_LEN:]
-    assert cipher(key).decrypt(NONCE0, sealed, header) == payload
+    assert cipher(key).decrypt(NONCE1, sealed, header) == payload
     with pytest.raises(InvalidTag):
-        other(key).decrypt(NONCE0, sealed, header)
+        other(key).decrypt(NONCE1, sealed, header)
