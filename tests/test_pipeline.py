@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.deadlines import deadline_in
 from mlxcel.errors import ConfigError
 from mlxcel.frontend import EngineError
 from mlxcel.messages import (
@@ -597,3 +598,35 @@ async def test_a_forward_that_overruns_fails_its_requests_and_the_stage_keeps_se
         stuck[0] = False
         await asyncio.sleep(1.0)  # the stuck step finishes on the compute thread
         assert len(await collect(st.frontend, PROMPTS[1], 4)) == 4
+
+
+async def test_a_slow_destination_delays_only_what_goes_to_it(tiny: Path) -> None:
+    """A refusal to a member that reads slowly must not hold the stage's PrepareSequence
+    handler (replies were sent inline once, so one slow peer stalled everyone's requests)."""
+    async with pipeline_stack(tiny, 2) as st:
+        s0 = st.stages[0]
+        real_send = s0.endpoint.send
+
+        async def send(dest, msg, deadline):  # type: ignore[no-untyped-def]
+            if dest == "mallory":
+                await asyncio.sleep(10)  # a peer that never drains its socket
+            await real_send(dest, msg, deadline)
+
+        s0.endpoint.send = send  # type: ignore[method-assign]
+        evil = rogue(st, "mallory")
+        for i in range(3):
+            await evil.send("stage-0", PrepareSequence(f"x{i}", 8, i), deadline_in(5))
+        t0 = asyncio.get_running_loop().time()
+        assert len(await collect(st.frontend, PROMPTS[0], 4)) == 4
+        assert asyncio.get_running_loop().time() - t0 < 5
+
+
+async def test_the_coordinators_drop_counter_cannot_be_grown_by_peers(tiny: Path) -> None:
+    async with pipeline_stack(tiny, 2) as st:
+        evil = rogue(st, "stage-1")  # even a member's own identity
+        for i in range(200):
+            await evil.send(
+                "coordinator", Error(f"code-{i}", f"text {i}", f"r{i}", 10_000 + i), deadline_in(5)
+            )
+        await until_true(lambda: sum(st.coordinator.dropped.values()) == 200)
+        assert set(st.coordinator.dropped) == {"unmatched error"}
