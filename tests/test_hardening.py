@@ -328,3 +328,15 @@ async def test_keepalives_keep_a_quiet_live_member_connected() -> None:
         assert not conn.closed and len(lst.connections) == 1
         (inbound,) = list(lst.connections)
         assert inbound.frames_in >= 5 and inbound.unknown_kinds == 0
+
+
+async def test_a_half_sent_message_does_not_hold_the_budget() -> None:
+    async with Node("server") as node, Node("member") as member:
+        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(frame_timeout=0.3))
+        port = await lst.start()
+        conn = await pool(member, "127.0.0.2").connect(SERVER, port)
+        conn.writer.write(conn.protection.seal(KIND_PART, os.urandom(256 << 10)))
+        await until_true(lambda: lst.budget.used == 256 << 10)
+        # ...and nothing more: after frame_timeout the connection goes, and its share with it.
+        await until_true(lambda: not lst.connections and lst.budget.used == 0, timeout=5)
+        conn.close()

@@ -223,7 +223,10 @@ class SecureConnection:
         total = 0
         try:
             while True:
-                kind, plain = await self._read_frame(None if parts else self.idle_timeout)
+                # Between the records of one message the peer gets frame_timeout, not the
+                # idle allowance: a half-sent message must not hold the budget forever.
+                wait = self.frame_timeout if parts else self.idle_timeout
+                kind, plain = await self._read_frame(wait)
                 if kind == KIND_MESSAGE and not parts:
                     return plain
                 if kind == KIND_KEEPALIVE and not parts and not plain:
