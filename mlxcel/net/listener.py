@@ -240,8 +240,9 @@ class ClusterListener:
             self.connections.discard(conn)
             if self._by_source.get(conn.source) is conn:
                 del self._by_source[conn.source]
-            for cb in list(self.on_lost):
-                cb(conn.source)
+            if self.connection_for(conn.source) is None:  # not replaced by a newer one
+                for cb in list(self.on_lost):
+                    cb(conn.source)
             await conn.wait_closed()
 
     def _report(self, exc: HandshakeError, ip: str) -> None:
