@@ -11,8 +11,9 @@ The prompt runs as mlx-lm's batch generator runs it: all tokens but the last in 
 ``prefill_chunk`` that only fill the stages' caches (``sample=False``, answered with an empty
 RunResult), then the last token as the first sampling step -- so each exchange's deadline
 bounds one chunk of work, not the whole prompt, the stages run other sequences' decode steps
-between chunks, and the arithmetic (shapes included) is the one-process engine's. At most ``max_in_flight`` sequences are in the
-stages at once; later requests wait for one to finish (within their own deadline).
+between chunks, and the arithmetic (shapes included) is the one-process engine's. At most
+``max_in_flight`` sequences are in the stages at once; later requests wait for one to finish
+(within their own deadline).
 
 What it accepts from the network: Ack/State only from the stage it addressed, RunResult only
 from the final stage and only with the fresh nonce of the exchange that is waiting, for the
