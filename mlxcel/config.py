@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -43,6 +43,11 @@ class _Base(BaseSettings):
 
     # Set by :func:`load_settings` just before construction; read by the source hook.
     _toml_file: ClassVar[Path | None] = None
+    # Set by :func:`load_settings`: setting name -> where its value came from.
+    _origin: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def origin(self, name: str) -> str:
+        return self._origin.get(name, "the default")
 
     @classmethod
     def settings_customise_sources(
@@ -263,7 +268,19 @@ def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
             raise ConfigError("--config", f"{config_file}: unknown setting(s) {', '.join(unknown)}")
     cls._toml_file = toml_path
     try:
-        return cls(**cli)
+        settings = cls(**cli)
+        # Where each explicitly given setting came from, for messages that must name it.
+        settings._origin = {
+            name: (
+                "the command line"
+                if name in cli
+                else f"{ENV_PREFIX}{name.upper()}"
+                if ENV_PREFIX + name.upper() in os.environ and name not in NOT_FROM_ENV
+                else f"--config {toml_path}"
+            )
+            for name in settings.model_fields_set
+        }
+        return settings
     except ValidationError as exc:
         err = exc.errors()[0]
         if not err["loc"]:  # a rule across several settings

@@ -332,6 +332,7 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
         down = health(port, want=503)
         assert down["status"] == "degraded"
         assert "error" in down["pipeline"]["stages"][1]
+        assert down["pipeline"]["stages"][1]["id"] == "stage-1"  # last known, still named
         assert health(port, "/health/live")["status"] == "alive"
         procs[1] = start_stage(tiny, cfg, 1)
         ok = c.completions.create(model=MODEL, prompt="after restart", max_tokens=5, temperature=0)

@@ -187,3 +187,12 @@ def test_keygen_refuses_symlinks_and_missing_folders(tmp_path: Path) -> None:
         f"error: cannot write {tmp_path / 'no' / 'such' / 's'}: the folder "
         f"{tmp_path / 'no' / 'such'} does not exist"
     ]
+
+
+def test_a_secret_file_from_a_config_file_is_named_as_such(tmp_path: Path) -> None:
+    short = write(tmp_path / "short.secret", "too-short")
+    conf = tmp_path / "settings.toml"
+    conf.write_text(f'cluster_secret_file = "{short}"\n')
+    r = _stage(tmp_path, {}, "--config", str(conf))
+    assert r.returncode == 1
+    assert f"cluster secret from cluster_secret_file (--config {conf})" in r.stderr

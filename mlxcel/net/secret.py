@@ -80,11 +80,13 @@ def load_cluster_secret(
     cluster_toml: str | Path | None = None,
     *,
     required: bool = True,
+    cli_label: str = "--cluster-secret-file",
 ) -> ClusterSecret | None:
-    """Resolve the secret from its sources in precedence order."""
+    """Resolve the secret from its sources in precedence order. ``cli_label`` names where
+    ``cli_file`` came from (the flag, or ``cluster_secret_file`` in a ``--config`` file)."""
     env = os.environ if environ is None else environ
     if cli_file:
-        return _read_file(Path(cli_file), "--cluster-secret-file")
+        return _read_file(Path(cli_file), cli_label)
     env_file = env.get("MLXCEL_CLUSTER_SECRET_FILE")
     env_value = env.get("MLXCEL_CLUSTER_SECRET")
     if env_file and env_value:

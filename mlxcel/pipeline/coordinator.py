@@ -101,6 +101,7 @@ class PipelineCoordinator:
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
         self.peak_in_flight = 0
         self._held = 0
+        self._last_seen: dict[str, dict[str, Any]] = {}  # stage -> id and layers it reported
         # Decode steps (one token in, one out), measured at the hand-offs: wall time from
         # sending the RunEntry to receiving its RunResult, and the compute time the stages
         # report for that same step. Their difference is what the protocol costs.
@@ -287,7 +288,7 @@ class PipelineCoordinator:
 
     async def query_states(self, timeout: float = 10.0) -> list[State]:
         """Ask every stage for its State (also proves each connection authenticates)."""
-        return list(
+        states = list(
             await asyncio.gather(
                 *(
                     self.exchange(s, lambda n: QueryState(n), State, "", timeout=timeout)
@@ -295,6 +296,9 @@ class PipelineCoordinator:
                 )
             )
         )
+        for stage, st in zip(self.stages, states, strict=True):
+            self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
+        return states
 
     async def health(self) -> dict[str, Any]:
         """Per-stage state for /health: reachability, layers, sequences held, draining."""
@@ -305,7 +309,10 @@ class PipelineCoordinator:
                     stage, lambda n: QueryState(n), State, "", timeout=1.0, reset=False
                 )
             except (PipelineError, MlxcelError) as exc:
-                return {"address": stage, "error": str(exc)}
+                # What it last said about itself, so a dashboard still knows which one it is.
+                known = self._last_seen.get(stage, {})
+                return {"address": stage, **known, "error": str(exc)}
+            self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
             return {
                 "address": stage,
                 "id": st.node_id,
