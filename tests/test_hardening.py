@@ -340,3 +340,75 @@ async def test_a_half_sent_message_does_not_hold_the_budget() -> None:
         # ...and nothing more: after frame_timeout the connection goes, and its share with it.
         await until_true(lambda: not lst.connections and lst.budget.used == 0, timeout=5)
         conn.close()
+
+
+def test_the_replay_guard_outlives_the_window_by_a_handshake() -> None:
+    """A connection accepted just inside the window reads its clock at accept; a later one,
+    outside, must not evict the entry the first one still needs (found by an attack run)."""
+    from mlxcel.wire.handshake import ReplayGuard
+
+    g = ReplayGuard(max_skew=3.0, hold=5.0)
+    key, stamp = b"e" * 32, 1000.0
+    assert g.check(key, stamp, stamp) is None
+    assert g.check(key, stamp, stamp + 3.5) is Failure.CLOCK_SKEW  # B, outside the window
+    assert g.check(key, stamp, stamp + 2.9) is Failure.REPLAYED  # A, accepted inside it
+
+
+async def test_a_full_pending_pool_says_busy_and_members_retry() -> None:
+    """Once the pool-full close looked like a secret mismatch: final, and misdiagnosed."""
+    limits = Limits(max_pending=1, max_pending_per_source=1, handshake_timeout=1.0)
+    async with Node("server") as node, Node("member") as member:
+        lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
+        port = await lst.start()
+        squatter = await asyncio.open_connection(SERVER, port, local_addr=("127.0.0.30", 0))
+        await until_true(lambda: lst.pending == 1)
+        once = pool(member, "127.0.0.2")
+        try:
+            await once.connect(SERVER, port)
+        except Exception as exc:
+            assert getattr(exc, "failure", None) is Failure.BUSY, exc
+            assert "pending-handshake pool is full" in str(exc)
+        else:
+            raise AssertionError("connected through a full pending pool")
+        patient = ConnectionPool(
+            member,
+            SECRET,
+            Identity("127.0.0.5", 9000, "patient"),
+            bind_ip="127.0.0.5",
+            backoff=Backoff(attempts=6, base_delay=0.2),
+        )
+        conn = await patient.connect(SERVER, port)  # the squatter times out; the retry gets in
+        assert not conn.closed
+        squatter[1].close()
+
+
+async def test_large_messages_are_decoded_off_the_reactor(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from mlxcel.bus import Envelope
+    from mlxcel.messages import RunEntry, SamplingParams
+    from mlxcel.net import connection
+
+    threads: list[int] = []
+    real = connection.decode
+
+    def spy(data):  # type: ignore[no-untyped-def]
+        threads.append(threading.get_ident())
+        return real(data)
+
+    monkeypatch.setattr(connection, "decode", spy)
+    got: list[int] = []
+    async with Node("server") as node, Node("member") as member:
+
+        async def on_entry(env: Envelope[RunEntry]) -> None:
+            got.append(len(env.msg.token_ids))
+
+        node.bus.subscribe(RunEntry, on_entry)
+        lst = ClusterListener(node, SECRET, SERVER, 0)
+        port = await lst.start()
+        conn = await pool(member, "127.0.0.2").get(SERVER, port)
+        await conn.send(RunEntry("small", 0, (1, 2), 0, SamplingParams(), 1))
+        await conn.send(RunEntry("big", 0, tuple(range(50_000)), 0, SamplingParams(), 2))
+        await until_true(lambda: got == [2, 50_000])
+    reactor = threading.get_ident()
+    assert threads[0] == reactor and threads[1] != reactor

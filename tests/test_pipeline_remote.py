@@ -707,3 +707,64 @@ def test_undecodable_messages_are_answered_with_an_error_carrying_the_nonce(
     assert set(by_nonce) == {41, 42}, errors
     assert all(e.code == "bad_message" and e.request_id == "r1" for e in by_nonce.values())
     assert "64-bit" in by_nonce[41].message and "needs 256 bytes" in by_nonce[42].message
+
+
+def test_refused_members_cannot_pile_up_connections_or_logs(tiny: Path, secret: Path) -> None:
+    """A member claiming many listener ports, each refused: the stage answers every refusal
+    on a one-off connection (its open files return to where they were), and its log stays
+    rate-limited however long the request ids (an attack run grew a stage log by 60 MB)."""
+    from mlxcel.bus import Envelope, Node
+    from mlxcel.deadlines import deadline_in
+    from mlxcel.messages import Error, PrepareSequence, RunEntry, SamplingParams
+    from mlxcel.net.listener import ClusterListener
+    from mlxcel.net.pool import ConnectionPool
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.wire.handshake import Identity
+
+    cfg, stages = write_cluster(secret.parent, 2, secret)
+    stage = start_stage(tiny, cfg, 0)
+    fds = Path(f"/proc/{stage.p.pid}/fd")
+
+    async def attack() -> int:
+        sec = load_cluster_secret(None, {}, cfg)
+        assert sec is not None
+        refusals: list[Error] = []
+        host, port = stages[0].rsplit(":", 1)
+        async with Node("member") as node:
+
+            async def on_error(env: Envelope[Error]) -> None:
+                refusals.append(env.msg)
+
+            node.bus.subscribe(Error, on_error)
+            for i in range(20):
+                lst = ClusterListener(node, sec, "127.0.0.9", 0)
+                claimed = await lst.start()
+                p = ConnectionPool(
+                    node, sec, Identity("127.0.0.9", claimed, f"m{i}"), bind_ip="127.0.0.9"
+                )
+                conn = await p.get(host, int(port))
+                await conn.send(PrepareSequence(f"x{i}", 8, i), deadline_in(5))
+                if i == 0:
+                    for j in range(300):
+                        rid = f"{j}-" + "A" * 10_000
+                        entry = RunEntry(rid, 0, (1,), 0, SamplingParams(), j)
+                        await conn.send(entry, deadline_in(5))
+            for _ in range(300):
+                if len(refusals) >= 20:
+                    break
+                await asyncio.sleep(0.05)
+        return len(refusals)
+
+    try:
+        before = len(list(fds.iterdir()))
+        answered = asyncio.run(attack())
+        time.sleep(1.5)
+        after = len(list(fds.iterdir()))
+    finally:
+        stage.stop()
+    rest = stage.p.stdout.read() if stage.p.stdout else ""
+    refusing = [ln for ln in (stage.lines + rest.splitlines()) if "refusing" in ln]
+    assert answered >= 20
+    assert after <= before + 2, (before, after)
+    assert len(refusing) <= 10, len(refusing)
+    assert max(len(ln) for ln in refusing) < 700

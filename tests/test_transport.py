@@ -201,7 +201,10 @@ async def test_pending_budget_per_source_does_not_block_other_sources() -> None:
         extra = socket.create_connection((SERVER_IP, port), source_address=("127.0.0.6", 0))
         await until_true(lambda: srv.listener.refused_at_accept == 1)
         extra.settimeout(2)
-        assert await asyncio.to_thread(extra.recv, 1) == b""  # closed at accept
+        # Closed at accept, after a busy preamble (so a member would retry, not give up).
+        got = await asyncio.to_thread(extra.recv, 64)
+        assert got[:4] == b"MLXC" and got[7] == 0x01
+        assert await asyncio.to_thread(extra.recv, 64) == b""
         # Another source still gets in while 127.0.0.6 holds its whole budget.
         conn = await client_pool(client, "127.0.0.7").get(SERVER_IP, port)
         await conn.send(Ack("r", 1))

@@ -48,6 +48,7 @@ from mlxcel.wire.handshake import Identity
 DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
 DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
 DEFAULT_MEMORY_BUDGET = 1 << 30  # reassembly buffers of all connections of one node
+DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
 _ids = itertools.count(1)
 
 
@@ -264,7 +265,12 @@ class SecureConnection:
             while True:
                 payload = await self.recv_payload()
                 try:
-                    msg = decode(payload)
+                    # A large message takes long to check element by element: off the reactor,
+                    # so one member's megabyte of CBOR cannot stall everyone's traffic.
+                    if len(payload) > DECODE_INLINE:
+                        msg = await asyncio.to_thread(decode, payload)
+                    else:
+                        msg = decode(payload)
                 except DecodeError as exc:
                     self.limiter.warn(
                         "diagnostic", f"cluster: undecodable message from {self.source}: {exc}"

@@ -46,6 +46,7 @@ from mlxcel.wire.handshake import (
     ReplayGuard,
     ServerHandshake,
     Verdict,
+    busy_preamble,
     source_key,
 )
 
@@ -98,7 +99,7 @@ class ClusterListener:
         self._protection = protection or (lambda send, recv: AeadProtection(send, recv))
         self.budget = budget or MemoryBudget()
         self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
-        self.replay = ReplayGuard(self.limits.max_clock_skew)
+        self.replay = ReplayGuard(self.limits.max_clock_skew, hold=self.limits.handshake_timeout)
         # Called with the peer's identity when an authenticated connection from it closes.
         self.on_lost: list[Callable[[str], None]] = []
         self.confirming = 0
@@ -158,7 +159,10 @@ class ClusterListener:
             self.limiter.warn(
                 "noise", f"cluster: pending-handshake pool full, closing connection from {ip}"
             )
-            writer.transport.abort()
+            # Say so before closing: a member then retries with backoff instead of taking the
+            # close for a secret mismatch (final, and the wrong diagnosis).
+            writer.write(busy_preamble(self.channel))
+            writer.close()
             return
         self.pending += 1
         self.pending_by_source[key] += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 CLASSES = ("noise", "diagnostic", "router-drop", "at-capacity")
+MAX_MESSAGE = 500
 
 
 @dataclass
@@ -45,6 +46,8 @@ class WarningLimiter:
         """Log ``message`` in class ``cls``; return True if it went out as a warning."""
         if cls not in CLASSES:
             raise ValueError(f"unknown warning class {cls!r}")
+        if len(message) > MAX_MESSAGE:  # peers choose some of the text: bound what they write
+            message = message[:MAX_MESSAGE] + f"... ({len(message) - MAX_MESSAGE} more chars)"
         now = self.clock()
         w = self._windows.get(cls)
         summary = None

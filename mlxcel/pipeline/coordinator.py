@@ -50,6 +50,7 @@ from mlxcel.messages import (
     Undecodable,
 )
 from mlxcel.net.network import Endpoint, SendFailed
+from mlxcel.net.ratelimit import WarningLimiter
 
 
 class PipelineError(MlxcelError):
@@ -102,6 +103,7 @@ class PipelineCoordinator:
         self.peak_in_flight = 0
         self._held = 0
         self._last_seen: dict[str, dict[str, Any]] = {}  # stage -> id and layers it reported
+        self.limiter = WarningLimiter(asyncio.get_running_loop().time)
         # Decode steps (one token in, one out), measured at the hand-offs: wall time from
         # sending the RunEntry to receiving its RunResult, and the compute time the stages
         # report for that same step. Their difference is what the protocol costs.
@@ -148,12 +150,10 @@ class PipelineCoordinator:
     # --- inbound checks ------------------------------------------------------------------------
     def _drop(self, why: str, env: Envelope[Any], detail: str = "") -> None:
         self.dropped[why] += 1
-        logger.warning(
-            "coordinator: dropping {} from {}: {}{}",
-            type(env.msg).__name__,
-            env.source,
-            why,
-            f" ({detail})" if detail else "",
+        self.limiter.warn(
+            "router-drop",
+            f"coordinator: dropping {type(env.msg).__name__} from {env.source}: {why}"
+            + (f" ({detail})" if detail else ""),
         )
 
     async def _on_result(self, env: Envelope[RunResult]) -> None:

@@ -59,6 +59,7 @@ from mlxcel.messages import (
     Undecodable,
 )
 from mlxcel.net.network import Endpoint, SendFailed
+from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, merge_rows, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
@@ -164,6 +165,7 @@ class StageService:
         self._shutdown = False
         self._work: collections.deque[_Work] = collections.deque()
         self._outboxes: dict[str, asyncio.Queue[Any]] = {}
+        self.limiter = WarningLimiter(asyncio.get_running_loop().time)
         self._wake = asyncio.Event()
 
     @property
@@ -269,12 +271,10 @@ class StageService:
     ) -> None:
         self.stats.refused += 1
         self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
-        logger.warning(
-            "stage {}: refusing {} from {}: {}",
-            self.config.index,
-            type(env.msg).__name__,
-            env.source,
-            why,
+        self.limiter.warn(
+            "router-drop",
+            f"stage {self.config.index}: refusing {type(env.msg).__name__} "
+            f"from {env.source}: {why}",
         )
         await self._send(env.source, Error(code, why, request_id, nonce))
 
@@ -295,36 +295,38 @@ class StageService:
         key = dest if known else "*"
         box = self._outboxes.get(key)
         if box is None:
-            box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE)
+            box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE if known else 64)
             self.node.spawn(self._drain(box, known), name=f"stage{self.config.index}.out:{key}")
         try:
             box.put_nowait((dest, msg, on_fail))
         except asyncio.QueueFull:
             self.stats.dropped += 1
-            logger.warning(
-                "stage {}: outbox for {} is full; dropping a {}",
-                self.config.index,
-                dest,
-                type(msg).__name__,
+            self.limiter.warn(
+                "router-drop",
+                f"stage {self.config.index}: outbox for {dest} is full; "
+                f"dropping a {type(msg).__name__}",
             )
 
     async def _drain(self, box: asyncio.Queue[Any], known: bool) -> None:
-        budget = self.config.reply_deadline if known else 2.0
+        budget = self.config.reply_deadline if known else 1.0
         while True:
             dest, msg, on_fail = await box.get()
             try:
                 await self.endpoint.send(dest, msg, deadline_in(budget))
             except (SendFailed, MlxcelError) as exc:
                 self.stats.dropped += 1
-                logger.warning(
-                    "stage {}: could not send {} to {}: {}",
-                    self.config.index,
-                    type(msg).__name__,
-                    dest,
-                    exc,
+                self.limiter.warn(
+                    "router-drop",
+                    f"stage {self.config.index}: could not send {type(msg).__name__} "
+                    f"to {dest}: {exc}",
                 )
                 if on_fail is not None:
                     await on_fail()
+            finally:
+                if not known:
+                    # A refusal to someone who is not a peer of this stage travels on a
+                    # one-off connection: addresses a member claims cannot pile up here.
+                    self.endpoint.reset(dest)
 
     def _command_ok(self, env: Envelope[Any]) -> bool:
         return self._is_coordinator(env.source)
@@ -549,10 +551,10 @@ class StageService:
         seq = self.seqs.get(m.request_id)
         if env.source != self.config.upstream:
             # Only the upstream stage feeds this one. Tell the owner if there is one to tell.
-            logger.warning(
-                "stage {}: activation from {} is not from the upstream stage",
-                self.config.index,
-                env.source,
+            self.limiter.warn(
+                "router-drop",
+                f"stage {self.config.index}: activation from {env.source} is not from the "
+                "upstream stage",
             )
             self.stats.refused += 1
             if seq is not None:
@@ -570,10 +572,10 @@ class StageService:
             return
         if seq is None:
             self.stats.dropped += 1
-            logger.warning(
-                "stage {}: activation for unprepared request {}; dropped",
-                self.config.index,
-                m.request_id,
+            self.limiter.warn(
+                "router-drop",
+                f"stage {self.config.index}: activation for unprepared request "
+                f"{m.request_id[:64]!r}; dropped",
             )
             return
         problem = self._check_hidden(m.hidden)

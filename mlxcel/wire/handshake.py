@@ -47,7 +47,8 @@ HANDSHAKE_TIMEOUT = 5.0
 MAX_CLOCK_SKEW = 60.0  # seconds between two members' clocks that a handshake tolerates
 MAX_HANDSHAKE_MESSAGE = 1024  # msg1 and msg2 are far smaller; anything bigger is junk
 
-PREAMBLE = struct.Struct("!4sBBBB")  # magic, version, suite, channel, reserved(0)
+PREAMBLE = struct.Struct("!4sBBBB")  # magic, version, suite, channel, flags
+FLAG_BUSY = 0x01  # server -> client, then close: the pending-handshake pool is full; retry
 PREAMBLE_LEN = PREAMBLE.size  # 8
 LEN = struct.Struct("!H")
 
@@ -77,6 +78,7 @@ class Failure(enum.Enum):
     IDENTITY_NOT_OWNED = "advertised identity not owned by the connection's source"
     AT_CAPACITY = "server at capacity"
     VERDICT_FORGED = "verdict does not verify under the cluster secret"
+    BUSY = "server's pending-handshake pool is full"
     TIMEOUT = "handshake timed out"
     CLOSED = "connection closed during the handshake"
     REPLAYED = "handshake message 1 replayed"
@@ -97,13 +99,13 @@ class Failure(enum.Enum):
             Failure.UNCONFIRMED,
         ):
             return "diagnostic"
-        if self is Failure.AT_CAPACITY:
+        if self in (Failure.AT_CAPACITY, Failure.BUSY):
             return "at-capacity"
         return "noise"
 
     @property
     def retryable(self) -> bool:
-        return self is Failure.AT_CAPACITY
+        return self in (Failure.AT_CAPACITY, Failure.BUSY)
 
 
 class HandshakeError(Exception):
@@ -141,9 +143,18 @@ def derive_psk(secret: bytes) -> bytes:
 
 
 def preamble(
-    channel: Channel, version: int = PROTOCOL_VERSION, suite: int = SUITE_NNPSK0_AESGCM
+    channel: Channel,
+    version: int = PROTOCOL_VERSION,
+    suite: int = SUITE_NNPSK0_AESGCM,
+    flags: int = 0,
 ) -> bytes:
-    return PREAMBLE.pack(MAGIC, version, suite, int(channel), 0)
+    return PREAMBLE.pack(MAGIC, version, suite, int(channel), flags)
+
+
+def busy_preamble(channel: Channel) -> bytes:
+    """What a listener whose pending pool is full sends before closing. It is cleartext, so
+    a forgery can only make a client retry -- the safe direction."""
+    return preamble(channel, flags=FLAG_BUSY)
 
 
 def encode_identity(ident: Identity) -> bytes:
@@ -197,8 +208,17 @@ class ReplayGuard:
     bounds it anyway (oldest first out).
     """
 
-    def __init__(self, max_skew: float = MAX_CLOCK_SKEW, max_entries: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        max_skew: float = MAX_CLOCK_SKEW,
+        max_entries: int = 1 << 16,
+        hold: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
         self.max_skew = max_skew
+        # Entries outlive the window by one handshake timeout: a connection accepted just
+        # inside the window (its clock read at accept) may process its message 1 that much
+        # later, and must still find the entry.
+        self.hold = hold
         self.max_entries = max_entries
         self._seen: dict[bytes, float] = {}  # ephemeral key -> expiry (wall clock)
         self.replays = 0
@@ -217,7 +237,7 @@ class ReplayGuard:
         if ephemeral in self._seen:
             self.replays += 1
             return Failure.REPLAYED
-        self._seen[ephemeral] = stamp + self.max_skew
+        self._seen[ephemeral] = stamp + self.max_skew + self.hold
         return None
 
 
@@ -365,6 +385,12 @@ class ClientHandshake(_Side):
             if theirs[:4] != MAGIC:
                 raise HandshakeError(
                     Failure.BAD_MAGIC, "server is not an mlxcel cluster endpoint (bad magic)"
+                )
+            if theirs[7] & FLAG_BUSY:
+                raise HandshakeError(
+                    Failure.BUSY,
+                    "server's pending-handshake pool is full (many unfinished handshakes, "
+                    "perhaps a flood); retrying",
                 )
             if theirs != self.preamble:
                 raise _preamble_mismatch(self.preamble, theirs, we_dialed=True)
