@@ -228,7 +228,12 @@ class Node:
             coro.close()
             raise BusError(f"node {self.name} is not running")
         wrapped = coro if critical else self._guard(coro, name or "task")
-        task = self._tg.create_task(wrapped, name=name)
+        try:
+            task = self._tg.create_task(wrapped, name=name)
+        except RuntimeError:  # the task group is shutting down: nothing new may start
+            wrapped.close()
+            coro.close()
+            raise BusError(f"node {self.name} is closing") from None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
