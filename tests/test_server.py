@@ -193,6 +193,12 @@ LONE_SURROGATE_PROMPT = b'{"model": "tiny-qwen3", "prompt": "\\udfff", "max_toke
         ("completions", DEEP, "nested too deeply"),
         ("chat/completions", LONE_SURROGATE_CHAT, "lone UTF-16 surrogate"),
         ("completions", LONE_SURROGATE_PROMPT, "lone UTF-16 surrogate"),
+        ("completions", b'{"model": "tiny-qwen3", "prompt": "x", "temperature": NaN}', "finite"),
+        (
+            "completions",
+            b'{"model": "tiny-qwen3", "prompt": "x", "seed": ' + b"9" * 5000 + b"}",
+            "too many digits",
+        ),
     ],
 )
 def test_malformed_bodies_get_400(

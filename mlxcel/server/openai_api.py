@@ -55,7 +55,11 @@ async def _read_json(request: web.Request) -> Any:
     raw = await request.read()  # aiohttp enforces client_max_size (413)
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:
+        if "int_max_str_digits" in str(exc) or "integer string conversion" in str(exc):
+            raise RequestError("request body holds a number with too many digits") from None
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise RequestError("request body is nested too deeply") from None

@@ -16,7 +16,8 @@ MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and mus
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # allow_inf_nan=False: JSON's NaN/Infinity extensions get "should be a finite number".
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
