@@ -43,11 +43,12 @@ class _Base(BaseSettings):
 
     # Set by :func:`load_settings` just before construction; read by the source hook.
     _toml_file: ClassVar[Path | None] = None
-    # Set by :func:`load_settings`: setting name -> where its value came from.
+    # Set by :func:`load_settings`: setting name -> where its value came from, as a message
+    # names it (the flag, the variable, or "name (--config FILE)").
     _origin: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def origin(self, name: str) -> str:
-        return self._origin.get(name, "the default")
+        return self._origin.get(name) or flag_of(name, type(self))
 
     @classmethod
     def settings_customise_sources(
@@ -248,6 +249,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
         parser.add_argument(*flags, **kwargs)
 
 
+def _source(name: str, cli: dict[str, Any], toml_path: Path | None) -> str | None:
+    """Where a given setting came from: None for the command line (or nowhere), else the
+    environment variable or the TOML file."""
+    if name in cli:
+        return None
+    env = ENV_PREFIX + name.upper()
+    if env in os.environ and name not in NOT_FROM_ENV:
+        return env
+    return str(toml_path) if toml_path is not None else None
+
+
 def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
     """Build settings from parsed CLI args plus environment and TOML; raise ConfigError."""
     cli = {k: v for k, v in vars(args).items() if k in cls.model_fields}
@@ -270,16 +282,15 @@ def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
     try:
         settings = cls(**cli)
         # Where each explicitly given setting came from, for messages that must name it.
-        settings._origin = {
-            name: (
-                "the command line"
-                if name in cli
-                else f"{ENV_PREFIX}{name.upper()}"
-                if ENV_PREFIX + name.upper() in os.environ and name not in NOT_FROM_ENV
-                else f"--config {toml_path}"
+        for name in settings.model_fields_set:
+            src = _source(name, cli, toml_path)
+            settings._origin[name] = (
+                flag_of(name, cls)
+                if src is None
+                else src
+                if src.startswith(ENV_PREFIX)
+                else f"{name} (--config {src})"
             )
-            for name in settings.model_fields_set
-        }
         return settings
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -290,14 +301,8 @@ def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
             ) from None
         name = str(err["loc"][0])
         flag = flag_of(name, cls) if name in cls.model_fields else name
-        if name in cli:
-            where = ""
-        elif ENV_PREFIX + name.upper() in os.environ:
-            where = f" (from {ENV_PREFIX}{name.upper()})"
-        elif toml_path is not None:
-            where = f" (from {toml_path})"
-        else:
-            where = ""
+        src = _source(name, cli, toml_path)
+        where = f" (from {src})" if src else ""
         raw = err.get("input")
         shown = f" (got {raw!r})" if raw is not None and not isinstance(raw, dict) else ""
         raise ConfigError(flag + where, f"{err['msg']}{shown}") from None

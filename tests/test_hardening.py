@@ -14,7 +14,8 @@ from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.frames import KIND_END, KIND_PART
-from mlxcel.wire.handshake import LEN, PREAMBLE_LEN, Channel, ClientHandshake, Failure, Identity
+from mlxcel.wire.handshake import LEN, PREAMBLE_LEN, Failure, Identity
+from tests.test_transport import raw_client_handshake
 from tests.wiretap import WireTap
 
 SECRET = ClusterSecret(b"hardening-tests-cluster-secret-01", "test")
@@ -27,6 +28,11 @@ async def until_true(cond, timeout: float = 10.0) -> None:  # type: ignore[no-un
     while not cond():
         assert asyncio.get_running_loop().time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+async def listening(node: Node, limits: Limits | None = None) -> tuple[ClusterListener, int]:
+    lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
+    return lst, await lst.start()
 
 
 def pool(node: Node, ip: str, advertised: str | None = None) -> ConnectionPool:
@@ -68,8 +74,7 @@ async def test_replayed_message_1_takes_no_slot_and_members_still_connect() -> N
     """The outside report: 520 replays of one recorded message 1 held all 512 slots."""
     limits = Limits(max_connections=4, max_pending=256, max_pending_per_source=256)
     async with Node("server") as node, Node("members") as members:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
-        port = await lst.start()
+        lst, port = await listening(node, limits=limits)
         peak = 0
 
         async def watch() -> None:
@@ -103,18 +108,8 @@ async def test_an_intercepted_message_1_never_counts_as_authenticated() -> None:
     CONFIRM can follow, so the connection only ever holds a pending slot, then closes."""
     limits = Limits(max_connections=1, handshake_timeout=1.0)
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
-        port = await lst.start()
-        loop = asyncio.get_running_loop()
-        hs = ClientHandshake(
-            SECRET.value,
-            Identity("127.0.0.2", 9000),
-            Channel.TRANSPORT,
-            loop.time(),
-            os.urandom,
-            wall=time.time(),
-        )
-        intercepted = hs.data_to_send()
+        lst, port = await listening(node, limits=limits)
+        intercepted = raw_client_handshake(SECRET).data_to_send()
         reader, writer = await asyncio.open_connection(SERVER, port, local_addr=("127.0.0.2", 0))
         writer.write(intercepted)
         assert await reader.read(4096)  # message 2 comes back ...
@@ -132,8 +127,7 @@ async def test_an_intercepted_message_1_never_counts_as_authenticated() -> None:
 async def test_an_old_recording_gets_the_stale_verdict() -> None:
     limits = Limits(max_clock_skew=0.5)
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
-        port = await lst.start()
+        lst, port = await listening(node, limits=limits)
         recorded = await record_message_1(member, port, "127.0.0.2", "127.0.0.2")
         await asyncio.sleep(1.0)  # the recording leaves the window
         answer = await replay(recorded, port, "127.0.0.2")
@@ -144,8 +138,7 @@ async def test_an_old_recording_gets_the_stale_verdict() -> None:
 
 async def test_a_member_with_a_wrong_clock_is_told_so() -> None:
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0)
-        port = await lst.start()
+        lst, port = await listening(node)
         skewed = pool(member, "127.0.0.2")
         skewed.wall_clock = lambda: time.time() - 3600
         try:
@@ -167,8 +160,7 @@ async def test_a_silent_authenticated_peer_is_closed_and_the_member_redials() ->
             got.append(env.msg.request_id)
 
         node.bus.subscribe(Ack, on_ack)
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(idle_timeout=0.5))
-        port = await lst.start()
+        lst, port = await listening(node, limits=Limits(idle_timeout=0.5))
         p = pool(member, "127.0.0.2")
         first = await p.get(SERVER, port)
         await until_true(lambda: len(lst.connections) == 1)
@@ -283,8 +275,7 @@ async def test_a_full_handler_queue_drops_and_counts_but_keeps_the_connection() 
             got.append(env.msg.nonce)
 
         node.bus.subscribe(Ack, slow, maxsize=1)
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(bus_deadline=0.2))
-        port = await lst.start()
+        lst, port = await listening(node, limits=Limits(bus_deadline=0.2))
         conn = await pool(member, "127.0.0.2").get(SERVER, port)
         for i in range(5):
             await conn.send(Ack("r", i))
@@ -299,8 +290,7 @@ async def test_a_full_handler_queue_drops_and_counts_but_keeps_the_connection() 
 
 async def test_pool_entries_do_not_outlive_their_connections() -> None:
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0)
-        port = await lst.start()
+        lst, port = await listening(node)
         p = pool(member, "127.0.0.2")
         for closed_port in (1, 2, 3):  # destinations that refuse: nothing is kept for them
             try:
@@ -318,8 +308,7 @@ async def test_pool_entries_do_not_outlive_their_connections() -> None:
 
 async def test_keepalives_keep_a_quiet_live_member_connected() -> None:
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(idle_timeout=0.5))
-        port = await lst.start()
+        lst, port = await listening(node, limits=Limits(idle_timeout=0.5))
         p = pool(member, "127.0.0.2")
         p.keepalive = 0.15
         conn = await p.get(SERVER, port)
@@ -332,8 +321,7 @@ async def test_keepalives_keep_a_quiet_live_member_connected() -> None:
 
 async def test_a_half_sent_message_does_not_hold_the_budget() -> None:
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=Limits(frame_timeout=0.3))
-        port = await lst.start()
+        lst, port = await listening(node, limits=Limits(frame_timeout=0.3))
         conn = await pool(member, "127.0.0.2").connect(SERVER, port)
         conn.writer.write(conn.protection.seal(KIND_PART, os.urandom(256 << 10)))
         await until_true(lambda: lst.budget.used == 256 << 10)
@@ -358,8 +346,7 @@ async def test_a_full_pending_pool_says_busy_and_members_retry() -> None:
     """Once the pool-full close looked like a secret mismatch: final, and misdiagnosed."""
     limits = Limits(max_pending=1, max_pending_per_source=1, handshake_timeout=1.0)
     async with Node("server") as node, Node("member") as member:
-        lst = ClusterListener(node, SECRET, SERVER, 0, limits=limits)
-        port = await lst.start()
+        lst, port = await listening(node, limits=limits)
         squatter = await asyncio.open_connection(SERVER, port, local_addr=("127.0.0.30", 0))
         await until_true(lambda: lst.pending == 1)
         once = pool(member, "127.0.0.2")
@@ -404,8 +391,7 @@ async def test_large_messages_are_decoded_off_the_reactor(monkeypatch) -> None: 
             got.append(len(env.msg.token_ids))
 
         node.bus.subscribe(RunEntry, on_entry)
-        lst = ClusterListener(node, SECRET, SERVER, 0)
-        port = await lst.start()
+        lst, port = await listening(node)
         conn = await pool(member, "127.0.0.2").get(SERVER, port)
         await conn.send(RunEntry("small", 0, (1, 2), 0, SamplingParams(), 1))
         await conn.send(RunEntry("big", 0, tuple(range(50_000)), 0, SamplingParams(), 2))

@@ -60,6 +60,20 @@ async def server(
         yield srv
 
 
+def raw_client_handshake(secret: ClusterSecret = SECRET, **kw: object) -> ClientHandshake:
+    """A client handshake from 127.0.0.2:9000, to drive by hand over a socket."""
+    loop = asyncio.get_running_loop()
+    return ClientHandshake(
+        secret.value,
+        Identity("127.0.0.2", 9000),
+        Channel.TRANSPORT,
+        loop.time(),
+        os.urandom,
+        wall=time.time(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def client_pool(
     node: Node,
     ip: str,
@@ -145,19 +159,10 @@ async def test_identity_not_owned() -> None:
 )
 async def test_version_and_suite_mismatch_over_sockets(kw: dict, failure: Failure) -> None:
     async with server() as srv:
-        loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_connection(
             SERVER_IP, srv.listener.port, local_addr=("127.0.0.2", 0)
         )
-        hs = ClientHandshake(
-            SECRET.value,
-            Identity("127.0.0.2", 9000),
-            Channel.TRANSPORT,
-            loop.time(),
-            os.urandom,
-            wall=time.time(),
-            **kw,
-        )
+        hs = raw_client_handshake(**kw)
         with pytest.raises(HandshakeError) as info:
             await drive(hs, reader, writer)
         writer.close()
@@ -352,18 +357,10 @@ async def test_cluster_interface_binds_outbound_connections() -> None:
 
 async def test_truncated_handshake_is_closed_and_logged_as_noise() -> None:
     async with server() as srv, Node("client") as client:
-        loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_connection(
             SERVER_IP, srv.listener.port, local_addr=("127.0.0.2", 0)
         )
-        hs = ClientHandshake(
-            SECRET.value,
-            Identity("127.0.0.2", 9000),
-            Channel.TRANSPORT,
-            loop.time(),
-            os.urandom,
-            wall=time.time(),
-        )
+        hs = raw_client_handshake()
         first = hs.data_to_send()
         writer.write(first[: len(first) // 2])
         await writer.drain()

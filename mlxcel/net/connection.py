@@ -171,16 +171,17 @@ class SecureConnection:
             if self.closed or loop.time() - self._last_write < interval:
                 continue
             try:
-                async with self._send_lock:
-                    self._write(self.protection.seal(KIND_KEEPALIVE, b""))
-                    await self.writer.drain()
+                await self._send_empty(KIND_KEEPALIVE)
             except (ConnectionError, OSError, FrameError):
                 self.close()
 
     async def confirm(self) -> None:
         """The dialing side's first frame: proof that it holds the session keys."""
+        await self._send_empty(KIND_CONFIRM)
+
+    async def _send_empty(self, kind: int) -> None:
         async with self._send_lock:
-            self._write(self.protection.seal(KIND_CONFIRM, b""))
+            self._write(self.protection.seal(kind, b""))
             await self.writer.drain()
 
     async def expect_confirm(self, deadline: float) -> None:

@@ -47,12 +47,12 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
 
 def cluster_secret(settings: ServeSettings, toml_path: Path) -> ClusterSecret:
     """Every process of a distributed config authenticates its peers: fail closed."""
-    where = settings.origin("cluster_secret_file")
-    label = (
-        "--cluster-secret-file" if where == "the command line" else f"cluster_secret_file ({where})"
-    )
     secret = load_cluster_secret(
-        settings.cluster_secret_file, None, toml_path, required=True, cli_label=label
+        settings.cluster_secret_file,
+        None,
+        toml_path,
+        required=True,
+        cli_label=settings.origin("cluster_secret_file"),
     )
     assert secret is not None
     logger.info("cluster secret from {}", secret.source)

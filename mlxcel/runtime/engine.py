@@ -115,16 +115,6 @@ class LocalEngine:
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
         node.spawn(self._loop(), name="engine.loop", critical=True)
 
-    def _fresh_generator(self) -> BatchGenerator:
-        """Compute thread: a new batch, and the global random state re-seeded in case a
-        half-built step left it pointing at a graph that never ran."""
-        import secrets
-
-        import mlx.core as mx
-
-        mx.random.seed(secrets.randbits(32))
-        return self._make_generator()
-
     def _make_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self.loaded.model,
@@ -302,6 +292,6 @@ class LocalEngine:
         self._by_uid.clear()
         self._to_remove.clear()
         self._sample_failures.clear()
-        self._gen = await self.compute.run(self._fresh_generator)
+        self._gen = await self.compute.run(self._make_generator)
         for rid, s in seqs.items():
             await self._reply(Error("engine_failed", why, rid, s.entry.nonce))

@@ -50,13 +50,13 @@ class GuardedSampler:
     sequence with the recorded error.
     """
 
-    def __init__(self, inner: Sampler | None, failures: dict[str, str], key: str) -> None:
+    def __init__(self, inner: Sampler, failures: dict[str, str], key: str) -> None:
         self.inner = inner
         self.failures = failures
         self.key = key
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        if self.inner is not None and self.key not in self.failures:
+        if self.key not in self.failures:
             try:
                 return self.inner(logprobs)
             except Exception as exc:
