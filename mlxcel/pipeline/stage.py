@@ -628,32 +628,12 @@ class StageService:
                         outs = await asyncio.shield(self.compute.run(self._compute, group))
                 except TimeoutError:
                     # The thread may still finish it; the requests cannot wait that long.
-                    self.stats.errors += len(group)
-                    for w in group:
-                        await self._send(
-                            w.seq.owner,
-                            Error(
-                                "forward_timeout",
-                                f"stage {self.config.index}: a step took longer than "
-                                f"{self.config.forward_timeout:g}s",
-                                w.request_id,
-                                w.nonce,
-                            ),
-                        )
+                    why = f"a step took longer than {self.config.forward_timeout:g}s"
+                    await self._fail_group(group, "forward_timeout", why)
                     continue
                 except Exception as exc:  # an execution failure is reported like a bad activation
-                    self.stats.errors += len(group)
                     logger.exception("stage {}: forward failed", self.config.index)
-                    for w in group:
-                        await self._send(
-                            w.seq.owner,
-                            Error(
-                                "forward_failed",
-                                f"stage {self.config.index}: {exc}",
-                                w.request_id,
-                                w.nonce,
-                            ),
-                        )
+                    await self._fail_group(group, "forward_failed", str(exc))
                     continue
                 took = loop.time() - t0
                 self.stats.compute_s += took
@@ -672,6 +652,12 @@ class StageService:
                         await self._send(w.seq.owner, err)
                     else:
                         await self._deliver(w, out)
+
+    async def _fail_group(self, group: list[_Work], code: str, why: str) -> None:
+        self.stats.errors += len(group)
+        for w in group:
+            text = f"stage {self.config.index}: {why}"
+            await self._send(w.seq.owner, Error(code, text, w.request_id, w.nonce))
 
     async def _deliver(self, w: _Work, out: Any) -> None:
         if not self.is_last:
