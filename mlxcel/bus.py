@@ -39,6 +39,19 @@ class Overflow(enum.Enum):
     DROP = "drop"
 
 
+class Origin(enum.Enum):
+    """Which publishers a subscription hears: this process, the network, or both."""
+
+    ANY = "any"
+    LOCAL = "local"  # published in this process (source LOCAL)
+    REMOTE = "remote"  # arrived from a peer (source = its identity)
+
+    def admits(self, source: str) -> bool:
+        if self is Origin.ANY:
+            return True
+        return (source == LOCAL) == (self is Origin.LOCAL)
+
+
 @dataclass(frozen=True, slots=True)
 class Envelope(Generic[M]):
     msg: M
@@ -59,6 +72,7 @@ class Subscription:
         maxsize: int,
         policy: Overflow,
         name: str,
+        origin: Origin = Origin.ANY,
     ) -> None:
         if maxsize < 1:
             raise BusError(f"subscription {name!r}: maxsize must be >= 1")
@@ -67,6 +81,7 @@ class Subscription:
         self.handler = handler
         self.policy = policy
         self.name = name
+        self.origin = origin
         self.queue: asyncio.Queue[Envelope[Any]] = asyncio.Queue(maxsize)
         self.delivered = 0
         self.dropped = 0
@@ -130,14 +145,14 @@ class Bus:
         maxsize: int = 64,
         policy: Overflow = Overflow.BLOCK,
         name: str | None = None,
+        origin: Origin = Origin.ANY,
     ) -> Subscription:
         if self.closed:
             raise BusError("bus is closed")
         if not (isinstance(cls, type) and issubclass(cls, Message)):
             raise BusError(f"{cls!r} is not a message class")
-        sub = Subscription(
-            self, cls, handler, maxsize, policy, name or getattr(handler, "__qualname__", "handler")
-        )
+        label = name or getattr(handler, "__qualname__", "handler")
+        sub = Subscription(self, cls, handler, maxsize, policy, label, origin)
         self._subs.setdefault(cls, []).append(sub)
         sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")
         return sub
@@ -155,19 +170,20 @@ class Bus:
     async def publish(
         self, msg: Message, *, source: str = LOCAL, deadline: float | None = None
     ) -> int:
-        """Offer ``msg`` to every subscriber of its class; return how many accepted it.
+        """Offer ``msg`` to every subscriber of its class whose origin filter admits
+        ``source``; return how many accepted it.
 
         A BLOCK subscriber that stays full past ``deadline`` raises :class:`QueueFull`.
         """
         if self.closed:
             raise BusError("bus is closed")
-        subs = self._subs.get(type(msg))
+        subs = [s for s in self._subs.get(type(msg), ()) if s.origin.admits(source)]
         if not subs:
             self.unrouted[type(msg).__name__] += 1
             return 0
         env = Envelope(msg, source)
         accepted = 0
-        for sub in list(subs):
+        for sub in subs:
             accepted += await sub._offer(env, deadline)
         return accepted
 

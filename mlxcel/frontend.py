@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from mlxcel.bus import LOCAL, Envelope, Node
+from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import (
     AdmissionRejected,
@@ -90,14 +90,15 @@ class Frontend:
         return self._waiting
 
     def attach(self) -> None:
-        self.node.bus.subscribe(RunResult, self._route, maxsize=1024, name="frontend.results")
-        self.node.bus.subscribe(Error, self._route, maxsize=256, name="frontend.errors")
+        # Only this node's own generating role (engine or coordinator) answers requests;
+        # results that arrived from the network are the coordinator's to check first.
+        bus = self.node.bus
+        bus.subscribe(
+            RunResult, self._route, maxsize=1024, name="frontend.results", origin=Origin.LOCAL
+        )
+        bus.subscribe(Error, self._route, maxsize=256, name="frontend.errors", origin=Origin.LOCAL)
 
     async def _route(self, env: Envelope[RunResult | Error]) -> None:
-        if env.source != LOCAL:
-            # Only this node's own generating role (engine or coordinator) answers requests;
-            # results that arrived from the network are the coordinator's to check first.
-            return
         rid = env.msg.request_id
         q = self._streams.get(rid) if rid is not None else None
         if q is None:

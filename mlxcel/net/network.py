@@ -9,26 +9,16 @@ nodes of one process (identity = the node's name) -- same messages, no sockets.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 from mlxcel.bus import Node
+from mlxcel.endpoint import Endpoint, SendFailed
 from mlxcel.errors import MlxcelError
 from mlxcel.messages import Message
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import ConnectionPool
 
-
-class SendFailed(MlxcelError):
-    """A message could not be delivered to its destination."""
-
-
-class Endpoint(Protocol):
-    identity: str
-
-    async def send(self, dest: str, msg: Message, deadline: float) -> None: ...
-
-    def reset(self, dest: str) -> None:
-        """Drop every connection with ``dest`` (both directions); the next send redials."""
+__all__ = ["Endpoint", "LocalEndpoint", "LocalFabric", "SendFailed", "TcpEndpoint"]
 
 
 class LocalFabric:
@@ -58,6 +48,13 @@ class LocalEndpoint:
     def reset(self, dest: str) -> None:
         """Nothing to reset in memory."""
 
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        """Nodes of one process never lose each other."""
+
+    @property
+    def wire_bytes(self) -> int:
+        return 0
+
 
 def split_hostport(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
@@ -75,6 +72,11 @@ class TcpEndpoint:
         self.identity = identity
         self.pool = pool
         self.listener = listener
+        self._closing: set[str] = set()  # inbound connections we closed: not a lost peer
+        self._lost: list[Callable[[str], None]] = []
+        pool.on_lost.append(self._report_lost)  # the pool reports only what it did not drop
+        if listener is not None:
+            listener.on_lost.append(self._inbound_lost)
 
     async def send(self, dest: str, msg: Message, deadline: float) -> None:
         host, port = split_hostport(dest)
@@ -94,7 +96,23 @@ class TcpEndpoint:
         if self.listener is not None:
             inbound = self.listener.connection_for(dest)
             if inbound is not None:
+                self._closing.add(dest)
                 inbound.close()
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        """Either direction lost is the peer lost: our connection to it (pool) and its
+        connection to us (listener) -- but not a connection ``reset`` closed on purpose."""
+        self._lost.append(callback)
+
+    def _report_lost(self, identity: str) -> None:
+        for cb in list(self._lost):
+            cb(identity)
+
+    def _inbound_lost(self, identity: str) -> None:
+        if identity in self._closing:
+            self._closing.discard(identity)
+        else:
+            self._report_lost(identity)
 
     @property
     def wire_bytes(self) -> int:

@@ -155,14 +155,14 @@ class ConnectionPool:
         try:
             await conn.run(self.node)
         finally:
-            if self._conns.get(key) is conn:
+            if self._conns.get(key) is conn:  # not dropped on purpose: the peer is lost
                 del self._conns[key]
                 self._bytes_of_closed += conn.bytes_out
                 lock = self._locks.get(key)
                 if lock is not None and not lock.locked():
                     del self._locks[key]
-            for cb in list(self.on_lost):
-                cb(Identity(conn.peer.host, conn.peer.port).address)
+                for cb in list(self.on_lost):
+                    cb(Identity(conn.peer.host, conn.peer.port).address)
 
     async def connect(
         self, host: str, port: int, deadline: float | None = None

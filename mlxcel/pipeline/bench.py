@@ -63,7 +63,8 @@ async def aggregate_rate(fe: Frontend, tokens: int, streams: int) -> float:
 
 
 def _steps(c: PipelineCoordinator) -> tuple[int, float, float]:
-    return c.decode_steps, c.decode_wall_s, c.decode_compute_s
+    core = c.coord
+    return core.decode_steps, core.decode_wall_s, core.decode_compute_s
 
 
 def _overhead(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -25,6 +25,12 @@ class ComputeThread:
         if self.closed:
             raise RuntimeError("compute thread is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Queue ``fn`` now, in order with everything submitted before it; returns at once."""
+        if self.closed:
+            raise RuntimeError("compute thread is closed")
+        return self._pool.submit(fn, *args)
 
     def close(self) -> None:
         """Release the thread's MLX streams on the thread itself, then join it.

@@ -1,0 +1,139 @@
+"""The asyncio side of a role core: feed it the bus and a timer, carry out its effects.
+
+A core (see :mod:`mlxcel.effects`) decides and never waits. :class:`CoreAdapter` is the one
+place where a role touches the loop: it subscribes the core to its message classes, asks it
+``next_timer()`` after every call and runs ``on_timer(now)`` when that time comes, and
+carries out the effects -- sends go through per-destination outboxes, so a slow or dead
+destination delays only what goes to it, never a handler. Role-specific effects (compute,
+local delivery) are left to the subclass's ``apply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from loguru import logger
+
+from mlxcel.bus import Envelope, Node, Origin
+from mlxcel.deadlines import deadline_in
+from mlxcel.effects import Effect, ResetPeer, Send, Warn
+from mlxcel.endpoint import Endpoint, SendFailed
+from mlxcel.errors import MlxcelError
+from mlxcel.messages import Message
+from mlxcel.net.ratelimit import WarningLimiter
+
+OUTBOX_SIZE = 1024  # messages queued for one peer before they are dropped
+STRANGER_OUTBOX = 64  # refusals to non-peers, all together
+
+
+class Core(Protocol):
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]: ...
+    def on_timer(self, now: float) -> list[Effect]: ...
+    def next_timer(self) -> float | None: ...
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]: ...
+    def peer_lost(self, identity: str, now: float) -> list[Effect]: ...
+
+
+class CoreAdapter:
+    def __init__(
+        self, node: Node, endpoint: Endpoint, core: Core, name: str, send_budget: float
+    ) -> None:
+        self.node = node
+        self.endpoint = endpoint
+        self.core = core
+        self.name = name
+        self.send_budget = send_budget
+        self.loop = asyncio.get_running_loop()
+        self.limiter = WarningLimiter(self.loop.time)
+        self.dropped_sends = 0
+        self._outboxes: dict[str, asyncio.Queue[Send]] = {}
+        self._timer_changed = asyncio.Event()
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def subscribe(self, classes: Iterable[type[Message]], origin: Origin, maxsize: int) -> None:
+        for cls in classes:
+            self.node.bus.subscribe(
+                cls,
+                self._on_message,
+                maxsize=maxsize,
+                name=f"{self.name}.{cls.__name__}",
+                origin=origin,
+            )
+
+    def start(self) -> None:
+        """Arm the timer and listen for lost peers (call once, on a running node)."""
+        self.node.spawn(self._timer(), name=f"{self.name}.timer", critical=True)
+        self.endpoint.on_peer_lost(self._peer_lost)
+
+    async def _on_message(self, env: Envelope[Any]) -> None:
+        self.feed(self.core.handle(env.msg, env.source, self.now()))
+
+    def _peer_lost(self, identity: str) -> None:
+        self.feed(self.core.peer_lost(identity, self.now()))
+
+    def feed(self, effects: list[Effect]) -> None:
+        """Carry out ``effects`` in order, without waiting on anything."""
+        for effect in effects:
+            if isinstance(effect, Send):
+                self._queue_send(effect)
+            elif isinstance(effect, ResetPeer):
+                self.endpoint.reset(effect.dest)
+            elif isinstance(effect, Warn):
+                if effect.kind == "info":
+                    logger.info("{}", effect.text)
+                else:
+                    self.limiter.warn(effect.kind, effect.text)
+            else:
+                self.apply(effect)
+        self._timer_changed.set()
+
+    def apply(self, effect: Effect) -> None:
+        raise NotImplementedError(f"{self.name}: no handler for {type(effect).__name__}")
+
+    async def _timer(self) -> None:
+        while True:
+            self._timer_changed.clear()
+            when = self.core.next_timer()
+            if when is not None and when <= self.now():
+                self.feed(self.core.on_timer(self.now()))
+                await asyncio.sleep(0)  # let the loop breathe between bursts
+                continue
+            try:
+                async with asyncio.timeout_at(when):
+                    await self._timer_changed.wait()
+            except TimeoutError:
+                pass
+
+    # --- outboxes -----------------------------------------------------------------------------
+    def _queue_send(self, send: Send) -> None:
+        key = send.dest if send.peer else "*"
+        box = self._outboxes.get(key)
+        if box is None:
+            box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE if send.peer else STRANGER_OUTBOX)
+            self.node.spawn(self._drain(box, send.peer), name=f"{self.name}.out:{key}")
+        try:
+            box.put_nowait(send)
+        except asyncio.QueueFull:
+            self._failed(send, f"the outbox for {send.dest} is full")
+
+    def _failed(self, send: Send, reason: str) -> None:
+        self.dropped_sends += 1
+        self.feed(self.core.undeliverable(send, reason, self.now()))
+
+    async def _drain(self, box: asyncio.Queue[Send], peer: bool) -> None:
+        budget = self.send_budget if peer else 1.0
+        while True:
+            send = await box.get()
+            try:
+                await self.endpoint.send(send.dest, send.msg, deadline_in(budget))
+            except (SendFailed, MlxcelError) as exc:
+                self._failed(send, str(exc))
+            finally:
+                if not peer:
+                    # A refusal to someone who is not a peer travels on a one-off connection:
+                    # addresses a member claims cannot pile up here.
+                    self.endpoint.reset(send.dest)

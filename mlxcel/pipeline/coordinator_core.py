@@ -1,0 +1,522 @@
+"""The coordinator protocol as a pure state machine: no I/O, no clock, no MLX.
+
+For each local RunEntry the core prepares the sequence on every stage (each answers Ack),
+then per step sends one RunEntry to the entry stage and waits for the RunResult of that
+exchange from the final stage. The prompt runs as mlx-lm's batch generator runs it: every
+token but the last in chunks of ``prefill_chunk`` that only fill caches (``sample=False``,
+answered with an empty RunResult), then the last token as the first sampling step. When a
+request ends for any reason, the sequence is released on every stage. At most
+``max_in_flight`` sequences are in the stages at once; later requests wait in order.
+
+Every exchange has a fresh nonce and an absolute deadline. What the core accepts from the
+network: Ack/State only from the stage it addressed; RunResult only from the final stage,
+with the nonce of the exchange that is waiting, for the same request and micro-batch (and,
+with ``return_logits``, logits of shape ``[1, seq_len, vocab]``); Error carrying a waiting
+exchange's nonce from any stage (a stage downstream reports a bad activation that way).
+Everything else is dropped and counted (by a fixed reason, never by peer text), while the
+exchange keeps waiting on its deadline.
+
+Per-request states (``REQ_TABLE``): WAITING (for an in-flight slot) -> PREPARING (Acks
+outstanding) -> PREFILL (a prompt chunk in the pipeline) / DECODE (a sampling step in the
+pipeline) -> removed (finished, failed or cancelled).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.bus import LOCAL
+from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
+from mlxcel.errors import MlxcelError
+from mlxcel.fsm import Table
+from mlxcel.messages import (
+    Ack,
+    CancelRequest,
+    Error,
+    ErrorCode,
+    Message,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    State,
+    Tensor,
+    Undecodable,
+)
+
+
+class PipelineError(MlxcelError):
+    """A pipeline exchange failed (stage error, unreachable stage, deadline)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    PREPARING = "preparing"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class ReqEvent(enum.Enum):
+    ADMIT = "admit"
+    ACK = "ack"
+    SEND_CHUNK = "send_chunk"
+    SEND_STEP = "send_step"
+    RESULT = "result"
+    FINISH = "finish"
+    FAIL = "fail"
+    CANCEL = "cancel"
+
+
+_LIVE = (ReqState.WAITING, ReqState.PREPARING, ReqState.PREFILL, ReqState.DECODE)
+REQ_TABLE: Table[ReqState, ReqEvent] = Table(
+    "coordinator request",
+    {
+        (ReqState.WAITING, ReqEvent.ADMIT): ReqState.PREPARING,
+        (ReqState.PREPARING, ReqEvent.ACK): ReqState.PREPARING,
+        (ReqState.PREPARING, ReqEvent.SEND_CHUNK): ReqState.PREFILL,
+        (ReqState.PREPARING, ReqEvent.SEND_STEP): ReqState.DECODE,
+        (ReqState.PREFILL, ReqEvent.RESULT): ReqState.PREFILL,
+        (ReqState.PREFILL, ReqEvent.SEND_CHUNK): ReqState.PREFILL,
+        (ReqState.PREFILL, ReqEvent.SEND_STEP): ReqState.DECODE,
+        (ReqState.DECODE, ReqEvent.RESULT): ReqState.DECODE,
+        (ReqState.DECODE, ReqEvent.SEND_STEP): ReqState.DECODE,
+        (ReqState.DECODE, ReqEvent.FINISH): ReqState.DONE,
+        **{(s, ReqEvent.FAIL): ReqState.DONE for s in _LIVE},
+        **{(s, ReqEvent.CANCEL): ReqState.DONE for s in _LIVE},
+    },
+    {},
+    ErrorCode.BAD_REQUEST,
+)
+
+# Turns a logits RunResult into a token (``--pp-return-logits``): (logits, sampling, state)
+# -> (token, state). Injected, so the core stays free of MLX.
+PickToken = Callable[[Tensor, SamplingParams, Any], tuple[int, Any]]
+
+
+@dataclass
+class Exchange:
+    kind: type[Message]  # what answers it: Ack, State or RunResult
+    dest: str  # the stage addressed (Ack/State must come from it)
+    request_id: str  # "" for a state query
+    micro_batch: int
+    deadline: float
+    seq_len: int = 0
+    tokens: int = 1  # a RunResult's token count: 0 for a cache-filling prompt chunk
+    sent_at: float = 0.0
+    reset: bool = True  # a missed deadline replaces the connections (not for health probes)
+
+
+@dataclass
+class Req:
+    entry: RunEntry
+    state: ReqState = ReqState.WAITING
+    pending: set[int] = field(default_factory=set)  # nonces of exchanges in flight
+    prefix: tuple[int, ...] = ()  # prompt tokens still to fill caches with
+    next_tokens: tuple[int, ...] = ()  # the next sampling step's input
+    pos: int = 0
+    generated: int = 0
+    picker: Any = None  # PickToken's state
+    admitted: bool = False  # holds an in-flight slot (and sequences on the stages)
+
+
+class CoordinatorCore:
+    """The coordinator protocol. ``inject`` names deliberate bugs, for the simulator's tests."""
+
+    def __init__(
+        self,
+        stages: list[str],
+        *,
+        eos: set[int],
+        vocab: int,
+        max_len: int,
+        step_timeout: float = 30.0,
+        return_logits: bool = False,
+        max_in_flight: int = 64,
+        prefill_chunk: int = 512,
+        pick_token: PickToken | None = None,
+        inject: frozenset[str] = frozenset(),
+    ) -> None:
+        if return_logits and pick_token is None:
+            raise ValueError("return_logits needs a pick_token function")
+        self.stages = list(stages)
+        self.eos = eos
+        self.vocab = vocab
+        self.max_len = max_len
+        self.step_timeout = step_timeout
+        self.return_logits = return_logits
+        self.max_in_flight = max_in_flight
+        self.prefill_chunk = prefill_chunk
+        self.pick_token = pick_token
+        self.inject = inject
+        self.reqs: dict[str, Req] = {}
+        self._waiting: collections.deque[str] = collections.deque()
+        self._exchanges: dict[int, Exchange] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap; entries of closed exchanges linger
+        self._nonces = itertools.count(1)
+        self.held = 0
+        self.peak_in_flight = 0
+        # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
+        self.dropped: Counter[str] = Counter()
+        self.completed = 0
+        self.failed = 0
+        self.steps = 0
+        # Decode steps measured at the hand-offs: wall time from sending the RunEntry to
+        # receiving its RunResult, and the stages' compute for it. The difference is protocol.
+        self.decode_steps = 0
+        self.decode_wall_s = 0.0
+        self.decode_compute_s = 0.0
+
+    @property
+    def final(self) -> str:
+        return self.stages[-1]
+
+    @property
+    def active(self) -> int:
+        return len(self.reqs)
+
+    # --- entry points -------------------------------------------------------------------------
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if isinstance(msg, (RunEntry, CancelRequest)):
+            if source != LOCAL:
+                self._drop(out, f"{type(msg).__name__} is only accepted locally", msg, source)
+            elif isinstance(msg, RunEntry):
+                self._on_entry(msg, now, out)
+            else:
+                self._cancel(msg.request_id, now, out)
+        elif source == LOCAL:
+            pass  # our own Deliver effects, when a bus routes them back
+        elif isinstance(msg, RunResult):
+            self._on_result(msg, source, now, out)
+        elif isinstance(msg, (Ack, State)):
+            self._on_reply(msg, source, now, out)
+        elif isinstance(msg, Error):
+            self._on_error(msg, source, now, out)
+        elif isinstance(msg, Undecodable):
+            why = f"undecodable message (kind {msg.kind}): {msg.reason}"
+            err = Error(ErrorCode.BAD_MESSAGE, why, msg.request_id, msg.nonce)
+            self._on_error(err, source, now, out)
+        else:
+            self._drop(out, "not a coordinator message", msg, source)
+        return out
+
+    def on_timer(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, nonce = heapq.heappop(self._deadlines)
+            ex = self._exchanges.get(nonce)
+            if ex is None:
+                continue
+            if ex.kind is RunResult:
+                what = (
+                    f"no result for {ex.request_id} from the pipeline ({ex.dest} -> {self.final})"
+                )
+            else:
+                what = f"no {ex.kind.__name__} from {ex.dest} for {ex.request_id or 'a query'}"
+            if ex.reset:
+                # A stream that missed a deadline may be wedged mid-frame: replace it, so the
+                # next request dials afresh instead of waiting out its own deadline too.
+                out.append(ResetPeer(ex.dest))
+            budget = ex.deadline - ex.sent_at
+            self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, f"{what} within {budget:g}s", now)
+        return out
+
+    def next_timer(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self._exchanges:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        """A stage connection closed: every exchange that needs that stage fails now."""
+        out: list[Effect] = []
+        if identity not in self.stages:
+            return out
+        for nonce, ex in list(self._exchanges.items()):
+            if nonce in self._exchanges and (ex.kind is RunResult or ex.dest == identity):
+                why = f"lost the connection to stage {identity}"
+                self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
+        return out
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        nonce = getattr(send.msg, "nonce", None)
+        if nonce in self._exchanges:
+            self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, reason, now)
+        else:
+            out.append(
+                Warn("info", f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}")
+            )
+        return out
+
+    def query(
+        self, stage: str, now: float, timeout: float, reset: bool = True
+    ) -> tuple[int, list[Effect]]:
+        """Ask ``stage`` for its State; the answer comes as ``Answer(token, State | error)``."""
+        out: list[Effect] = []
+        nonce = self._open(State, stage, "", 0, now, timeout=timeout, reset=reset)
+        out.append(Send(stage, QueryState(nonce)))
+        return nonce, out
+
+    def decode_overhead_ms(self) -> float:
+        """Mean protocol time per decode step: wall time minus the stages' compute for it."""
+        if not self.decode_steps:
+            return 0.0
+        return 1e3 * (self.decode_wall_s - self.decode_compute_s) / self.decode_steps
+
+    # --- the local side -----------------------------------------------------------------------
+    def _on_entry(self, m: RunEntry, now: float, out: list[Effect]) -> None:
+        rid = m.request_id
+        if rid in self.reqs:
+            out.append(
+                Deliver(Error(ErrorCode.BAD_REQUEST, "request id already running", rid, m.nonce))
+            )
+            return
+        total = len(m.token_ids) + m.sampling.max_tokens
+        problem = None
+        if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
+            problem = f"prompt empty or token id outside the vocabulary [0, {self.vocab})"
+        elif total > self.max_len:
+            problem = (
+                f"prompt ({len(m.token_ids)} tokens) + max_tokens ({m.sampling.max_tokens}) "
+                f"exceeds the model's context of {self.max_len}"
+            )
+        if problem is not None:
+            self.failed += 1
+            out.append(Deliver(Error(ErrorCode.BAD_REQUEST, problem, rid, m.nonce)))
+            return
+        # As mlx-lm's batch generator does: every prompt token but the last fills caches in
+        # chunks; the last one runs as the first decode step. Same shapes, same numerics.
+        self.reqs[rid] = Req(m, prefix=m.token_ids[:-1], next_tokens=m.token_ids[-1:])
+        self._waiting.append(rid)
+        self._admit(now, out)
+
+    def _admit(self, now: float, out: list[Effect]) -> None:
+        while self._waiting and self.held < self.max_in_flight:
+            rid = self._waiting.popleft()
+            req = self.reqs.get(rid)
+            if req is None or req.state is not ReqState.WAITING:
+                continue
+            req.state = REQ_TABLE.next(req.state, ReqEvent.ADMIT)
+            req.admitted = True
+            self.held += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.held)
+            total = len(req.entry.token_ids) + req.entry.sampling.max_tokens
+            for stage in self.stages:
+                nonce = self._open(Ack, stage, rid, 0, now)
+                req.pending.add(nonce)
+                out.append(Send(stage, PrepareSequence(rid, total, nonce)))
+
+    def _cancel(self, rid: str, now: float, out: list[Effect]) -> None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            req.state = REQ_TABLE.next(req.state, ReqEvent.CANCEL)
+            self._end(req, now, out)
+
+    def _next_step(self, req: Req, now: float, out: list[Effect]) -> None:
+        e = req.entry
+        rid = e.request_id
+        if req.prefix:
+            piece, req.prefix = req.prefix[: self.prefill_chunk], req.prefix[self.prefill_chunk :]
+            req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
+            nonce = self._open(RunResult, self.stages[0], rid, e.micro_batch, now, len(piece), 0)
+            msg = RunEntry(rid, e.micro_batch, piece, req.pos, e.sampling, nonce, sample=False)
+        else:
+            step = req.next_tokens
+            req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
+            nonce = self._open(RunResult, self.stages[0], rid, e.micro_batch, now, len(step), 1)
+            msg = RunEntry(rid, e.micro_batch, step, req.pos, e.sampling, nonce)
+        req.pending = {nonce}
+        out.append(Send(self.stages[0], msg))
+
+    def _end(self, req: Req, now: float, out: list[Effect]) -> None:
+        """The request left (finished, failed or cancelled): free its slot and its stages."""
+        rid = req.entry.request_id
+        self.reqs.pop(rid, None)
+        for nonce in req.pending:
+            self._exchanges.pop(nonce, None)
+        req.pending = set()
+        if req.admitted:
+            req.admitted = False
+            self.held -= 1
+            out.extend(Send(stage, ReleaseSequence(rid)) for stage in self.stages)
+        self._admit(now, out)
+
+    # --- exchanges ----------------------------------------------------------------------------
+    def _open(
+        self,
+        kind: type[Message],
+        dest: str,
+        rid: str,
+        micro_batch: int,
+        now: float,
+        seq_len: int = 0,
+        tokens: int = 1,
+        *,
+        timeout: float | None = None,
+        reset: bool = True,
+    ) -> int:
+        nonce = next(self._nonces)
+        deadline = now + (timeout or self.step_timeout)
+        self._exchanges[nonce] = Exchange(
+            kind, dest, rid, micro_batch, deadline, seq_len, tokens, now, reset
+        )
+        heapq.heappush(self._deadlines, (deadline, nonce))
+        return nonce
+
+    def _close(self, nonce: int, out: list[Effect], code: str, why: str, now: float) -> None:
+        """Fail the exchange ``nonce``: its query is answered, or its request fails."""
+        ex = self._exchanges.pop(nonce, None)
+        if ex is None:
+            return
+        if not ex.request_id:
+            out.append(Answer(nonce, PipelineError(code, why)))
+            return
+        req = self.reqs.get(ex.request_id)
+        if req is None or nonce not in req.pending:
+            return
+        self.failed += 1
+        out.append(Warn("info", f"coordinator: request {ex.request_id} failed: {why}"))
+        e = req.entry
+        out.append(Deliver(Error(code, why, e.request_id, e.nonce)))
+        req.state = REQ_TABLE.next(req.state, ReqEvent.FAIL)
+        self._end(req, now, out)
+
+    def _drop(
+        self, out: list[Effect], why: str, msg: Message, source: str, detail: str = ""
+    ) -> None:
+        self.dropped[why] += 1
+        text = f"coordinator: dropping {type(msg).__name__} from {source}: {why}"
+        out.append(Warn("router-drop", text + (f" ({detail})" if detail else "")))
+
+    # --- replies ------------------------------------------------------------------------------
+    def _match_result(
+        self, m: RunResult, source: str, out: list[Effect]
+    ) -> tuple[int, Exchange] | None:
+        if source != self.final:
+            self._drop(out, "not from the final stage", m, source)
+            return None
+        ex = self._exchanges.get(m.nonce)
+        if ex is None and "accept-stale-nonce" in self.inject:
+            ex = next(
+                (
+                    x
+                    for x in self._exchanges.values()
+                    if x.request_id == m.request_id and x.kind is RunResult
+                ),
+                None,
+            )
+            if ex is not None:
+                nonce = next(n for n, x in self._exchanges.items() if x is ex)
+                return nonce, ex
+        if ex is None or ex.kind is not RunResult:
+            self._drop(out, "stale or unknown nonce", m, source)
+            return None
+        if ex.request_id != m.request_id or ex.micro_batch != m.micro_batch:
+            self._drop(out, "request or micro-batch does not match the exchange", m, source)
+            return None
+        if ex.tokens == 0:
+            if m.token_ids or m.logits is not None:
+                self._drop(
+                    out, "a prompt-chunk RunResult carries no token and no logits", m, source
+                )
+                return None
+        elif self.return_logits:
+            t = m.logits
+            if t is None or t.shape != (1, ex.seq_len, self.vocab):
+                shape = None if t is None else list(t.shape)
+                detail = f"{shape}, expected [1, {ex.seq_len}, {self.vocab}]"
+                self._drop(out, "logits of the wrong shape", m, source, detail)
+                return None
+        elif len(m.token_ids) != 1:
+            self._drop(out, "a sampled RunResult carries exactly one token", m, source)
+            return None
+        return m.nonce, ex
+
+    def _on_result(self, m: RunResult, source: str, now: float, out: list[Effect]) -> None:
+        matched = self._match_result(m, source, out)
+        if matched is None:
+            return
+        nonce, ex = matched
+        del self._exchanges[nonce]
+        req = self.reqs[ex.request_id]
+        req.state = REQ_TABLE.next(req.state, ReqEvent.RESULT)
+        req.pending.discard(nonce)
+        self.steps += 1
+        if ex.tokens == 0:  # a prompt chunk filled the caches
+            req.pos += ex.seq_len
+            self._next_step(req, now, out)
+            return
+        self.decode_steps += 1
+        self.decode_wall_s += now - ex.sent_at
+        self.decode_compute_s += m.compute_us / 1e6
+        e = req.entry
+        if self.return_logits:
+            assert m.logits is not None and self.pick_token is not None
+            token, req.picker = self.pick_token(m.logits, e.sampling, req.picker)
+            lp = None
+        else:
+            token, lp = m.token_ids[0], m.logprobs
+        req.pos += ex.seq_len
+        req.generated += 1
+        rid = e.request_id
+        if token in self.eos:
+            out.append(Deliver(RunResult(rid, e.micro_batch, (), "stop", e.nonce)))
+        else:
+            finish = "length" if req.generated >= e.sampling.max_tokens else None
+            out.append(
+                Deliver(RunResult(rid, e.micro_batch, (token,), finish, e.nonce, logprobs=lp))
+            )
+            if finish is None:
+                req.next_tokens = (token,)
+                self._next_step(req, now, out)
+                return
+        req.state = REQ_TABLE.next(req.state, ReqEvent.FINISH)
+        self.completed += 1
+        self._end(req, now, out)
+
+    def _on_reply(self, m: Ack | State, source: str, now: float, out: list[Effect]) -> None:
+        ex = self._exchanges.get(m.nonce)
+        if ex is None or ex.kind is not type(m):
+            self._drop(out, "stale or unknown nonce", m, source)
+            return
+        if source != ex.dest:
+            self._drop(out, "not from the stage the exchange addressed", m, source, ex.dest)
+            return
+        del self._exchanges[m.nonce]
+        if isinstance(m, State):
+            out.append(Answer(m.nonce, m))
+            return
+        req = self.reqs[ex.request_id]
+        req.state = REQ_TABLE.next(req.state, ReqEvent.ACK)
+        req.pending.discard(m.nonce)
+        if not req.pending:
+            self._next_step(req, now, out)
+
+    def _on_error(self, m: Error, source: str, now: float, out: list[Effect]) -> None:
+        ex = self._exchanges.get(m.nonce) if m.nonce is not None else None
+        if (
+            ex is None
+            or source not in self.stages
+            or ex.request_id != (m.request_id or ex.request_id)
+        ):
+            self._drop(out, "unmatched error", m, source, f"{m.code}: {m.message[:200]}")
+            return
+        if ex.kind is not RunResult and source != ex.dest:
+            self._drop(out, "not from the stage the exchange addressed", m, source, ex.dest)
+            return
+        assert m.nonce is not None
+        self._close(m.nonce, out, m.code, f"{source}: {m.message}", now)

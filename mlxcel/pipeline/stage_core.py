@@ -1,0 +1,590 @@
+"""The stage protocol as a pure state machine: no I/O, no clock, no MLX.
+
+:class:`StageCore` decides; :class:`mlxcel.pipeline.stage.StageService` (over the bus) and
+:mod:`mlxcel.sim` (on a virtual clock) carry out what it decides. Every entry point takes the
+current time as an argument and returns a list of :mod:`mlxcel.effects`.
+
+Authorization (by the authenticated source of each message) is the table ``MAY_SEND``:
+
+* commands -- PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain,
+  Shutdown, QueryState -- only from the configured coordinator (``not_coordinator``);
+* activations only from the upstream stage (``not_upstream``, told to the sequence's owner,
+  without the sender's nonce, so a stranger cannot fail a live exchange by guessing it);
+* the identity that prepared a request id owns it here: a command for that id from anyone
+  else is answered ``not_owner`` and changes nothing; re-preparing discards older caches;
+* results go to the owner (the authenticated source of PrepareSequence), never to an address
+  named in a payload; other replies go to the authenticated source.
+
+Each sequence is a small state machine (``SEQ_TABLE``): IDLE -> QUEUED (a step arrived) ->
+RUNNING (in a compute job) -> IDLE, or FAILED when its step failed (a failed sequence stays
+failed until released). A step must start where the sequence's cache ends (``start_pos``),
+so a duplicated or replayed step cannot run twice on one cache. The node itself is SERVING,
+DRAINING (no new sequences), STOPPING (drain, then stop) or STOPPED (``NODE_TABLE``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
+from mlxcel.fsm import ProtocolError
+from mlxcel.messages import (
+    Ack,
+    Activation,
+    BeginDrain,
+    CancelRequest,
+    Error,
+    ErrorCode,
+    Message,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    Shutdown,
+    State,
+    Tensor,
+    Undecodable,
+)
+from mlxcel.pipeline.stage_protocol import (
+    FLOAT_DTYPES,
+    MAX_ACTIVATION_TOKENS,
+    MAY_SEND,
+    NODE_TABLE,
+    REFUSAL,
+    SEQ_TABLE,
+    ComputeJob,
+    Sampled,
+    Sender,
+    Seq,
+    SeqEvent,
+    SeqKey,
+    SeqState,
+    StageConfig,
+    StageEvent,
+    StageState,
+    StageStats,
+    Step,
+    StepFailed,
+    StepOutput,
+)
+
+__all__ = ["StageConfig", "StageCore", "StageState"]
+
+
+# --- the core ---------------------------------------------------------------------------------
+
+
+class StageCore:
+    """The stage protocol. ``inject`` names deliberate bugs, for the simulator's own tests."""
+
+    def __init__(
+        self,
+        config: StageConfig,
+        *,
+        width: int,
+        vocab: int,
+        layers: tuple[int, int],
+        wire_bytes: Callable[[], int] = lambda: 0,
+        inject: frozenset[str] = frozenset(),
+    ) -> None:
+        self.config = config
+        self.width = width
+        self.vocab = vocab
+        self.layers = layers
+        self.wire_bytes = wire_bytes
+        self.inject = inject
+        self.state = StageState.SERVING
+        self.seqs: dict[str, Seq] = {}
+        self.stats = StageStats()
+        self._queue: collections.deque[Seq] = collections.deque()
+        self._generation = 0
+        self._job_ids = 0
+        self._job: ComputeJob | None = None
+        self._job_deadline = 0.0
+        self._last_was_decode = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.config.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.config.index == self.config.n_stages - 1
+
+    @property
+    def busy(self) -> bool:
+        return self._job is not None
+
+    # --- who is who ---------------------------------------------------------------------------
+    def is_coordinator(self, source: str) -> bool:
+        want = self.config.coordinator
+        if source == want:
+            return True
+        host, _, port = want.rpartition(":")
+        if host.strip("[]") not in ("0.0.0.0", "::"):
+            return False
+        return source.rpartition(":")[2] == port
+
+    def is_peer(self, dest: str) -> bool:
+        return dest in (self.config.upstream, self.config.downstream) or self.is_coordinator(dest)
+
+    def _sender_ok(self, msg: Message, source: str) -> bool:
+        role = MAY_SEND[type(msg)]
+        if role is Sender.COORDINATOR:
+            return self.is_coordinator(source)
+        return source == self.config.upstream
+
+    # --- entry points -------------------------------------------------------------------------
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        """One message from ``source`` (an authenticated identity) at time ``now``."""
+        out: list[Effect] = []
+        if isinstance(msg, Undecodable):
+            self._on_undecodable(msg, source, out)
+            return out
+        if type(msg) not in MAY_SEND:
+            self._refuse(out, msg, source, ErrorCode.BAD_MESSAGE, "not a stage message")
+            return out
+        if isinstance(msg, RunEntry) and not self.is_first:
+            self._refuse(out, msg, source, ErrorCode.NOT_ENTRY, "this stage is not the entry stage")
+            return out
+        if not self._sender_ok(msg, source):
+            self._refused_sender(out, msg, source)
+            return out
+        handler = getattr(self, f"_on_{type(msg).__name__}")
+        try:
+            handler(msg, source, now, out)
+        except ProtocolError as exc:
+            self._refuse(out, msg, source, exc.code, str(exc))
+        self._start_next(now, out)
+        self._maybe_stopped(out)
+        return out
+
+    def compute_done(
+        self, job_id: int, outputs: list[StepOutput], took: float, now: float
+    ) -> list[Effect]:
+        """The backend finished job ``job_id`` in ``took`` seconds of compute."""
+        out: list[Effect] = []
+        job = self._job
+        if job is None or job.id != job_id:
+            return out  # a job that timed out and was abandoned: its requests already failed
+        self._job = None
+        self.stats.compute_s += took
+        self.stats.forwards += len(job.steps)
+        self.stats.batches += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(job.steps))
+        spent = int(took * 1e6)
+        for step, result in zip(job.steps, outputs, strict=True):
+            seq = self._live(step.key)
+            if seq is None:
+                continue  # released while it ran
+            seq.touched = now
+            seq.step = None
+            if isinstance(result, StepFailed):
+                seq.state = SEQ_TABLE.next(seq.state, SeqEvent.FAIL)
+                self._fail_to_owner(out, seq, step, result.code, result.why)
+                continue
+            seq.state = SEQ_TABLE.next(seq.state, SeqEvent.DONE)
+            seq.tokens += step.n
+            self._pass_on(out, seq, step, result, step.compute_us + spent)
+        self._start_next(now, out)
+        self._maybe_stopped(out)
+        return out
+
+    def compute_failed(self, job_id: int, why: str, now: float) -> list[Effect]:
+        """The backend raised while running job ``job_id``: its sequences fail."""
+        return self._fail_job(job_id, ErrorCode.FORWARD_FAILED, why, now)
+
+    def on_timer(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if self._job is not None and now >= self._job_deadline:
+            why = f"a step took longer than {self.config.forward_timeout:g}s"
+            out += self._fail_job(self._job.id, ErrorCode.FORWARD_TIMEOUT, why, now)
+        stale = now - self.config.lease
+        idle = [
+            rid
+            for rid, seq in self.seqs.items()
+            if seq.touched <= stale and SEQ_TABLE.allows(seq.state, SeqEvent.EXPIRE)
+        ]
+        if idle:
+            self.stats.leases_expired += len(idle)
+            self._free(out, idle)
+        self._maybe_stopped(out)
+        return out
+
+    def next_timer(self) -> float | None:
+        """When ``on_timer`` has something to do next (None: nothing pending)."""
+        times = [
+            s.touched + self.config.lease
+            for s in self.seqs.values()
+            if SEQ_TABLE.allows(s.state, SeqEvent.EXPIRE)
+        ]
+        if self._job is not None:
+            times.append(self._job_deadline)
+        return min(times) if times else None
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        """A connection with ``identity`` closed: nobody is left to release what it owns."""
+        out: list[Effect] = []
+        self._free(out, [rid for rid, seq in self.seqs.items() if seq.owner == identity])
+        self._start_next(now, out)
+        self._maybe_stopped(out)
+        return out
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        """The adapter could not deliver ``send``: a lost activation fails its request."""
+        out: list[Effect] = []
+        self.stats.dropped += 1
+        out.append(Warn("router-drop", f"{self._me}: could not send to {send.dest}: {reason}"))
+        msg = send.msg
+        if isinstance(msg, Activation):
+            seq = self.seqs.get(msg.request_id)
+            if seq is not None:
+                self._send(
+                    out,
+                    seq.owner,
+                    Error(
+                        ErrorCode.DOWNSTREAM_UNREACHABLE,
+                        f"{self._me} cannot reach {send.dest}",
+                        msg.request_id,
+                        msg.nonce,
+                    ),
+                )
+        return out
+
+    def shutdown(self, now: float) -> list[Effect]:
+        """Drain, then stop once the last sequence is released (a ``Stopped`` effect)."""
+        out: list[Effect] = []
+        self.state = NODE_TABLE.next(self.state, StageEvent.SHUTDOWN)
+        self._maybe_stopped(out)
+        return out
+
+    def begin_drain(self) -> None:
+        if self.state is not StageState.STOPPED:
+            self.state = NODE_TABLE.next(self.state, StageEvent.DRAIN)
+
+    # --- commands -----------------------------------------------------------------------------
+    def _owned(self, msg: Any, source: str) -> Seq | None:
+        """The sequence named by ``msg`` if ``source`` owns it; raises for another owner."""
+        seq = self.seqs.get(msg.request_id)
+        if seq is not None and seq.owner != source and "skip-owner-check" not in self.inject:
+            raise ProtocolError(
+                ErrorCode.NOT_OWNER, f"request {seq.key[0]!r} is owned by another identity"
+            )
+        return seq
+
+    def _on_PrepareSequence(
+        self, m: PrepareSequence, source: str, now: float, out: list[Effect]
+    ) -> None:
+        old = self._owned(m, source)
+        self.state = NODE_TABLE.next(self.state, StageEvent.PREPARE)
+        if old is None and len(self.seqs) >= self.config.max_sequences:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_SEQUENCES,
+                f"stage holds its maximum of {self.config.max_sequences} sequences",
+            )
+        if old is not None:  # a fresh claim: whatever was cached under this id is discarded
+            self._free(out, [m.request_id], quiet=True)
+        self._generation += 1
+        self.seqs[m.request_id] = Seq((m.request_id, self._generation), source, m.max_len, now)
+        self._send(out, source, Ack(m.request_id, m.nonce))
+
+    def _on_release(
+        self, m: CancelRequest | ReleaseSequence, source: str, out: list[Effect]
+    ) -> None:
+        if self._owned(m, source) is not None:
+            self._free(out, [m.request_id])
+
+    def _on_CancelRequest(
+        self, m: CancelRequest, source: str, now: float, out: list[Effect]
+    ) -> None:
+        self._on_release(m, source, out)
+
+    def _on_ReleaseSequence(
+        self, m: ReleaseSequence, source: str, now: float, out: list[Effect]
+    ) -> None:
+        self._on_release(m, source, out)
+
+    def _on_BeginDrain(self, m: BeginDrain, source: str, now: float, out: list[Effect]) -> None:
+        self.begin_drain()
+        self._send(out, source, Ack("", 0))
+
+    def _on_Shutdown(self, m: Shutdown, source: str, now: float, out: list[Effect]) -> None:
+        self.state = NODE_TABLE.next(self.state, StageEvent.SHUTDOWN)
+
+    def _on_QueryState(self, m: QueryState, source: str, now: float, out: list[Effect]) -> None:
+        state = State(
+            self.config.node_id,
+            self.layers,
+            len(self.seqs),
+            self.state is not StageState.SERVING,
+            m.nonce,
+            self.wire_bytes(),
+            int(self.stats.compute_s * 1e6),
+            self.stats.largest_batch,
+        )
+        self._send(out, source, state)
+
+    # --- the data path ------------------------------------------------------------------------
+    def _on_RunEntry(self, m: RunEntry, source: str, now: float, out: list[Effect]) -> None:
+        seq = self._owned(m, source)
+        if seq is None:
+            raise ProtocolError(ErrorCode.NOT_PREPARED, f"no sequence {m.request_id!r} here")
+        if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"token ids empty or outside the vocabulary [0, {self.vocab})",
+            )
+        n = len(m.token_ids)
+        step = Step(
+            seq.key,
+            m.micro_batch,
+            tuple(m.token_ids),
+            None,
+            n,
+            m.start_pos,
+            m.sampling,
+            m.nonce,
+            m.sample,
+        )
+        self._accept_step(seq, step, now)
+
+    def _on_Activation(self, m: Activation, source: str, now: float, out: list[Effect]) -> None:
+        seq = self.seqs.get(m.request_id)
+        if seq is None:
+            self.stats.dropped += 1
+            out.append(
+                Warn(
+                    "router-drop",
+                    f"{self._me}: activation for unprepared request {m.request_id[:64]!r}; dropped",
+                )
+            )
+            return
+        problem = self._check_hidden(m.hidden)
+        if problem is not None:
+            self.stats.errors += 1
+            self._send(
+                out, seq.owner, Error(ErrorCode.BAD_ACTIVATION, problem, m.request_id, m.nonce)
+            )
+            return
+        n = m.hidden.shape[1]
+        step = Step(
+            seq.key,
+            m.micro_batch,
+            None,
+            m.hidden,
+            n,
+            m.start_pos,
+            m.sampling,
+            m.nonce,
+            m.sample,
+            m.compute_us,
+        )
+        try:
+            self._accept_step(seq, step, now)
+        except ProtocolError as exc:  # told to the owner: the sender is the upstream stage
+            self.stats.errors += 1
+            self._send(out, seq.owner, Error(exc.code, str(exc), m.request_id, m.nonce))
+
+    def _accept_step(self, seq: Seq, step: Step, now: float) -> None:
+        if (
+            seq.step is not None
+            and seq.step.nonce == step.nonce
+            and seq.step.start_pos == step.start_pos
+        ):
+            self.stats.duplicates += 1  # a copy of the step in flight: it runs once
+            return
+        new_state = SEQ_TABLE.next(seq.state, SeqEvent.STEP)
+        if step.start_pos != seq.tokens:
+            # The cache holds exactly the positions before start_pos; anything else would
+            # attend to the wrong history (or run a replayed step twice).
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"start_pos {step.start_pos} does not follow the {seq.tokens} positions cached "
+                f"for {step.request_id!r}",
+            )
+        if seq.tokens + step.n > seq.max_len:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids beyond the prepared length")
+        seq.state = new_state
+        seq.step = step
+        seq.touched = now
+        self._queue.append(seq)
+
+    def _check_hidden(self, t: Tensor) -> str | None:
+        if t.dtype not in FLOAT_DTYPES:
+            return f"hidden states must be float, got {t.dtype}"
+        if len(t.shape) != 3 or t.shape[0] != 1:
+            return f"hidden states must be [1, n, width], got {list(t.shape)}"
+        if not 1 <= t.shape[1] <= MAX_ACTIVATION_TOKENS:
+            return f"hidden states claim {t.shape[1]} tokens (1..{MAX_ACTIVATION_TOKENS})"
+        if t.shape[2] != self.width:
+            return f"hidden width {t.shape[2]} differs from the model's {self.width}"
+        return None
+
+    def _start_next(self, now: float, out: list[Effect]) -> None:
+        """Start one job if none runs: queued decode steps batch; prompt chunks run alone and
+        alternate with decode batches, so neither starves the other."""
+        if self._job is not None:
+            return
+        queued = [s for s in self._queue if s.state is SeqState.QUEUED and self._live(s.key) is s]
+        self._queue.clear()
+        if not queued:
+            return
+        decodes = [s for s in queued if s.step is not None and s.step.decode]
+        prompts = [s for s in queued if s not in decodes]
+        if decodes and not (prompts and self._last_was_decode):
+            chosen = decodes[: self.config.max_batch]
+        else:
+            chosen = prompts[:1]
+        self._last_was_decode = bool(chosen[0].step and chosen[0].step.decode)
+        self._queue.extend(s for s in queued if s not in chosen)
+        for seq in chosen:
+            seq.state = SEQ_TABLE.next(seq.state, SeqEvent.START)
+        self._job_ids += 1
+        steps = tuple(s.step for s in chosen if s.step is not None)
+        self._job = ComputeJob(
+            self._job_ids, steps, self.is_first, self.is_last, self.config.return_logits
+        )
+        self._job_deadline = now + self.config.forward_timeout
+        out.append(StartCompute(self._job))
+
+    def _fail_job(self, job_id: int, code: str, why: str, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        job = self._job
+        if job is None or job.id != job_id:
+            return out
+        self._job = None  # abandoned: a late answer for it is ignored
+        for step in job.steps:
+            seq = self._live(step.key)
+            if seq is not None:
+                seq.step = None
+                seq.state = SEQ_TABLE.next(seq.state, SeqEvent.FAIL)
+                self._fail_to_owner(out, seq, step, code, why)
+        self._start_next(now, out)
+        return out
+
+    def _pass_on(
+        self, out: list[Effect], seq: Seq, step: Step, result: StepOutput, spent: int
+    ) -> None:
+        rid = step.request_id
+        if not self.is_last:
+            assert self.config.downstream is not None and isinstance(result, Tensor)
+            act = Activation(
+                rid,
+                step.micro_batch,
+                result,
+                step.start_pos,
+                step.sampling,
+                step.nonce,
+                step.sample,
+                spent,
+            )
+            self._send(out, self.config.downstream, act)
+            return
+        tokens: tuple[int, ...] = ()
+        logprobs = None
+        logits = None
+        if not step.sample:
+            pass  # a cache-filling prompt chunk: progress, no token
+        elif isinstance(result, Tensor):
+            logits = result
+        elif isinstance(result, Sampled):
+            tokens = (result.token,)
+            logprobs = (result.logprob,) if step.sampling.logprobs else None
+        self._send(
+            out,
+            seq.owner,
+            RunResult(rid, step.micro_batch, tokens, None, step.nonce, logprobs, logits, spent),
+        )
+
+    # --- helpers ------------------------------------------------------------------------------
+    @property
+    def _me(self) -> str:
+        return f"stage {self.config.index}"
+
+    def _live(self, key: SeqKey) -> Seq | None:
+        seq = self.seqs.get(key[0])
+        return seq if seq is not None and seq.key == key else None
+
+    def _send(self, out: list[Effect], dest: str, msg: Message) -> None:
+        out.append(Send(dest, msg, self.is_peer(dest)))
+
+    def _free(self, out: list[Effect], request_ids: list[str], quiet: bool = False) -> None:
+        for rid in request_ids:
+            seq = self.seqs.pop(rid, None)
+            if seq is None:
+                continue
+            if seq.state is SeqState.QUEUED:
+                self.stats.discarded += 1
+            out.append(FreeCache(seq.key))
+        if request_ids and not quiet:
+            out.append(Warn("info", f"{self._me}: freed {len(request_ids)} sequence(s)"))
+
+    def _maybe_stopped(self, out: list[Effect]) -> None:
+        if not self.seqs and NODE_TABLE.allows(self.state, StageEvent.EMPTY):
+            self.state = NODE_TABLE.next(self.state, StageEvent.EMPTY)
+            out.append(Stopped())
+
+    def _fail_to_owner(self, out: list[Effect], seq: Seq, step: Step, code: str, why: str) -> None:
+        self.stats.errors += 1
+        self._send(out, seq.owner, Error(code, f"{self._me}: {why}", step.request_id, step.nonce))
+
+    def _refuse(self, out: list[Effect], msg: Message, source: str, code: str, why: str) -> None:
+        self.stats.refused += 1
+        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
+        out.append(
+            Warn("router-drop", f"{self._me}: refusing {type(msg).__name__} from {source}: {why}")
+        )
+        rid = getattr(msg, "request_id", None)
+        nonce = getattr(msg, "nonce", None)
+        self._send(out, source, Error(code, why, rid, nonce))
+
+    def _refused_sender(self, out: list[Effect], msg: Message, source: str) -> None:
+        code = REFUSAL[MAY_SEND[type(msg)]]
+        if not isinstance(msg, Activation):
+            self._refuse(
+                out,
+                msg,
+                source,
+                code,
+                f"{type(msg).__name__} is accepted only from the {MAY_SEND[type(msg)].value}",
+            )
+            return
+        # Only the upstream stage feeds this one. Tell the owner if there is one to tell,
+        # without the sender's nonce: a stranger must not fail a live exchange by guessing it.
+        self.stats.refused += 1
+        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
+        out.append(
+            Warn(
+                "router-drop",
+                f"{self._me}: activation from {source} is not from the upstream stage",
+            )
+        )
+        seq = self.seqs.get(msg.request_id)
+        if seq is not None:
+            self._send(
+                out,
+                seq.owner,
+                Error(code, f"activation from {source} refused", msg.request_id, None),
+            )
+
+    def _on_undecodable(self, m: Undecodable, source: str, out: list[Effect]) -> None:
+        """A message that failed to decode: answer its exchange now instead of at its deadline."""
+        seq = self.seqs.get(m.request_id) if m.request_id is not None else None
+        err = Error(
+            ErrorCode.BAD_MESSAGE,
+            f"{self._me}: undecodable message (kind {m.kind}): {m.reason}",
+            m.request_id,
+            m.nonce,
+        )
+        self.stats.errors += 1
+        if source == self.config.upstream and seq is not None:
+            self._send(out, seq.owner, err)  # a bad activation: its owner's exchange fails
+        elif self.is_coordinator(source):
+            self._send(out, source, err)
+        else:
+            out.append(
+                Warn("router-drop", f"{self._me}: undecodable message from {source}: {m.reason}")
+            )

@@ -1,0 +1,221 @@
+"""The stage protocol's tables and data: who may send what, the state machines, the steps.
+
+Authorization (by the authenticated source of each message) is ``MAY_SEND``: commands --
+PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain, Shutdown, QueryState --
+only from the configured coordinator; activations only from the upstream stage. On top, the
+identity that prepared a request id owns it on that stage (checked by the core).
+
+``SEQ_TABLE`` is one sequence's life on a stage; ``NODE_TABLE`` the stage's own. A pair that is
+not in a table is refused with the code the table names for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mlxcel.fsm import Table
+from mlxcel.messages import (
+    Activation,
+    BeginDrain,
+    CancelRequest,
+    ErrorCode,
+    Message,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    SamplingParams,
+    Shutdown,
+    Tensor,
+)
+
+MAX_ACTIVATION_TOKENS = 1 << 20
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+
+class Sender(enum.Enum):
+    COORDINATOR = "coordinator"
+    UPSTREAM = "upstream"
+
+
+MAY_SEND: dict[type[Message], Sender] = {
+    PrepareSequence: Sender.COORDINATOR,
+    RunEntry: Sender.COORDINATOR,
+    CancelRequest: Sender.COORDINATOR,
+    ReleaseSequence: Sender.COORDINATOR,
+    BeginDrain: Sender.COORDINATOR,
+    Shutdown: Sender.COORDINATOR,
+    QueryState: Sender.COORDINATOR,
+    Activation: Sender.UPSTREAM,
+}
+REFUSAL = {Sender.COORDINATOR: ErrorCode.NOT_COORDINATOR, Sender.UPSTREAM: ErrorCode.NOT_UPSTREAM}
+
+
+class SeqState(enum.Enum):
+    IDLE = "idle"  # prepared; its cache holds exactly ``tokens`` positions
+    QUEUED = "queued"  # one step waits for the compute backend
+    RUNNING = "running"  # its step is in the current compute job
+    FAILED = "failed"  # a step failed; only a release is accepted
+
+
+class SeqEvent(enum.Enum):
+    STEP = "step"
+    START = "start"
+    DONE = "done"
+    FAIL = "fail"
+    EXPIRE = "expire"  # its lease ran out while nothing was in flight
+
+
+SEQ_TABLE: Table[SeqState, SeqEvent] = Table(
+    "stage sequence",
+    {
+        (SeqState.IDLE, SeqEvent.STEP): SeqState.QUEUED,
+        (SeqState.QUEUED, SeqEvent.START): SeqState.RUNNING,
+        (SeqState.RUNNING, SeqEvent.DONE): SeqState.IDLE,
+        (SeqState.RUNNING, SeqEvent.FAIL): SeqState.FAILED,
+        (SeqState.IDLE, SeqEvent.EXPIRE): SeqState.IDLE,
+        (SeqState.FAILED, SeqEvent.EXPIRE): SeqState.FAILED,
+    },
+    {
+        (SeqState.QUEUED, SeqEvent.STEP): ErrorCode.STEP_IN_FLIGHT,
+        (SeqState.RUNNING, SeqEvent.STEP): ErrorCode.STEP_IN_FLIGHT,
+        (SeqState.FAILED, SeqEvent.STEP): ErrorCode.SEQUENCE_FAILED,
+    },
+    ErrorCode.BAD_REQUEST,
+)
+
+
+class StageState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"  # no new sequences; the ones held run to their end
+    STOPPING = "stopping"  # draining, and stops once the last sequence is released
+    STOPPED = "stopped"
+
+
+class StageEvent(enum.Enum):
+    PREPARE = "prepare"
+    DRAIN = "drain"
+    SHUTDOWN = "shutdown"
+    EMPTY = "empty"  # the last sequence left
+
+
+NODE_TABLE: Table[StageState, StageEvent] = Table(
+    "stage",
+    {
+        (StageState.SERVING, StageEvent.PREPARE): StageState.SERVING,
+        (StageState.SERVING, StageEvent.DRAIN): StageState.DRAINING,
+        (StageState.DRAINING, StageEvent.DRAIN): StageState.DRAINING,
+        (StageState.STOPPING, StageEvent.DRAIN): StageState.STOPPING,
+        (StageState.SERVING, StageEvent.SHUTDOWN): StageState.STOPPING,
+        (StageState.DRAINING, StageEvent.SHUTDOWN): StageState.STOPPING,
+        (StageState.STOPPING, StageEvent.SHUTDOWN): StageState.STOPPING,
+        (StageState.STOPPING, StageEvent.EMPTY): StageState.STOPPED,
+    },
+    {StageEvent.PREPARE: ErrorCode.DRAINING},
+    ErrorCode.DRAINING,
+)
+
+
+# --- configuration, steps and jobs ------------------------------------------------------------
+
+
+@dataclass
+class StageConfig:
+    node_id: str
+    index: int
+    n_stages: int
+    coordinator: str  # identity; an unspecified IP ("0.0.0.0:port") accepts any IP on that port
+    upstream: str | None = None
+    downstream: str | None = None
+    return_logits: bool = False
+    reply_deadline: float = 30.0
+    max_batch: int = 8  # decode steps of different sequences run as one forward
+    warm_up_tokens: int = 512  # the prompt-chunk size, so its kernels compile before serving
+    max_sequences: int = 256  # prepared sequences held at once (each holds KV caches)
+    lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
+    forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail
+
+
+SeqKey = tuple[str, int]  # (request id, generation): a re-prepared id gets a fresh key
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of one sequence, as plain data for the compute backend."""
+
+    key: SeqKey
+    micro_batch: int
+    tokens: tuple[int, ...] | None  # the entry stage's input
+    hidden: Tensor | None  # every other stage's input
+    n: int
+    start_pos: int
+    sampling: SamplingParams
+    nonce: int
+    sample: bool = True
+    compute_us: int = 0  # spent upstream on this step
+
+    @property
+    def request_id(self) -> str:
+        return self.key[0]
+
+    @property
+    def decode(self) -> bool:
+        return self.n == 1 and self.start_pos > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeJob:
+    """Steps that run as one forward pass: one prompt chunk, or up to ``max_batch`` decodes."""
+
+    id: int
+    steps: tuple[Step, ...]
+    first: bool  # the entry stage (takes token ids)
+    last: bool  # the final stage (samples, or returns logits)
+    return_logits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailed:
+    """One sequence's step failed while the rest of its job completed."""
+
+    code: str
+    why: str
+
+
+StepOutput = Tensor | Sampled | StepFailed | None
+
+
+@dataclass
+class Seq:
+    key: SeqKey
+    owner: str
+    max_len: int
+    touched: float  # the lease runs from the last command or step
+    state: SeqState = SeqState.IDLE
+    tokens: int = 0  # positions in the cache
+    step: Step | None = None  # the queued or running step
+
+
+@dataclass
+class StageStats:
+    forwards: int = 0
+    batches: int = 0
+    largest_batch: int = 0
+    discarded: int = 0  # queued steps dropped because their sequence was released
+    duplicates: int = 0  # a copy of the step in flight, dropped
+    compute_s: float = 0.0
+    refused: int = 0
+    errors: int = 0
+    leases_expired: int = 0
+    dropped: int = 0
+    by_code: dict[str, int] = field(default_factory=dict)
