@@ -363,6 +363,32 @@ class KeygenSettings(_Base):
     force: bool = Field(False, description="overwrite an existing file")
 
 
+class SimSettings(_Base):
+    seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
+    first_seed: int = Field(0, ge=0, description="the first seed of the run")
+    scenario: Literal["mixed", "scale"] = Field(
+        "mixed", description="mixed: 2-8 stages, every fault kind; scale: 32 stages"
+    )
+    seed: int | None = Field(None, ge=0, description="replay this one seed (ignores --seeds)")
+    stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
+    inject: str | None = Field(
+        None,
+        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce)",
+    )
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+
+    @field_validator("inject")
+    @classmethod
+    def _known_bugs(cls, v: str | None) -> str | None:
+        known = ("skip-owner-check", "accept-stale-nonce")
+        for bug in (v or "").split(","):
+            if bug.strip() and bug.strip() not in known:
+                raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")
+        return v
+
+
 class ClusterCheckSettings(_Base):
     listen: str | None = Field(None, description="run an authenticated ping endpoint on HOST:PORT")
     connect: str | None = Field(

@@ -148,6 +148,9 @@ class Activation(Message):
     nonce: int
     sample: bool = True
     compute_us: int = 0  # time the stages upstream spent computing this step
+    # Who prepared the sequence on the entry stage: each stage runs it only on a sequence the
+    # same identity prepared there, so one request id can never join two owners' caches.
+    owner: str = ""
 
 
 @dataclass(frozen=True, slots=True)

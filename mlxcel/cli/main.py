@@ -27,6 +27,7 @@ from mlxcel.config import (
     GenerateSettings,
     KeygenSettings,
     ServeSettings,
+    SimSettings,
     _OneLineParser,
     add_arguments,
     die,
@@ -46,6 +47,7 @@ COMMANDS: dict[str, tuple[type, str]] = {
         "check the cluster handshake between two hosts (secret, address, interface)",
     ),
     "keygen": (KeygenSettings, "write a new random cluster secret (32 bytes, hex, mode 0600)"),
+    "sim": (SimSettings, "simulate pipeline clusters with seeded faults on a virtual clock"),
 }
 BENCHES: dict[str, tuple[type, str]] = {
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
@@ -187,6 +189,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return commands.checkpoint(settings)
     if args.command == "keygen":
         return commands.keygen(settings)
+    if args.command == "sim":
+        from mlxcel.sim.cli import run_sim
+
+        return run_sim(settings)
     if args.command == "cluster-check":
         from mlxcel.net.check import run_check
 

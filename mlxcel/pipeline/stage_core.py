@@ -202,11 +202,11 @@ class StageCore:
         if self._job is not None and now >= self._job_deadline:
             why = f"a step took longer than {self.config.forward_timeout:g}s"
             out += self._fail_job(self._job.id, ErrorCode.FORWARD_TIMEOUT, why, now)
-        stale = now - self.config.lease
+        lease = self.config.lease  # the same sum next_timer() reports, so a timer never misses
         idle = [
             rid
             for rid, seq in self.seqs.items()
-            if seq.touched <= stale and SEQ_TABLE.allows(seq.state, SeqEvent.EXPIRE)
+            if seq.touched + lease <= now and SEQ_TABLE.allows(seq.state, SeqEvent.EXPIRE)
         ]
         if idle:
             self.stats.leases_expired += len(idle)
@@ -348,6 +348,7 @@ class StageCore:
             m.sampling,
             m.nonce,
             m.sample,
+            owner=seq.owner,
         )
         self._accept_step(seq, step, now)
 
@@ -369,6 +370,20 @@ class StageCore:
                 out, seq.owner, Error(ErrorCode.BAD_ACTIVATION, problem, m.request_id, m.nonce)
             )
             return
+        if m.owner != seq.owner and "skip-owner-check" not in self.inject:
+            # The entry stage ran this for another identity than the one that prepared it
+            # here: joining the two would feed one owner's tokens into the other's cache.
+            self.stats.refused += 1
+            self.stats.by_code[ErrorCode.NOT_OWNER] = (
+                self.stats.by_code.get(ErrorCode.NOT_OWNER, 0) + 1
+            )
+            out.append(
+                Warn(
+                    "router-drop",
+                    f"{self._me}: activation for {m.request_id[:64]!r} of another owner; dropped",
+                )
+            )
+            return
         n = m.hidden.shape[1]
         step = Step(
             seq.key,
@@ -381,6 +396,7 @@ class StageCore:
             m.nonce,
             m.sample,
             m.compute_us,
+            seq.owner,
         )
         try:
             self._accept_step(seq, step, now)
@@ -480,6 +496,7 @@ class StageCore:
                 step.nonce,
                 step.sample,
                 spent,
+                step.owner,
             )
             self._send(out, self.config.downstream, act)
             return

@@ -157,6 +157,7 @@ class Step:
     nonce: int
     sample: bool = True
     compute_us: int = 0  # spent upstream on this step
+    owner: str = ""  # who prepared the sequence on the entry stage
 
     @property
     def request_id(self) -> str:

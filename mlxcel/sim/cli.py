@@ -1,0 +1,73 @@
+"""``python -m mlxcel sim``: run seeded scenarios and print one summary (or replay one)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+
+from mlxcel.config import SimSettings
+from mlxcel.sim.scenarios import Result, run_scenario
+
+
+def summarize(results: list[Result], wall_s: float) -> dict[str, object]:
+    combined = hashlib.blake2b(digest_size=16)
+    for r in results:
+        combined.update(f"{r.name}:{r.seed}:{r.trace_hash}\n".encode())
+    events = sum(r.events for r in results)
+    faults = Counter(k for r in results for k in r.faults)
+    failures = [
+        {"seed": r.seed, "replay": r.replay, "violations": r.violations[:10]}
+        for r in results
+        if r.violations
+    ]
+    return {
+        "scenarios": len(results),
+        "stages": [min(r.stages for r in results), max(r.stages for r in results)],
+        "requests": sum(r.requests for r in results),
+        "completed": sum(r.completed for r in results),
+        "failed": sum(r.failed for r in results),
+        "violations": sum(len(r.violations) for r in results),
+        "events": events,
+        "wall_s": round(wall_s, 3),
+        "events_per_s": round(events / wall_s) if wall_s > 0 else 0,
+        "trace_hash": combined.hexdigest(),
+        "faults": dict(sorted(faults.items())),
+        "failures": failures,
+    }
+
+
+def run_sim(settings: SimSettings) -> int:
+    inject = frozenset(b.strip() for b in (settings.inject or "").split(",") if b.strip())
+    seeds = (
+        [settings.seed]
+        if settings.seed is not None
+        else range(settings.first_seed, settings.first_seed + settings.seeds)
+    )
+    t0 = time.perf_counter()
+    results = [
+        run_scenario(settings.scenario, s, stages=settings.stages, inject=inject) for s in seeds
+    ]
+    summary = summarize(results, time.perf_counter() - t0)
+    if settings.json_lines:
+        print(json.dumps(summary), flush=True)
+    else:
+        lo, hi = summary["stages"]  # type: ignore[misc]
+        print(
+            f"sim {settings.scenario}: {summary['scenarios']} scenarios, {lo}-{hi} stages, "
+            f"{summary['requests']} requests ({summary['completed']} completed, "
+            f"{summary['failed']} failed with an error)"
+        )
+        faults = ", ".join(f"{k} {v}" for k, v in summary["faults"].items())  # type: ignore[attr-defined]
+        print(f"faults: {faults}")
+        print(
+            f"events: {summary['events']} in {summary['wall_s']}s "
+            f"({summary['events_per_s']} simulated events/s)"
+        )
+        print(f"trace hash: {summary['trace_hash']}")
+        print(f"violations: {summary['violations']}")
+        for f in summary["failures"]:  # type: ignore[attr-defined]
+            print(f"  seed {f['seed']}: " + "; ".join(f["violations"][:3]))
+            print(f"    replay: {f['replay']}")
+    return 1 if summary["violations"] else 0

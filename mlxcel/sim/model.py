@@ -1,0 +1,110 @@
+"""A fake model for simulated stages: deterministic, cheap, and sensitive to every mistake.
+
+Each stage keeps, per sequence, a 64-bit running hash of every position it has seen (its
+"KV cache"); each position's output mixes that hash with the stage's index. The final stage's
+token is the last output modulo the vocabulary. So a step run twice, skipped, run on another
+sequence's cache or out of order changes every later token -- and :func:`reference` computes
+the right tokens without any network, for the invariant checks.
+
+Activations are real :class:`~mlxcel.messages.Tensor` messages of a configurable width (the
+bytes the simulated links carry); the first 8 bytes of each row hold the position's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxcel.messages import ErrorCode, Tensor
+from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, StepFailed, StepOutput
+
+MASK = (1 << 64) - 1
+PRIME = 0x100000001B3
+
+
+def mix(h: int, x: int, salt: int) -> int:
+    h = ((h ^ (x & MASK)) * PRIME + salt) & MASK
+    return h ^ (h >> 29)
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    n_layers: int
+    vocab: int = 512
+    width: int = 64  # activation row width, in float32 elements (>= 2)
+    eos: int = 0
+    seed: int = 0
+    step_s: float = 0.004  # compute time of one forward pass...
+    per_token_s: float = 0.0002  # ...plus this per position in it
+
+    def salt(self, stage: int) -> int:
+        return (self.seed * 1_000_003 + stage * 7919 + 1) & MASK
+
+    def compute_time(self, job: ComputeJob) -> float:
+        return self.step_s + self.per_token_s * sum(s.n for s in job.steps)
+
+
+@dataclass
+class FakeStage:
+    """One stage's backend: the fake caches, and what it was asked to hold and free."""
+
+    model: FakeModel
+    index: int
+    caches: dict[SeqKey, int] = field(default_factory=dict)
+    fail_sampling: bool = False
+
+    def run(self, job: ComputeJob) -> list[StepOutput]:
+        salt = self.model.salt(self.index)
+        outs: list[StepOutput] = []
+        for step in job.steps:
+            h = self.caches.get(step.key, 0)
+            if step.tokens is not None:
+                xs = list(step.tokens)
+            else:
+                assert step.hidden is not None
+                data, row = step.hidden.data, step.hidden.shape[2] * 4
+                xs = [int.from_bytes(data[i * row : i * row + 8], "little") for i in range(step.n)]
+            ys = []
+            for x in xs:
+                h = mix(h, x, salt)
+                ys.append(h)
+            self.caches[step.key] = h
+            if not job.last:
+                row = self.model.width * 4
+                body = b"".join(y.to_bytes(8, "little") + bytes(row - 8) for y in ys)
+                outs.append(Tensor("float32", (1, len(ys), self.model.width), body))
+            elif not step.sample:
+                outs.append(None)
+            elif self.fail_sampling:
+                outs.append(StepFailed(ErrorCode.SAMPLING_FAILED, "simulated sampler failure"))
+            else:
+                outs.append(Sampled(ys[-1] % self.model.vocab, 0.0))
+        return outs
+
+    def free(self, key: SeqKey) -> None:
+        self.caches.pop(key, None)
+
+
+def reference(
+    model: FakeModel, n_stages: int, prompt: tuple[int, ...], max_tokens: int
+) -> list[int]:
+    """The tokens a correct pipeline of ``n_stages`` returns for ``prompt`` (greedy)."""
+    hs = [0] * n_stages
+    salts = [model.salt(i) for i in range(n_stages)]
+
+    def run(x: int) -> int:
+        for i in range(n_stages):
+            hs[i] = mix(hs[i], x, salts[i])
+            x = hs[i]
+        return x % model.vocab
+
+    token = 0
+    for x in prompt:
+        token = run(x)
+    out: list[int] = []
+    while True:
+        if token == model.eos:
+            return out
+        out.append(token)
+        if len(out) >= max_tokens:
+            return out
+        token = run(token)

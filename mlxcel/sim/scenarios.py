@@ -1,0 +1,337 @@
+"""Scenarios: a cluster shape, a workload and a fault schedule, all drawn from one seed.
+
+:func:`run_scenario` builds the cluster (a coordinator core and N stage cores on the
+simulated network, with the fake model), runs the workload with its faults on virtual time,
+and checks the invariants afterwards. The same (name, seed, stages, inject) gives the same
+event trace, byte for byte; :attr:`Result.replay` is the command that reruns it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mlxcel.messages import (
+    Activation,
+    CancelRequest,
+    Error,
+    Message,
+    PrepareSequence,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+)
+from mlxcel.pipeline.coordinator_core import CoordinatorCore
+from mlxcel.pipeline.stage_core import StageConfig
+from mlxcel.sim.clock import Scheduler
+from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
+from mlxcel.sim.model import FakeModel, reference
+from mlxcel.sim.network import Link, SimNetwork
+
+FAULT_KINDS = (
+    "drop",
+    "delay",
+    "duplicate",
+    "reorder",
+    "partition",
+    "crash",
+    "slow",
+    "skew",
+    "outsider",
+    "insider",
+)
+SCENARIOS = ("mixed", "scale")
+BUGS = ("skip-owner-check", "accept-stale-nonce")
+COORDINATOR = "10.0.0.1:7000"
+INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
+REQUEST_TIMEOUT = 600.0  # the client's own deadline; the pipeline must end requests well before
+
+
+@dataclass
+class Result:
+    name: str
+    seed: int
+    stages: int
+    faults: list[str]
+    requests: int
+    completed: int
+    failed: int
+    events: int
+    trace_hash: str
+    violations: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    inject: tuple[str, ...] = ()
+    forced_stages: int | None = None
+
+    @property
+    def replay(self) -> str:
+        cmd = f"python -m mlxcel sim --scenario {self.name} --seed {self.seed}"
+        if self.forced_stages is not None:
+            cmd += f" --stages {self.forced_stages}"
+        for bug in self.inject:
+            cmd += f" --inject {bug}"
+        return cmd
+
+
+@dataclass
+class Cluster:
+    sched: Scheduler
+    net: SimNetwork
+    model: FakeModel
+    coordinator: CoordinatorHost
+    stages: list[StageHost]
+    intruder: Intruder | None = None
+    leaks: list[str] = field(default_factory=list)  # legit traffic that reached the intruder
+
+
+def build(
+    rng: random.Random, seed: int, n_stages: int, inject: frozenset[str], wildcard: bool
+) -> Cluster:
+    sched = Scheduler()
+    net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.01])))
+    model = FakeModel(
+        n_layers=n_stages * rng.randint(1, 3),
+        vocab=rng.choice([64, 512, 4096]),
+        width=rng.choice([4, 64, 256]),
+        seed=seed,
+    )
+    names = [f"10.0.1.{i + 1}:7100" for i in range(n_stages)]
+    # A coordinator configured with an unspecified IP accepts any identity on its port.
+    coordinator_id = "0.0.0.0:7000" if wildcard else COORDINATOR
+    max_batch = rng.randint(1, 8)
+    stages = []
+    per = model.n_layers // n_stages
+    for i, name in enumerate(names):
+        cfg = StageConfig(
+            name,
+            i,
+            n_stages,
+            coordinator_id,
+            upstream=names[i - 1] if i else None,
+            downstream=names[i + 1] if i + 1 < n_stages else None,
+            max_batch=max_batch,
+            max_sequences=rng.choice([256, 256, 6]),
+            lease=30.0,
+            forward_timeout=1.0,
+        )
+        host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
+        stages.append(host)
+        net.add(host)
+    core = CoordinatorCore(
+        names,
+        eos={model.eos},
+        vocab=model.vocab,
+        max_len=4096,
+        step_timeout=2.0,
+        max_in_flight=rng.randint(1, 8),
+        prefill_chunk=rng.choice([4, 8, 32]),
+        inject=inject,
+    )
+    cluster = Cluster(sched, net, model, None, stages)  # type: ignore[arg-type]
+
+    def entry_owner(rid: str) -> str | None:
+        seq = stages[0].core.seqs.get(rid) if stages[0].up else None
+        return seq.owner if seq is not None else None
+
+    stages[-1].entry_owner = entry_owner
+    coord = CoordinatorHost(COORDINATOR, sched, net, core)
+    net.add(coord)
+    cluster.coordinator = coord
+    return cluster
+
+
+def _window(rng: random.Random, horizon: float) -> tuple[float, float]:
+    t0 = rng.uniform(0.0, horizon)
+    return t0, t0 + rng.uniform(0.2, 4.0)
+
+
+def schedule_faults(cluster: Cluster, rng: random.Random, kinds: list[str], horizon: float) -> None:
+    sched, net, stages = cluster.sched, cluster.net, cluster.stages
+    f = net.faults
+
+    def toggle(attr: str, value: float) -> None:
+        t0, t1 = _window(rng, horizon)
+        sched.at(t0, setattr, f, attr, value)
+        sched.at(t1, setattr, f, attr, 0.0)
+
+    for kind in kinds:
+        if kind == "drop":
+            toggle("drop", rng.uniform(0.01, 0.1))
+        elif kind == "delay":
+            f.delay_max = max(f.delay_max, rng.uniform(0.1, 3.0))
+            toggle("delay", rng.uniform(0.05, 0.3))
+        elif kind == "duplicate":
+            f.delay_max = max(f.delay_max, rng.uniform(0.05, 1.0))
+            toggle("duplicate", rng.uniform(0.1, 0.4))
+        elif kind == "reorder":
+            toggle("reorder", rng.uniform(0.2, 0.6))
+        elif kind == "partition":
+            victim = rng.choice([*stages, cluster.coordinator]).identity
+            everyone = frozenset(net.hosts)
+            t0, t1 = _window(rng, horizon)
+            sched.at(t0, net.cut, frozenset({victim}), everyone - {victim})
+            sched.at(t1, net.heal)
+        elif kind == "crash":
+            host = rng.choice(stages)
+            t0, t1 = _window(rng, horizon)
+            sched.at(t0, host.crash)
+            sched.at(t1, host.restart)
+        elif kind == "slow":
+            host = rng.choice(stages)
+            t0, t1 = _window(rng, horizon)
+            sched.at(t0, setattr, host, "slow", rng.choice([20.0, 100.0, 400.0]))
+            sched.at(t1, setattr, host, "slow", 1.0)
+        elif kind == "skew":
+            for host in [*stages, cluster.coordinator]:
+                host.skew = rng.uniform(-30.0, 30.0)
+        elif kind in ("outsider", "insider"):
+            _intrude(cluster, rng, horizon, has_secret=kind == "insider")
+
+
+def _intrude(cluster: Cluster, rng: random.Random, horizon: float, has_secret: bool) -> None:
+    """A host that sends commands, activations and forged results for live request ids."""
+    sched, net = cluster.sched, cluster.net
+    if cluster.intruder is None:
+        cluster.intruder = Intruder(INTRUDER, sched, net, has_secret)
+        net.add(cluster.intruder)
+    evil = cluster.intruder
+    stages = [s.identity for s in cluster.stages]
+    outcomes = cluster.coordinator.outcomes
+    width = cluster.model.width
+
+    def strike() -> None:
+        live = [rid for rid, o in outcomes.items() if o.finish is None] or ["nobody"]
+        rid = rng.choice(live)
+        dest = rng.choice(stages)
+        nonce = rng.randint(1, 64)
+        sp = SamplingParams(max_tokens=4)
+        pos = rng.randint(0, 8)
+        hidden = Tensor("float32", (1, 1, width), bytes(4 * width))
+        msg: Message = rng.choice(
+            [
+                PrepareSequence(rid, 64, nonce),
+                RunEntry(rid, 0, (1, 2), pos, sp, nonce),
+                ReleaseSequence(rid),
+                CancelRequest(rid, "evil"),
+                Activation(rid, 0, hidden, pos, sp, nonce),
+            ]
+        )
+        if rng.random() < 0.3:  # a forged result or error, with a guessed nonce
+            dest = COORDINATOR
+            msg = rng.choice(
+                [
+                    RunResult(rid, 0, (rng.randint(0, 63),), None, nonce),
+                    Error("forged", "evil", rid, nonce),
+                ]
+            )
+        evil.inject(dest, msg)
+
+    for _ in range(rng.randint(5, 30)):
+        sched.at(rng.uniform(0.0, horizon), strike)
+
+
+def run_scenario(
+    name: str, seed: int, *, stages: int | None = None, inject: frozenset[str] = frozenset()
+) -> Result:
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+    wall0 = time.perf_counter()
+    rng = random.Random(f"{name}:{seed}")
+    if name == "scale":
+        n_stages = stages or 32
+        kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
+    else:
+        n_stages = stages or rng.randint(2, 8)
+        kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
+        kinds += [k for k in FAULT_KINDS if k not in kinds and rng.random() < 0.12]
+    cluster = build(rng, seed, n_stages, inject, wildcard="insider" in kinds)
+    n_requests = rng.randint(8, 24) if name == "scale" else rng.randint(3, 12)
+    horizon = 3.0
+    coord = cluster.coordinator
+    for i in range(n_requests):
+        prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(rng.randint(1, 40)))
+        max_tokens = rng.randint(1, 24)
+        at = rng.uniform(0.0, horizon)
+        rid = f"req-{i}"
+        cluster.sched.at(at, coord.submit, rid, prompt, max_tokens, REQUEST_TIMEOUT)
+        if rng.random() < 0.1:
+            cluster.sched.at(at + rng.uniform(0.0, 1.0), coord.cancel, rid)
+    schedule_faults(cluster, rng, kinds, horizon)
+    # Long enough for every deadline and lease to pass after the last request ends.
+    cluster.sched.run(horizon + REQUEST_TIMEOUT + 120.0)
+    violations = check(cluster)
+    outcomes = coord.outcomes.values()
+    return Result(
+        name,
+        seed,
+        n_stages,
+        kinds,
+        n_requests,
+        sum(o.finish in ("stop", "length") for o in outcomes),
+        sum(bool(o.finish and o.finish.startswith("error")) for o in outcomes),
+        cluster.sched.events,
+        cluster.sched.trace_hash,
+        violations,
+        time.perf_counter() - wall0,
+        tuple(sorted(inject)),
+        stages,
+    )
+
+
+def check(cluster: Cluster) -> list[str]:
+    """Every invariant, after the run. An empty list means the scenario passed."""
+    bad: list[str] = []
+    n = len(cluster.stages)
+    for o in cluster.coordinator.outcomes.values():
+        want = reference(cluster.model, n, o.prompt, o.max_tokens)
+        if o.finish is None or o.ended_at is None:
+            bad.append(f"{o.request_id} never ended")
+            continue
+        if o.finish == "error:client_deadline":
+            bad.append(f"{o.request_id} hung until the client's deadline")
+        if o.finish in ("stop", "length"):
+            expect = "stop" if len(want) < o.max_tokens else "length"
+            if o.tokens != want or o.finish != expect:
+                bad.append(
+                    f"{o.request_id} completed ({o.finish}) with {o.tokens[:12]}..., "
+                    f"expected ({expect}) {want[:12]}..."
+                )
+        elif o.tokens != want[: len(o.tokens)]:
+            bad.append(f"{o.request_id} ({o.finish}) streamed tokens that are not the reference")
+    for host in [*cluster.stages, cluster.coordinator]:
+        bad.extend(host.errors)
+    for host in cluster.stages:
+        bad.extend(host.violations)
+        if host.up:
+            if host.core.seqs:
+                bad.append(f"{host.identity} still holds {sorted(host.core.seqs)}")
+            if host.backend.caches:
+                bad.append(f"{host.identity} still holds {len(host.backend.caches)} caches")
+    core = cluster.coordinator.core
+    assert isinstance(core, CoordinatorCore)
+    if core.reqs or core.held:
+        bad.append(f"coordinator still holds {sorted(core.reqs)} ({core.held} slots)")
+    if core.peak_in_flight > core.max_in_flight:
+        bad.append(f"coordinator ran {core.peak_in_flight} > {core.max_in_flight} in flight")
+    return bad
+
+
+def run_many(
+    seeds: range,
+    *,
+    name: str = "mixed",
+    stages: int | None = None,
+    inject: frozenset[str] = frozenset(),
+    progress: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    results = []
+    for seed in seeds:
+        r = run_scenario(name, seed, stages=stages, inject=inject)
+        results.append(r)
+        if progress is not None:
+            progress(r)
+    return results
