@@ -279,6 +279,10 @@ class StageCore:
         self, m: PrepareSequence, source: str, now: float, out: list[Effect]
     ) -> None:
         old = self._owned(m, source)
+        if old is not None and old.nonce == m.nonce and old.owner == source:
+            self.stats.duplicates += 1  # a copy of the claim that made it: keep the cache
+            self._send(out, source, Ack(m.request_id, m.nonce))
+            return
         self.state = NODE_TABLE.next(self.state, StageEvent.PREPARE)
         if old is None and len(self.seqs) >= self.config.max_sequences:
             raise ProtocolError(
@@ -288,7 +292,8 @@ class StageCore:
         if old is not None:  # a fresh claim: whatever was cached under this id is discarded
             self._free(out, [m.request_id], quiet=True)
         self._generation += 1
-        self.seqs[m.request_id] = Seq((m.request_id, self._generation), source, m.max_len, now)
+        key = (m.request_id, self._generation)
+        self.seqs[m.request_id] = Seq(key, source, m.max_len, now, nonce=m.nonce)
         self._send(out, source, Ack(m.request_id, m.nonce))
 
     def _on_release(
@@ -405,12 +410,10 @@ class StageCore:
             self._send(out, seq.owner, Error(exc.code, str(exc), m.request_id, m.nonce))
 
     def _accept_step(self, seq: Seq, step: Step, now: float) -> None:
-        if (
-            seq.step is not None
-            and seq.step.nonce == step.nonce
-            and seq.step.start_pos == step.start_pos
-        ):
-            self.stats.duplicates += 1  # a copy of the step in flight: it runs once
+        if step.nonce == seq.step_nonce:
+            # A copy of a step already accepted (each exchange has a fresh nonce): whether it
+            # is still queued, running or done, it runs once and is answered once.
+            self.stats.duplicates += 1
             return
         new_state = SEQ_TABLE.next(seq.state, SeqEvent.STEP)
         if step.start_pos != seq.tokens:
@@ -425,6 +428,7 @@ class StageCore:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids beyond the prepared length")
         seq.state = new_state
         seq.step = step
+        seq.step_nonce = step.nonce
         seq.touched = now
         self._queue.append(seq)
 

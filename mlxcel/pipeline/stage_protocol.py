@@ -205,6 +205,8 @@ class Seq:
     state: SeqState = SeqState.IDLE
     tokens: int = 0  # positions in the cache
     step: Step | None = None  # the queued or running step
+    nonce: int = 0  # of the PrepareSequence that claimed it: a copy of that claim is a no-op
+    step_nonce: int | None = None  # of the last step accepted: a copy of it is a no-op
 
 
 @dataclass

@@ -1,0 +1,256 @@
+"""The coordinator protocol as a table: local requests and stage replies -> effects.
+
+No model, no loop: a CoordinatorCore is driven by hand, playing the stages' part.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel.bus import LOCAL
+from mlxcel.effects import Answer, Deliver, ResetPeer, Send
+from mlxcel.fsm import IllegalTransition
+from mlxcel.messages import (
+    Ack,
+    CancelRequest,
+    Error,
+    ErrorCode,
+    PrepareSequence,
+    QueryState,
+    ReleaseSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    State,
+    Tensor,
+    Undecodable,
+)
+from mlxcel.pipeline.coordinator_core import (
+    REQ_TABLE,
+    CoordinatorCore,
+    PipelineError,
+    ReqEvent,
+    ReqState,
+)
+
+S0, S1, S2 = "10.0.1.1:7100", "10.0.1.2:7100", "10.0.1.3:7100"
+STAGES = [S0, S1, S2]
+EOS = 15
+
+
+def core(**kw) -> CoordinatorCore:  # type: ignore[no-untyped-def]
+    opts = dict(eos={EOS}, vocab=16, max_len=64, step_timeout=2.0, prefill_chunk=4)
+    opts.update(kw)
+    return CoordinatorCore(STAGES, **opts)  # type: ignore[arg-type]
+
+
+def sent(effects: list, cls: type) -> list[Send]:  # type: ignore[type-arg]
+    return [e for e in effects if isinstance(e, Send) and isinstance(e.msg, cls)]
+
+
+def delivered(effects: list) -> list:  # type: ignore[type-arg]
+    return [e.msg for e in effects if isinstance(e, Deliver)]
+
+
+def start(c: CoordinatorCore, rid: str = "r", prompt: tuple[int, ...] = (1,), n: int = 3):  # type: ignore[no-untyped-def]
+    """Submit and ack on every stage; returns the first step's RunEntry."""
+    out = c.handle(RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=n), 77), LOCAL, 0.0)
+    preps = sent(out, PrepareSequence)
+    assert [p.dest for p in preps] == STAGES
+    for p in preps:
+        out = c.handle(Ack(rid, p.msg.nonce), p.dest, 0.1)
+    (step,) = sent(out, RunEntry)
+    assert step.dest == S0
+    return step.msg
+
+
+def test_a_request_prepares_fills_caches_in_chunks_decodes_and_releases() -> None:
+    c = core()
+    first = start(c, prompt=tuple(range(1, 11)), n=2)  # 9 prefix tokens: chunks of 4, 4, 1
+    assert (first.token_ids, first.start_pos, first.sample) == ((1, 2, 3, 4), 0, False)
+    out = c.handle(RunResult("r", 0, (), None, first.nonce), S2, 0.2)
+    (second,) = [s.msg for s in sent(out, RunEntry)]
+    assert (second.token_ids, second.start_pos) == ((5, 6, 7, 8), 4)
+    out = c.handle(RunResult("r", 0, (), None, second.nonce), S2, 0.3)
+    (third,) = [s.msg for s in sent(out, RunEntry)]
+    out = c.handle(RunResult("r", 0, (), None, third.nonce), S2, 0.4)
+    (step,) = [s.msg for s in sent(out, RunEntry)]
+    assert (step.token_ids, step.start_pos, step.sample) == ((10,), 9, True)
+    out = c.handle(RunResult("r", 0, (7,), None, step.nonce, compute_us=1000), S2, 0.5)
+    assert delivered(out) == [RunResult("r", 0, (7,), None, 77)]
+    (step,) = [s.msg for s in sent(out, RunEntry)]
+    assert (step.token_ids, step.start_pos) == ((7,), 10)
+    out = c.handle(RunResult("r", 0, (8,), None, step.nonce), S2, 0.6)
+    assert delivered(out) == [RunResult("r", 0, (8,), "length", 77)]
+    assert [s.dest for s in sent(out, ReleaseSequence)] == STAGES
+    assert not c.reqs and c.completed == 1 and c.held == 0
+    assert c.decode_steps == 2 and c.decode_compute_s == pytest.approx(0.001)
+
+
+def test_eos_ends_the_request_without_a_token() -> None:
+    c = core()
+    step = start(c)
+    out = c.handle(RunResult("r", 0, (EOS,), None, step.nonce), S2, 0.5)
+    assert delivered(out) == [RunResult("r", 0, (), "stop", 77)]
+
+
+@pytest.mark.parametrize(
+    "source, result, why",
+    [
+        (S1, lambda n: RunResult("r", 0, (3,), None, n), "not from the final stage"),
+        (S2, lambda n: RunResult("r", 0, (3,), None, n + 1000), "stale or unknown nonce"),
+        (S2, lambda n: RunResult("x", 0, (3,), None, n), "request or micro-batch"),
+        (S2, lambda n: RunResult("r", 1, (3,), None, n), "request or micro-batch"),
+        (S2, lambda n: RunResult("r", 0, (), None, n), "exactly one token"),
+        (S2, lambda n: RunResult("r", 0, (3, 4), None, n), "exactly one token"),
+    ],
+)
+def test_results_that_do_not_match_the_waiting_exchange_are_dropped(source, result, why) -> None:  # type: ignore[no-untyped-def]
+    c = core()
+    step = start(c)
+    out = c.handle(result(step.nonce), source, 0.5)
+    assert delivered(out) == [] and not sent(out, RunEntry)
+    (reason,) = c.dropped
+    assert why in reason
+    # The exchange keeps waiting: the right answer still completes the step.
+    out = c.handle(RunResult("r", 0, (3,), None, step.nonce), S2, 0.6)
+    assert delivered(out) == [RunResult("r", 0, (3,), None, 77)]
+
+
+def test_a_chunk_result_must_carry_nothing() -> None:
+    c = core()
+    first = start(c, prompt=(1, 2, 3))
+    c.handle(RunResult("r", 0, (3,), None, first.nonce), S2, 0.5)
+    assert "no token" in next(iter(c.dropped))
+
+
+def test_logits_must_have_the_models_shape() -> None:
+    picked = []
+
+    def pick(t: Tensor, sp: SamplingParams, state: object) -> tuple[int, object]:
+        picked.append(t.shape)
+        return 5, state
+
+    c = core(return_logits=True, pick_token=pick)
+    step = start(c)
+    wrong = Tensor("float32", (1, 1, 15), bytes(60))
+    c.handle(RunResult("r", 0, (), None, step.nonce, logits=wrong), S2, 0.5)
+    assert c.dropped["logits of the wrong shape"] == 1
+    right = Tensor("float32", (1, 1, 16), bytes(64))
+    out = c.handle(RunResult("r", 0, (), None, step.nonce, logits=right), S2, 0.6)
+    assert delivered(out) == [RunResult("r", 0, (5,), None, 77)] and picked == [(1, 1, 16)]
+
+
+def test_acks_and_states_only_from_the_stage_addressed() -> None:
+    c = core()
+    out = c.handle(RunEntry("r", 0, (1,), 0, SamplingParams(max_tokens=2), 77), LOCAL, 0.0)
+    p0 = sent(out, PrepareSequence)[0]
+    c.handle(Ack("r", p0.msg.nonce), S1, 0.1)
+    assert c.dropped["not from the stage the exchange addressed"] == 1
+    token, out = c.query(S1, 0.0, 1.0)
+    assert sent(out, QueryState)[0].dest == S1
+    st = State("s1", (1, 2), 0, False, token)
+    assert not [e for e in c.handle(st, S0, 0.1) if isinstance(e, Answer)]  # not addressed
+    assert c.dropped["not from the stage the exchange addressed"] == 2
+    assert c.handle(st, S1, 0.2) == [Answer(token, st)]
+
+
+def test_errors_with_the_exchange_nonce_fail_the_request_at_once() -> None:
+    c = core()
+    step = start(c)
+    # An error from a stage downstream of the one addressed counts for a RunResult exchange.
+    out = c.handle(Error(ErrorCode.BAD_ACTIVATION, "bad", "r", step.nonce), S1, 0.5)
+    (err,) = delivered(out)
+    assert err.code == ErrorCode.BAD_ACTIVATION and err.nonce == 77
+    assert [s.dest for s in sent(out, ReleaseSequence)] == STAGES
+    assert c.failed == 1 and not c.reqs
+
+
+def test_unmatched_or_misaddressed_errors_are_dropped() -> None:
+    c = core()
+    out = c.handle(RunEntry("r", 0, (1,), 0, SamplingParams(max_tokens=2), 77), LOCAL, 0.0)
+    p0 = sent(out, PrepareSequence)[0]
+    c.handle(Error("x", "y", "r", p0.msg.nonce), S1, 0.1)  # the Ack exchange addressed S0
+    c.handle(Error("x", "y", "r", 10_000), S0, 0.1)
+    c.handle(Error("x", "y", "r", p0.msg.nonce), "10.0.0.66:7000", 0.1)  # not a stage
+    assert c.dropped == {"not from the stage the exchange addressed": 1, "unmatched error": 2}
+    assert c.reqs["r"].state is ReqState.PREPARING
+
+
+def test_an_undecodable_answer_fails_its_exchange() -> None:
+    c = core()
+    step = start(c)
+    out = c.handle(Undecodable(4, "r", step.nonce, "bad tensor"), S2, 0.5)
+    assert delivered(out)[0].code == ErrorCode.BAD_MESSAGE
+
+
+def test_a_missed_deadline_fails_the_request_and_resets_the_stream() -> None:
+    c = core()
+    step = start(c)
+    assert c.next_timer() == pytest.approx(2.1)
+    out = c.on_timer(2.1)
+    assert ResetPeer(S0) in out
+    (err,) = delivered(out)
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED and "within 2s" in err.message
+    # A result that comes after the deadline is stale.
+    assert delivered(c.handle(RunResult("r", 0, (3,), None, step.nonce), S2, 2.3)) == []
+    assert c.dropped["stale or unknown nonce"] == 1 and c.failed == 1
+
+
+def test_a_health_query_that_times_out_does_not_reset() -> None:
+    c = core()
+    token, _ = c.query(S1, 0.0, 1.0, reset=False)
+    out = c.on_timer(1.0)
+    assert not [e for e in out if isinstance(e, ResetPeer)]
+    (answer,) = out
+    assert answer.token == token and isinstance(answer.value, PipelineError)
+
+
+def test_losing_a_stage_fails_the_exchanges_that_need_it() -> None:
+    c = core()
+    start(c)
+    out = c.peer_lost("10.0.0.99:1", 0.5)  # not a stage: nothing happens
+    assert out == [] and c.reqs
+    out = c.peer_lost(S1, 0.5)  # a RunResult exchange needs every stage
+    assert delivered(out)[0].code == ErrorCode.STAGE_UNREACHABLE
+
+
+def test_a_send_that_fails_fails_its_exchange() -> None:
+    c = core()
+    step = start(c)
+    out = c.undeliverable(Send(S0, step), "connection refused", 0.5)
+    assert delivered(out)[0].code == ErrorCode.STAGE_UNREACHABLE
+
+
+def test_at_most_max_in_flight_and_waiting_requests_cancel_cleanly() -> None:
+    c = core(max_in_flight=1)
+    start(c, "a")
+    out = c.handle(RunEntry("b", 0, (1,), 0, SamplingParams(max_tokens=2), 78), LOCAL, 0.2)
+    assert out == [] and c.reqs["b"].state is ReqState.WAITING
+    out = c.handle(CancelRequest("b", "client gone"), LOCAL, 0.3)
+    assert out == [] and "b" not in c.reqs  # never prepared: nothing to release
+    c.handle(RunEntry("c", 0, (1,), 0, SamplingParams(max_tokens=2), 79), LOCAL, 0.4)
+    out = c.handle(CancelRequest("a", "client gone"), LOCAL, 0.5)
+    assert [s.dest for s in sent(out, ReleaseSequence)] == STAGES
+    assert [s.msg.request_id for s in sent(out, PrepareSequence)] == ["c"] * 3
+    assert c.peak_in_flight == 1
+
+
+def test_bad_local_requests_and_remote_entries() -> None:
+    c = core()
+    out = c.handle(RunEntry("r", 0, (16,), 0, SamplingParams(), 1), LOCAL, 0.0)
+    assert delivered(out)[0].code == ErrorCode.BAD_REQUEST
+    out = c.handle(RunEntry("r", 0, (1,) * 60, 0, SamplingParams(max_tokens=10), 1), LOCAL, 0.0)
+    assert "exceeds the model's context of 64" in delivered(out)[0].message
+    start(c, "dup")
+    out = c.handle(RunEntry("dup", 0, (1,), 0, SamplingParams(), 2), LOCAL, 0.0)
+    assert delivered(out)[0].message == "request id already running"
+    assert c.handle(RunEntry("x", 0, (1,), 0, SamplingParams(), 3), S0, 0.0)
+    assert c.dropped["RunEntry is only accepted locally"] == 1 and "x" not in c.reqs
+
+
+def test_an_event_not_in_the_request_table_raises() -> None:
+    with pytest.raises(IllegalTransition):
+        REQ_TABLE.next(ReqState.PREPARING, ReqEvent.RESULT)
+    with pytest.raises(IllegalTransition):
+        REQ_TABLE.next(ReqState.DONE, ReqEvent.CANCEL)
