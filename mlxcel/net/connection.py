@@ -1,17 +1,19 @@
 """One authenticated connection: frames in and out, messages to the bus.
 
-Thin glue over the wire layer. Sending encodes a message (CBOR), seals it as one frame (or,
-above ``record_size`` (256 KiB), as a run of PART frames and an END frame, so the receiver can open
-one record while the next is in flight) and drains the socket.
+Thin glue over the wire layer (:mod:`mlxcel.wire.stream`). Sending encodes a message (CBOR)
+and writes the frames :func:`~mlxcel.wire.stream.message_frames` seals -- one frame, or above
+``record_size`` (256 KiB) a run of PART frames and an END frame -- draining the socket after
+each, so the receiver can open one record while the next is in flight.
 
-Receiving is bounded in memory and in time. A frame may announce at most one record
-(``max_frame``), refused from the header alone, so at most 256 KiB is allocated before a tag
-is checked. A message being reassembled may grow to ``max_message`` bytes on this connection,
-and every connection of a node draws on one :class:`MemoryBudget`. A frame's body must follow
-its header within ``frame_timeout``; a listener-side connection that receives nothing for
-``idle_timeout`` is closed. Any frame failure closes the connection; nothing from it reaches
-the bus. A decoded message that the bus cannot take before its deadline is dropped and
-counted (``bus_drops``) -- a declared decision, never a teardown.
+Receiving reads exactly the bytes the :class:`~mlxcel.wire.stream.FrameStream` asks for,
+feeds them and acts on its events; the stream enforces every limit (a frame announces at most
+one record, refused from its header; a message grows to at most ``max_message``; every
+connection of a node draws on one :class:`MemoryBudget`). This module owns the clock: while
+the stream is inside a frame or a multi-record message the peer has ``frame_timeout`` for the
+rest; otherwise a listener-side connection that receives nothing for ``idle_timeout`` is
+closed. Any frame failure closes the connection; nothing from it reaches the bus. A decoded
+message that the bus cannot take before its deadline is dropped and counted (``bus_drops``)
+-- a declared decision, never a teardown.
 """
 
 from __future__ import annotations
@@ -30,47 +32,38 @@ from mlxcel.wire.codec import decode, encode, salvage
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_MESSAGE,
-    HEADER_LEN,
     KIND_CONFIRM,
-    KIND_END,
     KIND_KEEPALIVE,
-    KIND_MESSAGE,
-    KIND_PART,
-    BudgetExceeded,
     FrameError,
     FrameTimeout,
-    FrameTooLarge,
     Protection,
-    parse_header,
 )
 from mlxcel.wire.handshake import Identity
+from mlxcel.wire.stream import (
+    DEFAULT_MEMORY_BUDGET,
+    ConfirmReceived,
+    FrameDropped,
+    FrameStream,
+    MemoryBudget,
+    MessageReceived,
+    StreamEvent,
+    message_frames,
+)
+
+__all__ = [
+    "DECODE_INLINE",
+    "DEFAULT_FRAME_TIMEOUT",
+    "DEFAULT_MEMORY_BUDGET",
+    "DEFAULT_RECORD_SIZE",
+    "ConnectionClosed",
+    "MemoryBudget",
+    "SecureConnection",
+]
 
 DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
 DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
-DEFAULT_MEMORY_BUDGET = 1 << 30  # reassembly buffers of all connections of one node
 DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
 _ids = itertools.count(1)
-
-
-class MemoryBudget:
-    """One node's allowance for message reassembly across all its connections."""
-
-    def __init__(self, limit: int = DEFAULT_MEMORY_BUDGET) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self.refusals = 0
-
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
-            self.refusals += 1
-            return False
-        self.used += n
-        self.peak = max(self.peak, self.used)
-        return True
-
-    def give(self, n: int) -> None:
-        self.used -= n
 
 
 class ConnectionClosed(MlxcelError):
@@ -109,13 +102,27 @@ class SecureConnection:
         self._last_write = asyncio.get_running_loop().time()
         self.id = next(_ids)
         self.closed = False
-        self.frames_in = 0
         self.frames_out = 0
         self.bytes_out = 0
-        self.bytes_in = 0
         self.unknown_kinds = 0
+        # The listener side's first frame must be the dialer's CONFIRM.
+        self._stream = FrameStream(
+            protection,
+            max_frame=self.max_frame,
+            max_message=max_message,
+            budget=self.budget,
+            confirm_first=not outbound,
+        )
         self._send_lock = asyncio.Lock()
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def frames_in(self) -> int:
+        return self._stream.frames_in
+
+    @property
+    def bytes_in(self) -> int:
+        return self._stream.bytes_in
 
     @property
     def source(self) -> str:
@@ -134,22 +141,15 @@ class SecureConnection:
     ) -> None:
         if self.closed:
             raise ConnectionClosed(f"{self!r} is closed")
-        if len(payload) > self.max_message:
-            raise FrameTooLarge(
-                f"message of {len(payload)} bytes exceeds the {self.max_message}-byte cap"
-            )
-        mv = memoryview(payload)
+        frames = message_frames(
+            self.protection, payload, record_size=self.record_size, max_message=self.max_message
+        )
         async with until(deadline, f"send to {self.source}"), self._send_lock:
-            if len(mv) <= self.record_size:
-                self._write(self.protection.seal(KIND_MESSAGE, mv))
-            else:
-                for off in range(0, len(mv), self.record_size):
-                    end = min(off + self.record_size, len(mv))
-                    self._write(
-                        self.protection.seal(KIND_END if end == len(mv) else KIND_PART, mv[off:end])
-                    )
-                    await self.writer.drain()  # let the peer start opening this record
-            await self.writer.drain()
+            # Sealed one by one under the lock (counter order = write order); the drain after
+            # each record lets the peer start opening it while the next is sealed.
+            for frame in frames:
+                self._write(frame)
+                await self.writer.drain()
 
     def _write(self, frame: bytearray) -> None:
         self.writer.write(frame)
@@ -187,77 +187,61 @@ class SecureConnection:
     async def expect_confirm(self, deadline: float) -> None:
         """Listening side: the first frame must be a CONFIRM that opens, before ``deadline``."""
         async with until(deadline, f"confirmation from {self.source}"):
-            kind, plain = await self._read_frame(idle=None)
-        if kind != KIND_CONFIRM or plain:
-            raise FrameError(f"{self.source}: first frame is not a confirmation (kind {kind})")
+            event = await self._next_event(idle=None)
+        if not isinstance(event, ConfirmReceived):  # the stream allows nothing else first
+            raise FrameError(f"{self.source}: first frame is not a confirmation")
 
     # --- receiving ---------------------------------------------------------------------------
-    async def _read_frame(self, idle: float | None) -> tuple[int, bytes | bytearray]:
-        """One opened frame. ``idle`` bounds the wait for its header; its body always has
-        ``frame_timeout`` (a damaged length or a stalled peer cannot wedge the reader)."""
-        try:
+    async def _next_event(self, idle: float | None) -> StreamEvent:
+        """The stream's next event, reading exactly what it asks for. Outside a frame the
+        wait is bounded by ``idle``; inside one (or between the records of a message) by
+        ``frame_timeout``, so a damaged length or a stalled peer cannot wedge the reader and
+        a half-sent message cannot hold the budget forever."""
+        stream = self._stream
+        while (event := stream.next_event()) is None:
+            inside = stream.in_frame
             try:
-                async with asyncio.timeout(idle):
-                    header = await self.reader.readexactly(HEADER_LEN)
+                async with asyncio.timeout(self.frame_timeout if inside else idle):
+                    data = await self.reader.readexactly(stream.bytes_needed)
             except TimeoutError:
+                if inside:
+                    raise FrameTimeout(
+                        f"{self.source}: a frame (or the next record of a message) did not "
+                        f"arrive within {self.frame_timeout:g}s"
+                    ) from None
                 raise FrameTimeout(f"{self.source} sent nothing for {idle:g}s") from None
-            kind, length = parse_header(header, self.max_frame)
-            try:
-                async with asyncio.timeout(self.frame_timeout):
-                    body = await self.reader.readexactly(length + self.protection.overhead)
-            except TimeoutError:
-                raise FrameTimeout(
-                    f"{self.source}: a frame of {length} bytes did not arrive within "
-                    f"{self.frame_timeout:g}s of its header"
-                ) from None
-        except asyncio.IncompleteReadError:
-            raise ConnectionClosed(f"{self.source} closed the connection") from None
-        except (ConnectionError, OSError) as exc:
-            raise ConnectionClosed(f"{self.source}: {exc}") from None
-        plain = self.protection.open(header, body)
-        self.frames_in += 1
-        self.bytes_in += HEADER_LEN + len(body)
-        return kind, plain
+            except asyncio.IncompleteReadError:
+                raise ConnectionClosed(f"{self.source} closed the connection") from None
+            except (ConnectionError, OSError) as exc:
+                raise ConnectionClosed(f"{self.source}: {exc}") from None
+            if self.closed:  # closed on this side while reading: no frame error to report
+                raise ConnectionClosed(f"{self!r} is closed")
+            stream.receive_data(data)
+        return event
 
-    async def recv_payload(self) -> bytes | bytearray:
-        """The next complete message payload (raises ConnectionClosed or FrameError)."""
-        parts: list[bytes | bytearray] = []
-        total = 0
+    async def recv_payload(self) -> bytes | bytearray | memoryview:
+        """The next complete message payload (raises ConnectionClosed or FrameError). An
+        interrupted call (timeout, cancellation) ends the stream: the budget it held goes back
+        and the half-read frame cannot be resumed."""
+        if self.closed:
+            raise ConnectionClosed(f"{self!r} is closed")
         try:
             while True:
-                # Between the records of one message the peer gets frame_timeout, not the
-                # idle allowance: a half-sent message must not hold the budget forever.
-                wait = self.frame_timeout if parts else self.idle_timeout
-                kind, plain = await self._read_frame(wait)
-                if kind == KIND_MESSAGE and not parts:
-                    return plain
-                if kind == KIND_KEEPALIVE and not parts and not plain:
-                    continue
-                if kind in (KIND_PART, KIND_END):
-                    if total + len(plain) > self.max_message:
-                        raise FrameTooLarge(f"message exceeds the {self.max_message}-byte cap")
-                    if not self.budget.take(len(plain)):
-                        raise BudgetExceeded(
-                            f"reassembling a message from {self.source} would pass this node's "
-                            f"{self.budget.limit}-byte budget for messages in flight"
-                        )
-                    parts.append(plain)
-                    total += len(plain)
-                    if kind == KIND_END:
-                        return b"".join(parts)
-                    continue
-                # Authenticated, but not a kind this build knows (or a MESSAGE inside a PART run).
-                self.unknown_kinds += 1
-                self.limiter.warn(
-                    "diagnostic",
-                    f"cluster: dropping an authenticated frame of unknown kind {kind} "
-                    f"from {self.source}",
-                )
-                self.budget.give(total)
-                parts.clear()
-                total = 0
-        finally:
-            self.budget.give(total)
+                event = await self._next_event(self.idle_timeout)
+                if isinstance(event, MessageReceived):
+                    return event.payload
+                if isinstance(event, FrameDropped):
+                    # Authenticated, but not a kind this build handles here.
+                    self.unknown_kinds += 1
+                    self.limiter.warn(
+                        "diagnostic",
+                        f"cluster: dropping an authenticated frame of unknown kind "
+                        f"{event.kind} from {self.source}",
+                    )
+                # KeepaliveReceived: it has done its job by arriving (the idle wait restarts).
+        except BaseException:
+            self._stream.close()
+            raise
 
     async def run(self, node: Node, deadline_s: float = 30.0) -> None:
         """Reader loop: decode each message and publish it with the peer's identity."""
@@ -305,6 +289,7 @@ class SecureConnection:
         if self.closed:
             return
         self.closed = True
+        self._stream.close()  # gives back what a half-received message holds of the budget
         try:
             self.writer.close()
         except Exception:  # pragma: no cover - closing a broken transport

@@ -5,25 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from mlxcel.wire.handshake import (
-    LEN,
-    PREAMBLE_LEN,
     ClientHandshake,
     Established,
     Failure,
     HandshakeError,
     ServerHandshake,
 )
-
-
-def _wanted(hs: ClientHandshake | ServerHandshake) -> int:
-    """How many more bytes the machine needs: exact reads never swallow the first frame."""
-    buf = hs._in
-    if not hs._got_preamble:
-        return PREAMBLE_LEN - len(buf)
-    if len(buf) < LEN.size:
-        return LEN.size - len(buf)
-    (n,) = LEN.unpack_from(buf)
-    return max(1, LEN.size + n - len(buf))
 
 
 async def drive(
@@ -44,7 +31,7 @@ async def drive(
             timer = hs.get_timer()
             try:
                 async with asyncio.timeout_at(timer):
-                    data = await reader.readexactly(_wanted(hs))
+                    data = await reader.readexactly(hs.bytes_needed)
             except TimeoutError:
                 hs.handle_timer(loop.time())
                 continue
