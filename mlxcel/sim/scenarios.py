@@ -149,7 +149,13 @@ def _window(rng: random.Random, horizon: float) -> tuple[float, float]:
     return t0, t0 + rng.uniform(0.2, 4.0)
 
 
-def schedule_faults(cluster: Cluster, rng: random.Random, kinds: list[str], horizon: float) -> None:
+def schedule_faults(
+    cluster: Cluster,
+    rng: random.Random,
+    kinds: list[str],
+    horizon: float,
+    arrivals: list[tuple[str, float]] = (),  # type: ignore[assignment]
+) -> None:
     sched, net, stages = cluster.sched, cluster.net, cluster.stages
     f = net.faults
 
@@ -189,11 +195,18 @@ def schedule_faults(cluster: Cluster, rng: random.Random, kinds: list[str], hori
             for host in [*stages, cluster.coordinator]:
                 host.skew = rng.uniform(-30.0, 30.0)
         elif kind in ("outsider", "insider"):
-            _intrude(cluster, rng, horizon, has_secret=kind == "insider")
+            _intrude(cluster, rng, horizon, kind == "insider", arrivals)
 
 
-def _intrude(cluster: Cluster, rng: random.Random, horizon: float, has_secret: bool) -> None:
-    """A host that sends commands, activations and forged results for live request ids."""
+def _intrude(
+    cluster: Cluster,
+    rng: random.Random,
+    horizon: float,
+    has_secret: bool,
+    arrivals: list[tuple[str, float]],
+) -> None:
+    """A host that sends commands, activations and forged results for live request ids --
+    and, knowing that request ids are predictable, races their owner for some of them."""
     sched, net = cluster.sched, cluster.net
     if cluster.intruder is None:
         cluster.intruder = Intruder(INTRUDER, sched, net, has_secret)
@@ -232,6 +245,14 @@ def _intrude(cluster: Cluster, rng: random.Random, horizon: float, has_secret: b
 
     for _ in range(rng.randint(5, 30)):
         sched.at(rng.uniform(0.0, horizon), strike)
+    # The race: claim a request id on the entry stage just before its owner does, then, once
+    # the owner has prepared the later stages, run a step under it -- the entry stage runs it
+    # for the intruder, and the stages after it must not run it on the owner's sequence.
+    latency = net.link.latency
+    for rid, at in rng.sample(arrivals, min(len(arrivals), 3)):
+        sched.at(at - latency / 2, evil.inject, stages[0], PrepareSequence(rid, 64, 1))
+        step = RunEntry(rid, 0, (1,), 0, SamplingParams(max_tokens=4), 2)
+        sched.at(at + rng.uniform(0.5, 2.0) * latency, evil.inject, stages[0], step)
 
 
 def run_scenario(
@@ -252,15 +273,17 @@ def run_scenario(
     n_requests = rng.randint(8, 24) if name == "scale" else rng.randint(3, 12)
     horizon = 3.0
     coord = cluster.coordinator
+    arrivals = []
     for i in range(n_requests):
         prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(rng.randint(1, 40)))
         max_tokens = rng.randint(1, 24)
         at = rng.uniform(0.0, horizon)
         rid = f"req-{i}"
+        arrivals.append((rid, at))
         cluster.sched.at(at, coord.submit, rid, prompt, max_tokens, REQUEST_TIMEOUT)
         if rng.random() < 0.1:
             cluster.sched.at(at + rng.uniform(0.0, 1.0), coord.cancel, rid)
-    schedule_faults(cluster, rng, kinds, horizon)
+    schedule_faults(cluster, rng, kinds, horizon, arrivals)
     # Long enough for every deadline and lease to pass after the last request ends.
     cluster.sched.run(horizon + REQUEST_TIMEOUT + 120.0)
     violations = check(cluster)
