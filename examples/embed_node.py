@@ -1,7 +1,9 @@
 """Embed mlxcel in your own asyncio service.
 
 Runs the one-process generation stack (engine + frontend) on a Node inside this program's
-event loop, next to the service's own task and its own bus handler. Run it with
+event loop, next to the service's own task and its own bus handler, then serves the
+OpenAI-compatible API from the same loop with a NodeRunner (no signal handlers installed:
+stopping is the service's business). Run it with
 ``python examples/embed_node.py``; it writes a tiny random checkpoint to a temporary folder.
 """
 
@@ -12,8 +14,11 @@ import tempfile
 from contextlib import aclosing
 from pathlib import Path
 
+import aiohttp
+
 from mlxcel.bus import Envelope, Overflow
 from mlxcel.messages import RunResult, SamplingParams
+from mlxcel.runner import HttpOptions, NodeRunner, Serving
 from mlxcel.runtime.checkpoint import write_checkpoint
 from mlxcel.server.run import local_stack
 
@@ -59,6 +64,18 @@ async def main() -> None:
             print("ticks while generating:", ticks)
             print("tokens seen by the audit handler:", len(seen) - 1)
             print("handler errors counted:", stack.node.bus.handler_errors["audit"])
+
+            # The same stack behind HTTP, on a free port, inside this loop.
+            serving = Serving(stack.node, stack.frontend, lambda: stack.engine.active)
+            runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"))
+            await runner.setup()
+            sites = await runner.start()  # a port in use raises here (and in runner.started)
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{sites['http']}/v1/completions", json=body) as resp:
+                    answer = await resp.json()
+            await runner.stop()
+            print("served over HTTP:", answer["usage"]["completion_tokens"], "tokens")
 
 
 if __name__ == "__main__":

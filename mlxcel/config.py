@@ -366,8 +366,13 @@ class KeygenSettings(_Base):
 class SimSettings(_Base):
     seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
     first_seed: int = Field(0, ge=0, description="the first seed of the run")
-    scenario: Literal["mixed", "scale"] = Field(
-        "mixed", description="mixed: 2-8 stages, every fault kind; scale: 32 stages"
+    scenario: Literal["mixed", "scale", "tiny"] = Field(
+        "mixed",
+        description="mixed: 2-8 stages, every fault kind; scale: 32 stages; "
+        "tiny: 2-4 stages computing with the real checkpoint (--model)",
+    )
+    model: str | None = Field(
+        None, description="checkpoint for --scenario tiny (default: the embedded tiny model)"
     )
     seed: int | None = Field(None, ge=0, description="replay this one seed (ignores --seeds)")
     stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")

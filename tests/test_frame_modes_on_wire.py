@@ -16,8 +16,8 @@ import pytest
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from mlxcel.bench.frames import MODES
 from mlxcel.bus import Node
-from mlxcel.net.bench_frames import MODES
 from mlxcel.net.connection import SecureConnection
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import Backoff, ConnectionPool

@@ -75,3 +75,16 @@ def test_a_32_stage_pipeline() -> None:
 def test_the_cli_names_a_bad_flag() -> None:
     r = sim("--inject", "no-such-bug")
     assert r.returncode == 2 and "no-such-bug" in r.stderr
+
+
+def test_the_real_tiny_checkpoint_computes_a_small_cluster(tiny: Path) -> None:
+    """The same scenarios with mlx-lm layers as the stages' compute: completed requests carry
+    exactly the tokens of the whole model run as one range; one seed, one trace."""
+    results = run_many(range(5), name="tiny", model_path=tiny)
+    assert all(r.violations == [] for r in results), [r.violations for r in results]
+    assert sum(r.completed for r in results) > 0
+    again = run_scenario("tiny", 3, model_path=tiny)
+    assert again.trace_hash == results[3].trace_hash
+    # An insider seed with the owner check skipped is caught with real compute too.
+    bad = run_scenario("tiny", 9, model_path=tiny, inject=frozenset({"skip-owner-check"}))
+    assert "insider" in bad.faults and bad.violations

@@ -161,120 +161,6 @@ def _stats_line(u: Usage) -> str:
     )
 
 
-async def serve(s: ServeSettings) -> int:
-    if s.distributed_config is not None:
-        return await _serve_distributed(s)
-    path = resolve_model(s.model)
-    if _tp_follower(s, path):
-        return 0
-    if s.dry_run:
-        return _print_plan(path, s.pp_size, s.pp_layers)
-    if s.tp_size > 1 or s.tp_hostfile is not None:
-        return await _serve_tp(s, path)
-    if s.pp_size > 1 or s.pp_layers is not None:
-        from mlxcel.pipeline.inproc import pipeline_stack
-        from mlxcel.server.run import serve_http
-
-        async with pipeline_stack(
-            path,
-            s.pp_size,
-            pp_layers=s.pp_layers,
-            parallel=s.parallel,
-            queue_size=s.queue_size,
-            request_timeout=s.request_timeout,
-            return_logits=s.pp_return_logits,
-            max_batch_size=s.max_batch_size,
-            prefill_chunk=s.prefill_step_size,
-            max_in_flight=s.pp_micro_batch_size,
-        ) as st:
-            await serve_http(
-                s,
-                st.frontend,
-                st.node,
-                st.loaded.name,
-                inflight=lambda: st.coordinator.active,
-                health_extra=st.coordinator.health,
-            )
-        return 0
-    from mlxcel.server.run import serve as run_server
-
-    await run_server(s, path)
-    return 0
-
-
-async def _serve_tp(s: ServeSettings, path: Path) -> int:
-    from mlxcel.server.run import serve_http
-    from mlxcel.tp.launch import TpGroupFailed, tp_stack
-
-    async with tp_stack(
-        path,
-        s.tp_size,
-        hostfile=s.tp_hostfile,
-        max_batch_size=s.max_batch_size,
-        prefill_step_size=s.prefill_step_size,
-        parallel=s.parallel,
-        queue_size=s.queue_size,
-        request_timeout=s.request_timeout,
-        name="serve-tp",
-        startup_timeout=s.startup_timeout,
-    ) as st:
-        stop = asyncio.Event()  # SIGTERM/SIGINT, or the group failing
-
-        async def relay() -> None:
-            await st.engine.fatal.wait()
-            stop.set()
-
-        st.node.spawn(relay(), name="tp-fatal")
-
-        async def tp_health() -> dict[str, object]:
-            failed = st.engine.fatal.is_set()
-            out: dict[str, object] = {"ready": not failed, "tensor_parallel": {"ranks": st.tp_size}}
-            if failed:
-                out["tensor_parallel"] = {"ranks": st.tp_size, "error": st.engine.fatal_reason}
-            return out
-
-        await serve_http(
-            s,
-            st.frontend,
-            st.node,
-            st.loaded.name,
-            inflight=lambda: st.engine.active,
-            stop=stop,
-            health_extra=tp_health,
-        )
-        if st.engine.fatal_reason:
-            raise TpGroupFailed(f"tensor-parallel group failed: {st.engine.fatal_reason}")
-    return 0
-
-
-async def _serve_distributed(s: ServeSettings) -> int:
-    from mlxcel.errors import ConfigError
-    from mlxcel.pipeline.cluster_config import load_cluster_config
-    from mlxcel.pipeline.remote import cluster_secret, run_coordinator, run_stage
-
-    assert s.distributed_config is not None
-    cfg = load_cluster_config(s.distributed_config)
-    if s.model is not None:
-        path = Path(s.model).expanduser()
-    elif cfg.model is not None:
-        path = (s.distributed_config.parent / cfg.model).expanduser()
-    else:
-        path = resolve_model(None)
-    if s.dry_run:
-        return _print_plan(path, cfg.pipeline_parallel_size, cfg.pp_layers, cfg.memory)
-    if s.node_id is None:
-        raise ConfigError(
-            "--node-id", "required with --distributed-config (which node of the cluster is this?)"
-        )
-    me = cfg.node(s.node_id)
-    secret = cluster_secret(s, s.distributed_config)
-    if me.role == "stage":
-        await run_stage(cfg, me, path, s, secret)
-    else:
-        await run_coordinator(cfg, me, path, s, secret)
-    return 0
-
-
 async def bench_batching(s: BenchBatchingSettings) -> int:
     """Aggregate greedy decode throughput at each stream count, one model load, one run."""
     from mlxcel.runtime.blas import blas_name, ensure_blas
@@ -341,7 +227,7 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
 
 
 async def bench_frames(s: BenchFramesSettings) -> int:
-    from mlxcel.net.bench_frames import parse_sizes, run_bench
+    from mlxcel.bench.frames import parse_sizes, run_bench
 
     modes = [m.strip() for m in s.modes.split(",")]
     return await run_bench(s.json_lines, parse_sizes(s.sizes), s.scale, modes)

@@ -7,10 +7,8 @@ configures logging; everything below runs on whatever loop it is given.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from loguru import logger
@@ -34,6 +32,7 @@ from mlxcel.config import (
     load_settings,
 )
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
+from mlxcel.loop import run_async
 from mlxcel.pipeline.partition import PartitionError
 from mlxcel.platform_guard import refuse_distributed_on_windows
 
@@ -58,20 +57,6 @@ BENCHES: dict[str, tuple[type, str]] = {
         "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
     ),
 }
-
-
-def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on uvloop when installed (the only place a loop is chosen)."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if sys.platform != "win32":
-        try:
-            import uvloop
-
-            factory = uvloop.new_event_loop
-        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-            factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
 
 
 def _enable_stack_dumps() -> None:
@@ -190,17 +175,17 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if args.command == "keygen":
         return commands.keygen(settings)
     if args.command == "sim":
-        from mlxcel.sim.cli import run_sim
+        from mlxcel.cli.sim import run_sim
 
         return run_sim(settings)
     if args.command == "cluster-check":
-        from mlxcel.net.check import run_check
+        from mlxcel.cli.cluster_check import run_check
 
         return run_async(run_check(settings))
     if args.command == "demo":
         return run_async(commands.demo(settings))
     if args.command == "bench" and args.bench == "pipeline":
-        from mlxcel.pipeline.bench import run_bench
+        from mlxcel.bench.pipeline import run_bench
 
         return run_async(
             run_bench(
@@ -210,7 +195,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
             )
         )
     if args.command == "bench" and args.bench == "tp":
-        from mlxcel.tp.bench import run_bench as run_tp_bench
+        from mlxcel.bench.tp import run_bench as run_tp_bench
 
         return run_async(
             run_tp_bench(
@@ -226,5 +211,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if args.command == "generate":
         return run_async(commands.generate(settings))
     if args.command == "serve":
-        return run_async(commands.serve(settings))
+        from mlxcel.cli.serving import serve
+
+        return run_async(serve(settings))
     raise AssertionError(args.command)  # pragma: no cover

@@ -10,8 +10,6 @@ Every node of a pipeline with two or more stages requires the cluster secret.
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,15 +18,14 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.config import ServeSettings
 from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.frontend import Frontend
 from mlxcel.net.connection import MemoryBudget
-from mlxcel.net.interfaces import interface_ipv4, probe_rdma
+from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import TcpEndpoint
 from mlxcel.net.pool import Backoff, ConnectFailed, ConnectionPool
-from mlxcel.net.secret import ClusterSecret, load_cluster_secret
+from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
 from mlxcel.pipeline.coordinator import PipelineCoordinator, PipelineError
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
@@ -43,20 +40,6 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
     if cfg.pp_layers:
         return plan(costs, parse_layers(cfg.pp_layers, n_layers), cfg.memory)
     return auto_split(costs, cfg.pipeline_parallel_size, cfg.memory)
-
-
-def cluster_secret(settings: ServeSettings, toml_path: Path) -> ClusterSecret:
-    """Every process of a distributed config authenticates its peers: fail closed."""
-    secret = load_cluster_secret(
-        settings.cluster_secret_file,
-        None,
-        toml_path,
-        required=True,
-        cli_label=settings.origin("cluster_secret_file"),
-    )
-    assert secret is not None
-    logger.info("cluster secret from {}", secret.source)
-    return secret
 
 
 def _net(
@@ -94,20 +77,20 @@ def _net(
     return listener, pool, TcpEndpoint(me.address, pool, listener)
 
 
-def _signals(stop: asyncio.Event) -> None:
-    if sys.platform != "win32":
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-
-
-async def run_stage(
+@asynccontextmanager
+async def stage_node(
     cfg: ClusterConfig,
     me: NodeSpec,
     model_path: Path,
-    settings: ServeSettings,
     secret: ClusterSecret,
-) -> None:
+    *,
+    return_logits: bool = False,
+    max_batch: int = 8,
+    prefill_chunk: int = 512,
+    interface: str | None = None,
+) -> AsyncIterator[tuple[StageService, ClusterListener, str]]:
+    """A stage node of ``cfg``, warmed up: its service, its (not yet bound) cluster listener,
+    and its layer range as text. Bind the listener (a NodeRunner site) to start serving."""
     stages = cfg.stages
     index = [s.id for s in stages].index(me.id)
     compute = ComputeThread()
@@ -115,7 +98,7 @@ async def run_stage(
         loaded = await compute.run(load_model, model_path, True)
         stage_plan = cluster_plan(cfg, model_path, loaded.n_layers)[index]
         async with Node(me.id) as node:
-            listener, pool, endpoint = _net(node, cfg, me, secret, settings.cluster_interface)
+            listener, _pool, endpoint = _net(node, cfg, me, secret, interface)
             service = StageService(
                 node,
                 endpoint,
@@ -128,9 +111,9 @@ async def run_stage(
                     cfg.coordinator.address,
                     upstream=stages[index - 1].address if index else None,
                     downstream=stages[index + 1].address if index + 1 < len(stages) else None,
-                    return_logits=settings.pp_return_logits,
-                    max_batch=settings.max_batch_size,
-                    warm_up_tokens=settings.prefill_step_size,
+                    return_logits=return_logits,
+                    max_batch=max_batch,
+                    warm_up_tokens=prefill_chunk,
                     max_sequences=cfg.cluster.max_sequences_per_stage,
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
@@ -138,29 +121,7 @@ async def run_stage(
             )
             service.attach()
             await service.warm_up()
-            await listener.start()
-            logger.info("transport: {}", probe_rdma().detail)
-            print(
-                f"mlxcel stage {me.id} (layers {stage_plan.spec}) listening on {me.address}",
-                flush=True,
-            )
-            stop = asyncio.Event()
-            _signals(stop)
-            stopper = asyncio.create_task(stop.wait())
-            done_task = asyncio.create_task(service.stopped.wait())
-            await asyncio.wait({stopper, done_task}, return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set() and not service.stopped.is_set():
-                logger.info("stage {}: SIGTERM: draining {} sequences", me.id, len(service.seqs))
-                service.request_shutdown()
-                try:
-                    await asyncio.wait_for(service.stopped.wait(), settings.drain_timeout)
-                except TimeoutError:
-                    logger.warning(
-                        "stage {}: drain timed out with {} sequences", me.id, len(service.seqs)
-                    )
-            stopper.cancel()
-            done_task.cancel()
-            logger.info("stage {} stopped", me.id)
+            yield service, listener, stage_plan.spec
     finally:
         compute.close()
 
@@ -225,39 +186,6 @@ async def remote_coordinator(
             ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)),
         )
         yield RemoteCoordinator(node, coordinator, fe, endpoint, stages_plan)
-
-
-async def run_coordinator(
-    cfg: ClusterConfig,
-    me: NodeSpec,
-    model_path: Path,
-    settings: ServeSettings,
-    secret: ClusterSecret,
-) -> None:
-    from mlxcel.server.run import serve_http
-
-    async with remote_coordinator(
-        cfg,
-        me,
-        model_path,
-        secret,
-        parallel=settings.parallel,
-        queue_size=settings.queue_size,
-        request_timeout=settings.request_timeout,
-        return_logits=settings.pp_return_logits,
-        interface=settings.cluster_interface,
-        startup_timeout=settings.startup_timeout,
-        prefill_chunk=settings.prefill_step_size,
-        max_in_flight=settings.pp_micro_batch_size,
-    ) as rc:
-        await serve_http(
-            settings,
-            rc.frontend,
-            rc.node,
-            model_path.name,
-            inflight=lambda: rc.coordinator.active,
-            health_extra=rc.coordinator.health,
-        )
 
 
 async def connect_stages(

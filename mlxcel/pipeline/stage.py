@@ -19,12 +19,12 @@ from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, FreeCache, StartCompute, Stopped
 from mlxcel.endpoint import Endpoint
 from mlxcel.messages import Undecodable
-from mlxcel.pipeline.stage_core import (
+from mlxcel.pipeline.stage_core import StageCore
+from mlxcel.pipeline.stage_protocol import (
     MAY_SEND,
     ComputeJob,
     Seq,
     StageConfig,
-    StageCore,
     StageState,
     StageStats,
 )

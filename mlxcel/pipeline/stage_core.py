@@ -48,16 +48,13 @@ from mlxcel.messages import (
     Tensor,
     Undecodable,
 )
+from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.pipeline.stage_protocol import (
-    FLOAT_DTYPES,
-    MAX_ACTIVATION_TOKENS,
     MAY_SEND,
     NODE_TABLE,
-    REFUSAL,
     SEQ_TABLE,
     ComputeJob,
     Sampled,
-    Sender,
     Seq,
     SeqEvent,
     SeqKey,
@@ -77,7 +74,7 @@ __all__ = ["StageConfig", "StageCore", "StageState"]
 # --- the core ---------------------------------------------------------------------------------
 
 
-class StageCore:
+class StageCore(StageGate):
     """The stage protocol. ``inject`` names deliberate bugs, for the simulator's own tests."""
 
     def __init__(
@@ -117,25 +114,6 @@ class StageCore:
     @property
     def busy(self) -> bool:
         return self._job is not None
-
-    # --- who is who ---------------------------------------------------------------------------
-    def is_coordinator(self, source: str) -> bool:
-        want = self.config.coordinator
-        if source == want:
-            return True
-        host, _, port = want.rpartition(":")
-        if host.strip("[]") not in ("0.0.0.0", "::"):
-            return False
-        return source.rpartition(":")[2] == port
-
-    def is_peer(self, dest: str) -> bool:
-        return dest in (self.config.upstream, self.config.downstream) or self.is_coordinator(dest)
-
-    def _sender_ok(self, msg: Message, source: str) -> bool:
-        role = MAY_SEND[type(msg)]
-        if role is Sender.COORDINATOR:
-            return self.is_coordinator(source)
-        return source == self.config.upstream
 
     # --- entry points -------------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
@@ -361,12 +339,7 @@ class StageCore:
         seq = self.seqs.get(m.request_id)
         if seq is None:
             self.stats.dropped += 1
-            out.append(
-                Warn(
-                    "router-drop",
-                    f"{self._me}: activation for unprepared request {m.request_id[:64]!r}; dropped",
-                )
-            )
+            self._warn(out, f"activation for unprepared request {m.request_id[:64]!r}; dropped")
             return
         problem = self._check_hidden(m.hidden)
         if problem is not None:
@@ -378,16 +351,8 @@ class StageCore:
         if m.owner != seq.owner and "skip-owner-check" not in self.inject:
             # The entry stage ran this for another identity than the one that prepared it
             # here: joining the two would feed one owner's tokens into the other's cache.
-            self.stats.refused += 1
-            self.stats.by_code[ErrorCode.NOT_OWNER] = (
-                self.stats.by_code.get(ErrorCode.NOT_OWNER, 0) + 1
-            )
-            out.append(
-                Warn(
-                    "router-drop",
-                    f"{self._me}: activation for {m.request_id[:64]!r} of another owner; dropped",
-                )
-            )
+            self._count_refusal(ErrorCode.NOT_OWNER)
+            self._warn(out, f"activation for {m.request_id[:64]!r} of another owner; dropped")
             return
         n = m.hidden.shape[1]
         step = Step(
@@ -431,17 +396,6 @@ class StageCore:
         seq.step_nonce = step.nonce
         seq.touched = now
         self._queue.append(seq)
-
-    def _check_hidden(self, t: Tensor) -> str | None:
-        if t.dtype not in FLOAT_DTYPES:
-            return f"hidden states must be float, got {t.dtype}"
-        if len(t.shape) != 3 or t.shape[0] != 1:
-            return f"hidden states must be [1, n, width], got {list(t.shape)}"
-        if not 1 <= t.shape[1] <= MAX_ACTIVATION_TOKENS:
-            return f"hidden states claim {t.shape[1]} tokens (1..{MAX_ACTIVATION_TOKENS})"
-        if t.shape[2] != self.width:
-            return f"hidden width {t.shape[2]} differs from the model's {self.width}"
-        return None
 
     def _start_next(self, now: float, out: list[Effect]) -> None:
         """Start one job if none runs: queued decode steps batch; prompt chunks run alone and
@@ -521,16 +475,9 @@ class StageCore:
         )
 
     # --- helpers ------------------------------------------------------------------------------
-    @property
-    def _me(self) -> str:
-        return f"stage {self.config.index}"
-
     def _live(self, key: SeqKey) -> Seq | None:
         seq = self.seqs.get(key[0])
         return seq if seq is not None and seq.key == key else None
-
-    def _send(self, out: list[Effect], dest: str, msg: Message) -> None:
-        out.append(Send(dest, msg, self.is_peer(dest)))
 
     def _free(self, out: list[Effect], request_ids: list[str], quiet: bool = False) -> None:
         for rid in request_ids:
@@ -551,61 +498,3 @@ class StageCore:
     def _fail_to_owner(self, out: list[Effect], seq: Seq, step: Step, code: str, why: str) -> None:
         self.stats.errors += 1
         self._send(out, seq.owner, Error(code, f"{self._me}: {why}", step.request_id, step.nonce))
-
-    def _refuse(self, out: list[Effect], msg: Message, source: str, code: str, why: str) -> None:
-        self.stats.refused += 1
-        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
-        out.append(
-            Warn("router-drop", f"{self._me}: refusing {type(msg).__name__} from {source}: {why}")
-        )
-        rid = getattr(msg, "request_id", None)
-        nonce = getattr(msg, "nonce", None)
-        self._send(out, source, Error(code, why, rid, nonce))
-
-    def _refused_sender(self, out: list[Effect], msg: Message, source: str) -> None:
-        code = REFUSAL[MAY_SEND[type(msg)]]
-        if not isinstance(msg, Activation):
-            self._refuse(
-                out,
-                msg,
-                source,
-                code,
-                f"{type(msg).__name__} is accepted only from the {MAY_SEND[type(msg)].value}",
-            )
-            return
-        # Only the upstream stage feeds this one. Tell the owner if there is one to tell,
-        # without the sender's nonce: a stranger must not fail a live exchange by guessing it.
-        self.stats.refused += 1
-        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
-        out.append(
-            Warn(
-                "router-drop",
-                f"{self._me}: activation from {source} is not from the upstream stage",
-            )
-        )
-        seq = self.seqs.get(msg.request_id)
-        if seq is not None:
-            self._send(
-                out,
-                seq.owner,
-                Error(code, f"activation from {source} refused", msg.request_id, None),
-            )
-
-    def _on_undecodable(self, m: Undecodable, source: str, out: list[Effect]) -> None:
-        """A message that failed to decode: answer its exchange now instead of at its deadline."""
-        seq = self.seqs.get(m.request_id) if m.request_id is not None else None
-        err = Error(
-            ErrorCode.BAD_MESSAGE,
-            f"{self._me}: undecodable message (kind {m.kind}): {m.reason}",
-            m.request_id,
-            m.nonce,
-        )
-        self.stats.errors += 1
-        if source == self.config.upstream and seq is not None:
-            self._send(out, seq.owner, err)  # a bad activation: its owner's exchange fails
-        elif self.is_coordinator(source):
-            self._send(out, source, err)
-        else:
-            out.append(
-                Warn("router-drop", f"{self._me}: undecodable message from {source}: {m.reason}")
-            )

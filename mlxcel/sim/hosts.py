@@ -27,7 +27,7 @@ from mlxcel.messages import CancelRequest, Error, Message, RunEntry, RunResult, 
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
 from mlxcel.pipeline.stage_core import StageConfig, StageCore
 from mlxcel.sim.clock import Scheduler
-from mlxcel.sim.model import FakeModel, FakeStage
+from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import SimNetwork
 
 
@@ -116,7 +116,7 @@ class StageHost(SimHost):
         sched: Scheduler,
         net: SimNetwork,
         config: StageConfig,
-        model: FakeModel,
+        model: FakeModel,  # or mlxcel.sim.real_model.RealModel: same interface
         layers: tuple[int, int],
         inject: frozenset[str] = frozenset(),
         skew: float = 0.0,
@@ -168,7 +168,7 @@ class StageHost(SimHost):
             layers=self.layers,
             inject=self.inject,
         )
-        self.backend = FakeStage(self.model, self.config.index)
+        self.backend = self.model.stage(self.config.index, self.config.n_stages)
         self._busy_until = self.sched.now  # the compute thread runs one job after another
 
     def apply(self, effect: Effect) -> None:

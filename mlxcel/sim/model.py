@@ -42,6 +42,12 @@ class FakeModel:
     def compute_time(self, job: ComputeJob) -> float:
         return self.step_s + self.per_token_s * sum(s.n for s in job.steps)
 
+    def stage(self, index: int, n_stages: int) -> FakeStage:
+        return FakeStage(self, index)
+
+    def reference(self, n_stages: int, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        return reference(self, n_stages, prompt, max_tokens)
+
 
 @dataclass
 class FakeStage:

@@ -12,6 +12,8 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from mlxcel.messages import (
     Activation,
@@ -29,7 +31,7 @@ from mlxcel.pipeline.coordinator_core import CoordinatorCore
 from mlxcel.pipeline.stage_core import StageConfig
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
-from mlxcel.sim.model import FakeModel, reference
+from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import Link, SimNetwork
 
 FAULT_KINDS = (
@@ -44,7 +46,7 @@ FAULT_KINDS = (
     "outsider",
     "insider",
 )
-SCENARIOS = ("mixed", "scale")
+SCENARIOS = ("mixed", "scale", "tiny")
 BUGS = ("skip-owner-check", "accept-stale-nonce")
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
@@ -66,14 +68,17 @@ class Result:
     wall_s: float = 0.0
     inject: tuple[str, ...] = ()
     forced_stages: int | None = None
+    model: str | None = None  # the checkpoint of a real-model scenario
 
     @property
     def replay(self) -> str:
         cmd = f"python -m mlxcel sim --scenario {self.name} --seed {self.seed}"
         if self.forced_stages is not None:
             cmd += f" --stages {self.forced_stages}"
-        for bug in self.inject:
-            cmd += f" --inject {bug}"
+        if self.inject:
+            cmd += f" --inject {','.join(self.inject)}"
+        if self.model is not None:
+            cmd += f" --model {self.model}"
         return cmd
 
 
@@ -81,7 +86,7 @@ class Result:
 class Cluster:
     sched: Scheduler
     net: SimNetwork
-    model: FakeModel
+    model: Any  # FakeModel or RealModel
     coordinator: CoordinatorHost
     stages: list[StageHost]
     intruder: Intruder | None = None
@@ -89,16 +94,24 @@ class Cluster:
 
 
 def build(
-    rng: random.Random, seed: int, n_stages: int, inject: frozenset[str], wildcard: bool
+    rng: random.Random,
+    seed: int,
+    n_stages: int,
+    inject: frozenset[str],
+    wildcard: bool,
+    model: Any = None,
 ) -> Cluster:
+    """A coordinator and ``n_stages`` stages on a simulated network. ``model``: the compute
+    (a :class:`RealModel`); by default a seeded :class:`FakeModel`."""
     sched = Scheduler()
     net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.01])))
-    model = FakeModel(
+    fake = FakeModel(
         n_layers=n_stages * rng.randint(1, 3),
         vocab=rng.choice([64, 512, 4096]),
         width=rng.choice([4, 64, 256]),
         seed=seed,
     )
+    model = model or fake
     names = [f"10.0.1.{i + 1}:7100" for i in range(n_stages)]
     # A coordinator configured with an unspecified IP accepts any identity on its port.
     coordinator_id = "0.0.0.0:7000" if wildcard else COORDINATOR
@@ -128,7 +141,7 @@ def build(
         max_len=4096,
         step_timeout=2.0,
         max_in_flight=rng.randint(1, 8),
-        prefill_chunk=rng.choice([4, 8, 32]),
+        prefill_chunk=getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32]),
         inject=inject,
     )
     cluster = Cluster(sched, net, model, None, stages)  # type: ignore[arg-type]
@@ -255,28 +268,53 @@ def _intrude(
         sched.at(at + rng.uniform(0.5, 2.0) * latency, evil.inject, stages[0], step)
 
 
+_REAL: dict[Path, Any] = {}
+
+
+def real_model(path: Path) -> Any:
+    """The real checkpoint at ``path``, loaded once per process."""
+    from mlxcel.sim.real_model import RealModel
+
+    if path not in _REAL:
+        _REAL[path] = RealModel(path)
+    return _REAL[path]
+
+
 def run_scenario(
-    name: str, seed: int, *, stages: int | None = None, inject: frozenset[str] = frozenset()
+    name: str,
+    seed: int,
+    *,
+    stages: int | None = None,
+    inject: frozenset[str] = frozenset(),
+    model_path: Path | None = None,
 ) -> Result:
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
     wall0 = time.perf_counter()
     rng = random.Random(f"{name}:{seed}")
+    model = None
     if name == "scale":
         n_stages = stages or 32
+        kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
+    elif name == "tiny":  # the real checkpoint: 2-4 stages, a light workload
+        if model_path is None:
+            raise ValueError("the tiny scenario needs a checkpoint (--model)")
+        model = real_model(model_path)
+        n_stages = stages or rng.randint(2, min(4, model.n_layers))
         kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
     else:
         n_stages = stages or rng.randint(2, 8)
         kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
         kinds += [k for k in FAULT_KINDS if k not in kinds and rng.random() < 0.12]
-    cluster = build(rng, seed, n_stages, inject, wildcard="insider" in kinds)
-    n_requests = rng.randint(8, 24) if name == "scale" else rng.randint(3, 12)
+    cluster = build(rng, seed, n_stages, inject, "insider" in kinds, model)
+    low, high = {"scale": (8, 24), "tiny": (2, 5)}.get(name, (3, 12))
+    n_requests = rng.randint(low, high)
     horizon = 3.0
     coord = cluster.coordinator
     arrivals = []
     for i in range(n_requests):
         prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(rng.randint(1, 40)))
-        max_tokens = rng.randint(1, 24)
+        max_tokens = rng.randint(1, 8 if name == "tiny" else 24)
         at = rng.uniform(0.0, horizon)
         rid = f"req-{i}"
         arrivals.append((rid, at))
@@ -302,6 +340,7 @@ def run_scenario(
         time.perf_counter() - wall0,
         tuple(sorted(inject)),
         stages,
+        str(model_path) if model_path is not None else None,
     )
 
 
@@ -310,7 +349,7 @@ def check(cluster: Cluster) -> list[str]:
     bad: list[str] = []
     n = len(cluster.stages)
     for o in cluster.coordinator.outcomes.values():
-        want = reference(cluster.model, n, o.prompt, o.max_tokens)
+        want = cluster.model.reference(n, o.prompt, o.max_tokens)
         if o.finish is None or o.ended_at is None:
             bad.append(f"{o.request_id} never ended")
             continue
@@ -349,11 +388,12 @@ def run_many(
     name: str = "mixed",
     stages: int | None = None,
     inject: frozenset[str] = frozenset(),
+    model_path: Path | None = None,
     progress: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     results = []
     for seed in seeds:
-        r = run_scenario(name, seed, stages=stages, inject=inject)
+        r = run_scenario(name, seed, stages=stages, inject=inject, model_path=model_path)
         results.append(r)
         if progress is not None:
             progress(r)

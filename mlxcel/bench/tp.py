@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlxcel.pipeline.bench import aggregate_rate, decode_rate
+from mlxcel.bench.pipeline import aggregate_rate, decode_rate
 
 
 async def run_bench(

@@ -203,7 +203,7 @@ async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[s
     async with Node("bench") as node:
         inbound, port = await _inbound(node, factory)
         peer = subprocess.Popen(
-            [sys.executable, "-m", "mlxcel.net.bench_frames", "--peer", mode, str(port)],
+            [sys.executable, "-m", "mlxcel.bench.frames", "--peer", mode, str(port)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -309,13 +309,13 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
-if __name__ == "__main__":  # the echo peer: python -m mlxcel.net.bench_frames --peer MODE PORT
+if __name__ == "__main__":  # the echo peer: python -m mlxcel.bench.frames --peer MODE PORT
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", nargs=2, metavar=("MODE", "PORT"), required=True)
     a = ap.parse_args()
     from loguru import logger
 
-    from mlxcel.cli.main import run_async
+    from mlxcel.loop import run_async
 
     logger.remove()
     run_async(run_peer(a.peer[0], int(a.peer[1])))

@@ -45,9 +45,17 @@ def run_sim(settings: SimSettings) -> int:
         if settings.seed is not None
         else range(settings.first_seed, settings.first_seed + settings.seeds)
     )
+    model_path = None
+    if settings.scenario == "tiny":
+        from mlxcel.cli.commands import resolve_model
+
+        model_path = resolve_model(settings.model)
     t0 = time.perf_counter()
     results = [
-        run_scenario(settings.scenario, s, stages=settings.stages, inject=inject) for s in seeds
+        run_scenario(
+            settings.scenario, s, stages=settings.stages, inject=inject, model_path=model_path
+        )
+        for s in seeds
     ]
     summary = summarize(results, time.perf_counter() - t0)
     if settings.json_lines:

@@ -1,0 +1,119 @@
+"""The stage's gate: who a message is from, and how a refusal is answered.
+
+:class:`StageGate` is the part of :class:`~mlxcel.pipeline.stage_core.StageCore` that applies
+``MAY_SEND`` (commands only from the coordinator, activations only from upstream), bounds
+tensors before anything is built from them, and turns refusals into ``Error`` replies to the
+right identity -- counted by code, warned about at a limited rate.
+"""
+
+from __future__ import annotations
+
+from mlxcel.effects import Effect, Send, Warn
+from mlxcel.messages import Activation, Error, ErrorCode, Message, Tensor, Undecodable
+from mlxcel.pipeline.stage_protocol import (
+    FLOAT_DTYPES,
+    MAX_ACTIVATION_TOKENS,
+    MAY_SEND,
+    REFUSAL,
+    Sender,
+    Seq,
+    StageConfig,
+    StageStats,
+)
+
+
+class StageGate:
+    config: StageConfig
+    width: int
+    seqs: dict[str, Seq]
+    stats: StageStats
+
+    @property
+    def _me(self) -> str:
+        return f"stage {self.config.index}"
+
+    def is_coordinator(self, source: str) -> bool:
+        want = self.config.coordinator
+        if source == want:
+            return True
+        host, _, port = want.rpartition(":")
+        if host.strip("[]") not in ("0.0.0.0", "::"):
+            return False
+        return source.rpartition(":")[2] == port
+
+    def is_peer(self, dest: str) -> bool:
+        return dest in (self.config.upstream, self.config.downstream) or self.is_coordinator(dest)
+
+    def _sender_ok(self, msg: Message, source: str) -> bool:
+        role = MAY_SEND[type(msg)]
+        if role is Sender.COORDINATOR:
+            return self.is_coordinator(source)
+        return source == self.config.upstream
+
+    def _check_hidden(self, t: Tensor) -> str | None:
+        if t.dtype not in FLOAT_DTYPES:
+            return f"hidden states must be float, got {t.dtype}"
+        if len(t.shape) != 3 or t.shape[0] != 1:
+            return f"hidden states must be [1, n, width], got {list(t.shape)}"
+        if not 1 <= t.shape[1] <= MAX_ACTIVATION_TOKENS:
+            return f"hidden states claim {t.shape[1]} tokens (1..{MAX_ACTIVATION_TOKENS})"
+        if t.shape[2] != self.width:
+            return f"hidden width {t.shape[2]} differs from the model's {self.width}"
+        return None
+
+    def _send(self, out: list[Effect], dest: str, msg: Message) -> None:
+        out.append(Send(dest, msg, self.is_peer(dest)))
+
+    def _warn(self, out: list[Effect], text: str) -> None:
+        out.append(Warn("router-drop", f"{self._me}: {text}"))
+
+    def _count_refusal(self, code: str) -> None:
+        self.stats.refused += 1
+        self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
+
+    def _refuse(self, out: list[Effect], msg: Message, source: str, code: str, why: str) -> None:
+        self._count_refusal(code)
+        self._warn(out, f"refusing {type(msg).__name__} from {source}: {why}")
+        rid = getattr(msg, "request_id", None)
+        nonce = getattr(msg, "nonce", None)
+        self._send(out, source, Error(code, why, rid, nonce))
+
+    def _refused_sender(self, out: list[Effect], msg: Message, source: str) -> None:
+        code = REFUSAL[MAY_SEND[type(msg)]]
+        if not isinstance(msg, Activation):
+            self._refuse(
+                out,
+                msg,
+                source,
+                code,
+                f"{type(msg).__name__} is accepted only from the {MAY_SEND[type(msg)].value}",
+            )
+            return
+        # Only the upstream stage feeds this one. Tell the owner if there is one to tell,
+        # without the sender's nonce: a stranger must not fail a live exchange by guessing it.
+        self._count_refusal(code)
+        self._warn(out, f"activation from {source} is not from the upstream stage")
+        seq = self.seqs.get(msg.request_id)
+        if seq is not None:
+            self._send(
+                out,
+                seq.owner,
+                Error(code, f"activation from {source} refused", msg.request_id, None),
+            )
+
+    def _on_undecodable(self, m: Undecodable, source: str, out: list[Effect]) -> None:
+        """A message that failed to decode: answer its exchange now instead of at its deadline."""
+        seq = self.seqs.get(m.request_id) if m.request_id is not None else None
+        err = Error(
+            ErrorCode.BAD_MESSAGE,
+            f"{self._me}: undecodable message (kind {m.kind}): {m.reason}",
+            m.request_id,
+            m.nonce,
+        )
+        self.stats.errors += 1
+        if source == self.config.upstream and seq is not None:
+            self._send(out, seq.owner, err)  # a bad activation: its owner's exchange fails
+        elif self.is_coordinator(source):
+            self._send(out, source, err)
+        else:
+            self._warn(out, f"undecodable message from {source}: {m.reason}")

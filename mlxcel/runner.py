@@ -1,0 +1,143 @@
+"""Run one node inside any asyncio loop: setup, start, stop (aiohttp's ``AppRunner`` is the
+model).
+
+Every stack -- one process, tensor-parallel rank 0, an in-process pipeline, a remote
+pipeline's coordinator or one of its stages -- hands the runner a :class:`Serving`: its node,
+what it serves over HTTP (if anything), and its cluster listener (if any). The runner owns the
+*sites*: it binds them in ``start()`` and resolves ``started`` with their addresses, or with
+the bind error at once, so an embedding service learns about a port in use immediately.
+``stop()`` drains in-flight requests, then closes the sites. The runner installs no signal
+handlers: the CLI does that (``mlxcel.cli.serving``); an embedding service stops the runner
+its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.errors import ListenError
+from mlxcel.frontend import Frontend
+
+
+@dataclass
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_name: str = "mlxcel"
+    default_max_tokens: int = 512
+    max_body_bytes: int = 4 << 20
+
+
+@dataclass
+class Serving:
+    """What a stack offers the runner."""
+
+    node: Node
+    frontend: Frontend | None = None  # None: no HTTP (a pipeline stage)
+    inflight: Callable[[], float] = lambda: 0.0
+    health: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    listener: Any = None  # a cluster listener to bind as a site, if any
+    # Set by the stack itself when it can no longer serve (a tensor-parallel group failed, a
+    # stage was told to shut down): the runner then stops as if asked to.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class NodeRunner:
+    def __init__(
+        self, serving: Serving, http: HttpOptions | None = None, *, drain_timeout: float = 30.0
+    ) -> None:
+        self.serving = serving
+        self.http = http if serving.frontend is not None else None
+        self.drain_timeout = drain_timeout
+        self.started: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
+        self.addresses: dict[str, str] = {}
+        self._stop = asyncio.Event()
+        self._app_runner: web.AppRunner | None = None
+
+    async def setup(self) -> None:
+        """Build the HTTP application (nothing is bound yet)."""
+        if self.http is None:
+            return
+        from mlxcel.server.metrics import Metrics
+        from mlxcel.server.openai_api import build_app
+
+        fe, node = self.serving.frontend, self.serving.node
+        assert fe is not None
+        metrics = Metrics()
+        metrics.bind(
+            queue_depth=lambda: fe.waiting,
+            inflight=self.serving.inflight,
+            inflight_requests=lambda: fe.in_flight,
+            handler_errors=lambda: sum(node.bus.handler_errors.values()),
+        )
+        app = build_app(
+            fe,
+            metrics,
+            model_name=self.http.model_name,
+            default_max_tokens=self.http.default_max_tokens,
+            max_body_bytes=self.http.max_body_bytes,
+            health_extra=self.serving.health,
+        )
+        self._app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._app_runner.setup()
+
+    async def start(self) -> dict[str, str]:
+        """Bind every site; ``started`` (and the return value) name what is listening."""
+        try:
+            if self.serving.listener is not None:
+                await self.serving.listener.start()
+                self.addresses["cluster"] = self.serving.listener.address
+            if self._app_runner is not None and self.http is not None:
+                site = web.TCPSite(self._app_runner, self.http.host, self.http.port)
+                try:
+                    await site.start()
+                except OSError as exc:
+                    raise ListenError(
+                        f"cannot serve HTTP on {self.http.host}:{self.http.port}: "
+                        f"{exc.strerror or exc}"
+                    ) from None
+                bound = self._app_runner.addresses
+                port = bound[0][1] if bound else self.http.port
+                self.addresses["http"] = f"http://{self.http.host}:{port}"
+        except BaseException as exc:
+            if not self.started.done():
+                self.started.set_exception(exc)
+                self.started.exception()  # retrieved: the caller gets it from here
+            await self._close_sites()
+            raise
+        self.started.set_result(dict(self.addresses))
+        return dict(self.addresses)
+
+    def request_stop(self) -> None:
+        """Ask the runner to stop (what the CLI's SIGINT/SIGTERM handler calls)."""
+        self._stop.set()
+
+    async def wait(self) -> None:
+        """Until ``request_stop()`` or until the stack says it is done."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._stop, self.serving.done)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def stop(self) -> None:
+        """Drain in-flight requests (up to ``drain_timeout``), then close every site."""
+        fe = self.serving.frontend
+        if fe is not None:
+            logger.info("draining: admitting no new requests, finishing {} in flight", fe.in_flight)
+            await fe.drain(asyncio.get_running_loop().time() + self.drain_timeout)
+        logger.info("shutting down")
+        await self._close_sites()
+
+    async def _close_sites(self) -> None:
+        if self._app_runner is not None:
+            runner, self._app_runner = self._app_runner, None
+            await runner.cleanup()

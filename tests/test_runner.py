@@ -1,0 +1,56 @@
+"""NodeRunner: a node's sites inside someone else's loop -- started, refused, stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mlxcel.errors import ListenError
+from mlxcel.runner import HttpOptions, NodeRunner, Serving
+from mlxcel.server.run import local_stack
+
+
+async def test_started_names_the_sites_and_a_taken_port_fails_at_once(tiny: Path) -> None:
+    async with local_stack(tiny, parallel=2) as st:
+        serving = Serving(st.node, st.frontend, lambda: st.engine.active)
+        runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"))
+        await runner.setup()
+        sites = await runner.start()
+        assert runner.started.done() and runner.started.result() == sites
+        url = sites["http"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as resp:
+                assert resp.status == 200
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 3}
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                assert (await resp.json())["usage"]["completion_tokens"] == 3
+        # A second runner on the same port: the bind error surfaces from start() and started.
+        port = int(url.rsplit(":", 1)[1])
+        other = NodeRunner(serving, HttpOptions(port=port))
+        await other.setup()
+        with pytest.raises(ListenError, match=f"127.0.0.1:{port}"):
+            await other.start()
+        assert isinstance(other.started.exception(), ListenError)
+        await runner.stop()
+        with socket.socket() as s:  # the port is free again
+            s.bind(("127.0.0.1", port))
+
+
+async def test_wait_returns_on_request_or_when_the_stack_is_done(tiny: Path) -> None:
+    async with local_stack(tiny, parallel=1) as st:
+        done = asyncio.Event()
+        runner = NodeRunner(Serving(st.node, st.frontend, done=done), HttpOptions(port=0))
+        await runner.setup()
+        await runner.start()
+        waiter = asyncio.create_task(runner.wait())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        done.set()  # e.g. a tensor-parallel group failed
+        await asyncio.wait_for(waiter, 2)
+        runner.request_stop()
+        await asyncio.wait_for(runner.wait(), 2)
+        await runner.stop()
