@@ -30,7 +30,14 @@ from mlxcel.errors import (
     MlxcelError,
     RequestError,
 )
-from mlxcel.messages import CancelRequest, Error, RunEntry, RunResult, SamplingParams
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+)
 from mlxcel.runtime.sampling import StopStrings
 
 
@@ -169,7 +176,7 @@ class Frontend:
                     msg = await q.get()
                 if isinstance(msg, Error):
                     finished = True
-                    if msg.code == "bad_request":
+                    if msg.code == ErrorCode.BAD_REQUEST:
                         raise RequestError(msg.message)
                     raise EngineError(msg.code, msg.message)
                 now = loop.time()

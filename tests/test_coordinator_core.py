@@ -173,7 +173,11 @@ def test_unmatched_or_misaddressed_errors_are_dropped() -> None:
     c.handle(Error("x", "y", "r", p0.msg.nonce), S1, 0.1)  # the Ack exchange addressed S0
     c.handle(Error("x", "y", "r", 10_000), S0, 0.1)
     c.handle(Error("x", "y", "r", p0.msg.nonce), "10.0.0.66:7000", 0.1)  # not a stage
-    assert c.dropped == {"not from the stage the exchange addressed": 1, "unmatched error": 2}
+    assert c.dropped == {
+        "not from the stage the exchange addressed": 1,
+        "unmatched error": 1,
+        "not from a stage of this pipeline": 1,
+    }
     assert c.reqs["r"].state is ReqState.PREPARING
 
 
@@ -195,6 +199,44 @@ def test_a_missed_deadline_fails_the_request_and_resets_the_stream() -> None:
     # A result that comes after the deadline is stale.
     assert delivered(c.handle(RunResult("r", 0, (3,), None, step.nonce), S2, 2.3)) == []
     assert c.dropped["stale or unknown nonce"] == 1 and c.failed == 1
+
+
+def test_a_missed_deadline_on_a_live_path_fails_only_its_own_request() -> None:
+    """Results for other requests arrived after it was sent: the stream works, so no reset
+    (a reset makes the stage free every sequence we hold there)."""
+    c = core()
+    start(c, "a")
+    b = start(c, "b")
+    out = c.handle(RunResult("b", 0, (3,), None, b.nonce), S2, 1.0)  # b progresses
+    (b2,) = [s.msg for s in sent(out, RunEntry)]
+    out = c.on_timer(2.1)  # a's deadline
+    assert not [e for e in out if isinstance(e, ResetPeer)]
+    assert [m.request_id for m in delivered(out)] == ["a"] and "b" in c.reqs
+    out = c.on_timer(3.1)  # b2's deadline, nothing heard since it was sent: reset
+    assert ResetPeer(S0) in out
+
+
+def test_a_reset_fails_every_request_in_the_stages_at_once() -> None:
+    c = core(max_in_flight=2)
+    start(c, "a")
+    start(c, "b")  # sent at 0.1, like a
+    c.handle(RunEntry("w", 0, (1,), 0, SamplingParams(max_tokens=2), 9), LOCAL, 0.5)  # waits
+    out = c.on_timer(2.1)
+    assert out[0] == ResetPeer(S0)
+    codes = {m.request_id: m.code for m in delivered(out)}
+    assert codes == {"a": ErrorCode.DEADLINE_EXCEEDED, "b": ErrorCode.STAGE_UNREACHABLE}
+    # The waiting request is admitted afterwards, on fresh connections, and not failed.
+    assert c.reqs["w"].state is ReqState.PREPARING
+    assert [s.msg.request_id for s in sent(out, PrepareSequence)] == ["w"] * 3
+
+
+def test_losing_a_stage_fails_requests_still_preparing_too() -> None:
+    c = core()
+    out = c.handle(RunEntry("r", 0, (1,), 0, SamplingParams(max_tokens=2), 77), LOCAL, 0.0)
+    p1 = sent(out, PrepareSequence)[1]
+    c.handle(Ack("r", p1.msg.nonce), S1, 0.1)  # S1 holds it; S0's Ack is still due
+    out = c.peer_lost(S1, 0.2)
+    assert delivered(out)[0].code == ErrorCode.STAGE_UNREACHABLE and not c.reqs
 
 
 def test_a_health_query_that_times_out_does_not_reset() -> None:

@@ -10,6 +10,7 @@ between the bus, the network and the core, and answers state queries for ``/heal
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import Counter
 from typing import Any
 
@@ -81,6 +82,7 @@ class PipelineCoordinator(CoreAdapter):
             max_in_flight=max_in_flight or max_sequences,
             prefill_chunk=prefill_chunk,
             pick_token=pick_token if return_logits else None,
+            first_nonce=secrets.randbits(48) + 1,
             inject=inject,
         )
         super().__init__(node, endpoint, core, "coordinator", step_timeout)

@@ -70,11 +70,14 @@ class CoordinatorCore:
         max_in_flight: int = 64,
         prefill_chunk: int = 512,
         pick_token: PickToken | None = None,
+        first_nonce: int = 1,
         inject: frozenset[str] = frozenset(),
     ) -> None:
         if return_logits and pick_token is None:
             raise ValueError("return_logits needs a pick_token function")
         self.stages = list(stages)
+        self._stage_set = frozenset(stages)
+        self._heard: dict[str, float] = {}  # stage -> when it last sent us anything
         self.eos = eos
         self.vocab = vocab
         self.max_len = max_len
@@ -88,7 +91,9 @@ class CoordinatorCore:
         self._waiting: collections.deque[str] = collections.deque()
         self._exchanges: dict[int, Exchange] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; entries of closed exchanges linger
-        self._nonces = itertools.count(1)
+        # A restarted coordinator must not reuse its predecessor's nonces (a stage that missed
+        # the restart would take them for copies): the adapter starts from a random point.
+        self._nonces = itertools.count(first_nonce)
         self.held = 0
         self.peak_in_flight = 0
         # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
@@ -122,11 +127,16 @@ class CoordinatorCore:
                 self._cancel(msg.request_id, now, out)
         elif source == LOCAL:
             pass  # our own Deliver effects, when a bus routes them back
+        elif source not in self._stage_set:
+            self._drop(out, "not from a stage of this pipeline", msg, source)
         elif isinstance(msg, RunResult):
+            self._heard[source] = now
             self._on_result(msg, source, now, out)
         elif isinstance(msg, (Ack, State)):
+            self._heard[source] = now
             self._on_reply(msg, source, now, out)
         elif isinstance(msg, Error):
+            self._heard[source] = now
             self._on_error(msg, source, now, out)
         elif isinstance(msg, Undecodable):
             why = f"undecodable message (kind {msg.kind}): {msg.reason}"
@@ -149,12 +159,19 @@ class CoordinatorCore:
                 )
             else:
                 what = f"no {ex.kind.__name__} from {ex.dest} for {ex.request_id or 'a query'}"
-            if ex.reset:
-                # A stream that missed a deadline may be wedged mid-frame: replace it, so the
-                # next request dials afresh instead of waiting out its own deadline too.
+            # Nothing back on that path since the exchange was sent: the stream may be wedged
+            # mid-frame. Replace it, so the next request dials afresh. The stage frees what it
+            # holds for us when the connection closes, so every request in the stages fails
+            # now (not one deadline at a time); those admitted after this point are unharmed.
+            reset = ex.reset and not self._heard_since(ex)
+            victims = self._in_stages() if reset else []
+            if reset:
                 out.append(ResetPeer(ex.dest))
             budget = ex.deadline - ex.sent_at
             self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, f"{what} within {budget:g}s", now)
+            if reset:
+                why = f"the connections to stage {ex.dest} were reset after a missed deadline"
+                self._lose(ex.dest, why, now, out, victims)
         return out
 
     def next_timer(self) -> float | None:
@@ -163,15 +180,33 @@ class CoordinatorCore:
         return self._deadlines[0][0] if self._deadlines else None
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
-        """A stage connection closed: every exchange that needs that stage fails now."""
+        """A stage connection closed: the stage frees what it held for us, so every request
+        in the stages fails now (and every query to that stage)."""
         out: list[Effect] = []
-        if identity not in self.stages:
-            return out
-        for nonce, ex in list(self._exchanges.items()):
-            if nonce in self._exchanges and (ex.kind is RunResult or ex.dest == identity):
-                why = f"lost the connection to stage {identity}"
-                self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
+        if identity in self.stages:
+            victims = self._in_stages()  # snapshot: requests admitted while failing these live
+            self._lose(identity, f"lost the connection to stage {identity}", now, out, victims)
         return out
+
+    def _in_stages(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.admitted]
+
+    def _lose(
+        self, stage: str, why: str, now: float, out: list[Effect], victims: list[Req] | None = None
+    ) -> None:
+        for nonce, ex in list(self._exchanges.items()):
+            if not ex.request_id and ex.dest == stage:
+                self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
+        for req in self._in_stages() if victims is None else victims:
+            if req.admitted and req.pending:  # not ended meanwhile
+                self._close(min(req.pending), out, ErrorCode.STAGE_UNREACHABLE, why, now)
+
+    def _heard_since(self, ex: Exchange) -> bool:
+        """Whether anything came back on the exchange's path after it was sent."""
+        last = self._heard.get(ex.dest, float("-inf"))
+        if ex.kind is RunResult:
+            last = max(last, self._heard.get(self.final, float("-inf")))
+        return last > ex.sent_at
 
     def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
         out: list[Effect] = []
@@ -202,6 +237,10 @@ class CoordinatorCore:
     # --- the local side -----------------------------------------------------------------------
     def _on_entry(self, m: RunEntry, now: float, out: list[Effect]) -> None:
         rid = m.request_id
+        if not rid:
+            self.failed += 1
+            out.append(Deliver(Error(ErrorCode.BAD_REQUEST, "empty request id", rid, m.nonce)))
+            return
         if rid in self.reqs:
             out.append(
                 Deliver(Error(ErrorCode.BAD_REQUEST, "request id already running", rid, m.nonce))

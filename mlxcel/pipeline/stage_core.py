@@ -240,8 +240,7 @@ class StageCore(StageGate):
         return out
 
     def begin_drain(self) -> None:
-        if self.state is not StageState.STOPPED:
-            self.state = NODE_TABLE.next(self.state, StageEvent.DRAIN)
+        self.state = NODE_TABLE.next(self.state, StageEvent.DRAIN)
 
     # --- commands -----------------------------------------------------------------------------
     def _owned(self, msg: Any, source: str) -> Seq | None:

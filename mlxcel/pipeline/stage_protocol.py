@@ -114,6 +114,8 @@ NODE_TABLE: Table[StageState, StageEvent] = Table(
         (StageState.DRAINING, StageEvent.SHUTDOWN): StageState.STOPPING,
         (StageState.STOPPING, StageEvent.SHUTDOWN): StageState.STOPPING,
         (StageState.STOPPING, StageEvent.EMPTY): StageState.STOPPED,
+        (StageState.STOPPED, StageEvent.DRAIN): StageState.STOPPED,  # a second SIGTERM
+        (StageState.STOPPED, StageEvent.SHUTDOWN): StageState.STOPPED,
     },
     {StageEvent.PREPARE: ErrorCode.DRAINING},
     ErrorCode.DRAINING,

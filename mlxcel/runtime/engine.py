@@ -25,6 +25,7 @@ from mlxcel.deadlines import deadline_in
 from mlxcel.messages import (
     CancelRequest,
     Error,
+    ErrorCode,
     ReleaseSequence,
     RunEntry,
     RunResult,
@@ -130,7 +131,7 @@ class LocalEngine:
         if problem is None and e.request_id in self._seqs:
             problem = f"request {e.request_id!r} is already running"
         if problem is not None:
-            await self._reply(Error("bad_request", problem, e.request_id, e.nonce))
+            await self._reply(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))
             return
         self._seqs[e.request_id] = _Seq(e, env.source)
         self._wake.set()
@@ -284,7 +285,7 @@ class LocalEngine:
             self._by_uid.pop(seq.uid, None)
             self._to_remove.append(seq.uid)
         logger.warning("engine: request {} failed alone: {}", request_id, why)
-        await self._reply(Error("sampling_failed", why, request_id, seq.entry.nonce))
+        await self._reply(Error(ErrorCode.SAMPLING_FAILED, why, request_id, seq.entry.nonce))
 
     async def _fail_all(self, why: str) -> None:
         """After a failed step the batch state is suspect: drop it all and start fresh."""
@@ -294,4 +295,4 @@ class LocalEngine:
         self._sample_failures.clear()
         self._gen = await self.compute.run(self._make_generator)
         for rid, s in seqs.items():
-            await self._reply(Error("engine_failed", why, rid, s.entry.nonce))
+            await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce))

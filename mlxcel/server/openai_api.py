@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Delta, EngineError, Frontend, Usage
-from mlxcel.messages import SamplingParams
+from mlxcel.messages import ErrorCode, SamplingParams
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.schemas import MAX_INT, ChatCompletionRequest, CompletionRequest
 
@@ -112,13 +112,19 @@ def _params(
 
 # Codes the generating side reports that mean "not now", not "broken": a load balancer may retry.
 UNAVAILABLE_CODES = frozenset(
-    {"stage_unreachable", "downstream_unreachable", "draining", "not_prepared"}
+    {
+        ErrorCode.STAGE_UNREACHABLE,
+        ErrorCode.DOWNSTREAM_UNREACHABLE,
+        ErrorCode.DRAINING,
+        ErrorCode.NOT_PREPARED,
+        ErrorCode.TOO_MANY_SEQUENCES,
+    }
 )
 
 
 def engine_error_status(code: str) -> tuple[int, str, dict[str, str] | None]:
     """HTTP status, OpenAI error type and headers for an error the engine or pipeline sent."""
-    if code == "deadline_exceeded":
+    if code == ErrorCode.DEADLINE_EXCEEDED:
         return 504, "timeout", None
     if code in UNAVAILABLE_CODES:
         return 503, "server_busy", {"Retry-After": "1"}
@@ -149,11 +155,15 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except AdmissionRejected as exc:
         status = 503
         return error_response(
-            503, str(exc), err_type="server_busy", code="queue_full", headers={"Retry-After": "1"}
+            503,
+            str(exc),
+            err_type="server_busy",
+            code=ErrorCode.QUEUE_FULL,
+            headers={"Retry-After": "1"},
         )
     except DeadlineExceeded as exc:
         status = 504
-        return error_response(504, str(exc), err_type="timeout", code="deadline_exceeded")
+        return error_response(504, str(exc), err_type="timeout", code=ErrorCode.DEADLINE_EXCEEDED)
     except EngineError as exc:
         status, err_type, headers = engine_error_status(exc.code)
         return error_response(status, str(exc), err_type=err_type, code=exc.code, headers=headers)
@@ -341,7 +351,7 @@ async def _sse(
         if resp is None:
             raise
         # The status line is gone; report the failure in-band, as OpenAI's API does.
-        code = exc.code if isinstance(exc, EngineError) else "deadline_exceeded"
+        code = exc.code if isinstance(exc, EngineError) else ErrorCode.DEADLINE_EXCEEDED
         await send(
             {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
         )
