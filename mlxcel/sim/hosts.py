@@ -38,7 +38,8 @@ class SimHost:
         self.identity = identity
         self.sched = sched
         self.net = net
-        self.skew = skew  # this host's clock minus true time
+        self.skew = skew  # this host's clock at true time 0
+        self.rate = 1.0  # how fast this host's clock runs (a drifting oscillator)
         self.up = True
         self.has_secret = True
         self.incarnation = 0
@@ -48,7 +49,7 @@ class SimHost:
         self.core: StageCore | CoordinatorCore
 
     def now(self) -> float:
-        return self.sched.now + self.skew
+        return self.skew + self.sched.now * self.rate
 
     def call(self, fn: Callable[..., list[Effect]], *args: object) -> None:
         """Run one core entry point and carry out its effects. A core that raises is a bug
@@ -68,7 +69,7 @@ class SimHost:
             elif isinstance(e, Warn):
                 self.warnings[e.kind] += 1
             elif isinstance(e, ResetPeer):
-                self.sched.trace("reset", self.identity, e.dest)
+                self.net.reset_link(self.identity, e.dest)
             else:
                 self.apply(e)
         self._arm()
@@ -83,7 +84,7 @@ class SimHost:
         when = self.core.next_timer()
         if when is None:
             return
-        true_when = when - self.skew
+        true_when = (when - self.skew) / self.rate
         if self._timer_at is not None and self._timer_at <= true_when:
             return  # an earlier timer is armed; it re-arms after running
         self._timer_at = true_when
@@ -217,6 +218,7 @@ class Outcome:
     prompt: tuple[int, ...]
     max_tokens: int
     deadline: float
+    submitted: float
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None  # stop / length, or "error:<code>", or "cancelled"
     ended_at: float | None = None
@@ -239,7 +241,7 @@ class CoordinatorHost(SimHost):
         self.outcomes: dict[str, Outcome] = {}
 
     def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int, timeout: float) -> None:
-        out = Outcome(rid, prompt, max_tokens, self.sched.now + timeout)
+        out = Outcome(rid, prompt, max_tokens, self.sched.now + timeout, self.sched.now)
         self.outcomes[rid] = out
         self.sched.trace("submit", rid)
         entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
@@ -269,7 +271,8 @@ class CoordinatorHost(SimHost):
                 out.tokens.extend(msg.token_ids)
                 if msg.finish_reason is not None:
                     out.finish, out.ended_at = msg.finish_reason, self.sched.now
-            self.sched.trace("deliver", rid, type(msg).__name__, out.finish)
+            tokens = getattr(msg, "token_ids", ())
+            self.sched.trace("deliver", rid, type(msg).__name__, tokens, out.finish)
         elif isinstance(effect, Answer):
             pass
         else:

@@ -56,6 +56,10 @@ def size_of(msg: Message) -> int:
     return 96
 
 
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a < b else (b, a)
+
+
 class SimNetwork:
     def __init__(self, sched: Scheduler, rng: random.Random, link: Link | None = None) -> None:
         self.sched = sched
@@ -65,6 +69,7 @@ class SimNetwork:
         self.hosts: dict[str, Host] = {}
         self.partitions: list[tuple[frozenset[str], frozenset[str]]] = []
         self._fifo: dict[tuple[str, str], float] = {}  # link -> last arrival time
+        self._epochs: dict[tuple[str, str], int] = {}  # host pair -> connections reset so far
         self.sent = 0
         self.delivered = 0
         self.lost = 0
@@ -128,13 +133,15 @@ class SimNetwork:
     def _post(self, when: float, src: str, dst: str, msg: Message) -> None:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        self.sched.at(when, self._arrive, src, dst, msg, getattr(self.hosts[dst], "incarnation", 0))
+        conn = (getattr(self.hosts[dst], "incarnation", 0), self._epochs.get(_pair(src, dst), 0))
+        self.sched.at(when, self._arrive, src, dst, msg, conn)
 
-    def _arrive(self, src: str, dst: str, msg: Message, incarnation: int) -> None:
+    def _arrive(self, src: str, dst: str, msg: Message, conn: tuple[int, int]) -> None:
         self.in_flight -= 1
         host = self.hosts[dst]
-        if not host.up or getattr(host, "incarnation", 0) != incarnation or self._parted(src, dst):
-            self.lost += 1  # the connection it travelled on died with the old process
+        now_conn = (getattr(host, "incarnation", 0), self._epochs.get(_pair(src, dst), 0))
+        if not host.up or now_conn != conn or self._parted(src, dst):
+            self.lost += 1  # the connection it travelled on died (a crash or a reset)
             return
         self.delivered += 1
         self.sched.trace(
@@ -146,6 +153,16 @@ class SimNetwork:
             getattr(msg, "nonce", ""),
         )
         host.receive(msg, src)
+
+    def reset_link(self, closer: str, peer: str) -> None:
+        """``closer`` closes its connections with ``peer`` on purpose: what is in flight
+        between them is lost, and ``peer`` (not ``closer``) sees a lost peer."""
+        self.sched.trace("reset", closer, peer)
+        key = _pair(closer, peer)
+        self._epochs[key] = self._epochs.get(key, 0) + 1
+        other = self.hosts.get(peer)
+        if other is not None and other.up:
+            self.sched.after(self.link.latency, other.peer_lost, closer)
 
     def reset_connections(self, identity: str) -> None:
         """``identity`` crashed or restarted: each peer sees its connection drop."""

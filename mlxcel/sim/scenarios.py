@@ -51,6 +51,9 @@ BUGS = ("skip-owner-check", "accept-stale-nonce")
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
 REQUEST_TIMEOUT = 600.0  # the client's own deadline; the pipeline must end requests well before
+STEP_TIMEOUT = 2.0  # the coordinator's per-exchange deadline
+FORWARD_TIMEOUT = 1.0  # a stage's per-step compute deadline
+DELAY_MAX = 3.0  # the longest extra delay the delay fault adds
 
 
 @dataclass
@@ -90,7 +93,12 @@ class Cluster:
     coordinator: CoordinatorHost
     stages: list[StageHost]
     intruder: Intruder | None = None
-    leaks: list[str] = field(default_factory=list)  # legit traffic that reached the intruder
+    # Windows of faults that may fail a request (loss, delay, partition, crash, slow node),
+    # already widened by how long their effects last; and request ids an intruder targeted.
+    # A request that overlaps none of them and was not targeted must complete. Duplicates,
+    # reordering, clock skew and outsiders must never fail anything.
+    harmful: list[tuple[float, float]] = field(default_factory=list)
+    targeted: set[str] = field(default_factory=set)
 
 
 def build(
@@ -127,9 +135,8 @@ def build(
             upstream=names[i - 1] if i else None,
             downstream=names[i + 1] if i + 1 < n_stages else None,
             max_batch=max_batch,
-            max_sequences=rng.choice([256, 256, 6]),
             lease=30.0,
-            forward_timeout=1.0,
+            forward_timeout=FORWARD_TIMEOUT,
         )
         host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
         stages.append(host)
@@ -139,7 +146,7 @@ def build(
         eos={model.eos},
         vocab=model.vocab,
         max_len=4096,
-        step_timeout=2.0,
+        step_timeout=STEP_TIMEOUT,
         max_in_flight=rng.randint(1, 8),
         prefill_chunk=getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32]),
         inject=inject,
@@ -171,42 +178,54 @@ def schedule_faults(
 ) -> None:
     sched, net, stages = cluster.sched, cluster.net, cluster.stages
     f = net.faults
+    # How long a fault's effects outlast it: a step deadline to notice, a message delayed
+    # past the window's end, a stuck step's forward timeout, and a deadline for the retry.
+    tail = 2 * STEP_TIMEOUT + DELAY_MAX + FORWARD_TIMEOUT
 
-    def toggle(attr: str, value: float) -> None:
+    def harmful(t0: float, t1: float) -> None:
+        cluster.harmful.append((t0, t1 + tail))
+
+    def toggle(attr: str, value: float, hurts: bool = True) -> None:
         t0, t1 = _window(rng, horizon)
         sched.at(t0, setattr, f, attr, value)
         sched.at(t1, setattr, f, attr, 0.0)
+        if hurts:
+            harmful(t0, t1)
 
     for kind in kinds:
         if kind == "drop":
             toggle("drop", rng.uniform(0.01, 0.1))
         elif kind == "delay":
-            f.delay_max = max(f.delay_max, rng.uniform(0.1, 3.0))
+            f.delay_max = max(f.delay_max, rng.uniform(0.1, DELAY_MAX))
             toggle("delay", rng.uniform(0.05, 0.3))
         elif kind == "duplicate":
             f.delay_max = max(f.delay_max, rng.uniform(0.05, 1.0))
-            toggle("duplicate", rng.uniform(0.1, 0.4))
+            toggle("duplicate", rng.uniform(0.1, 0.4), hurts=False)
         elif kind == "reorder":
-            toggle("reorder", rng.uniform(0.2, 0.6))
+            toggle("reorder", rng.uniform(0.2, 0.6), hurts=False)
         elif kind == "partition":
             victim = rng.choice([*stages, cluster.coordinator]).identity
             everyone = frozenset(net.hosts)
             t0, t1 = _window(rng, horizon)
             sched.at(t0, net.cut, frozenset({victim}), everyone - {victim})
             sched.at(t1, net.heal)
+            harmful(t0, t1)
         elif kind == "crash":
             host = rng.choice(stages)
             t0, t1 = _window(rng, horizon)
             sched.at(t0, host.crash)
             sched.at(t1, host.restart)
+            harmful(t0, t1)
         elif kind == "slow":
             host = rng.choice(stages)
             t0, t1 = _window(rng, horizon)
             sched.at(t0, setattr, host, "slow", rng.choice([20.0, 100.0, 400.0]))
             sched.at(t1, setattr, host, "slow", 1.0)
+            harmful(t0, t1)
         elif kind == "skew":
             for host in [*stages, cluster.coordinator]:
-                host.skew = rng.uniform(-30.0, 30.0)
+                host.skew = rng.uniform(-30.0, 30.0)  # clocks disagree...
+                host.rate = 1.0 + rng.uniform(-0.01, 0.01)  # ...and drift apart
         elif kind in ("outsider", "insider"):
             _intrude(cluster, rng, horizon, kind == "insider", arrivals)
 
@@ -232,6 +251,7 @@ def _intrude(
     def strike() -> None:
         live = [rid for rid, o in outcomes.items() if o.finish is None] or ["nobody"]
         rid = rng.choice(live)
+        cluster.targeted.add(rid)
         dest = rng.choice(stages)
         nonce = rng.randint(1, 64)
         sp = SamplingParams(max_tokens=4)
@@ -263,6 +283,7 @@ def _intrude(
     # for the intruder, and the stages after it must not run it on the owner's sequence.
     latency = net.link.latency
     for rid, at in rng.sample(arrivals, min(len(arrivals), 3)):
+        cluster.targeted.add(rid)
         sched.at(at - latency / 2, evil.inject, stages[0], PrepareSequence(rid, 64, 1))
         step = RunEntry(rid, 0, (1,), 0, SamplingParams(max_tokens=4), 2)
         sched.at(at + rng.uniform(0.5, 2.0) * latency, evil.inject, stages[0], step)
@@ -355,6 +376,10 @@ def check(cluster: Cluster) -> list[str]:
             continue
         if o.finish == "error:client_deadline":
             bad.append(f"{o.request_id} hung until the client's deadline")
+        elif o.finish.startswith("error:") and o.request_id not in cluster.targeted:
+            start, end = o.submitted, o.ended_at
+            if not any(t0 <= end and start <= t1 for t0, t1 in cluster.harmful):
+                bad.append(f"{o.request_id} failed ({o.finish}) though no fault touched it")
         if o.finish in ("stop", "length"):
             expect = "stop" if len(want) < o.max_tokens else "length"
             if o.tokens != want or o.finish != expect:
