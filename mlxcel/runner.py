@@ -62,7 +62,20 @@ class NodeRunner:
         self._app_runner: web.AppRunner | None = None
 
     async def setup(self) -> None:
-        """Build the HTTP application (nothing is bound yet)."""
+        """Build the HTTP application (nothing is bound yet). A failure here also resolves
+        ``started``, so whoever waits on it learns at once."""
+        try:
+            await self._setup()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.started.done():
+            self.started.set_exception(exc)
+            self.started.exception()  # retrieved: the caller also gets it raised
+
+    async def _setup(self) -> None:
         if self.http is None:
             return
         from mlxcel.server.metrics import Metrics
@@ -107,9 +120,7 @@ class NodeRunner:
                 port = bound[0][1] if bound else self.http.port
                 self.addresses["http"] = f"http://{self.http.host}:{port}"
         except BaseException as exc:
-            if not self.started.done():
-                self.started.set_exception(exc)
-                self.started.exception()  # retrieved: the caller gets it from here
+            self._fail(exc)
             await self._close_sites()
             raise
         self.started.set_result(dict(self.addresses))
@@ -141,3 +152,5 @@ class NodeRunner:
         if self._app_runner is not None:
             runner, self._app_runner = self._app_runner, None
             await runner.cleanup()
+        if "cluster" in self.addresses and self.serving.listener is not None:
+            await self.serving.listener.close()  # stops accepting and closes its connections

@@ -54,3 +54,16 @@ async def test_wait_returns_on_request_or_when_the_stack_is_done(tiny: Path) -> 
         runner.request_stop()
         await asyncio.wait_for(runner.wait(), 2)
         await runner.stop()
+
+
+async def test_a_failed_setup_resolves_started(tiny: Path) -> None:
+    async with local_stack(tiny, parallel=1) as st:
+        runner = NodeRunner(Serving(st.node, st.frontend), HttpOptions(max_body_bytes=-1))
+
+        async def broken() -> None:
+            raise RuntimeError("app factory failed")
+
+        runner._setup = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await runner.setup()
+        assert isinstance(runner.started.exception(), RuntimeError)
