@@ -59,6 +59,7 @@ class NodeRunner:
         self.started: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
         self.addresses: dict[str, str] = {}
         self._stop = asyncio.Event()
+        self._serving = False
         self._app_runner: web.AppRunner | None = None
 
     async def setup(self) -> None:
@@ -123,6 +124,7 @@ class NodeRunner:
             self._fail(exc)
             await self._close_sites()
             raise
+        self._serving = True
         self.started.set_result(dict(self.addresses))
         return dict(self.addresses)
 
@@ -140,7 +142,12 @@ class NodeRunner:
                 w.cancel()
 
     async def stop(self) -> None:
-        """Drain in-flight requests (up to ``drain_timeout``), then close every site."""
+        """Drain in-flight requests (up to ``drain_timeout``), then close every site. A runner
+        that never started serving has nothing to drain (the frontend may be another's)."""
+        if not self._serving:
+            await self._close_sites()
+            return
+        self._serving = False
         fe = self.serving.frontend
         if fe is not None:
             logger.info("draining: admitting no new requests, finishing {} in flight", fe.in_flight)

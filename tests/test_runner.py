@@ -35,6 +35,10 @@ async def test_started_names_the_sites_and_a_taken_port_fails_at_once(tiny: Path
         with pytest.raises(ListenError, match=f"127.0.0.1:{port}"):
             await other.start()
         assert isinstance(other.started.exception(), ListenError)
+        await other.stop()  # never served: must not drain the frontend it shares
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
         await runner.stop()
         with socket.socket() as s:  # the port is free again
             s.bind(("127.0.0.1", port))

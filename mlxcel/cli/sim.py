@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 from mlxcel.config import SimSettings
+from mlxcel.errors import ConfigError
 from mlxcel.sim.scenarios import Result, run_scenario
 
 
@@ -51,12 +52,15 @@ def run_sim(settings: SimSettings) -> int:
 
         model_path = resolve_model(settings.model)
     t0 = time.perf_counter()
-    results = [
-        run_scenario(
-            settings.scenario, s, stages=settings.stages, inject=inject, model_path=model_path
-        )
-        for s in seeds
-    ]
+    try:
+        results = [
+            run_scenario(
+                settings.scenario, s, stages=settings.stages, inject=inject, model_path=model_path
+            )
+            for s in seeds
+        ]
+    except ValueError as exc:  # a shape the scenario cannot build
+        raise ConfigError("--stages", str(exc)) from None
     summary = summarize(results, time.perf_counter() - t0)
     if settings.json_lines:
         print(json.dumps(summary), flush=True)
@@ -75,7 +79,12 @@ def run_sim(settings: SimSettings) -> int:
         )
         print(f"trace hash: {summary['trace_hash']}")
         print(f"violations: {summary['violations']}")
-        for f in summary["failures"]:  # type: ignore[attr-defined]
-            print(f"  seed {f['seed']}: " + "; ".join(f["violations"][:3]))
+        for f, r in zip(summary["failures"], [r for r in results if r.violations], strict=True):  # type: ignore[call-overload]
+            more = len(r.violations) - 3
+            print(
+                f"  seed {f['seed']}: "
+                + "; ".join(r.violations[:3])
+                + (f" (and {more} more)" if more > 0 else "")
+            )
             print(f"    replay: {f['replay']}")
     return 1 if summary["violations"] else 0

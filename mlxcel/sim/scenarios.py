@@ -321,6 +321,10 @@ def run_scenario(
         if model_path is None:
             raise ValueError("the tiny scenario needs a checkpoint (--model)")
         model = real_model(model_path)
+        if stages is not None and stages > model.n_layers:
+            raise ValueError(
+                f"the checkpoint has {model.n_layers} layers: at most that many stages"
+            )
         n_stages = stages or rng.randint(2, min(4, model.n_layers))
         kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
     else:

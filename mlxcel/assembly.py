@@ -1,0 +1,208 @@
+"""One assembly path: every kind of node, built from one description, served the same way.
+
+A :data:`StackSpec` says what to run -- one process, tensor-parallel rank 0, an in-process
+pipeline, a remote pipeline's coordinator or one of its stages -- with plain values (no
+settings objects). :func:`assemble` builds it and yields an :class:`Assembled` whose
+``serving`` goes to a :class:`~mlxcel.runner.NodeRunner`. The CLI, the benchmarks and an
+embedding service all go through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcel.runner import Serving
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What every generating stack shares: admission and batching limits."""
+
+    parallel: int = 8
+    queue_size: int = 64
+    request_timeout: float = 600.0
+    max_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    model: Path
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    model: Path
+    size: int
+    hostfile: Path | None = None
+    startup_timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Every stage and the coordinator in this process, on an in-memory fabric."""
+
+    model: Path
+    size: int
+    layers: str | None = None
+    return_logits: bool = False
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    """The coordinator of a multi-process pipeline (``cfg``: its cluster TOML)."""
+
+    cfg: Any
+    me: Any
+    model: Path
+    secret: Any
+    return_logits: bool = False
+    interface: str | None = None
+    startup_timeout: float = 60.0
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage process of a multi-process pipeline."""
+
+    cfg: Any
+    me: Any
+    model: Path
+    secret: Any
+    return_logits: bool = False
+    interface: str | None = None
+
+
+StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec
+
+
+@dataclass
+class Assembled:
+    serving: Serving
+    model_name: str
+    summary: str  # one line for the log: what this node runs
+    stage: Any = None  # the StageService of a stage node
+    failure: Callable[[], str | None] = field(default=lambda: None)  # why it stopped serving
+
+
+@asynccontextmanager
+async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncIterator[Assembled]:
+    g = gen or Generation()
+    limits: dict[str, Any] = {
+        "parallel": g.parallel,
+        "queue_size": g.queue_size,
+        "request_timeout": g.request_timeout,
+    }
+    if isinstance(spec, LocalSpec):
+        from mlxcel.server.run import local_stack
+
+        async with local_stack(
+            spec.model,
+            max_batch_size=g.max_batch_size,
+            prefill_step_size=g.prefill_step_size,
+            name="serve",
+            **limits,
+        ) as st:
+            m = st.loaded
+            yield Assembled(
+                Serving(st.node, st.frontend, lambda: st.engine.active),
+                m.name,
+                f"model {m.name} ({m.family}, {m.n_layers} layers); decode path: batched "
+                f"forward, up to {g.max_batch_size} sequences per step",
+            )
+    elif isinstance(spec, TensorParallelSpec):
+        from mlxcel.tp.launch import tp_stack
+
+        async with tp_stack(
+            spec.model,
+            spec.size,
+            hostfile=spec.hostfile,
+            max_batch_size=g.max_batch_size,
+            prefill_step_size=g.prefill_step_size,
+            name="serve-tp",
+            startup_timeout=spec.startup_timeout,
+            **limits,
+        ) as tp:
+
+            async def health() -> dict[str, object]:
+                ranks: dict[str, object] = {"ranks": tp.size}
+                if tp.engine.fatal.is_set():
+                    ranks["error"] = tp.engine.fatal_reason
+                return {"ready": not tp.engine.fatal.is_set(), "tensor_parallel": ranks}
+
+            # The group failing stops the runner like a signal does.
+            serving = Serving(
+                tp.node, tp.frontend, lambda: tp.engine.active, health, done=tp.engine.fatal
+            )
+            yield Assembled(
+                serving,
+                tp.loaded.name,
+                f"tensor-parallel group of {tp.size} ranks",
+                failure=lambda: tp.engine.fatal_reason or None,
+            )
+    elif isinstance(spec, PipelineSpec):
+        from mlxcel.pipeline.inproc import pipeline_stack
+
+        async with pipeline_stack(
+            spec.model,
+            spec.size,
+            pp_layers=spec.layers,
+            return_logits=spec.return_logits,
+            max_batch_size=g.max_batch_size,
+            prefill_chunk=g.prefill_step_size,
+            max_in_flight=spec.max_in_flight,
+            **limits,
+        ) as ps:
+            c = ps.coordinator
+            plan = ", ".join(p.spec for p in ps.plan)
+            yield Assembled(
+                Serving(ps.node, ps.frontend, lambda: c.active, c.health),
+                ps.loaded.name,
+                f"in-process pipeline of {len(ps.plan)} stages: {plan}",
+            )
+    elif isinstance(spec, CoordinatorSpec):
+        from mlxcel.pipeline.remote import remote_coordinator
+
+        async with remote_coordinator(
+            spec.cfg,
+            spec.me,
+            spec.model,
+            spec.secret,
+            return_logits=spec.return_logits,
+            interface=spec.interface,
+            startup_timeout=spec.startup_timeout,
+            prefill_chunk=g.prefill_step_size,
+            max_in_flight=spec.max_in_flight,
+            **limits,
+        ) as rc:
+            c = rc.coordinator
+            yield Assembled(
+                Serving(rc.node, rc.frontend, lambda: c.active, c.health),
+                spec.model.name,
+                f"pipeline coordinator of {len(rc.plan)} stages",
+            )
+    else:
+        from mlxcel.pipeline.remote import stage_node
+
+        async with stage_node(
+            spec.cfg,
+            spec.me,
+            spec.model,
+            spec.secret,
+            return_logits=spec.return_logits,
+            max_batch=g.max_batch_size,
+            prefill_chunk=g.prefill_step_size,
+            interface=spec.interface,
+        ) as (service, listener, layers):
+            yield Assembled(
+                Serving(service.node, listener=listener, done=service.stopped),
+                spec.model.name,
+                f"stage {spec.me.id} (layers {layers})",
+                stage=service,
+            )
