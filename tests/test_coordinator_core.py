@@ -296,3 +296,23 @@ def test_an_event_not_in_the_request_table_raises() -> None:
         REQ_TABLE.next(ReqState.PREPARING, ReqEvent.RESULT)
     with pytest.raises(IllegalTransition):
         REQ_TABLE.next(ReqState.DONE, ReqEvent.CANCEL)
+
+
+def test_a_restarted_coordinator_does_not_reuse_nonces() -> None:
+    """A stage that missed the restart would take a repeated nonce for a copy of the old
+    claim (and keep its stale cache): each process starts its nonces elsewhere."""
+    from mlxcel.pipeline.stage_core import StageCore
+    from mlxcel.pipeline.stage_protocol import StageConfig
+
+    stage = StageCore(StageConfig("s0", 0, 1, "C"), width=4, vocab=16, layers=(0, 1))
+    first = CoordinatorCore(["s0"], eos=set(), vocab=16, max_len=64, first_nonce=1)
+    out = first.handle(RunEntry("req-1", 0, (1,), 0, SamplingParams(max_tokens=2), 1), LOCAL, 0)
+    stage.handle(sent(out, PrepareSequence)[0].msg, "C", 0.0)
+    old_key = stage.seqs["req-1"].key
+    # The process restarts: same request id, nonces from another starting point.
+    again = CoordinatorCore(["s0"], eos=set(), vocab=16, max_len=64, first_nonce=1 << 40)
+    out = again.handle(RunEntry("req-1", 0, (1,), 0, SamplingParams(max_tokens=2), 1), LOCAL, 0)
+    (prep,) = sent(out, PrepareSequence)
+    assert prep.msg.nonce == 1 << 40
+    stage.handle(prep.msg, "C", 1.0)
+    assert stage.seqs["req-1"].key != old_key  # a fresh claim, not a copy of the old one
