@@ -99,7 +99,11 @@ class CoreAdapter:
             self._timer_changed.clear()
             when = self.core.next_timer()
             if when is not None and when <= self.now():
-                self.feed(self.core.on_timer(self.now()))
+                try:
+                    self.feed(self.core.on_timer(self.now()))
+                except Exception:  # a core bug must not take the node down; say so loudly
+                    logger.exception("{}: timer handling failed", self.name)
+                    await asyncio.sleep(0.1)  # and do not spin on it
                 await asyncio.sleep(0)  # let the loop breathe between bursts
                 continue
             try:
