@@ -276,8 +276,8 @@ class StageCore(StageGate):
     def _on_release(
         self, m: CancelRequest | ReleaseSequence, source: str, out: list[Effect]
     ) -> None:
-        if self._owned(m, source) is not None:
-            self._free(out, [m.request_id])
+        if (seq := self._owned(m, source)) is not None:  # logged only if queued work is lost
+            self._free(out, [m.request_id], quiet=seq.state is not SeqState.QUEUED)
 
     def _on_CancelRequest(
         self, m: CancelRequest, source: str, now: float, out: list[Effect]
