@@ -235,22 +235,46 @@ class CoordinatorHost(SimHost):
         net: SimNetwork,
         core: CoordinatorCore,
         skew: float = 0.0,
+        remake: Callable[[], CoordinatorCore] | None = None,
     ) -> None:
         super().__init__(identity, sched, net, skew)
         self.core = core
+        self.remake = remake  # a fresh core for a restarted process
         self.outcomes: dict[str, Outcome] = {}
 
     def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int, timeout: float) -> None:
         out = Outcome(rid, prompt, max_tokens, self.sched.now + timeout, self.sched.now)
         self.outcomes[rid] = out
         self.sched.trace("submit", rid)
+        if not self.up:  # the client cannot connect
+            out.finish, out.ended_at = "error:coordinator_down", self.sched.now
+            return
         entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
         self.call(self.core.handle, entry, LOCAL, self.now())
         self.sched.at(out.deadline, self._deadline, rid)
 
+    def crash(self) -> None:
+        """The coordinator process dies: its clients see their connections drop, and every
+        stage sees the coordinator's connections reset."""
+        self.sched.trace("crash", self.identity)
+        self.up = False
+        self.incarnation += 1
+        self._timer_at = None
+        for out in self.outcomes.values():
+            if out.finish is None:
+                out.finish, out.ended_at = "error:coordinator_crashed", self.sched.now
+        self.net.reset_connections(self.identity)
+
+    def restart(self) -> None:
+        assert self.remake is not None
+        self.sched.trace("restart", self.identity)
+        self.up = True
+        self.incarnation += 1
+        self.core = self.remake()
+
     def cancel(self, rid: str, finish: str = "cancelled") -> None:
         out = self.outcomes[rid]
-        if out.finish is None:
+        if out.finish is None and self.up:
             out.finish, out.ended_at = finish, self.sched.now
             self.sched.trace("cancel", rid, finish)
             self.call(self.core.handle, CancelRequest(rid, finish), LOCAL, self.now())

@@ -141,16 +141,22 @@ def build(
         host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
         stages.append(host)
         net.add(host)
-    core = CoordinatorCore(
-        names,
-        eos={model.eos},
-        vocab=model.vocab,
-        max_len=4096,
-        step_timeout=STEP_TIMEOUT,
-        max_in_flight=rng.randint(1, 8),
-        prefill_chunk=getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32]),
-        inject=inject,
-    )
+    max_in_flight = rng.randint(1, 8)
+    chunk = getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32])
+
+    def make_core(first_nonce: int) -> CoordinatorCore:
+        return CoordinatorCore(
+            names,
+            eos={model.eos},
+            vocab=model.vocab,
+            max_len=4096,
+            step_timeout=STEP_TIMEOUT,
+            max_in_flight=max_in_flight,
+            prefill_chunk=chunk,
+            first_nonce=first_nonce,
+            inject=inject,
+        )
+
     cluster = Cluster(sched, net, model, None, stages)  # type: ignore[arg-type]
 
     def entry_owner(rid: str) -> str | None:
@@ -158,7 +164,10 @@ def build(
         return seq.owner if seq is not None else None
 
     stages[-1].entry_owner = entry_owner
-    coord = CoordinatorHost(COORDINATOR, sched, net, core)
+    # A restarted process starts its nonces somewhere else (drawn from the seed).
+    coord = CoordinatorHost(
+        COORDINATOR, sched, net, make_core(1), remake=lambda: make_core(rng.randrange(1 << 48))
+    )
     net.add(coord)
     cluster.coordinator = coord
     return cluster
@@ -211,7 +220,7 @@ def schedule_faults(
             sched.at(t1, net.heal)
             harmful(t0, t1)
         elif kind == "crash":
-            host = rng.choice(stages)
+            host = rng.choice([*stages, cluster.coordinator])
             t0, t1 = _window(rng, horizon)
             sched.at(t0, host.crash)
             sched.at(t1, host.restart)
