@@ -48,6 +48,7 @@ class CoreAdapter:
         self.loop = asyncio.get_running_loop()
         self.limiter = WarningLimiter(self.loop.time)
         self.dropped_sends = 0
+        self.expired_sends = 0
         self._outboxes: dict[str, asyncio.Queue[Send]] = {}
         self._timer_changed = asyncio.Event()
 
@@ -83,8 +84,8 @@ class CoreAdapter:
             elif isinstance(effect, ResetPeer):
                 self.endpoint.reset(effect.dest)
             elif isinstance(effect, Warn):
-                if effect.kind == "info":
-                    logger.info("{}", effect.text)
+                if effect.kind in ("debug", "info", "warning"):
+                    logger.log(effect.kind.upper(), "{}", effect.text)
                 else:
                     self.limiter.warn(effect.kind, effect.text)
             else:
@@ -132,8 +133,14 @@ class CoreAdapter:
         budget = self.send_budget if peer else 1.0
         while True:
             send = await box.get()
+            deadline = deadline_in(budget)
+            if send.deadline is not None:
+                if send.deadline <= self.now():
+                    self.expired_sends += 1  # its exchange is over: do not hold the line
+                    continue
+                deadline = min(deadline, send.deadline)
             try:
-                await self.endpoint.send(send.dest, send.msg, deadline_in(budget))
+                await self.endpoint.send(send.dest, send.msg, deadline)
             except (SendFailed, MlxcelError) as exc:
                 self._failed(send, str(exc))
             finally:

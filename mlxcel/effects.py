@@ -28,6 +28,9 @@ class Send:
     dest: str
     msg: Message
     peer: bool = True
+    # When the message is no longer worth sending (the core's clock): the adapter gives up
+    # on it then, and drops it unsent if it is still queued by then.
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,8 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Warn:
-    """A rate-limited warning of class ``kind`` (see :mod:`mlxcel.net.ratelimit`)."""
+    """A log line: ``kind`` is a rate-limiter class (see :mod:`mlxcel.net.ratelimit`), or
+    the plain level ``debug``, ``info`` or ``warning`` for one-off lines."""
 
     kind: str
     text: str

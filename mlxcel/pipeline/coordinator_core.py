@@ -215,7 +215,7 @@ class CoordinatorCore:
             self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, reason, now)
         else:
             out.append(
-                Warn("info", f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}")
+                Warn("debug", f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}")
             )
         return out
 
@@ -225,7 +225,7 @@ class CoordinatorCore:
         """Ask ``stage`` for its State; the answer comes as ``Answer(token, State | error)``."""
         out: list[Effect] = []
         nonce = self._open(State, stage, "", 0, now, timeout=timeout, reset=reset)
-        out.append(Send(stage, QueryState(nonce)))
+        out.append(self._send(stage, QueryState(nonce)))
         return nonce, out
 
     def decode_overhead_ms(self) -> float:
@@ -279,7 +279,7 @@ class CoordinatorCore:
             for stage in self.stages:
                 nonce = self._open(Ack, stage, rid, 0, now)
                 req.pending.add(nonce)
-                out.append(Send(stage, PrepareSequence(rid, total, nonce)))
+                out.append(self._send(stage, PrepareSequence(rid, total, nonce)))
 
     def _cancel(self, rid: str, now: float, out: list[Effect]) -> None:
         req = self.reqs.get(rid)
@@ -301,7 +301,7 @@ class CoordinatorCore:
             nonce = self._open(RunResult, self.stages[0], rid, e.micro_batch, now, len(step), 1)
             msg = RunEntry(rid, e.micro_batch, step, req.pos, e.sampling, nonce)
         req.pending = {nonce}
-        out.append(Send(self.stages[0], msg))
+        out.append(self._send(self.stages[0], msg))
 
     def _end(self, req: Req, now: float, out: list[Effect]) -> None:
         """The request left (finished, failed or cancelled): free its slot and its stages."""
@@ -338,6 +338,10 @@ class CoordinatorCore:
         heapq.heappush(self._deadlines, (deadline, nonce))
         return nonce
 
+    def _send(self, dest: str, msg: PrepareSequence | RunEntry | QueryState) -> Send:
+        """A message that opens an exchange: not worth sending after the exchange's deadline."""
+        return Send(dest, msg, deadline=self._exchanges[msg.nonce].deadline)
+
     def _close(self, nonce: int, out: list[Effect], code: str, why: str, now: float) -> None:
         """Fail the exchange ``nonce``: its query is answered, or its request fails."""
         ex = self._exchanges.pop(nonce, None)
@@ -350,7 +354,7 @@ class CoordinatorCore:
         if req is None or nonce not in req.pending:
             return
         self.failed += 1
-        out.append(Warn("info", f"coordinator: request {ex.request_id} failed: {why}"))
+        out.append(Warn("warning", f"coordinator: request {ex.request_id} failed: {why}"))
         e = req.entry
         out.append(Deliver(Error(code, why, e.request_id, e.nonce)))
         req.state = REQ_TABLE.next(req.state, ReqEvent.FAIL)

@@ -1,0 +1,57 @@
+"""CoreAdapter: a core's sends honour the deadline of the exchange they open."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from mlxcel.bus import LOCAL, Node
+from mlxcel.endpoint import SendFailed
+from mlxcel.messages import Message, PrepareSequence, RunEntry, SamplingParams
+from mlxcel.pipeline.coordinator import PipelineCoordinator
+from mlxcel.pipeline.coordinator_core import PipelineError
+
+
+class DeadStage:
+    """An endpoint whose every send hangs until its deadline, like dialing a dead host."""
+
+    identity = "coordinator"
+    wire_bytes = 0
+
+    def __init__(self) -> None:
+        self.attempts: list[tuple[float, Message]] = []
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.attempts.append((loop.time(), msg))
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        raise SendFailed(f"send to {dest} failed: connect deadline passed")
+
+    def reset(self, dest: str) -> None:
+        pass
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        pass
+
+
+async def test_health_probes_to_a_dead_stage_do_not_hold_up_a_request() -> None:
+    """Each /health probe (1 s) once queued a send with the 30 s budget in the dead stage's
+    outbox, so a request behind ten probes waited minutes instead of failing at once."""
+    async with Node("coordinator") as node:
+        ep = DeadStage()
+        coord = PipelineCoordinator(
+            node, ep, ["s0"], eos=set(), vocab=16, max_len=64, step_timeout=30.0
+        )
+        coord.attach()
+        loop = asyncio.get_running_loop()
+        probes = [asyncio.ensure_future(coord.query("s0", timeout=1.0)) for _ in range(10)]
+        await asyncio.sleep(0.05)
+        t0 = loop.time()
+        entry = RunEntry("r", 0, (1,), 0, SamplingParams(max_tokens=2), 1)
+        await node.bus.publish(entry, source=LOCAL, deadline=t0 + 1)
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        assert all(isinstance(r, PipelineError) for r in results)
+        while not any(isinstance(m, PrepareSequence) for _, m in ep.attempts):
+            assert loop.time() - t0 < 10, "the request waited behind expired probes"
+            await asyncio.sleep(0.05)
+        assert coord.expired_sends > 0  # expired probes were dropped unsent
