@@ -313,7 +313,8 @@ class CoordinatorCore:
         if req.admitted:
             req.admitted = False
             self.held -= 1
-            out.extend(Send(stage, ReleaseSequence(rid)) for stage in self.stages)
+            # Best effort, briefly: a stage that misses it frees the sequence at its lease.
+            out.extend(Send(s, ReleaseSequence(rid), deadline=now + 5.0) for s in self.stages)
         self._admit(now, out)
 
     # --- exchanges ----------------------------------------------------------------------------
