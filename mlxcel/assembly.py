@@ -54,8 +54,8 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
-class CoordinatorSpec:
-    """The coordinator of a multi-process pipeline (``cfg``: its cluster TOML)."""
+class _ClusterNodeSpec:
+    """A node of a multi-process pipeline (``cfg``: its cluster TOML; ``me``: its entry)."""
 
     cfg: Any
     me: Any
@@ -63,20 +63,17 @@ class CoordinatorSpec:
     secret: Any
     return_logits: bool = False
     interface: str | None = None
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec(_ClusterNodeSpec):
     startup_timeout: float = 60.0
     max_in_flight: int | None = None
 
 
 @dataclass(frozen=True)
-class StageSpec:
+class StageSpec(_ClusterNodeSpec):
     """One stage process of a multi-process pipeline."""
-
-    cfg: Any
-    me: Any
-    model: Path
-    secret: Any
-    return_logits: bool = False
-    interface: str | None = None
 
 
 StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec

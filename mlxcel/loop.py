@@ -1,4 +1,5 @@
-"""The one place an event loop is chosen: uvloop where it is installed, for entry points only.
+"""Entry points only: the one place an event loop is chosen (uvloop where it is installed)
+and signals are handled.
 
 Library code runs on whatever loop it is given (the simulator and embedding services need
 that); ``python -m mlxcel`` and the benchmark's echo peer start theirs here.
@@ -7,8 +8,10 @@ that); ``python -m mlxcel`` and the benchmark's echo peer start theirs here.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -24,3 +27,19 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
             factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
+
+
+@contextmanager
+def signals(on_signal: Callable[[], None]) -> Iterator[None]:
+    """Call ``on_signal`` on SIGINT/SIGTERM while the block runs (not on Windows)."""
+    if sys.platform == "win32":
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -10,8 +10,6 @@ the way shows up here first.
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 import time
 
 from loguru import logger
@@ -20,6 +18,7 @@ from mlxcel.bus import Envelope, Node
 from mlxcel.config import ClusterCheckSettings
 from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import ConfigError, MlxcelError
+from mlxcel.loop import signals
 from mlxcel.messages import Ack
 from mlxcel.net.interfaces import interface_ipv4, probe_rdma
 from mlxcel.net.listener import ClusterListener
@@ -76,12 +75,10 @@ async def _listen(node: Node, s: ClusterCheckSettings, secret, bind_ip: str | No
     print(f"listening on {Identity(host, bound).address} as node {s.node_id!r}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    if sys.platform != "win32":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        async with until(loop.time() + s.duration if s.duration > 0 else None, "listen"):
-            await stop.wait()
+        with signals(stop.set):
+            async with until(loop.time() + s.duration if s.duration > 0 else None, "listen"):
+                await stop.wait()
     except MlxcelError:
         pass
     return 0

@@ -1,7 +1,7 @@
 """``python -m mlxcel`` / ``mlxcel`` / ``mlxcel-server``: the entry points.
 
-This is the only place that picks an event loop implementation (uvloop where available) and
-configures logging; everything below runs on whatever loop it is given.
+It configures logging and starts the loop through :mod:`mlxcel.loop` (the one place that
+picks uvloop and handles signals); everything below runs on whatever loop it is given.
 """
 
 from __future__ import annotations

@@ -5,10 +5,6 @@ here, in the CLI, and nowhere in the library."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from loguru import logger
@@ -26,24 +22,9 @@ from mlxcel.assembly import (
 )
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
 from mlxcel.config import ServeSettings
+from mlxcel.loop import signals
 from mlxcel.net.secret import ClusterSecret, load_cluster_secret
 from mlxcel.runner import HttpOptions, NodeRunner
-
-
-@contextmanager
-def signals(on_signal: Callable[[], None]) -> Iterator[None]:
-    """Call ``on_signal`` on SIGINT/SIGTERM while the block runs (not on Windows)."""
-    if sys.platform == "win32":
-        yield
-        return
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        yield
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 async def serve(s: ServeSettings) -> int:

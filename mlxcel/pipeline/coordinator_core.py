@@ -94,7 +94,6 @@ class CoordinatorCore:
         # A restarted coordinator must not reuse its predecessor's nonces (a stage that missed
         # the restart would take them for copies): the adapter starts from a random point.
         self._nonces = itertools.count(first_nonce)
-        self.held = 0
         self.peak_in_flight = 0
         # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
         self.dropped: Counter[str] = Counter()
@@ -114,6 +113,11 @@ class CoordinatorCore:
     @property
     def active(self) -> int:
         return len(self.reqs)
+
+    @property
+    def held(self) -> int:
+        """In-flight slots taken: requests admitted into the stages."""
+        return len(self._in_stages())
 
     # --- entry points -------------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
@@ -273,7 +277,6 @@ class CoordinatorCore:
                 continue
             req.state = REQ_TABLE.next(req.state, ReqEvent.ADMIT)
             req.admitted = True
-            self.held += 1
             self.peak_in_flight = max(self.peak_in_flight, self.held)
             total = len(req.entry.token_ids) + req.entry.sampling.max_tokens
             for stage in self.stages:
@@ -312,7 +315,6 @@ class CoordinatorCore:
         req.pending = set()
         if req.admitted:
             req.admitted = False
-            self.held -= 1
             # Best effort, briefly: a stage that misses it frees the sequence at its lease.
             out.extend(Send(s, ReleaseSequence(rid), deadline=now + 5.0) for s in self.stages)
         self._admit(now, out)

@@ -21,6 +21,11 @@ MASK = (1 << 64) - 1
 PRIME = 0x100000001B3
 
 
+def step_time(job: ComputeJob, step_s: float, per_token_s: float) -> float:
+    """Virtual compute time of one job: a fixed cost per forward pass plus one per position."""
+    return step_s + per_token_s * sum(s.n for s in job.steps)
+
+
 def mix(h: int, x: int, salt: int) -> int:
     h = ((h ^ (x & MASK)) * PRIME + salt) & MASK
     return h ^ (h >> 29)
@@ -40,7 +45,7 @@ class FakeModel:
         return (self.seed * 1_000_003 + stage * 7919 + 1) & MASK
 
     def compute_time(self, job: ComputeJob) -> float:
-        return self.step_s + self.per_token_s * sum(s.n for s in job.steps)
+        return step_time(job, self.step_s, self.per_token_s)
 
     def stage(self, index: int, n_stages: int) -> FakeStage:
         return FakeStage(self, index)

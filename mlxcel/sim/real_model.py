@@ -16,6 +16,7 @@ from mlxcel.messages import SamplingParams
 from mlxcel.pipeline.stage_protocol import ComputeJob, Step, StepOutput
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model, split_even
+from mlxcel.sim.model import step_time
 
 
 @dataclass
@@ -49,7 +50,7 @@ class RealModel:
         self.n_layers = self.loaded.n_layers
 
     def compute_time(self, job: ComputeJob) -> float:
-        return self.step_s + self.per_token_s * sum(s.n for s in job.steps)
+        return step_time(job, self.step_s, self.per_token_s)
 
     def stage(self, index: int, n_stages: int) -> RealStage:
         start, end = split_even(self.n_layers, n_stages)[index]
