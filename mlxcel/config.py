@@ -366,9 +366,10 @@ class KeygenSettings(_Base):
 class SimSettings(_Base):
     seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
     first_seed: int = Field(0, ge=0, description="the first seed of the run")
-    scenario: Literal["mixed", "scale", "tiny"] = Field(
-        "mixed",
-        description="mixed: 2-8 stages, every fault kind; scale: 32 stages; "
+    scenario: Literal["all", "mixed", "bringup", "scale", "tiny"] = Field(
+        "all",
+        description="all: mixed and bringup for every seed; mixed: 2-8 stages serving, every "
+        "fault kind; bringup: zero-config bring-up of 2-16 peers; scale: 32 stages; "
         "tiny: 2-4 stages computing with the real checkpoint (--model)",
     )
     model: str | None = Field(

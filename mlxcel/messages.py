@@ -280,6 +280,97 @@ class Undecodable(Message):
     reason: str
 
 
+# --- zero-config bring-up (mlxcel.bringup): the assignment channel and discovery beacons -----
+
+
+@dataclass(frozen=True, slots=True)
+class AssignOffer(Message):
+    """Coordinator -> peer: run stage ``stage`` of this cluster (``cluster_toml``, the body
+    every node writes). ``attempt`` names one bring-up; answers carry it back."""
+
+    KIND: ClassVar[int] = 14
+    protocol: int
+    attempt: int
+    mlxcel_version: str
+    cluster_name: str
+    model_sha256: str  # see mlxcel.bringup.identity: config.json, weight files, layer count
+    n_layers: int
+    n_stages: int
+    stage: int
+    layers: tuple[int, ...]  # (start, end) of the offered range, end exclusive
+    node_id: str
+    coordinator: str  # the coordinator's control address (stages reply there)
+    cluster_toml: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssignAccepted(Message):
+    KIND: ClassVar[int] = 15
+    protocol: int
+    attempt: int
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssignRefused(Message):
+    """Peer -> coordinator: the offer (or a later phase) failed a check. ``final``: the peer
+    ends (a retry against this coordinator cannot succeed); otherwise it waits again."""
+
+    KIND: ClassVar[int] = 16
+    attempt: int
+    code: str
+    reason: str
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AssignCommit(Message):
+    KIND: ClassVar[int] = 17
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AssignCommitted(Message):
+    KIND: ClassVar[int] = 18
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AssignActivate(Message):
+    KIND: ClassVar[int] = 19
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AssignActivated(Message):
+    """Peer -> coordinator: the stage is starting (answered again to a repeated Activate)."""
+
+    KIND: ClassVar[int] = 20
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AssignAbort(Message):
+    """Coordinator -> peer: this bring-up failed (``summary`` says why); wait again."""
+
+    KIND: ClassVar[int] = 21
+    attempt: int
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Beacon(Message):
+    """A peer's UDP announcement (``--cluster-discovery=mdns``). ``mac`` is an HMAC over the
+    encoding of every other field (see mlxcel.bringup.beacon); the payload is readable."""
+
+    KIND: ClassVar[int] = 22
+    version: str
+    address: str  # the peer's assignment listener; an unspecified IP means "my source IP"
+    timestamp: float  # the peer's wall clock
+    nonce: bytes
+    mac: bytes = b""
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,
@@ -294,4 +385,13 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     State,
     QueryState,
     TpStep,
+    AssignOffer,
+    AssignAccepted,
+    AssignRefused,
+    AssignCommit,
+    AssignCommitted,
+    AssignActivate,
+    AssignActivated,
+    AssignAbort,
+    Beacon,
 )

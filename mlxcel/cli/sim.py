@@ -23,12 +23,16 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, object]:
         for r in results
         if r.violations
     ]
+    serving = [r for r in results if r.name != "bringup"]
+    ups = [r for r in results if r.name == "bringup"]
     return {
         "scenarios": len(results),
         "stages": [min(r.stages for r in results), max(r.stages for r in results)],
-        "requests": sum(r.requests for r in results),
-        "completed": sum(r.completed for r in results),
-        "failed": sum(r.failed for r in results),
+        "requests": sum(r.requests for r in serving),
+        "completed": sum(r.completed for r in serving),
+        "failed": sum(r.failed for r in serving),
+        # bring-ups: how many ran, activated every stage, failed having started none
+        "bringups": [len(ups), sum(r.completed for r in ups), sum(r.failed for r in ups)],
         "violations": sum(len(r.violations) for r in results),
         "events": events,
         "wall_s": round(wall_s, 3),
@@ -52,12 +56,12 @@ def run_sim(settings: SimSettings) -> int:
 
         model_path = resolve_model(settings.model)
     t0 = time.perf_counter()
+    names = ["mixed", "bringup"] if settings.scenario == "all" else [settings.scenario]
     try:
         results = [
-            run_scenario(
-                settings.scenario, s, stages=settings.stages, inject=inject, model_path=model_path
-            )
+            run_scenario(name, s, stages=settings.stages, inject=inject, model_path=model_path)
             for s in seeds
+            for name in names
         ]
     except ValueError as exc:  # a shape the scenario cannot build
         raise ConfigError("--stages", str(exc)) from None
@@ -71,6 +75,9 @@ def run_sim(settings: SimSettings) -> int:
             f"{summary['requests']} requests ({summary['completed']} completed, "
             f"{summary['failed']} failed with an error)"
         )
+        runs, up, down = summary["bringups"]  # type: ignore[misc]
+        if runs:
+            print(f"bring-ups: {runs} ({up} activated every stage, {down} failed and started none)")
         faults = ", ".join(f"{k} {v}" for k, v in summary["faults"].items())  # type: ignore[attr-defined]
         print(f"faults: {faults}")
         print(

@@ -46,7 +46,7 @@ FAULT_KINDS = (
     "outsider",
     "insider",
 )
-SCENARIOS = ("mixed", "scale", "tiny")
+SCENARIOS = ("mixed", "scale", "tiny", "bringup")
 BUGS = ("skip-owner-check", "accept-stale-nonce")
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
@@ -321,6 +321,8 @@ def run_scenario(
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
     wall0 = time.perf_counter()
+    if name == "bringup":
+        return _bringup_result(seed, stages, wall0)
     rng = random.Random(f"{name}:{seed}")
     model = None
     if name == "scale":
@@ -375,6 +377,32 @@ def run_scenario(
         tuple(sorted(inject)),
         stages,
         str(model_path) if model_path is not None else None,
+    )
+
+
+def _bringup_result(seed: int, peers: int | None, wall0: float) -> Result:
+    """One bring-up (:mod:`mlxcel.sim.bringup`) as a scenario result: one "request", completed
+    when every stage activated, failed when the bring-up failed cleanly."""
+    from mlxcel.sim.bringup import run_bringup
+
+    if peers is not None and peers > 64:
+        raise ValueError("a bring-up scenario takes at most 64 peers")
+    run, violations = run_bringup(seed, peers)
+    done = run.coordinator.done
+    return Result(
+        "bringup",
+        seed,
+        len(run.peers),
+        [f"bringup-{k}" for k in run.faults],
+        1,
+        int(done is not None and done.ok),
+        int(done is not None and not done.ok),
+        run.sched.events,
+        run.sched.trace_hash,
+        violations,
+        time.perf_counter() - wall0,
+        (),
+        peers,
     )
 
 

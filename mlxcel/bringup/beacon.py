@@ -1,0 +1,147 @@
+"""Discovery beacons, sans-I/O: build a signed beacon, and judge one that arrived.
+
+A peer announces its assignment listener once a second over UDP. The beacon (a CBOR
+:class:`~mlxcel.messages.Beacon`) carries the mlxcel version, the advertised address, the
+peer's wall-clock time and a random nonce, plus an HMAC-SHA256 over the encoding of all of
+them under a key derived from the cluster secret (HKDF, its own info string, so it shares no
+key with any connection). :class:`BeaconGate` checks, MAC first so that nobody without the
+secret learns anything from the order of refusals: the MAC, the clock skew (60 s), a replay
+of a nonce inside that window, the version, and that the advertised IP is the datagram's
+source (an unspecified advertised IP stands for the source). Payloads are readable: a beacon
+hides nothing, it only cannot be forged, replayed or redirected.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import replace
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.hmac import HMAC
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from mlxcel.errors import DecodeError, MlxcelError
+from mlxcel.messages import Beacon
+from mlxcel.wire.codec import decode, encode
+
+BEACON_PORT = 49555
+BEACON_INTERVAL = 1.0  # seconds between a peer's beacons
+MAX_BEACON_SKEW = 60.0  # seconds a beacon's clock may differ from ours; also the replay window
+MAX_BEACON_BYTES = 1024  # larger datagrams are not beacons
+NONCE_BYTES = 16
+MAX_REMEMBERED = 4096  # nonces kept for replay detection (about 68 peers at one per second)
+
+
+class Rejection(enum.Enum):
+    MALFORMED = "not a beacon"
+    BAD_MAC = "invalid MAC (another cluster secret?)"
+    SKEW = "clock skew beyond 60 s"
+    REPLAY = "replayed nonce"
+    VERSION = "another mlxcel version"
+    ADDRESS = "advertised address is not the datagram's source"
+    FULL = "replay cache full"
+
+
+class BeaconRejected(MlxcelError):
+    def __init__(self, why: Rejection, detail: str) -> None:
+        super().__init__(f"beacon rejected: {why.value}: {detail}")
+        self.why = why
+
+
+def beacon_key(secret: bytes) -> bytes:
+    return HKDF(hashes.SHA256(), 32, salt=None, info=b"mlxcel-discovery-beacon-v1").derive(secret)
+
+
+def _mac(key: bytes, unsigned: Beacon) -> bytes:
+    h = HMAC(key, hashes.SHA256())
+    h.update(encode(unsigned))
+    return h.finalize()
+
+
+def make_beacon(key: bytes, version: str, address: str, wall: float, nonce: bytes) -> bytes:
+    """The datagram a peer sends (``nonce``: fresh random bytes for every beacon)."""
+    unsigned = Beacon(version, address, wall, nonce)
+    return encode(replace(unsigned, mac=_mac(key, unsigned)))
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(address)
+    return host.strip("[]"), int(port)
+
+
+class BeaconGate:
+    """The coordinator's judge of beacons. ``check`` returns the peer's address (IP:port)."""
+
+    def __init__(
+        self,
+        key: bytes,
+        version: str,
+        max_skew: float = MAX_BEACON_SKEW,
+        remember: int = MAX_REMEMBERED,
+    ) -> None:
+        self.key = key
+        self.version = version
+        self.max_skew = max_skew
+        self.remember = remember
+        self._seen: dict[bytes, float] = {}  # nonce -> when (our wall clock) it may be forgotten
+        self.rejected: dict[Rejection, int] = dict.fromkeys(Rejection, 0)
+
+    def check(self, datagram: bytes, source_ip: str, wall: float) -> str:
+        try:
+            return self._check(datagram, source_ip, wall)
+        except BeaconRejected as exc:
+            self.rejected[exc.why] += 1
+            raise
+
+    def _check(self, datagram: bytes, source_ip: str, wall: float) -> str:
+        if len(datagram) > MAX_BEACON_BYTES:
+            raise BeaconRejected(Rejection.MALFORMED, f"{len(datagram)} bytes")
+        try:
+            msg = decode(datagram)
+        except DecodeError as exc:
+            raise BeaconRejected(Rejection.MALFORMED, str(exc)) from None
+        if not isinstance(msg, Beacon):
+            raise BeaconRejected(Rejection.MALFORMED, f"a {type(msg).__name__} message")
+        h = HMAC(self.key, hashes.SHA256())
+        h.update(encode(replace(msg, mac=b"")))
+        try:
+            h.verify(msg.mac)
+        except InvalidSignature:
+            raise BeaconRejected(Rejection.BAD_MAC, f"from {source_ip}") from None
+        if not abs(msg.timestamp - wall) <= self.max_skew:  # also refuses NaN
+            raise BeaconRejected(
+                Rejection.SKEW, f"from {source_ip}: {msg.timestamp - wall:+.0f} s off this clock"
+            )
+        self._forget(wall)
+        if msg.nonce in self._seen:
+            raise BeaconRejected(Rejection.REPLAY, f"from {source_ip}")
+        if len(self._seen) >= self.remember:
+            raise BeaconRejected(Rejection.FULL, f"from {source_ip}")
+        # Remembered until its timestamp leaves the window on either side.
+        self._seen[msg.nonce] = max(wall, msg.timestamp) + 2 * self.max_skew
+        if msg.version != self.version:
+            raise BeaconRejected(
+                Rejection.VERSION,
+                f"{source_ip} runs mlxcel {msg.version}, this node {self.version}",
+            )
+        try:
+            host, port = _host_port(msg.address)
+            advertised = ipaddress.ip_address(host)
+            source = ipaddress.ip_address(source_ip)
+        except ValueError:
+            raise BeaconRejected(Rejection.ADDRESS, f"{msg.address!r} is not IP:PORT") from None
+        if advertised.is_unspecified:
+            advertised = source
+        if advertised != source:
+            raise BeaconRejected(
+                Rejection.ADDRESS, f"advertises {msg.address} but was sent from {source_ip}"
+            )
+        return f"[{source}]:{port}" if source.version == 6 else f"{source}:{port}"
+
+    def _forget(self, wall: float) -> None:
+        if len(self._seen) > self.remember // 2:
+            self._seen = {n: t for n, t in self._seen.items() if t > wall}

@@ -1,0 +1,356 @@
+"""The ``--pp-auto N`` side of the assignment protocol, as a pure core.
+
+It resolves N peers (a static list, or beacons judged by :class:`BeaconGate` for up to 30 s),
+plans the cluster, then drives every peer through Offer -> Commit -> Activate: it commits
+only once every peer accepted and activates only once every peer committed. Any refusal, a
+peer that cannot be reached for good (another secret, an identity it does not own), or a
+phase deadline fails the bring-up: every peer that accepted or committed gets Abort with the
+summary and goes back to waiting, so a failed bring-up starts no stage anywhere. Offers are
+repeated every 0.5 s to a peer that has not answered (it may not be listening yet), Commit and
+Activate every second; the peer answers repeats again, so a lost frame costs one retry.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from mlxcel.bringup.beacon import BeaconGate, BeaconRejected
+from mlxcel.bringup.identity import ModelIdentity
+from mlxcel.bringup.plan import BringupPlan, make_plan
+from mlxcel.bringup.protocol import (
+    DISCOVERY_WINDOW,
+    FRAME_BOUND,
+    OFFER_RETRY,
+    PHASE_RETRY,
+    PHASE_TABLE,
+    PROTOCOL,
+    PUSH_WINDOW,
+    STEP_TABLE,
+    Answer,
+    PeerStep,
+    Phase,
+    PhaseEvent,
+    PushDone,
+)
+from mlxcel.effects import Effect, Send, Warn
+from mlxcel.fsm import IllegalTransition
+from mlxcel.messages import (
+    AssignAbort,
+    AssignAccepted,
+    AssignActivate,
+    AssignActivated,
+    AssignCommit,
+    AssignCommitted,
+    AssignOffer,
+    AssignRefused,
+    Message,
+)
+from mlxcel.pipeline.partition import LayerCosts, PartitionError
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    attempt: int  # random per bring-up: answers to another attempt are stale
+    n_peers: int
+    coordinator: str  # control address (IP:port), the identity the handshake binds
+    version: str
+    cluster_name: str
+    model: ModelIdentity
+    costs: LayerCosts
+    peers: tuple[str, ...] = ()  # static discovery; empty: beacons
+    beacon_key: bytes | None = None
+    secret_file: str | None = None
+    discovery_window: float = DISCOVERY_WINDOW
+    push_window: float = PUSH_WINDOW
+
+
+@dataclass
+class Peer:
+    address: str
+    node_id: str
+    step: PeerStep = PeerStep.UNANSWERED
+    why: str = ""  # what went wrong, for the summary
+    retry_at: float = 0.0
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    summary: str
+    plan: BringupPlan | None = None
+    at: float = 0.0
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PushCore:
+    def __init__(self, cfg: PushConfig, now: float) -> None:
+        self.cfg = cfg
+        self.phase = Phase.DISCOVERING
+        self.started = now
+        self.found: list[str] = []
+        self.gate = BeaconGate(cfg.beacon_key, cfg.version) if cfg.beacon_key is not None else None
+        self.plan: BringupPlan | None = None
+        self.peers: dict[str, Peer] = {}
+        self.outcome: Outcome | None = None
+        self.push_start = now
+        self._deadline = now + (cfg.discovery_window if not cfg.peers else 0.0)
+        self._pending: list[Effect] = []
+        if cfg.peers:
+            self.found = list(dict.fromkeys(cfg.peers))
+
+    # --- the core interface --------------------------------------------------------------------
+    def start(self, now: float) -> list[Effect]:
+        """Static discovery starts pushing at once; beacons wait for ``beacon``."""
+        if self.cfg.peers:
+            return self._resolved(now)
+        return [
+            Warn(
+                "info",
+                f"discovery: listening for {self.cfg.n_peers} peers' beacons "
+                f"for {self.cfg.discovery_window:g} s",
+            )
+        ]
+
+    def beacon(self, datagram: bytes, source_ip: str, now: float, wall: float) -> list[Effect]:
+        if self.phase is not Phase.DISCOVERING or self.gate is None:
+            return []
+        try:
+            address = self.gate.check(datagram, source_ip, wall)
+        except BeaconRejected as exc:
+            return [Warn("diagnostic", f"discovery: {exc}")]
+        if address in self.found:
+            return []
+        self.found.append(address)
+        out: list[Effect] = [
+            Warn("info", f"discovery: peer {address} ({len(self.found)} of {self.cfg.n_peers})")
+        ]
+        if len(self.found) == self.cfg.n_peers:
+            out += self._resolved(now)
+        return out
+
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        peer = self.peers.get(source)
+        attempt = getattr(msg, "attempt", None)
+        if peer is None or attempt != self.cfg.attempt or self.outcome is not None:
+            return [Warn("debug", f"assignment: ignoring {type(msg).__name__} from {source}")]
+        if isinstance(msg, AssignRefused):
+            return self._peer_failed(peer, f"refused: {msg.reason}", now)
+        answer = {
+            AssignAccepted: Answer.ACCEPTED,
+            AssignCommitted: Answer.COMMITTED,
+            AssignActivated: Answer.ACTIVATED,
+        }.get(type(msg))
+        if answer is None:
+            return [Warn("debug", f"assignment: ignoring {type(msg).__name__} from {source}")]
+        if isinstance(msg, AssignAccepted) and msg.protocol != PROTOCOL:
+            return self._peer_failed(
+                peer,
+                f"assignment protocol mismatch: it speaks version "
+                f"{msg.protocol}, this coordinator {PROTOCOL}",
+                now,
+            )
+        try:
+            peer.step = STEP_TABLE.next(peer.step, answer)
+        except IllegalTransition as ill:
+            return [Warn("diagnostic", f"assignment: {source}: {ill}")]
+        return self._advance(now)
+
+    def next_timer(self) -> float | None:
+        if self.outcome is not None:
+            return None
+        retries = [p.retry_at for p in self.peers.values() if self._waiting_on(p)]
+        return min([self._deadline, *retries])
+
+    def on_timer(self, now: float) -> list[Effect]:
+        if self.outcome is not None:
+            return []
+        if now >= self._deadline:
+            return self._fail(PhaseEvent.DEADLINE, self._deadline_summary(), now)
+        out: list[Effect] = []
+        for p in self.peers.values():
+            if self._waiting_on(p) and now >= p.retry_at:
+                out += self._send_phase(p, now)
+        return out
+
+    def undeliverable(
+        self, send: Send, reason: str, now: float, final: bool = False
+    ) -> list[Effect]:
+        peer = self.peers.get(send.dest)
+        if peer is None or self.outcome is not None or isinstance(send.msg, AssignAbort):
+            return []
+        if final:  # another secret, an identity it does not own: retrying cannot help
+            return self._peer_failed(peer, f"cannot be reached: {reason}", now)
+        return [Warn("debug", f"assignment: {peer.node_id} at {peer.address}: {reason}")]
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        peer = self.peers.get(identity)
+        if peer is None or self.outcome is not None:
+            return []
+        if peer.step in (PeerStep.ACCEPTED, PeerStep.COMMITTED):
+            # The peer drops its acceptance when our connection closes: start over is not ours.
+            return self._peer_failed(peer, "connection lost before activation", now)
+        return []
+
+    # --- phases ------------------------------------------------------------------------------
+    def _resolved(self, now: float) -> list[Effect]:
+        c = self.cfg
+        if is_loopback(c.coordinator):
+            remote = [a for a in self.found if not is_loopback(a)]
+            if remote:
+                return self._fail(
+                    PhaseEvent.PEER_FAILED,
+                    (
+                        f"the coordinator's control address {c.coordinator} is loopback but peer(s) "
+                        f"{', '.join(remote)} are not: stages could not reply to it (serve on a "
+                        "reachable --host or give --cluster-control-addr)"
+                    ),
+                    now,
+                )
+        try:
+            self.plan = make_plan(c.cluster_name, c.coordinator, self.found, c.costs, c.secret_file)
+        except PartitionError as exc:
+            return self._fail(PhaseEvent.PEER_FAILED, f"cannot plan the cluster: {exc}", now)
+        self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PEERS_FOUND)
+        self.push_start = now
+        self._deadline = now + c.push_window - FRAME_BOUND  # the offer phase ends 10 s early
+        self.peers = {a.address: Peer(a.address, a.node_id) for a in self.plan.stages}
+        out: list[Effect] = []
+        for p in self.peers.values():
+            out += self._send_phase(p, now)
+        return out
+
+    def _waiting_on(self, p: Peer) -> bool:
+        want = {
+            Phase.OFFERING: PeerStep.UNANSWERED,
+            Phase.COMMITTING: PeerStep.ACCEPTED,
+            Phase.ACTIVATING: PeerStep.COMMITTED,
+        }.get(self.phase)
+        return p.step is want
+
+    def _send_phase(self, p: Peer, now: float) -> list[Effect]:
+        a = self.cfg.attempt
+        if self.phase is Phase.OFFERING:
+            msg: Message = self._offer_for(p)
+            p.retry_at = now + OFFER_RETRY
+        elif self.phase is Phase.COMMITTING:
+            msg, p.retry_at = AssignCommit(a), now + PHASE_RETRY
+        else:
+            msg, p.retry_at = AssignActivate(a), now + PHASE_RETRY
+        return [Send(p.address, msg, deadline=min(now + FRAME_BOUND, self._deadline))]
+
+    def _offer_for(self, p: Peer) -> AssignOffer:
+        assert self.plan is not None
+        c, st = self.cfg, next(s for s in self.plan.stages if s.address == p.address)
+        return AssignOffer(
+            PROTOCOL,
+            c.attempt,
+            c.version,
+            c.cluster_name,
+            c.model.sha256,
+            c.model.n_layers,
+            len(self.plan.stages),
+            st.index,
+            (st.start, st.end),
+            st.node_id,
+            c.coordinator,
+            self.plan.body(),
+        )
+
+    def _advance(self, now: float) -> list[Effect]:
+        steps = {p.step for p in self.peers.values()}
+        target = {
+            Phase.OFFERING: (PeerStep.ACCEPTED, PhaseEvent.ALL_ACCEPTED),
+            Phase.COMMITTING: (PeerStep.COMMITTED, PhaseEvent.ALL_COMMITTED),
+            Phase.ACTIVATING: (PeerStep.ACTIVE, PhaseEvent.ALL_ACTIVE),
+        }.get(self.phase)
+        if target is None or steps != {target[0]}:
+            return []
+        self.phase = PHASE_TABLE.next(self.phase, target[1])
+        if self.phase is Phase.DONE:
+            return self._finish(True, self._done_summary(), now)
+        if self.phase is Phase.COMMITTING:
+            self._deadline = self.push_start + self.cfg.push_window
+        else:  # activating: one frame window for the Activate round
+            self._deadline = now + FRAME_BOUND
+        out: list[Effect] = []
+        for p in self.peers.values():
+            out += self._send_phase(p, now)
+        return out
+
+    def _peer_failed(self, peer: Peer, why: str, now: float) -> list[Effect]:
+        peer.step, peer.why = PeerStep.FAILED, why
+        return self._fail(PhaseEvent.PEER_FAILED, self._failure_summary(), now)
+
+    def _fail(self, event: PhaseEvent, summary: str, now: float) -> list[Effect]:
+        self.phase = PHASE_TABLE.next(self.phase, event)
+        out: list[Effect] = []
+        if self.peers and event is not PhaseEvent.ALL_ACTIVE:
+            for p in self.peers.values():
+                if p.step in (PeerStep.UNANSWERED, PeerStep.ACCEPTED, PeerStep.COMMITTED):
+                    deadline = now + FRAME_BOUND
+                    out.append(
+                        Send(p.address, AssignAbort(self.cfg.attempt, summary), deadline=deadline)
+                    )
+        return out + self._finish(False, summary, now)
+
+    def _finish(self, ok: bool, summary: str, now: float) -> list[Effect]:
+        self.outcome = Outcome(ok, summary, self.plan, now)
+        return [PushDone(ok, summary)]
+
+    # --- summaries ---------------------------------------------------------------------------
+    def _done_summary(self) -> str:
+        assert self.plan is not None
+        return "bring-up complete: " + ", ".join(
+            f"{a.node_id}={a.address} (layers {a.layers})" for a in self.plan.stages
+        )
+
+    def _failure_summary(self) -> str:
+        failed = [p for p in self.peers.values() if p.step is PeerStep.FAILED]
+        behind = [
+            p
+            for p in self.peers.values()
+            if p.step not in (PeerStep.FAILED, PeerStep.ACTIVE) and p.step is not PeerStep.COMMITTED
+        ]
+        parts = [f"{p.node_id} at {p.address} {p.why}" for p in failed]
+        text = "bring-up failed: " + "; ".join(parts)
+        if self.phase is not Phase.ACTIVATING:
+            missing = sorted({p.node_id for p in failed} | {p.node_id for p in behind})
+            text += f"; not committed: {', '.join(missing)}; no stage was started"
+        return text + self._running()
+
+    def _deadline_summary(self) -> str:
+        if self.phase is Phase.DISCOVERING:
+            return (
+                f"bring-up failed: discovered {len(self.found)} of {self.cfg.n_peers} peers "
+                f"within {self.cfg.discovery_window:g} s"
+                + (f" ({', '.join(self.found)})" if self.found else "")
+                + "; are they beaconing to this host's discovery port with the same secret? "
+                "No stage was started"
+            )
+        late = [p for p in self.peers.values() if self._waiting_on(p)]
+        names = ", ".join(f"{p.node_id} at {p.address}" for p in late)
+        what = {
+            Phase.OFFERING: "did not accept",
+            Phase.COMMITTING: "did not commit",
+            Phase.ACTIVATING: "did not confirm activation",
+        }[self.phase]
+        text = f"bring-up failed: {names} {what} in time"
+        if self.phase is not Phase.ACTIVATING:
+            missing = sorted(
+                p.node_id for p in self.peers.values() if p.step is not PeerStep.COMMITTED
+            )
+            text += f"; not committed: {', '.join(missing)}; no stage was started"
+        return text + self._running()
+
+    def _running(self) -> str:
+        """During activation, peers that already activated keep serving their stage."""
+        up = [p.node_id for p in self.peers.values() if p.step is PeerStep.ACTIVE]
+        return f"; already activated (their stages run): {', '.join(up)}" if up else ""

@@ -1,0 +1,352 @@
+"""Bring-up scenarios: a ``--pp-auto`` coordinator and 2-16 ``--pp-peer`` processes on the
+simulated network, discovering by a static list or by beacons, with seeded faults.
+
+The cores are the production ones (:class:`PushCore`, :class:`PeerCore`); beacons travel as
+real signed datagrams over a lossy simulated UDP. Faults: lost and delayed messages, a peer
+that crashes between phases (and restarts), a coordinator that crashes, a peer with another
+cluster secret or another checkpoint, skewed clocks. :func:`check` holds every run to the
+protocol's promise: **a bring-up activates every stage or none** (a crash during activation,
+the documented exception, is the only excuse), a successful one plans exactly the peers in
+address order with contiguous layers, and every party ends within its documented bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass, field
+
+from mlxcel import __version__
+from mlxcel.bringup.beacon import beacon_key, make_beacon
+from mlxcel.bringup.identity import ModelIdentity
+from mlxcel.bringup.peer_core import PeerCore, PeerFacts
+from mlxcel.bringup.protocol import (
+    DISCOVERY_WINDOW,
+    FRAME_BOUND,
+    PUSH_WINDOW,
+    Activated,
+    Announce,
+    PeerEnded,
+    PeerState,
+    Phase,
+    PushDone,
+)
+from mlxcel.bringup.push_core import PushConfig, PushCore
+from mlxcel.effects import Effect
+from mlxcel.messages import Message
+from mlxcel.pipeline.partition import LayerCosts, auto_split
+from mlxcel.sim.clock import Scheduler
+from mlxcel.sim.hosts import SimHost
+from mlxcel.sim.network import Link, SimNetwork
+
+COORDINATOR = "10.0.0.1:19000"
+SECRET = b"simulated cluster secret, 32 by."
+OTHER_SECRET = b"another cluster's secret, 32 byt."
+BRINGUP_FAULTS = (
+    "drop",
+    "delay",
+    "duplicate",
+    "crash-peer",
+    "crash-coordinator",
+    "other-secret",
+    "other-model",
+    "skew",
+)
+# A fault that may legitimately make a bring-up fail (the others must never).
+SPOILERS = frozenset({"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew"})
+
+
+class PeerHost(SimHost):
+    def __init__(
+        self,
+        identity: str,
+        sched: Scheduler,
+        net: SimNetwork,
+        facts: PeerFacts,
+        key: bytes,
+        target: PushHost,
+        skew: float = 0.0,
+    ) -> None:
+        super().__init__(identity, sched, net, skew)
+        self.facts, self.key, self.target = facts, key, target
+        self.activations: list[tuple[int, str, float]] = []  # (attempt, node id, when)
+        self.committed_in: set[int] = set()
+        self.ended: str | None = None
+        self.crashed_at: list[float] = []
+        self.core = PeerCore(facts, self.now())  # type: ignore[assignment]
+        self.call(self.core.on_timer, self.now())
+
+    def receive(self, msg: Message, source: str) -> None:
+        super().receive(msg, source)
+        core = self.core
+        assert isinstance(core, PeerCore)
+        if core.state is PeerState.COMMITTED and core.offer is not None:
+            self.committed_in.add(core.offer.attempt)
+
+    def apply(self, effect: Effect) -> None:
+        core = self.core
+        assert isinstance(core, PeerCore)
+        if isinstance(effect, Announce):
+            nonce = bytes(self.net.rng.getrandbits(8) for _ in range(16))
+            datagram = make_beacon(self.key, __version__, self.identity, self.now(), nonce)
+            self.target.datagram(datagram, self.identity.rpartition(":")[0])
+        elif isinstance(effect, Activated):
+            assert core.offer is not None
+            self.activations.append((core.offer.attempt, effect.node_id, self.sched.now))
+            self.sched.trace("activated", self.identity, effect.node_id)
+        elif isinstance(effect, PeerEnded):
+            self.ended = effect.reason
+            self.sched.trace("peer-ended", self.identity)
+            self.up = False  # the process exits
+            self.net.reset_connections(self.identity)
+        else:
+            raise NotImplementedError(type(effect).__name__)
+
+    def crash(self) -> None:
+        if not self.up:
+            return
+        self.sched.trace("crash", self.identity)
+        self.crashed_at.append(self.sched.now)
+        self.up, self._timer_at = False, None
+        self.incarnation += 1
+        self.net.reset_connections(self.identity)
+
+    def restart(self) -> None:
+        if self.up or self.ended is not None:
+            return
+        self.sched.trace("restart", self.identity)
+        self.up = True
+        self.incarnation += 1
+        self.core = PeerCore(self.facts, self.now())  # type: ignore[assignment]
+        self.call(self.core.on_timer, self.now())
+
+
+class PushHost(SimHost):
+    def __init__(self, identity: str, sched: Scheduler, net: SimNetwork, cfg: PushConfig) -> None:
+        super().__init__(identity, sched, net)
+        self.cfg = cfg
+        self.core = PushCore(cfg, self.now())  # type: ignore[assignment]
+        self.begun = False
+        self.done: PushDone | None = None
+        self.done_at: float | None = None
+        self.crashed_in: Phase | None = None
+        self.udp_loss = 0.0
+
+    def begin(self) -> None:
+        """The coordinator process starts: its push (and discovery window) begins now."""
+        self.core = core = PushCore(self.cfg, self.now())  # type: ignore[assignment]
+        self.begun = True
+        self.call(core.start, self.now())
+
+    def datagram(self, data: bytes, source_ip: str) -> None:
+        """A UDP beacon on its way here: lost with the network's drop rate, else delivered."""
+        if self.net.rng.random() < max(self.udp_loss, self.net.faults.drop):
+            return
+        self.sched.after(self.net.link.latency, self._beacon, data, source_ip)
+
+    def _beacon(self, data: bytes, source_ip: str) -> None:
+        core = self.core
+        assert isinstance(core, PushCore)
+        if self.up and self.begun:  # nobody listens on the discovery port before that
+            self.call(core.beacon, data, source_ip, self.now(), self.now())
+
+    def send_failed(self, dest: str, msg: Message, reason: str) -> None:
+        from mlxcel.effects import Send
+
+        core = self.core
+        assert isinstance(core, PushCore)
+        if self.up:  # a refused handshake is final; a refused connect is retried
+            final = reason == "handshake refused"
+            self.call(core.undeliverable, Send(dest, msg), reason, self.now(), final)
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, PushDone):
+            self.done, self.done_at = effect, self.sched.now
+            self.sched.trace("push-done", effect.ok)
+        else:
+            raise NotImplementedError(type(effect).__name__)
+
+    def crash(self) -> None:
+        core = self.core
+        assert isinstance(core, PushCore)
+        if self.up and self.done is None:
+            self.sched.trace("crash", self.identity)
+            self.crashed_in = core.phase
+            self.up, self._timer_at = False, None
+            self.net.reset_connections(self.identity)
+
+
+@dataclass
+class BringupRun:
+    sched: Scheduler
+    coordinator: PushHost
+    peers: list[PeerHost]
+    n_layers: int
+    faults: list[str]
+    static: bool
+    started: float = 0.0
+    spoiled: set[str] = field(default_factory=set)
+
+
+def build_bringup(rng: random.Random, seed: int, n_peers: int, faults: list[str]) -> BringupRun:
+    sched = Scheduler()
+    net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.01])))
+    n_layers = n_peers * rng.randint(1, 3) + rng.randint(0, 3)
+    costs = LayerCosts(tuple(rng.choice([1000, 1000, 1200]) for _ in range(n_layers)), 500, 500, 0)
+    model = ModelIdentity(f"{seed:064x}", n_layers)
+    static = rng.random() < 0.5
+    octets = rng.sample(range(2, 250), n_peers)  # address order differs from creation order
+    addresses = [f"10.0.2.{o}:19001" for o in octets]
+    cfg = PushConfig(
+        attempt=rng.getrandbits(63),
+        n_peers=n_peers,
+        coordinator=COORDINATOR,
+        version=__version__,
+        cluster_name="mlxcel-cluster",
+        model=model,
+        costs=costs,
+        peers=tuple(addresses) if static else (),
+        beacon_key=None if static else beacon_key(SECRET),
+    )
+    push = PushHost(COORDINATOR, sched, net, cfg)
+    net.add(push)
+    run = BringupRun(sched, push, [], n_layers, faults, static)
+    odd = rng.randrange(n_peers)  # the peer a "other-*" or "skew" fault picks
+    # Every simulated peer holds the same checkpoint: split it once per stage count.
+    split = functools.cache(lambda n: [(p.start, p.end) for p in auto_split(costs, n)])
+    for i, addr in enumerate(addresses):
+        ident = model
+        if "other-model" in faults and i == odd:
+            ident = ModelIdentity(f"{seed + 1:064x}", n_layers)
+        facts = PeerFacts(
+            __version__,
+            "mlxcel-cluster",
+            ident,
+            lambda n, k: split(n)[k],
+            "10.0.2.0",
+            19001,
+            beacons=not static,
+        )
+        facts = PeerFacts(**{**facts.__dict__, "listen_ip": addr.rpartition(":")[0]})
+        key = beacon_key(OTHER_SECRET if "other-secret" in faults and i == odd else SECRET)
+        skew = 0.0
+        if "skew" in faults and i == odd:
+            skew = rng.choice([-1, 1]) * rng.uniform(61.0, 300.0)
+        elif rng.random() < 0.3:
+            skew = rng.uniform(-20.0, 20.0)  # harmless
+        host = PeerHost(addr, sched, net, facts, key, push, skew)
+        if "other-secret" in faults and i == odd:
+            host.has_secret = False
+        net.add(host)
+        run.peers.append(host)
+    if "skew" in faults and static:
+        run.spoiled.discard("skew")  # static discovery reads no clocks
+    return run
+
+
+def _schedule(run: BringupRun, rng: random.Random) -> None:
+    net, sched = run.coordinator.net, run.sched
+    start = run.started = rng.uniform(0.0, 5.0)  # peers may start first, or later
+    sched.at(start, run.coordinator.begin)
+    for kind in run.faults:
+        if kind == "drop":  # short outages: the retries must carry the bring-up through
+            t0 = rng.uniform(start, start + 8.0)
+            sched.at(t0, setattr, net.faults, "drop", rng.uniform(0.2, 0.9))
+            sched.at(t0 + rng.uniform(0.5, 4.0), setattr, net.faults, "drop", 0.0)
+        elif kind == "delay":
+            net.faults.delay, net.faults.delay_max = rng.uniform(0.1, 0.5), 1.0
+        elif kind == "duplicate":
+            net.faults.duplicate = rng.uniform(0.1, 0.4)
+        elif kind == "crash-peer":
+            victim = rng.choice(run.peers)
+            t = rng.uniform(start, start + 3.0)
+            sched.at(t, victim.crash)
+            sched.at(t + rng.uniform(0.5, 20.0), victim.restart)
+        elif kind == "crash-coordinator":
+            sched.at(rng.uniform(start, start + 3.0), run.coordinator.crash)
+
+
+def run_bringup(seed: int, n_peers: int | None = None) -> tuple[BringupRun, list[str]]:
+    rng = random.Random(f"bringup:{seed}")
+    n = n_peers or rng.randint(2, 16)
+    faults = [BRINGUP_FAULTS[seed % len(BRINGUP_FAULTS)]]
+    faults += [k for k in ("drop", "delay", "duplicate") if k not in faults and rng.random() < 0.25]
+    run = build_bringup(rng, seed, n, faults)
+    run.spoiled = set(faults) & SPOILERS
+    if "skew" in faults and run.static:
+        run.spoiled.discard("skew")
+    _schedule(run, rng)
+
+    # Past every bound: discovery, the push, a committed peer's wait, and a waiting peer's 600 s.
+    # Run past every bound (discovery, the push, a committed peer's 60 s wait), or until the
+    # outcome is settled: the push is over and no peer is between phases any more.
+    def settled() -> bool:
+        push = run.coordinator
+        if push.up and push.done is None:
+            return False
+        return not any(
+            p.up and p.core.state in (PeerState.ACCEPTED, PeerState.COMMITTED)  # type: ignore[union-attr]
+            for p in run.peers
+        ) and not any(p.up is False and p.ended is None and p.crashed_at for p in run.peers)
+
+    run.sched.run(run.started + 700.0, settled)
+    return run, check_bringup(run)
+
+
+def check_bringup(run: BringupRun) -> list[str]:
+    bad: list[str] = []
+    push = run.coordinator
+    core = push.core
+    assert isinstance(core, PushCore)
+    for h in [push, *run.peers]:
+        bad.extend(h.errors)
+    attempt = core.cfg.attempt
+    activated = {p.identity: a for p in run.peers for a in p.activations}
+    crashed_after_commit = any(attempt in p.committed_in and p.crashed_at for p in run.peers)
+    excused = push.crashed_in is Phase.ACTIVATING or crashed_after_commit
+    if activated and len(activated) != len(run.peers) and not excused:
+        bad.append(f"{len(activated)} of {len(run.peers)} stages activated: {sorted(activated)}")
+    if any(a[0] != attempt for a in activated.values()):
+        bad.append("a stage activated for another bring-up attempt")
+    if push.done is not None and push.done.ok:
+        ordered = sorted(p.identity for p in run.peers)
+        if sorted(activated) != ordered:
+            bad.append("the coordinator reported success without every stage active")
+        plan = core.plan
+        assert plan is not None
+        if [a.address for a in plan.stages] != ordered:
+            bad.append("stage ids are not in the lexicographic order of the peer addresses")
+        edges = [(a.start, a.end) for a in plan.stages]
+        if (
+            edges[0][0] != 0
+            or edges[-1][1] != run.n_layers
+            or any(x[1] != y[0] for x, y in zip(edges, edges[1:], strict=False))
+        ):
+            bad.append(f"the layer ranges {edges} do not cover {run.n_layers} layers")
+        for p in run.peers:
+            want = next(a.node_id for a in plan.stages if a.address == p.identity)
+            if activated[p.identity][1] != want:
+                bad.append(f"{p.identity} activated as {activated[p.identity][1]}, planned {want}")
+    if push.done is not None and not push.done.ok and not excused:
+        if activated:
+            bad.append(f"a failed bring-up left stages running: {sorted(activated)}")
+        if (
+            core.phase is not Phase.ACTIVATING
+            and "no stage was started" not in push.done.summary.lower()
+        ):
+            bad.append(f"the failure does not say that no stage started: {push.done.summary}")
+    if push.up and push.done is None:
+        bad.append("the coordinator never finished its push")
+    bound = run.started + (0.0 if run.static else DISCOVERY_WINDOW) + PUSH_WINDOW + FRAME_BOUND
+    if push.done_at is not None and push.done_at > bound + 1.0:
+        bad.append(f"the push ended at {push.done_at:.1f}s, past its bound {bound:.1f}s")
+    if not run.spoiled and not (push.done is not None and push.done.ok):
+        why = push.done.summary if push.done else "no outcome"
+        bad.append(f"a bring-up that no fault spoiled failed: {why}")
+    for p in run.peers:
+        state = p.core.state if p.up else None  # type: ignore[union-attr]
+        if state in (PeerState.ACCEPTED, PeerState.COMMITTED):
+            bad.append(f"{p.identity} is still {state.value} after every bound passed")
+    if "other-model" in run.faults and push.done is not None and push.done.ok:
+        bad.append("a peer with another checkpoint joined the cluster")
+    return bad
