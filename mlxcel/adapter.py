@@ -51,6 +51,7 @@ class CoreAdapter:
         self.expired_sends = 0
         self._outboxes: dict[str, asyncio.Queue[Send]] = {}
         self._timer_changed = asyncio.Event()
+        self._sending = 0  # sends on their way out of an outbox
 
     def now(self) -> float:
         return self.loop.time()
@@ -125,9 +126,22 @@ class CoreAdapter:
         except asyncio.QueueFull:
             self._failed(send, f"the outbox for {send.dest} is full")
 
-    def _failed(self, send: Send, reason: str) -> None:
+    def _failed(self, send: Send, reason: str, exc: BaseException | None = None) -> None:
         self.dropped_sends += 1
-        self.feed(self.core.undeliverable(send, reason, self.now()))
+        self.feed(self.undeliverable(send, reason, exc))
+
+    def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
+        """Tell the core; a role whose core needs more than the reason (``exc``) overrides."""
+        return self.core.undeliverable(send, reason, self.now())
+
+    async def flush(self, deadline: float) -> bool:
+        """Wait until every queued send went out (or failed), up to ``deadline``: a role that
+        is about to close its node lets its last answers leave first."""
+        while any(not box.empty() for box in self._outboxes.values()) or self._sending:
+            if self.now() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     async def _drain(self, box: asyncio.Queue[Send], peer: bool) -> None:
         budget = self.send_budget if peer else 1.0
@@ -139,11 +153,13 @@ class CoreAdapter:
                     self.expired_sends += 1  # its exchange is over: do not hold the line
                     continue
                 deadline = min(deadline, send.deadline)
+            self._sending += 1
             try:
                 await self.endpoint.send(send.dest, send.msg, deadline)
             except (SendFailed, MlxcelError) as exc:
-                self._failed(send, str(exc))
+                self._failed(send, str(exc), exc)
             finally:
+                self._sending -= 1
                 if not peer:
                     # A refusal to someone who is not a peer travels on a one-off connection:
                     # addresses a member claims cannot pile up here.

@@ -174,41 +174,62 @@ class ServeSettings(ModelSettings, PipelineSettings):
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for requests in flight"
     )
-
-
-class CheckpointSettings(_Base):
-    shape: Literal["tiny", "small", "qwen3-0.6b"] = Field("tiny", description="model shape")
-    family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
-    out: Path = Field(..., description="output folder")
-    seed: int = Field(0, ge=0, lt=2**32, description="weight seed")
-    quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
-
-    @field_validator("quantize", mode="before")
-    @classmethod
-    def _bits_from_text(cls, v: Any) -> Any:
-        # The CLI and the environment deliver text; the choices are numbers.
-        if isinstance(v, str) and v.strip().isdigit():
-            return int(v)
-        return v
-
-
-class BenchBatchingSettings(ModelSettings):
-    streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
-    tokens: int = Field(64, ge=1, description="tokens generated per stream")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    # --- zero-config bring-up (docs/bringup.md) ---
+    pp_auto: int | None = Field(
+        None, ge=1, le=256, description="coordinator: find N --pp-peer processes and assign stages"
+    )
+    pp_peer: bool = Field(False, description="wait for a stage assignment, then serve the stage")
+    cluster_peers: str | None = Field(
+        None, description="static discovery: the peers' IP:PORT, comma-separated"
+    )
+    cluster_control_addr: str | None = Field(
+        None,
+        description="IP:PORT this node's control listener uses (coordinator default: the "
+        "--host IP on port 19000; peer default with mdns: 0.0.0.0, any port)",
+    )
+    cluster_discovery: Literal["static", "mdns"] = Field(
+        "static", description="how a --pp-auto coordinator finds its peers"
+    )
+    cluster_discovery_target: str = Field(
+        "255.255.255.255", description="where a peer sends its beacons (broadcast or unicast IP)"
+    )
+    cluster_discovery_port: int = Field(49555, ge=1, le=65535, description="beacon UDP port")
+    cluster_name: str = Field(
+        "mlxcel-cluster", min_length=1, max_length=255, description="bring-up cluster name"
+    )
+    cluster_config_out: Path | None = Field(
+        None,
+        description="where bring-up writes the cluster TOML (default .mlxcel/cluster.toml on "
+        "the coordinator, .mlxcel/cluster-<node-id>.toml on a peer)",
     )
 
-    @field_validator("streams")
-    @classmethod
-    def _streams(cls, v: str) -> str:
-        try:
-            counts = [int(x) for x in v.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError("must be comma-separated integers, e.g. 1,4,8") from None
-        if not counts or min(counts) < 1:
-            raise ValueError("needs at least one count, each >= 1")
-        return v
+    @model_validator(mode="after")
+    def _bringup_rules(self) -> ServeSettings:
+        if self.pp_auto is not None and self.pp_peer:
+            raise ValueError("--pp-auto and --pp-peer are two ends of one bring-up: give one")
+        if self.pp_auto is not None and self.distributed_config is not None:
+            raise ValueError("--pp-auto and --distributed-config are mutually exclusive")
+        if self.pp_peer and self.dry_run and self.distributed_config is None:
+            raise ValueError("--dry-run is for the --pp-auto coordinator; a --pp-peer has no plan")
+        if self.pp_auto is not None and self.cluster_discovery == "static":
+            peers = [p for p in (self.cluster_peers or "").split(",") if p.strip()]
+            if len(peers) != self.pp_auto:
+                raise ValueError(
+                    f"--pp-auto {self.pp_auto} with static discovery needs --cluster-peers "
+                    f"listing exactly {self.pp_auto} peer addresses (got {len(peers)}); or use "
+                    "--cluster-discovery=mdns"
+                )
+        if (
+            self.pp_peer
+            and self.distributed_config is None
+            and self.cluster_discovery == "static"
+            and self.cluster_control_addr is None
+        ):
+            raise ValueError(
+                "a --pp-peer found by static discovery needs --cluster-control-addr IP:PORT "
+                "(the address the coordinator's --cluster-peers lists)"
+            )
+        return self
 
 
 # --- CLI generation --------------------------------------------------------------------------
@@ -319,147 +340,3 @@ def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argpars
 def die(err: ConfigError) -> None:
     print(f"error: {err}", file=sys.stderr)
     raise SystemExit(2)
-
-
-class BenchFramesSettings(_Base):
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    sizes: str = Field(
-        "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 1M, 2M, 16M or bytes)"
-    )
-    scale: float = Field(1.0, gt=0, le=100, description="multiply every iteration count by this")
-    modes: str = Field(
-        "reference,unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305",
-        description="modes to measure (reference: a bare length-prefixed uvloop stream)",
-    )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
-    )
-
-    @field_validator("sizes")
-    @classmethod
-    def _sizes(cls, v: str) -> str:
-        for part in v.split(","):
-            p = part.strip().upper()
-            if p not in ("8K", "64K", "1M", "2M", "16M") and not (
-                p.isdigit() and 0 < int(p) <= 1 << 28
-            ):
-                raise ValueError(f"bad size {part!r}")
-        return v
-
-    @field_validator("modes")
-    @classmethod
-    def _modes(cls, v: str) -> str:
-        known = {"reference", "unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305"}
-        bad = [m for m in v.split(",") if m.strip() not in known]
-        if bad:
-            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(known)}")
-        return v
-
-
-class KeygenSettings(_Base):
-    out: Path = Field(..., description="file to write the secret to (mode 0600)")
-    force: bool = Field(False, description="overwrite an existing file")
-
-
-class SimSettings(_Base):
-    seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
-    first_seed: int = Field(0, ge=0, description="the first seed of the run")
-    scenario: Literal["all", "mixed", "bringup", "scale", "tiny"] = Field(
-        "all",
-        description="all: mixed and bringup for every seed; mixed: 2-8 stages serving, every "
-        "fault kind; bringup: zero-config bring-up of 2-16 peers; scale: 32 stages; "
-        "tiny: 2-4 stages computing with the real checkpoint (--model)",
-    )
-    model: str | None = Field(
-        None, description="checkpoint for --scenario tiny (default: the embedded tiny model)"
-    )
-    seed: int | None = Field(None, ge=0, description="replay this one seed (ignores --seeds)")
-    stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
-    inject: str | None = Field(
-        None,
-        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce)",
-    )
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-
-    @field_validator("inject")
-    @classmethod
-    def _known_bugs(cls, v: str | None) -> str | None:
-        known = ("skip-owner-check", "accept-stale-nonce")
-        for bug in (v or "").split(","):
-            if bug.strip() and bug.strip() not in known:
-                raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")
-        return v
-
-
-class ClusterCheckSettings(_Base):
-    listen: str | None = Field(None, description="run an authenticated ping endpoint on HOST:PORT")
-    connect: str | None = Field(
-        None, description="dial HOST:PORT with the cluster handshake and ping it"
-    )
-    advertise: str | None = Field(
-        None, description="listener identity HOST:PORT this node claims (connect mode)"
-    )
-    node_id: str = Field("check", description="node id announced in the handshake")
-    cluster_secret_file: Path | None = Field(
-        None, description="cluster secret file (see docs/security.md)"
-    )
-    cluster_interface: str | None = Field(
-        None, description="bind and connect through this network interface"
-    )
-    pings: int = Field(5, ge=0, le=10000, description="pings to send after connecting")
-    attempts: int = Field(
-        5, ge=1, le=1000, description="connect attempts (refusals and at-capacity are retried)"
-    )
-    base_delay: float = Field(
-        0.2, gt=0, le=60, description="first reconnect delay in seconds (doubles)"
-    )
-    duration: float = Field(0.0, ge=0, description="listen mode: seconds to run (0 = until Ctrl-C)")
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="log level on stderr"
-    )
-
-    @model_validator(mode="after")
-    def _one_mode(self) -> ClusterCheckSettings:
-        if (self.listen is None) == (self.connect is None):
-            raise ValueError("give exactly one of --listen or --connect")
-        return self
-
-
-class BenchPipelineSettings(_Base):
-    """A model-level benchmark: which model (default small), how many tokens, JSON or table."""
-
-    model: str | None = Field(
-        None,
-        description="model folder (default: the embedded small checkpoint)",
-        json_schema_extra=_short("-m"),
-    )
-    tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
-    )
-
-
-class DemoSettings(_Base):
-    prompt: str = Field(
-        "Explain pipeline parallelism in one sentence.", description="the chat message to send"
-    )
-    max_tokens: int = Field(32, ge=1, le=4096, description="tokens to stream")
-    model: str | None = Field(
-        None,
-        description="model folder (default: the embedded tiny model)",
-        json_schema_extra=_short("-m"),
-    )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
-    )
-
-
-class BenchTpSettings(BenchPipelineSettings):
-    """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""

@@ -134,6 +134,7 @@ class Phase(enum.Enum):
 
 class PhaseEvent(enum.Enum):
     PEERS_FOUND = "every peer resolved"
+    PLANNED = "a dry run planned the cluster"
     ALL_ACCEPTED = "every peer accepted"
     ALL_COMMITTED = "every peer committed"
     ALL_ACTIVE = "every peer activated"
@@ -153,6 +154,7 @@ PHASE_TABLE: Table[Phase, PhaseEvent] = Table(
     "assignment push",
     {
         (D, PhaseEvent.PEERS_FOUND): OF,
+        (D, PhaseEvent.PLANNED): OK,
         (D, PhaseEvent.PEER_FAILED): F,  # a plan that cannot be made (loopback rule, layers)
         (D, PhaseEvent.DEADLINE): F,
         (OF, PhaseEvent.ALL_ACCEPTED): CM,

@@ -63,6 +63,7 @@ class PushConfig:
     secret_file: str | None = None
     discovery_window: float = DISCOVERY_WINDOW
     push_window: float = PUSH_WINDOW
+    dry_run: bool = False  # resolve the peers and plan, push nothing
 
 
 @dataclass
@@ -218,6 +219,9 @@ class PushCore:
             self.plan = make_plan(c.cluster_name, c.coordinator, self.found, c.costs, c.secret_file)
         except PartitionError as exc:
             return self._fail(PhaseEvent.PEER_FAILED, f"cannot plan the cluster: {exc}", now)
+        if c.dry_run:
+            self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PLANNED)
+            return self._finish(True, "dry run: planned " + self._stages_text(), now)
         self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PEERS_FOUND)
         self.push_start = now
         self._deadline = now + c.push_window - FRAME_BOUND  # the offer phase ends 10 s early
@@ -307,10 +311,11 @@ class PushCore:
 
     # --- summaries ---------------------------------------------------------------------------
     def _done_summary(self) -> str:
+        return "bring-up complete: " + self._stages_text()
+
+    def _stages_text(self) -> str:
         assert self.plan is not None
-        return "bring-up complete: " + ", ".join(
-            f"{a.node_id}={a.address} (layers {a.layers})" for a in self.plan.stages
-        )
+        return ", ".join(f"{a.node_id}={a.address} (layers {a.layers})" for a in self.plan.stages)
 
     def _failure_summary(self) -> str:
         failed = [p for p in self.peers.values() if p.step is PeerStep.FAILED]

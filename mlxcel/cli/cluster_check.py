@@ -15,7 +15,7 @@ import time
 from loguru import logger
 
 from mlxcel.bus import Envelope, Node
-from mlxcel.config import ClusterCheckSettings
+from mlxcel.config_tools import ClusterCheckSettings
 from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.loop import signals

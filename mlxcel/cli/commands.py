@@ -11,14 +11,13 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.config import (
+from mlxcel.config import GenerateSettings, ServeSettings
+from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchFramesSettings,
     CheckpointSettings,
     DemoSettings,
-    GenerateSettings,
     KeygenSettings,
-    ServeSettings,
 )
 from mlxcel.frontend import Usage
 from mlxcel.home import embedded_model

@@ -15,6 +15,14 @@ from loguru import logger
 
 from mlxcel import __version__
 from mlxcel.config import (
+    GenerateSettings,
+    ServeSettings,
+    _OneLineParser,
+    add_arguments,
+    die,
+    load_settings,
+)
+from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
@@ -22,14 +30,8 @@ from mlxcel.config import (
     CheckpointSettings,
     ClusterCheckSettings,
     DemoSettings,
-    GenerateSettings,
     KeygenSettings,
-    ServeSettings,
     SimSettings,
-    _OneLineParser,
-    add_arguments,
-    die,
-    load_settings,
 )
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
 from mlxcel.loop import run_async

@@ -11,7 +11,6 @@ from loguru import logger
 
 from mlxcel.assembly import (
     Assembled,
-    CoordinatorSpec,
     Generation,
     LocalSpec,
     PipelineSpec,
@@ -20,10 +19,10 @@ from mlxcel.assembly import (
     TensorParallelSpec,
     assemble,
 )
+from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
 from mlxcel.config import ServeSettings
 from mlxcel.loop import signals
-from mlxcel.net.secret import ClusterSecret, load_cluster_secret
 from mlxcel.runner import HttpOptions, NodeRunner
 
 
@@ -55,6 +54,10 @@ async def serve(s: ServeSettings) -> int:
 async def _spec(s: ServeSettings) -> StackSpec | None:
     if s.distributed_config is not None:
         return _distributed_spec(s)
+    if s.pp_auto is not None or s.pp_peer:
+        from mlxcel.cli.bringup import bringup_spec
+
+        return await bringup_spec(s)
     path = resolve_model(s.model)
     if _tp_follower(s, path):
         return None
@@ -88,33 +91,7 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
             "--node-id", "required with --distributed-config (which node of the cluster is this?)"
         )
     me = cfg.node(s.node_id)
-    secret = cluster_secret(s, s.distributed_config)
-    if me.role == "stage":
-        return StageSpec(cfg, me, path, secret, s.pp_return_logits, s.cluster_interface)
-    return CoordinatorSpec(
-        cfg,
-        me,
-        path,
-        secret,
-        s.pp_return_logits,
-        s.cluster_interface,
-        s.startup_timeout,
-        s.pp_micro_batch_size,
-    )
-
-
-def cluster_secret(settings: ServeSettings, toml_path: Path) -> ClusterSecret:
-    """Every process of a distributed config authenticates its peers: fail closed."""
-    secret = load_cluster_secret(
-        settings.cluster_secret_file,
-        None,
-        toml_path,
-        required=True,
-        cli_label=settings.origin("cluster_secret_file"),
-    )
-    assert secret is not None
-    logger.info("cluster secret from {}", secret.source)
-    return secret
+    return cluster_node_spec(s, cfg, me, path, cluster_secret(s, s.distributed_config))
 
 
 async def _serve_http(s: ServeSettings, node: Assembled) -> None:

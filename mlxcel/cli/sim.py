@@ -7,7 +7,7 @@ import json
 import time
 from collections import Counter
 
-from mlxcel.config import SimSettings
+from mlxcel.config_tools import SimSettings
 from mlxcel.errors import ConfigError
 from mlxcel.sim.scenarios import Result, run_scenario
 

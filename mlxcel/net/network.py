@@ -18,7 +18,7 @@ from mlxcel.messages import Message
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import ConnectionPool
 
-__all__ = ["Endpoint", "LocalEndpoint", "LocalFabric", "SendFailed", "TcpEndpoint"]
+__all__ = ["Endpoint", "LocalEndpoint", "LocalFabric", "ReplyEndpoint", "SendFailed", "TcpEndpoint"]
 
 
 class LocalFabric:
@@ -117,3 +117,33 @@ class TcpEndpoint:
     @property
     def wire_bytes(self) -> int:
         return self.pool.bytes_out
+
+
+class ReplyEndpoint:
+    """Answers over the connection the other side opened: for request/reply channels (the
+    bring-up assignment) whose asking side does not listen for connections."""
+
+    def __init__(self, identity: str, listener: ClusterListener) -> None:
+        self.identity = identity
+        self.listener = listener
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        conn = self.listener.connection_for(dest)
+        if conn is None:
+            raise SendFailed(f"no open connection from {dest} to answer on")
+        try:
+            await conn.send(msg, deadline)
+        except (MlxcelError, ConnectionError, OSError) as exc:
+            raise SendFailed(f"answer to {dest} failed: {exc}") from exc
+
+    def reset(self, dest: str) -> None:
+        conn = self.listener.connection_for(dest)
+        if conn is not None:
+            conn.close()
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        self.listener.on_lost.append(callback)
+
+    @property
+    def wire_bytes(self) -> int:
+        return 0

@@ -1,0 +1,255 @@
+"""Run a bring-up for real: ``serve --pp-auto N`` (push) and ``serve --pp-peer`` (wait).
+
+Both end in an ordinary cluster: the coordinator returns the plan it pushed (and wrote), the
+peer the cluster it received (and wrote); the CLI then serves them exactly as it serves a
+hand-written ``--distributed-config`` -- the same stage and coordinator code, on the same
+addresses. The assignment runs on its own authenticated channel (``assignment``: its own
+keys), on a node that is closed before the stage or the coordinator starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import secrets
+import socket
+import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from mlxcel import __version__
+from mlxcel.bringup.beacon import BEACON_PORT, beacon_key
+from mlxcel.bringup.identity import ModelIdentity, model_identity
+from mlxcel.bringup.peer_core import PeerCore, PeerFacts
+from mlxcel.bringup.plan import BringupPlan, derived_range, peer_file
+from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND
+from mlxcel.bringup.push_core import PushConfig, PushCore
+from mlxcel.bringup.service import (
+    AssignmentRefused,
+    BringupFailed,
+    PeerService,
+    PushService,
+    beacon_announcer,
+)
+from mlxcel.bus import Node
+from mlxcel.errors import ConfigError
+from mlxcel.net.listener import ClusterListener, Limits
+from mlxcel.net.network import ReplyEndpoint, TcpEndpoint
+from mlxcel.net.pool import Backoff, ConnectionPool
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.net.udp import BeaconReceiver, BeaconSender
+from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.pipeline.partition import LayerCosts, layer_costs
+from mlxcel.wire.handshake import Channel, Identity
+
+CONTROL_PORT = 19000  # the coordinator's control port when --cluster-control-addr is not given
+# The peer's assignment listener: a small pending pool (it expects one coordinator).
+PEER_LIMITS = Limits(
+    max_connections=16,
+    max_pending=8,
+    max_pending_per_source=4,
+    handshake_timeout=HANDSHAKE_BOUND,
+    frame_timeout=FRAME_BOUND,
+)
+
+
+@dataclass(frozen=True)
+class Discovery:
+    mode: str = "static"  # or "mdns"
+    peers: tuple[str, ...] = ()
+    target: str = "255.255.255.255"
+    port: int = BEACON_PORT
+
+
+def split_address(address: str, flag: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        if not sep or not 0 <= int(port) <= 65535:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(flag, f"expected IP:PORT, got {address!r}") from None
+    return host, int(port)
+
+
+def route_ip(towards: str) -> str:
+    """The local IP the OS would use to reach ``towards`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((towards, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def control_address(explicit: str | None, http_host: str, discovery: Discovery) -> str:
+    """--cluster-control-addr, else the --host IP on port 19000 (an unspecified --host: the
+    address this host reaches the first peer, or the beacon target, from)."""
+    if explicit:
+        host, port = split_address(explicit, "--cluster-control-addr")
+        if ipaddress.ip_address(host).is_unspecified:
+            raise ConfigError(
+                "--cluster-control-addr",
+                f"{explicit}: the coordinator's control address must be an IP the peers can reach "
+                "(stages reply to it), not an unspecified one",
+            )
+        return explicit
+    try:
+        unspecified = ipaddress.ip_address(http_host).is_unspecified
+    except ValueError:
+        raise ConfigError("--host", f"{http_host!r} is not an IP address") from None
+    if not unspecified:
+        return f"{http_host}:{CONTROL_PORT}"
+    towards = discovery.peers[0].rpartition(":")[0] if discovery.peers else discovery.target
+    return f"{route_ip(towards.strip('[]'))}:{CONTROL_PORT}"
+
+
+async def _model_facts(path: Path) -> tuple[ModelIdentity, LayerCosts]:
+    ident = await asyncio.to_thread(model_identity, path)
+    costs = await asyncio.to_thread(layer_costs, path, ident.n_layers)
+    return ident, costs
+
+
+async def push_assignments(
+    n_peers: int,
+    model: Path,
+    secret: ClusterSecret,
+    control: str,
+    discovery: Discovery,
+    *,
+    cluster_name: str = "mlxcel-cluster",
+    secret_file: str | None = None,
+    dry_run: bool = False,
+) -> BringupPlan:
+    """Resolve ``n_peers`` peers, plan, and (unless ``dry_run``) push every stage. Returns the
+    plan once every peer activated; raises :class:`BringupFailed` naming what went wrong."""
+    ident, costs = await _model_facts(model)
+    host, port = split_address(control, "--cluster-control-addr")
+    cfg = PushConfig(
+        attempt=secrets.randbits(63),
+        n_peers=n_peers,
+        coordinator=control,
+        version=__version__,
+        cluster_name=cluster_name,
+        model=ident,
+        costs=costs,
+        peers=discovery.peers,
+        beacon_key=beacon_key(secret.value) if discovery.mode == "mdns" else None,
+        secret_file=secret_file,
+        dry_run=dry_run,
+    )
+    async with Node("bringup-coordinator") as node:
+        pool = ConnectionPool(
+            node,
+            secret,
+            Identity(host, port, "coordinator"),
+            channel=Channel.ASSIGNMENT,
+            backoff=Backoff(attempts=1, base_delay=0.5),  # the core retries every 0.5 s
+            bind_ip=host,
+            handshake_timeout=HANDSHAKE_BOUND,
+            frame_timeout=FRAME_BOUND,
+        )
+        receiver = None
+        if discovery.mode == "mdns":
+            receiver = BeaconReceiver("0.0.0.0", discovery.port)
+            await receiver.start()
+            node.on_close(_closer(receiver.close))
+        service = PushService(node, TcpEndpoint(control, pool), PushCore(cfg, node_now()), receiver)
+        service.attach()
+        done = await service.result
+        await service.flush(service.now() + FRAME_BOUND)  # Abort frames, if any, leave first
+        plan = service.push.plan
+    if not done.ok or plan is None:
+        raise BringupFailed(done.summary)
+    logger.info("{}", done.summary)
+    return plan
+
+
+def node_now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _closer(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        fn()
+
+    return close
+
+
+@dataclass(frozen=True)
+class Received:
+    cluster: ClusterConfig
+    node_id: str
+    text: str  # the peer's file: the received body under the peer's header
+
+
+async def await_assignment(
+    model: Path,
+    secret: ClusterSecret,
+    listen: str | None,
+    discovery: Discovery,
+    *,
+    cluster_name: str = "mlxcel-cluster",
+) -> Received:
+    """Listen for an assignment until one is activated; raise :class:`AssignmentRefused` when
+    the peer must end (an offer it can never accept, or none within 600 s)."""
+    ident, costs = await _model_facts(model)
+    host, port = split_address(listen, "--cluster-control-addr") if listen else ("0.0.0.0", 0)
+    async with Node("bringup-peer") as node:
+        listener = ClusterListener(
+            node, secret, host, port, node_id="peer", channel=Channel.ASSIGNMENT, limits=PEER_LIMITS
+        )
+        port = await listener.start()
+        sender = None
+        announce = None
+        if discovery.mode == "mdns":
+            sender = BeaconSender(discovery.target, discovery.port, host)
+            node.on_close(_closer(sender.close))
+            key = beacon_key(secret.value)
+            announce = beacon_announcer(sender, key, __version__, f"{host}:{port}")
+        facts = PeerFacts(
+            __version__,
+            cluster_name,
+            ident,
+            lambda n, k: derived_range(costs, n, k),
+            host,
+            port,
+            beacons=discovery.mode == "mdns",
+        )
+        print(f"mlxcel peer waiting for a stage assignment on {host}:{port}", flush=True)
+        service = PeerService(
+            node, ReplyEndpoint(f"{host}:{port}", listener), PeerCore(facts, node_now()), announce
+        )
+        service.attach()
+        try:
+            activated = await service.result
+        finally:
+            await service.flush(service.now() + FRAME_BOUND)  # the last answer leaves first
+    cfg = ClusterConfig.model_validate(tomllib.loads(activated.cluster_toml))
+    text = peer_file(activated.node_id, activated.coordinator, activated.cluster_toml)
+    return Received(cfg, activated.node_id, text)
+
+
+def write_config(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "AssignmentRefused",
+    "BringupFailed",
+    "Discovery",
+    "Received",
+    "await_assignment",
+    "control_address",
+    "push_assignments",
+    "write_config",
+]

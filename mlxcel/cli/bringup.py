@@ -1,0 +1,74 @@
+"""``serve --pp-auto N`` and ``serve --pp-peer``: run the bring-up, write the cluster TOML,
+and hand the resulting cluster node to the ordinary serve path (docs/bringup.md)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from loguru import logger
+
+from mlxcel.assembly import StackSpec
+from mlxcel.bringup.launch import (
+    Discovery,
+    await_assignment,
+    control_address,
+    push_assignments,
+    write_config,
+)
+from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
+from mlxcel.cli.commands import resolve_model
+from mlxcel.config import ServeSettings
+from mlxcel.pipeline.cluster_config import ClusterConfig
+
+COORDINATOR_OUT = Path(".mlxcel/cluster.toml")
+
+
+def _discovery(s: ServeSettings) -> Discovery:
+    peers = tuple(p.strip() for p in (s.cluster_peers or "").split(",") if p.strip())
+    return Discovery(
+        s.cluster_discovery, peers, s.cluster_discovery_target, s.cluster_discovery_port
+    )
+
+
+def _secret_file(s: ServeSettings) -> str | None:
+    """Recorded in the written TOML (as an absolute path) when the secret came from a file."""
+    path = s.cluster_secret_file or os.environ.get("MLXCEL_CLUSTER_SECRET_FILE")
+    return str(Path(path).expanduser().resolve()) if path else None
+
+
+async def bringup_spec(s: ServeSettings) -> StackSpec | None:
+    path = resolve_model(s.model)
+    secret = cluster_secret(s, None)
+    discovery = _discovery(s)
+    if s.pp_peer:
+        got = await await_assignment(
+            path, secret, s.cluster_control_addr, discovery, cluster_name=s.cluster_name
+        )
+        out = s.cluster_config_out or Path(f".mlxcel/cluster-{got.node_id}.toml")
+        write_config(out, got.text)
+        logger.info("assigned {}: cluster written to {}", got.node_id, out)
+        return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
+    assert s.pp_auto is not None
+    control = control_address(s.cluster_control_addr, s.host, discovery)
+    plan = await push_assignments(
+        s.pp_auto,
+        path,
+        secret,
+        control,
+        discovery,
+        cluster_name=s.cluster_name,
+        secret_file=_secret_file(s),
+        dry_run=s.dry_run,
+    )
+    out = s.cluster_config_out or COORDINATOR_OUT
+    text = plan.coordinator_file(f"serve --pp-auto {s.pp_auto}")
+    write_config(out, text)
+    if s.dry_run:
+        print(text, end="", flush=True)
+        logger.info("dry run: the plan is in {}; nothing was assigned", out)
+        return None
+    logger.info("cluster written to {}", out)
+    cfg = ClusterConfig.model_validate(tomllib.loads(plan.body()))
+    return cluster_node_spec(s, cfg, cfg.coordinator, path, secret)

@@ -1,0 +1,45 @@
+"""The node a cluster TOML names, and the secret every distributed node requires: shared by
+``--distributed-config`` and the bring-up paths of ``serve``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loguru import logger
+
+from mlxcel.assembly import CoordinatorSpec, StackSpec, StageSpec
+from mlxcel.config import ServeSettings
+from mlxcel.net.secret import ClusterSecret, load_cluster_secret
+from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
+
+
+def cluster_node_spec(
+    s: ServeSettings, cfg: ClusterConfig, me: NodeSpec, path: Path, secret: ClusterSecret
+) -> StackSpec:
+    """The stage or the coordinator ``me`` of ``cfg`` (written by hand or by a bring-up)."""
+    if me.role == "stage":
+        return StageSpec(cfg, me, path, secret, s.pp_return_logits, s.cluster_interface)
+    return CoordinatorSpec(
+        cfg,
+        me,
+        path,
+        secret,
+        s.pp_return_logits,
+        s.cluster_interface,
+        s.startup_timeout,
+        s.pp_micro_batch_size,
+    )
+
+
+def cluster_secret(settings: ServeSettings, toml_path: Path | None) -> ClusterSecret:
+    """Every process of a distributed config authenticates its peers: fail closed."""
+    secret = load_cluster_secret(
+        settings.cluster_secret_file,
+        None,
+        toml_path,
+        required=True,
+        cli_label=settings.origin("cluster_secret_file"),
+    )
+    assert secret is not None
+    logger.info("cluster secret from {}", secret.source)
+    return secret

@@ -1,0 +1,193 @@
+"""Settings of the tool commands (checkpoint, benchmarks, sim, keygen, cluster-check, demo).
+
+Same rules as :mod:`mlxcel.config` (CLI > environment > TOML file > default); kept apart so
+the serving settings stay readable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from mlxcel.config import ModelSettings, _Base, _short
+
+
+class CheckpointSettings(_Base):
+    shape: Literal["tiny", "small", "qwen3-0.6b"] = Field("tiny", description="model shape")
+    family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
+    out: Path = Field(..., description="output folder")
+    seed: int = Field(0, ge=0, lt=2**32, description="weight seed")
+    quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
+
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _bits_from_text(cls, v: Any) -> Any:
+        # The CLI and the environment deliver text; the choices are numbers.
+        if isinstance(v, str) and v.strip().isdigit():
+            return int(v)
+        return v
+
+
+class BenchBatchingSettings(ModelSettings):
+    streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
+    tokens: int = Field(64, ge=1, description="tokens generated per stream")
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+
+    @field_validator("streams")
+    @classmethod
+    def _streams(cls, v: str) -> str:
+        try:
+            counts = [int(x) for x in v.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError("must be comma-separated integers, e.g. 1,4,8") from None
+        if not counts or min(counts) < 1:
+            raise ValueError("needs at least one count, each >= 1")
+        return v
+
+
+class BenchFramesSettings(_Base):
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    sizes: str = Field(
+        "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 1M, 2M, 16M or bytes)"
+    )
+    scale: float = Field(1.0, gt=0, le=100, description="multiply every iteration count by this")
+    modes: str = Field(
+        "reference,unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305",
+        description="modes to measure (reference: a bare length-prefixed uvloop stream)",
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, v: str) -> str:
+        for part in v.split(","):
+            p = part.strip().upper()
+            if p not in ("8K", "64K", "1M", "2M", "16M") and not (
+                p.isdigit() and 0 < int(p) <= 1 << 28
+            ):
+                raise ValueError(f"bad size {part!r}")
+        return v
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, v: str) -> str:
+        known = {"reference", "unprotected", "hmac-sha256", "aes-256-gcm", "chacha20-poly1305"}
+        bad = [m for m in v.split(",") if m.strip() not in known]
+        if bad:
+            raise ValueError(f"unknown mode(s) {bad}; choose from {sorted(known)}")
+        return v
+
+
+class KeygenSettings(_Base):
+    out: Path = Field(..., description="file to write the secret to (mode 0600)")
+    force: bool = Field(False, description="overwrite an existing file")
+
+
+class SimSettings(_Base):
+    seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
+    first_seed: int = Field(0, ge=0, description="the first seed of the run")
+    scenario: Literal["all", "mixed", "bringup", "scale", "tiny"] = Field(
+        "all",
+        description="all: mixed and bringup for every seed; mixed: 2-8 stages serving, every "
+        "fault kind; bringup: zero-config bring-up of 2-16 peers; scale: 32 stages; "
+        "tiny: 2-4 stages computing with the real checkpoint (--model)",
+    )
+    model: str | None = Field(
+        None, description="checkpoint for --scenario tiny (default: the embedded tiny model)"
+    )
+    seed: int | None = Field(None, ge=0, description="replay this one seed (ignores --seeds)")
+    stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
+    inject: str | None = Field(
+        None,
+        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce)",
+    )
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+
+    @field_validator("inject")
+    @classmethod
+    def _known_bugs(cls, v: str | None) -> str | None:
+        known = ("skip-owner-check", "accept-stale-nonce")
+        for bug in (v or "").split(","):
+            if bug.strip() and bug.strip() not in known:
+                raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")
+        return v
+
+
+class ClusterCheckSettings(_Base):
+    listen: str | None = Field(None, description="run an authenticated ping endpoint on HOST:PORT")
+    connect: str | None = Field(
+        None, description="dial HOST:PORT with the cluster handshake and ping it"
+    )
+    advertise: str | None = Field(
+        None, description="listener identity HOST:PORT this node claims (connect mode)"
+    )
+    node_id: str = Field("check", description="node id announced in the handshake")
+    cluster_secret_file: Path | None = Field(
+        None, description="cluster secret file (see docs/security.md)"
+    )
+    cluster_interface: str | None = Field(
+        None, description="bind and connect through this network interface"
+    )
+    pings: int = Field(5, ge=0, le=10000, description="pings to send after connecting")
+    attempts: int = Field(
+        5, ge=1, le=1000, description="connect attempts (refusals and at-capacity are retried)"
+    )
+    base_delay: float = Field(
+        0.2, gt=0, le=60, description="first reconnect delay in seconds (doubles)"
+    )
+    duration: float = Field(0.0, ge=0, description="listen mode: seconds to run (0 = until Ctrl-C)")
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level on stderr"
+    )
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> ClusterCheckSettings:
+        if (self.listen is None) == (self.connect is None):
+            raise ValueError("give exactly one of --listen or --connect")
+        return self
+
+
+class BenchPipelineSettings(_Base):
+    """A model-level benchmark: which model (default small), how many tokens, JSON or table."""
+
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded small checkpoint)",
+        json_schema_extra=_short("-m"),
+    )
+    tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+
+class DemoSettings(_Base):
+    prompt: str = Field(
+        "Explain pipeline parallelism in one sentence.", description="the chat message to send"
+    )
+    max_tokens: int = Field(32, ge=1, le=4096, description="tokens to stream")
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded tiny model)",
+        json_schema_extra=_short("-m"),
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+
+class BenchTpSettings(BenchPipelineSettings):
+    """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
