@@ -107,7 +107,8 @@ class SimSettings(_Base):
     stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
     inject: str | None = Field(
         None,
-        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce)",
+        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce; "
+        "bringup: activate-early)",
     )
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
@@ -116,7 +117,7 @@ class SimSettings(_Base):
     @field_validator("inject")
     @classmethod
     def _known_bugs(cls, v: str | None) -> str | None:
-        known = ("skip-owner-check", "accept-stale-nonce")
+        known = ("skip-owner-check", "accept-stale-nonce", "activate-early")
         for bug in (v or "").split(","):
             if bug.strip() and bug.strip() not in known:
                 raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")

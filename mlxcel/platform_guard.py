@@ -40,6 +40,8 @@ DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
         ("--pp-size", "pp_size", _above_one),
         ("--pp-layers", "pp_layers", _present),
         ("--distributed-config", "distributed_config", _present),
+        ("--pp-auto", "pp_auto", _present),
+        ("--pp-peer", "pp_peer", _present),
     ],
 }
 

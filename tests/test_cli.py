@@ -156,6 +156,8 @@ def test_windows_refuses_distributed_flags_before_resolving_the_model(
     for argv, flag in (
         (["generate", "--pp-size", "2"], "--pp-size"),
         (["serve", "--tp-size", "4", "-m", "/does/not/exist"], "--tp-size"),
+        (["serve", "--pp-auto", "2", "--cluster-peers", "127.0.0.2:1,127.0.0.3:1"], "--pp-auto"),
+        (["serve", "--pp-peer", "--cluster-control-addr", "127.0.0.2:19001"], "--pp-peer"),
     ):
         with pytest.raises(SystemExit) as info:
             cli_main.main(argv)

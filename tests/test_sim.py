@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.sim.bringup import BRINGUP_FAULTS
 from mlxcel.sim.scenarios import BUGS, FAULT_KINDS, run_many, run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +29,34 @@ def sim(*args: str, hashseed: str = "0") -> subprocess.CompletedProcess[str]:
 
 
 def test_300_seeds_cover_every_fault_kind_and_keep_every_invariant() -> None:
+    """The default run: every seed serves a pipeline (mixed) and brings one up (bringup)."""
     r = sim("--seeds", "300", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout)
     print(f"\n{summary['events']} events in {summary['wall_s']}s ({summary['events_per_s']}/s)")
-    assert summary["scenarios"] == 300 and summary["violations"] == 0
-    assert summary["stages"] == [2, 8]
-    assert set(summary["faults"]) == set(FAULT_KINDS)
+    assert summary["scenarios"] == 600 and summary["violations"] == 0
+    assert summary["stages"] == [2, 16]
+    bringup_kinds = {f"bringup-{k}" for k in BRINGUP_FAULTS}
+    assert set(summary["faults"]) == set(FAULT_KINDS) | bringup_kinds
     # Faults do bite: some requests complete and some fail with an error, none hang.
     assert summary["completed"] > 0 and summary["failed"] > 0
+    # Some bring-ups activate every stage, some fail having started none (the check of each
+    # run holds them to exactly that), and crashed coordinators account for the rest.
+    runs, activated, failed = summary["bringups"]
+    assert runs == 300 and activated > 0 and failed > 0 and activated + failed <= runs
+
+
+def test_a_bring_up_bug_is_found_and_replayed() -> None:
+    """A coordinator that moves on when one peer answered instead of every peer must be
+    caught: some stages activated while the others were never committed."""
+    results = [run_scenario("bringup", s, inject=frozenset({"activate-early"})) for s in range(40)]
+    failing = [r for r in results if r.violations]
+    assert failing, "activate-early went unnoticed in 40 bring-ups"
+    first = failing[0]
+    assert first.replay.endswith(f"--scenario bringup --seed {first.seed} --inject activate-early")
+    r = sim(*first.replay.split()[4:], "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["violations"] == len(first.violations)
+    assert run_scenario("bringup", first.seed).violations == []
 
 
 def test_one_seed_gives_one_trace_whatever_the_hash_seed() -> None:

@@ -64,6 +64,9 @@ class PushConfig:
     discovery_window: float = DISCOVERY_WINDOW
     push_window: float = PUSH_WINDOW
     dry_run: bool = False  # resolve the peers and plan, push nothing
+    # Deliberate bugs for the simulator to find (never set outside it): "activate-early"
+    # moves to the next phase as soon as one peer answered instead of every peer.
+    inject: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -275,7 +278,12 @@ class PushCore:
             Phase.COMMITTING: (PeerStep.COMMITTED, PhaseEvent.ALL_COMMITTED),
             Phase.ACTIVATING: (PeerStep.ACTIVE, PhaseEvent.ALL_ACTIVE),
         }.get(self.phase)
-        if target is None or steps != {target[0]}:
+        if target is None:
+            return []
+        if "activate-early" in self.cfg.inject:
+            if target[0] not in steps:
+                return []
+        elif steps != {target[0]}:
             return []
         self.phase = PHASE_TABLE.next(self.phase, target[1])
         if self.phase is Phase.DONE:

@@ -53,6 +53,7 @@ BRINGUP_FAULTS = (
     "skew",
 )
 # A fault that may legitimately make a bring-up fail (the others must never).
+BRINGUP_BUGS = ("activate-early",)
 SPOILERS = frozenset({"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew"})
 
 
@@ -188,7 +189,9 @@ class BringupRun:
     spoiled: set[str] = field(default_factory=set)
 
 
-def build_bringup(rng: random.Random, seed: int, n_peers: int, faults: list[str]) -> BringupRun:
+def build_bringup(
+    rng: random.Random, seed: int, n_peers: int, faults: list[str], inject: frozenset[str]
+) -> BringupRun:
     sched = Scheduler()
     net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.01])))
     n_layers = n_peers * rng.randint(1, 3) + rng.randint(0, 3)
@@ -207,6 +210,7 @@ def build_bringup(rng: random.Random, seed: int, n_peers: int, faults: list[str]
         costs=costs,
         peers=tuple(addresses) if static else (),
         beacon_key=None if static else beacon_key(SECRET),
+        inject=inject,
     )
     push = PushHost(COORDINATOR, sched, net, cfg)
     net.add(push)
@@ -266,12 +270,14 @@ def _schedule(run: BringupRun, rng: random.Random) -> None:
             sched.at(rng.uniform(start, start + 3.0), run.coordinator.crash)
 
 
-def run_bringup(seed: int, n_peers: int | None = None) -> tuple[BringupRun, list[str]]:
+def run_bringup(
+    seed: int, n_peers: int | None = None, inject: frozenset[str] = frozenset()
+) -> tuple[BringupRun, list[str]]:
     rng = random.Random(f"bringup:{seed}")
     n = n_peers or rng.randint(2, 16)
     faults = [BRINGUP_FAULTS[seed % len(BRINGUP_FAULTS)]]
     faults += [k for k in ("drop", "delay", "duplicate") if k not in faults and rng.random() < 0.25]
-    run = build_bringup(rng, seed, n, faults)
+    run = build_bringup(rng, seed, n, faults, inject & frozenset(BRINGUP_BUGS))
     run.spoiled = set(faults) & SPOILERS
     if "skew" in faults and run.static:
         run.spoiled.discard("skew")
@@ -325,7 +331,7 @@ def check_bringup(run: BringupRun) -> list[str]:
             bad.append(f"the layer ranges {edges} do not cover {run.n_layers} layers")
         for p in run.peers:
             want = next(a.node_id for a in plan.stages if a.address == p.identity)
-            if activated[p.identity][1] != want:
+            if p.identity in activated and activated[p.identity][1] != want:
                 bad.append(f"{p.identity} activated as {activated[p.identity][1]}, planned {want}")
     if push.done is not None and not push.done.ok and not excused:
         if activated:

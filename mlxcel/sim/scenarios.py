@@ -322,7 +322,7 @@ def run_scenario(
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
     wall0 = time.perf_counter()
     if name == "bringup":
-        return _bringup_result(seed, stages, wall0)
+        return _bringup_result(seed, stages, inject, wall0)
     rng = random.Random(f"{name}:{seed}")
     model = None
     if name == "scale":
@@ -380,14 +380,14 @@ def run_scenario(
     )
 
 
-def _bringup_result(seed: int, peers: int | None, wall0: float) -> Result:
+def _bringup_result(seed: int, peers: int | None, inject: frozenset[str], wall0: float) -> Result:
     """One bring-up (:mod:`mlxcel.sim.bringup`) as a scenario result: one "request", completed
     when every stage activated, failed when the bring-up failed cleanly."""
     from mlxcel.sim.bringup import run_bringup
 
     if peers is not None and peers > 64:
         raise ValueError("a bring-up scenario takes at most 64 peers")
-    run, violations = run_bringup(seed, peers)
+    run, violations = run_bringup(seed, peers, inject)
     done = run.coordinator.done
     return Result(
         "bringup",
@@ -401,7 +401,7 @@ def _bringup_result(seed: int, peers: int | None, wall0: float) -> Result:
         run.sched.trace_hash,
         violations,
         time.perf_counter() - wall0,
-        (),
+        tuple(sorted(inject)),
         peers,
     )
 

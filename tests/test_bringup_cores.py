@@ -1,0 +1,421 @@
+"""The bring-up cores as tables: no sockets, no loop, no model.
+
+A peer checks an offer in the documented order; a coordinator commits only after every peer
+accepted and activates only after every peer committed; a failure before activation aborts
+every peer back to waiting and starts nothing; beacons are judged MAC first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import pytest
+
+from mlxcel import __version__
+from mlxcel.bringup.beacon import BeaconGate, BeaconRejected, Rejection, beacon_key, make_beacon
+from mlxcel.bringup.identity import ModelIdentity, model_identity
+from mlxcel.bringup.peer_core import PeerCore, PeerFacts
+from mlxcel.bringup.plan import derived_range, make_plan
+from mlxcel.bringup.protocol import (
+    FINAL,
+    PEER_TABLE,
+    Activated,
+    Announce,
+    PeerEnded,
+    PeerEvent,
+    PeerState,
+    Phase,
+    PushDone,
+    Refusal,
+)
+from mlxcel.bringup.push_core import PushConfig, PushCore
+from mlxcel.effects import Send
+from mlxcel.fsm import IllegalTransition
+from mlxcel.messages import (
+    AssignAbort,
+    AssignAccepted,
+    AssignActivate,
+    AssignCommit,
+    AssignOffer,
+    AssignRefused,
+    Message,
+)
+from mlxcel.pipeline.partition import LayerCosts
+
+COSTS = LayerCosts((100,) * 8, 50, 50, 0)
+MODEL = ModelIdentity("ab" * 32, 8)
+COORD = "127.0.0.1:19000"
+PEERS = ("127.0.0.3:19001", "127.0.0.2:19001", "127.0.0.4:19001")
+
+
+def facts(address: str, **kw: object) -> PeerFacts:
+    host, port = address.rsplit(":", 1)
+    base = PeerFacts(
+        __version__,
+        "mlxcel-cluster",
+        MODEL,
+        lambda n, k: derived_range(COSTS, n, k),
+        host,
+        int(port),
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def push(**kw: object) -> PushCore:
+    cfg = PushConfig(
+        attempt=7,
+        n_peers=len(PEERS),
+        coordinator=COORD,
+        version=__version__,
+        cluster_name="mlxcel-cluster",
+        model=MODEL,
+        costs=COSTS,
+        peers=PEERS,
+    )
+    return PushCore(dataclasses.replace(cfg, **kw), 0.0)  # type: ignore[arg-type]
+
+
+def offers(core: PushCore) -> dict[str, AssignOffer]:
+    out = {}
+    for e in core.start(0.0):
+        if isinstance(e, Send) and isinstance(e.msg, AssignOffer):
+            out[e.dest] = e.msg
+    return out
+
+
+class Cluster:
+    """A push core and its peer cores, wired back to back through one FIFO of messages."""
+
+    def __init__(self, drop: set[tuple[str, type[Message]]] | None = None) -> None:
+        self.push = push()
+        self.peers = {a: PeerCore(facts(a), 0.0) for a in PEERS}
+        self.queue: deque[tuple[str, str, Message]] = deque()
+        self.effects: list[tuple[str, object]] = []
+        self.drop = drop or set()  # (destination, message class) lost on the way
+        self.now = 0.0
+        self.route(COORD, self.push.start(0.0))
+
+    def route(self, who: str, effects: list) -> None:  # type: ignore[type-arg]
+        for e in effects:
+            self.effects.append((who, e))
+            if isinstance(e, Send) and (e.dest, type(e.msg)) not in self.drop:
+                self.queue.append((who, e.dest, e.msg))
+
+    def run(self) -> None:
+        while self.queue:
+            src, dst, msg = self.queue.popleft()
+            core = self.push if dst == COORD else self.peers[dst]
+            self.route(dst, core.handle(msg, src, self.now))
+
+    def advance(self, to: float) -> None:
+        self.now = to
+        for who, core in [(COORD, self.push), *self.peers.items()]:
+            t = core.next_timer()
+            if t is not None and t <= to:
+                self.route(who, core.on_timer(to))
+        self.run()
+
+    def of(self, kind: type) -> list[tuple[str, object]]:
+        return [(w, e) for w, e in self.effects if isinstance(e, kind)]
+
+
+def test_a_bring_up_activates_every_peer_in_address_order() -> None:
+    c = Cluster()
+    c.run()
+    done = c.of(PushDone)
+    assert done and done[0][1].ok  # type: ignore[attr-defined]
+    assert c.push.phase is Phase.DONE
+    assert all(p.state is PeerState.ACTIVE for p in c.peers.values())
+    # stage ids follow the lexicographic order of the addresses, not the order given
+    activated = {w: e.node_id for w, e in c.of(Activated)}  # type: ignore[attr-defined]
+    assert activated == {
+        "127.0.0.2:19001": "stage-0",
+        "127.0.0.3:19001": "stage-1",
+        "127.0.0.4:19001": "stage-2",
+    }
+
+
+def test_commit_only_after_every_peer_accepted() -> None:
+    late = "127.0.0.4:19001"
+    c = Cluster(drop={(late, AssignOffer)})  # one peer is not listening yet
+    c.run()
+    assert not any(isinstance(e.msg, AssignCommit) for _, e in c.of(Send))  # type: ignore[attr-defined]
+    c.drop.clear()
+    c.advance(0.6)  # the offer is repeated every 0.5 s
+    assert c.push.phase is Phase.DONE
+
+
+def test_one_peer_failing_commit_aborts_the_others_and_starts_nothing() -> None:
+    c = Cluster()
+    bad = "127.0.0.3:19001"  # stage-1
+    c.drop.add((bad, AssignCommit))
+    c.run()
+    assert c.push.phase is Phase.COMMITTING
+    committed = [a for a, p in c.peers.items() if p.state is PeerState.COMMITTED]
+    assert sorted(committed) == ["127.0.0.2:19001", "127.0.0.4:19001"]
+    c.advance(61.0)  # the push window (60 s) ends
+    done = c.of(PushDone)[0][1]
+    assert not done.ok  # type: ignore[attr-defined]
+    assert "stage-1 at 127.0.0.3:19001 did not commit" in done.summary  # type: ignore[attr-defined]
+    assert "not committed: stage-1" in done.summary and "no stage was started" in done.summary  # type: ignore[attr-defined]
+    aborts = {e.dest for _, e in c.of(Send) if isinstance(e.msg, AssignAbort)}  # type: ignore[attr-defined]
+    assert aborts == set(PEERS)
+    assert all(p.state is PeerState.WAITING for p in c.peers.values())
+    assert not c.of(Activated)
+
+
+def test_a_refusal_aborts_every_peer_that_accepted() -> None:
+    c = Cluster()
+    odd = "127.0.0.4:19001"
+    c.peers[odd] = PeerCore(facts(odd, cluster_name="another"), 0.0)
+    c.run()
+    done = c.of(PushDone)[0][1]
+    assert (
+        not done.ok and "stage-2 at 127.0.0.4:19001 refused: cluster name mismatch" in done.summary
+    )  # type: ignore[attr-defined]
+    assert all(p.state is PeerState.WAITING for p in c.peers.values())
+    assert not c.of(Activated)
+
+
+def test_the_peer_checks_an_offer_in_the_documented_order() -> None:
+    """Apply the mismatches from check k onwards: the refusal must name check k."""
+    me = "127.0.0.2:19001"
+    good = offers(push())[me]
+    wrong_port = good.cluster_toml.replace(f'"{me}"', '"127.0.0.2:19999"')
+    steps = [
+        (Refusal.PROTOCOL, {"protocol": 1}),
+        (Refusal.VERSION, {"mlxcel_version": "0.0.0"}),
+        (Refusal.CLUSTER_NAME, {"cluster_name": "another"}),
+        (Refusal.MODEL, {"model_sha256": "00" * 32}),
+        (Refusal.LAYER_RANGE, {"layers": (0, 1)}),
+        (Refusal.NODE_ID, {"node_id": "stage-9"}),
+        (Refusal.ADDRESS, {"cluster_toml": wrong_port}),
+        (Refusal.COORDINATOR, {}),  # delivered from another identity than the offer names
+    ]
+    for k, (code, _) in enumerate(steps):
+        changes: dict[str, object] = {}
+        for _, ch in steps[k:]:
+            changes.update(ch)
+        offer = dataclasses.replace(good, **changes)  # type: ignore[arg-type]
+        peer = PeerCore(facts(me), 0.0)
+        effects = peer.handle(offer, "127.0.0.9:19000", 0.0)
+        refused = [e.msg for e in effects if isinstance(e, Send)]
+        assert len(refused) == 1 and isinstance(refused[0], AssignRefused)
+        assert refused[0].code == code, (k, refused[0].reason)
+        ended = [e for e in effects if isinstance(e, PeerEnded)]
+        if code in FINAL:
+            assert refused[0].final and peer.state is PeerState.ENDED
+            assert ended and ended[0].reason.startswith("stage assignment refused: ")
+        else:
+            assert not refused[0].final and peer.state is PeerState.WAITING and not ended
+    # and the untouched offer, from the identity it names, is accepted
+    peer = PeerCore(facts(me), 0.0)
+    effects = peer.handle(good, COORD, 0.0)
+    assert any(isinstance(e, Send) and isinstance(e.msg, AssignAccepted) for e in effects)
+
+
+def test_a_version_1_coordinator_is_refused_and_the_peer_ends() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me), 0.0)
+    offer = dataclasses.replace(offers(push())[me], protocol=1)
+    effects = peer.handle(offer, COORD, 0.0)
+    (ended,) = [e for e in effects if isinstance(e, PeerEnded)]
+    assert "stage assignment refused: assignment protocol mismatch" in ended.reason
+
+
+def test_a_version_1_peer_is_refused_by_the_coordinator() -> None:
+    core = push()
+    offers(core)
+    effects = core.handle(AssignAccepted(1, 7, "stage-0"), "127.0.0.2:19001", 0.1)
+    (done,) = [e for e in effects if isinstance(e, PushDone)]
+    assert not done.ok and "assignment protocol mismatch" in done.summary
+
+
+def test_a_peer_with_another_secret_fails_the_push_at_once() -> None:
+    core = push()
+    sends = [e for e in core.start(0.0) if isinstance(e, Send)]
+    effects = core.undeliverable(sends[0], "secret mismatch", 0.2, final=True)
+    (done,) = [e for e in effects if isinstance(e, PushDone)]
+    assert not done.ok and sends[0].dest in done.summary and "secret mismatch" in done.summary
+    # a refused connect (the peer is not up yet) is only retried
+    core = push()
+    sends = [e for e in core.start(0.0) if isinstance(e, Send)]
+    assert not any(isinstance(e, PushDone) for e in core.undeliverable(sends[0], "refused", 0.2))
+
+
+def test_a_peer_waits_600_s_for_an_assignment_then_ends() -> None:
+    peer = PeerCore(facts("127.0.0.2:19001"), 10.0)
+    assert peer.next_timer() == 610.0
+    (ended,) = peer.on_timer(610.0)
+    assert isinstance(ended, PeerEnded) and "600 s" in ended.reason
+    assert peer.state is PeerState.ENDED
+
+
+def test_a_peer_between_phases_waits_60_s_then_returns_to_waiting() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me), 0.0)
+    peer.handle(offers(push())[me], COORD, 1.0)
+    assert peer.state is PeerState.ACCEPTED and peer.next_timer() == 61.0
+    peer.on_timer(61.0)
+    assert peer.state is PeerState.WAITING
+    # and a Commit after that is refused: nothing to commit
+    effects = peer.handle(AssignCommit(7), COORD, 62.0)
+    assert effects[0].msg.code == Refusal.NOT_ACCEPTED  # type: ignore[union-attr]
+
+
+def test_losing_the_coordinator_before_activation_returns_to_waiting() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me), 0.0)
+    peer.handle(offers(push())[me], COORD, 1.0)
+    peer.handle(AssignCommit(7), COORD, 2.0)
+    assert peer.state is PeerState.COMMITTED
+    peer.peer_lost(COORD, 3.0)
+    assert peer.state is PeerState.WAITING
+    effects = peer.handle(AssignActivate(7), COORD, 4.0)
+    assert not any(isinstance(e, Activated) for e in effects)
+
+
+def test_a_stranger_cannot_commit_or_activate_a_peer() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me), 0.0)
+    peer.handle(offers(push())[me], COORD, 1.0)
+    for msg in (AssignCommit(7), AssignActivate(7), AssignAbort(7, "x")):
+        effects = peer.handle(msg, "127.0.0.66:19000", 2.0)
+        assert not any(isinstance(e, Activated) for e in effects)
+    assert peer.state is PeerState.ACCEPTED
+    # another coordinator's offer meanwhile is refused as busy, not taken over
+    other = dataclasses.replace(offers(push())[me], coordinator="127.0.0.66:19000", attempt=9)
+    effects = peer.handle(other, "127.0.0.66:19000", 2.0)
+    assert effects[0].msg.code == Refusal.BUSY and peer.coordinator == COORD  # type: ignore[union-attr]
+
+
+def test_the_peer_table_refuses_illegal_moves_from_the_lookup() -> None:
+    with pytest.raises(IllegalTransition) as exc:
+        PEER_TABLE.next(PeerState.WAITING, PeerEvent.ACTIVATE)
+    assert exc.value.code == Refusal.NOT_COMMITTED
+
+
+def test_the_loopback_rule() -> None:
+    core = push(peers=("127.0.0.2:19001", "10.1.2.3:19001", "127.0.0.4:19001"))
+    effects = core.start(0.0)
+    assert not any(isinstance(e, Send) for e in effects)  # nothing goes out
+    (done,) = [e for e in effects if isinstance(e, PushDone)]
+    assert not done.ok and "10.1.2.3:19001" in done.summary and "loopback" in done.summary
+    # a coordinator on a routable address may drive the same peers
+    core = push(coordinator="10.1.2.1:19000", peers=("10.1.2.2:1", "10.1.2.3:1", "10.1.2.4:1"))
+    assert any(isinstance(e, Send) for e in core.start(0.0))
+
+
+def test_a_peer_beacons_until_committed() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me, beacons=True), 0.0)
+    assert any(isinstance(e, Announce) for e in peer.on_timer(0.0))
+    assert peer.next_timer() == 1.0
+    peer.handle(offers(push())[me], COORD, 0.5)
+    assert any(isinstance(e, Announce) for e in peer.on_timer(1.0))  # accepted: still beacons
+    peer.handle(AssignCommit(7), COORD, 1.5)
+    assert not any(isinstance(e, Announce) for e in peer.on_timer(2.0))
+
+
+# --- beacons ------------------------------------------------------------------------------------
+KEY = beacon_key(b"k" * 32)
+
+
+def gate() -> BeaconGate:
+    return BeaconGate(KEY, __version__)
+
+
+def test_a_good_beacon_resolves_to_its_source() -> None:
+    d = make_beacon(KEY, __version__, "0.0.0.0:19001", 1000.0, b"1" * 16)
+    assert gate().check(d, "127.0.0.2", 1010.0) == "127.0.0.2:19001"
+
+
+@pytest.mark.parametrize(
+    ("why", "key", "version", "address", "wall"),
+    [
+        (Rejection.BAD_MAC, beacon_key(b"o" * 32), __version__, "127.0.0.2:1", 1000.0),
+        (Rejection.SKEW, KEY, __version__, "127.0.0.2:1", 1061.0),
+        (Rejection.SKEW, KEY, __version__, "127.0.0.2:1", 939.0),
+        (Rejection.VERSION, KEY, "0.0.1", "127.0.0.2:1", 1000.0),
+        (Rejection.ADDRESS, KEY, __version__, "127.0.0.7:1", 1000.0),
+        (Rejection.ADDRESS, KEY, __version__, "not-an-address", 1000.0),
+    ],
+)
+def test_each_beacon_rejection(
+    why: Rejection, key: bytes, version: str, address: str, wall: float
+) -> None:
+    d = make_beacon(key, version, address, 1000.0, b"n" * 16)
+    with pytest.raises(BeaconRejected) as exc:
+        gate().check(d, "127.0.0.2", wall)
+    assert exc.value.why is why
+
+
+def test_a_replayed_beacon_is_rejected_inside_the_window() -> None:
+    g = gate()
+    d = make_beacon(KEY, __version__, "127.0.0.2:1", 1000.0, b"r" * 16)
+    g.check(d, "127.0.0.2", 1000.0)
+    with pytest.raises(BeaconRejected) as exc:
+        g.check(d, "127.0.0.2", 1030.0)
+    assert exc.value.why is Rejection.REPLAY
+
+
+def test_the_mac_is_checked_first() -> None:
+    # every field wrong and the MAC too: the refusal says MAC, and nothing else leaks
+    d = make_beacon(beacon_key(b"o" * 32), "0.0.1", "127.0.0.7:1", 0.0, b"x" * 16)
+    with pytest.raises(BeaconRejected) as exc:
+        gate().check(d, "127.0.0.2", 5000.0)
+    assert exc.value.why is Rejection.BAD_MAC
+    # garbage is malformed, never an exception of another type
+    for junk in (b"", b"\xa1", b"x" * 4096):
+        with pytest.raises(BeaconRejected):
+            gate().check(junk, "127.0.0.2", 0.0)
+
+
+def test_discovery_uses_only_beacons_that_pass(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    core = push(peers=(), beacon_key=KEY, n_peers=2)
+    core.start(0.0)
+    bad = make_beacon(beacon_key(b"o" * 32), __version__, "127.0.0.5:1", 0.0, b"a" * 16)
+    core.beacon(bad, "127.0.0.5", 0.1, 0.0)
+    core.beacon(make_beacon(KEY, __version__, "0.0.0.0:7", 0.0, b"b" * 16), "127.0.0.3", 0.2, 0.0)
+    assert core.phase is Phase.DISCOVERING and core.found == ["127.0.0.3:7"]
+    effects = core.beacon(
+        make_beacon(KEY, __version__, "127.0.0.2:7", 0.0, b"c" * 16), "127.0.0.2", 0.3, 0.0
+    )
+    assert core.phase is Phase.OFFERING
+    assert {e.dest for e in effects if isinstance(e, Send)} == {"127.0.0.2:7", "127.0.0.3:7"}
+    # too few peers in the window: fails, saying how many were found
+    core = push(peers=(), beacon_key=KEY, n_peers=2)
+    core.start(0.0)
+    (done,) = [e for e in core.on_timer(30.0) if isinstance(e, PushDone)]
+    assert not done.ok and "discovered 0 of 2 peers within 30 s" in done.summary
+
+
+# --- plan ---------------------------------------------------------------------------------------
+def test_the_plan_text_is_reproducible_and_valid_cluster_toml() -> None:
+    import tomllib
+
+    from mlxcel.pipeline.cluster_config import ClusterConfig
+
+    a = make_plan("c", COORD, list(PEERS), COSTS, "/etc/s").coordinator_file("serve --pp-auto 3")
+    b = make_plan("c", COORD, list(reversed(PEERS)), COSTS, "/etc/s").coordinator_file(
+        "serve --pp-auto 3"
+    )
+    assert a == b
+    cfg = ClusterConfig.model_validate(tomllib.loads(a))
+    assert [s.id for s in cfg.stages] == ["stage-0", "stage-1", "stage-2"]
+    assert cfg.pp_layers == "0-1,2-4,5-7" and cfg.cluster.secret_file == "/etc/s"
+
+
+def test_model_identity_covers_config_and_weight_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_identity(tmp_path)
+    assert first.n_layers == 4
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    assert model_identity(tmp_path) != first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "a": 1}))
+    assert model_identity(tmp_path) != first
