@@ -1,0 +1,442 @@
+"""Zero-config bring-up with real processes on 127.0.0.x: ``serve --pp-auto`` and
+``serve --pp-peer``, static and beacon discovery, and every way a bring-up must fail
+without starting a stage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from mlxcel import __version__
+from mlxcel.bringup.launch import PEER_LIMITS
+from mlxcel.bus import Node, Origin
+from mlxcel.messages import AssignOffer, AssignRefused
+from mlxcel.net.listener import ClusterListener
+from mlxcel.net.pool import ConnectionPool
+from mlxcel.net.secret import load_cluster_secret
+from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.wire.handshake import Channel, Identity
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-qwen3"
+MESSAGES = [{"role": "user", "content": "Tell me about zero-config clusters"}]
+
+
+def free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """``python -m mlxcel serve ARGS`` in ``cwd``; output collected line by line."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=cwd,
+            env={**os.environ, "MLXCEL_LOG_LEVEL": "DEBUG"},
+        )
+        self.lines: list[str] = []
+
+    def wait_for(self, prefix: str, timeout: float = 120.0) -> str:
+        assert self.p.stdout is not None
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if prefix in line:
+                return line
+        raise AssertionError(f"never saw {prefix!r}:\n" + self.text)
+
+    def finish(self, timeout: float = 120.0) -> int:
+        """Wait for the process to exit on its own; collect the rest of its output."""
+        out, _ = self.p.communicate(timeout=timeout)
+        self.lines.append(out)
+        return self.p.returncode
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                out, _ = self.p.communicate(timeout=30)
+                self.lines.append(out)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.p.returncode
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bringup") / "cluster.secret"
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("other") / "other.secret"
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The single-process greedy answer through the same API."""
+    port = free_port()
+    p = Proc(["-m", str(tiny), "--port", str(port), "--served-model-name", MODEL], ROOT)
+    try:
+        p.wait_for("mlxcel serving")
+        return chat(port)
+    finally:
+        p.stop()
+
+
+def chat(port: int) -> str:
+    c = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+    )
+    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+    return r.choices[0].message.content or ""
+
+
+def peer(tiny: Path, secret: Path, cwd: Path, *extra: str) -> Proc:
+    p = Proc(["-m", str(tiny), "--pp-peer", "--cluster-secret-file", str(secret), *extra], cwd)
+    p.wait_for("mlxcel peer waiting for a stage assignment")
+    return p
+
+
+def coordinator(tiny: Path, secret: Path, cwd: Path, n: int, *extra: str) -> Proc:
+    args = ["-m", str(tiny), "--pp-auto", str(n), "--cluster-secret-file", str(secret)]
+    return Proc([*args, "--served-model-name", MODEL, *extra], cwd)
+
+
+def test_static_bring_up_serves_like_one_process(
+    tiny: Path, secret: Path, reference: str, tmp_path: Path
+) -> None:
+    addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (3, 2)]
+    control = f"127.0.0.1:{free_port()}"
+    common = ["--cluster-peers", ",".join(addrs), "--cluster-control-addr", control]
+    # The dry run plans and writes the same file the real run writes, and contacts nobody.
+    dry = coordinator(tiny, secret, tmp_path, 2, *common, "--dry-run")
+    assert dry.finish() == 0, dry.text
+    planned = (tmp_path / ".mlxcel" / "cluster.toml").read_bytes()
+    assert planned.decode() in dry.text  # printed too
+    peers = [
+        peer(tiny, secret, tmp_path / f"p{i}", "--cluster-control-addr", a)
+        for i, a in enumerate(addrs)
+    ]
+    port = free_port()
+    coord = coordinator(tiny, secret, tmp_path, 2, *common, "--port", str(port))
+    try:
+        coord.wait_for("mlxcel serving")
+        for p in peers:
+            p.wait_for("mlxcel stage")
+        assert chat(port) == reference
+        # byte for byte what the dry run wrote: the rerun reproduces the coordinator's file
+        assert (tmp_path / ".mlxcel" / "cluster.toml").read_bytes() == planned
+        cfg = load_cluster_config(tmp_path / ".mlxcel" / "cluster.toml")
+        # stage ids follow the lexicographic order of the peer addresses
+        assert [s.address for s in cfg.stages] == sorted(addrs)
+        body = planned.decode().split("\n\n", 1)[1]
+        for i in range(2):
+            f = tmp_path / f"p{i}" / ".mlxcel"
+            (written,) = list(f.glob("cluster-stage-*.toml"))
+            text = written.read_text()
+            assert text.endswith(body) and not text.startswith(planned.decode()[:40])
+            node_id = written.stem.removeprefix("cluster-")
+            assert load_cluster_config(written).node(node_id).address == addrs[i]
+    finally:
+        assert coord.stop() == 0, coord.text
+        for p in peers:
+            p.stop()
+
+
+def test_beacon_bring_up_serves_like_one_process(
+    tiny: Path, secret: Path, reference: str, tmp_path: Path
+) -> None:
+    udp = free_udp_port()
+    beacons = ["--cluster-discovery", "mdns", "--cluster-discovery-port", str(udp)]
+    peers = [
+        peer(
+            tiny,
+            secret,
+            tmp_path / f"p{i}",
+            *beacons,
+            "--cluster-discovery-target",
+            "127.0.0.1",
+            # no port: the OS picks one, and the beacon announces it
+            "--cluster-control-addr",
+            f"127.0.0.{i + 2}:0",
+        )
+        for i in range(2)
+    ]
+    port = free_port()
+    control = f"127.0.0.1:{free_port()}"
+    coord = coordinator(
+        tiny, secret, tmp_path, 2, *beacons, "--cluster-control-addr", control, "--port", str(port)
+    )
+    try:
+        coord.wait_for("mlxcel serving")
+        assert chat(port) == reference
+        cfg = load_cluster_config(tmp_path / ".mlxcel" / "cluster.toml")
+        assert [s.host for s in cfg.stages] == ["127.0.0.2", "127.0.0.3"]
+        assert all(s.port != 0 for s in cfg.stages)
+    finally:
+        assert coord.stop() == 0, coord.text
+        for p in peers:
+            p.stop()
+
+
+def test_a_peer_with_another_secret_fails_the_bring_up_and_starts_nothing(
+    tiny: Path, secret: Path, other_secret: Path, tmp_path: Path
+) -> None:
+    good, bad = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3))
+    p_good = peer(tiny, secret, tmp_path / "good", "--cluster-control-addr", good)
+    p_bad = peer(tiny, other_secret, tmp_path / "bad", "--cluster-control-addr", bad)
+    coord = coordinator(
+        tiny,
+        secret,
+        tmp_path,
+        2,
+        "--cluster-peers",
+        f"{good},{bad}",
+        "--cluster-control-addr",
+        f"127.0.0.1:{free_port()}",
+        "--port",
+        str(free_port()),
+    )
+    try:
+        assert coord.finish() == 1
+        assert "bring-up failed" in coord.text and bad in coord.text
+        assert "secret" in coord.text and "no stage was started" in coord.text
+        # the good peer accepted, then got the Abort and went back to waiting
+        p_good.wait_for("assignment aborted by")
+        time.sleep(0.5)
+        assert p_good.p.poll() is None and p_bad.p.poll() is None
+    finally:
+        p_good.stop()
+        p_bad.stop()
+    assert "mlxcel stage" not in p_good.text + p_bad.text
+    assert not (tmp_path / "good" / ".mlxcel").exists()
+
+
+def test_a_peer_with_another_checkpoint_is_refused_and_ends(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    # Another checkpoint of the same shape: a different config (here its RoPE base).
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_theta"] = float(cfg.get("rope_theta", 10000.0)) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    good, odd = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3))
+    p_good = peer(tiny, secret, tmp_path / "good", "--cluster-control-addr", good)
+    p_odd = peer(other, secret, tmp_path / "odd", "--cluster-control-addr", odd)
+    coord = coordinator(
+        tiny,
+        secret,
+        tmp_path,
+        2,
+        "--cluster-peers",
+        f"{good},{odd}",
+        "--cluster-control-addr",
+        f"127.0.0.1:{free_port()}",
+        "--port",
+        str(free_port()),
+    )
+    try:
+        assert p_odd.finish() == 1
+        assert "stage assignment refused: model identity mismatch" in p_odd.text
+        assert coord.finish() == 1
+        assert "model identity mismatch" in coord.text and "stage-1" in coord.text
+        assert p_good.p.poll() is None  # back to waiting, not gone
+    finally:
+        p_good.stop()
+        coord.stop()
+    assert "mlxcel stage" not in p_good.text
+
+
+def test_a_version_1_coordinator_is_refused(tiny: Path, secret: Path, tmp_path: Path) -> None:
+    """A coordinator speaking assignment protocol 1 over the real channel: the peer answers
+    "assignment protocol mismatch" and ends."""
+    me = f"127.0.0.2:{free_port('127.0.0.2')}"
+    p = peer(tiny, secret, tmp_path, "--cluster-control-addr", me)
+    host, port = me.rsplit(":", 1)
+    control_port = free_port()
+
+    async def offer() -> AssignRefused:
+        got: asyncio.Future[AssignRefused] = asyncio.get_running_loop().create_future()
+
+        async def on_refused(env) -> None:  # type: ignore[no-untyped-def]
+            if not got.done():
+                got.set_result(env.msg)
+
+        key = load_cluster_secret(secret)
+        assert key is not None
+        async with Node("v1") as node:
+            node.bus.subscribe(AssignRefused, on_refused, origin=Origin.REMOTE)
+            pool = ConnectionPool(
+                node, key, Identity("127.0.0.1", control_port, "old"), channel=Channel.ASSIGNMENT
+            )
+            conn = await pool.get(host, int(port), asyncio.get_running_loop().time() + 10)
+            msg = AssignOffer(
+                1,
+                5,
+                __version__,
+                "mlxcel-cluster",
+                "0" * 64,
+                4,
+                2,
+                0,
+                (0, 2),
+                "stage-0",
+                f"127.0.0.1:{control_port}",
+                "",
+            )
+            await conn.send(msg, asyncio.get_running_loop().time() + 10)
+            return await asyncio.wait_for(got, 10)
+
+    refused = asyncio.run(offer())
+    assert refused.final and refused.reason.startswith("assignment protocol mismatch")
+    assert p.finish() == 1
+    assert "stage assignment refused: assignment protocol mismatch" in p.text
+
+
+def test_a_loopback_coordinator_refuses_a_remote_peer(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    """--host 127.0.0.1 (so the control address is loopback) and a peer on another host:
+    refused at start, before a single connection is attempted."""
+    c = coordinator(
+        tiny, secret, tmp_path, 1, "--cluster-peers", "10.255.0.7:19001", "--port", str(free_port())
+    )
+    assert c.finish(60) == 1
+    assert "127.0.0.1:19000 is loopback" in c.text and "10.255.0.7:19001" in c.text
+    assert "assignment" not in c.text.split("is loopback")[0].split("INFO")[-1]
+
+
+def test_dry_run_is_for_the_coordinator_only(tiny: Path, secret: Path, tmp_path: Path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "--pp-peer",
+            "--dry-run",
+            "--cluster-control-addr",
+            "127.0.0.2:19001",
+            "--cluster-secret-file",
+            str(secret),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "--dry-run is for the --pp-auto coordinator" in r.stderr
+    assert "listener" not in r.stderr  # refused before any socket was bound
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "--pp-auto",
+            "2",
+            "--distributed-config",
+            "x.toml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "mutually exclusive" in r.stderr
+
+
+def test_bring_up_requires_the_secret(tiny: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "-m",
+            str(tiny),
+            "--pp-peer",
+            "--cluster-control-addr",
+            "127.0.0.2:19001",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert r.returncode != 0 and "--cluster-secret-file" in r.stderr
+
+
+def test_the_assignment_listener_keeps_8_pending_sockets_4_per_source(secret: Path) -> None:
+    """The peer's listener (its very limits) closes unauthenticated sockets beyond the caps."""
+    assert (PEER_LIMITS.max_pending, PEER_LIMITS.max_pending_per_source) == (8, 4)
+
+    async def flood() -> tuple[int, int]:
+        key = load_cluster_secret(secret)
+        assert key is not None
+        async with Node("peer") as node:
+            lst = ClusterListener(
+                node, key, "127.0.0.1", 0, channel=Channel.ASSIGNMENT, limits=PEER_LIMITS
+            )
+            port = await lst.start()
+            conns = []
+            for src in ["127.0.0.2"] * 5 + ["127.0.0.3"] * 4 + ["127.0.0.4"]:
+                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0))
+                conns.append((r, w))
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            closed = 0
+            for r, _w in conns:
+                try:  # a refused socket is closed at once (after a busy preamble at most)
+                    await asyncio.wait_for(r.read(), 0.3)
+                    closed += 1
+                except (TimeoutError, ConnectionError):
+                    pass
+            for _r, w in conns:
+                w.close()
+            return closed, lst.refused_at_accept
+
+    closed, refused = asyncio.run(flood())
+    # the 5th from 127.0.0.2 (per source) and the one from 127.0.0.4 (pool of 8 full)
+    assert refused == 2 and closed == 2
