@@ -192,3 +192,17 @@ class DemoSettings(_Base):
 
 class BenchTpSettings(BenchPipelineSettings):
     """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
+
+
+class BenchBringupSettings(_Base):
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded tiny model)",
+        json_schema_extra=_short("-m"),
+    )
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )

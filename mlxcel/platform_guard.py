@@ -25,6 +25,11 @@ def _present(v: Any) -> bool:
     return v not in (None, "", False)
 
 
+def _switched_on(v: Any) -> bool:
+    """A boolean flag: True from the CLI, or a true-looking environment string."""
+    return v is True or (isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on"))
+
+
 # (flag, field, predicate on the raw value that means "this asks for a distributed mode").
 # Values are raw (CLI strings or environment strings): the guard runs before validation.
 DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
@@ -41,7 +46,7 @@ DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
         ("--pp-layers", "pp_layers", _present),
         ("--distributed-config", "distributed_config", _present),
         ("--pp-auto", "pp_auto", _present),
-        ("--pp-peer", "pp_peer", _present),
+        ("--pp-peer", "pp_peer", _switched_on),
     ],
 }
 

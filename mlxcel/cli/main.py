@@ -24,6 +24,7 @@ from mlxcel.config import (
 )
 from mlxcel.config_tools import (
     BenchBatchingSettings,
+    BenchBringupSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
     BenchTpSettings,
@@ -57,6 +58,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "pipeline": (
         BenchPipelineSettings,
         "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
+    ),
+    "bringup": (
+        BenchBringupSettings,
+        "seconds from a --pp-auto coordinator's start to its first token, 2 loopback peers",
     ),
 }
 
@@ -101,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _guard(command: str, args: argparse.Namespace) -> None:
     # Raw values, before validation and before any model is resolved.
     raw = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    for field in ("tp_size", "tp_hostfile", "pp_size", "pp_layers", "distributed_config"):
+    fields = ("tp_size", "tp_hostfile", "pp_size", "pp_layers", "distributed_config", "pp_auto")
+    for field in (*fields, "pp_peer"):
         env = os.environ.get(f"MLXCEL_{field.upper()}")
         if field not in raw and env is not None:
             raw[field] = env
@@ -206,6 +212,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 settings.json_lines,
             )
         )
+    if args.command == "bench" and args.bench == "bringup":
+        from mlxcel.bench.bringup import run_bench as run_bringup_bench
+
+        return run_bringup_bench(commands.resolve_model(settings.model), settings.json_lines)
     if args.command == "bench" and args.bench == "frames":
         return run_async(commands.bench_frames(settings))
     if args.command == "bench":
