@@ -142,6 +142,21 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
     chat: bool = Field(False, description="wrap the prompt in the model's chat template")
 
 
+def _check_address(address: str, flag: str, port_zero: bool) -> None:
+    """IP:PORT with a literal IP (identities are bound to source IPs, so no host names)."""
+    import ipaddress
+
+    host, sep, port = address.rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        ok = bool(sep) and port.isdigit() and (port_zero or int(port) > 0) and int(port) < 65536
+    except ValueError:
+        ok = False
+    if not ok:
+        zero = " (port 0: any free port)" if port_zero else ""
+        raise ValueError(f"{flag}: expected IP:PORT with a literal IP{zero}, got {address!r}")
+
+
 class ServeSettings(ModelSettings, PipelineSettings):
     pp_micro_batch_size: int | None = Field(
         None,
@@ -211,8 +226,16 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--pp-auto and --distributed-config are mutually exclusive")
         if self.pp_peer and self.dry_run and self.distributed_config is None:
             raise ValueError("--dry-run is for the --pp-auto coordinator; a --pp-peer has no plan")
+        peers = [p.strip() for p in (self.cluster_peers or "").split(",") if p.strip()]
+        for p in peers:
+            _check_address(p, "--cluster-peers", port_zero=False)
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"--cluster-peers lists an address twice: {self.cluster_peers}")
+        if self.cluster_control_addr is not None:
+            _check_address(
+                self.cluster_control_addr, "--cluster-control-addr", port_zero=self.pp_peer
+            )
         if self.pp_auto is not None and self.cluster_discovery == "static":
-            peers = [p for p in (self.cluster_peers or "").split(",") if p.strip()]
             if len(peers) != self.pp_auto:
                 raise ValueError(
                     f"--pp-auto {self.pp_auto} with static discovery needs --cluster-peers "

@@ -440,3 +440,40 @@ def test_the_assignment_listener_keeps_8_pending_sockets_4_per_source(secret: Pa
     closed, refused = asyncio.run(flood())
     # the 5th from 127.0.0.2 (per source) and the one from 127.0.0.4 (pool of 8 full)
     assert refused == 2 and closed == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--pp-auto", "2", "--cluster-peers", "127.0.0.2:1,127.0.0.2:1"],
+            "lists an address twice",
+        ),
+        (["--pp-auto", "1", "--cluster-peers", "peer-host:19001"], "literal IP"),
+        (["--pp-auto", "1", "--cluster-peers", "127.0.0.2:0"], "expected IP:PORT"),
+        (
+            [
+                "--pp-auto",
+                "1",
+                "--cluster-peers",
+                "127.0.0.2:1",
+                "--cluster-control-addr",
+                "127.0.0.1:0",
+            ],
+            "--cluster-control-addr",
+        ),
+        (["--pp-peer", "--cluster-control-addr", "127.0.0.2"], "--cluster-control-addr"),
+        (["--pp-auto", "2", "--pp-peer"], "give one"),
+    ],
+)
+def test_bad_bring_up_flags_are_refused_by_name(argv: list[str], message: str) -> None:
+    from mlxcel.cli.main import build_parser
+    from mlxcel.config import ServeSettings, load_settings
+    from mlxcel.errors import ConfigError
+
+    args = build_parser().parse_args(["serve", *argv])
+    with pytest.raises(ConfigError, match=message):
+        load_settings(ServeSettings, args)
+    # a peer may ask for any free port
+    ok = build_parser().parse_args(["serve", "--pp-peer", "--cluster-control-addr", "127.0.0.2:0"])
+    assert load_settings(ServeSettings, ok).cluster_control_addr == "127.0.0.2:0"

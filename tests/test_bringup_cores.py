@@ -36,6 +36,7 @@ from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,
     AssignActivate,
+    AssignActivated,
     AssignCommit,
     AssignOffer,
     AssignRefused,
@@ -419,3 +420,25 @@ def test_model_identity_covers_config_and_weight_files(tmp_path) -> None:  # typ
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "a": 1}))
     assert model_identity(tmp_path) != first
+
+
+def test_an_activated_peer_closing_before_its_answer_is_read_is_not_a_failure() -> None:
+    """A peer closes the assignment channel right after answering Activated; the coordinator
+    may see the close first. Neither that nor a failed repeat of Activate (the port now serves
+    the stage transport) may fail a bring-up whose every peer activated."""
+    # run until the coordinator sends Activate, holding back the peers' Activated answers
+    c = Cluster(drop={(COORD, AssignActivated)})
+    core = c.push
+    c.run()
+    assert core.phase is Phase.ACTIVATING
+    first = "127.0.0.2:19001"
+    assert core.peer_lost(first, 0.5) == []
+    resend = Send(first, AssignActivate(7))
+    assert not any(
+        isinstance(e, PushDone) for e in core.undeliverable(resend, "channel", 0.6, final=True)
+    )
+    c.drop = set()
+    for a in PEERS:  # the answers are read after all
+        c.route(a, [Send(COORD, AssignActivated(7))])
+    c.run()
+    assert core.outcome is not None and core.outcome.ok

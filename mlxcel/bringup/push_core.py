@@ -190,13 +190,20 @@ class PushCore:
         peer = self.peers.get(send.dest)
         if peer is None or self.outcome is not None or isinstance(send.msg, AssignAbort):
             return []
-        if final:  # another secret, an identity it does not own: retrying cannot help
+        if final and self.phase is not Phase.ACTIVATING:
+            # another secret, an identity it does not own: retrying cannot help. (While
+            # activating, a peer that already activated serves the transport channel on that
+            # port, so a repeated Activate fails its handshake: its answer decides, or the
+            # deadline does.)
             return self._peer_failed(peer, f"cannot be reached: {reason}", now)
         return [Warn("debug", f"assignment: {peer.node_id} at {peer.address}: {reason}")]
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         peer = self.peers.get(identity)
-        if peer is None or self.outcome is not None:
+        if peer is None or self.outcome is not None or self.phase is Phase.ACTIVATING:
+            # An activated peer closes the assignment channel at once: its close may be seen
+            # before its Activated answer is read. Activation is settled by answers and the
+            # deadline, never by a closed connection.
             return []
         if peer.step in (PeerStep.ACCEPTED, PeerStep.COMMITTED):
             # The peer drops its acceptance when our connection closes: start over is not ours.
