@@ -11,7 +11,7 @@ local delivery) are left to the subclass's ``apply``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from loguru import logger
@@ -133,6 +133,22 @@ class CoreAdapter:
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
         """Tell the core; a role whose core needs more than the reason (``exc``) overrides."""
         return self.core.undeliverable(send, reason, self.now())
+
+    def discard_queued(self, drop: Callable[[Send], bool]) -> int:
+        """Remove queued sends for which ``drop`` is true (a role that finished early does not
+        want what it queued before); returns how many."""
+        dropped = 0
+        for box in self._outboxes.values():
+            keep = []
+            while not box.empty():
+                s = box.get_nowait()
+                if drop(s):
+                    dropped += 1
+                else:
+                    keep.append(s)
+            for s in keep:
+                box.put_nowait(s)
+        return dropped
 
     async def flush(self, deadline: float) -> bool:
         """Wait until every queued send went out (or failed), up to ``deadline``: a role that

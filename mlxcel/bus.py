@@ -252,6 +252,10 @@ class Node:
             raise BusError(f"node {self.name} is closing") from None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if not critical:
+            # A task cancelled before it ever ran leaves ``coro`` unstarted: close it, so no
+            # "coroutine was never awaited" warning reaches the operator (a no-op otherwise).
+            task.add_done_callback(lambda _t: coro.close())
         return task
 
     async def _guard(self, coro: Coroutine[Any, Any, Any], name: str) -> Any:

@@ -442,3 +442,46 @@ def test_an_activated_peer_closing_before_its_answer_is_read_is_not_a_failure() 
         c.route(a, [Send(COORD, AssignActivated(7))])
     c.run()
     assert core.outcome is not None and core.outcome.ok
+
+
+def test_only_a_secret_or_identity_mismatch_ends_the_push_at_once() -> None:
+    from mlxcel.bringup.service import is_final
+    from mlxcel.endpoint import SendFailed
+    from mlxcel.net.pool import ConnectFailed
+    from mlxcel.wire.handshake import Failure
+
+    def failed(failure: Failure | None) -> SendFailed:
+        exc = SendFailed("send failed")
+        exc.__cause__ = ConnectFailed("x", failure)
+        return exc
+
+    assert is_final(failed(Failure.SECRET_MISMATCH)) and is_final(
+        failed(Failure.IDENTITY_NOT_OWNED)
+    )
+    for retried in (
+        None,
+        Failure.TIMEOUT,
+        Failure.CLOSED,
+        Failure.BUSY,
+        Failure.CLOCK_SKEW,
+        Failure.REPLAYED,
+        Failure.AT_CAPACITY,
+        Failure.CHANNEL_MISMATCH,
+    ):
+        assert not is_final(failed(retried)), retried
+    assert not is_final(SendFailed("no cause")) and not is_final(None)
+
+
+def test_a_stranger_cannot_pile_up_outboxes_or_keep_a_peer_waiting() -> None:
+    me = "127.0.0.2:19001"
+    peer = PeerCore(facts(me), 0.0)
+    bad = dataclasses.replace(offers(push())[me], cluster_name="another")
+    for i in range(100):
+        (send, *_rest) = peer.handle(bad, f"127.0.0.{i % 200 + 3}:{i + 1}", 100.0 + i)
+        assert isinstance(send, Send) and not send.peer  # a one-off connection, no outbox
+    assert len(peer.refusals) == 64
+    assert peer.next_timer() == 600.0  # refused offers did not extend the 600 s wait
+    # a stage index that is not a stage is refused, never an exception
+    odd = dataclasses.replace(offers(push())[me], stage=7)
+    (send, *_rest) = peer.handle(odd, COORD, 1.0)
+    assert send.msg.code == Refusal.LAYER_RANGE  # type: ignore[union-attr]

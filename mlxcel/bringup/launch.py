@@ -78,13 +78,34 @@ def split_address(address: str, flag: str) -> tuple[str, int]:
 
 
 def route_ip(towards: str) -> str:
-    """The local IP the OS would use to reach ``towards`` (no packet is sent)."""
+    """The local IP the OS would use to reach ``towards`` (a broadcast address included; no
+    packet is sent). Raises ConfigError when there is no route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
         try:
             s.connect((towards, 9))
             return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+        except OSError as exc:
+            raise ConfigError(
+                "--cluster-control-addr",
+                f"cannot tell which local address reaches {towards} ({exc.strerror}); "
+                "give the coordinator's control address explicitly",
+            ) from None
+
+
+def check_local(address: str) -> None:
+    """The control address must be this host's: the coordinator dials from it and stages
+    connect to it. Refused at start rather than as a 50 s "did not accept" later."""
+    host, _ = split_address(address, "--cluster-control-addr")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as exc:
+            raise ConfigError(
+                "--cluster-control-addr",
+                f"{address}: {host} is not an address of this host ({exc.strerror})",
+            ) from None
 
 
 def control_address(explicit: str | None, http_host: str, discovery: Discovery) -> str:
@@ -104,7 +125,7 @@ def control_address(explicit: str | None, http_host: str, discovery: Discovery) 
     except ValueError:
         raise ConfigError("--host", f"{http_host!r} is not an IP address") from None
     if not unspecified:
-        return f"{http_host}:{CONTROL_PORT}"
+        return Identity(http_host, CONTROL_PORT).address
     towards = discovery.peers[0].rpartition(":")[0] if discovery.peers else discovery.target
     return f"{route_ip(towards.strip('[]'))}:{CONTROL_PORT}"
 
@@ -249,6 +270,7 @@ __all__ = [
     "Discovery",
     "Received",
     "await_assignment",
+    "check_local",
     "control_address",
     "push_assignments",
     "write_config",

@@ -10,6 +10,7 @@ a retry against the same coordinator cannot succeed. Nothing here does I/O or re
 from __future__ import annotations
 
 import tomllib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ class PeerCore:
         self.state = PeerState.WAITING
         self.offer: AssignOffer | None = None
         self.coordinator: str | None = None  # identity of the coordinator of ``offer``
-        self.refusals: list[tuple[str, Refusal]] = []  # (source, code), for tests and logs
+        self.refusals: deque[tuple[str, Refusal]] = deque(maxlen=64)  # the latest (source, code)
         self._wait_until = now + facts.assignment_wait
         self._phase_until: float | None = None
         self._announce_at: float | None = now if facts.beacons else None
@@ -234,9 +235,15 @@ class PeerCore:
                 f"is {o.model_sha256[:12]} ({o.n_layers} layers), this peer's "
                 f"{f.model.short}: the same model folder on every host?",
             )
+        if not 0 <= o.stage < o.n_stages or len(o.layers) != 2:
+            raise OfferRefused(
+                Refusal.LAYER_RANGE,
+                f"{Refusal.LAYER_RANGE}: stage {o.stage} of "
+                f"{o.n_stages} with layers {tuple(o.layers)} is not a stage",
+            )
         try:
             mine = self._derive(o.n_stages, o.stage)
-        except (PartitionError, ValueError) as exc:
+        except (PartitionError, ValueError, IndexError) as exc:
             raise OfferRefused(Refusal.LAYER_RANGE, f"{Refusal.LAYER_RANGE}: {exc}") from None
         if tuple(o.layers) != mine:
             raise OfferRefused(
@@ -329,12 +336,20 @@ class PeerCore:
         return out
 
     def _back_to_waiting(self, event: PeerEvent, now: float) -> list[Effect]:
+        was = self.state
         self.state = PEER_TABLE.next(self.state, event)
         self.offer = self.coordinator = None
         self._phase_until = None
-        self._wait_until = now + self.facts.assignment_wait
+        if was is not PeerState.WAITING:
+            # A bring-up that got somewhere restarts the 600 s wait; refused offers do not,
+            # so nobody can keep a peer waiting forever by offering what it refuses.
+            self._wait_until = now + self.facts.assignment_wait
         return []
 
     def _refuse(self, dest: str, attempt: int, code: Refusal, reason: str, final: bool) -> Send:
         self.refusals.append((dest, code))
-        return Send(dest, AssignRefused(attempt, str(code), reason, final))
+        # Only the coordinator of the current offer gets an outbox of its own; refusals to
+        # anyone else go out on one-off connections, so claimed identities cannot pile up.
+        return Send(
+            dest, AssignRefused(attempt, str(code), reason, final), peer=dest == self.coordinator
+        )

@@ -21,6 +21,7 @@ from mlxcel.bringup.plan import BringupPlan, make_plan
 from mlxcel.bringup.protocol import (
     DISCOVERY_WINDOW,
     FRAME_BOUND,
+    HANDSHAKE_BOUND,
     OFFER_RETRY,
     PHASE_RETRY,
     PHASE_TABLE,
@@ -196,6 +197,9 @@ class PushCore:
             # port, so a repeated Activate fails its handshake: its answer decides, or the
             # deadline does.)
             return self._peer_failed(peer, f"cannot be reached: {reason}", now)
+        if peer.why != reason:  # a new reason: say it once, at info; repeats go to debug
+            peer.why = reason
+            return [Warn("info", f"assignment: {peer.node_id} at {peer.address}: {reason}")]
         return [Warn("debug", f"assignment: {peer.node_id} at {peer.address}: {reason}")]
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
@@ -313,8 +317,11 @@ class PushCore:
         out: list[Effect] = []
         if self.peers and event is not PhaseEvent.ALL_ACTIVE:
             for p in self.peers.values():
+                # A peer that has not answered yet may have accepted (its answer on the way):
+                # it is told too, within one handshake's time, not a frame's.
                 if p.step in (PeerStep.UNANSWERED, PeerStep.ACCEPTED, PeerStep.COMMITTED):
-                    deadline = now + FRAME_BOUND
+                    unanswered = p.step is PeerStep.UNANSWERED
+                    deadline = now + (HANDSHAKE_BOUND if unanswered else FRAME_BOUND)
                     out.append(
                         Send(p.address, AssignAbort(self.cfg.attempt, summary), deadline=deadline)
                     )
@@ -356,7 +363,10 @@ class PushCore:
                 "No stage was started"
             )
         late = [p for p in self.peers.values() if self._waiting_on(p)]
-        names = ", ".join(f"{p.node_id} at {p.address}" for p in late)
+        names = ", ".join(
+            f"{p.node_id} at {p.address}" + (f" (last attempt: {p.why})" if p.why else "")
+            for p in late
+        )
         what = {
             Phase.OFFERING: "did not accept",
             Phase.COMMITTING: "did not commit",

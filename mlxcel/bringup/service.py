@@ -34,10 +34,25 @@ from mlxcel.messages import (
 )
 from mlxcel.net.pool import ConnectFailed
 from mlxcel.net.udp import BeaconReceiver, BeaconSender
+from mlxcel.wire.handshake import Failure
 
 
 class AssignmentRefused(MlxcelError):
     """The peer ends: an offer it can never accept, or no assignment in time."""
+
+
+# Handshake failures that retrying cannot fix: the peer holds another secret, or this node's
+# advertised identity is not the address it connects from (or the forged-verdict case, where
+# someone on the path interferes). Everything else -- a refused connect, a timeout, a closed
+# socket, a busy peer, clocks or a replay -- is retried every 0.5 s inside the push window.
+FINAL_FAILURES = frozenset(
+    {Failure.SECRET_MISMATCH, Failure.IDENTITY_NOT_OWNED, Failure.VERDICT_FORGED}
+)
+
+
+def is_final(exc: BaseException | None) -> bool:
+    cause = exc.__cause__ if exc is not None else None
+    return isinstance(cause, ConnectFailed) and cause.failure in FINAL_FAILURES
 
 
 class BringupFailed(MlxcelError):
@@ -115,18 +130,16 @@ class PushService(CoreAdapter):
             self.feed(self.push.beacon(data, ip, self.now(), time.time()))
 
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
-        # A handshake that cannot succeed (another secret, an identity the peer does not own)
-        # ends the bring-up at once; a refused or dropped connect is retried by the core.
-        cause = exc.__cause__ if exc is not None else None
-        final = (
-            isinstance(cause, ConnectFailed)
-            and cause.failure is not None
-            and not cause.failure.retryable
-        )
-        return self.push.undeliverable(send, reason, self.now(), final)
+        return self.push.undeliverable(send, reason, self.now(), is_final(exc))
+
+    def apply_done(self, done: PushDone) -> None:
+        if not done.ok:
+            # Offers still queued for a peer must not hold up the Abort behind them.
+            self.discard_queued(lambda s: not isinstance(s.msg, AssignAbort))
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, PushDone):
+            self.apply_done(effect)
             if not self.result.done():
                 self.result.set_result(effect)
         else:

@@ -13,6 +13,7 @@ from mlxcel.assembly import StackSpec
 from mlxcel.bringup.launch import (
     Discovery,
     await_assignment,
+    check_local,
     control_address,
     push_assignments,
     write_config,
@@ -52,6 +53,7 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
     assert s.pp_auto is not None
     control = control_address(s.cluster_control_addr, s.host, discovery)
+    check_local(control)
     plan = await push_assignments(
         s.pp_auto,
         path,
