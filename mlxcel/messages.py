@@ -365,7 +365,8 @@ class Beacon(Message):
 
     KIND: ClassVar[int] = 22
     version: str
-    address: str  # the peer's assignment listener; an unspecified IP means "my source IP"
+    cluster: str  # the peer's --cluster-name: a coordinator counts only its own cluster's
+    address: str  # the peer's assignment listener, at the IP its beacons leave from
     timestamp: float  # the peer's wall clock
     nonce: bytes
     mac: bytes = b""

@@ -328,7 +328,7 @@ def gate() -> BeaconGate:
 
 
 def test_a_good_beacon_resolves_to_its_source() -> None:
-    d = make_beacon(KEY, __version__, "0.0.0.0:19001", 1000.0, b"1" * 16)
+    d = make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.2:19001", 1000.0, b"1" * 16)
     assert gate().check(d, "127.0.0.2", 1010.0) == "127.0.0.2:19001"
 
 
@@ -341,12 +341,14 @@ def test_a_good_beacon_resolves_to_its_source() -> None:
         (Rejection.VERSION, KEY, "0.0.1", "127.0.0.2:1", 1000.0),
         (Rejection.ADDRESS, KEY, __version__, "127.0.0.7:1", 1000.0),
         (Rejection.ADDRESS, KEY, __version__, "not-an-address", 1000.0),
+        # a beacon names the IP it leaves from: 0.0.0.0 would let anyone replay it as theirs
+        (Rejection.ADDRESS, KEY, __version__, "0.0.0.0:1", 1000.0),
     ],
 )
 def test_each_beacon_rejection(
     why: Rejection, key: bytes, version: str, address: str, wall: float
 ) -> None:
-    d = make_beacon(key, version, address, 1000.0, b"n" * 16)
+    d = make_beacon(key, version, "mlxcel-cluster", address, 1000.0, b"n" * 16)
     with pytest.raises(BeaconRejected) as exc:
         gate().check(d, "127.0.0.2", wall)
     assert exc.value.why is why
@@ -354,7 +356,7 @@ def test_each_beacon_rejection(
 
 def test_a_replayed_beacon_is_rejected_inside_the_window() -> None:
     g = gate()
-    d = make_beacon(KEY, __version__, "127.0.0.2:1", 1000.0, b"r" * 16)
+    d = make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.2:1", 1000.0, b"r" * 16)
     g.check(d, "127.0.0.2", 1000.0)
     with pytest.raises(BeaconRejected) as exc:
         g.check(d, "127.0.0.2", 1030.0)
@@ -363,7 +365,7 @@ def test_a_replayed_beacon_is_rejected_inside_the_window() -> None:
 
 def test_the_mac_is_checked_first() -> None:
     # every field wrong and the MAC too: the refusal says MAC, and nothing else leaks
-    d = make_beacon(beacon_key(b"o" * 32), "0.0.1", "127.0.0.7:1", 0.0, b"x" * 16)
+    d = make_beacon(beacon_key(b"o" * 32), "0.0.1", "mlxcel-cluster", "127.0.0.7:1", 0.0, b"x" * 16)
     with pytest.raises(BeaconRejected) as exc:
         gate().check(d, "127.0.0.2", 5000.0)
     assert exc.value.why is Rejection.BAD_MAC
@@ -376,12 +378,22 @@ def test_the_mac_is_checked_first() -> None:
 def test_discovery_uses_only_beacons_that_pass(tmp_path) -> None:  # type: ignore[no-untyped-def]
     core = push(peers=(), beacon_key=KEY, n_peers=2)
     core.start(0.0)
-    bad = make_beacon(beacon_key(b"o" * 32), __version__, "127.0.0.5:1", 0.0, b"a" * 16)
+    bad = make_beacon(
+        beacon_key(b"o" * 32), __version__, "mlxcel-cluster", "127.0.0.5:1", 0.0, b"a" * 16
+    )
     core.beacon(bad, "127.0.0.5", 0.1, 0.0)
-    core.beacon(make_beacon(KEY, __version__, "0.0.0.0:7", 0.0, b"b" * 16), "127.0.0.3", 0.2, 0.0)
+    core.beacon(
+        make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.3:7", 0.0, b"b" * 16),
+        "127.0.0.3",
+        0.2,
+        0.0,
+    )
     assert core.phase is Phase.DISCOVERING and core.found == ["127.0.0.3:7"]
     effects = core.beacon(
-        make_beacon(KEY, __version__, "127.0.0.2:7", 0.0, b"c" * 16), "127.0.0.2", 0.3, 0.0
+        make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.2:7", 0.0, b"c" * 16),
+        "127.0.0.2",
+        0.3,
+        0.0,
     )
     assert core.phase is Phase.OFFERING
     assert {e.dest for e in effects if isinstance(e, Send)} == {"127.0.0.2:7", "127.0.0.3:7"}
@@ -485,3 +497,40 @@ def test_a_stranger_cannot_pile_up_outboxes_or_keep_a_peer_waiting() -> None:
     odd = dataclasses.replace(offers(push())[me], stage=7)
     (send, *_rest) = peer.handle(odd, COORD, 1.0)
     assert send.msg.code == Refusal.LAYER_RANGE  # type: ignore[union-attr]
+
+
+def test_a_beacon_replayed_from_another_address_is_refused_even_if_never_seen() -> None:
+    """Captured before this coordinator started (so its replay cache is empty) and resent
+    from the attacker's own IP: refused, so discovery cannot be pointed at the attacker."""
+    captured = make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.2:19001", 1000.0, b"c" * 16)
+    with pytest.raises(BeaconRejected) as exc:
+        gate().check(captured, "127.0.0.66", 1001.0)
+    assert exc.value.why is Rejection.ADDRESS
+
+
+def test_discovery_sets_aside_another_clusters_beacons() -> None:
+    core = push(peers=(), beacon_key=KEY, n_peers=1)
+    core.start(0.0)
+    theirs = make_beacon(KEY, __version__, "lab-b", "127.0.0.5:1", 0.0, b"t" * 16)
+    (warn,) = core.beacon(theirs, "127.0.0.5", 0.1, 0.0)
+    assert warn.kind == "debug" and "lab-b" in warn.text  # type: ignore[union-attr]
+    assert core.phase is Phase.DISCOVERING and core.found == []
+    ours = make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.6:1", 0.0, b"o" * 16)
+    core.beacon(ours, "127.0.0.6", 0.2, 0.0)
+    assert core.found == ["127.0.0.6:1"] and core.phase is Phase.OFFERING
+
+
+def test_one_peer_offered_two_stages_in_one_bring_up_refuses_the_second() -> None:
+    """A peer on 0.0.0.0 listed as 127.0.0.2 and as 127.0.0.3: the second offer is refused
+    at once, and the coordinator fails without waiting out its window."""
+    core = push(peers=("127.0.0.2:19001", "127.0.0.3:19001", "127.0.0.4:19001"))
+    sent = offers(core)
+    peer = PeerCore(facts("0.0.0.0:19001"), 0.0)
+    peer.handle(sent["127.0.0.2:19001"], COORD, 0.1)
+    assert peer.state is PeerState.ACCEPTED
+    (send,) = peer.handle(sent["127.0.0.3:19001"], COORD, 0.2)
+    assert send.msg.code == Refusal.ADDRESS and "two addresses" in send.msg.reason  # type: ignore[union-attr]
+    assert peer.offer == sent["127.0.0.2:19001"]
+    effects = core.handle(send.msg, "127.0.0.3:19001", 0.3)
+    (done,) = [e for e in effects if isinstance(e, PushDone)]
+    assert not done.ok and "two addresses" in done.summary

@@ -125,7 +125,7 @@ messages = st.one_of(
     st.builds(AssignActivate, u64),
     st.builds(AssignActivated, u64),
     st.builds(AssignAbort, u64, ids),
-    st.builds(Beacon, ids, ids, floats, st.binary(max_size=32), st.binary(max_size=32)),
+    st.builds(Beacon, ids, ids, ids, floats, st.binary(max_size=32), st.binary(max_size=32)),
 )
 
 

@@ -7,8 +7,11 @@ them under a key derived from the cluster secret (HKDF, its own info string, so 
 key with any connection). :class:`BeaconGate` checks, MAC first so that nobody without the
 secret learns anything from the order of refusals: the MAC, the clock skew (60 s), a replay
 of a nonce inside that window, the version, and that the advertised IP is the datagram's
-source (an unspecified advertised IP stands for the source). Payloads are readable: a beacon
-hides nothing, it only cannot be forged, replayed or redirected.
+source. The address names a concrete IP -- a peer listening on 0.0.0.0 announces the address
+its beacons leave from -- so a beacon replayed from anywhere else is refused, whether or not
+this coordinator saw the original. Beacons of another cluster name are set aside (a shared
+network may carry several clusters). Payloads are readable: a beacon hides nothing, it only
+cannot be forged, replayed or redirected.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Rejection(enum.Enum):
     REPLAY = "replayed nonce"
     VERSION = "another mlxcel version"
     ADDRESS = "advertised address is not the datagram's source"
+    CLUSTER = "another cluster name"
     FULL = "replay cache full"
 
 
@@ -60,9 +64,11 @@ def _mac(key: bytes, unsigned: Beacon) -> bytes:
     return h.finalize()
 
 
-def make_beacon(key: bytes, version: str, address: str, wall: float, nonce: bytes) -> bytes:
+def make_beacon(
+    key: bytes, version: str, cluster: str, address: str, wall: float, nonce: bytes
+) -> bytes:
     """The datagram a peer sends (``nonce``: fresh random bytes for every beacon)."""
-    unsigned = Beacon(version, address, wall, nonce)
+    unsigned = Beacon(version, cluster, address, wall, nonce)
     return encode(replace(unsigned, mac=_mac(key, unsigned)))
 
 
@@ -80,11 +86,13 @@ class BeaconGate:
         self,
         key: bytes,
         version: str,
+        cluster: str = "mlxcel-cluster",
         max_skew: float = MAX_BEACON_SKEW,
         remember: int = MAX_REMEMBERED,
     ) -> None:
         self.key = key
         self.version = version
+        self.cluster = cluster
         self.max_skew = max_skew
         self.remember = remember
         self._seen: dict[bytes, float] = {}  # nonce -> when (our wall clock) it may be forgotten
@@ -99,13 +107,15 @@ class BeaconGate:
 
     def _check(self, datagram: bytes, source_ip: str, wall: float) -> str:
         if len(datagram) > MAX_BEACON_BYTES:
-            raise BeaconRejected(Rejection.MALFORMED, f"{len(datagram)} bytes")
+            raise BeaconRejected(Rejection.MALFORMED, f"from {source_ip}: {len(datagram)} bytes")
         try:
             msg = decode(datagram)
         except DecodeError as exc:
-            raise BeaconRejected(Rejection.MALFORMED, str(exc)) from None
+            raise BeaconRejected(Rejection.MALFORMED, f"from {source_ip}: {exc}") from None
         if not isinstance(msg, Beacon):
-            raise BeaconRejected(Rejection.MALFORMED, f"a {type(msg).__name__} message")
+            raise BeaconRejected(
+                Rejection.MALFORMED, f"from {source_ip}: a {type(msg).__name__} message"
+            )
         h = HMAC(self.key, hashes.SHA256())
         h.update(encode(replace(msg, mac=b"")))
         try:
@@ -134,11 +144,14 @@ class BeaconGate:
             source = ipaddress.ip_address(source_ip)
         except ValueError:
             raise BeaconRejected(Rejection.ADDRESS, f"{msg.address!r} is not IP:PORT") from None
-        if advertised.is_unspecified:
-            advertised = source
         if advertised != source:
             raise BeaconRejected(
                 Rejection.ADDRESS, f"advertises {msg.address} but was sent from {source_ip}"
+            )
+        if msg.cluster != self.cluster:
+            raise BeaconRejected(
+                Rejection.CLUSTER,
+                f"{source_ip} is in cluster {msg.cluster!r}, not {self.cluster!r}",
             )
         return f"[{source}]:{port}" if source.version == 6 else f"{source}:{port}"
 

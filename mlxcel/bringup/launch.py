@@ -232,7 +232,13 @@ async def await_assignment(
             sender = BeaconSender(discovery.target, discovery.port, host)
             node.on_close(_closer(sender.close))
             key = beacon_key(secret.value)
-            announce = beacon_announcer(sender, key, __version__, f"{host}:{port}")
+            # Announce a concrete IP (the one the beacons leave from), never 0.0.0.0: the
+            # coordinator accepts a beacon only from the IP it names.
+            unspecified = ipaddress.ip_address(host).is_unspecified
+            ip = route_ip(discovery.target) if unspecified else host
+            announce = beacon_announcer(
+                sender, key, __version__, cluster_name, Identity(ip, port).address
+            )
         facts = PeerFacts(
             __version__,
             cluster_name,

@@ -168,6 +168,23 @@ class PeerCore:
                     False,
                 )
             ]
+        held = self.offer
+        if held is not None and source == self.coordinator and offer.attempt == held.attempt:
+            if offer != held:
+                # One bring-up offering this peer a second stage: it is listed under two
+                # addresses (0.0.0.0 answers on every local IP). Refused at once, keeping the
+                # first; the coordinator then fails and aborts every peer.
+                return [
+                    self._refuse(
+                        source,
+                        offer.attempt,
+                        Refusal.ADDRESS,
+                        f"{Refusal.ADDRESS}: this peer already accepted {held.node_id} of this "
+                        f"bring-up and is offered {offer.node_id} too: is it listed under two "
+                        "addresses?",
+                        False,
+                    )
+                ]
         if self.offer == offer and source == self.coordinator:
             # A repeat of the offer we hold (a retry, or a late copy over a new connection):
             # answered again while accepting, and changes nothing once committed.

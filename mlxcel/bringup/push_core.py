@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from mlxcel.bringup.beacon import BeaconGate, BeaconRejected
+from mlxcel.bringup.beacon import BeaconGate, BeaconRejected, Rejection
 from mlxcel.bringup.identity import ModelIdentity
 from mlxcel.bringup.plan import BringupPlan, make_plan
 from mlxcel.bringup.protocol import (
@@ -101,7 +101,11 @@ class PushCore:
         self.phase = Phase.DISCOVERING
         self.started = now
         self.found: list[str] = []
-        self.gate = BeaconGate(cfg.beacon_key, cfg.version) if cfg.beacon_key is not None else None
+        self.gate = (
+            BeaconGate(cfg.beacon_key, cfg.version, cfg.cluster_name)
+            if cfg.beacon_key is not None
+            else None
+        )
         self.plan: BringupPlan | None = None
         self.peers: dict[str, Peer] = {}
         self.outcome: Outcome | None = None
@@ -130,7 +134,9 @@ class PushCore:
         try:
             address = self.gate.check(datagram, source_ip, wall)
         except BeaconRejected as exc:
-            return [Warn("diagnostic", f"discovery: {exc}")]
+            # another cluster on the same network is not an anomaly: note it quietly
+            kind = "debug" if exc.why is Rejection.CLUSTER else "diagnostic"
+            return [Warn(kind, f"discovery: {exc}")]
         if address in self.found:
             return []
         self.found.append(address)

@@ -93,12 +93,12 @@ class PeerService(CoreAdapter):
 
 
 def beacon_announcer(
-    sender: BeaconSender, key: bytes, version: str, address: str
+    sender: BeaconSender, key: bytes, version: str, cluster: str, address: str
 ) -> Callable[[], None]:
     """What a peer's ``Announce`` does: sign a fresh beacon with the wall clock and send it."""
 
     def announce() -> None:
-        sender.send(make_beacon(key, version, address, time.time(), os.urandom(16)))
+        sender.send(make_beacon(key, version, cluster, address, time.time(), os.urandom(16)))
 
     return announce
 

@@ -89,7 +89,9 @@ class PeerHost(SimHost):
         assert isinstance(core, PeerCore)
         if isinstance(effect, Announce):
             nonce = bytes(self.net.rng.getrandbits(8) for _ in range(16))
-            datagram = make_beacon(self.key, __version__, self.identity, self.now(), nonce)
+            datagram = make_beacon(
+                self.key, __version__, "mlxcel-cluster", self.identity, self.now(), nonce
+            )
             self.target.datagram(datagram, self.identity.rpartition(":")[0])
         elif isinstance(effect, Activated):
             assert core.offer is not None
