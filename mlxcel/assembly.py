@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxcel.runner import Serving
+if TYPE_CHECKING:  # the runner pulls in aiohttp, mlx-lm and transformers: only when assembling
+    from mlxcel.runner import Serving
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class Assembled:
 
 @asynccontextmanager
 async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncIterator[Assembled]:
+    from mlxcel.runner import Serving
+
     g = gen or Generation()
     limits: dict[str, Any] = {
         "parallel": g.parallel,

@@ -3,7 +3,10 @@ and hand the resulting cluster node to the ordinary serve path (docs/bringup.md)
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
+import threading
 import tomllib
 from pathlib import Path
 
@@ -39,11 +42,26 @@ def _secret_file(s: ServeSettings) -> str | None:
     return str(Path(path).expanduser().resolve()) if path else None
 
 
+def _load(modules: tuple[str, ...]) -> None:
+    for m in modules:
+        importlib.import_module(m)
+
+
+def _prefetch(*modules: str) -> None:
+    """Import ``modules`` on a worker thread: the coordinator's serving imports (MLX, aiohttp,
+    mlx-lm, transformers: about 2 s) overlap its push and the stages' start instead of
+    following them. Python's per-module import locks make a later import wait for this one."""
+    threading.Thread(target=_load, args=(modules,), name="prefetch", daemon=True).start()
+
+
 async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     path = resolve_model(s.model)
     secret = cluster_secret(s, None)
     discovery = _discovery(s)
     if s.pp_peer:
+        # What the stage needs once activated (MLX, mlx-lm, the runner) is loaded before the
+        # peer starts waiting: an activated stage then starts at once.
+        await asyncio.to_thread(_load, ("mlxcel.pipeline.remote", "mlxcel.runner"))
         got = await await_assignment(
             path, secret, s.cluster_control_addr, discovery, cluster_name=s.cluster_name
         )
@@ -52,6 +70,8 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         logger.info("assigned {}: cluster written to {}", got.node_id, out)
         return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
     assert s.pp_auto is not None
+    if not s.dry_run:  # the serving side's imports, while the push runs
+        _prefetch("mlxcel.pipeline.remote", "mlxcel.runner")
     control = control_address(s.cluster_control_addr, s.host, discovery)
     check_local(control)
     plan = await push_assignments(

@@ -8,6 +8,7 @@ import sys
 import time
 from contextlib import aclosing
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
@@ -19,8 +20,10 @@ from mlxcel.config_tools import (
     DemoSettings,
     KeygenSettings,
 )
-from mlxcel.frontend import Usage
 from mlxcel.home import embedded_model
+
+if TYPE_CHECKING:
+    from mlxcel.frontend import Usage
 from mlxcel.messages import SamplingParams
 
 
@@ -58,6 +61,8 @@ async def generate(s: GenerateSettings) -> int:
         params = SamplingParams(
             temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
         )
+        from mlxcel.frontend import Usage
+
         usage = Usage()
         async with aclosing(fe.stream(ids, params, usage=usage)) as it:
             async for d in it:
@@ -177,6 +182,8 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
         name="bench",
     ) as stack:
         fe = stack.frontend
+
+        from mlxcel.frontend import Usage
 
         async def one(i: int, n: int) -> Usage:
             u = Usage()

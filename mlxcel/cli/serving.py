@@ -23,7 +23,6 @@ from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
 from mlxcel.config import ServeSettings
 from mlxcel.loop import signals
-from mlxcel.runner import HttpOptions, NodeRunner
 
 
 async def serve(s: ServeSettings) -> int:
@@ -96,6 +95,8 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
 
 async def _serve_http(s: ServeSettings, node: Assembled) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
+    from mlxcel.runner import HttpOptions, NodeRunner
+
     name = s.served_model_name or node.model_name
     http = HttpOptions(s.host, s.port, name, s.default_max_tokens, s.max_body_bytes)
     runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)
@@ -110,6 +111,7 @@ async def _serve_http(s: ServeSettings, node: Assembled) -> None:
 
 async def _run_stage(s: ServeSettings, node: Assembled) -> None:
     from mlxcel.net.interfaces import probe_rdma
+    from mlxcel.runner import NodeRunner
 
     service, me = node.stage, service_id(node)
     runner = NodeRunner(node.serving)
