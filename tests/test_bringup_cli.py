@@ -113,22 +113,21 @@ class Proc:
         return self.p.returncode
 
 
-@pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("bringup") / "cluster.secret"
+def keygen(path: Path) -> Path:
     subprocess.run(
         [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
     )
     return path
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return keygen(tmp_path_factory.mktemp("bringup") / "cluster.secret")
 
 
 @pytest.fixture(scope="module")
 def other_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("other") / "other.secret"
-    subprocess.run(
-        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
-    )
-    return path
+    return keygen(tmp_path_factory.mktemp("other") / "other.secret")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mlxcel.errors import DecodeError, MlxcelError
 from mlxcel.messages import Beacon
+from mlxcel.net.network import split_hostport
 from mlxcel.wire.codec import decode, encode
 
 BEACON_PORT = 49555
@@ -70,13 +71,6 @@ def make_beacon(
     """The datagram a peer sends (``nonce``: fresh random bytes for every beacon)."""
     unsigned = Beacon(version, cluster, address, wall, nonce)
     return encode(replace(unsigned, mac=_mac(key, unsigned)))
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(address)
-    return host.strip("[]"), int(port)
 
 
 class BeaconGate:
@@ -139,7 +133,9 @@ class BeaconGate:
                 f"{source_ip} runs mlxcel {msg.version}, this node {self.version}",
             )
         try:
-            host, port = _host_port(msg.address)
+            host, port = split_hostport(msg.address)
+            if not 0 < port <= 65535:
+                raise ValueError(msg.address)
             advertised = ipaddress.ip_address(host)
             source = ipaddress.ip_address(source_ip)
         except ValueError:

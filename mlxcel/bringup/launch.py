@@ -38,7 +38,7 @@ from mlxcel.bringup.service import (
 from mlxcel.bus import Node
 from mlxcel.errors import ConfigError
 from mlxcel.net.listener import ClusterListener, Limits
-from mlxcel.net.network import ReplyEndpoint, TcpEndpoint
+from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.net.udp import BeaconReceiver, BeaconSender
@@ -65,18 +65,6 @@ class Discovery:
     port: int = BEACON_PORT
 
 
-def split_address(address: str, flag: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        ipaddress.ip_address(host)
-        if not sep or not 0 <= int(port) <= 65535:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(flag, f"expected IP:PORT, got {address!r}") from None
-    return host, int(port)
-
-
 def route_ip(towards: str) -> str:
     """The local IP the OS would use to reach ``towards`` (a broadcast address included; no
     packet is sent). Raises ConfigError when there is no route."""
@@ -96,7 +84,7 @@ def route_ip(towards: str) -> str:
 def check_local(address: str) -> None:
     """The control address must be this host's: the coordinator dials from it and stages
     connect to it. Refused at start rather than as a 50 s "did not accept" later."""
-    host, _ = split_address(address, "--cluster-control-addr")
+    host, _ = split_hostport(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
@@ -112,7 +100,7 @@ def control_address(explicit: str | None, http_host: str, discovery: Discovery) 
     """--cluster-control-addr, else the --host IP on port 19000 (an unspecified --host: the
     address this host reaches the first peer, or the beacon target, from)."""
     if explicit:
-        host, port = split_address(explicit, "--cluster-control-addr")
+        host, port = split_hostport(explicit)
         if ipaddress.ip_address(host).is_unspecified:
             raise ConfigError(
                 "--cluster-control-addr",
@@ -150,7 +138,7 @@ async def push_assignments(
     """Resolve ``n_peers`` peers, plan, and (unless ``dry_run``) push every stage. Returns the
     plan once every peer activated; raises :class:`BringupFailed` naming what went wrong."""
     ident, costs = await _model_facts(model)
-    host, port = split_address(control, "--cluster-control-addr")
+    host, port = split_hostport(control)
     cfg = PushConfig(
         attempt=secrets.randbits(63),
         n_peers=n_peers,
@@ -220,7 +208,7 @@ async def await_assignment(
     """Listen for an assignment until one is activated; raise :class:`AssignmentRefused` when
     the peer must end (an offer it can never accept, or none within 600 s)."""
     ident, costs = await _model_facts(model)
-    host, port = split_address(listen, "--cluster-control-addr") if listen else ("0.0.0.0", 0)
+    host, port = split_hostport(listen) if listen else ("0.0.0.0", 0)
     async with Node("bringup-peer") as node:
         listener = ClusterListener(
             node, secret, host, port, node_id="peer", channel=Channel.ASSIGNMENT, limits=PEER_LIMITS

@@ -348,9 +348,7 @@ class PushCore:
     def _failure_summary(self) -> str:
         failed = [p for p in self.peers.values() if p.step is PeerStep.FAILED]
         behind = [
-            p
-            for p in self.peers.values()
-            if p.step not in (PeerStep.FAILED, PeerStep.ACTIVE) and p.step is not PeerStep.COMMITTED
+            p for p in self.peers.values() if p.step in (PeerStep.UNANSWERED, PeerStep.ACCEPTED)
         ]
         parts = [f"{p.node_id} at {p.address} {p.why}" for p in failed]
         text = "bring-up failed: " + "; ".join(parts)

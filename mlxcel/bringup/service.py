@@ -132,14 +132,11 @@ class PushService(CoreAdapter):
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
         return self.push.undeliverable(send, reason, self.now(), is_final(exc))
 
-    def apply_done(self, done: PushDone) -> None:
-        if not done.ok:
-            # Offers still queued for a peer must not hold up the Abort behind them.
-            self.discard_queued(lambda s: not isinstance(s.msg, AssignAbort))
-
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, PushDone):
-            self.apply_done(effect)
+            if not effect.ok:
+                # Offers still queued for a peer must not hold up the Abort behind them.
+                self.discard_queued(lambda s: not isinstance(s.msg, AssignAbort))
             if not self.result.done():
                 self.result.set_result(effect)
         else:

@@ -32,7 +32,7 @@ from mlxcel.bringup.protocol import (
     PushDone,
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
-from mlxcel.effects import Effect
+from mlxcel.effects import Effect, Send
 from mlxcel.messages import Message
 from mlxcel.pipeline.partition import LayerCosts, auto_split
 from mlxcel.sim.clock import Scheduler
@@ -154,8 +154,6 @@ class PushHost(SimHost):
             self.call(core.beacon, data, source_ip, self.now(), self.now())
 
     def send_failed(self, dest: str, msg: Message, reason: str) -> None:
-        from mlxcel.effects import Send
-
         core = self.core
         assert isinstance(core, PushCore)
         if self.up:  # a refused handshake is final; a refused connect is retried
@@ -229,11 +227,10 @@ def build_bringup(
             "mlxcel-cluster",
             ident,
             lambda n, k: split(n)[k],
-            "10.0.2.0",
+            addr.rpartition(":")[0],
             19001,
             beacons=not static,
         )
-        facts = PeerFacts(**{**facts.__dict__, "listen_ip": addr.rpartition(":")[0]})
         key = beacon_key(OTHER_SECRET if "other-secret" in faults and i == odd else SECRET)
         skew = 0.0
         if "skew" in faults and i == odd:
@@ -245,8 +242,6 @@ def build_bringup(
             host.has_secret = False
         net.add(host)
         run.peers.append(host)
-    if "skew" in faults and static:
-        run.spoiled.discard("skew")  # static discovery reads no clocks
     return run
 
 
@@ -282,7 +277,7 @@ def run_bringup(
     run = build_bringup(rng, seed, n, faults, inject & frozenset(BRINGUP_BUGS))
     run.spoiled = set(faults) & SPOILERS
     if "skew" in faults and run.static:
-        run.spoiled.discard("skew")
+        run.spoiled.discard("skew")  # static discovery reads no clocks
     _schedule(run, rng)
 
     # Past every bound: discovery, the push, a committed peer's wait, and a waiting peer's 600 s.
