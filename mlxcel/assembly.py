@@ -9,6 +9,7 @@ embedding service all go through here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -77,7 +78,21 @@ class StageSpec(_ClusterNodeSpec):
     """One stage process of a multi-process pipeline."""
 
 
-StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec
+@dataclass(frozen=True)
+class DisaggSpec:
+    """A node of disaggregated serving: ``role`` is router, prefill or decode."""
+
+    role: str
+    model: Path
+    secret: Any
+    bind: str
+    prefill_peers: tuple[str, ...] = ()
+    decode_peers: tuple[str, ...] = ()
+    interface: str | None = None
+    startup_timeout: float = 60.0
+
+
+StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec | DisaggSpec
 
 
 @dataclass
@@ -187,6 +202,9 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                 spec.model.name,
                 f"pipeline coordinator of {len(rc.plan)} stages",
             )
+    elif isinstance(spec, DisaggSpec):
+        async with _disagg(spec, g) as assembled:
+            yield assembled
     else:
         from mlxcel.pipeline.remote import stage_node
 
@@ -206,3 +224,58 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                 f"stage {spec.me.id} (layers {layers})",
                 stage=service,
             )
+
+
+@asynccontextmanager
+async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
+    from mlxcel.runner import Serving
+
+    if spec.role == "router":
+        from mlxcel.disagg.service import stats_verbose
+        from mlxcel.disagg.stack import router_stack
+
+        async with router_stack(
+            spec.model,
+            spec.secret,
+            spec.bind,
+            list(spec.prefill_peers),
+            list(spec.decode_peers),
+            parallel=g.parallel,
+            queue_size=g.queue_size,
+            request_timeout=g.request_timeout,
+            startup_timeout=spec.startup_timeout,
+            interface=spec.interface,
+        ) as rs:
+            svc = rs.service
+            serving = Serving(
+                rs.node, rs.frontend, lambda: svc.router.active, svc.health, rs.listener
+            )
+            # Read per request: an operator may flip it without a restart of the probe state.
+            serving.extra_get["/router/stats"] = lambda: svc.stats(
+                stats_verbose(os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE"))
+            )
+            yield Assembled(
+                serving,
+                spec.model.name,
+                f"router over {len(spec.prefill_peers)} prefill and {len(spec.decode_peers)} "
+                f"decode nodes, results on {spec.bind}",
+            )
+        return
+    from mlxcel.disagg.stack import worker_stack
+
+    async with worker_stack(
+        spec.role,
+        spec.model,
+        spec.secret,
+        spec.bind,
+        decode_peers=list(spec.decode_peers),
+        max_batch_size=g.max_batch_size,
+        prefill_step_size=g.prefill_step_size,
+        max_sequences=max(g.parallel, 64),
+        interface=spec.interface,
+    ) as ws:
+        yield Assembled(
+            Serving(ws.node, listener=ws.listener),
+            spec.model.name,
+            f"{spec.role} node on {spec.bind}",
+        )

@@ -229,6 +229,63 @@ class ServeSettings(ModelSettings, PipelineSettings):
         "the coordinator, .mlxcel/cluster-<node-id>.toml on a peer)",
     )
 
+    # --- disaggregated serving (docs/disaggregated.md) ---
+    node_role: Literal["hybrid", "prefill", "decode", "router"] = Field(
+        "hybrid",
+        description="disaggregated serving: hybrid does prefill and decode in one node",
+    )
+    serving_bind: str | None = Field(
+        None, description="prefill/decode/router: IP:PORT of this node's cluster listener"
+    )
+    prefill_peers: str | None = Field(
+        None, description="router: the prefill nodes' --serving-bind IP:PORT, comma-separated"
+    )
+    decode_peers: str | None = Field(
+        None,
+        description="router: the decode nodes; prefill: its fallback decode target (first entry)",
+    )
+
+    def peer_list(self, field: str) -> list[str]:
+        return [p.strip() for p in (getattr(self, field) or "").split(",") if p.strip()]
+
+    @model_validator(mode="after")
+    def _disagg_rules(self) -> ServeSettings:
+        role = self.node_role
+        if role == "hybrid":
+            for flag, value in (
+                ("--serving-bind", self.serving_bind),
+                ("--prefill-peers", self.prefill_peers),
+                ("--decode-peers", self.decode_peers),
+            ):
+                if value:
+                    raise ValueError(f"{flag} needs --node-role prefill, decode or router")
+            return self
+        if self.serving_bind is None:
+            raise ValueError(f"--node-role {role} needs --serving-bind IP:PORT")
+        _check_address(self.serving_bind, "--serving-bind", port_zero=False)
+        if self.distributed_config is not None or self.pp_auto is not None or self.pp_peer:
+            raise ValueError(f"--node-role {role} does not combine with a pipeline")
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise ValueError(f"--node-role {role} does not combine with --tp-size or --pp-size")
+        for field, flag in (
+            ("prefill_peers", "--prefill-peers"),
+            ("decode_peers", "--decode-peers"),
+        ):
+            peers = self.peer_list(field)
+            for p in peers:
+                _check_address(p, flag, port_zero=False)
+            if len(set(peers)) != len(peers):
+                raise ValueError(f"{flag} lists an address twice")
+        if role == "router" and not (
+            self.peer_list("prefill_peers") and self.peer_list("decode_peers")
+        ):
+            raise ValueError("--node-role router needs --prefill-peers and --decode-peers")
+        if role != "router" and self.prefill_peers:
+            raise ValueError("--prefill-peers is for --node-role router")
+        if role == "decode" and self.decode_peers:
+            raise ValueError("--decode-peers is for --node-role router or prefill")
+        return self
+
     @model_validator(mode="after")
     def _bringup_rules(self) -> ServeSettings:
         if self.pp_auto is not None and self.pp_peer:

@@ -63,6 +63,13 @@ class ErrorCode(enum.StrEnum):
     STAGE_UNREACHABLE = "stage_unreachable"  # the coordinator lost or cannot reach a stage
     DEADLINE_EXCEEDED = "deadline_exceeded"  # an exchange passed its deadline
     QUEUE_FULL = "queue_full"  # admission queue full
+    # disaggregated serving
+    NO_NODE_AVAILABLE = "no_node_available"  # the router has no online node for a role
+    NODE_UNREACHABLE = "node_unreachable"  # a prefill or decode node was lost mid-request
+    UNSUPPORTED_MODEL = "unsupported_model"  # the model's cache cannot be handed off
+    DECODE_TARGET_REFUSED = "decode_target_refused"  # not in MLXCEL_DECODE_ALLOWLIST
+    HANDOFF_FAILED = "handoff_failed"  # the KV handoff was refused, corrupt or undeliverable
+    HANDOFF_TIMEOUT = "handoff_timeout"  # a lease expired, or results stopped arriving
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +379,77 @@ class Beacon(Message):
     mac: bytes = b""
 
 
+# --- disaggregated serving (mlxcel.disagg) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest(Message):
+    """Router -> prefill node: run the prompt, send the first token back, hand the KV cache
+    to ``decode_target`` ("" means the prefill node's first ``--decode-peers`` entry)."""
+
+    KIND: ClassVar[int] = 23
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    decode_target: str
+    nonce: int  # the router's per-request nonce; every result for the request carries it
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandoff(Message):
+    """Prefill -> decode node: one request's KV cache (every layer, trimmed to the prompt,
+    dtype preserved) and how to go on. Held by the prefill node under ``lease`` until the
+    decode node acknowledges it; read by the decode node only after the commit verdict."""
+
+    KIND: ClassVar[int] = 24
+    request_id: str
+    lease: int  # the prefill node's handoff id; acks and verdicts name it
+    router: str  # the identity the request came from: where the tokens go
+    nonce: int  # the router's request nonce
+    first_token: int
+    sampling: SamplingParams  # max_tokens: what is left to generate after first_token
+    rng_key: tuple[int, ...]  # the sampler's PRNG key after the first token (empty: greedy)
+    prompt_len: int
+    keys: tuple[Tensor, ...]  # one per layer: [1, kv_heads, prompt_len, head_dim]
+    values: tuple[Tensor, ...]
+    digest: bytes  # SHA-256 over everything above (see mlxcel.runtime.kv_handoff)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffAck(Message):
+    """Decode -> prefill: the handoff arrived and verified (``ok``), or why not."""
+
+    KIND: ClassVar[int] = 25
+    request_id: str
+    lease: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffVerdict(Message):
+    """Prefill -> decode: ``commit`` (the lease was still held: start decoding) or abort."""
+
+    KIND: ClassVar[int] = 26
+    request_id: str
+    lease: int
+    commit: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenResult(Message):
+    """Prefill (index 0) or decode node (index 1 on) -> router: generated tokens in order."""
+
+    KIND: ClassVar[int] = 27
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    nonce: int
+    logprobs: tuple[float, ...] | None = None
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,
@@ -395,4 +473,9 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     AssignActivated,
     AssignAbort,
     Beacon,
+    PrefillRequest,
+    KvHandoff,
+    HandoffAck,
+    HandoffVerdict,
+    TokenResult,
 )

@@ -30,6 +30,11 @@ def _switched_on(v: Any) -> bool:
     return v is True or (isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on"))
 
 
+def _disaggregated(v: Any) -> bool:
+    """``--node-role``: any role but the single-node default."""
+    return v not in (None, "") and str(v).strip().lower() != "hybrid"
+
+
 # (flag, field, predicate on the raw value that means "this asks for a distributed mode").
 # Values are raw (CLI strings or environment strings): the guard runs before validation.
 DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
@@ -47,6 +52,11 @@ DISTRIBUTED_FLAGS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
         ("--distributed-config", "distributed_config", _present),
         ("--pp-auto", "pp_auto", _present),
         ("--pp-peer", "pp_peer", _switched_on),
+        ("--node-role", "node_role", _disaggregated),
+        ("--cluster-peers", "cluster_peers", _present),
+        ("--prefill-peers", "prefill_peers", _present),
+        ("--decode-peers", "decode_peers", _present),
+        ("--serving-bind", "serving_bind", _present),
     ],
 }
 

@@ -47,6 +47,8 @@ class Serving:
     # Set by the stack itself when it can no longer serve (a tensor-parallel group failed, a
     # stage was told to shut down): the runner then stops as if asked to.
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # More GET routes for the HTTP API: path -> a function answering the JSON body.
+    extra_get: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
 class NodeRunner:
@@ -99,6 +101,8 @@ class NodeRunner:
             max_body_bytes=self.http.max_body_bytes,
             health_extra=self.serving.health,
         )
+        for path, answer in self.serving.extra_get.items():
+            app.router.add_get(path, _json_route(answer))
         self._app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._app_runner.setup()
 
@@ -161,3 +165,10 @@ class NodeRunner:
             await runner.cleanup()
         if "cluster" in self.addresses and self.serving.listener is not None:
             await self.serving.listener.close()  # stops accepting and closes its connections
+
+
+def _json_route(answer: Callable[[], Any]) -> Callable[[web.Request], Any]:
+    async def handler(_request: web.Request) -> web.Response:
+        return web.json_response(answer())
+
+    return handler

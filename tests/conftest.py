@@ -69,7 +69,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     def __init__(
-        self, args: list[str], env: dict[str, str] | None = None, host: str = "127.0.0.1"
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        ready: str = "mlxcel serving",  # the stdout line that says it serves
     ) -> None:
         self.port = free_port(host)
         self.host = host
@@ -100,7 +104,7 @@ class ServerProcess:
             if not line:
                 break
             self.lines.append(line)
-            if line.startswith("mlxcel serving"):
+            if line.startswith(ready):
                 # Keep draining its output, so a chatty server never blocks on a full pipe.
                 threading.Thread(target=self._drain, daemon=True).start()
                 return

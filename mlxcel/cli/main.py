@@ -37,7 +37,7 @@ from mlxcel.config_tools import (
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
 from mlxcel.loop import run_async
 from mlxcel.pipeline.partition import PartitionError
-from mlxcel.platform_guard import refuse_distributed_on_windows
+from mlxcel.platform_guard import DISTRIBUTED_FLAGS, refuse_distributed_on_windows
 
 COMMANDS: dict[str, tuple[type, str]] = {
     "demo": (DemoSettings, "start a loopback 2-stage cluster, stream a chat completion, shut down"),
@@ -106,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _guard(command: str, args: argparse.Namespace) -> None:
     # Raw values, before validation and before any model is resolved.
     raw = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    fields = ("tp_size", "tp_hostfile", "pp_size", "pp_layers", "distributed_config", "pp_auto")
-    for field in (*fields, "pp_peer"):
+    for field in {f for _flag, f, _asks in DISTRIBUTED_FLAGS.get(command, [])}:
         env = os.environ.get(f"MLXCEL_{field.upper()}")
         if field not in raw and env is not None:
             raw[field] = env

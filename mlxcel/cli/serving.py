@@ -11,6 +11,7 @@ from loguru import logger
 
 from mlxcel.assembly import (
     Assembled,
+    DisaggSpec,
     Generation,
     LocalSpec,
     PipelineSpec,
@@ -40,6 +41,8 @@ async def serve(s: ServeSettings) -> int:
         logger.info("{}", node.summary)
         if isinstance(spec, StageSpec):
             await _run_stage(s, node)
+        elif isinstance(spec, DisaggSpec) and spec.role != "router":
+            await _run_worker(node)
         else:
             await _serve_http(s, node)
         failure = node.failure()
@@ -51,6 +54,8 @@ async def serve(s: ServeSettings) -> int:
 
 
 async def _spec(s: ServeSettings) -> StackSpec | None:
+    if s.node_role != "hybrid":
+        return _disagg_spec(s)
     if s.distributed_config is not None:
         return _distributed_spec(s)
     if s.pp_auto is not None or s.pp_peer:
@@ -68,6 +73,21 @@ async def _spec(s: ServeSettings) -> StackSpec | None:
     if s.pp_size > 1 or s.pp_layers is not None:
         return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
     return LocalSpec(path)
+
+
+def _disagg_spec(s: ServeSettings) -> DisaggSpec:
+    """Every disaggregated role authenticates its peers: the secret is required."""
+    assert s.serving_bind is not None
+    return DisaggSpec(
+        s.node_role,
+        resolve_model(s.model),
+        cluster_secret(s, None),
+        s.serving_bind,
+        tuple(s.peer_list("prefill_peers")),
+        tuple(s.peer_list("decode_peers")),
+        s.cluster_interface,
+        s.startup_timeout,
+    )
 
 
 def _distributed_spec(s: ServeSettings) -> StackSpec | None:
@@ -129,6 +149,19 @@ async def _run_stage(s: ServeSettings, node: Assembled) -> None:
                 logger.warning("{}: drain timed out with {} sequences", me, len(service.seqs))
     await runner.stop()
     logger.info("{} stopped", me)
+
+
+async def _run_worker(node: Assembled) -> None:
+    """A prefill or decode node: its cluster port only, until a signal."""
+    from mlxcel.runner import NodeRunner
+
+    runner = NodeRunner(node.serving)
+    await runner.start()
+    with signals(runner.request_stop):
+        print(f"mlxcel {node.summary} listening on {runner.addresses['cluster']}", flush=True)
+        await runner.wait()
+    await runner.stop()
+    logger.info("{} stopped", node.summary)
 
 
 def service_id(node: Assembled) -> str:

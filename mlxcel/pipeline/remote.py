@@ -23,10 +23,10 @@ from mlxcel.frontend import Frontend
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
-from mlxcel.net.network import TcpEndpoint
+from mlxcel.net.network import TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectFailed, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
+from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSpec
 from mlxcel.pipeline.coordinator import PipelineCoordinator, PipelineError
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
@@ -45,8 +45,21 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
 def _net(
     node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
 ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
-    c = cfg.cluster
-    bind = interface_ipv4(interface) if interface else me.host
+    return cluster_net(node, cfg.cluster, me.address, me.id, secret, interface)
+
+
+def cluster_net(
+    node: Node,
+    c: ClusterSection,
+    address: str,
+    node_id: str,
+    secret: ClusterSecret,
+    interface: str | None = None,
+) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
+    """A node's cluster listener on ``address``, its pool of outbound connections (bound to
+    the same IP, so peers see the identity it claims) and the endpoint over both."""
+    host, port = split_hostport(address)
+    bind = interface_ipv4(interface) if interface else host
     limits = Limits(
         max_connections=c.max_connections,
         max_pending=c.max_pending_handshakes,
@@ -59,13 +72,13 @@ def _net(
     )
     budget = MemoryBudget(c.memory_budget_bytes)  # one for every connection of this node
     listener = ClusterListener(
-        node, secret, bind, me.port, node_id=me.id, limits=limits, budget=budget
+        node, secret, bind, port, node_id=node_id, limits=limits, budget=budget
     )
-    src = None if me.host in ("0.0.0.0", "::") else bind
+    src = None if host in ("0.0.0.0", "::") else bind
     pool = ConnectionPool(
         node,
         secret,
-        Identity(me.host, me.port, me.id),
+        Identity(host, port, node_id),
         bind_ip=src,
         backoff=Backoff(c.reconnect_attempts, c.reconnect_base_delay),
         handshake_timeout=c.handshake_timeout,
@@ -74,7 +87,7 @@ def _net(
         frame_timeout=c.frame_timeout,
         keepalive=min(60.0, c.idle_timeout / 3),  # peers never look idle while alive
     )
-    return listener, pool, TcpEndpoint(me.address, pool, listener)
+    return listener, pool, TcpEndpoint(address, pool, listener)
 
 
 @asynccontextmanager

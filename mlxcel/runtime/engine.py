@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +32,17 @@ from mlxcel.messages import (
     RunResult,
 )
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.kv_handoff import Packed, pack
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.runtime.sampling import Sampler, guarded_sampler
+from mlxcel.runtime.sampling import Sampler, guarded_sampler, key_state
 
 
 class SeqState(enum.Enum):
     QUEUED = "queued"  # accepted, not yet handed to the batch generator
     RUNNING = "running"  # inside the batch generator (prefill or decode)
+
+
+Sink = Callable[[RunResult | Error], None]
 
 
 @dataclass
@@ -47,6 +52,20 @@ class _Seq:
     state: SeqState = SeqState.QUEUED
     uid: int | None = None
     generated: int = 0
+    # Disaggregated serving: a sequence may start from a handed-off cache (decode node) or
+    # keep its cache when it finishes (prefill node); its results go to ``sink``, not the bus.
+    cache: list[Any] | None = None
+    key_state: tuple[int, ...] = ()
+    keep_cache: bool = False
+    sink: Sink | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Insert:
+    entry: RunEntry
+    cache: list[Any] | None
+    key_state: tuple[int, ...]
+    keep_cache: bool
 
 
 @dataclass
@@ -56,6 +75,7 @@ class _StepOutput:
     prompt_tokens: int = 0
     new_uids: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
+    kept: dict[str, tuple[Packed, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class LocalEngine:
@@ -91,6 +111,10 @@ class LocalEngine:
         self.sequence_failures = 0
         # Written by guarded samplers on the compute thread; drained by _step on it too.
         self._sample_failures: dict[str, str] = {}
+        # Compute thread: samplers of keep-cache sequences (their key travels with the cache).
+        self._kept_samplers: dict[str, tuple[Sampler | None, int]] = {}
+        # Reactor: caches of finished keep-cache sequences, until their owner takes them.
+        self.kept: dict[str, tuple[Packed, tuple[int, ...]]] = {}
 
     # --- introspection (metrics, tests) --------------------------------------------------
     @property
@@ -106,15 +130,22 @@ class LocalEngine:
         return len(gen._generation_batch) + len(gen._prompt_batch) + len(gen._unprocessed_sequences)
 
     # --- wiring ---------------------------------------------------------------------------
-    async def attach(self, node: Node) -> None:
+    async def attach(self, node: Node, *, serve_bus: bool = True) -> None:
+        """Start the decode loop on ``node``. With ``serve_bus`` it also takes ``RunEntry``
+        and cancels from the bus (a serving node); a disaggregated role calls :meth:`submit`
+        itself and must not hear requests from the network."""
         self._node = node
         self._gen = await self.compute.run(self._make_generator)
+        if serve_bus:
+            self._subscribe(node)
+        node.spawn(self._loop(), name="engine.loop", critical=True)
+
+    def _subscribe(self, node: Node) -> None:
         node.bus.subscribe(
             RunEntry, self._on_run_entry, maxsize=self.max_sequences, name="engine.run"
         )
         node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
-        node.spawn(self._loop(), name="engine.loop", critical=True)
 
     def _make_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -127,14 +158,40 @@ class LocalEngine:
 
     async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:
         e = env.msg
+        problem = self.submit(e, env.source)
+        if problem is not None:
+            await self._reply(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))
+
+    def submit(
+        self,
+        e: RunEntry,
+        source: str,
+        *,
+        sink: Sink | None = None,
+        cache: list[Any] | None = None,
+        key_state: tuple[int, ...] = (),
+        keep_cache: bool = False,
+    ) -> str | None:
+        """Start a sequence; returns why not (None: started). With ``cache`` it resumes after
+        the cached tokens; with ``keep_cache`` its packed cache lands in :attr:`kept` before
+        its last result; with ``sink`` its results go there instead of onto the bus."""
         problem = self._validate(e)
         if problem is None and e.request_id in self._seqs:
             problem = f"request {e.request_id!r} is already running"
+        if problem is None and len(self._seqs) >= self.max_sequences:
+            problem = f"the engine holds its maximum of {self.max_sequences} sequences"
         if problem is not None:
-            await self._reply(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))
-            return
-        self._seqs[e.request_id] = _Seq(e, env.source)
+            return problem
+        self._seqs[e.request_id] = _Seq(
+            e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink
+        )
         self._wake.set()
+        return None
+
+    def cancel(self, request_id: str, source: str) -> None:
+        """Drop a sequence (only its owner may) and free its caches."""
+        self._drop(request_id, source)
+        self.kept.pop(request_id, None)
 
     def _validate(self, e: RunEntry) -> str | None:
         vocab = int(self.loaded.config["vocab_size"])
@@ -168,7 +225,10 @@ class LocalEngine:
             self._to_remove.append(seq.uid)
         self._wake.set()
 
-    async def _reply(self, msg: Any) -> None:
+    async def _reply(self, msg: Any, seq: _Seq | None = None) -> None:
+        if seq is not None and seq.sink is not None:
+            seq.sink(msg)
+            return
         assert self._node is not None
         await self._node.bus.publish(msg, deadline=deadline_in(30.0))
 
@@ -188,7 +248,7 @@ class LocalEngine:
                 async with asyncio.timeout(self.step_timeout):
                     out = await self.compute.run(
                         self._step,
-                        [s.entry for s in inserts],
+                        [_Insert(s.entry, s.cache, s.key_state, s.keep_cache) for s in inserts],
                         removals,
                         dict(self._by_uid),
                         want_lp,
@@ -201,6 +261,7 @@ class LocalEngine:
                 await self._fail_all(f"engine step failed: {exc}")
                 continue
             for s in inserts:
+                s.cache = None  # the batch generator holds it now
                 uid = out.new_uids[s.entry.request_id]
                 if self._seqs.get(s.entry.request_id) is s:
                     s.uid = uid
@@ -211,6 +272,9 @@ class LocalEngine:
             self.prompt_tokens += out.prompt_tokens
             for request_id, why in out.failed.items():
                 await self._fail_one(request_id, why)
+            for request_id, kept in out.kept.items():
+                if request_id in self._seqs:
+                    self.kept[request_id] = kept
             for request_id, token, finish, logprob in out.tokens:
                 seq = self._seqs.get(request_id)
                 if seq is None:
@@ -231,12 +295,13 @@ class LocalEngine:
                         finish,
                         seq.entry.nonce,
                         logprobs=(logprob,) if logprob is not None and not is_eos else None,
-                    )
+                    ),
+                    seq,
                 )
 
     def _step(
         self,
-        inserts: list[RunEntry],
+        inserts: list[_Insert],
         removals: list[int],
         by_uid: dict[int, str],
         want_lp: set[str],
@@ -250,16 +315,24 @@ class LocalEngine:
         out = _StepOutput()
         if removals:
             gen.remove(removals)
+        running = set(by_uid.values())
+        for rid in [r for r in self._kept_samplers if r not in running]:
+            self._kept_samplers.pop(rid)  # removed before it finished
         if inserts:
+            samplers = [self._guarded(i.entry, i.key_state) for i in inserts]
             uids = gen.insert(
-                [list(e.token_ids) for e in inserts],
-                max_tokens=[e.sampling.max_tokens for e in inserts],
-                samplers=[self._guarded(e) for e in inserts],
+                [list(i.entry.token_ids) for i in inserts],
+                max_tokens=[i.entry.sampling.max_tokens for i in inserts],
+                caches=[i.cache for i in inserts],
+                samplers=samplers,
             )
-            for e, uid in zip(inserts, uids, strict=True):
-                by_uid[uid] = e.request_id
-                out.new_uids[e.request_id] = uid
-                out.prompt_tokens += len(e.token_ids)
+            for i, uid, sampler in zip(inserts, uids, samplers, strict=True):
+                rid = i.entry.request_id
+                by_uid[uid] = rid
+                out.new_uids[rid] = uid
+                out.prompt_tokens += len(i.entry.token_ids)
+                if i.keep_cache:
+                    self._kept_samplers[rid] = (sampler, len(i.entry.token_ids))
         _prompt_responses, responses = gen.next()
         for r in responses:
             request_id = by_uid.get(r.uid)
@@ -267,13 +340,21 @@ class LocalEngine:
                 continue
             lp = float(r.logprobs[r.token].item()) if request_id in want_lp else None
             out.tokens.append((request_id, int(r.token), r.finish_reason, lp))
+            if r.finish_reason is not None and request_id in self._kept_samplers:
+                sampler, prompt_len = self._kept_samplers.pop(request_id)
+                try:
+                    packed = pack(r.prompt_cache or [], prompt_len, int(r.token))
+                except ValueError as exc:
+                    out.failed[request_id] = f"could not pack the KV cache: {exc}"
+                    continue
+                out.kept[request_id] = (packed, key_state(sampler))
         out.failed = dict(self._sample_failures)  # the guards keep this dict: clear, never swap
         self._sample_failures.clear()
         return out
 
-    def _guarded(self, e: RunEntry) -> Sampler | None:
+    def _guarded(self, e: RunEntry, key: tuple[int, ...] = ()) -> Sampler | None:
         """Compute thread: this request's sampler, failing alone (None: the shared greedy path)."""
-        return guarded_sampler(e.sampling, self._sample_failures, e.request_id)
+        return guarded_sampler(e.sampling, self._sample_failures, e.request_id, key)
 
     async def _fail_one(self, request_id: str, why: str) -> None:
         """One sequence failed inside a step the others completed: end it, keep the rest."""
@@ -285,7 +366,7 @@ class LocalEngine:
             self._by_uid.pop(seq.uid, None)
             self._to_remove.append(seq.uid)
         logger.warning("engine: request {} failed alone: {}", request_id, why)
-        await self._reply(Error(ErrorCode.SAMPLING_FAILED, why, request_id, seq.entry.nonce))
+        await self._reply(Error(ErrorCode.SAMPLING_FAILED, why, request_id, seq.entry.nonce), seq)
 
     async def _fail_all(self, why: str) -> None:
         """After a failed step the batch state is suspect: drop it all and start fresh."""
@@ -293,6 +374,7 @@ class LocalEngine:
         self._by_uid.clear()
         self._to_remove.clear()
         self._sample_failures.clear()
+        self._kept_samplers.clear()  # only ever touched on the compute thread, which is idle now
         self._gen = await self.compute.run(self._make_generator)
         for rid, s in seqs.items():
-            await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce))
+            await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)

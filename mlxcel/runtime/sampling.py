@@ -23,12 +23,17 @@ from mlxcel.messages import SamplingParams
 Sampler = Callable[[mx.array], mx.array]
 
 
-def make_sampler(p: SamplingParams) -> Sampler | None:
-    """``None`` means greedy (the batch generator's shared argmax path)."""
+def make_sampler(p: SamplingParams, key_state: Sequence[int] = ()) -> Sampler | None:
+    """``None`` means greedy (the batch generator's shared argmax path). ``key_state`` resumes
+    a sequence another node started (a disaggregated handoff carries its key)."""
     if p.temperature == 0:
         return None
     inv_temp = 1.0 / p.temperature
-    key = [mx.random.key(p.seed if p.seed is not None else secrets.randbits(63))]
+    if key_state:
+        start = mx.array(list(key_state), dtype=mx.uint32)
+    else:
+        start = mx.random.key(p.seed if p.seed is not None else secrets.randbits(63))
+    key = [start]
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < p.top_p < 1:
@@ -38,7 +43,15 @@ def make_sampler(p: SamplingParams) -> Sampler | None:
         key[0], sub = mx.random.split(key[0])
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
+    sample.key = key  # type: ignore[attr-defined]  # read by key_state()
     return sample
+
+
+def key_state(sampler: Sampler | None) -> tuple[int, ...]:
+    """The PRNG key a sampler will split next (empty for greedy): what a handoff carries."""
+    inner = getattr(sampler, "inner", sampler)
+    key = getattr(inner, "key", None)
+    return () if key is None else tuple(int(x) for x in key[0].tolist())
 
 
 class GuardedSampler:
@@ -64,9 +77,11 @@ class GuardedSampler:
         return mx.argmax(logprobs, axis=-1)
 
 
-def guarded_sampler(p: SamplingParams, failures: dict[str, str], key: str) -> Sampler | None:
+def guarded_sampler(
+    p: SamplingParams, failures: dict[str, str], key: str, key_state: Sequence[int] = ()
+) -> Sampler | None:
     """The request's sampler behind a :class:`GuardedSampler` (None: greedy, nothing to guard)."""
-    inner = make_sampler(p)
+    inner = make_sampler(p, key_state)
     return None if inner is None else GuardedSampler(inner, failures, key)
 
 

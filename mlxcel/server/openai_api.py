@@ -118,13 +118,15 @@ UNAVAILABLE_CODES = frozenset(
         ErrorCode.DRAINING,
         ErrorCode.NOT_PREPARED,
         ErrorCode.TOO_MANY_SEQUENCES,
+        ErrorCode.NO_NODE_AVAILABLE,
+        ErrorCode.NODE_UNREACHABLE,
     }
 )
 
 
 def engine_error_status(code: str) -> tuple[int, str, dict[str, str] | None]:
     """HTTP status, OpenAI error type and headers for an error the engine or pipeline sent."""
-    if code == ErrorCode.DEADLINE_EXCEEDED:
+    if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.HANDOFF_TIMEOUT):
         return 504, "timeout", None
     if code in UNAVAILABLE_CODES:
         return 503, "server_busy", {"Retry-After": "1"}

@@ -1,0 +1,226 @@
+"""The decode node's protocol core: verify a handoff, wait for the commit, stream the rest.
+
+A ``KvHandoff`` from any authenticated member is checked (shapes, dtype, digest) on the
+compute side, then acknowledged. It is *read* -- inserted into the decode batch -- only when
+the prefill node that holds its lease answers with a commit verdict; an abort, a verdict
+that never comes, or the prefill node's loss frees it unread. Tokens go to the router the
+handoff names (the identity the prefill node authenticated the request from), numbered from
+1 (the prefill node sent token 0). A cancel from that router frees the slot at any point; a
+cancel that overtakes its handoff is remembered for a while, so the late handoff is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from mlxcel.disagg.protocol import (
+    MAX_TOMBSTONES,
+    SLOT_TABLE,
+    TOMBSTONE_TTL,
+    VERDICT_WAIT,
+    ResumeJob,
+    SlotEvent,
+    SlotState,
+    VerifyJob,
+)
+from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
+from mlxcel.fsm import IllegalTransition
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    Message,
+    RunResult,
+    TokenResult,
+)
+
+
+@dataclass
+class Slot:
+    id: int
+    prefill: str  # who sent the handoff (and holds its lease)
+    handoff: KvHandoff
+    state: SlotState = SlotState.VERIFYING
+    deadline: float | None = None
+    index: int = 1  # the next token's index (the prefill node sent index 0)
+
+    @property
+    def router(self) -> str:
+        return self.handoff.router
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    vocab: int = 1 << 30
+    max_len: int = 1 << 30
+    max_sequences: int = 64
+    verdict_wait: float = VERDICT_WAIT
+
+
+class DecodeCore:
+    def __init__(self, config: DecodeConfig) -> None:
+        self.config = config
+        self.slots: dict[int, Slot] = {}
+        self._by_lease: dict[tuple[str, int], int] = {}
+        self._by_request: dict[tuple[str, str], int] = {}
+        self._tombstones: dict[tuple[str, str], float] = {}
+        self._ids = itertools.count(1)
+        self.counts: Counter[str] = Counter()
+        # (prefill, lease) of every handoff read, newest last: what a simulation checks.
+        self.reads: deque[tuple[str, int]] = deque(maxlen=100_000)
+
+    @property
+    def active(self) -> int:
+        return len(self.slots)
+
+    def next_timer(self) -> float | None:
+        times = [s.deadline for s in self.slots.values() if s.deadline is not None]
+        if self._tombstones:
+            times.append(min(self._tombstones.values()))
+        return min(times, default=None)
+
+    # --- inputs -----------------------------------------------------------------------------
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        if isinstance(msg, KvHandoff):
+            return self._handoff(msg, source, now)
+        if isinstance(msg, HandoffVerdict):
+            return self._verdict(msg, source)
+        if isinstance(msg, CancelRequest):
+            sid = self._by_request.get((source, msg.request_id))
+            if sid is None:
+                self._remember_cancel((source, msg.request_id), now)
+                return []
+            self.counts["cancelled"] += 1
+            return self._end(self.slots[sid], SlotEvent.CANCEL)
+        return [Warn("debug", f"decode: ignoring {type(msg).__name__} from {source}")]
+
+    def _handoff(self, h: KvHandoff, source: str, now: float) -> list[Effect]:
+        c = self.config
+        if (source, h.lease) in self._by_lease:
+            return []  # a repeat of one we hold
+        why = ""
+        if (h.router, h.request_id) in self._tombstones:
+            why = "the router cancelled this request"
+        elif (h.router, h.request_id) in self._by_request:
+            why = "this node already decodes that request"
+        elif len(self.slots) >= c.max_sequences:
+            why = f"decode node full ({c.max_sequences} sequences)"
+        elif not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:
+            why = "first token or max_tokens out of range"
+        elif h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
+            why = f"prompt and max_tokens exceed the model's context of {c.max_len}"
+        if why:
+            self.counts["refused"] += 1
+            return [Send(source, HandoffAck(h.request_id, h.lease, False, why))]
+        s = Slot(next(self._ids), source, h, deadline=now + c.verdict_wait)
+        self.slots[s.id] = s
+        self._by_lease[(source, h.lease)] = s.id
+        self._by_request[(h.router, h.request_id)] = s.id
+        return [StartCompute(VerifyJob(s.id, h))]
+
+    def verified(self, slot_id: int, problem: str | None, now: float) -> list[Effect]:
+        """The compute side checked (and staged) the handoff; ``problem`` says why not."""
+        s = self.slots.get(slot_id)
+        if s is None:
+            return [FreeCache(slot_id)]
+        h = s.handoff
+        if problem is not None:
+            self.counts["corrupt"] += 1
+            ack = HandoffAck(h.request_id, h.lease, False, problem)
+            return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
+        s.state = SLOT_TABLE.next(s.state, SlotEvent.VERIFIED)
+        s.deadline = now + self.config.verdict_wait
+        return [Send(s.prefill, HandoffAck(h.request_id, h.lease, True))]
+
+    def _verdict(self, v: HandoffVerdict, source: str) -> list[Effect]:
+        sid = self._by_lease.get((source, v.lease))
+        if sid is None:
+            return []
+        s = self.slots[sid]
+        if not v.commit:
+            self.counts["aborted"] += 1
+            return self._end(s, SlotEvent.ABORT)
+        try:
+            s.state = SLOT_TABLE.next(s.state, SlotEvent.COMMIT)
+        except IllegalTransition as exc:  # a commit before our ack: not from an honest prefill
+            return [Warn("warning", f"decode: {exc} (from {source})")]
+        s.deadline = None
+        self.counts["committed"] += 1
+        self.reads.append((s.prefill, s.handoff.lease))
+        return [StartCompute(ResumeJob(s.id, s.handoff))]
+
+    def token(self, slot_id: int, r: RunResult | Error, now: float) -> list[Effect]:
+        """What the decode engine produced for ``slot_id``."""
+        s = self.slots.get(slot_id)
+        if s is None or s.state is not SlotState.DECODING:
+            return []
+        h = s.handoff
+        if isinstance(r, Error):
+            err = Error(r.code, f"decode failed: {r.message}", h.request_id, h.nonce)
+            return [Send(s.router, err)] + self._end(s, SlotEvent.FAIL)
+        t = TokenResult(h.request_id, s.index, r.token_ids, r.finish_reason, h.nonce, r.logprobs)
+        s.index += 1
+        out: list[Effect] = [Send(s.router, t)]
+        if r.finish_reason is not None:
+            self.counts["completed"] += 1
+            out += self._end(s, SlotEvent.FINISH)
+        return out
+
+    def on_timer(self, now: float) -> list[Effect]:
+        for key in [k for k, t in self._tombstones.items() if t <= now]:
+            del self._tombstones[key]
+        out: list[Effect] = []
+        for s in [s for s in self.slots.values() if s.deadline and s.deadline <= now]:
+            self.counts["verdict_timeouts"] += 1
+            out += self._error(
+                s,
+                ErrorCode.HANDOFF_TIMEOUT,
+                f"the prefill node never committed the handoff within "
+                f"{self.config.verdict_wait:g}s; it was not read",
+            )
+        return out
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        for s in list(self.slots.values()):
+            if s.router == identity:
+                out += self._end(s, SlotEvent.CANCEL)  # nobody left to stream to
+            elif s.prefill == identity and s.state is not SlotState.DECODING:
+                out += self._error(
+                    s,
+                    ErrorCode.HANDOFF_FAILED,
+                    "the prefill node was lost before it committed the handoff; not read",
+                )
+        return out
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        m = send.msg
+        if isinstance(m, (TokenResult, Error)):
+            sid = self._by_request.get((send.dest, m.request_id or ""))
+            if sid is not None:  # the router is unreachable: stop generating for nobody
+                return self._end(self.slots[sid], SlotEvent.FAIL)
+        return []
+
+    # --- endings ----------------------------------------------------------------------------
+    def _error(self, s: Slot, code: str, why: str) -> list[Effect]:
+        h = s.handoff
+        return [Send(s.router, Error(code, why, h.request_id, h.nonce))] + self._end(
+            s, SlotEvent.FAIL
+        )
+
+    def _end(self, s: Slot, event: SlotEvent) -> list[Effect]:
+        s.state = SLOT_TABLE.next(s.state, event)
+        self.slots.pop(s.id, None)
+        self._by_lease.pop((s.prefill, s.handoff.lease), None)
+        self._by_request.pop((s.router, s.handoff.request_id), None)
+        return [FreeCache(s.id)]
+
+    def _remember_cancel(self, key: tuple[str, str], now: float) -> None:
+        if len(self._tombstones) >= MAX_TOMBSTONES:
+            self._tombstones.pop(next(iter(self._tombstones)))
+        self._tombstones[key] = now + TOMBSTONE_TTL

@@ -1,0 +1,266 @@
+"""The prefill node's protocol core: admit a prompt, hand its cache off under a lease.
+
+Per request, in order and before any compute: the model's cache family must be handoff-able;
+the decode target (the request's, else the first ``--decode-peers``) must exist and, when the
+request named it and ``MLXCEL_DECODE_ALLOWLIST`` is set, be on the allowlist; the tokens must
+fit the model. Then the prompt runs (``StartCompute``); the first token goes to the router and
+the packed cache to the decode node. The cache stays held (the lease) until the decode node
+acknowledges it -- then the prefill commits and frees it -- or the lease expires, the send
+fails, the decode node refuses it or is lost, or the router cancels: each of those ends the
+request with an error at the router and an abort verdict to the decode node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from mlxcel.disagg.protocol import LEASE, LEASE_TABLE, LeaseEvent, LeaseState, PrefillJob
+from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    Message,
+    PrefillRequest,
+    TokenResult,
+)
+from mlxcel.runtime.kv_handoff import Packed
+
+
+@dataclass
+class Lease:
+    id: int
+    router: str
+    request: PrefillRequest
+    target: str
+    state: LeaseState = LeaseState.COMPUTING
+    expires: float | None = None
+    held: Packed | None = None  # the cache, while the lease lasts
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    decode_peers: tuple[str, ...] = ()
+    allowlist: frozenset[str] | None = None  # None: permissive
+    unsupported: str | None = None  # why this model cannot hand off (None: it can)
+    vocab: int = 1 << 30
+    max_len: int = 1 << 30
+    lease: float = LEASE
+    max_sequences: int = 64
+    max_handoff_bytes: int = 256 << 20
+
+
+class PrefillCore:
+    def __init__(self, config: PrefillConfig, *, first_lease: int = 1) -> None:
+        self.config = config
+        self.leases: dict[int, Lease] = {}
+        self._by_request: dict[tuple[str, str], int] = {}
+        self._ids = itertools.count(first_lease)
+        self.counts: Counter[str] = Counter()
+        self.released: dict[int, str] = {}  # lease -> how it ended (sims check reads against it)
+
+    @property
+    def active(self) -> int:
+        return len(self.leases)
+
+    def next_timer(self) -> float | None:
+        return min((x.expires for x in self.leases.values() if x.expires), default=None)
+
+    # --- inputs -----------------------------------------------------------------------------
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        if isinstance(msg, PrefillRequest):
+            return self._request(msg, source, now)
+        if isinstance(msg, HandoffAck):
+            return self._ack(msg, source)
+        if isinstance(msg, CancelRequest):
+            lid = self._by_request.get((source, msg.request_id))
+            if lid is None:
+                return []
+            self.counts["cancelled"] += 1
+            return self._end(self.leases[lid], LeaseEvent.CANCELLED, abort="cancelled")
+        return [Warn("debug", f"prefill: ignoring {type(msg).__name__} from {source}")]
+
+    def _request(self, m: PrefillRequest, source: str, now: float) -> list[Effect]:
+        c = self.config
+
+        def refuse(code: str, why: str) -> list[Effect]:
+            self.counts["refused"] += 1
+            return [Send(source, Error(code, why, m.request_id, m.nonce))]
+
+        if c.unsupported is not None:
+            return refuse(ErrorCode.UNSUPPORTED_MODEL, c.unsupported)
+        if (source, m.request_id) in self._by_request:
+            return refuse(ErrorCode.BAD_REQUEST, f"request {m.request_id!r} is already running")
+        target = m.decode_target or (c.decode_peers[0] if c.decode_peers else "")
+        if not target:
+            return refuse(
+                ErrorCode.HANDOFF_FAILED,
+                "no decode target: the request names none and this node has no --decode-peers",
+            )
+        if m.decode_target and c.allowlist is not None and m.decode_target not in c.allowlist:
+            return refuse(
+                ErrorCode.DECODE_TARGET_REFUSED,
+                f"decode target {m.decode_target} is not in MLXCEL_DECODE_ALLOWLIST; the KV "
+                "cache was not sent",
+            )
+        if not m.token_ids or any(not 0 <= t < c.vocab for t in m.token_ids):
+            return refuse(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {c.vocab})")
+        if m.sampling.max_tokens < 1 or len(m.token_ids) + m.sampling.max_tokens > c.max_len:
+            return refuse(
+                ErrorCode.BAD_REQUEST,
+                f"prompt ({len(m.token_ids)}) + max_tokens ({m.sampling.max_tokens}) must fit "
+                f"the model's context of {c.max_len}",
+            )
+        if len(self.leases) >= c.max_sequences:
+            return refuse(ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full")
+        lease = Lease(next(self._ids), source, m, target)
+        self.leases[lease.id] = lease
+        self._by_request[(source, m.request_id)] = lease.id
+        self.counts["accepted"] += 1
+        one = dataclasses.replace(m.sampling, max_tokens=1)
+        return [StartCompute(PrefillJob(lease.id, m.token_ids, one))]
+
+    def compute_done(
+        self,
+        lease_id: int,
+        token_ids: tuple[int, ...],
+        finish: str | None,
+        logprobs: tuple[float, ...] | None,
+        packed: Packed | None,
+        key_state: tuple[int, ...],
+        now: float,
+    ) -> list[Effect]:
+        """The prompt ran: ``token_ids`` is the first token (empty at end of sequence)."""
+        x = self.leases.get(lease_id)
+        if x is None:
+            return [FreeCache(lease_id)]  # cancelled while it ran
+        m = x.request
+        final = finish == "stop" or m.sampling.max_tokens == 1
+        first = TokenResult(
+            m.request_id, 0, token_ids, finish if final else None, m.nonce, logprobs
+        )
+        out: list[Effect] = [Send(x.router, first)]
+        if final:
+            self.counts["finished"] += 1
+            return out + self._end(x, LeaseEvent.FINISHED)
+        if packed is None or not token_ids:
+            return out + self._fail(x, ErrorCode.FORWARD_FAILED, "the prompt left no KV cache")
+        if packed.nbytes > self.config.max_handoff_bytes:
+            return out + self._fail(
+                x,
+                ErrorCode.HANDOFF_FAILED,
+                f"the KV cache of this prompt is {packed.nbytes} bytes, above the handoff "
+                f"limit of {self.config.max_handoff_bytes}",
+            )
+        x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
+        x.held = packed
+        x.expires = now + self.config.lease
+        self.counts["handed_off"] += 1
+        h = KvHandoff(
+            m.request_id,
+            x.id,
+            x.router,
+            m.nonce,
+            packed.first_token,
+            dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1),
+            key_state,
+            packed.prompt_len,
+            packed.keys,
+            packed.values,
+            packed.digest,
+        )
+        return out + [Send(x.target, h, deadline=x.expires)]
+
+    def compute_failed(self, lease_id: int, why: str, now: float) -> list[Effect]:
+        x = self.leases.get(lease_id)
+        if x is None:
+            return [FreeCache(lease_id)]
+        return self._fail(x, ErrorCode.FORWARD_FAILED, f"prefill failed: {why}")
+
+    def _ack(self, a: HandoffAck, source: str) -> list[Effect]:
+        x = self.leases.get(a.lease)
+        if (
+            x is None
+            or x.target != source
+            or x.request.request_id != a.request_id
+            or x.state is not LeaseState.LEASED
+        ):
+            # Not a lease held for that node (expired, cancelled, someone else's): the decode
+            # node must not read it.
+            self.counts["late_acks"] += 1
+            return [Send(source, HandoffVerdict(a.request_id, a.lease, False, "no such lease"))]
+        if not a.ok:
+            return self._fail(
+                x,
+                ErrorCode.HANDOFF_FAILED,
+                f"decode node {x.target} refused the handoff: {a.reason}",
+                event=LeaseEvent.REFUSED,
+            )
+        self.counts["committed"] += 1
+        commit = HandoffVerdict(a.request_id, a.lease, True)
+        return [Send(x.target, commit)] + self._end(x, LeaseEvent.ACKED)
+
+    def on_timer(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        for x in [x for x in self.leases.values() if x.expires and x.expires <= now]:
+            self.counts["expired"] += 1
+            out += self._fail(
+                x,
+                ErrorCode.HANDOFF_TIMEOUT,
+                f"handoff lease expired after {self.config.lease:g}s: decode node {x.target} "
+                "never acknowledged the KV cache",
+                event=LeaseEvent.EXPIRED,
+            )
+        return out
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        m = send.msg
+        if isinstance(m, KvHandoff):
+            x = self.leases.get(m.lease)
+            if x is not None and x.state is LeaseState.LEASED:
+                return self._fail(
+                    x, ErrorCode.HANDOFF_FAILED, f"handoff to decode node {x.target}: {reason}"
+                )
+        return []
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        for x in list(self.leases.values()):
+            if x.router == identity:
+                out += self._end(x, LeaseEvent.CANCELLED, abort="the router was lost")
+            elif x.target == identity and x.state is LeaseState.LEASED:
+                out += self._fail(
+                    x,
+                    ErrorCode.HANDOFF_FAILED,
+                    f"decode node {x.target} was lost before it acknowledged the handoff",
+                )
+        return out
+
+    # --- endings ----------------------------------------------------------------------------
+    def _fail(
+        self, x: Lease, code: str, why: str, event: LeaseEvent = LeaseEvent.FAILED
+    ) -> list[Effect]:
+        m = x.request
+        err = Error(code, why, m.request_id, m.nonce)
+        return [Send(x.router, err)] + self._end(x, event, abort=why)
+
+    def _end(self, x: Lease, event: LeaseEvent, abort: str | None = None) -> list[Effect]:
+        leased = x.state is LeaseState.LEASED
+        x.state = LEASE_TABLE.next(x.state, event)
+        self.leases.pop(x.id, None)
+        self._by_request.pop((x.router, x.request.request_id), None)
+        self.released[x.id] = event.value
+        if len(self.released) > 100_000:  # a bounded history
+            self.released.pop(next(iter(self.released)))
+        x.held = None
+        out: list[Effect] = [FreeCache(x.id)]
+        if leased and abort is not None:
+            verdict = HandoffVerdict(x.request.request_id, x.id, False, abort[:200])
+            out.append(Send(x.target, verdict))
+        return out

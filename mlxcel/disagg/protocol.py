@@ -1,0 +1,193 @@
+"""Disaggregated serving, the data: bounds, per-role states and their transition tables.
+
+Three roles share one request: the router (serves HTTP, picks a prefill and a decode node),
+the prefill node (runs the prompt, sends the first token, holds the KV cache under a lease)
+and the decode node (verifies the handoff, waits for the commit, streams the rest)::
+
+    router --PrefillRequest--> prefill --KvHandoff--> decode
+    router <--TokenResult 0--- prefill <--HandoffAck-- decode
+                               prefill --HandoffVerdict(commit)--> decode
+    router <------------------TokenResult 1.. / Error------------- decode
+
+A handoff is read (inserted into the decode batch) only after the prefill node committed it
+while it still held the lease; an expired, refused, corrupt or undeliverable handoff ends the
+request with an error at the router, never with a silent recomputation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mlxcel.fsm import Table
+from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
+
+# --- bounds (seconds) ---------------------------------------------------------------------------
+PREFILL_TIMEOUT = 300.0  # router: dispatch -> first token (a long prompt takes a while)
+HANDOFF_TIMEOUT = 30.0  # router: first token -> decode's first token, and between tokens
+LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ack
+VERDICT_WAIT = LEASE + 5.0  # decode: how long a verified handoff waits for the verdict
+PROBE_INTERVAL = 1.0  # router: liveness probe period per node
+TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long
+MAX_TOMBSTONES = 4096
+MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
+NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
+
+
+def parse_allowlist(raw: str | None) -> tuple[frozenset[str] | None, list[str]]:
+    """``MLXCEL_DECODE_ALLOWLIST``: numeric IP:port entries, comma-separated. Returns the set
+    (None: permissive -- unset, empty, or nothing parsed) and the entries it skipped."""
+    import ipaddress
+
+    good: set[str] = set()
+    skipped: list[str] = []
+    for item in (raw or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+            if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError
+        except ValueError:
+            skipped.append(item)
+            continue
+        good.add(canonical(str(ip), int(port)))
+    return (frozenset(good) or None), skipped
+
+
+def canonical(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def canonical_address(address: str) -> str | None:
+    """IP:port in one spelling (None if it is not a numeric IP:port)."""
+    allowed, _ = parse_allowlist(address)
+    return next(iter(allowed)) if allowed else None
+
+
+# --- router: one request ---------------------------------------------------------------------
+class RouteState(enum.Enum):
+    PREFILLING = "prefilling"  # sent to the prefill node, no token yet
+    HANDOFF = "handoff"  # first token in; the decode node has not spoken yet
+    DECODING = "decoding"  # the decode node streams
+    DONE = "done"
+
+
+class RouteEvent(enum.Enum):
+    FIRST_TOKEN = "first_token"  # index 0, from the prefill node
+    DECODE_TOKEN = "decode_token"  # index 1.., from the decode node
+    FINISH = "finish"
+    FAIL = "fail"  # an error, a deadline, a lost node, a cancel
+
+
+ROUTE_TABLE: Table[RouteState, RouteEvent] = Table(
+    "router request",
+    {
+        (RouteState.PREFILLING, RouteEvent.FIRST_TOKEN): RouteState.HANDOFF,
+        (RouteState.PREFILLING, RouteEvent.FINISH): RouteState.DONE,
+        (RouteState.PREFILLING, RouteEvent.FAIL): RouteState.DONE,
+        (RouteState.HANDOFF, RouteEvent.DECODE_TOKEN): RouteState.DECODING,
+        (RouteState.HANDOFF, RouteEvent.FAIL): RouteState.DONE,
+        (RouteState.DECODING, RouteEvent.DECODE_TOKEN): RouteState.DECODING,
+        (RouteState.DECODING, RouteEvent.FINISH): RouteState.DONE,
+        (RouteState.DECODING, RouteEvent.FAIL): RouteState.DONE,
+    },
+    {},
+    ErrorCode.BAD_MESSAGE,
+)
+
+
+# --- prefill: one lease ----------------------------------------------------------------------
+class LeaseState(enum.Enum):
+    COMPUTING = "computing"  # the prompt runs
+    LEASED = "leased"  # handoff sent; the cache is held until ack or expiry
+    ENDED = "ended"
+
+
+class LeaseEvent(enum.Enum):
+    HANDED_OFF = "handed_off"
+    FINISHED = "finished"  # the first token ended the stream: nothing to hand off
+    ACKED = "acked"  # the decode node verified it: commit, release
+    REFUSED = "refused"  # the decode node refused it
+    EXPIRED = "expired"
+    FAILED = "failed"  # compute failed, the send failed, a peer was lost
+    CANCELLED = "cancelled"
+
+
+LEASE_TABLE: Table[LeaseState, LeaseEvent] = Table(
+    "prefill lease",
+    {
+        (LeaseState.COMPUTING, LeaseEvent.HANDED_OFF): LeaseState.LEASED,
+        (LeaseState.COMPUTING, LeaseEvent.FINISHED): LeaseState.ENDED,
+        (LeaseState.COMPUTING, LeaseEvent.FAILED): LeaseState.ENDED,
+        (LeaseState.COMPUTING, LeaseEvent.CANCELLED): LeaseState.ENDED,
+        (LeaseState.LEASED, LeaseEvent.ACKED): LeaseState.ENDED,
+        (LeaseState.LEASED, LeaseEvent.REFUSED): LeaseState.ENDED,
+        (LeaseState.LEASED, LeaseEvent.EXPIRED): LeaseState.ENDED,
+        (LeaseState.LEASED, LeaseEvent.FAILED): LeaseState.ENDED,
+        (LeaseState.LEASED, LeaseEvent.CANCELLED): LeaseState.ENDED,
+    },
+    {},
+    ErrorCode.BAD_MESSAGE,
+)
+
+
+# --- decode: one handoff ---------------------------------------------------------------------
+class SlotState(enum.Enum):
+    VERIFYING = "verifying"  # digest and shapes checked on the compute thread
+    STAGED = "staged"  # acknowledged; waiting for the verdict, not read yet
+    DECODING = "decoding"  # committed: in the batch
+    ENDED = "ended"
+
+
+class SlotEvent(enum.Enum):
+    VERIFIED = "verified"
+    COMMIT = "commit"
+    TOKEN = "token"
+    FINISH = "finish"
+    ABORT = "abort"  # the prefill node's abort verdict
+    FAIL = "fail"  # verification failed, a timeout, a lost peer, an engine error
+    CANCEL = "cancel"
+
+
+SLOT_TABLE: Table[SlotState, SlotEvent] = Table(
+    "decode handoff",
+    {
+        (SlotState.VERIFYING, SlotEvent.VERIFIED): SlotState.STAGED,
+        (SlotState.VERIFYING, SlotEvent.ABORT): SlotState.ENDED,
+        (SlotState.VERIFYING, SlotEvent.FAIL): SlotState.ENDED,
+        (SlotState.VERIFYING, SlotEvent.CANCEL): SlotState.ENDED,
+        (SlotState.STAGED, SlotEvent.COMMIT): SlotState.DECODING,
+        (SlotState.STAGED, SlotEvent.ABORT): SlotState.ENDED,
+        (SlotState.STAGED, SlotEvent.FAIL): SlotState.ENDED,
+        (SlotState.STAGED, SlotEvent.CANCEL): SlotState.ENDED,
+        (SlotState.DECODING, SlotEvent.TOKEN): SlotState.DECODING,
+        (SlotState.DECODING, SlotEvent.FINISH): SlotState.ENDED,
+        (SlotState.DECODING, SlotEvent.FAIL): SlotState.ENDED,
+        (SlotState.DECODING, SlotEvent.CANCEL): SlotState.ENDED,
+    },
+    {(SlotState.VERIFYING, SlotEvent.COMMIT): ErrorCode.NOT_PREPARED},
+    ErrorCode.BAD_MESSAGE,
+)
+
+
+# --- jobs the adapters run on the compute side --------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    lease: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams  # max_tokens=1: the prefill samples only the first token
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyJob:
+    slot: int
+    handoff: KvHandoff  # to check and stage
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeJob:
+    slot: int
+    handoff: KvHandoff  # committed: start decoding it

@@ -1,0 +1,350 @@
+"""The router's protocol core: node registry, balancing, failover, admission, result demux.
+
+Pure: ``handle(msg, source, now)``, ``on_timer(now)``, ``probe_result(...)``, ``peer_lost``
+and ``undeliverable`` return effects (see :mod:`mlxcel.effects`). The frontend's ``RunEntry``
+and ``CancelRequest`` arrive with source ``local``; results arrive from the network with the
+sender's handshake-bound identity, and count only when that identity is one of the configured
+peers *and* the node this request was given to.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.disagg.protocol import (
+    HANDOFF_TIMEOUT,
+    MAX_EARLY,
+    NODE_CAPACITY,
+    PREFILL_TIMEOUT,
+    ROUTE_TABLE,
+    RouteEvent,
+    RouteState,
+)
+from mlxcel.effects import Deliver, Effect, Send, Warn
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    Message,
+    PrefillRequest,
+    RunEntry,
+    RunResult,
+    TokenResult,
+)
+
+LOCAL = "local"
+
+
+@dataclass
+class PeerNode:
+    id: str  # prefill-<i> / decode-<i>: what /router/stats shows instead of the address
+    role: str
+    address: str
+    online: bool = False  # unknown until the first probe answers
+    dispatched: int = 0
+    active: int = 0
+    completed: int = 0
+    failed: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class Route:
+    request_id: str
+    entry: RunEntry  # what the frontend asked (its nonce goes back with every result)
+    nonce: int  # the router's nonce for this request; results must carry it
+    prefill: str
+    decode: str
+    deadline: float
+    state: RouteState = RouteState.PREFILLING
+    next_index: int = 0
+    early: dict[int, TokenResult] = field(default_factory=dict)
+    tried: set[str] = field(default_factory=set)
+
+
+class RouterCore:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        first_nonce: int = 1,
+        prefill_timeout: float = PREFILL_TIMEOUT,
+        handoff_timeout: float = HANDOFF_TIMEOUT,
+        capacity: int = NODE_CAPACITY,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("a router needs at least one prefill and one decode peer")
+        self.nodes: dict[str, PeerNode] = {}
+        for role, addrs in (("prefill", prefill), ("decode", decode)):
+            for i, a in enumerate(addrs):
+                if a in self.nodes:
+                    raise ValueError(f"{a} is listed twice among the router's peers")
+                self.nodes[a] = PeerNode(f"{role}-{i}", role, a)
+        self._rr = {"prefill": itertools.cycle(prefill), "decode": itertools.cycle(decode)}
+        self._by_role = {"prefill": list(prefill), "decode": list(decode)}
+        self._nonces = itertools.count(first_nonce)
+        self.prefill_timeout = prefill_timeout
+        self.handoff_timeout = handoff_timeout
+        self.capacity = capacity
+        self.routes: dict[str, Route] = {}
+        self.counts: Counter[str] = Counter()  # routed, completed, failed, rejected, ...
+        self.dispatch_log: list[tuple[str, str, str]] = []  # (request, prefill, why) for sims
+
+    # --- introspection ----------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        return len(self.routes)
+
+    def online(self, role: str) -> list[str]:
+        return [a for a in self._by_role[role] if self.nodes[a].online]
+
+    def next_timer(self) -> float | None:
+        return min((r.deadline for r in self.routes.values()), default=None)
+
+    # --- inputs -----------------------------------------------------------------------------
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        if source == LOCAL:
+            if isinstance(msg, RunEntry):
+                return self._admit(msg, now)
+            if isinstance(msg, CancelRequest):
+                return self._cancel(msg.request_id)
+            return []
+        if isinstance(msg, (TokenResult, Error)):
+            return self._result(msg, source, now)
+        self.counts["unexpected"] += 1
+        return [Warn("debug", f"router: ignoring {type(msg).__name__} from {source}")]
+
+    def on_timer(self, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        for r in [r for r in self.routes.values() if r.deadline <= now]:
+            if r.state is RouteState.PREFILLING:
+                why = (
+                    f"no first token from {self.nodes[r.prefill].id} within "
+                    f"{self.prefill_timeout:g}s"
+                )
+            elif r.state is RouteState.HANDOFF:
+                why = (
+                    f"handoff timeout: {self.nodes[r.decode].id} did not start decoding "
+                    f"within {self.handoff_timeout:g}s of the first token"
+                )
+            else:
+                why = (
+                    f"handoff timeout: {self.nodes[r.decode].id} sent no token for "
+                    f"{self.handoff_timeout:g}s"
+                )
+            out += self._fail(r, ErrorCode.HANDOFF_TIMEOUT, why, cancel=(r.prefill, r.decode))
+        return out
+
+    def probe_result(self, address: str, ok: bool, reason: str, now: float) -> list[Effect]:
+        """The liveness probe's verdict on one node (the adapter connects and handshakes)."""
+        node = self.nodes.get(address)
+        if node is None or node.online == ok:
+            return []
+        if ok:
+            node.online = True
+            node.last_error = ""
+            return [Warn("info", f"router: {node.id} is online")]
+        return self._mark_down(node, reason)
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        node = self.nodes.get(identity)
+        if node is None:
+            return []
+        out = self._mark_down(node, "connection lost")
+        for r in list(self.routes.values()):
+            # A lost prefill matters until its first token is in (the decode node may already
+            # hold the committed cache after that); a lost decode node matters throughout.
+            lost_prefill = r.prefill == identity and r.state is RouteState.PREFILLING
+            if lost_prefill or r.decode == identity:
+                other = r.decode if lost_prefill else r.prefill
+                out += self._fail(
+                    r,
+                    ErrorCode.NODE_UNREACHABLE,
+                    f"{node.role} node {node.id} was lost while serving this request",
+                    cancel=(other,),
+                )
+        return out
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        node = self.nodes.get(send.dest)
+        out = self._mark_down(node, reason) if node is not None else []
+        msg = send.msg
+        if not isinstance(msg, PrefillRequest):
+            return out  # a cancel that could not be sent: the node is gone anyway
+        r = self.routes.get(msg.request_id)
+        if r is None or r.nonce != msg.nonce or r.prefill != send.dest or r.next_index:
+            return out
+        # The request never reached that prefill node: another one may take it (this is a
+        # failover of an unsent request, not a recomputation of a failed handoff).
+        r.tried.add(send.dest)
+        nxt = self._pick("prefill", exclude=r.tried)
+        if nxt is None:
+            return out + self._fail(
+                r,
+                ErrorCode.NODE_UNREACHABLE,
+                f"no prefill node reachable (last: {self.nodes[send.dest].id}: {reason})",
+                cancel=(r.decode,),
+            )
+        self.nodes[r.prefill].active -= 1
+        r.prefill = nxt
+        self.counts["failovers"] += 1
+        return out + self._dispatch(r, now, "failover")
+
+    # --- admission and dispatch -----------------------------------------------------------
+    def _pick(self, role: str, exclude: set[str] = frozenset()) -> str | None:  # type: ignore[assignment]
+        for _ in range(len(self._by_role[role])):
+            a = next(self._rr[role])
+            n = self.nodes[a]
+            if n.online and n.active < self.capacity and a not in exclude:
+                return a
+        return None
+
+    def _admit(self, e: RunEntry, now: float) -> list[Effect]:
+        if e.request_id in self.routes:
+            return [Deliver(Error(ErrorCode.BAD_REQUEST, "duplicate request id", e.request_id))]
+        p = self._pick("prefill")
+        d = self._pick("decode")
+        if p is None or d is None:
+            self.counts["rejected"] += 1
+            role = "prefill" if p is None else "decode"
+            state = ", ".join(
+                f"{self.nodes[a].id}: {'full' if self.nodes[a].online else 'down'}"
+                for a in self._by_role[role]
+            )
+            why = f"no {role} node can take the request ({state})"
+            return [Deliver(Error(ErrorCode.NO_NODE_AVAILABLE, why, e.request_id, e.nonce))]
+        r = Route(e.request_id, e, next(self._nonces), p, d, now + self.prefill_timeout)
+        r.tried.add(p)
+        self.routes[r.request_id] = r
+        self.nodes[d].active += 1
+        self.nodes[d].dispatched += 1
+        self.counts["routed"] += 1
+        return self._dispatch(r, now, "dispatch")
+
+    def _dispatch(self, r: Route, now: float, why: str) -> list[Effect]:
+        node = self.nodes[r.prefill]
+        node.active += 1
+        node.dispatched += 1
+        self.dispatch_log.append((r.request_id, r.prefill, why))
+        req = PrefillRequest(r.request_id, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
+        return [Send(r.prefill, req, deadline=r.deadline)]
+
+    def _cancel(self, request_id: str) -> list[Effect]:
+        r = self.routes.get(request_id)
+        if r is None:
+            return []
+        self.counts["cancelled"] += 1
+        return self._end(r, "cancelled") + self._cancels(r, (r.prefill, r.decode), "cancelled")
+
+    # --- results ----------------------------------------------------------------------------
+    def _result(self, msg: TokenResult | Error, source: str, now: float) -> list[Effect]:
+        if source not in self.nodes:
+            self.counts["router_drop"] += 1
+            return [
+                Warn(
+                    "router-drop",
+                    f"router: dropping result frame from {source}: not a configured "
+                    "--prefill-peers or --decode-peers address",
+                )
+            ]
+        r = self.routes.get(msg.request_id or "")
+        if r is None or msg.nonce != r.nonce or source not in (r.prefill, r.decode):
+            self.counts["stale"] += 1  # a finished request, or a node it was not given to
+            return []
+        if isinstance(msg, Error):
+            node = self.nodes[source]
+            other = r.decode if source == r.prefill else r.prefill
+            return self._fail(r, msg.code, f"{node.id}: {msg.message}", cancel=(other,))
+        expected = r.prefill if msg.index == 0 else r.decode
+        if source != expected or msg.index < r.next_index:
+            self.counts["stale"] += 1
+            return []
+        if msg.index > r.next_index:  # overtook an earlier token on another connection
+            if len(r.early) >= MAX_EARLY:
+                return self._fail(
+                    r, ErrorCode.HANDOFF_FAILED, "tokens arrived too far out of order", (source,)
+                )
+            r.early[msg.index] = msg
+            return []
+        out: list[Effect] = []
+        nxt: TokenResult | None = msg
+        while nxt is not None and r.request_id in self.routes:
+            out += self._deliver(r, nxt, now)
+            nxt = r.early.pop(r.next_index, None)
+        return out
+
+    def _deliver(self, r: Route, t: TokenResult, now: float) -> list[Effect]:
+        event = RouteEvent.FIRST_TOKEN if t.index == 0 else RouteEvent.DECODE_TOKEN
+        if t.finish_reason is not None:
+            event = RouteEvent.FINISH
+        r.state = ROUTE_TABLE.next(r.state, event)
+        r.next_index += 1
+        r.deadline = now + self.handoff_timeout
+        out: list[Effect] = [
+            Deliver(
+                RunResult(r.request_id, 0, t.token_ids, t.finish_reason, r.entry.nonce, t.logprobs)
+            )
+        ]
+        if r.state is RouteState.DONE:
+            self.counts["completed"] += 1
+            for a in (r.prefill, r.decode):
+                self.nodes[a].completed += 1
+            out += self._end(r, "completed")
+        return out
+
+    # --- endings ----------------------------------------------------------------------------
+    def _fail(self, r: Route, code: str, why: str, cancel: tuple[str, ...] = ()) -> list[Effect]:
+        r.state = ROUTE_TABLE.next(r.state, RouteEvent.FAIL)
+        self.counts["failed"] += 1
+        for a in (r.prefill, r.decode):
+            self.nodes[a].failed += 1
+        out: list[Effect] = [
+            Deliver(Error(code, why, r.request_id, r.entry.nonce)),
+            Warn("warning", f"router: request {r.request_id} failed: {why}"),
+        ]
+        return out + self._end(r, "failed") + self._cancels(r, cancel, why)
+
+    def _end(self, r: Route, _why: str) -> list[Effect]:
+        self.routes.pop(r.request_id, None)
+        self.nodes[r.prefill].active -= 1
+        self.nodes[r.decode].active -= 1
+        return []
+
+    def _cancels(self, r: Route, dests: tuple[str, ...], why: str) -> list[Effect]:
+        # Frees the cache on every node the request touched; best effort (a lost node has
+        # nothing left to free).
+        return [
+            Send(d, CancelRequest(r.request_id, why[:200]), deadline=None)
+            for d in dict.fromkeys(dests)
+            if self.nodes[d].online
+        ]
+
+    def _mark_down(self, node: PeerNode, reason: str) -> list[Effect]:
+        node.last_error = reason[:300]
+        if not node.online:
+            return []
+        node.online = False
+        return [Warn("warning", f"router: {node.id} marked down: {reason}")]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "nodes": [
+                {
+                    "id": n.id,
+                    "role": n.role,
+                    "address": n.address,
+                    "healthy": n.online,
+                    "dispatched": n.dispatched,
+                    "active": n.active,
+                    "completed": n.completed,
+                    "failed": n.failed,
+                    "last_error": n.last_error,
+                }
+                for n in self.nodes.values()
+            ],
+            "metrics": {"in_flight": self.active, **dict(self.counts)},
+        }

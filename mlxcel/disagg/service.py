@@ -1,0 +1,249 @@
+"""The asyncio side of the three disaggregated roles: bus, network, engine, timers.
+
+Each service is a :class:`~mlxcel.adapter.CoreAdapter` around its core. The prefill and
+decode services run their model through a :class:`~mlxcel.runtime.engine.LocalEngine` that
+does not listen on the bus (requests reach it only through the core); the router service
+stands where the engine stands on a one-process node, between the frontend and the network,
+and probes its peers in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from loguru import logger
+
+from mlxcel.adapter import CoreAdapter
+from mlxcel.bus import Node, Origin
+from mlxcel.deadlines import deadline_in
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import PROBE_INTERVAL, PrefillJob, ResumeJob, VerifyJob
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.effects import Deliver, Effect, FreeCache, StartCompute
+from mlxcel.endpoint import Endpoint
+from mlxcel.errors import MlxcelError, QueueFull
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    Message,
+    PrefillRequest,
+    RunEntry,
+    RunResult,
+    TokenResult,
+)
+from mlxcel.runtime.engine import LocalEngine
+
+Probe = Callable[[str, float], Awaitable[None]]  # (address, deadline): raises if unreachable
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+class RouterService(CoreAdapter):
+    def __init__(
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        core: RouterCore,
+        probe: Probe,
+        *,
+        probe_interval: float = PROBE_INTERVAL,
+    ) -> None:
+        super().__init__(node, endpoint, core, "router", 10.0)
+        self.router = core
+        self.probe = probe
+        self.probe_interval = probe_interval
+        self._local: asyncio.Queue[Message] = asyncio.Queue(4096)
+        self.probed = asyncio.Event()  # set after each full probe round
+
+    def attach(self) -> None:
+        self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
+        self.subscribe([TokenResult, Error], Origin.REMOTE, maxsize=4096)
+        self.node.spawn(self._publish_local(), name="router.local", critical=True)
+        self.node.spawn(self._probe_loop(), name="router.probe", critical=True)
+        self.start()
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, Deliver):
+            try:
+                self._local.put_nowait(effect.msg)
+            except asyncio.QueueFull:
+                logger.error("router: local outbox full; dropping {}", type(effect.msg).__name__)
+        else:
+            super().apply(effect)
+
+    async def _publish_local(self) -> None:
+        while True:
+            msg = await self._local.get()
+            try:
+                await self.node.bus.publish(msg, deadline=deadline_in(30))
+            except QueueFull:
+                logger.error("router: the frontend stayed full; dropped a {}", type(msg).__name__)
+
+    async def _probe_one(self, address: str) -> None:
+        try:
+            await self.probe(address, deadline_in(min(2.0, self.probe_interval * 2)))
+        except (MlxcelError, OSError, TimeoutError) as exc:
+            self.feed(self.router.probe_result(address, False, str(exc), self.now()))
+        else:
+            self.feed(self.router.probe_result(address, True, "", self.now()))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe_one(a) for a in self.router.nodes))
+            self.probed.set()
+            await asyncio.sleep(self.probe_interval)
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until one prefill and one decode node answer (or ``timeout``: raise, naming them)."""
+        deadline = self.now() + timeout
+        while not (self.router.online("prefill") and self.router.online("decode")):
+            if self.now() >= deadline:
+                down = [
+                    f"{n.id} at {n.address}: {n.last_error or 'no answer'}"
+                    for n in self.router.nodes.values()
+                    if not n.online
+                ]
+                raise MlxcelError(
+                    f"router: no prefill and decode node online within {timeout:g}s "
+                    f"(--startup-timeout): {'; '.join(down)}"
+                )
+            await asyncio.sleep(0.1)
+
+    def stats(self, verbose: bool) -> dict[str, Any]:
+        """GET /router/stats: addresses only when ``verbose`` (MLXCEL_ROUTER_STATS_VERBOSE)."""
+        body = self.router.stats()
+        if not verbose:
+            for n in body["nodes"]:
+                n.pop("address", None)
+                n.pop("last_error", None)  # connect errors name addresses too
+        body["metrics"]["router_drop_warnings"] = self.router.counts["router_drop"]
+        body["addresses_redacted"] = not verbose
+        return body
+
+    async def health(self) -> dict[str, Any]:
+        r = self.router
+        ready = bool(r.online("prefill") and r.online("decode"))
+        return {
+            "ready": ready,
+            "router": {
+                "prefill_online": len(r.online("prefill")),
+                "decode_online": len(r.online("decode")),
+                "in_flight": r.active,
+            },
+        }
+
+
+def stats_verbose(raw: str | None) -> bool:
+    return (raw or "").strip().lower() in TRUE_WORDS
+
+
+class PrefillService(CoreAdapter):
+    def __init__(
+        self, node: Node, endpoint: Endpoint, engine: LocalEngine, config: PrefillConfig
+    ) -> None:
+        core = PrefillCore(config, first_lease=secrets.randbits(40) + 1)
+        super().__init__(node, endpoint, core, "prefill", 30.0)
+        self.prefill = core
+        self.engine = engine
+
+    def attach(self) -> None:
+        self.subscribe([PrefillRequest, HandoffAck, CancelRequest], Origin.REMOTE, maxsize=1024)
+        self.start()
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
+            job = effect.job
+            rid = f"lease-{job.lease}"
+            entry = RunEntry(rid, 0, job.token_ids, 0, job.sampling, 0)  # type: ignore[arg-type]
+            problem = self.engine.submit(
+                entry, "prefill", sink=lambda m: self._done(job.lease, rid, m), keep_cache=True
+            )
+            if problem is not None:
+                self.feed(self.prefill.compute_failed(job.lease, problem, self.now()))
+        elif isinstance(effect, FreeCache):
+            self.engine.cancel(f"lease-{effect.key}", "prefill")
+        else:
+            super().apply(effect)
+
+    def _done(self, lease: int, rid: str, m: RunResult | Error) -> None:
+        if isinstance(m, Error):
+            self.feed(self.prefill.compute_failed(lease, m.message, self.now()))
+            return
+        packed, key = self.engine.kept.pop(rid, (None, ()))
+        self.feed(
+            self.prefill.compute_done(
+                lease, m.token_ids, m.finish_reason, m.logprobs, packed, key, self.now()
+            )
+        )
+
+
+class DecodeService(CoreAdapter):
+    def __init__(
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        engine: LocalEngine,
+        config: DecodeConfig,
+        dims: tuple[int, int, int],
+    ) -> None:
+        core = DecodeCore(config)
+        super().__init__(node, endpoint, core, "decode", 30.0)
+        self.decode = core
+        self.engine = engine
+        self.dims = dims  # (layers, kv heads, head dim) a handoff must match
+        self.staged: dict[int, Any] = {}  # slot -> verified caches, not yet read
+
+    def attach(self) -> None:
+        self.subscribe([KvHandoff, HandoffVerdict, CancelRequest], Origin.REMOTE, maxsize=1024)
+        self.start()
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, StartCompute) and isinstance(effect.job, VerifyJob):
+            self.node.spawn(self._verify(effect.job), name="decode.verify")
+        elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
+            self._resume(effect.job)
+        elif isinstance(effect, FreeCache):
+            self.staged.pop(effect.key, None)
+            self.engine.cancel(f"slot-{effect.key}", "decode")
+        else:
+            super().apply(effect)
+
+    async def _verify(self, job: VerifyJob) -> None:
+        from mlxcel.runtime.kv_handoff import check, unpack
+
+        def work() -> tuple[str | None, Any]:
+            problem = check(job.handoff, *self.dims)
+            return (problem, None) if problem else (None, unpack(job.handoff))
+
+        try:
+            problem, caches = await self.engine.compute.run(work)
+        except Exception as exc:  # a malformed tensor the checks missed: refuse, keep serving
+            problem, caches = f"could not load the handoff: {exc}", None
+        if caches is not None and job.slot in self.decode.slots:
+            self.staged[job.slot] = caches
+        self.feed(self.decode.verified(job.slot, problem, self.now()))
+
+    def _resume(self, job: ResumeJob) -> None:
+        h = job.handoff
+        caches = self.staged.pop(job.slot, None)
+        rid = f"slot-{job.slot}"
+        problem = "the verified cache is gone" if caches is None else None
+        if problem is None:
+            entry = RunEntry(rid, 0, (h.first_token,), 0, h.sampling, 0)
+            problem = self.engine.submit(
+                entry,
+                "decode",
+                sink=lambda m: self.feed(self.decode.token(job.slot, m, self.now())),
+                cache=caches,
+                key_state=h.rng_key,
+            )
+        if problem is not None:
+            err = Error("engine_failed", problem, rid)
+            self.feed(self.decode.token(job.slot, err, self.now()))

@@ -1,0 +1,173 @@
+"""Wiring of the disaggregated roles: model, engine, cluster listener, service, frontend.
+
+Every role listens on its ``--serving-bind`` address (its identity, bound to the source IP
+its connections come from) and authenticates every connection with the cluster secret. The
+router also runs the frontend behind the HTTP API; prefill and decode nodes serve only their
+cluster port.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from mlxcel.bus import Node
+from mlxcel.disagg.decode_core import DecodeConfig
+from mlxcel.disagg.prefill_core import PrefillConfig
+from mlxcel.disagg.protocol import parse_allowlist
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
+from mlxcel.frontend import Frontend
+from mlxcel.net.listener import ClusterListener
+from mlxcel.net.network import split_hostport
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.pipeline.cluster_config import ClusterSection
+from mlxcel.pipeline.remote import cluster_net
+from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.model import LoadedModel, load_model, load_tokenizer_only
+
+
+@dataclass
+class RoleStack:
+    node: Node
+    service: Any  # RouterService | PrefillService | DecodeService
+    listener: ClusterListener
+    frontend: Frontend | None = None  # the router's
+    engine: LocalEngine | None = None  # prefill and decode
+
+
+@asynccontextmanager
+async def router_stack(
+    model_path: Path,
+    secret: ClusterSecret,
+    bind: str,
+    prefill: list[str],
+    decode: list[str],
+    *,
+    parallel: int = 8,
+    queue_size: int = 64,
+    request_timeout: float = 600.0,
+    startup_timeout: float = 60.0,
+    interface: str | None = None,
+) -> AsyncIterator[RoleStack]:
+    """A router that has seen one prefill and one decode node answer; bind ``listener``
+    (results come back there) before serving HTTP."""
+    tokenizer, _config = load_tokenizer_only(model_path)
+    async with Node("router") as node:
+        listener, pool, endpoint = cluster_net(
+            node, ClusterSection(), bind, "router", secret, interface
+        )
+
+        async def probe(address: str, deadline: float) -> None:
+            host, port = split_hostport(address)
+            await pool.get(host, port, deadline)
+
+        core = RouterCore(prefill, decode, first_nonce=secrets.randbits(48) + 1)
+        service = RouterService(node, endpoint, core, probe)
+        service.attach()
+        await service.wait_ready(startup_timeout)
+        fe = Frontend(
+            node,
+            tokenizer,
+            parallel=parallel,
+            queue_size=queue_size,
+            request_timeout=request_timeout,
+        )
+        fe.attach()
+        yield RoleStack(node, service, listener, frontend=fe)
+
+
+def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of this model's cache, read from a one-token forward
+    (also a warm-up)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array([[0]]), cache=cache))
+    first = cache[0]
+    keys = first.keys if getattr(first, "keys", None) is not None else first.state[0]
+    return len(cache), int(keys.shape[1]), int(keys.shape[3])
+
+
+@asynccontextmanager
+async def worker_stack(
+    role: str,
+    model_path: Path,
+    secret: ClusterSecret,
+    bind: str,
+    *,
+    decode_peers: list[str] | None = None,
+    allowlist_env: str | None = None,
+    max_batch_size: int = 8,
+    prefill_step_size: int = 512,
+    max_sequences: int = 64,
+    interface: str | None = None,
+) -> AsyncIterator[RoleStack]:
+    """A prefill or decode node with its model loaded and warmed up; bind ``listener``."""
+    from mlxcel.runtime.kv_handoff import unsupported_reason
+
+    compute = ComputeThread()
+    try:
+        loaded = await compute.run(load_model, model_path)
+        async with Node(role) as node:
+            listener, _pool, endpoint = cluster_net(
+                node, ClusterSection(), bind, role, secret, interface
+            )
+            engine = LocalEngine(
+                loaded,
+                compute,
+                max_batch_size=max_batch_size,
+                prefill_step_size=prefill_step_size,
+                max_sequences=max_sequences,
+            )
+            await engine.attach(node, serve_bus=False)
+            vocab = int(loaded.config["vocab_size"])
+            max_len = int(loaded.config.get("max_position_embeddings", 1 << 30))
+            service: PrefillService | DecodeService
+            if role == "prefill":
+                unsupported = await compute.run(unsupported_reason, loaded.model, loaded.family)
+                if unsupported:
+                    logger.warning("prefill: {}; every request will be refused", unsupported)
+                else:
+                    await compute.run(_kv_dims, loaded)
+                raw = (
+                    os.environ.get("MLXCEL_DECODE_ALLOWLIST")
+                    if allowlist_env is None
+                    else allowlist_env
+                )
+                allowlist, skipped = parse_allowlist(raw)
+                for item in skipped:
+                    logger.warning(
+                        "MLXCEL_DECODE_ALLOWLIST: skipping {!r}: not a numeric IP:port", item
+                    )
+                if allowlist is None:
+                    logger.warning(
+                        "MLXCEL_DECODE_ALLOWLIST is unset or has no valid entry: this prefill "
+                        "node hands KV caches to any decode target a request names"
+                    )
+                cfg = PrefillConfig(
+                    tuple(decode_peers or ()),
+                    allowlist,
+                    unsupported,
+                    vocab,
+                    max_len,
+                    max_sequences=max_sequences,
+                )
+                service = PrefillService(node, endpoint, engine, cfg)
+            else:
+                dims = await compute.run(_kv_dims, loaded)
+                cfg_d = DecodeConfig(vocab, max_len, max_sequences)
+                service = DecodeService(node, endpoint, engine, cfg_d, dims)
+            service.attach()
+            yield RoleStack(node, service, listener, engine=engine)
+    finally:
+        compute.close()

@@ -1,0 +1,115 @@
+"""The KV cache a prefill node hands to a decode node: pack, digest, check, unpack.
+
+Only a plain per-layer ``KVCache`` can travel: its state is two dense arrays per layer.
+Rotating (sliding-window) caches, SSM/recurrent state and composite caches cannot be
+serialised into that shape, so :func:`unsupported_reason` names them and the prefill node
+refuses those requests before any work. Everything here runs on the compute thread (MLX
+arrays belong to the thread that made them; hashing megabytes does not belong on the
+reactor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxcel.messages import KvHandoff, Tensor
+from mlxcel.runtime.tensors import from_tensor, to_tensor
+
+KV_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+
+
+def unsupported_reason(model: Any, family: str) -> str | None:
+    """None when every layer's cache is a plain ``KVCache``; else why the family cannot hand off."""
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    if kinds == {"KVCache"}:
+        return None
+    other = ", ".join(sorted(kinds - {"KVCache"}))
+    return (
+        f"model family {family!r} keeps {other} state, which cannot be handed off between "
+        "nodes; disaggregated serving supports families with a plain KV cache (llama, qwen2, "
+        "qwen3 ...)"
+    )
+
+
+def digest(
+    prompt_len: int,
+    first_token: int,
+    keys: Sequence[Tensor],
+    values: Sequence[Tensor],
+) -> bytes:
+    h = hashlib.sha256()
+    h.update(f"mlxcel-kv-1|{prompt_len}|{first_token}|{len(keys)}".encode())
+    for t in (*keys, *values):
+        h.update(f"|{t.dtype}{list(t.shape)}|".encode())
+        h.update(t.data)
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A prefilled cache ready to send (what the prefill node's lease holds)."""
+
+    prompt_len: int
+    first_token: int
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    digest: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys, *self.values))
+
+
+def pack(cache: Sequence[Any], prompt_len: int, first_token: int) -> Packed:
+    """Trim each layer to the prompt (the batch generator may already hold the first sampled
+    token, and pads its buffers in steps) and copy it out, dtype unchanged."""
+    keys, values = [], []
+    for c in cache:
+        if type(c) is not KVCache or c.keys is None or c.offset < prompt_len:
+            raise ValueError(f"layer cache {type(c).__name__} does not hold the whole prompt")
+        k = c.keys[..., :prompt_len, :]
+        v = c.values[..., :prompt_len, :]
+        mx.eval(k, v)
+        keys.append(to_tensor(k))
+        values.append(to_tensor(v))
+    return Packed(
+        prompt_len,
+        first_token,
+        tuple(keys),
+        tuple(values),
+        digest(prompt_len, first_token, keys, values),
+    )
+
+
+def check(h: KvHandoff, n_layers: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why ``h`` cannot be resumed on this model (None: it can). Cheap checks first, then the
+    digest over every byte."""
+    if len(h.keys) != n_layers or len(h.values) != n_layers:
+        return f"handoff has {len(h.keys)}/{len(h.values)} layers, the model has {n_layers}"
+    want = (1, kv_heads, h.prompt_len, head_dim)
+    dtypes = {t.dtype for t in (*h.keys, *h.values)}
+    if len(dtypes) != 1 or not dtypes <= KV_DTYPES:
+        return f"handoff tensors must share one float dtype, got {sorted(dtypes)}"
+    for t in (*h.keys, *h.values):
+        if tuple(t.shape) != want:
+            return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+    if digest(h.prompt_len, h.first_token, h.keys, h.values) != h.digest:
+        return "handoff digest mismatch: the KV cache is not the one the prefill node sent"
+    return None
+
+
+def unpack(h: KvHandoff) -> list[KVCache]:
+    caches = []
+    for k, v in zip(h.keys, h.values, strict=True):
+        c = KVCache()
+        keys, values = from_tensor(k), from_tensor(v)
+        mx.eval(keys, values)
+        c.state = (keys, values, h.prompt_len)
+        caches.append(c)
+    return caches
