@@ -34,7 +34,7 @@ from mlxcel.messages import (
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.kv_handoff import Packed, pack
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.runtime.sampling import Sampler, guarded_sampler, key_state
+from mlxcel.runtime.sampling import Sampler, guarded_sampler, key_after_first
 
 
 class SeqState(enum.Enum):
@@ -347,7 +347,7 @@ class LocalEngine:
                 except ValueError as exc:
                     out.failed[request_id] = f"could not pack the KV cache: {exc}"
                     continue
-                out.kept[request_id] = (packed, key_state(sampler))
+                out.kept[request_id] = (packed, key_after_first(sampler))
         out.failed = dict(self._sample_failures)  # the guards keep this dict: clear, never swap
         self._sample_failures.clear()
         return out

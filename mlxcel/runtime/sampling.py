@@ -41,17 +41,25 @@ def make_sampler(p: SamplingParams, key_state: Sequence[int] = ()) -> Sampler | 
         if 0 < p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
         key[0], sub = mx.random.split(key[0])
+        if len(key) == 1:
+            key.append(key[0])  # the key after the first token: what a handoff carries
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
-    sample.key = key  # type: ignore[attr-defined]  # read by key_state()
+    sample.key = key  # type: ignore[attr-defined]  # read by key_after_first()
     return sample
 
 
-def key_state(sampler: Sampler | None) -> tuple[int, ...]:
-    """The PRNG key a sampler will split next (empty for greedy): what a handoff carries."""
+def key_after_first(sampler: Sampler | None) -> tuple[int, ...]:
+    """The PRNG key as it was right after the first token was sampled (empty for greedy).
+
+    A prefill node hands a sequence off after its first token, but mlx-lm's batch generator
+    samples one step ahead, so the live key may already be split again: the decode node must
+    go on from the key after token 0, as a single node would."""
     inner = getattr(sampler, "inner", sampler)
     key = getattr(inner, "key", None)
-    return () if key is None else tuple(int(x) for x in key[0].tolist())
+    if key is None or len(key) < 2:
+        return ()
+    return tuple(int(x) for x in key[1].tolist())
 
 
 class GuardedSampler:

@@ -1,0 +1,263 @@
+"""Disaggregated serving with the real model runtime: the KV handoff format, and a router,
+a prefill node and a decode node in one process talking over authenticated loopback TCP
+(127.0.0.x addresses, so identities are bound to distinct source IPs)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mlxcel.disagg.stack import RoleStack, router_stack, worker_stack
+from mlxcel.frontend import EngineError
+from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.runner import NodeRunner
+from mlxcel.server.run import local_stack
+from tests.conftest import free_port
+
+PROMPTS = [f"Disaggregated prompt {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(6)]
+
+
+async def collect(fe, prompt: str, n: int = 12, **kw) -> list[int]:  # type: ignore[no-untyped-def]
+    toks: list[int] = []
+    async with aclosing(fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))) as it:
+        async for d in it:
+            toks.extend(d.token_ids)
+    return toks
+
+
+async def until_true(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> dict[str, list[list[int]]]:
+    async def run() -> dict[str, list[list[int]]]:
+        async with local_stack(tiny) as st:
+            greedy = [await collect(st.frontend, p) for p in PROMPTS]
+            seeded = [
+                await collect(st.frontend, p, temperature=0.9, seed=1234 + i)
+                for i, p in enumerate(PROMPTS)
+            ]
+            return {"greedy": greedy, "seeded": seeded}
+
+    return asyncio.run(run())
+
+
+@dataclass
+class Trio:
+    router: RoleStack
+    prefill: RoleStack
+    decode: RoleStack
+
+
+@asynccontextmanager
+async def trio(model: Path, **router_kw: object) -> AsyncIterator[Trio]:
+    secret = ClusterSecret(bytes(range(32)), "test")
+    pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (12, 13, 14))
+    async with AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(
+            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist_env="")
+        )
+        dec = await stack.enter_async_context(worker_stack("decode", model, secret, da))
+        for w in (pre, dec):
+            await w.listener.start()
+            stack.push_async_callback(w.listener.close)
+        rt = await stack.enter_async_context(
+            router_stack(model, secret, ra, [pa], [da], startup_timeout=20, **router_kw)  # type: ignore[arg-type]
+        )
+        await rt.listener.start()
+        stack.push_async_callback(rt.listener.close)
+        yield Trio(rt, pre, dec)
+
+
+async def test_handoff_decodes_exactly_what_one_node_decodes(
+    tiny: Path, reference: dict[str, list[list[int]]]
+) -> None:
+    async with trio(tiny) as t:
+        fe = t.router.frontend
+        greedy = await asyncio.gather(*(collect(fe, p) for p in PROMPTS))
+        assert greedy == reference["greedy"]
+        # Sampling state travels too: a seeded request continues its PRNG key on the
+        # decode node, so it reproduces the single-node stream token for token.
+        seeded = await asyncio.gather(
+            *(collect(fe, p, temperature=0.9, seed=1234 + i) for i, p in enumerate(PROMPTS))
+        )
+        assert seeded == reference["seeded"]
+        stats = t.router.service.stats(verbose=False)
+        assert stats["addresses_redacted"] and all("address" not in n for n in stats["nodes"])
+        assert all(n["dispatched"] == 2 * len(PROMPTS) for n in stats["nodes"])
+        assert t.prefill.service.prefill.counts["committed"] == 2 * len(PROMPTS)
+
+
+async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
+    async with trio(tiny) as t:
+        fe = t.router.frontend
+        got = 0
+        async with aclosing(
+            fe.stream(fe.encode_prompt(PROMPTS[0]), SamplingParams(max_tokens=3000))
+        ) as it:
+            async for d in it:
+                got += len(d.token_ids)
+                if got >= 3:
+                    break  # the client goes away mid-stream
+        dec, pre = t.decode, t.prefill
+        await until_true(
+            lambda: dec.service.decode.active == 0
+            and dec.engine is not None
+            and dec.engine.active == 0
+            and not dec.service.staged
+            and pre.service.prefill.active == 0
+            and pre.engine is not None
+            and pre.engine.active == 0
+            and not pre.engine.kept
+        )
+        assert dec.service.decode.counts["cancelled"] == 1
+        assert t.router.service.router.active == 0
+        # The nodes keep serving.
+        assert len(await collect(fe, PROMPTS[1], n=4)) == 4
+
+
+async def test_a_corrupt_handoff_is_refused_and_reported(tiny: Path) -> None:
+    async with trio(tiny) as t:
+        real_send = t.prefill.service.endpoint.send
+
+        async def corrupt(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
+            if isinstance(msg, KvHandoff):
+                k = msg.keys[0]
+                bad = dataclasses.replace(k, data=bytes([k.data[0] ^ 1]) + k.data[1:])
+                msg = dataclasses.replace(msg, keys=(bad, *msg.keys[1:]))
+            await real_send(dest, msg, deadline)
+
+        t.prefill.service.endpoint.send = corrupt  # type: ignore[method-assign]
+        with pytest.raises(EngineError) as err:
+            await collect(t.router.frontend, PROMPTS[0])
+        assert err.value.code == ErrorCode.HANDOFF_FAILED
+        assert "digest mismatch" in str(err.value)
+        assert t.decode.service.decode.reads == type(t.decode.service.decode.reads)()
+        await until_true(lambda: t.prefill.service.prefill.active == 0)
+
+
+async def test_an_expired_lease_is_an_error_and_the_cache_is_never_read(tiny: Path) -> None:
+    async with trio(tiny) as t:
+        # The decode node's acknowledgements never leave: the lease runs out.
+        real_send = t.decode.service.endpoint.send
+
+        async def swallow_acks(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
+            if type(msg).__name__ != "HandoffAck":
+                await real_send(dest, msg, deadline)
+
+        t.decode.service.endpoint.send = swallow_acks  # type: ignore[method-assign]
+        core = t.prefill.service.prefill
+        core.config = dataclasses.replace(core.config, lease=0.5)
+        with pytest.raises(EngineError) as err:
+            await collect(t.router.frontend, PROMPTS[0])
+        assert err.value.code == ErrorCode.HANDOFF_TIMEOUT and "lease expired" in str(err.value)
+        await until_true(lambda: t.decode.service.decode.active == 0)
+        assert not t.decode.service.decode.reads and not t.decode.service.staged
+
+
+def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.runtime.kv_handoff import check, pack, unpack
+    from mlxcel.runtime.model import load_model
+
+    loaded = load_model(tiny)
+    cache = make_prompt_cache(loaded.model)
+    loaded.model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    p = pack(cache, 4, 7)  # the cache may hold more than the prompt: trimmed
+    assert all(k.shape[2] == 4 for k in p.keys) and p.keys[0].dtype == "float32"
+    h = KvHandoff("r", 1, "x", 1, 7, SamplingParams(), (), 4, p.keys, p.values, p.digest)
+    kv_heads, head_dim = p.keys[0].shape[1], p.keys[0].shape[3]
+    assert check(h, len(cache), kv_heads, head_dim) is None
+    restored = unpack(h)
+    assert restored[0].offset == 4
+    assert check(h, len(cache) + 1, kv_heads, head_dim) is not None
+    tampered = dataclasses.replace(h, first_token=8)
+    assert "digest mismatch" in (check(tampered, len(cache), kv_heads, head_dim) or "")
+
+
+@pytest.fixture(scope="session")
+def sliding_llama(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with sliding-window layers: mlx-lm gives it RotatingKVCache layers."""
+    out = tmp_path_factory.mktemp("ckpt-swa") / "tiny-llama-swa"
+    shutil.copytree(checkpoints["llama"], out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2)
+    cfg["sliding_window"] = 16
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_unsupported_reason_names_rotating_caches(tiny: Path, sliding_llama: Path) -> None:
+    from mlxcel.runtime.kv_handoff import unsupported_reason
+    from mlxcel.runtime.model import load_model
+
+    assert unsupported_reason(load_model(tiny).model, "qwen3") is None
+    why = unsupported_reason(load_model(sliding_llama).model, "llama")
+    assert why is not None and "RotatingKVCache" in why
+
+
+async def test_unsupported_family_fails_each_request_cleanly_and_keeps_serving(
+    sliding_llama: Path,
+) -> None:
+    async with trio(sliding_llama) as t:
+        for _ in range(2):
+            with pytest.raises(EngineError) as err:
+                await collect(t.router.frontend, PROMPTS[0])
+            assert err.value.code == ErrorCode.UNSUPPORTED_MODEL
+            assert "RotatingKVCache" in str(err.value)
+        # No prefill work ran for them, and the node still answers its probes.
+        assert t.prefill.engine is not None and t.prefill.engine.prompt_tokens == 0
+        assert t.router.service.router.online("prefill")
+
+
+async def test_router_runner_serves_stats_over_http(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiohttp
+
+    from mlxcel.assembly import DisaggSpec, Generation, assemble
+    from mlxcel.runner import HttpOptions
+
+    secret = ClusterSecret(bytes(range(32)), "test")
+    pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (15, 16, 17))
+    async with AsyncExitStack() as stack:
+        for spec in (
+            DisaggSpec("prefill", tiny, secret, pa, decode_peers=(da,)),
+            DisaggSpec("decode", tiny, secret, da),
+        ):
+            node = await stack.enter_async_context(assemble(spec))
+            runner = NodeRunner(node.serving)
+            await runner.start()
+            stack.push_async_callback(runner.stop)
+        node = await stack.enter_async_context(
+            assemble(DisaggSpec("router", tiny, secret, ra, (pa,), (da,)), Generation())
+        )
+        runner = NodeRunner(node.serving, HttpOptions(port=0))
+        await runner.setup()
+        urls = await runner.start()
+        stack.push_async_callback(runner.stop)
+        async with aiohttp.ClientSession() as http:
+            for env, redacted in (("", True), ("YES", False), ("on", False), ("0", True)):
+                monkeypatch.setenv("MLXCEL_ROUTER_STATS_VERBOSE", env)
+                async with http.get(urls["http"] + "/router/stats") as resp:
+                    body = await resp.json()
+                assert body["addresses_redacted"] is redacted
+                text = json.dumps(body)
+                assert (pa in text and da in text) is not redacted
+                assert (pa not in text and da not in text) is redacted
+                assert [n["id"] for n in body["nodes"]] == ["prefill-0", "decode-0"]
+            async with http.get(urls["http"] + "/health") as resp:
+                assert resp.status == 200

@@ -1,0 +1,390 @@
+"""The disaggregated role cores as tables: no model, no loop, no sockets.
+
+Each test drives a core with messages and times and compares the effects it returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import (
+    LEASE_TABLE,
+    ROUTE_TABLE,
+    SLOT_TABLE,
+    LeaseEvent,
+    LeaseState,
+    PrefillJob,
+    ResumeJob,
+    RouteEvent,
+    RouteState,
+    SlotEvent,
+    SlotState,
+    VerifyJob,
+    parse_allowlist,
+)
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.effects import Deliver, FreeCache, Send, StartCompute, Warn
+from mlxcel.fsm import IllegalTransition
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    PrefillRequest,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+    TokenResult,
+)
+from mlxcel.runtime.kv_handoff import Packed, digest
+
+P0, P1 = "127.0.0.2:9000", "127.0.0.3:9000"
+D0, D1 = "127.0.0.4:9000", "127.0.0.5:9000"
+R = "127.0.0.6:9000"
+STRANGER = "127.0.0.9:9000"
+
+
+def sends(effects: list, cls: type | None = None) -> list[Send]:
+    return [e for e in effects if isinstance(e, Send) and (cls is None or isinstance(e.msg, cls))]
+
+
+def delivered(effects: list) -> list:
+    return [e.msg for e in effects if isinstance(e, Deliver)]
+
+
+# --- router ----------------------------------------------------------------------------------
+def online_router(**kw: object) -> RouterCore:
+    r = RouterCore([P0, P1], [D0, D1], **kw)  # type: ignore[arg-type]
+    for a in (P0, P1, D0, D1):
+        r.probe_result(a, True, "", 0.0)
+    return r
+
+
+def entry(rid: str, n: int = 3, max_tokens: int = 4) -> RunEntry:
+    return RunEntry(rid, 0, tuple(range(1, n + 1)), 0, SamplingParams(max_tokens=max_tokens), 7)
+
+
+def test_router_round_robins_both_pools_and_ships_the_decode_target() -> None:
+    r = online_router()
+    picks = []
+    for i in range(4):
+        (s,) = sends(r.handle(entry(f"r{i}"), "local", 0.0), PrefillRequest)
+        picks.append((s.dest, s.msg.decode_target))
+    assert picks == [(P0, D0), (P1, D1), (P0, D0), (P1, D1)]
+    assert {n.id: n.dispatched for n in r.nodes.values()} == {
+        "prefill-0": 2, "prefill-1": 2, "decode-0": 2, "decode-1": 2
+    }
+
+
+def test_router_admission_answers_no_node_available_when_a_pool_is_down() -> None:
+    r = RouterCore([P0], [D0])
+    r.probe_result(P0, True, "", 0.0)  # the decode node never answered
+    (err,) = delivered(r.handle(entry("r1"), "local", 0.0))
+    assert isinstance(err, Error) and err.code == ErrorCode.NO_NODE_AVAILABLE
+    assert "no decode node" in err.message and "decode-0: down" in err.message
+    assert r.active == 0
+
+
+def test_router_streams_tokens_in_order_even_when_decode_overtakes_prefill() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    n, p, d = s.msg.nonce, s.dest, s.msg.decode_target
+    assert r.handle(TokenResult("r1", 1, (11,), None, n), d, 0.1) == []  # held back
+    out = r.handle(TokenResult("r1", 0, (10,), None, n), p, 0.2)
+    assert [m.token_ids for m in delivered(out)] == [(10,), (11,)]
+    out = r.handle(TokenResult("r1", 2, (12,), "length", n), d, 0.3)
+    (last,) = delivered(out)
+    assert isinstance(last, RunResult) and last.finish_reason == "length" and last.nonce == 7
+    assert r.active == 0 and r.counts["completed"] == 1
+
+
+def test_router_drops_results_from_unconfigured_and_wrong_senders() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    n = s.msg.nonce
+    out = r.handle(TokenResult("r1", 0, (66,), "stop", n), STRANGER, 0.1)
+    assert delivered(out) == []
+    (w,) = [e for e in out if isinstance(e, Warn)]
+    assert w.kind == "router-drop" and STRANGER in w.text
+    # A configured peer this request was not given to, a decode node claiming index 0, a
+    # wrong nonce: all dropped, the request still waits.
+    other = P1 if s.dest == P0 else P0
+    assert r.handle(TokenResult("r1", 0, (66,), None, n), other, 0.1) == []
+    assert r.handle(TokenResult("r1", 0, (66,), None, n), s.msg.decode_target, 0.1) == []
+    assert r.handle(TokenResult("r1", 0, (66,), None, n + 1), s.dest, 0.1) == []
+    assert r.counts["stale"] == 3 and r.counts["router_drop"] == 1
+    # ... and the forged frames end it only through the timeout.
+    out = r.on_timer(1e6)
+    (err,) = delivered(out)
+    assert err.code == ErrorCode.HANDOFF_TIMEOUT
+
+
+def test_router_fails_over_an_unsent_request_and_marks_the_node_down() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    out = r.undeliverable(s, "connection refused", 0.1)
+    (again,) = sends(out, PrefillRequest)
+    assert again.dest != s.dest and again.msg.decode_target == s.msg.decode_target
+    assert not r.nodes[s.dest].online and r.counts["failovers"] == 1
+    # Both prefill nodes down: the next one fails with a 503-class error.
+    out = r.undeliverable(again, "connection refused", 0.2)
+    (err,) = delivered(out)
+    assert err.code == ErrorCode.NODE_UNREACHABLE
+
+
+def test_router_fails_requests_on_a_lost_decode_node_and_uses_it_again_after_a_probe() -> None:
+    r = online_router()
+    for i in range(4):
+        r.handle(entry(f"r{i}"), "local", 0.0)
+    out = r.peer_lost(D0, 1.0)
+    errs = delivered(out)
+    assert sorted(e.request_id for e in errs) == ["r0", "r2"]
+    assert all(e.code == ErrorCode.NODE_UNREACHABLE and "decode-0" in e.message for e in errs)
+    # Their prefill nodes are told to free what they hold.
+    assert {s.dest for s in sends(out, CancelRequest)} == {P0}
+    (s,) = sends(r.handle(entry("r9"), "local", 2.0), PrefillRequest)
+    assert s.msg.decode_target == D1
+    r.probe_result(D0, True, "", 3.0)
+    targets = {sends(r.handle(entry(f"x{i}"), "local", 4.0))[0].msg.decode_target for i in range(2)}
+    assert targets == {D0, D1}
+
+
+def test_router_cancel_reaches_both_nodes() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    out = r.handle(CancelRequest("r1", "client went away"), "local", 0.5)
+    assert {c.dest for c in sends(out, CancelRequest)} == {s.dest, s.msg.decode_target}
+    assert r.active == 0
+
+
+def test_router_error_from_the_prefill_ends_the_request_with_its_code() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    err = Error(ErrorCode.HANDOFF_TIMEOUT, "handoff lease expired", "r1", s.msg.nonce)
+    out = r.handle(err, s.dest, 0.5)
+    (d,) = delivered(out)
+    assert d.code == ErrorCode.HANDOFF_TIMEOUT and "prefill-" in d.message
+    assert r.dispatch_log.count(("r1", s.dest, "dispatch")) == 1 and len(r.dispatch_log) == 1
+
+
+def test_route_table_refuses_a_second_first_token() -> None:
+    with pytest.raises(IllegalTransition):
+        ROUTE_TABLE.next(RouteState.DECODING, RouteEvent.FIRST_TOKEN)
+
+
+# --- prefill ---------------------------------------------------------------------------------
+def prefill(**kw: object) -> PrefillCore:
+    cfg = PrefillConfig(decode_peers=(D0,), vocab=100, max_len=64, lease=5.0, **kw)  # type: ignore[arg-type]
+    return PrefillCore(cfg)
+
+
+def request(rid: str = "r1", target: str = D1, max_tokens: int = 4) -> PrefillRequest:
+    return PrefillRequest(rid, (1, 2, 3), SamplingParams(max_tokens=max_tokens), target, 42)
+
+
+def packed(first: int = 9) -> Packed:
+    k = Tensor("float32", (1, 1, 3, 2), bytes(24))
+    return Packed(3, first, (k,), (k,), digest(3, first, (k,), (k,)))
+
+
+def start(core: PrefillCore, now: float = 0.0, **kw: object) -> tuple[int, list]:
+    (job,) = [e.job for e in core.handle(request(**kw), R, now) if isinstance(e, StartCompute)]  # type: ignore[arg-type]
+    assert isinstance(job, PrefillJob) and job.sampling.max_tokens == 1
+    out = core.compute_done(job.lease, (9,), "length", None, packed(), (), now)
+    return job.lease, out
+
+
+def test_prefill_refuses_unsupported_families_before_any_work() -> None:
+    core = prefill(unsupported="model family 'gemma3' keeps RotatingKVCache state")
+    out = core.handle(request(), R, 0.0)
+    (s,) = sends(out)
+    assert s.dest == R and s.msg.code == ErrorCode.UNSUPPORTED_MODEL
+    assert not [e for e in out if isinstance(e, StartCompute)] and core.active == 0
+    # ... and keeps serving: the next request gets the same clean answer.
+    assert sends(core.handle(request("r2"), R, 0.1))[0].msg.code == ErrorCode.UNSUPPORTED_MODEL
+
+
+def test_prefill_allowlist_refuses_targets_outside_it_and_never_sends_the_cache() -> None:
+    allow, skipped = parse_allowlist(f"{D0}, decode.example:9000, 300.1.1.1:5, {D0}")
+    assert allow == frozenset({D0}) and skipped == ["decode.example:9000", "300.1.1.1:5"]
+    core = prefill(allowlist=allow)
+    out = core.handle(request(target=D1), R, 0.0)
+    (s,) = sends(out)
+    assert s.msg.code == ErrorCode.DECODE_TARGET_REFUSED and D1 in s.msg.message
+    assert not [e for e in out if isinstance(e, StartCompute)]
+    # Inside the list: accepted. No target: the first --decode-peers, without validation.
+    assert [e for e in core.handle(request("r2", target=D0), R, 0.0) if isinstance(e, StartCompute)]
+    strict = prefill(allowlist=frozenset({D1}))
+    lease, out = start(strict, target="")
+    assert sends(out, KvHandoff)[0].dest == D0
+
+
+def test_unset_or_empty_allowlist_is_permissive() -> None:
+    assert parse_allowlist(None) == (None, []) and parse_allowlist(" , ") == (None, [])
+    assert parse_allowlist("host:1")[0] is None
+    lease, out = start(prefill(allowlist=None), target=D1)
+    assert sends(out, KvHandoff)[0].dest == D1
+
+
+def test_prefill_sends_token_zero_then_the_handoff_and_commits_on_ack() -> None:
+    core = prefill()
+    lease, out = start(core)
+    (first,) = sends(out, TokenResult)
+    assert first.dest == R and first.msg.index == 0 and first.msg.finish_reason is None
+    (h,) = sends(out, KvHandoff)
+    assert h.dest == D1 and h.msg.router == R and h.msg.sampling.max_tokens == 3
+    assert core.leases[lease].state is LeaseState.LEASED and core.leases[lease].held
+    out = core.handle(HandoffAck("r1", lease, True), D1, 1.0)
+    (v,) = sends(out, HandoffVerdict)
+    assert v.dest == D1 and v.msg.commit
+    assert FreeCache(lease) in out and core.active == 0
+
+
+def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None:
+    core = prefill()
+    lease, _ = start(core)
+    assert core.next_timer() == 5.0
+    out = core.on_timer(5.0)
+    (err,) = sends(out, Error)
+    assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
+    assert "lease expired" in err.msg.message
+    (v,) = sends(out, HandoffVerdict)
+    assert v.dest == D1 and not v.msg.commit
+    assert FreeCache(lease) in out
+    # The ack that comes too late gets an abort: the decode node must not read it.
+    (late,) = sends(core.handle(HandoffAck("r1", lease, True), D1, 6.0))
+    assert isinstance(late.msg, HandoffVerdict) and not late.msg.commit
+
+
+def test_refused_handoff_digest_is_reported_to_the_router() -> None:
+    core = prefill()
+    lease, _ = start(core)
+    out = core.handle(HandoffAck("r1", lease, False, "handoff digest mismatch"), D1, 1.0)
+    (err,) = sends(out, Error)
+    assert err.msg.code == ErrorCode.HANDOFF_FAILED and "digest mismatch" in err.msg.message
+    assert FreeCache(lease) in out and core.active == 0
+
+
+def test_an_ack_from_another_node_changes_nothing() -> None:
+    core = prefill()
+    lease, _ = start(core)
+    (v,) = sends(core.handle(HandoffAck("r1", lease, True), D0, 1.0))
+    assert v.dest == D0 and not v.msg.commit
+    assert core.leases[lease].state is LeaseState.LEASED
+
+
+def test_cancel_while_leased_aborts_at_decode_and_frees() -> None:
+    core = prefill()
+    lease, _ = start(core)
+    assert core.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == []  # not its router
+    out = core.handle(CancelRequest("r1", "client went away"), R, 1.0)
+    (v,) = sends(out, HandoffVerdict)
+    assert not v.msg.commit and FreeCache(lease) in out and core.active == 0
+
+
+def test_undeliverable_handoff_and_lost_decode_are_errors() -> None:
+    core = prefill()
+    lease, out = start(core)
+    (h,) = sends(out, KvHandoff)
+    (err,) = sends(core.undeliverable(h, "connection refused", 1.0), Error)
+    assert err.msg.code == ErrorCode.HANDOFF_FAILED and "connection refused" in err.msg.message
+    lease, _ = start(core, rid="r2")
+    (err,) = sends(core.peer_lost(D1, 2.0), Error)
+    assert "lost" in err.msg.message
+
+
+def test_first_token_that_ends_the_stream_hands_nothing_off() -> None:
+    core = prefill()
+    lease, out = start(core, max_tokens=1)
+    (t,) = sends(out)
+    assert isinstance(t.msg, TokenResult) and t.msg.finish_reason == "length"
+    assert FreeCache(lease) in out and core.active == 0
+
+
+def test_lease_table_has_no_way_back_from_ended() -> None:
+    with pytest.raises(IllegalTransition):
+        LEASE_TABLE.next(LeaseState.ENDED, LeaseEvent.ACKED)
+
+
+# --- decode ----------------------------------------------------------------------------------
+def handoff(rid: str = "r1", lease: int = 5) -> KvHandoff:
+    p = packed()
+    return KvHandoff(
+        rid, lease, R, 42, 9, SamplingParams(max_tokens=3), (), 3, p.keys, p.values, p.digest
+    )
+
+
+def decode() -> DecodeCore:
+    return DecodeCore(DecodeConfig(vocab=100, max_len=64, max_sequences=4, verdict_wait=15.0))
+
+
+def staged(core: DecodeCore) -> int:
+    (job,) = [e.job for e in core.handle(handoff(), P0, 0.0) if isinstance(e, StartCompute)]
+    assert isinstance(job, VerifyJob)
+    (ack,) = sends(core.verified(job.slot, None, 0.1))
+    assert ack.dest == P0 and ack.msg.ok
+    return job.slot
+
+
+def test_decode_reads_a_handoff_only_after_the_commit() -> None:
+    core = decode()
+    slot = staged(core)
+    assert core.reads == type(core.reads)() and core.slots[slot].state is SlotState.STAGED
+    assert core.handle(HandoffVerdict("r1", 5, True), P1, 0.2) == []  # not its prefill node
+    out = core.handle(HandoffVerdict("r1", 5, True), P0, 0.2)
+    (job,) = [e.job for e in out if isinstance(e, StartCompute)]
+    assert isinstance(job, ResumeJob) and list(core.reads) == [(P0, 5)]
+    out = core.token(slot, RunResult("slot", 0, (21,), None, 0), 0.3)
+    (t,) = sends(out)
+    assert t.dest == R and t.msg.index == 1 and t.msg.nonce == 42
+    out = core.token(slot, RunResult("slot", 0, (22,), "length", 0), 0.4)
+    assert sends(out)[0].msg.index == 2 and FreeCache(slot) in out and core.active == 0
+
+
+def test_decode_frees_an_aborted_or_never_committed_handoff_unread() -> None:
+    core = decode()
+    slot = staged(core)
+    out = core.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 1.0)
+    assert out == [FreeCache(slot)] and not core.reads
+    slot = staged(core)
+    out = core.on_timer(0.1 + 15.0)
+    (err,) = sends(out, Error)
+    assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
+    assert FreeCache(slot) in out and not core.reads
+
+
+def test_decode_refuses_a_corrupt_handoff() -> None:
+    core = decode()
+    (job,) = [e.job for e in core.handle(handoff(), P0, 0.0) if isinstance(e, StartCompute)]
+    out = core.verified(job.slot, "handoff digest mismatch", 0.1)
+    (ack,) = sends(out)
+    assert not ack.msg.ok and "digest" in ack.msg.reason and FreeCache(job.slot) in out
+
+
+def test_a_cancel_that_overtakes_its_handoff_refuses_it_later() -> None:
+    core = decode()
+    assert core.handle(CancelRequest("r1", "gone"), R, 0.0) == []
+    (ack,) = sends(core.handle(handoff(), P0, 0.1))
+    assert not ack.msg.ok and "cancelled" in ack.msg.reason and core.active == 0
+
+
+def test_cancel_during_decode_frees_the_slot() -> None:
+    core = decode()
+    slot = staged(core)
+    core.handle(HandoffVerdict("r1", 5, True), P0, 0.2)
+    assert core.handle(CancelRequest("r1", "x"), STRANGER, 0.3) == []  # not its router
+    assert core.handle(CancelRequest("r1", "x"), R, 0.3) == [FreeCache(slot)]
+
+
+def test_slot_table_refuses_a_commit_before_the_ack() -> None:
+    with pytest.raises(IllegalTransition):
+        SLOT_TABLE.next(SlotState.VERIFYING, SlotEvent.COMMIT)
+    core = decode()
+    core.handle(handoff(), P0, 0.0)
+    (w,) = core.handle(HandoffVerdict("r1", 5, True), P0, 0.05)
+    assert isinstance(w, Warn) and not core.reads
