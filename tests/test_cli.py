@@ -158,16 +158,28 @@ def test_windows_refuses_distributed_flags_before_resolving_the_model(
         (["serve", "--tp-size", "4", "-m", "/does/not/exist"], "--tp-size"),
         (["serve", "--pp-auto", "2", "--cluster-peers", "127.0.0.2:1,127.0.0.3:1"], "--pp-auto"),
         (["serve", "--pp-peer", "--cluster-control-addr", "127.0.0.2:19001"], "--pp-peer"),
+        (["serve", "--node-role", "decode", "--serving-bind", "127.0.0.2:1"], "--node-role"),
+        (["serve", "--cluster-peers", "127.0.0.2:1"], "--cluster-peers"),
+        (["serve", "--prefill-peers", "127.0.0.2:1"], "--prefill-peers"),
+        (["serve", "--decode-peers", "127.0.0.2:1"], "--decode-peers"),
+        (["serve", "--serving-bind", "127.0.0.2:1"], "--serving-bind"),
     ):
         with pytest.raises(SystemExit) as info:
             cli_main.main(argv)
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and "Windows" in err
+    # hybrid is the single-node default: not a distributed mode.
+    refuse_distributed_on_windows("serve", {"node_role": "hybrid"}, platform="win32")
     monkeypatch.setenv("MLXCEL_TP_SIZE", "2")
     with pytest.raises(SystemExit):
         cli_main.main(["generate"])
     assert "--tp-size" in capsys.readouterr().err
+    monkeypatch.delenv("MLXCEL_TP_SIZE")
+    monkeypatch.setenv("MLXCEL_NODE_ROLE", "router")
+    with pytest.raises(SystemExit):
+        cli_main.main(["serve"])
+    assert "--node-role" in capsys.readouterr().err
     assert resolved == [] and not any(tmp_path.iterdir())
 
 
@@ -200,6 +212,21 @@ _REQUIRED: dict[str, list[str]] = {
 }
 
 
+# A choice that needs other flags to be valid.
+_COMPANIONS: dict[tuple[str, object], list[str]] = {
+    ("node_role", "prefill"): ["--serving-bind", "127.0.0.1:9"],
+    ("node_role", "decode"): ["--serving-bind", "127.0.0.1:9"],
+    ("node_role", "router"): [
+        "--serving-bind",
+        "127.0.0.1:9",
+        "--prefill-peers",
+        "127.0.0.2:9",
+        "--decode-peers",
+        "127.0.0.3:9",
+    ],
+}
+
+
 def _every_literal_setting() -> list[tuple[list[str], str, object]]:
     cases = []
     commands = [([name], cls) for name, (cls, _) in cli_main.COMMANDS.items()]
@@ -218,7 +245,7 @@ def test_every_documented_choice_is_accepted_from_cli_and_environment(
     """Choices reach the model as text from both places (``--quantize 4`` was refused once)."""
     cls = (cli_main.BENCHES if words[0] == "bench" else cli_main.COMMANDS)[words[-1]][0]
     flag = "--" + field.replace("_", "-")
-    base = [*words, *_REQUIRED.get(words[-1], [])]
+    base = [*words, *_REQUIRED.get(words[-1], []), *_COMPANIONS.get((field, value), [])]
     args = cli_main.build_parser().parse_args([*base, flag, str(value)])
     assert getattr(load_settings(cls, args), field) == value
     monkeypatch.setenv("MLXCEL_" + field.upper(), str(value))

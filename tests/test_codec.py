@@ -24,6 +24,10 @@ from mlxcel.messages import (
     BeginDrain,
     CancelRequest,
     Error,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    PrefillRequest,
     PrepareSequence,
     QueryState,
     ReleaseSequence,
@@ -33,6 +37,7 @@ from mlxcel.messages import (
     Shutdown,
     State,
     Tensor,
+    TokenResult,
     TpInsert,
     TpStep,
 )
@@ -126,6 +131,32 @@ messages = st.one_of(
     st.builds(AssignActivated, u64),
     st.builds(AssignAbort, u64, ids),
     st.builds(Beacon, ids, ids, ids, floats, st.binary(max_size=32), st.binary(max_size=32)),
+    st.builds(PrefillRequest, ids, st.lists(u64, max_size=5).map(tuple), sampling, ids, u64),
+    st.builds(
+        KvHandoff,
+        ids,
+        u64,
+        ids,
+        u64,
+        u64,
+        sampling,
+        st.lists(u64, max_size=2).map(tuple),
+        small_ints,
+        st.lists(tensors(), max_size=2).map(tuple),
+        st.lists(tensors(), max_size=2).map(tuple),
+        st.binary(max_size=32),
+    ),
+    st.builds(HandoffAck, ids, u64, st.booleans(), ids),
+    st.builds(HandoffVerdict, ids, u64, st.booleans(), ids),
+    st.builds(
+        TokenResult,
+        ids,
+        small_ints,
+        st.lists(u64, max_size=3).map(tuple),
+        st.none() | ids,
+        u64,
+        st.none() | st.lists(floats, max_size=3).map(tuple),
+    ),
 )
 
 
@@ -158,6 +189,11 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "AssignActivated",
         "AssignAbort",
         "Beacon",
+        "PrefillRequest",
+        "KvHandoff",
+        "HandoffAck",
+        "HandoffVerdict",
+        "TokenResult",
     }
     assert {c.__name__ for c in ALL_MESSAGES} == names
 

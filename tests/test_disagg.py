@@ -28,7 +28,9 @@ PROMPTS = [f"Disaggregated prompt {i}: " + "the quick brown fox " * (1 + i % 4) 
 
 async def collect(fe, prompt: str, n: int = 12, **kw) -> list[int]:  # type: ignore[no-untyped-def]
     toks: list[int] = []
-    async with aclosing(fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))) as it:
+    async with aclosing(
+        fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))
+    ) as it:
         async for d in it:
             toks.extend(d.token_ids)
     return toks
@@ -114,14 +116,16 @@ async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
                     break  # the client goes away mid-stream
         dec, pre = t.decode, t.prefill
         await until_true(
-            lambda: dec.service.decode.active == 0
-            and dec.engine is not None
-            and dec.engine.active == 0
-            and not dec.service.staged
-            and pre.service.prefill.active == 0
-            and pre.engine is not None
-            and pre.engine.active == 0
-            and not pre.engine.kept
+            lambda: (
+                dec.service.decode.active == 0
+                and dec.engine is not None
+                and dec.engine.active == 0
+                and not dec.service.staged
+                and pre.service.prefill.active == 0
+                and pre.engine is not None
+                and pre.engine.active == 0
+                and not pre.engine.kept
+            )
         )
         assert dec.service.decode.counts["cancelled"] == 1
         assert t.router.service.router.active == 0
@@ -225,7 +229,9 @@ async def test_unsupported_family_fails_each_request_cleanly_and_keeps_serving(
         assert t.router.service.router.online("prefill")
 
 
-async def test_router_runner_serves_stats_over_http(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_router_runner_serves_stats_over_http(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import aiohttp
 
     from mlxcel.assembly import DisaggSpec, Generation, assemble

@@ -77,7 +77,10 @@ def test_router_round_robins_both_pools_and_ships_the_decode_target() -> None:
         picks.append((s.dest, s.msg.decode_target))
     assert picks == [(P0, D0), (P1, D1), (P0, D0), (P1, D1)]
     assert {n.id: n.dispatched for n in r.nodes.values()} == {
-        "prefill-0": 2, "prefill-1": 2, "decode-0": 2, "decode-1": 2
+        "prefill-0": 2,
+        "prefill-1": 2,
+        "decode-0": 2,
+        "decode-1": 2,
     }
 
 

@@ -235,11 +235,11 @@ class PrefillCore:
             if x.router == identity:
                 out += self._end(x, LeaseEvent.CANCELLED, abort="the router was lost")
             elif x.target == identity and x.state is LeaseState.LEASED:
-                out += self._fail(
-                    x,
-                    ErrorCode.HANDOFF_FAILED,
-                    f"decode node {x.target} was lost before it acknowledged the handoff",
-                )
+                why = f"decode node {x.target} was lost before it acknowledged the handoff"
+                m = x.request
+                err = Error(ErrorCode.HANDOFF_FAILED, why, m.request_id, m.nonce)
+                # No abort verdict: the node is gone, and a send to it would only wait.
+                out += [Send(x.router, err)] + self._end(x, LeaseEvent.FAILED)
         return out
 
     # --- endings ----------------------------------------------------------------------------

@@ -43,6 +43,11 @@ from mlxcel.runtime.engine import LocalEngine
 Probe = Callable[[str, float], Awaitable[None]]  # (address, deadline): raises if unreachable
 
 TRUE_WORDS = ("1", "true", "yes", "on")
+# How long one send may wait for its peer (connecting included) before it counts as failed.
+# Short on purpose: a send to a node that just died must not hold up the sends queued behind
+# it for that address (a restarted node comes back at the same one). A handoff carries its
+# lease as its own, tighter deadline.
+SEND_BUDGET = 5.0
 
 
 class RouterService(CoreAdapter):
@@ -55,7 +60,7 @@ class RouterService(CoreAdapter):
         *,
         probe_interval: float = PROBE_INTERVAL,
     ) -> None:
-        super().__init__(node, endpoint, core, "router", 10.0)
+        super().__init__(node, endpoint, core, "router", SEND_BUDGET)
         self.router = core
         self.probe = probe
         self.probe_interval = probe_interval
@@ -149,7 +154,7 @@ class PrefillService(CoreAdapter):
         self, node: Node, endpoint: Endpoint, engine: LocalEngine, config: PrefillConfig
     ) -> None:
         core = PrefillCore(config, first_lease=secrets.randbits(40) + 1)
-        super().__init__(node, endpoint, core, "prefill", 30.0)
+        super().__init__(node, endpoint, core, "prefill", SEND_BUDGET)
         self.prefill = core
         self.engine = engine
 
@@ -194,7 +199,7 @@ class DecodeService(CoreAdapter):
         dims: tuple[int, int, int],
     ) -> None:
         core = DecodeCore(config)
-        super().__init__(node, endpoint, core, "decode", 30.0)
+        super().__init__(node, endpoint, core, "decode", SEND_BUDGET)
         self.decode = core
         self.engine = engine
         self.dims = dims  # (layers, kv heads, head dim) a handoff must match

@@ -89,7 +89,7 @@ def guarded_sampler(
     p: SamplingParams, failures: dict[str, str], key: str, key_state: Sequence[int] = ()
 ) -> Sampler | None:
     """The request's sampler behind a :class:`GuardedSampler` (None: greedy, nothing to guard)."""
-    inner = make_sampler(p, key_state)
+    inner = make_sampler(p, key_state) if key_state else make_sampler(p)
     return None if inner is None else GuardedSampler(inner, failures, key)
 
 
