@@ -94,11 +94,12 @@ class KeygenSettings(_Base):
 class SimSettings(_Base):
     seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
     first_seed: int = Field(0, ge=0, description="the first seed of the run")
-    scenario: Literal["all", "mixed", "bringup", "scale", "tiny"] = Field(
+    scenario: Literal["all", "mixed", "bringup", "disagg", "scale", "tiny"] = Field(
         "all",
-        description="all: mixed and bringup for every seed; mixed: 2-8 stages serving, every "
-        "fault kind; bringup: zero-config bring-up of 2-16 peers; scale: 32 stages; "
-        "tiny: 2-4 stages computing with the real checkpoint (--model)",
+        description="all: mixed, bringup and disagg for every seed; mixed: 2-8 stages serving, "
+        "every fault kind; bringup: zero-config bring-up of 2-16 peers; disagg: a router with "
+        "1-8 prefill and 1-8 decode nodes; scale: 32 stages; tiny: 2-4 stages computing with "
+        "the real checkpoint (--model)",
     )
     model: str | None = Field(
         None, description="checkpoint for --scenario tiny (default: the embedded tiny model)"
@@ -108,7 +109,7 @@ class SimSettings(_Base):
     inject: str | None = Field(
         None,
         description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce; "
-        "bringup: activate-early)",
+        "bringup: activate-early; disagg: read-uncommitted)",
     )
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
@@ -117,7 +118,7 @@ class SimSettings(_Base):
     @field_validator("inject")
     @classmethod
     def _known_bugs(cls, v: str | None) -> str | None:
-        known = ("skip-owner-check", "accept-stale-nonce", "activate-early")
+        known = ("skip-owner-check", "accept-stale-nonce", "activate-early", "read-uncommitted")
         for bug in (v or "").split(","):
             if bug.strip() and bug.strip() not in known:
                 raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")

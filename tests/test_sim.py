@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.sim.bringup import BRINGUP_FAULTS
+from mlxcel.sim.disagg import DISAGG_FAULTS
 from mlxcel.sim.scenarios import BUGS, FAULT_KINDS, run_many, run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,21 +30,50 @@ def sim(*args: str, hashseed: str = "0") -> subprocess.CompletedProcess[str]:
 
 
 def test_300_seeds_cover_every_fault_kind_and_keep_every_invariant() -> None:
-    """The default run: every seed serves a pipeline (mixed) and brings one up (bringup)."""
+    """The default run: every seed serves a pipeline (mixed), brings one up (bringup) and
+    serves a disaggregated cluster (disagg)."""
     r = sim("--seeds", "300", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout)
     print(f"\n{summary['events']} events in {summary['wall_s']}s ({summary['events_per_s']}/s)")
-    assert summary["scenarios"] == 600 and summary["violations"] == 0
+    assert summary["scenarios"] == 900 and summary["violations"] == 0
     assert summary["stages"] == [2, 16]
     bringup_kinds = {f"bringup-{k}" for k in BRINGUP_FAULTS}
-    assert set(summary["faults"]) == set(FAULT_KINDS) | bringup_kinds
+    disagg_kinds = {f"disagg-{k}" for k in DISAGG_FAULTS}
+    assert set(summary["faults"]) == set(FAULT_KINDS) | bringup_kinds | disagg_kinds
     # Faults do bite: some requests complete and some fail with an error, none hang.
     assert summary["completed"] > 0 and summary["failed"] > 0
     # Some bring-ups activate every stage, some fail having started none (the check of each
     # run holds them to exactly that), and crashed coordinators account for the rest.
     runs, activated, failed = summary["bringups"]
     assert runs == 300 and activated > 0 and failed > 0 and activated + failed <= runs
+    runs, requests, completed, failed = summary["disagg"]
+    assert runs == 300 and completed > 0 and failed > 0 and completed + failed <= requests
+
+
+def test_disaggregated_clusters_keep_the_handoff_invariants() -> None:
+    from mlxcel.sim.disagg import run_disagg
+
+    shapes = set()
+    for seed in range(60):
+        run, bad, _n = run_disagg(seed)
+        assert bad == [], (seed, run.faults, bad[:5])
+        shapes.add((len(run.prefill), len(run.decode)))
+        # Every handoff read was committed first; leases that expired were never read.
+        assert all(r[:2] in run.ledger.commits for r in run.ledger.reads)
+    assert max(p for p, _ in shapes) == 8 and max(d for _, d in shapes) == 8
+    assert min(p for p, _ in shapes) == 1 and min(d for _, d in shapes) == 1
+
+
+def test_reading_a_handoff_before_its_commit_is_caught() -> None:
+    results = [run_scenario("disagg", s, inject=frozenset({"read-uncommitted"})) for s in range(10)]
+    failing = [r for r in results if r.violations]
+    assert len(failing) == 10
+    assert any("before it was committed" in v for v in failing[0].violations)
+    first = failing[0]
+    r = sim(*first.replay.split()[4:], "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["violations"] == len(first.violations)
+    assert run_scenario("disagg", first.seed).violations == []
 
 
 def test_a_bring_up_bug_is_found_and_replayed() -> None:

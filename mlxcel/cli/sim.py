@@ -23,8 +23,9 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, object]:
         for r in results
         if r.violations
     ]
-    serving = [r for r in results if r.name != "bringup"]
+    serving = [r for r in results if r.name not in ("bringup", "disagg")]
     ups = [r for r in results if r.name == "bringup"]
+    di = [r for r in results if r.name == "disagg"]
     return {
         "scenarios": len(results),
         "stages": [min(r.stages for r in results), max(r.stages for r in results)],
@@ -33,6 +34,13 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, object]:
         "failed": sum(r.failed for r in serving),
         # bring-ups: how many ran, activated every stage, failed having started none
         "bringups": [len(ups), sum(r.completed for r in ups), sum(r.failed for r in ups)],
+        # disaggregated runs: how many, their requests, completed, failed with an error
+        "disagg": [
+            len(di),
+            sum(r.requests for r in di),
+            sum(r.completed for r in di),
+            sum(r.failed for r in di),
+        ],
         "violations": sum(len(r.violations) for r in results),
         "events": events,
         "wall_s": round(wall_s, 3),
@@ -56,7 +64,7 @@ def run_sim(settings: SimSettings) -> int:
 
         model_path = resolve_model(settings.model)
     t0 = time.perf_counter()
-    names = ["mixed", "bringup"] if settings.scenario == "all" else [settings.scenario]
+    names = ["mixed", "bringup", "disagg"] if settings.scenario == "all" else [settings.scenario]
     try:
         results = [
             run_scenario(name, s, stages=settings.stages, inject=inject, model_path=model_path)
@@ -78,6 +86,12 @@ def run_sim(settings: SimSettings) -> int:
         runs, up, down = summary["bringups"]  # type: ignore[misc]
         if runs:
             print(f"bring-ups: {runs} ({up} activated every stage, {down} failed and started none)")
+        runs, n, done, failed = summary["disagg"]  # type: ignore[misc]
+        if runs:
+            print(
+                f"disaggregated: {runs} clusters, {n} requests ({done} completed, {failed} "
+                "failed with an error)"
+            )
         faults = ", ".join(f"{k} {v}" for k, v in summary["faults"].items())  # type: ignore[attr-defined]
         print(f"faults: {faults}")
         print(

@@ -142,6 +142,8 @@ class DecodeCore:
         if sid is None:
             return []
         s = self.slots[sid]
+        if s.state is SlotState.DECODING:
+            return []  # committed already: a repeat, or a late "no such lease" for a repeated ack
         if not v.commit:
             self.counts["aborted"] += 1
             return self._end(s, SlotEvent.ABORT)

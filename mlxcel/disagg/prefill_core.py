@@ -17,7 +17,14 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from mlxcel.disagg.protocol import LEASE, LEASE_TABLE, LeaseEvent, LeaseState, PrefillJob
+from mlxcel.disagg.protocol import (
+    LEASE,
+    LEASE_TABLE,
+    MAX_TOMBSTONES,
+    LeaseEvent,
+    LeaseState,
+    PrefillJob,
+)
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
 from mlxcel.messages import (
     CancelRequest,
@@ -62,6 +69,7 @@ class PrefillCore:
         self.leases: dict[int, Lease] = {}
         self._by_request: dict[tuple[str, str], int] = {}
         self._ids = itertools.count(first_lease)
+        self._finished: dict[tuple[str, str, int], None] = {}  # bounded, oldest first
         self.counts: Counter[str] = Counter()
         self.released: dict[int, str] = {}  # lease -> how it ended (sims check reads against it)
 
@@ -95,7 +103,12 @@ class PrefillCore:
 
         if c.unsupported is not None:
             return refuse(ErrorCode.UNSUPPORTED_MODEL, c.unsupported)
-        if (source, m.request_id) in self._by_request:
+        if (source, m.request_id, m.nonce) in self._finished:
+            return []  # a repeat of a request this node already ran: never run a prompt twice
+        held = self._by_request.get((source, m.request_id))
+        if held is not None:
+            if self.leases[held].request.nonce == m.nonce:
+                return []  # the same request again: it is running already
             return refuse(ErrorCode.BAD_REQUEST, f"request {m.request_id!r} is already running")
         target = m.decode_target or (c.decode_peers[0] if c.decode_peers else "")
         if not target:
@@ -255,6 +268,9 @@ class PrefillCore:
         x.state = LEASE_TABLE.next(x.state, event)
         self.leases.pop(x.id, None)
         self._by_request.pop((x.router, x.request.request_id), None)
+        self._finished[(x.router, x.request.request_id, x.request.nonce)] = None
+        if len(self._finished) > MAX_TOMBSTONES:
+            self._finished.pop(next(iter(self._finished)))
         self.released[x.id] = event.value
         if len(self.released) > 100_000:  # a bounded history
             self.released.pop(next(iter(self.released)))

@@ -29,7 +29,7 @@ LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ac
 VERDICT_WAIT = LEASE + 5.0  # decode: how long a verified handoff waits for the verdict
 PROBE_INTERVAL = 1.0  # router: liveness probe period per node
 TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long
-MAX_TOMBSTONES = 4096
+MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
 
@@ -89,6 +89,7 @@ ROUTE_TABLE: Table[RouteState, RouteEvent] = Table(
         (RouteState.PREFILLING, RouteEvent.FINISH): RouteState.DONE,
         (RouteState.PREFILLING, RouteEvent.FAIL): RouteState.DONE,
         (RouteState.HANDOFF, RouteEvent.DECODE_TOKEN): RouteState.DECODING,
+        (RouteState.HANDOFF, RouteEvent.FINISH): RouteState.DONE,  # token 1 was the last
         (RouteState.HANDOFF, RouteEvent.FAIL): RouteState.DONE,
         (RouteState.DECODING, RouteEvent.DECODE_TOKEN): RouteState.DECODING,
         (RouteState.DECODING, RouteEvent.FINISH): RouteState.DONE,

@@ -46,7 +46,7 @@ FAULT_KINDS = (
     "outsider",
     "insider",
 )
-SCENARIOS = ("mixed", "scale", "tiny", "bringup")
+SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg")
 BUGS = ("skip-owner-check", "accept-stale-nonce")
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
@@ -323,6 +323,8 @@ def run_scenario(
     wall0 = time.perf_counter()
     if name == "bringup":
         return _bringup_result(seed, stages, inject, wall0)
+    if name == "disagg":
+        return _disagg_result(seed, stages, inject, wall0)
     rng = random.Random(f"{name}:{seed}")
     model = None
     if name == "scale":
@@ -403,6 +405,32 @@ def _bringup_result(seed: int, peers: int | None, inject: frozenset[str], wall0:
         time.perf_counter() - wall0,
         tuple(sorted(inject)),
         peers,
+    )
+
+
+def _disagg_result(seed: int, nodes: int | None, inject: frozenset[str], wall0: float) -> Result:
+    """One disaggregated run (:mod:`mlxcel.sim.disagg`); ``stages`` counts its prefill and
+    decode nodes, ``--stages`` caps each pool."""
+    from mlxcel.sim.disagg import run_disagg
+
+    if nodes is not None and nodes > 64:
+        raise ValueError("a disagg scenario takes at most 64 nodes per pool")
+    run, violations, n = run_disagg(seed, inject, nodes)
+    outcomes = run.router.outcomes.values()
+    return Result(
+        "disagg",
+        seed,
+        len(run.prefill) + len(run.decode),
+        [f"disagg-{k}" for k in run.faults],
+        n,
+        sum(o.finish in ("stop", "length") for o in outcomes),
+        sum(bool(o.finish and o.finish.startswith("error")) for o in outcomes),
+        run.sched.events,
+        run.sched.trace_hash,
+        violations,
+        time.perf_counter() - wall0,
+        tuple(sorted(inject)),
+        nodes,
     )
 
 

@@ -1,0 +1,501 @@
+"""Disaggregated-serving scenarios: a router, 1-8 prefill and 1-8 decode nodes on the
+simulated network, the production cores, a fake model, seeded faults.
+
+The fake model: a prompt's "KV cache" is a 64-bit hash of its tokens, carried as a real
+tensor under the real handoff digest; token ``k`` of a request is a mix of that hash and
+``k``. A decode node that read the wrong cache, read one twice, or skipped a token streams
+tokens that differ from :func:`reference`. Faults: loss, delay, duplication, reordering, a
+partition, a prefill crash, a decode node crashing right after it took a handoff, a decode
+node so slow to verify that the lease expires, skewed clocks, and a secret holder that is no
+configured peer forging results. :func:`check` adds to the pipeline invariants (every
+request ends, completed ones are exact, nothing leaks): **no handoff is read unless its
+prefill node committed it while holding the lease**, and **no request is computed again
+after a failure** (the only second dispatch is the failover of a request that never reached
+its first prefill node).
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass, field
+
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import LEASE, PrefillJob, ResumeJob, VerifyJob
+from mlxcel.disagg.router_core import LOCAL, RouterCore
+from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    HandoffVerdict,
+    KvHandoff,
+    Message,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+    TokenResult,
+)
+from mlxcel.runtime.kv_handoff import Packed, digest
+from mlxcel.sim.clock import Scheduler
+from mlxcel.sim.hosts import Intruder, Outcome, SimHost
+from mlxcel.sim.model import mix
+from mlxcel.sim.network import Link, SimNetwork
+
+DISAGG_FAULTS = (
+    "drop",
+    "delay",
+    "duplicate",
+    "reorder",
+    "partition",
+    "crash-prefill",
+    "crash-decode",
+    "lease-expire",
+    "skew",
+    "insider",
+)
+DISAGG_BUGS = ("read-uncommitted",)
+ROUTER = "10.0.3.1:8300"
+FORGER = "10.0.3.99:8300"
+VOCAB = 512
+EOS = 0
+STEP_S = 0.005  # one decode step
+PREFILL_PER_TOKEN_S = 0.0005
+CLIENT_TIMEOUT = 900.0  # the client's own deadline: the cluster must end requests first
+# Faults that may legitimately fail the requests they overlap (plus how long they echo).
+HARMFUL = frozenset({"drop", "partition", "crash-prefill", "crash-decode", "lease-expire"})
+TAIL = 60.0
+
+
+def prompt_hash(prompt: tuple[int, ...]) -> int:
+    h = 0x5EED
+    for t in prompt:
+        h = mix(h, t, 17)
+    return h
+
+
+def token(h: int, k: int) -> int:
+    return mix(h, k, 31) % VOCAB
+
+
+def reference(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """What a single node streams: tokens until max_tokens or EOS (EOS is not streamed)."""
+    out: list[int] = []
+    h = prompt_hash(prompt)
+    for k in range(max_tokens):
+        t = token(h, k)
+        if t == EOS:
+            break
+        out.append(t)
+    return out
+
+
+def cache_tensor(h: int) -> Tensor:
+    return Tensor("float32", (1, 1, 1, 2), struct.pack("<Q", h))
+
+
+def cache_hash(t: Tensor) -> int:
+    return int(struct.unpack("<Q", t.data)[0])
+
+
+class RouterHost(SimHost):
+    """The router core plus a client in the frontend's place, and the liveness prober."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        net: SimNetwork,
+        prefill: list[str],
+        decode: list[str],
+        first_nonce: int,
+    ) -> None:
+        super().__init__(ROUTER, sched, net)
+        self.core = RouterCore(prefill, decode, first_nonce=first_nonce)  # type: ignore[assignment]
+        self.outcomes: dict[str, Outcome] = {}
+        self.sched.after(0.0, self._probe_round)
+
+    @property
+    def router(self) -> RouterCore:
+        assert isinstance(self.core, RouterCore)
+        return self.core
+
+    def _probe_round(self) -> None:
+        for a in self.router.nodes:
+            peer = self.net.hosts.get(a)
+            ok = bool(peer and peer.up and peer.has_secret and not self.net._parted(ROUTER, a))
+            self.sched.after(2 * self.net.link.latency, self._probe_done, a, ok)
+        self.sched.after(1.0, self._probe_round)
+
+    def _probe_done(self, address: str, ok: bool) -> None:
+        self.call(self.router.probe_result, address, ok, "" if ok else "unreachable", self.now())
+
+    def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int) -> None:
+        o = Outcome(rid, prompt, max_tokens, self.sched.now + CLIENT_TIMEOUT, self.sched.now)
+        self.outcomes[rid] = o
+        self.sched.at(o.deadline, self._client_deadline, rid)
+        entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
+        self.call(self.router.handle, entry, LOCAL, self.now())
+
+    def cancel(self, rid: str) -> None:
+        o = self.outcomes[rid]
+        if o.finish is None:
+            o.finish, o.ended_at = "cancelled", self.sched.now
+            self.call(self.router.handle, CancelRequest(rid, "client"), LOCAL, self.now())
+
+    def _client_deadline(self, rid: str) -> None:
+        o = self.outcomes[rid]
+        if o.finish is None:
+            o.finish, o.ended_at = "error:client_deadline", self.sched.now
+
+    def apply(self, effect: Effect) -> None:
+        if not isinstance(effect, Deliver):
+            raise NotImplementedError(type(effect).__name__)
+        m = effect.msg
+        o = self.outcomes.get(getattr(m, "request_id", "") or "")
+        if o is None or o.finish is not None:
+            return
+        if isinstance(m, Error):
+            o.finish, o.ended_at = f"error:{m.code}", self.sched.now
+        elif isinstance(m, RunResult):
+            o.tokens.extend(m.token_ids)
+            if m.finish_reason is not None:
+                o.finish, o.ended_at = m.finish_reason, self.sched.now
+
+
+@dataclass
+class Ledger:
+    """What the invariants compare across hosts."""
+
+    # (prefill, lease) -> when the prefill node sent the commit
+    commits: dict[tuple[str, int], float] = field(default_factory=dict)
+    reads: list[tuple[str, int, str, float]] = field(default_factory=list)  # ..., decode, when
+    computed: list[tuple[str, str, int]] = field(default_factory=list)  # (prefill, rid, nonce)
+
+
+class PrefillHost(SimHost):
+    def __init__(
+        self,
+        identity: str,
+        sched: Scheduler,
+        net: SimNetwork,
+        cfg: PrefillConfig,
+        ledger: Ledger,
+        rng: random.Random,
+    ) -> None:
+        super().__init__(identity, sched, net)
+        self.cfg, self.ledger, self.rng = cfg, ledger, rng
+        self.caches: set[int] = set()  # leases whose cache the "engine" holds
+        self.core = PrefillCore(cfg, first_lease=rng.getrandbits(40) + 1)  # type: ignore[assignment]
+
+    @property
+    def prefill(self) -> PrefillCore:
+        assert isinstance(self.core, PrefillCore)
+        return self.core
+
+    def check_send(self, send: Send) -> None:
+        if isinstance(send.msg, HandoffVerdict) and send.msg.commit:
+            self.ledger.commits[(self.identity, send.msg.lease)] = self.sched.now
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
+            job = effect.job
+            x = self.prefill.leases[job.lease]
+            self.ledger.computed.append((self.identity, x.request.request_id, x.request.nonce))
+            self.caches.add(job.lease)
+            took = 0.002 + PREFILL_PER_TOKEN_S * len(job.token_ids)
+            self.sched.after(took, self._computed, self.incarnation, job)
+        elif isinstance(effect, FreeCache):
+            self.caches.discard(effect.key)
+        else:
+            raise NotImplementedError(type(effect).__name__)
+
+    def _computed(self, incarnation: int, job: PrefillJob) -> None:
+        if not self.up or incarnation != self.incarnation or job.lease not in self.caches:
+            return
+        h = prompt_hash(job.token_ids)
+        t0 = token(h, 0)
+        k = cache_tensor(h)
+        packed = Packed(
+            len(job.token_ids), t0, (k,), (k,), digest(len(job.token_ids), t0, (k,), (k,))
+        )
+        ids = () if t0 == EOS else (t0,)
+        finish = "stop" if t0 == EOS else "length"
+        self.call(self.prefill.compute_done, job.lease, ids, finish, None, packed, (), self.now())
+
+    def crash(self) -> None:
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            self.up, self._timer_at = False, None
+            self.incarnation += 1
+            self.caches.clear()
+            self.net.reset_connections(self.identity)
+
+    def restart(self) -> None:
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.up = True
+            self.core = PrefillCore(self.cfg, first_lease=self.rng.getrandbits(40) + 1)  # type: ignore[assignment]
+
+
+class DecodeHost(SimHost):
+    def __init__(
+        self,
+        identity: str,
+        sched: Scheduler,
+        net: SimNetwork,
+        cfg: DecodeConfig,
+        ledger: Ledger,
+        inject: frozenset[str],
+    ) -> None:
+        super().__init__(identity, sched, net)
+        self.cfg, self.ledger, self.inject = cfg, ledger, inject
+        self.verify_s = 0.001
+        self.running: dict[int, tuple[int, int]] = {}  # slot -> (cache hash, tokens left)
+        self.staged: set[int] = set()
+        self.crash_after_reads: int | None = None
+        self.core = DecodeCore(cfg)  # type: ignore[assignment]
+
+    @property
+    def decode(self) -> DecodeCore:
+        assert isinstance(self.core, DecodeCore)
+        return self.core
+
+    def apply(self, effect: Effect) -> None:
+        if isinstance(effect, StartCompute) and isinstance(effect.job, VerifyJob):
+            self.staged.add(effect.job.slot)
+            self.sched.after(self.verify_s, self._verified, self.incarnation, effect.job)
+        elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
+            self._read(effect.job.slot, effect.job.handoff)
+        elif isinstance(effect, FreeCache):
+            self.staged.discard(effect.key)
+            self.running.pop(effect.key, None)
+        else:
+            raise NotImplementedError(type(effect).__name__)
+
+    def _verified(self, incarnation: int, job: VerifyJob) -> None:
+        if not self.up or incarnation != self.incarnation or job.slot not in self.staged:
+            return
+        h = job.handoff
+        ok = digest(h.prompt_len, h.first_token, h.keys, h.values) == h.digest
+        self.call(self.decode.verified, job.slot, None if ok else "digest mismatch", self.now())
+        if "read-uncommitted" in self.inject and ok and job.slot in self.decode.slots:
+            self._read(job.slot, h)  # the bug: decode before the prefill node committed
+
+    def _read(self, slot: int, h: KvHandoff) -> None:
+        if slot in self.running:
+            return
+        s = self.decode.slots.get(slot)
+        prefill = s.prefill if s is not None else "?"
+        self.ledger.reads.append((prefill, h.lease, self.identity, self.sched.now))
+        self.staged.discard(slot)
+        self.running[slot] = (cache_hash(h.keys[0]), h.sampling.max_tokens)
+        self.sched.after(STEP_S, self._step, self.incarnation, slot, 1)
+        if self.crash_after_reads is not None:
+            self.crash_after_reads -= 1
+            if self.crash_after_reads <= 0:
+                self.crash_after_reads = None
+                self.sched.after(STEP_S * 2, self.crash)  # mid-stream, right after the handoff
+
+    def _step(self, incarnation: int, slot: int, k: int) -> None:
+        if not self.up or incarnation != self.incarnation or slot not in self.running:
+            return
+        h, left = self.running[slot]
+        t = token(h, k)
+        done = t == EOS or left <= 1
+        finish = ("stop" if t == EOS else "length") if done else None
+        if done:
+            del self.running[slot]
+        else:
+            self.running[slot] = (h, left - 1)
+            self.sched.after(STEP_S, self._step, incarnation, slot, k + 1)
+        result = RunResult(f"slot-{slot}", 0, () if t == EOS else (t,), finish, 0)
+        self.call(self.decode.token, slot, result, self.now())
+
+    def crash(self) -> None:
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            self.up, self._timer_at = False, None
+            self.incarnation += 1
+            self.running.clear()
+            self.staged.clear()
+            self.net.reset_connections(self.identity)
+
+    def restart(self) -> None:
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.up = True
+            self.core = DecodeCore(self.cfg)  # type: ignore[assignment]
+
+
+@dataclass
+class DisaggRun:
+    sched: Scheduler
+    net: SimNetwork
+    router: RouterHost
+    prefill: list[PrefillHost]
+    decode: list[DecodeHost]
+    ledger: Ledger
+    faults: list[str]
+    harmful: list[tuple[float, float]] = field(default_factory=list)
+    forged: int = 0
+
+
+def build_disagg(
+    rng: random.Random, n_prefill: int, n_decode: int, faults: list[str], inject: frozenset[str]
+) -> DisaggRun:
+    sched = Scheduler()
+    net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.005])))
+    pre = [f"10.0.3.{10 + i}:8305" for i in range(n_prefill)]
+    dec = [f"10.0.3.{40 + i}:8304" for i in range(n_decode)]
+    ledger = Ledger()
+    router = RouterHost(sched, net, pre, dec, rng.getrandbits(40) + 1)
+    net.add(router)
+    pcfg = PrefillConfig(tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64)
+    dcfg = DecodeConfig(VOCAB, 1 << 20, 64)
+    run = DisaggRun(sched, net, router, [], [], ledger, faults)
+    for a in pre:
+        run.prefill.append(PrefillHost(a, sched, net, pcfg, ledger, rng))
+        net.add(run.prefill[-1])
+    for a in dec:
+        run.decode.append(DecodeHost(a, sched, net, dcfg, ledger, inject))
+        net.add(run.decode[-1])
+    return run
+
+
+def _faults(run: DisaggRun, rng: random.Random, horizon: float) -> None:
+    sched, net, f = run.sched, run.net, run.net.faults
+
+    def window() -> tuple[float, float]:
+        t0 = rng.uniform(0.0, horizon)
+        return t0, t0 + rng.uniform(0.2, 4.0)
+
+    for kind in run.faults:
+        t0, t1 = window()
+        if kind in HARMFUL:
+            run.harmful.append((t0, t1 + TAIL))
+        if kind in ("drop", "delay", "duplicate", "reorder"):
+            value = {"drop": 0.05, "delay": 0.2, "duplicate": 0.3, "reorder": 0.5}[kind]
+            f.delay_max = max(f.delay_max, rng.uniform(0.1, 2.0))
+            sched.at(t0, setattr, f, kind, rng.uniform(0.2, 1.0) * value)
+            sched.at(t1, setattr, f, kind, 0.0)
+        elif kind == "partition":
+            victim = rng.choice([*run.prefill, *run.decode]).identity
+            sched.at(t0, net.cut, frozenset({victim}), frozenset(net.hosts) - {victim})
+            sched.at(t1, net.heal)
+        elif kind == "crash-prefill":
+            victim_p = rng.choice(run.prefill)
+            sched.at(t0, victim_p.crash)
+            sched.at(t1 + rng.uniform(0.5, 10.0), victim_p.restart)
+        elif kind == "crash-decode":
+            victim_d = rng.choice(run.decode)
+            victim_d.crash_after_reads = rng.randint(1, 3)
+            restart = horizon + rng.uniform(1.0, 20.0)
+            sched.at(restart, victim_d.restart)
+            run.harmful[-1] = (0.0, restart + TAIL)
+        elif kind == "lease-expire":
+            victim_d = rng.choice(run.decode)
+            sched.at(t0, setattr, victim_d, "verify_s", LEASE + rng.uniform(1.0, 10.0))
+            sched.at(t1, setattr, victim_d, "verify_s", 0.001)
+            run.harmful[-1] = (t0, t1 + 2 * LEASE + TAIL)
+        elif kind == "skew":
+            for h in [run.router, *run.prefill, *run.decode]:
+                h.skew = rng.uniform(-30.0, 30.0)
+                h.rate = 1.0 + rng.uniform(-0.01, 0.01)
+        elif kind == "insider":
+            evil = Intruder(FORGER, sched, net, True)
+            net.add(evil)
+
+            def forge(evil: Intruder = evil) -> None:
+                live = [r for r, o in run.router.outcomes.items() if o.finish is None] or ["x"]
+                rid = rng.choice(live)
+                n = rng.randint(1, 1 << 40)
+                msg: Message = rng.choice(
+                    [TokenResult(rid, 0, (7,), "stop", n), Error("forged", "evil", rid, n)]
+                )
+                run.forged += 1
+                evil.inject(ROUTER, msg)
+
+            for _ in range(rng.randint(3, 20)):
+                sched.at(rng.uniform(0.0, horizon), forge)
+
+
+def run_disagg(
+    seed: int, inject: frozenset[str] = frozenset(), nodes: int | None = None
+) -> tuple[DisaggRun, list[str], int]:
+    rng = random.Random(f"disagg:{seed}")
+    n_prefill = rng.randint(1, nodes or 8)
+    n_decode = rng.randint(1, nodes or 8)
+    faults = [DISAGG_FAULTS[seed % len(DISAGG_FAULTS)]]
+    faults += [k for k in DISAGG_FAULTS if k not in faults and rng.random() < 0.1]
+    run = build_disagg(rng, n_prefill, n_decode, faults, inject & frozenset(DISAGG_BUGS))
+    horizon = 3.0
+    n_requests = rng.randint(3, 24)
+    for i in range(n_requests):
+        # Long prompts arrive while short ones decode.
+        plen = rng.choice([rng.randint(1, 40), rng.randint(200, 2000)])
+        prompt = tuple(rng.randrange(VOCAB) for _ in range(plen))
+        at = 1.5 + rng.uniform(0.0, horizon)  # after the first probe round
+        run.sched.at(at, run.router.submit, f"req-{i}", prompt, rng.randint(1, 32))
+        if rng.random() < 0.1:
+            run.sched.at(at + rng.uniform(0.0, 0.5), run.router.cancel, f"req-{i}")
+    _faults(run, rng, 1.5 + horizon)
+    run.sched.run(horizon + CLIENT_TIMEOUT + 60.0)
+    return run, check_disagg(run), n_requests
+
+
+def check_disagg(run: DisaggRun) -> list[str]:
+    bad: list[str] = []
+    for o in run.router.outcomes.values():
+        want = reference(o.prompt, o.max_tokens)
+        if o.finish is None or o.ended_at is None:
+            bad.append(f"{o.request_id} never ended")
+            continue
+        if o.finish == "error:client_deadline":
+            bad.append(f"{o.request_id} hung until the client's deadline")
+        elif o.finish.startswith("error:"):
+            if not any(t0 <= o.ended_at and o.submitted <= t1 for t0, t1 in run.harmful):
+                bad.append(f"{o.request_id} failed ({o.finish}) though no fault touched it")
+        elif o.finish in ("stop", "length"):
+            expect = "stop" if len(want) < o.max_tokens else "length"
+            if o.tokens != want or o.finish != expect:
+                bad.append(f"{o.request_id} completed with {o.tokens[:8]}, expected {want[:8]}")
+        if o.tokens != want[: len(o.tokens)]:
+            bad.append(f"{o.request_id} streamed tokens that are not the reference")
+    for prefill, lease, decode, at in run.ledger.reads:
+        committed = run.ledger.commits.get((prefill, lease))
+        if committed is None or committed > at:
+            bad.append(f"{decode} read handoff {lease} of {prefill} before it was committed")
+    # No recomputation: each (request, nonce) is computed at most once per dispatch, and a
+    # request is dispatched again only as the failover of an unsent request.
+    dispatches: dict[str, int] = {}
+    for rid, _node, why in run.router.router.dispatch_log:
+        dispatches[rid] = dispatches.get(rid, 0) + 1
+        if why not in ("dispatch", "failover"):
+            bad.append(f"{rid} was dispatched for {why}")
+    computed: dict[str, int] = {}
+    for _p, rid, _n in run.ledger.computed:
+        computed[rid] = computed.get(rid, 0) + 1
+    for rid, n in computed.items():
+        if n > dispatches.get(rid, 0):
+            bad.append(f"{rid} was computed {n} times for {dispatches.get(rid, 0)} dispatches")
+    for h in [run.router, *run.prefill, *run.decode]:
+        bad.extend(h.errors)
+    r = run.router.router
+    if r.routes:
+        bad.append(f"the router still holds {sorted(r.routes)}")
+    if any(n.active for n in r.nodes.values()):
+        bad.append("the router's per-node in-flight counts did not return to 0")
+    for p in run.prefill:
+        if p.up and (p.prefill.leases or p.caches):
+            bad.append(f"{p.identity} still holds leases {sorted(p.prefill.leases)}")
+    for d in run.decode:
+        if d.up and (d.decode.slots or d.running or d.staged):
+            bad.append(f"{d.identity} still holds slots {sorted(d.decode.slots)}")
+    if run.forged and any(
+        o.tokens[:1] == [7] and o.finish == "stop"
+        for o in run.router.outcomes.values()
+        if reference(o.prompt, o.max_tokens)[:1] != [7]
+    ):
+        bad.append("a forged result reached a client")
+    return bad
