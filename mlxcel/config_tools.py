@@ -176,6 +176,26 @@ class BenchPipelineSettings(_Base):
     )
 
 
+class BenchDisaggSettings(_Base):
+    """TTFT and inter-token latency under a mixed workload, hybrid vs 1 prefill + 1 decode."""
+
+    model: str | None = Field(
+        None,
+        description="model folder (default: the embedded small checkpoint)",
+        json_schema_extra=_short("-m"),
+    )
+    streams: int = Field(4, ge=1, le=64, description="short streams decoding throughout")
+    tokens: int = Field(64, ge=2, le=4096, description="tokens each short stream decodes")
+    long_prompts: int = Field(3, ge=0, le=64, description="long prompts arriving meanwhile")
+    long_len: int = Field(1536, ge=16, le=65536, description="tokens in each long prompt")
+    json_lines: bool = Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="log level on stderr"
+    )
+
+
 class DemoSettings(_Base):
     prompt: str = Field(
         "Explain pipeline parallelism in one sentence.", description="the chat message to send"

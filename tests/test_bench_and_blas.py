@@ -121,3 +121,22 @@ def test_bench_frames_prints_json_lines_for_every_mode() -> None:
             "gib_per_s",
         } <= set(row)
         assert row["p50_us"] > 0 and row["iterations"] >= 10
+
+
+def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> None:
+    argv = ["bench", "disagg", "--json", "-m", str(tiny), "--streams", "2", "--tokens", "8"]
+    argv += ["--long-prompts", "1", "--long-len", "64"]
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["mode"] for row in rows] == ["hybrid", "disagg-1p1d"]
+    for row in rows:
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
+    assert rows[0]["itl_p99_vs_hybrid"] == 1.0

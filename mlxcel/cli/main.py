@@ -25,6 +25,7 @@ from mlxcel.config import (
 from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchBringupSettings,
+    BenchDisaggSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
     BenchTpSettings,
@@ -58,6 +59,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "pipeline": (
         BenchPipelineSettings,
         "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
+    ),
+    "disagg": (
+        BenchDisaggSettings,
+        "TTFT and inter-token latency p50/p99: one hybrid node vs 1 prefill + 1 decode",
     ),
     "bringup": (
         BenchBringupSettings,
@@ -215,6 +220,19 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from mlxcel.bench.bringup import run_bench as run_bringup_bench
 
         return run_bringup_bench(commands.resolve_model(settings.model), settings.json_lines)
+    if args.command == "bench" and args.bench == "disagg":
+        from mlxcel.bench.disagg import run_bench as run_disagg_bench
+
+        return run_async(
+            run_disagg_bench(
+                commands.resolve_model(settings.model, "small"),
+                streams=settings.streams,
+                tokens=settings.tokens,
+                long_prompts=settings.long_prompts,
+                long_len=settings.long_len,
+                json_lines=settings.json_lines,
+            )
+        )
     if args.command == "bench" and args.bench == "frames":
         return run_async(commands.bench_frames(settings))
     if args.command == "bench":

@@ -75,47 +75,14 @@ class LoopbackCluster:
         self.config.write_text("\n".join(lines) + "\n")
 
     async def _start(self, node_id: str, ready: str, *extra: str) -> None:
+        args = ["-m", str(self.model), "--distributed-config", str(self.config)]
+        args += ["--node-id", node_id, *extra, *self.extra_args]
         log = self.workdir / f"{node_id}.log"
-        fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "mlxcel",
-            "serve",
-            "-m",
-            str(self.model),
-            "--distributed-config",
-            str(self.config),
-            "--node-id",
-            node_id,
-            *extra,
-            *self.extra_args,
-            stdout=fh,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self._env(),
-        )
-        fh.close()
+        proc = await start_serve(args, log, ready, self._env())
         self.procs.append((node_id, proc, log))
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 120
-        while loop.time() < end:
-            if ready in log.read_text():
-                return
-            if proc.returncode is not None:
-                break
-            await asyncio.sleep(0.05)
-        raise MlxcelError(f"{node_id} did not start:\n{log.read_text()[-2000:]}")
 
     def _env(self) -> dict[str, str]:
-        """Co-located stages take turns on the same cores: keep idle BLAS threads from spinning.
-
-        OpenBLAS worker threads busy-wait after each call; with several stage processes on
-        one small host, an idle stage's spinning threads steal the cores the working stage
-        needs. A short spin (2^4 cycles) makes them sleep instead.
-        """
-        env = dict(os.environ)
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-        return env
+        return colocated_env()
 
     async def __aenter__(self) -> LoopbackCluster:
         self.write_config()
@@ -146,3 +113,46 @@ class LoopbackCluster:
                 codes[name] = await proc.wait()
         self.procs.clear()
         return codes
+
+
+def colocated_env() -> dict[str, str]:
+    """Co-located processes take turns on the same cores: keep idle BLAS threads from spinning.
+
+    OpenBLAS worker threads busy-wait after each call; with several serving processes on one
+    small host, an idle one's spinning threads steal the cores the working one needs. A short
+    spin (2^4 cycles) makes them sleep instead.
+    """
+    env = dict(os.environ)
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    return env
+
+
+async def start_serve(
+    args: list[str], log: Path, ready: str, env: dict[str, str]
+) -> asyncio.subprocess.Process:
+    """``python -m mlxcel serve ARGS`` with its output in ``log``; returns once a line
+    starting with ``ready`` is there (or raises with the log's tail)."""
+    fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mlxcel",
+        "serve",
+        *args,
+        stdout=fh,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
+    fh.close()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 120
+    while loop.time() < end:
+        if ready in log.read_text():
+            return proc
+        if proc.returncode is not None:
+            break
+        await asyncio.sleep(0.05)
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+    raise MlxcelError(f"{' '.join(args[:6])} did not start:\n{log.read_text()[-2000:]}")
