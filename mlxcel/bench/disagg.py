@@ -72,7 +72,7 @@ async def workload(
         "long_ttft_p50_ms": round(ms * percentile(ttfts[streams:], 50), 1),
         "itl_p50_ms": round(ms * percentile(gaps, 50), 2),
         "itl_p99_ms": round(ms * percentile(gaps, 99), 2),
-        "itl_max_ms": round(ms * max(gaps, default=0.0), 1),
+        "itl_max_ms": round(ms * max(gaps, default=0.0), 2),
     }
 
 
