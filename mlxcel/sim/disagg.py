@@ -440,8 +440,25 @@ def run_disagg(
         if rng.random() < 0.1:
             run.sched.at(at + rng.uniform(0.0, 0.5), run.router.cancel, f"req-{i}")
     _faults(run, rng, 1.5 + horizon)
-    run.sched.run(horizon + CLIENT_TIMEOUT + 60.0)
+    last_restart = 1.5 + horizon + 40.0  # every crashed node is back by then
+
+    def settled() -> bool:  # nothing left to happen but probes: stop early
+        if run.sched.now < last_restart or any(
+            o.finish is None for o in run.router.outcomes.values()
+        ):
+            return False
+        return _idle(run)
+
+    run.sched.run(horizon + CLIENT_TIMEOUT + 60.0, settled)
     return run, check_disagg(run), n_requests
+
+
+def _idle(run: DisaggRun) -> bool:
+    if run.router.router.routes:
+        return False
+    if any(p.prefill.leases or p.caches for p in run.prefill if p.up):
+        return False
+    return not any(d.decode.slots or d.running or d.staged for d in run.decode if d.up)
 
 
 def check_disagg(run: DisaggRun) -> list[str]:
