@@ -20,12 +20,13 @@ from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Effect, ResetPeer, Send, Warn
 from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import MlxcelError, QueueFull
 from mlxcel.messages import Message
 from mlxcel.net.ratelimit import WarningLimiter
 
 OUTBOX_SIZE = 1024  # messages queued for one peer before they are dropped
 STRANGER_OUTBOX = 64  # refusals to non-peers, all together
+LOCAL_OUTBOX = 4096  # results on their way to the frontend (it drains them at once)
 
 
 class Core(Protocol):
@@ -49,6 +50,9 @@ class CoreAdapter:
         self.limiter = WarningLimiter(self.loop.time)
         self.dropped_sends = 0
         self.expired_sends = 0
+        # A send's own deadline replaces the budget instead of only shortening it (a transfer
+        # bounded by its lease may take longer than the budget, which bounds the rest).
+        self.deadline_overrides_budget = False
         self._outboxes: dict[str, asyncio.Queue[Send]] = {}
         self._timer_changed = asyncio.Event()
         self._sending = 0  # sends on their way out of an outbox
@@ -168,7 +172,8 @@ class CoreAdapter:
                 if send.deadline <= self.now():
                     self.expired_sends += 1  # its exchange is over: do not hold the line
                     continue
-                deadline = min(deadline, send.deadline)
+                over = self.deadline_overrides_budget
+                deadline = send.deadline if over else min(deadline, send.deadline)
             self._sending += 1
             try:
                 await self.endpoint.send(send.dest, send.msg, deadline)
@@ -180,3 +185,32 @@ class CoreAdapter:
                     # A refusal to someone who is not a peer travels on a one-off connection:
                     # addresses a member claims cannot pile up here.
                     self.endpoint.reset(send.dest)
+
+
+class LocalOutbox:
+    """What a role hands this node's frontend (``Deliver``): queued without waiting, so a core
+    call never blocks, and published on the bus in order."""
+
+    def __init__(self, node: Node, name: str) -> None:
+        self.node = node
+        self.name = name
+        self._queue: asyncio.Queue[Message] = asyncio.Queue(LOCAL_OUTBOX)
+
+    def start(self) -> None:
+        self.node.spawn(self._run(), name=f"{self.name}.local", critical=True)
+
+    def put(self, msg: Message) -> None:
+        try:
+            self._queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            logger.error("{}: local outbox full; dropping {}", self.name, type(msg).__name__)
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self._queue.get()
+            try:
+                await self.node.bus.publish(msg, deadline=deadline_in(30))
+            except QueueFull:
+                logger.error(
+                    "{}: the frontend stayed full; dropped a {}", self.name, type(msg).__name__
+                )

@@ -261,6 +261,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
                 f"decode nodes, results on {spec.bind}",
             )
         return
+    from mlxcel.disagg.protocol import NODE_CAPACITY
     from mlxcel.disagg.stack import worker_stack
 
     async with worker_stack(
@@ -271,7 +272,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
         decode_peers=list(spec.decode_peers),
         max_batch_size=g.max_batch_size,
         prefill_step_size=g.prefill_step_size,
-        max_sequences=max(g.parallel, 64),
+        max_sequences=NODE_CAPACITY,  # what the router lets a node hold
         interface=spec.interface,
     ) as ws:
         yield Assembled(

@@ -16,7 +16,12 @@ from mlxcel.messages import Message
 
 
 class SendFailed(MlxcelError):
-    """A message could not be delivered to its destination."""
+    """A message could not be delivered to its destination. ``unsent``: it certainly never
+    left this node (no connection could be made), so the destination does not have it."""
+
+    def __init__(self, message: str, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class Endpoint(Protocol):

@@ -412,7 +412,7 @@ class KvHandoff(Message):
     prompt_len: int
     keys: tuple[Tensor, ...]  # one per layer: [1, kv_heads, prompt_len, head_dim]
     values: tuple[Tensor, ...]
-    digest: bytes  # SHA-256 over everything above (see mlxcel.runtime.kv_handoff)
+    digest: bytes  # SHA-256 over every field but ``lease`` (see mlxcel.disagg.handoff)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,22 @@ def start_server() -> Iterator[type[ServerProcess]]:
     yield _Tracked
     for s in started:
         s.stop()
+
+
+async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ignore[no-untyped-def]
+    from mlxcel.messages import SamplingParams
+
+    toks: list[int] = []
+    async with aclosing(
+        fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))
+    ) as it:
+        async for d in it:
+            toks.extend(d.token_ids)
+    return toks
+
+
+async def until_true(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.01)

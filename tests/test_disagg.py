@@ -21,26 +21,9 @@ from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.runner import NodeRunner
 from mlxcel.server.run import local_stack
-from tests.conftest import free_port
+from tests.conftest import collect, free_port, until_true
 
 PROMPTS = [f"Disaggregated prompt {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(6)]
-
-
-async def collect(fe, prompt: str, n: int = 12, **kw) -> list[int]:  # type: ignore[no-untyped-def]
-    toks: list[int] = []
-    async with aclosing(
-        fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))
-    ) as it:
-        async for d in it:
-            toks.extend(d.token_ids)
-    return toks
-
-
-async def until_true(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +167,26 @@ def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
     loaded.model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     p = pack(cache, 4, 7)  # the cache may hold more than the prompt: trimmed
     assert all(k.shape[2] == 4 for k in p.keys) and p.keys[0].dtype == "float32"
-    h = KvHandoff("r", 1, "x", 1, 7, SamplingParams(), (), 4, p.keys, p.values, p.digest)
+    from mlxcel.disagg.handoff import digest_of
+
+    h = KvHandoff("r", 1, "x", 1, 7, SamplingParams(), (), 4, p.keys, p.values, b"")
+    h = dataclasses.replace(h, digest=digest_of(h, p.tensors))
     kv_heads, head_dim = p.keys[0].shape[1], p.keys[0].shape[3]
     assert check(h, len(cache), kv_heads, head_dim) is None
     restored = unpack(h)
     assert restored[0].offset == 4
     assert check(h, len(cache) + 1, kv_heads, head_dim) is not None
-    tampered = dataclasses.replace(h, first_token=8)
-    assert "digest mismatch" in (check(tampered, len(cache), kv_heads, head_dim) or "")
+    # Every field the decode node acts on is under the digest, not just the tensors.
+    for change in (
+        {"first_token": 8},
+        {"rng_key": (1, 2)},
+        {"router": "y"},
+        {"nonce": 2},
+        {"sampling": SamplingParams(max_tokens=99)},
+        {"request_id": "s"},
+    ):
+        tampered = dataclasses.replace(h, **change)  # type: ignore[arg-type]
+        assert "digest mismatch" in (check(tampered, len(cache), kv_heads, head_dim) or "")
 
 
 @pytest.fixture(scope="session")
@@ -267,3 +262,19 @@ async def test_router_runner_serves_stats_over_http(
                 assert [n["id"] for n in body["nodes"]] == ["prefill-0", "decode-0"]
             async with http.get(urls["http"] + "/health") as resp:
                 assert resp.status == 200
+
+
+async def test_a_cache_that_cannot_be_packed_fails_its_request_with_the_reason(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlxcel.runtime.engine as engine_mod
+
+    def broken(*_a: object) -> None:
+        raise ValueError("layer cache RotatingKVCache does not hold the whole prompt")
+
+    monkeypatch.setattr(engine_mod, "pack", broken)
+    async with trio(tiny) as t:
+        with pytest.raises(EngineError) as err:
+            await collect(t.router.frontend, PROMPTS[0])
+        assert "could not pack the KV cache" in str(err.value)
+        await until_true(lambda: t.prefill.service.prefill.active == 0)

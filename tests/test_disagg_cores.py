@@ -5,9 +5,12 @@ Each test drives a core with messages and times and compares the effects it retu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import (
     LEASE_TABLE,
@@ -41,7 +44,6 @@ from mlxcel.messages import (
     Tensor,
     TokenResult,
 )
-from mlxcel.runtime.kv_handoff import Packed, digest
 
 P0, P1 = "127.0.0.2:9000", "127.0.0.3:9000"
 D0, D1 = "127.0.0.4:9000", "127.0.0.5:9000"
@@ -96,11 +98,14 @@ def test_router_admission_answers_no_node_available_when_a_pool_is_down() -> Non
 def test_router_streams_tokens_in_order_even_when_decode_overtakes_prefill() -> None:
     r = online_router()
     (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
-    n, p, d = s.msg.nonce, s.dest, s.msg.decode_target
-    assert r.handle(TokenResult("r1", 1, (11,), None, n), d, 0.1) == []  # held back
-    out = r.handle(TokenResult("r1", 0, (10,), None, n), p, 0.2)
+    n, p, d, w = s.msg.nonce, s.dest, s.msg.decode_target, s.msg.request_id
+    assert w.startswith("r1@") and w != "r1"  # unique across router restarts
+    assert r.handle(TokenResult(w, 1, (11,), None, n), d, 0.1) == []  # held back
+    out = r.handle(TokenResult(w, 0, (10,), None, n), p, 0.2)
     assert [m.token_ids for m in delivered(out)] == [(10,), (11,)]
-    out = r.handle(TokenResult("r1", 2, (12,), "length", n), d, 0.3)
+    assert all(m.request_id == "r1" for m in delivered(out))
+    assert r.nodes[p].active == 0 and r.nodes[d].active == 1  # the prefill's part is done
+    out = r.handle(TokenResult(w, 2, (12,), "length", n), d, 0.3)
     (last,) = delivered(out)
     assert isinstance(last, RunResult) and last.finish_reason == "length" and last.nonce == 7
     assert r.active == 0 and r.counts["completed"] == 1
@@ -109,17 +114,22 @@ def test_router_streams_tokens_in_order_even_when_decode_overtakes_prefill() -> 
 def test_router_drops_results_from_unconfigured_and_wrong_senders() -> None:
     r = online_router()
     (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
-    n = s.msg.nonce
-    out = r.handle(TokenResult("r1", 0, (66,), "stop", n), STRANGER, 0.1)
+    n, w = s.msg.nonce, s.msg.request_id
+    out = r.handle(TokenResult(w, 0, (66,), "stop", n), STRANGER, 0.1)
     assert delivered(out) == []
     (w,) = [e for e in out if isinstance(e, Warn)]
     assert w.kind == "router-drop" and STRANGER in w.text
     # A configured peer this request was not given to, a decode node claiming index 0, a
     # wrong nonce: all dropped, the request still waits.
+    # Each gets a cancel back: if that node is generating for it, it stops.
     other = P1 if s.dest == P0 else P0
-    assert r.handle(TokenResult("r1", 0, (66,), None, n), other, 0.1) == []
-    assert r.handle(TokenResult("r1", 0, (66,), None, n), s.msg.decode_target, 0.1) == []
-    assert r.handle(TokenResult("r1", 0, (66,), None, n + 1), s.dest, 0.1) == []
+    for msg, src in (
+        (TokenResult(w, 0, (66,), None, n), other),
+        (TokenResult(w, 0, (66,), None, n), s.msg.decode_target),
+        (TokenResult(w, 0, (66,), None, n + 1), s.dest),
+    ):
+        (c,) = r.handle(msg, src, 0.1)
+        assert isinstance(c, Send) and c.dest == src and isinstance(c.msg, CancelRequest)
     assert r.counts["stale"] == 3 and r.counts["router_drop"] == 1
     # ... and the forged frames end it only through the timeout.
     out = r.on_timer(1e6)
@@ -130,14 +140,35 @@ def test_router_drops_results_from_unconfigured_and_wrong_senders() -> None:
 def test_router_fails_over_an_unsent_request_and_marks_the_node_down() -> None:
     r = online_router()
     (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
-    out = r.undeliverable(s, "connection refused", 0.1)
+    out = r.undeliverable(s, "connection refused", 0.1, unsent=True)
     (again,) = sends(out, PrefillRequest)
     assert again.dest != s.dest and again.msg.decode_target == s.msg.decode_target
     assert not r.nodes[s.dest].online and r.counts["failovers"] == 1
     # Both prefill nodes down: the next one fails with a 503-class error.
-    out = r.undeliverable(again, "connection refused", 0.2)
+    out = r.undeliverable(again, "connection refused", 0.2, unsent=True)
     (err,) = delivered(out)
     assert err.code == ErrorCode.NODE_UNREACHABLE
+
+
+def test_a_send_that_may_have_arrived_is_never_sent_again() -> None:
+    """A timeout after the bytes left: the prefill node may be running the prompt, so a second
+    node must not run it too; the request fails instead."""
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    out = r.undeliverable(s, "send timed out", 0.1, unsent=False)
+    assert sends(out, PrefillRequest) == []
+    (err,) = delivered(out)
+    assert err.code == ErrorCode.NODE_UNREACHABLE and r.counts["failovers"] == 0
+    assert {c.dest for c in sends(out, CancelRequest)} == {s.msg.decode_target}
+
+
+def test_cancels_go_out_even_to_a_node_marked_down() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    r.probe_result(s.msg.decode_target, False, "probe timed out", 0.5)  # it may still run
+    out = r.handle(CancelRequest("r1", "client went away"), "local", 0.6)
+    assert {c.dest for c in sends(out, CancelRequest)} == {s.dest, s.msg.decode_target}
+    assert all(c.msg.request_id == s.msg.request_id for c in sends(out, CancelRequest))
 
 
 def test_router_fails_requests_on_a_lost_decode_node_and_uses_it_again_after_a_probe() -> None:
@@ -168,11 +199,11 @@ def test_router_cancel_reaches_both_nodes() -> None:
 def test_router_error_from_the_prefill_ends_the_request_with_its_code() -> None:
     r = online_router()
     (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
-    err = Error(ErrorCode.HANDOFF_TIMEOUT, "handoff lease expired", "r1", s.msg.nonce)
+    err = Error(ErrorCode.HANDOFF_TIMEOUT, "handoff lease expired", s.msg.request_id, s.msg.nonce)
     out = r.handle(err, s.dest, 0.5)
     (d,) = delivered(out)
     assert d.code == ErrorCode.HANDOFF_TIMEOUT and "prefill-" in d.message
-    assert r.dispatch_log.count(("r1", s.dest, "dispatch")) == 1 and len(r.dispatch_log) == 1
+    assert r.dispatch_log == [(s.msg.request_id, s.dest, "dispatch")]  # never sent again
 
 
 def test_route_table_refuses_a_second_first_token() -> None:
@@ -192,7 +223,7 @@ def request(rid: str = "r1", target: str = D1, max_tokens: int = 4) -> PrefillRe
 
 def packed(first: int = 9) -> Packed:
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
-    return Packed(3, first, (k,), (k,), digest(3, first, (k,), (k,)))
+    return Packed(3, first, (k,), (k,), tensor_digest((k,), (k,)))
 
 
 def start(core: PrefillCore, now: float = 0.0, **kw: object) -> tuple[int, list]:
@@ -317,9 +348,8 @@ def test_lease_table_has_no_way_back_from_ended() -> None:
 # --- decode ----------------------------------------------------------------------------------
 def handoff(rid: str = "r1", lease: int = 5) -> KvHandoff:
     p = packed()
-    return KvHandoff(
-        rid, lease, R, 42, 9, SamplingParams(max_tokens=3), (), 3, p.keys, p.values, p.digest
-    )
+    h = KvHandoff(rid, lease, R, 42, 9, SamplingParams(max_tokens=3), (), 3, p.keys, p.values, b"")
+    return dataclasses.replace(h, digest=digest_of(h, p.tensors))
 
 
 def decode() -> DecodeCore:
@@ -391,3 +421,18 @@ def test_slot_table_refuses_a_commit_before_the_ack() -> None:
     core.handle(handoff(), P0, 0.0)
     (w,) = core.handle(HandoffVerdict("r1", 5, True), P0, 0.05)
     assert isinstance(w, Warn) and not core.reads
+
+
+def test_a_verified_slot_keeps_no_payload_and_old_tombstones_do_not_match_new_ids() -> None:
+    core = decode()
+    slot = staged(core)
+    assert core.slots[slot].handoff.keys == () and core.slots[slot].handoff.values == ()
+    # A router restarted at the same address numbers its requests from 1 again, but the wire
+    # ids carry its nonce: a cancel the old router sent refuses nothing of the new one.
+    core.handle(CancelRequest("req-1@a1", "old router"), R, 1.0)
+    (job,) = [
+        e.job
+        for e in core.handle(handoff("req-1@b7", lease=9), P0, 1.1)
+        if isinstance(e, StartCompute)
+    ]
+    assert isinstance(job, VerifyJob)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -42,26 +41,10 @@ from mlxcel.pipeline.partition import (
     plan,
 )
 from mlxcel.server.run import local_stack
+from tests.conftest import collect, until_true
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [f"Pipeline prompt {i}: the quick brown fox" for i in range(8)]
-
-
-async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ignore[no-untyped-def]
-    toks: list[int] = []
-    async with aclosing(
-        fe.stream(fe.encode_prompt(prompt), SamplingParams(max_tokens=n, **kw))
-    ) as it:
-        async for d in it:
-            toks.extend(d.token_ids)
-    return toks
-
-
-async def until_true(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

@@ -458,3 +458,35 @@ def test_cluster_check_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
     finally:
         listen.terminate()
         listen.wait(10)
+
+
+async def test_a_send_cut_off_mid_message_closes_the_connection() -> None:
+    """A message that stops after some of its records would swallow whatever came next on
+    the stream: the connection is closed instead, and the next send dials a fresh one."""
+    from mlxcel.errors import MlxcelError
+
+    async with Node("server") as node, Node("client") as client:
+        release = asyncio.Event()
+        got: list[object] = []
+
+        async def slow(env: Envelope[Ack]) -> None:
+            await release.wait()
+            got.append(env.msg.nonce)
+
+        node.bus.subscribe(Ack, slow, maxsize=1)
+        lst = ClusterListener(node, SECRET, SERVER_IP, 0)
+        await lst.start()
+        pool = client_pool(client, "127.0.0.2")
+        conn = await pool.get(SERVER_IP, lst.port)
+        for i in range(3):  # the reader stops behind a full subscription
+            await conn.send(Ack("r", i), deadline=deadline_in(5))
+        big = Tensor("uint8", (96 << 20,), bytes(96 << 20))
+        with pytest.raises(MlxcelError):
+            await conn.send(Activation("r1", 0, big, 0, SamplingParams(), 2), deadline_in(0.5))
+        assert conn.closed
+        release.set()
+        fresh = await pool.get(SERVER_IP, lst.port)
+        assert fresh is not conn
+        await fresh.send(Ack("r", 999), deadline=deadline_in(5))
+        await until_true(lambda: 999 in got)
+        await lst.close()

@@ -11,6 +11,7 @@ cancel that overtakes its handoff is remembered for a while, so the late handoff
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -135,6 +136,8 @@ class DecodeCore:
             return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
         s.state = SLOT_TABLE.next(s.state, SlotEvent.VERIFIED)
         s.deadline = now + self.config.verdict_wait
+        # The compute side staged the cache: the slot keeps what it acts on, not the bytes.
+        s.handoff = dataclasses.replace(h, keys=(), values=())
         return [Send(s.prefill, HandoffAck(h.request_id, h.lease, True))]
 
     def _verdict(self, v: HandoffVerdict, source: str) -> list[Effect]:

@@ -17,6 +17,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from mlxcel.disagg.handoff import Packed, handoff_digest
 from mlxcel.disagg.protocol import (
     LEASE,
     LEASE_TABLE,
@@ -37,7 +38,6 @@ from mlxcel.messages import (
     PrefillRequest,
     TokenResult,
 )
-from mlxcel.runtime.kv_handoff import Packed
 
 
 @dataclass
@@ -175,18 +175,29 @@ class PrefillCore:
         x.held = packed
         x.expires = now + self.config.lease
         self.counts["handed_off"] += 1
+        rest = dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1)
+        seal = handoff_digest(
+            m.request_id,
+            x.router,
+            m.nonce,
+            packed.first_token,
+            rest,
+            key_state,
+            packed.prompt_len,
+            packed.tensors,
+        )
         h = KvHandoff(
             m.request_id,
             x.id,
             x.router,
             m.nonce,
             packed.first_token,
-            dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1),
+            rest,
             key_state,
             packed.prompt_len,
             packed.keys,
             packed.values,
-            packed.digest,
+            seal,
         )
         return out + [Send(x.target, h, deadline=x.expires)]
 

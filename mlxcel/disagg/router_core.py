@@ -53,13 +53,15 @@ class PeerNode:
 
 @dataclass
 class Route:
-    request_id: str
+    request_id: str  # the frontend's id
+    wire: str  # the id the nodes see: the frontend's plus the nonce, unique across restarts
     entry: RunEntry  # what the frontend asked (its nonce goes back with every result)
     nonce: int  # the router's nonce for this request; results must carry it
     prefill: str
     decode: str
     deadline: float
     state: RouteState = RouteState.PREFILLING
+    prefill_busy: bool = True  # counted in the prefill node's load until token 0 is in
     next_index: int = 0
     early: dict[int, TokenResult] = field(default_factory=dict)
     tried: set[str] = field(default_factory=set)
@@ -90,7 +92,8 @@ class RouterCore:
         self.prefill_timeout = prefill_timeout
         self.handoff_timeout = handoff_timeout
         self.capacity = capacity
-        self.routes: dict[str, Route] = {}
+        self.routes: dict[str, Route] = {}  # by the frontend's request id
+        self._wire: dict[str, str] = {}  # wire id -> the frontend's request id
         self.counts: Counter[str] = Counter()  # routed, completed, failed, rejected, ...
         self.dispatch_log: list[tuple[str, str, str]] = []  # (request, prefill, why) for sims
 
@@ -169,17 +172,28 @@ class RouterCore:
                 )
         return out
 
-    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+    def undeliverable(
+        self, send: Send, reason: str, now: float, unsent: bool = False
+    ) -> list[Effect]:
+        """``unsent``: the message certainly never left (the connection could not be made);
+        otherwise the node may have it, and nothing is sent again."""
         node = self.nodes.get(send.dest)
         out = self._mark_down(node, reason) if node is not None else []
         msg = send.msg
         if not isinstance(msg, PrefillRequest):
             return out  # a cancel that could not be sent: the node is gone anyway
-        r = self.routes.get(msg.request_id)
+        r = self.routes.get(self._wire.get(msg.request_id, ""))
         if r is None or r.nonce != msg.nonce or r.prefill != send.dest or r.next_index:
             return out
-        # The request never reached that prefill node: another one may take it (this is a
-        # failover of an unsent request, not a recomputation of a failed handoff).
+        if not unsent:
+            return out + self._fail(
+                r,
+                ErrorCode.NODE_UNREACHABLE,
+                f"sending the prompt to {self.nodes[send.dest].id} failed: {reason}",
+                cancel=(r.decode,),
+            )
+        # The request never reached that prefill node: another one may take it (a failover of
+        # an unsent request, never a recomputation).
         r.tried.add(send.dest)
         nxt = self._pick("prefill", exclude=r.tried)
         if nxt is None:
@@ -217,9 +231,13 @@ class RouterCore:
             )
             why = f"no {role} node can take the request ({state})"
             return [Deliver(Error(ErrorCode.NO_NODE_AVAILABLE, why, e.request_id, e.nonce))]
-        r = Route(e.request_id, e, next(self._nonces), p, d, now + self.prefill_timeout)
+        nonce = next(self._nonces)
+        r = Route(
+            e.request_id, f"{e.request_id}@{nonce:x}", e, nonce, p, d, now + self.prefill_timeout
+        )
         r.tried.add(p)
         self.routes[r.request_id] = r
+        self._wire[r.wire] = r.request_id
         self.nodes[d].active += 1
         self.nodes[d].dispatched += 1
         self.counts["routed"] += 1
@@ -229,8 +247,8 @@ class RouterCore:
         node = self.nodes[r.prefill]
         node.active += 1
         node.dispatched += 1
-        self.dispatch_log.append((r.request_id, r.prefill, why))
-        req = PrefillRequest(r.request_id, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
+        self.dispatch_log.append((r.wire, r.prefill, why))
+        req = PrefillRequest(r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
         return [Send(r.prefill, req, deadline=r.deadline)]
 
     def _cancel(self, request_id: str) -> list[Effect]:
@@ -251,9 +269,13 @@ class RouterCore:
                     "--prefill-peers or --decode-peers address",
                 )
             ]
-        r = self.routes.get(msg.request_id or "")
+        r = self.routes.get(self._wire.get(msg.request_id or "", ""))
         if r is None or msg.nonce != r.nonce or source not in (r.prefill, r.decode):
-            self.counts["stale"] += 1  # a finished request, or a node it was not given to
+            # A finished request, or a node it was not given to: if that node is still
+            # generating for it (its cancel was lost), tell it again.
+            self.counts["stale"] += 1
+            if isinstance(msg, TokenResult) and msg.finish_reason is None:
+                return [Send(source, CancelRequest(msg.request_id or "", "no such request"))]
             return []
         if isinstance(msg, Error):
             node = self.nodes[source]
@@ -283,6 +305,9 @@ class RouterCore:
             event = RouteEvent.FINISH
         r.state = ROUTE_TABLE.next(r.state, event)
         r.next_index += 1
+        if t.index == 0 and r.prefill_busy:  # the prefill node's part is done
+            r.prefill_busy = False
+            self.nodes[r.prefill].active -= 1
         r.deadline = now + self.handoff_timeout
         out: list[Effect] = [
             Deliver(
@@ -310,18 +335,17 @@ class RouterCore:
 
     def _end(self, r: Route, _why: str) -> list[Effect]:
         self.routes.pop(r.request_id, None)
-        self.nodes[r.prefill].active -= 1
+        self._wire.pop(r.wire, None)
+        if r.prefill_busy:
+            self.nodes[r.prefill].active -= 1
         self.nodes[r.decode].active -= 1
         return []
 
     def _cancels(self, r: Route, dests: tuple[str, ...], why: str) -> list[Effect]:
         # Frees the cache on every node the request touched; best effort (a lost node has
         # nothing left to free).
-        return [
-            Send(d, CancelRequest(r.request_id, why[:200]), deadline=None)
-            for d in dict.fromkeys(dests)
-            if self.nodes[d].online
-        ]
+        # Sent even to a node marked down: it may only have missed a probe.
+        return [Send(d, CancelRequest(r.wire, why[:200])) for d in dict.fromkeys(dests)]
 
     def _mark_down(self, node: PeerNode, reason: str) -> list[Effect]:
         node.last_error = reason[:300]

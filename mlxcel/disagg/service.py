@@ -14,25 +14,22 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loguru import logger
-
-from mlxcel.adapter import CoreAdapter
+from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.deadlines import deadline_in
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import PROBE_INTERVAL, PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.router_core import RouterCore
-from mlxcel.effects import Deliver, Effect, FreeCache, StartCompute
-from mlxcel.endpoint import Endpoint
-from mlxcel.errors import MlxcelError, QueueFull
+from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
+from mlxcel.endpoint import Endpoint, SendFailed
+from mlxcel.errors import MlxcelError
 from mlxcel.messages import (
     CancelRequest,
     Error,
     HandoffAck,
     HandoffVerdict,
     KvHandoff,
-    Message,
     PrefillRequest,
     RunEntry,
     RunResult,
@@ -50,7 +47,15 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 SEND_BUDGET = 5.0
 
 
-class RouterService(CoreAdapter):
+class _DisaggAdapter(CoreAdapter):
+    """The three roles' common adapter settings."""
+
+    def __init__(self, node: Node, endpoint: Endpoint, core: Any, name: str) -> None:
+        super().__init__(node, endpoint, core, name, SEND_BUDGET)
+        self.deadline_overrides_budget = True
+
+
+class RouterService(_DisaggAdapter):
     def __init__(
         self,
         node: Node,
@@ -60,36 +65,30 @@ class RouterService(CoreAdapter):
         *,
         probe_interval: float = PROBE_INTERVAL,
     ) -> None:
-        super().__init__(node, endpoint, core, "router", SEND_BUDGET)
+        super().__init__(node, endpoint, core, "router")
         self.router = core
         self.probe = probe
         self.probe_interval = probe_interval
-        self._local: asyncio.Queue[Message] = asyncio.Queue(4096)
+        self._local = LocalOutbox(node, "router")
         self.probed = asyncio.Event()  # set after each full probe round
 
     def attach(self) -> None:
         self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
         self.subscribe([TokenResult, Error], Origin.REMOTE, maxsize=4096)
-        self.node.spawn(self._publish_local(), name="router.local", critical=True)
+        self._local.start()
         self.node.spawn(self._probe_loop(), name="router.probe", critical=True)
         self.start()
 
+    def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
+        # No exception: it never left its outbox. A SendFailed says whether it left.
+        unsent = exc is None or (isinstance(exc, SendFailed) and exc.unsent)
+        return self.router.undeliverable(send, reason, self.now(), unsent)
+
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, Deliver):
-            try:
-                self._local.put_nowait(effect.msg)
-            except asyncio.QueueFull:
-                logger.error("router: local outbox full; dropping {}", type(effect.msg).__name__)
+            self._local.put(effect.msg)
         else:
             super().apply(effect)
-
-    async def _publish_local(self) -> None:
-        while True:
-            msg = await self._local.get()
-            try:
-                await self.node.bus.publish(msg, deadline=deadline_in(30))
-            except QueueFull:
-                logger.error("router: the frontend stayed full; dropped a {}", type(msg).__name__)
 
     async def _probe_one(self, address: str) -> None:
         try:
@@ -149,12 +148,12 @@ def stats_verbose(raw: str | None) -> bool:
     return (raw or "").strip().lower() in TRUE_WORDS
 
 
-class PrefillService(CoreAdapter):
+class PrefillService(_DisaggAdapter):
     def __init__(
         self, node: Node, endpoint: Endpoint, engine: LocalEngine, config: PrefillConfig
     ) -> None:
         core = PrefillCore(config, first_lease=secrets.randbits(40) + 1)
-        super().__init__(node, endpoint, core, "prefill", SEND_BUDGET)
+        super().__init__(node, endpoint, core, "prefill")
         self.prefill = core
         self.engine = engine
 
@@ -189,7 +188,7 @@ class PrefillService(CoreAdapter):
         )
 
 
-class DecodeService(CoreAdapter):
+class DecodeService(_DisaggAdapter):
     def __init__(
         self,
         node: Node,
@@ -199,7 +198,7 @@ class DecodeService(CoreAdapter):
         dims: tuple[int, int, int],
     ) -> None:
         core = DecodeCore(config)
-        super().__init__(node, endpoint, core, "decode", SEND_BUDGET)
+        super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
         self.dims = dims  # (layers, kv heads, head dim) a handoff must match
@@ -236,19 +235,19 @@ class DecodeService(CoreAdapter):
         self.feed(self.decode.verified(job.slot, problem, self.now()))
 
     def _resume(self, job: ResumeJob) -> None:
-        h = job.handoff
-        caches = self.staged.pop(job.slot, None)
-        rid = f"slot-{job.slot}"
+        h, slot = job.handoff, job.slot
+        caches = self.staged.pop(slot, None)
+        rid = f"slot-{slot}"
         problem = "the verified cache is gone" if caches is None else None
         if problem is None:
             entry = RunEntry(rid, 0, (h.first_token,), 0, h.sampling, 0)
             problem = self.engine.submit(
                 entry,
                 "decode",
-                sink=lambda m: self.feed(self.decode.token(job.slot, m, self.now())),
+                sink=lambda m: self.feed(self.decode.token(slot, m, self.now())),
                 cache=caches,
                 key_state=h.rng_key,
             )
         if problem is not None:
             err = Error("engine_failed", problem, rid)
-            self.feed(self.decode.token(job.slot, err, self.now()))
+            self.feed(self.decode.token(slot, err, self.now()))

@@ -144,12 +144,22 @@ class SecureConnection:
         frames = message_frames(
             self.protection, payload, record_size=self.record_size, max_message=self.max_message
         )
-        async with until(deadline, f"send to {self.source}"), self._send_lock:
-            # Sealed one by one under the lock (counter order = write order); the drain after
-            # each record lets the peer start opening it while the next is sealed.
-            for frame in frames:
-                self._write(frame)
-                await self.writer.drain()
+        records = max(1, -(-len(payload) // self.record_size))
+        written = 0
+        try:
+            async with until(deadline, f"send to {self.source}"), self._send_lock:
+                # Sealed one by one under the lock (counter order = write order); the drain
+                # after each record lets the peer start opening it while the next is sealed.
+                for frame in frames:
+                    self._write(frame)
+                    written += 1
+                    await self.writer.drain()
+        except BaseException:
+            if 0 < written < records:
+                # The peer holds the first part of a message that will never end: whatever
+                # came next on this stream would be glued onto it. Only a new connection helps.
+                self.close()
+            raise
 
     def _write(self, frame: bytearray) -> None:
         self.writer.write(frame)

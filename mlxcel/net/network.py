@@ -82,11 +82,15 @@ class TcpEndpoint:
         host, port = split_hostport(dest)
         try:
             conn = await self.pool.get(host, port, deadline)
+        except (MlxcelError, ConnectionError, OSError) as exc:
+            raise SendFailed(f"send to {dest} failed: {exc}", unsent=True) from exc
+        written = conn.frames_out
+        try:
             await conn.send(msg, deadline)
-        except MlxcelError as exc:
-            raise SendFailed(f"send to {dest} failed: {exc}") from exc
-        except (ConnectionError, OSError) as exc:
-            raise SendFailed(f"send to {dest} failed: {exc}") from exc
+        except (MlxcelError, ConnectionError, OSError) as exc:
+            raise SendFailed(
+                f"send to {dest} failed: {exc}", unsent=conn.frames_out == written
+            ) from exc
 
     def reset(self, dest: str) -> None:
         """Close our connection to ``dest`` and its connection to us: a wedged stream (a

@@ -14,19 +14,15 @@ import secrets
 from collections import Counter
 from typing import Any
 
-from loguru import logger
-
-from mlxcel.adapter import CoreAdapter
+from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
-from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Answer, Deliver, Effect
 from mlxcel.endpoint import Endpoint
-from mlxcel.errors import MlxcelError, QueueFull
+from mlxcel.errors import MlxcelError
 from mlxcel.messages import (
     Ack,
     CancelRequest,
     Error,
-    Message,
     RunEntry,
     RunResult,
     SamplingParams,
@@ -37,8 +33,6 @@ from mlxcel.messages import (
 from mlxcel.pipeline.coordinator_core import CoordinatorCore, PipelineError
 
 __all__ = ["PipelineCoordinator", "PipelineError"]
-
-LOCAL_OUTBOX = 4096  # results on their way to the frontend (it drains them at once)
 
 
 def pick_token(logits: Tensor, sampling: SamplingParams, sampler: Any) -> tuple[int, Any]:
@@ -91,7 +85,7 @@ class PipelineCoordinator(CoreAdapter):
         self.max_sequences = max_sequences
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._last_seen: dict[str, dict[str, Any]] = {}  # stage -> id and layers it reported
-        self._local: asyncio.Queue[Message] = asyncio.Queue(LOCAL_OUTBOX)
+        self._local = LocalOutbox(node, "coordinator")
 
     # What /health, the CLI and tests read.
     @property
@@ -115,17 +109,12 @@ class PipelineCoordinator(CoreAdapter):
         # to the frontend never come back to it.
         self.subscribe([RunEntry, CancelRequest], Origin.ANY, maxsize=max(self.max_sequences, 256))
         self.subscribe([RunResult, Ack, State, Error, Undecodable], Origin.REMOTE, maxsize=1024)
-        self.node.spawn(self._publish_local(), name="coordinator.local", critical=True)
+        self._local.start()
         self.start()
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, Deliver):
-            try:
-                self._local.put_nowait(effect.msg)
-            except asyncio.QueueFull:
-                logger.error(
-                    "coordinator: local outbox full; dropping {}", type(effect.msg).__name__
-                )
+            self._local.put(effect.msg)
         elif isinstance(effect, Answer):
             fut = self._answers.pop(effect.token, None)
             if fut is not None and not fut.done():
@@ -135,16 +124,6 @@ class PipelineCoordinator(CoreAdapter):
                     fut.set_result(effect.value)
         else:
             super().apply(effect)
-
-    async def _publish_local(self) -> None:
-        while True:
-            msg = await self._local.get()
-            try:
-                await self.node.bus.publish(msg, deadline=deadline_in(30))
-            except QueueFull:
-                logger.error(
-                    "coordinator: the frontend stayed full; dropped a {}", type(msg).__name__
-                )
 
     # --- state queries ------------------------------------------------------------------------
     async def query(self, stage: str, timeout: float, reset: bool = True) -> State:

@@ -23,6 +23,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
+from mlxcel.disagg.handoff import Packed
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -32,7 +33,7 @@ from mlxcel.messages import (
     RunResult,
 )
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.kv_handoff import Packed, pack
+from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.runtime.sampling import Sampler, guarded_sampler, key_after_first
 
@@ -348,7 +349,7 @@ class LocalEngine:
                     out.failed[request_id] = f"could not pack the KV cache: {exc}"
                     continue
                 out.kept[request_id] = (packed, key_after_first(sampler))
-        out.failed = dict(self._sample_failures)  # the guards keep this dict: clear, never swap
+        out.failed.update(self._sample_failures)  # the guards keep this dict: clear, never swap
         self._sample_failures.clear()
         return out
 

@@ -10,15 +10,14 @@ reactor).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcel.messages import KvHandoff, Tensor
+from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
+from mlxcel.messages import KvHandoff
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 
 KV_DTYPES = frozenset({"float16", "bfloat16", "float32"})
@@ -37,35 +36,6 @@ def unsupported_reason(model: Any, family: str) -> str | None:
     )
 
 
-def digest(
-    prompt_len: int,
-    first_token: int,
-    keys: Sequence[Tensor],
-    values: Sequence[Tensor],
-) -> bytes:
-    h = hashlib.sha256()
-    h.update(f"mlxcel-kv-1|{prompt_len}|{first_token}|{len(keys)}".encode())
-    for t in (*keys, *values):
-        h.update(f"|{t.dtype}{list(t.shape)}|".encode())
-        h.update(t.data)
-    return h.digest()
-
-
-@dataclass(frozen=True, slots=True)
-class Packed:
-    """A prefilled cache ready to send (what the prefill node's lease holds)."""
-
-    prompt_len: int
-    first_token: int
-    keys: tuple[Tensor, ...]
-    values: tuple[Tensor, ...]
-    digest: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.keys, *self.values))
-
-
 def pack(cache: Sequence[Any], prompt_len: int, first_token: int) -> Packed:
     """Trim each layer to the prompt (the batch generator may already hold the first sampled
     token, and pads its buffers in steps) and copy it out, dtype unchanged."""
@@ -78,13 +48,7 @@ def pack(cache: Sequence[Any], prompt_len: int, first_token: int) -> Packed:
         mx.eval(k, v)
         keys.append(to_tensor(k))
         values.append(to_tensor(v))
-    return Packed(
-        prompt_len,
-        first_token,
-        tuple(keys),
-        tuple(values),
-        digest(prompt_len, first_token, keys, values),
-    )
+    return Packed(prompt_len, first_token, tuple(keys), tuple(values), tensor_digest(keys, values))
 
 
 def check(h: KvHandoff, n_layers: int, kv_heads: int, head_dim: int) -> str | None:
@@ -99,7 +63,7 @@ def check(h: KvHandoff, n_layers: int, kv_heads: int, head_dim: int) -> str | No
     for t in (*h.keys, *h.values):
         if tuple(t.shape) != want:
             return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
-    if digest(h.prompt_len, h.first_token, h.keys, h.values) != h.digest:
+    if digest_of(h, tensor_digest(h.keys, h.values)) != h.digest:
         return "handoff digest mismatch: the KV cache is not the one the prefill node sent"
     return None
 

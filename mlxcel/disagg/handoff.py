@@ -1,0 +1,71 @@
+"""The KV handoff's digest and the packed cache a prefill node's lease holds (no MLX here).
+
+Two levels, so the megabytes are hashed once, on a compute thread, and the cores only hash a
+few hundred bytes: :func:`tensor_digest` covers every layer's keys and values (dtype, shape,
+bytes); :func:`handoff_digest` binds that to everything else the decode node acts on -- the
+request id, the router, the nonce, the first token, the sampling parameters, the PRNG key and
+the prompt length. The decode node recomputes both before it acknowledges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+
+from mlxcel.messages import KvHandoff, SamplingParams, Tensor
+
+
+def tensor_digest(keys: Sequence[Tensor], values: Sequence[Tensor]) -> bytes:
+    h = hashlib.sha256()
+    h.update(f"mlxcel-kv-tensors-1|{len(keys)}|{len(values)}".encode())
+    for t in (*keys, *values):
+        h.update(f"|{t.dtype}{list(t.shape)}|{len(t.data)}|".encode())
+        h.update(t.data)
+    return h.digest()
+
+
+def handoff_digest(
+    request_id: str,
+    router: str,
+    nonce: int,
+    first_token: int,
+    sampling: SamplingParams,
+    rng_key: Sequence[int],
+    prompt_len: int,
+    tensors: bytes,
+) -> bytes:
+    fields = (request_id, router, nonce, first_token, astuple(sampling), tuple(rng_key), prompt_len)
+    h = hashlib.sha256(b"mlxcel-kv-handoff-1|")
+    h.update(repr(fields).encode())
+    h.update(tensors)
+    return h.digest()
+
+
+def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
+    """What ``h.digest`` must be, given the tensor digest of its keys and values."""
+    return handoff_digest(
+        h.request_id,
+        h.router,
+        h.nonce,
+        h.first_token,
+        h.sampling,
+        h.rng_key,
+        h.prompt_len,
+        tensors,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A prefilled cache ready to send: every layer trimmed to the prompt, dtype unchanged."""
+
+    prompt_len: int
+    first_token: int
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    tensors: bytes  # tensor_digest(keys, values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys, *self.values))
