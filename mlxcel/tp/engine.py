@@ -18,7 +18,7 @@ from loguru import logger
 
 from mlxcel.bus import Envelope
 from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
-from mlxcel.runtime.engine import LocalEngine, _StepOutput
+from mlxcel.runtime.engine import LocalEngine, _Insert, _StepOutput
 from mlxcel.tp.group import broadcast_step
 
 STEP_TIMEOUT = 120.0  # a batch step (even a long CPU prefill) far below this; a wedged group above
@@ -44,13 +44,16 @@ class TpEngine(LocalEngine):
 
     def _step(
         self,
-        inserts: list[RunEntry],
+        inserts: list[_Insert],
         removals: list[int],
         by_uid: dict[int, str],
         want_lp: set[str],
     ) -> _StepOutput:
         step = TpStep(
-            tuple(TpInsert(e.request_id, e.token_ids, e.sampling) for e in inserts), tuple(removals)
+            tuple(
+                TpInsert(i.entry.request_id, i.entry.token_ids, i.entry.sampling) for i in inserts
+            ),
+            tuple(removals),
         )
         broadcast_step(self.group, step)
         return super()._step(inserts, removals, by_uid, want_lp)
