@@ -92,6 +92,9 @@ class LoopbackCluster:
             )
             if self.spawn_coordinator:
                 await self._start("coordinator", "mlxcel serving", "--port", str(self.http_port))
+            # In stage order, whichever was ready first (shutdown goes in reverse).
+            order = [f"stage-{i}" for i in range(self.n_stages)] + ["coordinator"]
+            self.procs.sort(key=lambda p: order.index(p[0]))
         except BaseException:
             await self.stop()
             raise
