@@ -263,6 +263,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
         if self.serving_bind is None:
             raise ValueError(f"--node-role {role} needs --serving-bind IP:PORT")
         _check_address(self.serving_bind, "--serving-bind", port_zero=False)
+        if self.serving_bind.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::"):
+            raise ValueError(
+                "--serving-bind is this node's identity: give the IP the other nodes see it "
+                f"connect from, not {self.serving_bind}"
+            )
         if self.distributed_config is not None or self.pp_auto is not None or self.pp_peer:
             raise ValueError(f"--node-role {role} does not combine with a pipeline")
         if self.tp_size > 1 or self.pp_size > 1:
@@ -280,6 +285,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
             self.peer_list("prefill_peers") and self.peer_list("decode_peers")
         ):
             raise ValueError("--node-role router needs --prefill-peers and --decode-peers")
+        both = set(self.peer_list("prefill_peers")) & set(self.peer_list("decode_peers"))
+        if both:
+            raise ValueError(
+                f"{', '.join(sorted(both))} is listed in both --prefill-peers and --decode-peers"
+            )
         if role != "router" and self.prefill_peers:
             raise ValueError("--prefill-peers is for --node-role router")
         if role == "decode" and self.decode_peers:

@@ -277,3 +277,45 @@ def test_busy_http_port_is_one_line_naming_the_address(tiny: Path) -> None:
     assert "Traceback" not in r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert f"127.0.0.1:{port}" in line and "address already in use" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--node-role", "decode", "--serving-bind", "0.0.0.0:9"], "not 0.0.0.0:9"),
+        (["--node-role", "decode"], "needs --serving-bind"),
+        (["--node-role", "router", "--serving-bind", "127.0.0.1:9"], "needs --prefill-peers"),
+        (
+            [
+                "--node-role",
+                "router",
+                "--serving-bind",
+                "127.0.0.1:9",
+                "--prefill-peers",
+                "127.0.0.2:9",
+                "--decode-peers",
+                "127.0.0.2:9",
+            ],
+            "listed in both",
+        ),
+        (["--node-role", "prefill", "--serving-bind", "host:9"], "literal IP"),
+        (["--prefill-peers", "127.0.0.2:9"], "needs --node-role"),
+        (
+            [
+                "--node-role",
+                "decode",
+                "--serving-bind",
+                "127.0.0.1:9",
+                "--decode-peers",
+                "127.0.0.2:9",
+            ],
+            "for --node-role router or prefill",
+        ),
+    ],
+)
+def test_disaggregated_flags_are_checked_before_anything_starts(
+    argv: list[str], needle: str
+) -> None:
+    r = run_cli("serve", *argv)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -175,7 +175,17 @@ def test_router_fails_requests_on_a_lost_decode_node_and_uses_it_again_after_a_p
     r = online_router()
     for i in range(4):
         r.handle(entry(f"r{i}"), "local", 0.0)
-    out = r.peer_lost(D0, 1.0)
+    # A dropped connection alone fails nothing (another secret holder on the node's IP can
+    # open and drop one under its address); a probe that then succeeds clears it.
+    assert r.peer_lost(D0, 1.0) == [] and r.probe_result(D0, True, "", 1.0) == []
+    assert r.active == 4
+    # A routine failed probe marks the node down without failing its requests...
+    r.probe_result(D1, False, "probe timed out", 1.0)
+    assert r.active == 4 and not r.nodes[D1].online
+    r.probe_result(D1, True, "", 1.0)
+    # ... a failed probe right after a lost connection means it is gone.
+    assert r.peer_lost(D0, 1.0) == []
+    out = r.probe_result(D0, False, "connection refused", 1.0)
     errs = delivered(out)
     assert sorted(e.request_id for e in errs) == ["r0", "r2"]
     assert all(e.code == ErrorCode.NODE_UNREACHABLE and "decode-0" in e.message for e in errs)
@@ -436,3 +446,26 @@ def test_a_verified_slot_keeps_no_payload_and_old_tombstones_do_not_match_new_id
         if isinstance(e, StartCompute)
     ]
     assert isinstance(job, VerifyJob)
+
+
+def test_router_refuses_bad_requests_itself_and_redacts_addresses_for_clients() -> None:
+    r = RouterCore([P0], [D0], vocab=100, max_len=64)
+    for a in (P0, D0):
+        r.probe_result(a, True, "", 0.0)
+    for bad in (
+        RunEntry("b1", 0, (1, 500), 0, SamplingParams(max_tokens=4), 1),
+        RunEntry("b2", 0, (1,) * 60, 0, SamplingParams(max_tokens=8), 1),
+    ):
+        out = r.handle(bad, "local", 0.0)
+        (err,) = delivered(out)
+        assert err.code == ErrorCode.BAD_REQUEST and not sends(out)
+    assert r.nodes[P0].dispatched == 0 and r.counts["failed"] == 0
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    why = f"decode target {D0} is not in MLXCEL_DECODE_ALLOWLIST"
+    out = r.handle(
+        Error(ErrorCode.DECODE_TARGET_REFUSED, why, s.msg.request_id, s.msg.nonce), P0, 0.1
+    )
+    (err,) = delivered(out)
+    assert D0 not in err.message and P0 not in err.message and "decode-0" in err.message
+    (w,) = [e for e in out if isinstance(e, Warn)]
+    assert D0 in w.text  # the operator's log keeps the address

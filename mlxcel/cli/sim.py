@@ -78,11 +78,13 @@ def run_sim(settings: SimSettings) -> int:
         print(json.dumps(summary), flush=True)
     else:
         lo, hi = summary["stages"]  # type: ignore[misc]
-        print(
-            f"sim {settings.scenario}: {summary['scenarios']} scenarios, {lo}-{hi} stages, "
-            f"{summary['requests']} requests ({summary['completed']} completed, "
-            f"{summary['failed']} failed with an error)"
-        )
+        line = f"sim {settings.scenario}: {summary['scenarios']} scenarios"
+        if summary["requests"]:
+            line += (
+                f", {lo}-{hi} stages, {summary['requests']} requests ({summary['completed']} "
+                f"completed, {summary['failed']} failed with an error, the rest cancelled)"
+            )
+        print(line)
         runs, up, down = summary["bringups"]  # type: ignore[misc]
         if runs:
             print(f"bring-ups: {runs} ({up} activated every stage, {down} failed and started none)")
@@ -90,7 +92,7 @@ def run_sim(settings: SimSettings) -> int:
         if runs:
             print(
                 f"disaggregated: {runs} clusters, {n} requests ({done} completed, {failed} "
-                "failed with an error)"
+                "failed with an error, the rest cancelled by their clients)"
             )
         faults = ", ".join(f"{k} {v}" for k, v in summary["faults"].items())  # type: ignore[attr-defined]
         print(f"faults: {faults}")

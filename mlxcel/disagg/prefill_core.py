@@ -60,7 +60,7 @@ class PrefillConfig:
     max_len: int = 1 << 30
     lease: float = LEASE
     max_sequences: int = 64
-    max_handoff_bytes: int = 256 << 20
+    max_handoff_bytes: int = 255 << 20  # one transport message (256 MiB) with room for the rest
 
 
 class PrefillCore:

@@ -35,8 +35,10 @@ NODE_CAPACITY = 256  # router: requests in flight per node before it counts as f
 
 
 def parse_allowlist(raw: str | None) -> tuple[frozenset[str] | None, list[str]]:
-    """``MLXCEL_DECODE_ALLOWLIST``: numeric IP:port entries, comma-separated. Returns the set
-    (None: permissive -- unset, empty, or nothing parsed) and the entries it skipped."""
+    """``MLXCEL_DECODE_ALLOWLIST``: numeric IP:port entries, comma-separated (IPv6 as
+    ``[IP]:PORT``). Returns the set (None: permissive -- unset, empty, or nothing parsed) and
+    the entries it skipped: host names, bad ports, IPv6 without brackets, and unspecified
+    addresses (0.0.0.0, ::), which no decode node can be."""
     import ipaddress
 
     good: set[str] = set()
@@ -48,6 +50,9 @@ def parse_allowlist(raw: str | None) -> tuple[frozenset[str] | None, list[str]]:
         host, sep, port = item.rpartition(":")
         try:
             ip = ipaddress.ip_address(host.strip("[]"))
+            bracketed = host.startswith("[") and host.endswith("]")
+            if (ip.version == 6) != bracketed or ip.is_unspecified:
+                raise ValueError
             if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
                 raise ValueError
         except ValueError:

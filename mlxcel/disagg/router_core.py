@@ -44,6 +44,7 @@ class PeerNode:
     role: str
     address: str
     online: bool = False  # unknown until the first probe answers
+    suspect: bool = False  # a connection with it dropped: the next probe decides
     dispatched: int = 0
     active: int = 0
     completed: int = 0
@@ -77,9 +78,12 @@ class RouterCore:
         prefill_timeout: float = PREFILL_TIMEOUT,
         handoff_timeout: float = HANDOFF_TIMEOUT,
         capacity: int = NODE_CAPACITY,
+        vocab: int = 1 << 30,
+        max_len: int = 1 << 30,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a router needs at least one prefill and one decode peer")
+        self.vocab, self.max_len = vocab, max_len
         self.nodes: dict[str, PeerNode] = {}
         for role, addrs in (("prefill", prefill), ("decode", decode)):
             for i, a in enumerate(addrs):
@@ -143,21 +147,34 @@ class RouterCore:
         return out
 
     def probe_result(self, address: str, ok: bool, reason: str, now: float) -> list[Effect]:
-        """The liveness probe's verdict on one node (the adapter connects and handshakes)."""
+        """The liveness probe's verdict on one node (the adapter connects and handshakes).
+        A failed probe right after a lost connection means the node is gone: its requests fail
+        at once. A failed routine probe only marks it down."""
         node = self.nodes.get(address)
-        if node is None or node.online == ok:
+        if node is None:
             return []
+        suspect, node.suspect = node.suspect, False
         if ok:
+            if node.online:
+                return []
             node.online = True
             node.last_error = ""
             return [Warn("info", f"router: {node.id} is online")]
-        return self._mark_down(node, reason)
+        out = self._mark_down(node, reason)
+        return out + self._fail_requests_on(node) if suspect else out
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        """A connection with ``identity`` dropped. Anyone on that IP holding the secret can
+        open and drop a connection under a node's address, so this alone fails nothing: the
+        adapter probes the node now, and :meth:`probe_result` decides."""
         node = self.nodes.get(identity)
-        if node is None:
-            return []
-        out = self._mark_down(node, "connection lost")
+        if node is not None:
+            node.suspect = True
+        return []
+
+    def _fail_requests_on(self, node: PeerNode) -> list[Effect]:
+        identity = node.address
+        out: list[Effect] = []
         for r in list(self.routes.values()):
             # A lost prefill matters until its first token is in (the decode node may already
             # hold the committed cache after that); a lost decode node matters throughout.
@@ -218,8 +235,18 @@ class RouterCore:
         return None
 
     def _admit(self, e: RunEntry, now: float) -> list[Effect]:
+        problem = ""
         if e.request_id in self.routes:
-            return [Deliver(Error(ErrorCode.BAD_REQUEST, "duplicate request id", e.request_id))]
+            problem = "duplicate request id"
+        elif not e.token_ids or any(not 0 <= t < self.vocab for t in e.token_ids):
+            problem = f"token ids must be in [0, {self.vocab})"
+        elif e.sampling.max_tokens < 1 or len(e.token_ids) + e.sampling.max_tokens > self.max_len:
+            problem = (
+                f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
+                f"exceeds the model's context of {self.max_len}"
+            )
+        if problem:  # refused here, as a single node would: no node sees it
+            return [Deliver(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))]
         p = self._pick("prefill")
         d = self._pick("decode")
         if p is None or d is None:
@@ -327,11 +354,18 @@ class RouterCore:
         self.counts["failed"] += 1
         for a in (r.prefill, r.decode):
             self.nodes[a].failed += 1
+        # The client learns which node (by id), never its address: what /router/stats hides
+        # must not leak through an error message. The log keeps the addresses.
         out: list[Effect] = [
-            Deliver(Error(code, why, r.request_id, r.entry.nonce)),
+            Deliver(Error(code, self.redact(why), r.request_id, r.entry.nonce)),
             Warn("warning", f"router: request {r.request_id} failed: {why}"),
         ]
         return out + self._end(r, "failed") + self._cancels(r, cancel, why)
+
+    def redact(self, text: str) -> str:
+        for n in self.nodes.values():
+            text = text.replace(n.address, n.id)
+        return text
 
     def _end(self, r: Route, _why: str) -> list[Effect]:
         self.routes.pop(r.request_id, None)
@@ -348,7 +382,7 @@ class RouterCore:
         return [Send(d, CancelRequest(r.wire, why[:200])) for d in dict.fromkeys(dests)]
 
     def _mark_down(self, node: PeerNode, reason: str) -> list[Effect]:
-        node.last_error = reason[:300]
+        node.last_error = reason[:300] or "unreachable"
         if not node.online:
             return []
         node.online = False

@@ -90,6 +90,11 @@ class RouterService(_DisaggAdapter):
         else:
             super().apply(effect)
 
+    def _peer_lost(self, identity: str) -> None:
+        super()._peer_lost(identity)
+        if identity in self.router.nodes:  # is it gone, or was that someone else on its IP?
+            self.node.spawn(self._probe_one(identity), name="router.probe-now")
+
     async def _probe_one(self, address: str) -> None:
         try:
             await self.probe(address, deadline_in(min(2.0, self.probe_interval * 2)))
@@ -110,7 +115,7 @@ class RouterService(_DisaggAdapter):
         while not (self.router.online("prefill") and self.router.online("decode")):
             if self.now() >= deadline:
                 down = [
-                    f"{n.id} at {n.address}: {n.last_error or 'no answer'}"
+                    f"{n.id} at {n.address}: {n.last_error or 'no answer yet'}"
                     for n in self.router.nodes.values()
                     if not n.online
                 ]
@@ -127,7 +132,6 @@ class RouterService(_DisaggAdapter):
             for n in body["nodes"]:
                 n.pop("address", None)
                 n.pop("last_error", None)  # connect errors name addresses too
-        body["metrics"]["router_drop_warnings"] = self.router.counts["router_drop"]
         body["addresses_redacted"] = not verbose
         return body
 

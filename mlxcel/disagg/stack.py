@@ -60,7 +60,7 @@ async def router_stack(
 ) -> AsyncIterator[RoleStack]:
     """A router that has seen one prefill and one decode node answer; bind ``listener``
     (results come back there) before serving HTTP."""
-    tokenizer, _config = load_tokenizer_only(model_path)
+    tokenizer, config = load_tokenizer_only(model_path)
     async with Node("router") as node:
         listener, pool, endpoint = cluster_net(
             node, ClusterSection(), bind, "router", secret, interface
@@ -70,7 +70,14 @@ async def router_stack(
             host, port = split_hostport(address)
             await pool.get(host, port, deadline)
 
-        core = RouterCore(prefill, decode, first_nonce=secrets.randbits(48) + 1)
+        core = RouterCore(
+            prefill,
+            decode,
+            first_nonce=secrets.randbits(48) + 1,
+            prefill_timeout=request_timeout,  # a long prompt may take the request's whole time
+            vocab=int(config["vocab_size"]),
+            max_len=int(config.get("max_position_embeddings", 1 << 30)),
+        )
         service = RouterService(node, endpoint, core, probe)
         service.attach()
         await service.wait_ready(startup_timeout)

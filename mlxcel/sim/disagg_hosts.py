@@ -102,10 +102,18 @@ class RouterHost(SimHost):
 
     def _probe_round(self) -> None:
         for a in self.router.nodes:
-            peer = self.net.hosts.get(a)
-            ok = bool(peer and peer.up and peer.has_secret and not self.net._parted(ROUTER, a))
-            self.sched.after(2 * self.net.link.latency, self._probe_done, a, ok)
+            self._probe(a)
         self.sched.after(1.0, self._probe_round)
+
+    def _probe(self, address: str) -> None:
+        peer = self.net.hosts.get(address)
+        ok = bool(peer and peer.up and peer.has_secret and not self.net._parted(ROUTER, address))
+        self.sched.after(2 * self.net.link.latency, self._probe_done, address, ok)
+
+    def peer_lost(self, identity: str) -> None:
+        super().peer_lost(identity)
+        if self.up and identity in self.router.nodes:
+            self._probe(identity)  # as the real router does
 
     def _probe_done(self, address: str, ok: bool) -> None:
         self.call(self.router.probe_result, address, ok, "" if ok else "unreachable", self.now())
