@@ -10,7 +10,7 @@ peers *and* the node this request was given to.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,8 @@ class RouterCore:
         self.routes: dict[str, Route] = {}  # by the frontend's request id
         self._wire: dict[str, str] = {}  # wire id -> the frontend's request id
         self.counts: Counter[str] = Counter()  # routed, completed, failed, rejected, ...
-        self.dispatch_log: list[tuple[str, str, str]] = []  # (request, prefill, why) for sims
+        # (wire id, prefill node, why) of every dispatch, newest last: what a simulation checks.
+        self.dispatch_log: deque[tuple[str, str, str]] = deque(maxlen=100_000)
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -377,8 +378,8 @@ class RouterCore:
 
     def _cancels(self, r: Route, dests: tuple[str, ...], why: str) -> list[Effect]:
         # Frees the cache on every node the request touched; best effort (a lost node has
-        # nothing left to free).
-        # Sent even to a node marked down: it may only have missed a probe.
+        # nothing left to free), and sent even to a node marked down: it may only have
+        # missed a probe.
         return [Send(d, CancelRequest(r.wire, why[:200])) for d in dict.fromkeys(dests)]
 
     def _mark_down(self, node: PeerNode, reason: str) -> list[Effect]:

@@ -27,6 +27,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.messages import (
     CancelRequest,
     Error,
+    ErrorCode,
     HandoffAck,
     HandoffVerdict,
     KvHandoff,
@@ -42,8 +43,8 @@ Probe = Callable[[str, float], Awaitable[None]]  # (address, deadline): raises i
 TRUE_WORDS = ("1", "true", "yes", "on")
 # How long one send may wait for its peer (connecting included) before it counts as failed.
 # Short on purpose: a send to a node that just died must not hold up the sends queued behind
-# it for that address (a restarted node comes back at the same one). A handoff carries its
-# lease as its own, tighter deadline.
+# it for that address (a restarted node comes back at the same one). A send with a deadline
+# of its own (a handoff: its lease) uses that instead.
 SEND_BUDGET = 5.0
 
 
@@ -70,7 +71,6 @@ class RouterService(_DisaggAdapter):
         self.probe = probe
         self.probe_interval = probe_interval
         self._local = LocalOutbox(node, "router")
-        self.probed = asyncio.Event()  # set after each full probe round
 
     def attach(self) -> None:
         self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
@@ -106,7 +106,6 @@ class RouterService(_DisaggAdapter):
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.gather(*(self._probe_one(a) for a in self.router.nodes))
-            self.probed.set()
             await asyncio.sleep(self.probe_interval)
 
     async def wait_ready(self, timeout: float) -> None:
@@ -169,7 +168,7 @@ class PrefillService(_DisaggAdapter):
         if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
             job = effect.job
             rid = f"lease-{job.lease}"
-            entry = RunEntry(rid, 0, job.token_ids, 0, job.sampling, 0)  # type: ignore[arg-type]
+            entry = RunEntry(rid, 0, job.token_ids, 0, job.sampling, 0)
             problem = self.engine.submit(
                 entry, "prefill", sink=lambda m: self._done(job.lease, rid, m), keep_cache=True
             )
@@ -253,5 +252,5 @@ class DecodeService(_DisaggAdapter):
                 key_state=h.rng_key,
             )
         if problem is not None:
-            err = Error("engine_failed", problem, rid)
+            err = Error(ErrorCode.ENGINE_FAILED, problem, rid)
             self.feed(self.decode.token(slot, err, self.now()))

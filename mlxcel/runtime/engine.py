@@ -345,7 +345,7 @@ class LocalEngine:
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:
                     packed = pack(r.prompt_cache or [], prompt_len, int(r.token))
-                except ValueError as exc:
+                except Exception as exc:  # this sequence fails alone, the batch goes on
                     out.failed[request_id] = f"could not pack the KV cache: {exc}"
                     continue
                 out.kept[request_id] = (packed, key_after_first(sampler))
