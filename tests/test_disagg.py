@@ -48,12 +48,12 @@ class Trio:
 
 
 @asynccontextmanager
-async def trio(model: Path, **router_kw: object) -> AsyncIterator[Trio]:
+async def trio(model: Path, allowlist: str = "", **router_kw: object) -> AsyncIterator[Trio]:
     secret = ClusterSecret(bytes(range(32)), "test")
     pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (12, 13, 14))
     async with AsyncExitStack() as stack:
         pre = await stack.enter_async_context(
-            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist_env="")
+            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist_env=allowlist)
         )
         dec = await stack.enter_async_context(worker_stack("decode", model, secret, da))
         for w in (pre, dec):
@@ -278,3 +278,17 @@ async def test_a_cache_that_cannot_be_packed_fails_its_request_with_the_reason(
             await collect(t.router.frontend, PROMPTS[0])
         assert "could not pack the KV cache" in str(err.value)
         await until_true(lambda: t.prefill.service.prefill.active == 0)
+
+
+async def test_a_decode_target_outside_the_allowlist_fails_and_the_cache_never_leaves(
+    tiny: Path,
+) -> None:
+    async with trio(tiny, allowlist="127.0.0.99:1, decode.example:2") as t:
+        with pytest.raises(EngineError) as err:
+            await collect(t.router.frontend, PROMPTS[0])
+        assert err.value.code == ErrorCode.DECODE_TARGET_REFUSED
+        assert "MLXCEL_DECODE_ALLOWLIST" in str(err.value) and "127.0.0.13" not in str(err.value)
+        pre, dec = t.prefill, t.decode
+        assert pre.engine is not None and pre.engine.prompt_tokens == 0  # no prefill work
+        assert pre.service.prefill.counts["handed_off"] == 0
+        assert dec.service.decode.counts == type(dec.service.decode.counts)()  # nothing arrived

@@ -281,6 +281,17 @@ def test_failover_restart_admission_and_demux(tiny: Path, secret: Path) -> None:
         assert err.value.status_code == 503
         assert err.value.response.headers.get("Retry-After") == "1"
         assert "no prefill node" in str(err.value)
+        # ... and with every node down.
+        for p in (d0, d1):
+            p.proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(n["healthy"] for n in stats(rt)["nodes"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as err:
+            c.chat.completions.create(model="m", messages=messages(1), max_tokens=4)
+        assert err.value.status_code == 503
+        assert err.value.response.headers.get("Retry-After") == "1"
     finally:
         for p in procs:
             p.stop()
