@@ -399,7 +399,10 @@ class PrefillRequest(Message):
 class KvHandoff(Message):
     """Prefill -> decode node: one request's KV cache (every layer, trimmed to the prompt,
     dtype preserved) and how to go on. Held by the prefill node under ``lease`` until the
-    decode node acknowledges it; read by the decode node only after the commit verdict."""
+    decode node acknowledges it; read by the decode node only after the commit verdict.
+
+    A cache larger than one message travels as ``parts`` messages, each carrying consecutive
+    layers (part ``i`` of them, in order) and the same header and digest."""
 
     KIND: ClassVar[int] = 24
     request_id: str
@@ -412,7 +415,9 @@ class KvHandoff(Message):
     prompt_len: int
     keys: tuple[Tensor, ...]  # one per layer: [1, kv_heads, prompt_len, head_dim]
     values: tuple[Tensor, ...]
-    digest: bytes  # SHA-256 over every field but ``lease`` (see mlxcel.disagg.handoff)
+    digest: bytes  # SHA-256 over the whole handoff but ``lease`` and the split (see disagg.handoff)
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True, slots=True)

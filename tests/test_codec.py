@@ -145,6 +145,8 @@ messages = st.one_of(
         st.lists(tensors(), max_size=2).map(tuple),
         st.lists(tensors(), max_size=2).map(tuple),
         st.binary(max_size=32),
+        u64,
+        u64,
     ),
     st.builds(HandoffAck, ids, u64, st.booleans(), ids),
     st.builds(HandoffVerdict, ids, u64, st.booleans(), ids),

@@ -292,3 +292,15 @@ async def test_a_decode_target_outside_the_allowlist_fails_and_the_cache_never_l
         assert pre.engine is not None and pre.engine.prompt_tokens == 0  # no prefill work
         assert pre.service.prefill.counts["handed_off"] == 0
         assert dec.service.decode.counts == type(dec.service.decode.counts)()  # nothing arrived
+
+
+async def test_a_handoff_split_into_several_messages_decodes_the_same(
+    tiny: Path, reference: dict[str, list[list[int]]]
+) -> None:
+    async with trio(tiny) as t:
+        core = t.prefill.service.prefill
+        core.config = dataclasses.replace(core.config, part_bytes=20 << 10)  # a few layers a part
+        got = [await collect(t.router.frontend, p) for p in PROMPTS]
+        assert got == reference["greedy"]
+        counts = t.decode.service.decode.counts
+        assert counts["committed"] == len(PROMPTS) and counts["parts"] > len(PROMPTS)

@@ -469,3 +469,39 @@ def test_router_refuses_bad_requests_itself_and_redacts_addresses_for_clients() 
     assert D0 not in err.message and P0 not in err.message and "decode-0" in err.message
     (w,) = [e for e in out if isinstance(e, Warn)]
     assert D0 in w.text  # the operator's log keeps the address
+
+
+def test_a_large_cache_travels_in_parts_and_is_reassembled_in_any_order() -> None:
+    core = prefill(part_bytes=48)  # each 24-byte layer pair is 48 bytes: one layer a part
+    k = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
+    three = Packed(3, 9, (k, k, k), (k, k, k), tensor_digest((k, k, k), (k, k, k)))
+    (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
+    out = core.compute_done(job.lease, (9,), "length", None, three, (), 0.0)
+    parts = [s.msg for s in sends(out, KvHandoff)]
+    assert [(p.part, p.parts, len(p.keys)) for p in parts] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+    dec = decode()
+    assert dec.handle(parts[2], P0, 0.1) == [] and dec.handle(parts[0], P0, 0.1) == []
+    assert dec.handle(parts[0], P0, 0.1) == []  # a repeat changes nothing
+    (job2,) = [e.job for e in dec.handle(parts[1], P0, 0.2) if isinstance(e, StartCompute)]
+    assert isinstance(job2, VerifyJob) and len(job2.handoff.keys) == 3
+    assert digest_of(job2.handoff, tensor_digest(job2.handoff.keys, job2.handoff.values)) == (
+        job2.handoff.digest
+    )
+    # Parts that disagree, or that never all arrive, end the handoff unread.
+    bad = decode()
+    bad.handle(parts[0], P0, 0.0)
+    (ack,) = sends(bad.handle(dataclasses.replace(parts[1], nonce=1), P0, 0.1))
+    assert not ack.msg.ok and "disagree" in ack.msg.reason and bad.active == 0
+    slow = decode()
+    slow.handle(parts[0], P0, 0.0)
+    (err,) = sends(slow.on_timer(15.0), Error)
+    assert "only 1 of 3 handoff parts" in err.msg.message and not slow.reads
+
+
+def test_a_layer_larger_than_one_message_fails_the_request() -> None:
+    core = prefill(part_bytes=40)
+    (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
+    out = core.compute_done(job.lease, (9,), "length", None, packed(), (), 0.0)
+    (err,) = sends(out, Error)
+    assert err.msg.code == ErrorCode.HANDOFF_FAILED and "48 bytes" in err.msg.message
+    assert not sends(out, KvHandoff) and core.active == 0

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mlxcel.disagg.handoff import header, join
 from mlxcel.disagg.protocol import (
+    MAX_PARTS,
     MAX_TOMBSTONES,
     SLOT_TABLE,
     TOMBSTONE_TTL,
@@ -49,6 +51,7 @@ class Slot:
     state: SlotState = SlotState.VERIFYING
     deadline: float | None = None
     index: int = 1  # the next token's index (the prefill node sent index 0)
+    pieces: dict[int, KvHandoff] = field(default_factory=dict)  # parts received so far
 
     @property
     def router(self) -> str:
@@ -102,8 +105,9 @@ class DecodeCore:
 
     def _handoff(self, h: KvHandoff, source: str, now: float) -> list[Effect]:
         c = self.config
-        if (source, h.lease) in self._by_lease:
-            return []  # a repeat of one we hold
+        sid = self._by_lease.get((source, h.lease))
+        if sid is not None:
+            return self._piece(self.slots[sid], h)
         why = ""
         if (h.router, h.request_id) in self._tombstones:
             why = "the router cancelled this request"
@@ -115,6 +119,8 @@ class DecodeCore:
             why = "first token or max_tokens out of range"
         elif h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
             why = f"prompt and max_tokens exceed the model's context of {c.max_len}"
+        elif not 0 <= h.part < h.parts <= MAX_PARTS:
+            why = f"part {h.part} of {h.parts} (at most {MAX_PARTS} parts)"
         if why:
             self.counts["refused"] += 1
             return [Send(source, HandoffAck(h.request_id, h.lease, False, why))]
@@ -122,7 +128,28 @@ class DecodeCore:
         self.slots[s.id] = s
         self._by_lease[(source, h.lease)] = s.id
         self._by_request[(h.router, h.request_id)] = s.id
-        return [StartCompute(VerifyJob(s.id, h))]
+        if h.parts == 1:
+            return [StartCompute(VerifyJob(s.id, h))]
+        s.state = SlotState.RECEIVING
+        return self._piece(s, h)
+
+    def _piece(self, s: Slot, h: KvHandoff) -> list[Effect]:
+        """One part of a handoff split into several messages (a repeat changes nothing)."""
+        if s.state is not SlotState.RECEIVING or h.part in s.pieces:
+            return []
+        if header(h) != header(s.handoff) or not 0 <= h.part < h.parts:
+            self.counts["corrupt"] += 1
+            ack = HandoffAck(h.request_id, h.lease, False, "the parts of the handoff disagree")
+            return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
+        s.pieces[h.part] = h
+        self.counts["parts"] += 1
+        if len(s.pieces) < h.parts:
+            return []
+        whole = join([s.pieces[i] for i in range(h.parts)])
+        s.pieces.clear()
+        s.handoff = whole
+        s.state = SLOT_TABLE.next(s.state, SlotEvent.RECEIVED)
+        return [StartCompute(VerifyJob(s.id, whole))]
 
     def verified(self, slot_id: int, problem: str | None, now: float) -> list[Effect]:
         """The compute side checked (and staged) the handoff; ``problem`` says why not."""
@@ -182,12 +209,12 @@ class DecodeCore:
         out: list[Effect] = []
         for s in [s for s in self.slots.values() if s.deadline and s.deadline <= now]:
             self.counts["verdict_timeouts"] += 1
-            out += self._error(
-                s,
-                ErrorCode.HANDOFF_TIMEOUT,
-                f"the prefill node never committed the handoff within "
-                f"{self.config.verdict_wait:g}s; it was not read",
-            )
+            wait = f"{self.config.verdict_wait:g}s"
+            if s.state is SlotState.RECEIVING:
+                why = f"only {len(s.pieces)} of {s.handoff.parts} handoff parts came in {wait}"
+            else:
+                why = f"the prefill node never committed the handoff within {wait}"
+            out += self._error(s, ErrorCode.HANDOFF_TIMEOUT, f"{why}; it was not read")
         return out
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 from mlxcel.messages import KvHandoff, SamplingParams, Tensor
 
@@ -54,6 +54,57 @@ def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
         h.prompt_len,
         tensors,
     )
+
+
+def split(h: KvHandoff, part_bytes: int) -> list[KvHandoff] | None:
+    """``h`` as parts of consecutive layers, each at most ``part_bytes`` of tensor data
+    (None: one layer alone is larger)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, (k, v) in enumerate(zip(h.keys, h.values, strict=True)):
+        n = k.nbytes + v.nbytes
+        if n > part_bytes:
+            return None
+        if groups[-1] and size + n > part_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    if len(groups) == 1:
+        return [h]
+    return [
+        replace(
+            h,
+            keys=tuple(h.keys[i] for i in g),
+            values=tuple(h.values[i] for i in g),
+            part=p,
+            parts=len(groups),
+        )
+        for p, g in enumerate(groups)
+    ]
+
+
+def header(h: KvHandoff) -> tuple[object, ...]:
+    """What every part of one handoff must agree on."""
+    return (
+        h.request_id,
+        h.lease,
+        h.router,
+        h.nonce,
+        h.first_token,
+        h.sampling,
+        h.rng_key,
+        h.prompt_len,
+        h.digest,
+        h.parts,
+    )
+
+
+def join(parts: Sequence[KvHandoff]) -> KvHandoff:
+    """The parts of one handoff, in order, as one."""
+    keys = tuple(t for p in parts for t in p.keys)
+    values = tuple(t for p in parts for t in p.values)
+    return replace(parts[0], keys=keys, values=values, part=0, parts=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from mlxcel.disagg.handoff import Packed, handoff_digest
+from mlxcel.disagg.handoff import Packed, handoff_digest, split
 from mlxcel.disagg.protocol import (
     LEASE,
     LEASE_TABLE,
@@ -60,7 +60,9 @@ class PrefillConfig:
     max_len: int = 1 << 30
     lease: float = LEASE
     max_sequences: int = 64
-    max_handoff_bytes: int = 255 << 20  # one transport message (256 MiB) with room for the rest
+    # Tensor bytes in one handoff message (the transport caps a message at 256 MiB); a larger
+    # cache travels as several messages of whole layers.
+    part_bytes: int = 255 << 20
 
 
 class PrefillCore:
@@ -164,17 +166,6 @@ class PrefillCore:
             return out + self._end(x, LeaseEvent.FINISHED)
         if packed is None or not token_ids:
             return out + self._fail(x, ErrorCode.FORWARD_FAILED, "the prompt left no KV cache")
-        if packed.nbytes > self.config.max_handoff_bytes:
-            return out + self._fail(
-                x,
-                ErrorCode.HANDOFF_FAILED,
-                f"the KV cache of this prompt is {packed.nbytes} bytes, above the handoff "
-                f"limit of {self.config.max_handoff_bytes}",
-            )
-        x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
-        x.held = packed
-        x.expires = now + self.config.lease
-        self.counts["handed_off"] += 1
         rest = dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1)
         seal = handoff_digest(
             m.request_id,
@@ -199,7 +190,20 @@ class PrefillCore:
             packed.values,
             seal,
         )
-        return out + [Send(x.target, h, deadline=x.expires)]
+        parts = split(h, self.config.part_bytes)
+        if parts is None:
+            biggest = max(k.nbytes + v.nbytes for k, v in zip(h.keys, h.values, strict=True))
+            return out + self._fail(
+                x,
+                ErrorCode.HANDOFF_FAILED,
+                f"one layer of this prompt's KV cache is {biggest} bytes, above the "
+                f"{self.config.part_bytes}-byte limit of one handoff message",
+            )
+        x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
+        x.held = packed
+        x.expires = now + self.config.lease
+        self.counts["handed_off"] += 1
+        return out + [Send(x.target, p, deadline=x.expires) for p in parts]
 
     def compute_failed(self, lease_id: int, why: str, now: float) -> list[Effect]:
         x = self.leases.get(lease_id)

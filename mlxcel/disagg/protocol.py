@@ -31,6 +31,7 @@ PROBE_INTERVAL = 1.0  # router: liveness probe period per node
 TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long
 MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
+MAX_PARTS = 1024  # decode: messages one handoff may be split into
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
 
 
@@ -142,6 +143,7 @@ LEASE_TABLE: Table[LeaseState, LeaseEvent] = Table(
 
 # --- decode: one handoff ---------------------------------------------------------------------
 class SlotState(enum.Enum):
+    RECEIVING = "receiving"  # a handoff in several parts: some have arrived
     VERIFYING = "verifying"  # digest and shapes checked on the compute thread
     STAGED = "staged"  # acknowledged; waiting for the verdict, not read yet
     DECODING = "decoding"  # committed: in the batch
@@ -149,6 +151,7 @@ class SlotState(enum.Enum):
 
 
 class SlotEvent(enum.Enum):
+    RECEIVED = "received"  # the last part arrived
     VERIFIED = "verified"
     COMMIT = "commit"
     TOKEN = "token"
@@ -161,6 +164,10 @@ class SlotEvent(enum.Enum):
 SLOT_TABLE: Table[SlotState, SlotEvent] = Table(
     "decode handoff",
     {
+        (SlotState.RECEIVING, SlotEvent.RECEIVED): SlotState.VERIFYING,
+        (SlotState.RECEIVING, SlotEvent.ABORT): SlotState.ENDED,
+        (SlotState.RECEIVING, SlotEvent.FAIL): SlotState.ENDED,
+        (SlotState.RECEIVING, SlotEvent.CANCEL): SlotState.ENDED,
         (SlotState.VERIFYING, SlotEvent.VERIFIED): SlotState.STAGED,
         (SlotState.VERIFYING, SlotEvent.ABORT): SlotState.ENDED,
         (SlotState.VERIFYING, SlotEvent.FAIL): SlotState.ENDED,
@@ -174,7 +181,10 @@ SLOT_TABLE: Table[SlotState, SlotEvent] = Table(
         (SlotState.DECODING, SlotEvent.FAIL): SlotState.ENDED,
         (SlotState.DECODING, SlotEvent.CANCEL): SlotState.ENDED,
     },
-    {(SlotState.VERIFYING, SlotEvent.COMMIT): ErrorCode.NOT_PREPARED},
+    {
+        (SlotState.VERIFYING, SlotEvent.COMMIT): ErrorCode.NOT_PREPARED,
+        (SlotState.RECEIVING, SlotEvent.COMMIT): ErrorCode.NOT_PREPARED,
+    },
     ErrorCode.BAD_MESSAGE,
 )
 

@@ -91,11 +91,14 @@ def build_disagg(
     ledger = Ledger()
     router = RouterHost(sched, net, pre, dec, rng.getrandbits(40) + 1)
     net.add(router)
-    pcfg = PrefillConfig(tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64)
+    # 1-4 "layers" of 16 bytes, sent one layer per message: handoffs arrive in parts.
+    layers = rng.randint(1, 4)
+    pcfg = PrefillConfig(tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16)
     dcfg = DecodeConfig(VOCAB, 1 << 20, 64)
     run = DisaggRun(sched, net, router, [], [], ledger, faults)
     for a in pre:
         run.prefill.append(PrefillHost(a, sched, net, pcfg, ledger, rng))
+        run.prefill[-1].layers = layers
         net.add(run.prefill[-1])
     for a in dec:
         run.decode.append(DecodeHost(a, sched, net, dcfg, ledger, inject))

@@ -32,7 +32,7 @@ from mlxcel.messages import (
 )
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import Outcome, SimHost
-from mlxcel.sim.model import mix
+from mlxcel.sim.model import MASK, mix
 from mlxcel.sim.network import SimNetwork
 
 ROUTER = "10.0.3.1:8300"
@@ -173,6 +173,7 @@ class PrefillHost(SimHost):
     ) -> None:
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.rng = cfg, ledger, rng
+        self.layers = 1
         self.caches: set[int] = set()  # leases whose cache the "engine" holds
         self.core = PrefillCore(cfg, first_lease=rng.getrandbits(40) + 1)  # type: ignore[assignment]
 
@@ -203,8 +204,10 @@ class PrefillHost(SimHost):
             return
         h = prompt_hash(job.token_ids)
         t0 = token(h, 0)
-        k = cache_tensor(h)
-        packed = Packed(len(job.token_ids), t0, (k,), (k,), tensor_digest((k,), (k,)))
+        # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
+        ks = tuple(cache_tensor(h ^ layer) for layer in range(self.layers))
+        vs = tuple(cache_tensor(~h & MASK ^ layer) for layer in range(self.layers))
+        packed = Packed(len(job.token_ids), t0, ks, vs, tensor_digest(ks, vs))
         ids = () if t0 == EOS else (t0,)
         finish = "stop" if t0 == EOS else "length"
         self.call(self.prefill.compute_done, job.lease, ids, finish, None, packed, (), self.now())
