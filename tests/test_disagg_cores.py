@@ -292,8 +292,9 @@ def test_prefill_sends_token_zero_then_the_handoff_and_commits_on_ack() -> None:
 def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None:
     core = prefill()
     lease, _ = start(core)
-    assert core.next_timer() == 5.0
-    out = core.on_timer(5.0)
+    when = core.next_timer()
+    assert when is not None and 5.0 < when < 5.001  # 5 s, plus a second per 100 MB
+    out = core.on_timer(when)
     (err,) = sends(out, Error)
     assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
     assert "lease expired" in err.msg.message
@@ -366,8 +367,9 @@ def decode() -> DecodeCore:
     return DecodeCore(DecodeConfig(vocab=100, max_len=64, max_sequences=4, verdict_wait=15.0))
 
 
-def staged(core: DecodeCore) -> int:
-    (job,) = [e.job for e in core.handle(handoff(), P0, 0.0) if isinstance(e, StartCompute)]
+def staged(core: DecodeCore, lease: int = 5) -> int:
+    h = handoff(lease=lease)
+    (job,) = [e.job for e in core.handle(h, P0, 0.0) if isinstance(e, StartCompute)]
     assert isinstance(job, VerifyJob)
     (ack,) = sends(core.verified(job.slot, None, 0.1))
     assert ack.dest == P0 and ack.msg.ok
@@ -394,7 +396,8 @@ def test_decode_frees_an_aborted_or_never_committed_handoff_unread() -> None:
     slot = staged(core)
     out = core.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 1.0)
     assert out == [FreeCache(slot)] and not core.reads
-    slot = staged(core)
+    assert core.handle(handoff(), P0, 1.1) == []  # a late repeat of it opens nothing
+    slot = staged(core, lease=6)
     out = core.on_timer(0.1 + 15.0)
     (err,) = sends(out, Error)
     assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
@@ -505,3 +508,23 @@ def test_a_layer_larger_than_one_message_fails_the_request() -> None:
     (err,) = sends(out, Error)
     assert err.msg.code == ErrorCode.HANDOFF_FAILED and "48 bytes" in err.msg.message
     assert not sends(out, KvHandoff) and core.active == 0
+
+
+def test_parts_are_checked_against_the_model_on_arrival() -> None:
+    core = DecodeCore(DecodeConfig(vocab=100, max_len=64, dims=(2, 1, 2)))
+    k = Tensor("float32", (1, 1, 3, 2), bytes(24))
+    h = dataclasses.replace(handoff(), keys=(k,), values=(k,), part=0, parts=2)
+    assert [type(e) for e in core.handle(h, P0, 0.0)] == []  # part 0 of 2 kept
+    # More parts than the model has layers, a wrong shape, more layers than the model: refused.
+    for lease, bad in (
+        (7, dataclasses.replace(h, lease=7, parts=3)),
+        (8, dataclasses.replace(h, lease=8, keys=(Tensor("float32", (1, 2, 3, 2), bytes(48)),))),
+    ):
+        (ack,) = sends(core.handle(bad, P0, 0.0))
+        assert not ack.msg.ok and ack.msg.lease == lease
+    two = dataclasses.replace(h, part=1, keys=(k, k), values=(k, k))
+    (ack,) = sends(core.handle(two, P0, 0.1))
+    assert not ack.msg.ok and "more than the model's 2 layers" in ack.msg.reason
+    assert core.active == 0
+    # ... and a late part of that handoff opens nothing.
+    assert core.handle(dataclasses.replace(h, part=1), P0, 0.2) == [] and core.active == 0

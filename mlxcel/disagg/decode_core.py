@@ -64,6 +64,9 @@ class DecodeConfig:
     max_len: int = 1 << 30
     max_sequences: int = 64
     verdict_wait: float = VERDICT_WAIT
+    # (layers, kv heads, head dim) of this node's model: every part of a handoff is checked
+    # against it on arrival, so a slot never holds more than one model's cache (None: no check)
+    dims: tuple[int, int, int] | None = None
 
 
 class DecodeCore:
@@ -73,6 +76,9 @@ class DecodeCore:
         self._by_lease: dict[tuple[str, int], int] = {}
         self._by_request: dict[tuple[str, str], int] = {}
         self._tombstones: dict[tuple[str, str], float] = {}
+        # (prefill, lease) of handoffs that ended here, oldest first (bounded): a late or
+        # repeated part of one never opens a new slot.
+        self._ended: dict[tuple[str, int], None] = {}
         self._ids = itertools.count(1)
         self.counts: Counter[str] = Counter()
         # (prefill, lease) of every handoff read, newest last: what a simulation checks.
@@ -100,6 +106,7 @@ class DecodeCore:
                 self._remember_cancel((source, msg.request_id), now)
                 return []
             self.counts["cancelled"] += 1
+            self._remember_cancel((source, msg.request_id), now)  # its late parts: refused
             return self._end(self.slots[sid], SlotEvent.CANCEL)
         return [Warn("debug", f"decode: ignoring {type(msg).__name__} from {source}")]
 
@@ -107,9 +114,13 @@ class DecodeCore:
         c = self.config
         sid = self._by_lease.get((source, h.lease))
         if sid is not None:
-            return self._piece(self.slots[sid], h)
-        why = ""
-        if (h.router, h.request_id) in self._tombstones:
+            return self._piece(self.slots[sid], h, now)
+        if (source, h.lease) in self._ended:
+            return []  # a late part of a handoff that already ended here
+        why = self._shape_problem(h)
+        if why:
+            pass
+        elif (h.router, h.request_id) in self._tombstones:
             why = "the router cancelled this request"
         elif (h.router, h.request_id) in self._by_request:
             why = "this node already decodes that request"
@@ -119,10 +130,9 @@ class DecodeCore:
             why = "first token or max_tokens out of range"
         elif h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
             why = f"prompt and max_tokens exceed the model's context of {c.max_len}"
-        elif not 0 <= h.part < h.parts <= MAX_PARTS:
-            why = f"part {h.part} of {h.parts} (at most {MAX_PARTS} parts)"
         if why:
             self.counts["refused"] += 1
+            self._remember_end((source, h.lease))
             return [Send(source, HandoffAck(h.request_id, h.lease, False, why))]
         s = Slot(next(self._ids), source, h, deadline=now + c.verdict_wait)
         self.slots[s.id] = s
@@ -131,17 +141,40 @@ class DecodeCore:
         if h.parts == 1:
             return [StartCompute(VerifyJob(s.id, h))]
         s.state = SlotState.RECEIVING
-        return self._piece(s, h)
+        return self._piece(s, h, now)
 
-    def _piece(self, s: Slot, h: KvHandoff) -> list[Effect]:
+    def _shape_problem(self, h: KvHandoff) -> str:
+        """Cheap checks of one message of a handoff, before anything is kept."""
+        layers = self.config.dims[0] if self.config.dims else MAX_PARTS
+        if not 0 <= h.part < h.parts <= min(MAX_PARTS, layers):
+            return f"part {h.part} of {h.parts} (at most one part per layer)"
+        if not h.keys or len(h.keys) != len(h.values) or len(h.keys) > layers:
+            return f"a part of {len(h.keys)} key and {len(h.values)} value layers"
+        if self.config.dims:
+            want = (1, self.config.dims[1], h.prompt_len, self.config.dims[2])
+            for t in (*h.keys, *h.values):
+                if tuple(t.shape) != want:
+                    return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+        return ""
+
+    def _piece(self, s: Slot, h: KvHandoff, now: float) -> list[Effect]:
         """One part of a handoff split into several messages (a repeat changes nothing)."""
-        if s.state is not SlotState.RECEIVING or h.part in s.pieces:
+        if s.state is not SlotState.RECEIVING:
             return []
-        if header(h) != header(s.handoff) or not 0 <= h.part < h.parts:
+        why = self._shape_problem(h)
+        if not why and header(h) != header(s.handoff):
+            why = "the parts of the handoff disagree"
+        if not why and h.part in s.pieces:
+            return []  # a repeat
+        layers = sum(len(p.keys) for p in s.pieces.values()) + len(h.keys)
+        if not why and self.config.dims and layers > self.config.dims[0]:
+            why = f"the parts hold more than the model's {self.config.dims[0]} layers"
+        if why:
             self.counts["corrupt"] += 1
-            ack = HandoffAck(h.request_id, h.lease, False, "the parts of the handoff disagree")
+            ack = HandoffAck(h.request_id, h.lease, False, why)
             return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
         s.pieces[h.part] = h
+        s.deadline = now + self.config.verdict_wait  # progress: wait for the next part
         self.counts["parts"] += 1
         if len(s.pieces) < h.parts:
             return []
@@ -219,10 +252,11 @@ class DecodeCore:
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         out: list[Effect] = []
+        # A lost router changes nothing here: the next token dials it again, and a send that
+        # fails ends the slot (undeliverable). Only the prefill node's loss matters before the
+        # commit, since the verdict can no longer come.
         for s in list(self.slots.values()):
-            if s.router == identity:
-                out += self._end(s, SlotEvent.CANCEL)  # nobody left to stream to
-            elif s.prefill == identity and s.state is not SlotState.DECODING:
+            if s.prefill == identity and s.state is not SlotState.DECODING:
                 out += self._error(
                     s,
                     ErrorCode.HANDOFF_FAILED,
@@ -250,7 +284,13 @@ class DecodeCore:
         self.slots.pop(s.id, None)
         self._by_lease.pop((s.prefill, s.handoff.lease), None)
         self._by_request.pop((s.router, s.handoff.request_id), None)
+        self._remember_end((s.prefill, s.handoff.lease))
         return [FreeCache(s.id)]
+
+    def _remember_end(self, key: tuple[str, int]) -> None:
+        self._ended[key] = None
+        if len(self._ended) > MAX_TOMBSTONES:
+            self._ended.pop(next(iter(self._ended)))
 
     def _remember_cancel(self, key: tuple[str, str], now: float) -> None:
         if len(self._tombstones) >= MAX_TOMBSTONES:

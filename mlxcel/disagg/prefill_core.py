@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from mlxcel.disagg.handoff import Packed, handoff_digest, split
 from mlxcel.disagg.protocol import (
     LEASE,
+    LEASE_BYTES_PER_S,
     LEASE_TABLE,
     MAX_TOMBSTONES,
     LeaseEvent,
@@ -201,7 +202,7 @@ class PrefillCore:
             )
         x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
         x.held = packed
-        x.expires = now + self.config.lease
+        x.expires = now + self.config.lease + packed.nbytes / LEASE_BYTES_PER_S
         self.counts["handed_off"] += 1
         return out + [Send(x.target, p, deadline=x.expires) for p in parts]
 
@@ -259,10 +260,10 @@ class PrefillCore:
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         out: list[Effect] = []
+        # A lost router changes nothing: its cancels still reach us, and the lease timer bounds
+        # every handoff. A lost decode node fails the handoffs it had not acknowledged.
         for x in list(self.leases.values()):
-            if x.router == identity:
-                out += self._end(x, LeaseEvent.CANCELLED, abort="the router was lost")
-            elif x.target == identity and x.state is LeaseState.LEASED:
+            if x.target == identity and x.state is LeaseState.LEASED:
                 why = f"decode node {x.target} was lost before it acknowledged the handoff"
                 m = x.request
                 err = Error(ErrorCode.HANDOFF_FAILED, why, m.request_id, m.nonce)

@@ -25,7 +25,9 @@ from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 # --- bounds (seconds) ---------------------------------------------------------------------------
 PREFILL_TIMEOUT = 300.0  # router: dispatch -> first token (a long prompt takes a while)
 HANDOFF_TIMEOUT = 30.0  # router: first token -> decode's first token, and between tokens
-LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ack
+LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ack...
+LEASE_BYTES_PER_S = 100e6  # ...plus one second per 100 MB of cache (a big transfer takes time)
+SEND_WAIT = 5.0  # router: how long a prompt's send may wait for its prefill node
 VERDICT_WAIT = LEASE + 5.0  # decode: how long a verified handoff waits for the verdict
 PROBE_INTERVAL = 1.0  # router: liveness probe period per node
 TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long

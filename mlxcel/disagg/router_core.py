@@ -20,6 +20,7 @@ from mlxcel.disagg.protocol import (
     NODE_CAPACITY,
     PREFILL_TIMEOUT,
     ROUTE_TABLE,
+    SEND_WAIT,
     RouteEvent,
     RouteState,
 )
@@ -277,7 +278,7 @@ class RouterCore:
         node.dispatched += 1
         self.dispatch_log.append((r.wire, r.prefill, why))
         req = PrefillRequest(r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
-        return [Send(r.prefill, req, deadline=r.deadline)]
+        return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
 
     def _cancel(self, request_id: str) -> list[Effect]:
         r = self.routes.get(request_id)

@@ -38,7 +38,9 @@ from mlxcel.messages import (
 )
 from mlxcel.runtime.engine import LocalEngine
 
-Probe = Callable[[str, float], Awaitable[None]]  # (address, deadline): raises if unreachable
+# (address, deadline, fresh): raises if unreachable; ``fresh`` dials anew instead of trusting
+# an open connection (after a connection with the node dropped).
+Probe = Callable[[str, float, bool], Awaitable[None]]
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 # How long one send may wait for its peer (connecting included) before it counts as failed.
@@ -93,11 +95,13 @@ class RouterService(_DisaggAdapter):
     def _peer_lost(self, identity: str) -> None:
         super()._peer_lost(identity)
         if identity in self.router.nodes:  # is it gone, or was that someone else on its IP?
-            self.node.spawn(self._probe_one(identity), name="router.probe-now")
+            self.node.spawn(self._probe_one(identity, fresh=True), name="router.probe-now")
 
-    async def _probe_one(self, address: str) -> None:
+    async def _probe_one(self, address: str, fresh: bool = False) -> None:
+        deadline = deadline_in(min(2.0, self.probe_interval * 2))
         try:
-            await self.probe(address, deadline_in(min(2.0, self.probe_interval * 2)))
+            async with asyncio.timeout_at(deadline):
+                await self.probe(address, deadline, fresh)
         except (MlxcelError, OSError, TimeoutError) as exc:
             self.feed(self.router.probe_result(address, False, str(exc), self.now()))
         else:

@@ -66,8 +66,10 @@ async def router_stack(
             node, ClusterSection(), bind, "router", secret, interface
         )
 
-        async def probe(address: str, deadline: float) -> None:
+        async def probe(address: str, deadline: float, fresh: bool) -> None:
             host, port = split_hostport(address)
+            if fresh:
+                pool.drop(host, port)  # the handshake must succeed again, with that very node
             await pool.get(host, port, deadline)
 
         core = RouterCore(
@@ -172,7 +174,7 @@ async def worker_stack(
                 service = PrefillService(node, endpoint, engine, cfg)
             else:
                 dims = await compute.run(_kv_dims, loaded)
-                cfg_d = DecodeConfig(vocab, max_len, max_sequences)
+                cfg_d = DecodeConfig(vocab, max_len, max_sequences, dims=dims)
                 service = DecodeService(node, endpoint, engine, cfg_d, dims)
             service.attach()
             yield RoleStack(node, service, listener, engine=engine)
