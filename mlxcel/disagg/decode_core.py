@@ -117,19 +117,7 @@ class DecodeCore:
             return self._piece(self.slots[sid], h, now)
         if (source, h.lease) in self._ended:
             return []  # a late part of a handoff that already ended here
-        why = self._shape_problem(h)
-        if why:
-            pass
-        elif (h.router, h.request_id) in self._tombstones:
-            why = "the router cancelled this request"
-        elif (h.router, h.request_id) in self._by_request:
-            why = "this node already decodes that request"
-        elif len(self.slots) >= c.max_sequences:
-            why = f"decode node full ({c.max_sequences} sequences)"
-        elif not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:
-            why = "first token or max_tokens out of range"
-        elif h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
-            why = f"prompt and max_tokens exceed the model's context of {c.max_len}"
+        why = self._shape_problem(h) or self._refusal(h)
         if why:
             self.counts["refused"] += 1
             self._remember_end((source, h.lease))
@@ -142,6 +130,21 @@ class DecodeCore:
             return [StartCompute(VerifyJob(s.id, h))]
         s.state = SlotState.RECEIVING
         return self._piece(s, h, now)
+
+    def _refusal(self, h: KvHandoff) -> str:
+        """Why this node will not take a new handoff ("" if it will)."""
+        c = self.config
+        if (h.router, h.request_id) in self._tombstones:
+            return "the router cancelled this request"
+        if (h.router, h.request_id) in self._by_request:
+            return "this node already decodes that request"
+        if len(self.slots) >= c.max_sequences:
+            return f"decode node full ({c.max_sequences} sequences)"
+        if not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:
+            return "first token or max_tokens out of range"
+        if h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
+            return f"prompt and max_tokens exceed the model's context of {c.max_len}"
+        return ""
 
     def _shape_problem(self, h: KvHandoff) -> str:
         """Cheap checks of one message of a handoff, before anything is kept."""
