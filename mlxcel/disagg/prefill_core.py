@@ -74,7 +74,6 @@ class PrefillCore:
         self._ids = itertools.count(first_lease)
         self._finished: dict[tuple[str, str, int], None] = {}  # bounded, oldest first
         self.counts: Counter[str] = Counter()
-        self.released: dict[int, str] = {}  # lease -> how it ended (sims check reads against it)
 
     @property
     def active(self) -> int:
@@ -287,9 +286,6 @@ class PrefillCore:
         self._finished[(x.router, x.request.request_id, x.request.nonce)] = None
         if len(self._finished) > MAX_TOMBSTONES:
             self._finished.pop(next(iter(self._finished)))
-        self.released[x.id] = event.value
-        if len(self.released) > 100_000:  # a bounded history
-            self.released.pop(next(iter(self.released)))
         x.held = None
         out: list[Effect] = [FreeCache(x.id)]
         if leased and abort is not None:
