@@ -87,7 +87,7 @@ async def run_bench(
 ) -> int:
     from mlxcel.disagg.stack import router_stack
     from mlxcel.net.secret import keygen, load_cluster_secret
-    from mlxcel.pipeline.launch import colocated_env, start_serve
+    from mlxcel.pipeline.launch import colocated_env, free_port, start_serve
     from mlxcel.runtime.blas import blas_name
     from mlxcel.runtime.model import load_tokenizer_only
     from mlxcel.server.run import local_stack
@@ -106,7 +106,7 @@ async def run_bench(
         secret_file = keygen(Path(tmp) / "cluster.secret")
         secret = load_cluster_secret(secret_file, {}, None, required=True)
         assert secret is not None
-        pa, da, ra = _free("127.0.0.41"), _free("127.0.0.42"), _free("127.0.0.43")
+        pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (41, 42, 43))
         common = ["-m", str(model), "--cluster-secret-file", str(secret_file)]
         common += ["--parallel", str(n), "--max-batch-size", str(n)]
         procs = []
@@ -187,12 +187,3 @@ async def run_bench(
             print(f"{r['mode']:<13}" + "".join(f"{c:>13}" for c in cells))
         print("(milliseconds; 'p99 x hybrid' is the ITL p99 ratio to the hybrid node)")
     return 0
-
-
-def _free(ip: str) -> str:
-    """``ip:<a free port>``."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return f"{ip}:{s.getsockname()[1]}"

@@ -2,7 +2,7 @@
 
 Two levels, so the megabytes are hashed once, on a compute thread, and the cores only hash a
 few hundred bytes: :func:`tensor_digest` covers every layer's keys and values (dtype, shape,
-bytes); :func:`handoff_digest` binds that to everything else the decode node acts on -- the
+bytes); :func:`digest_of` binds that to everything else the decode node acts on -- the
 request id, the router, the nonce, the first token, the sampling parameters, the PRNG key and
 the prompt length. The decode node recomputes both before it acknowledges.
 """
@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, replace
 
-from mlxcel.messages import KvHandoff, SamplingParams, Tensor
+from mlxcel.messages import KvHandoff, Tensor
 
 
 def tensor_digest(keys: Sequence[Tensor], values: Sequence[Tensor]) -> bytes:
@@ -25,35 +25,21 @@ def tensor_digest(keys: Sequence[Tensor], values: Sequence[Tensor]) -> bytes:
     return h.digest()
 
 
-def handoff_digest(
-    request_id: str,
-    router: str,
-    nonce: int,
-    first_token: int,
-    sampling: SamplingParams,
-    rng_key: Sequence[int],
-    prompt_len: int,
-    tensors: bytes,
-) -> bytes:
-    fields = (request_id, router, nonce, first_token, astuple(sampling), tuple(rng_key), prompt_len)
-    h = hashlib.sha256(b"mlxcel-kv-handoff-1|")
-    h.update(repr(fields).encode())
-    h.update(tensors)
-    return h.digest()
-
-
 def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
     """What ``h.digest`` must be, given the tensor digest of its keys and values."""
-    return handoff_digest(
+    fields = (
         h.request_id,
         h.router,
         h.nonce,
         h.first_token,
-        h.sampling,
-        h.rng_key,
+        astuple(h.sampling),
+        tuple(h.rng_key),
         h.prompt_len,
-        tensors,
     )
+    d = hashlib.sha256(b"mlxcel-kv-handoff-1|")
+    d.update(repr(fields).encode())
+    d.update(tensors)
+    return d.digest()
 
 
 def split(h: KvHandoff, part_bytes: int) -> list[KvHandoff] | None:

@@ -17,7 +17,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from mlxcel.disagg.handoff import Packed, handoff_digest, split
+from mlxcel.disagg.handoff import Packed, digest_of, split
 from mlxcel.disagg.protocol import (
     LEASE,
     LEASE_BYTES_PER_S,
@@ -167,16 +167,6 @@ class PrefillCore:
         if packed is None or not token_ids:
             return out + self._fail(x, ErrorCode.FORWARD_FAILED, "the prompt left no KV cache")
         rest = dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1)
-        seal = handoff_digest(
-            m.request_id,
-            x.router,
-            m.nonce,
-            packed.first_token,
-            rest,
-            key_state,
-            packed.prompt_len,
-            packed.tensors,
-        )
         h = KvHandoff(
             m.request_id,
             x.id,
@@ -188,8 +178,9 @@ class PrefillCore:
             packed.prompt_len,
             packed.keys,
             packed.values,
-            seal,
+            b"",
         )
+        h = dataclasses.replace(h, digest=digest_of(h, packed.tensors))
         parts = split(h, self.config.part_bytes)
         if parts is None:
             biggest = max(k.nbytes + v.nbytes for k, v in zip(h.keys, h.values, strict=True))

@@ -69,12 +69,6 @@ def canonical(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def canonical_address(address: str) -> str | None:
-    """IP:port in one spelling (None if it is not a numeric IP:port)."""
-    allowed, _ = parse_allowlist(address)
-    return next(iter(allowed)) if allowed else None
-
-
 # --- router: one request ---------------------------------------------------------------------
 class RouteState(enum.Enum):
     PREFILLING = "prefilling"  # sent to the prefill node, no token yet

@@ -228,7 +228,7 @@ class RouterCore:
         return out + self._dispatch(r, now, "failover")
 
     # --- admission and dispatch -----------------------------------------------------------
-    def _pick(self, role: str, exclude: set[str] = frozenset()) -> str | None:  # type: ignore[assignment]
+    def _pick(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
         for _ in range(len(self._by_role[role])):
             a = next(self._rr[role])
             n = self.nodes[a]
@@ -285,7 +285,7 @@ class RouterCore:
         if r is None:
             return []
         self.counts["cancelled"] += 1
-        return self._end(r, "cancelled") + self._cancels(r, (r.prefill, r.decode), "cancelled")
+        return self._end(r) + self._cancels(r, (r.prefill, r.decode), "cancelled")
 
     # --- results ----------------------------------------------------------------------------
     def _result(self, msg: TokenResult | Error, source: str, now: float) -> list[Effect]:
@@ -347,7 +347,7 @@ class RouterCore:
             self.counts["completed"] += 1
             for a in (r.prefill, r.decode):
                 self.nodes[a].completed += 1
-            out += self._end(r, "completed")
+            out += self._end(r)
         return out
 
     # --- endings ----------------------------------------------------------------------------
@@ -362,14 +362,14 @@ class RouterCore:
             Deliver(Error(code, self.redact(why), r.request_id, r.entry.nonce)),
             Warn("warning", f"router: request {r.request_id} failed: {why}"),
         ]
-        return out + self._end(r, "failed") + self._cancels(r, cancel, why)
+        return out + self._end(r) + self._cancels(r, cancel, why)
 
     def redact(self, text: str) -> str:
         for n in self.nodes.values():
             text = text.replace(n.address, n.id)
         return text
 
-    def _end(self, r: Route, _why: str) -> list[Effect]:
+    def _end(self, r: Route) -> list[Effect]:
         self.routes.pop(r.request_id, None)
         self._wire.pop(r.wire, None)
         if r.prefill_busy:

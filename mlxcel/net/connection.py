@@ -28,7 +28,7 @@ from mlxcel.deadlines import until
 from mlxcel.errors import DeadlineExceeded, DecodeError, MlxcelError, QueueFull
 from mlxcel.messages import Message, Undecodable
 from mlxcel.net.ratelimit import WarningLimiter
-from mlxcel.wire.codec import decode, encode, salvage
+from mlxcel.wire.codec import decode, encode, salvage, tensor_bytes
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_MESSAGE,
@@ -63,6 +63,7 @@ __all__ = [
 DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
 DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
 DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
+ENCODE_INLINE = 4 << 20  # messages carrying more tensor bytes are encoded on a worker thread
 _ids = itertools.count(1)
 
 
@@ -134,7 +135,13 @@ class SecureConnection:
 
     # --- sending -----------------------------------------------------------------------------
     async def send(self, msg: Message, deadline: float | None = None) -> None:
-        await self.send_payload(encode(msg), deadline)
+        # Encoding copies every tensor byte: a KV handoff of hundreds of MiB would stall the
+        # reactor for everyone, so a large one is encoded on a worker thread.
+        if tensor_bytes(msg) > ENCODE_INLINE:
+            payload = await asyncio.to_thread(encode, msg)
+        else:
+            payload = encode(msg)
+        await self.send_payload(payload, deadline)
 
     async def send_payload(
         self, payload: bytes | bytearray | memoryview, deadline: float | None = None

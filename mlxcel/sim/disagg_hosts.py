@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
@@ -21,7 +22,6 @@ from mlxcel.disagg.router_core import LOCAL, RouterCore
 from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
 from mlxcel.messages import (
     CancelRequest,
-    Error,
     HandoffVerdict,
     KvHandoff,
     Message,
@@ -141,14 +141,8 @@ class RouterHost(SimHost):
             raise NotImplementedError(type(effect).__name__)
         m = effect.msg
         o = self.outcomes.get(getattr(m, "request_id", "") or "")
-        if o is None or o.finish is not None:
-            return
-        if isinstance(m, Error):
-            o.finish, o.ended_at = f"error:{m.code}", self.sched.now
-        elif isinstance(m, RunResult):
-            o.tokens.extend(m.token_ids)
-            if m.finish_reason is not None:
-                o.finish, o.ended_at = m.finish_reason, self.sched.now
+        if o is not None:
+            o.record(m, self.sched.now)
 
 
 @dataclass
@@ -161,7 +155,32 @@ class Ledger:
     computed: list[tuple[str, str, int]] = field(default_factory=list)  # (prefill, rid, nonce)
 
 
-class PrefillHost(SimHost):
+class WorkerHost(SimHost):
+    """A prefill or decode node's process: a crash loses its connections and its compute
+    state; a restart brings a fresh core."""
+
+    def crash(self) -> None:
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            self.up, self._timer_at = False, None
+            self.incarnation += 1
+            self.forget()
+            self.net.reset_connections(self.identity)
+
+    def restart(self) -> None:
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.up = True
+            self.core = self.fresh_core()
+
+    def forget(self) -> None:
+        raise NotImplementedError
+
+    def fresh_core(self) -> Any:
+        raise NotImplementedError
+
+
+class PrefillHost(WorkerHost):
     def __init__(
         self,
         identity: str,
@@ -212,22 +231,14 @@ class PrefillHost(SimHost):
         finish = "stop" if t0 == EOS else "length"
         self.call(self.prefill.compute_done, job.lease, ids, finish, None, packed, (), self.now())
 
-    def crash(self) -> None:
-        if self.up:
-            self.sched.trace("crash", self.identity)
-            self.up, self._timer_at = False, None
-            self.incarnation += 1
-            self.caches.clear()
-            self.net.reset_connections(self.identity)
+    def forget(self) -> None:
+        self.caches.clear()
 
-    def restart(self) -> None:
-        if not self.up:
-            self.sched.trace("restart", self.identity)
-            self.up = True
-            self.core = PrefillCore(self.cfg, first_lease=self.rng.getrandbits(40) + 1)  # type: ignore[assignment]
+    def fresh_core(self) -> PrefillCore:
+        return PrefillCore(self.cfg, first_lease=self.rng.getrandbits(40) + 1)
 
 
-class DecodeHost(SimHost):
+class DecodeHost(WorkerHost):
     def __init__(
         self,
         identity: str,
@@ -300,17 +311,9 @@ class DecodeHost(SimHost):
         result = RunResult(f"slot-{slot}", 0, () if t == EOS else (t,), finish, 0)
         self.call(self.decode.token, slot, result, self.now())
 
-    def crash(self) -> None:
-        if self.up:
-            self.sched.trace("crash", self.identity)
-            self.up, self._timer_at = False, None
-            self.incarnation += 1
-            self.running.clear()
-            self.staged.clear()
-            self.net.reset_connections(self.identity)
+    def forget(self) -> None:
+        self.running.clear()
+        self.staged.clear()
 
-    def restart(self) -> None:
-        if not self.up:
-            self.sched.trace("restart", self.identity)
-            self.up = True
-            self.core = DecodeCore(self.cfg)  # type: ignore[assignment]
+    def fresh_core(self) -> DecodeCore:
+        return DecodeCore(self.cfg)

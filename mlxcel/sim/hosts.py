@@ -223,6 +223,17 @@ class Outcome:
     finish: str | None = None  # stop / length, or "error:<code>", or "cancelled"
     ended_at: float | None = None
 
+    def record(self, msg: Message, now: float) -> None:
+        """What the frontend got for this request: tokens, a finish, or an error."""
+        if self.finish is not None:
+            return
+        if isinstance(msg, Error):
+            self.finish, self.ended_at = f"error:{msg.code}", now
+        elif isinstance(msg, RunResult):
+            self.tokens.extend(msg.token_ids)
+            if msg.finish_reason is not None:
+                self.finish, self.ended_at = msg.finish_reason, now
+
 
 class CoordinatorHost(SimHost):
     """The coordinator core plus a client in the frontend's place: it submits requests,
@@ -289,12 +300,7 @@ class CoordinatorHost(SimHost):
             out = self.outcomes.get(rid) if rid else None
             if out is None or out.finish is not None:
                 return
-            if isinstance(msg, Error):
-                out.finish, out.ended_at = f"error:{msg.code}", self.sched.now
-            elif isinstance(msg, RunResult):
-                out.tokens.extend(msg.token_ids)
-                if msg.finish_reason is not None:
-                    out.finish, out.ended_at = msg.finish_reason, self.sched.now
+            out.record(msg, self.sched.now)
             tokens = getattr(msg, "token_ids", ())
             self.sched.trace("deliver", rid, type(msg).__name__, tokens, out.finish)
         elif isinstance(effect, Answer):

@@ -59,6 +59,18 @@ def _to_plain(obj: Any) -> dict[str, Any]:
     return out
 
 
+def tensor_bytes(msg: Message) -> int:
+    """Bytes of tensor data ``msg`` carries (what its encoding mostly copies)."""
+    total = 0
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        value = getattr(msg, f.name)
+        if isinstance(value, Tensor):
+            total += value.nbytes
+        elif isinstance(value, tuple):
+            total += sum(v.nbytes for v in value if isinstance(v, Tensor))
+    return total
+
+
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Decode one message. Raises :class:`DecodeError` (or a subclass) on any problem."""
     buf = io.BytesIO(data)
