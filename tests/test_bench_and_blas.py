@@ -136,6 +136,8 @@ def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> 
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["mode"] for row in rows] == ["hybrid", "disagg-1p1d"]
+    # The split row really ran through the router and its nodes: warm-up, 2 streams, 1 long.
+    assert rows[1]["completed_via_router"] == 4 and "completed_via_router" not in rows[0]
     for row in rows:
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]

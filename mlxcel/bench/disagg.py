@@ -144,6 +144,9 @@ async def run_bench(
                     row = await workload(rt.frontend, vocab, *args)
                 finally:
                     await rt.listener.close()
+                # Evidence that this row went through the nodes: requests the router completed
+                # with a token 0 from the prefill process and the rest from the decode process.
+                row["completed_via_router"] = rt.service.router.counts["completed"]
                 rows.append({"mode": "disagg-1p1d", **row})
         finally:
             for proc in procs:
