@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,38 @@ def test_blas_choice_is_reported_and_can_be_opted_out() -> None:
     assert _py(code, {"MLXCEL_BLAS": "bundled"}).startswith(
         "bundled reference BLAS (MLXCEL_BLAS=bundled)"
     )
-    auto = _py(code, {"MLXCEL_BLAS": ""})
-    assert auto.startswith("openblas (") or auto.startswith("bundled reference BLAS (slow); hint:")
+    auto = _py(code, {"MLXCEL_BLAS": "", "MLXCEL_BLAS_THREADS": ""})
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        # The mkl wheel is a dependency there: a fresh install needs nothing else.
+        assert auto.startswith("mkl 20") and "libmkl_rt.so" in auto, auto
+    else:
+        assert auto.startswith("openblas (") or "hint:" in auto
     late = _py("import mlx.core; " + code, {"MLXCEL_BLAS": ""})
     assert "imported before" in late
+    broken = _py(code, {"MLXCEL_BLAS": "/nonexistent/libblas.so"})
+    assert broken.startswith("bundled reference BLAS (slow)") and "MLXCEL_BLAS=" in broken
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="mkl")
+def test_blas_threads_follow_the_setting_and_the_share_of_cores() -> None:
+    code = "from mlxcel.runtime.blas import ensure_blas; print(ensure_blas())"
+    assert _py(code, {"MLXCEL_BLAS": "mkl", "MLXCEL_BLAS_THREADS": "1"}).endswith(", 1 threads")
+    # A user's own MKL_NUM_THREADS wins over mlxcel's share.
+    env = {"MLXCEL_BLAS": "mkl", "MLXCEL_BLAS_THREADS": "1", "MKL_NUM_THREADS": "2"}
+    assert _py(code, env).endswith(", 2 threads")
+
+
+def test_colocated_processes_split_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.runtime import blas
+
+    monkeypatch.delenv("MLXCEL_BLAS_THREADS", raising=False)
+    monkeypatch.setattr(blas.os, "sched_getaffinity", lambda _pid: set(range(17)))
+    assert blas.default_threads(1) == 16
+    assert blas.default_threads(4) == 4
+    assert blas.default_threads(40) == 1
+    assert blas.colocated_env(3)["MLXCEL_BLAS_THREADS"] == "5"
+    monkeypatch.setenv("MLXCEL_BLAS_THREADS", "7")
+    assert blas.colocated_env(3)["MLXCEL_BLAS_THREADS"] == "7"
 
 
 def test_bench_batching_prints_json_lines(tiny: Path) -> None:
@@ -60,7 +89,7 @@ def test_bench_batching_prints_json_lines(tiny: Path) -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["streams"] for row in rows] == [1, 2]
     for row in rows:
-        assert row["tok_per_s"] > 0 and row["blas"] in ("openblas", "bundled")
+        assert row["tok_per_s"] > 0 and row["blas"] in ("mkl", "openblas", "bundled")
         assert row["tokens"] == 8 * row["streams"]
 
 

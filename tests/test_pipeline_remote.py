@@ -215,6 +215,9 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
     h = health(port)
     assert len(h["pipeline"]["stages"]) == len(stages)
     assert all(s["sequences"] == 0 for s in h["pipeline"]["stages"])
+    # Every process says at start which BLAS it computes on (the stages too).
+    for proc in [*stages, cluster[2]]:
+        assert "BLAS: " in "".join(proc.lines), "".join(proc.lines)[-2000:]
 
 
 def test_stage_with_another_secret_fails_the_coordinator_at_startup(

@@ -87,8 +87,8 @@ async def run_bench(
 ) -> int:
     from mlxcel.disagg.stack import router_stack
     from mlxcel.net.secret import keygen, load_cluster_secret
-    from mlxcel.pipeline.launch import colocated_env, free_port, start_serve
-    from mlxcel.runtime.blas import blas_name
+    from mlxcel.pipeline.launch import free_port, start_serve
+    from mlxcel.runtime.blas import blas_name, colocated_env
     from mlxcel.runtime.model import load_tokenizer_only
     from mlxcel.server.run import local_stack
 
@@ -111,7 +111,7 @@ async def run_bench(
         common += ["--parallel", str(n), "--max-batch-size", str(n)]
         procs = []
         try:
-            env = colocated_env()
+            env = colocated_env(3)
             env["MLXCEL_DECODE_ALLOWLIST"] = da
             procs = list(
                 await asyncio.gather(

@@ -43,9 +43,6 @@ def checkpoint(s: CheckpointSettings) -> int:
 
 
 async def generate(s: GenerateSettings) -> int:
-    from mlxcel.runtime.blas import ensure_blas
-
-    logger.info("BLAS: {}", ensure_blas())
     path = resolve_model(s.model)
     pipelined = s.pp_size > 1 or s.pp_layers is not None
     if _tp_follower(s, path):

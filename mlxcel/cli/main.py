@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     _setup_logging(getattr(settings, "log_level", "INFO"))
     _enable_stack_dumps()
+    if args.command not in ("keygen", "cluster-check"):
+        from mlxcel.runtime.blas import ensure_blas
+
+        logger.info("BLAS: {}", ensure_blas())  # every process that computes says which
     try:
         code = _dispatch(args, settings)
     except KeyboardInterrupt:

@@ -33,10 +33,6 @@ async def serve(s: ServeSettings) -> int:
     gen = Generation(
         s.parallel, s.queue_size, s.request_timeout, s.max_batch_size, s.prefill_step_size
     )
-    if isinstance(spec, LocalSpec):
-        from mlxcel.runtime.blas import ensure_blas
-
-        logger.info("BLAS: {}", ensure_blas())
     async with assemble(spec, gen) as node:
         logger.info("{}", node.summary)
         if isinstance(spec, StageSpec):

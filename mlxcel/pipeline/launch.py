@@ -10,7 +10,6 @@ and waits for it (SIGKILL after a grace period).
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from mlxcel.errors import MlxcelError
 from mlxcel.net.secret import keygen
+from mlxcel.runtime.blas import colocated_env
 
 
 def free_port(host: str) -> int:
@@ -82,7 +82,7 @@ class LoopbackCluster:
         self.procs.append((node_id, proc, log))
 
     def _env(self) -> dict[str, str]:
-        return colocated_env()
+        return colocated_env(self.n_stages + (1 if self.spawn_coordinator else 0))
 
     async def __aenter__(self) -> LoopbackCluster:
         self.write_config()
@@ -116,18 +116,6 @@ class LoopbackCluster:
                 codes[name] = await proc.wait()
         self.procs.clear()
         return codes
-
-
-def colocated_env() -> dict[str, str]:
-    """Co-located processes take turns on the same cores: keep idle BLAS threads from spinning.
-
-    OpenBLAS worker threads busy-wait after each call; with several serving processes on one
-    small host, an idle one's spinning threads steal the cores the working one needs. A short
-    spin (2^4 cycles) makes them sleep instead.
-    """
-    env = dict(os.environ)
-    env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    return env
 
 
 async def start_serve(

@@ -68,6 +68,11 @@ def main() -> int:
     ap.add_argument("--prefill-step-size", type=int, default=512)
     ap.add_argument("--startup-timeout", type=float, default=60.0)
     a = ap.parse_args()
+    from loguru import logger
+
+    from mlxcel.runtime.blas import ensure_blas
+
+    logger.info("BLAS: {}", ensure_blas())
     return run_follower(
         Path(a.model),
         a.rank,

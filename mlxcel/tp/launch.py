@@ -23,6 +23,7 @@ from loguru import logger
 from mlxcel.bus import Node
 from mlxcel.errors import MlxcelError
 from mlxcel.frontend import Frontend
+from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.tp.engine import TpEngine
@@ -92,6 +93,7 @@ async def tp_stack(
                         str(prefill_step_size),
                         "--startup-timeout",
                         str(startup_timeout),
+                        env=colocated_env(tp_size),
                     )
                 )
         stopping = False
