@@ -106,6 +106,7 @@ class Assembled:
 
 @asynccontextmanager
 async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncIterator[Assembled]:
+    from mlxcel.messages import EXTENDED_SAMPLING
     from mlxcel.runner import Serving
 
     g = gen or Generation()
@@ -126,7 +127,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
         ) as st:
             m = st.loaded
             yield Assembled(
-                Serving(st.node, st.frontend, lambda: st.engine.active),
+                Serving(st.node, st.frontend, lambda: st.engine.active, sampling=EXTENDED_SAMPLING),
                 m.name,
                 f"model {m.name} ({m.family}, {m.n_layers} layers); decode path: batched "
                 f"forward, up to {g.max_batch_size} sequences per step",
@@ -153,7 +154,13 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
 
             # The group failing stops the runner like a signal does.
             serving = Serving(
-                tp.node, tp.frontend, lambda: tp.engine.active, health, done=tp.engine.fatal
+                tp.node,
+                tp.frontend,
+                lambda: tp.engine.active,
+                health,
+                done=tp.engine.fatal,
+                sampling=EXTENDED_SAMPLING,
+                mode="tensor parallel",
             )
             yield Assembled(
                 serving,
@@ -177,7 +184,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             c = ps.coordinator
             plan = ", ".join(p.spec for p in ps.plan)
             yield Assembled(
-                Serving(ps.node, ps.frontend, lambda: c.active, c.health),
+                Serving(ps.node, ps.frontend, lambda: c.active, c.health, mode="pipeline"),
                 ps.loaded.name,
                 f"in-process pipeline of {len(ps.plan)} stages: {plan}",
             )
@@ -198,7 +205,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
         ) as rc:
             c = rc.coordinator
             yield Assembled(
-                Serving(rc.node, rc.frontend, lambda: c.active, c.health),
+                Serving(rc.node, rc.frontend, lambda: c.active, c.health, mode="pipeline"),
                 spec.model.name,
                 f"pipeline coordinator of {len(rc.plan)} stages",
             )
@@ -248,7 +255,12 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
         ) as rs:
             svc = rs.service
             serving = Serving(
-                rs.node, rs.frontend, lambda: svc.router.active, svc.health, rs.listener
+                rs.node,
+                rs.frontend,
+                lambda: svc.router.active,
+                svc.health,
+                rs.listener,
+                mode="disaggregated router",
             )
             # Read per request: an operator may flip it without a restart of the probe state.
             serving.extra_get["/router/stats"] = lambda: svc.stats(

@@ -68,9 +68,12 @@ class ModelLoadError(MlxcelError):
 class RequestError(MlxcelError):
     """A generation request is invalid (bad sampling values, prompt too long, ...)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: str = "invalid_request"
+    ) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # the API's machine-readable error code (never null on a 400)
 
 
 class AdmissionRejected(MlxcelError):

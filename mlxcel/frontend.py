@@ -19,6 +19,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from loguru import logger
 
@@ -49,6 +50,16 @@ class Delta:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     logprobs: tuple[float, ...] | None = None
+    # Per token of token_ids: its most likely alternatives, (token id, logprob), best first.
+    top: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+
+def _alternatives(msg: RunResult) -> tuple[tuple[tuple[int, float], ...], ...] | None:
+    if not msg.top_ids or msg.top_logprobs is None or not msg.token_ids:
+        return None
+    k = len(msg.top_ids) // len(msg.token_ids)
+    pairs = list(zip(msg.top_ids, msg.top_logprobs, strict=True))
+    return tuple(tuple(pairs[i * k : (i + 1) * k]) for i in range(len(msg.token_ids)))
 
 
 @dataclass
@@ -93,6 +104,15 @@ class Frontend:
         self.draining = False
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer can produce (the engine checks the model's own bound)."""
+        inner = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        try:
+            return len(inner)
+        except TypeError:
+            return 1 << 31
+
+    @property
     def waiting(self) -> int:
         return self._waiting
 
@@ -120,8 +140,26 @@ class Frontend:
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, **kwargs))
+        except (ValueError, TypeError, KeyError) as exc:
+            # The template itself refused the conversation (jinja raises its own errors,
+            # e.g. roles out of order): the request is at fault, not the server.
+            raise RequestError(
+                f"the chat template refused the messages: {exc}", "messages"
+            ) from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):
+                raise RequestError(
+                    f"the chat template refused the messages: {exc}", "messages"
+                ) from None
+            raise
 
     # Tokenizing a multi-megabyte prompt takes seconds: the HTTP path does it on a worker
     # thread so the reactor keeps streaming everyone else's tokens meanwhile.
@@ -130,8 +168,10 @@ class Frontend:
             return list(prompt)
         return await asyncio.to_thread(self.encode_prompt, prompt)
 
-    async def apply_chat_template_async(self, messages: list[dict[str, str]]) -> list[int]:
-        return await asyncio.to_thread(self.apply_chat_template, messages)
+    async def apply_chat_template_async(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return await asyncio.to_thread(self.apply_chat_template, messages, tools)
 
     async def stream(
         self,
@@ -190,15 +230,15 @@ class Frontend:
                     finished = True
                     detok.finalize()
                 text, hit = stops.feed(detok.last_segment)
+                top = _alternatives(msg)
                 if hit:
-                    yield Delta(text, msg.token_ids, "stop", msg.logprobs)
+                    yield Delta(text, msg.token_ids, "stop", msg.logprobs, top)
                     return
                 if msg.finish_reason is not None:
-                    yield Delta(
-                        text + stops.flush(), msg.token_ids, msg.finish_reason, msg.logprobs
-                    )
+                    text += stops.flush()
+                    yield Delta(text, msg.token_ids, msg.finish_reason, msg.logprobs, top)
                     return
-                yield Delta(text, msg.token_ids, None, msg.logprobs)
+                yield Delta(text, msg.token_ids, None, msg.logprobs, top)
         finally:
             self._streams.pop(request_id, None)
             self.in_flight -= 1

@@ -109,6 +109,29 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     logprobs: bool = False
+    # The rest are what the OpenAI API calls them; see docs/http-api.md. Only the one-process
+    # engine applies them today; the server refuses them for other modes.
+    top_logprobs: int = 0  # also return this many most likely tokens per step
+    min_p: float = 0.0
+    logit_bias_ids: tuple[int, ...] = ()  # parallel to logit_bias_values
+    logit_bias_values: tuple[float, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+# SamplingParams fields beyond temperature/top-p/top-k/seed, by their API names. A serving
+# mode that cannot apply one refuses requests that ask for it (see mlxcel.runner.Serving).
+EXTENDED_SAMPLING = frozenset(
+    {
+        "top_logprobs",
+        "min_p",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+)
 
 
 class Message:
@@ -173,6 +196,9 @@ class RunResult(Message):
     logprobs: tuple[float, ...] | None = None
     logits: Tensor | None = None
     compute_us: int = 0  # pipeline: time every stage spent computing this step, summed
+    # sampling.top_logprobs alternatives per token, flattened: token i's are [i*k, (i+1)*k).
+    top_ids: tuple[int, ...] | None = None
+    top_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

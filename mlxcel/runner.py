@@ -49,6 +49,9 @@ class Serving:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # More GET routes for the HTTP API: path -> a function answering the JSON body.
     extra_get: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
+    sampling: frozenset[str] = frozenset()
+    mode: str = "one process"  # how this node generates, as a refusal names it
 
 
 class NodeRunner:
@@ -100,6 +103,8 @@ class NodeRunner:
             default_max_tokens=self.http.default_max_tokens,
             max_body_bytes=self.http.max_body_bytes,
             health_extra=self.serving.health,
+            sampling=self.serving.sampling,
+            mode=self.serving.mode,
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))

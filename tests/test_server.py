@@ -366,12 +366,14 @@ def test_top_k_beyond_the_vocabulary_breaks_nothing(client: openai.OpenAI) -> No
 
 def test_top_k_beyond_64_bits_is_clamped_before_it_reaches_the_wire() -> None:
     """top_k = 2**64 once failed the cluster codec: a tensor-parallel group died of it."""
-    from mlxcel.messages import RunEntry
-    from mlxcel.server.openai_api import _params
+    from mlxcel.messages import EXTENDED_SAMPLING, RunEntry
+    from mlxcel.server.params import sampling_params
     from mlxcel.server.schemas import CompletionRequest
     from mlxcel.wire.codec import decode, encode
 
     req = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "top_k": 2**64})
-    p = _params(req, 16, False)
+    p = sampling_params(
+        req, default_max=16, vocab=512, supported=EXTENDED_SAMPLING, mode="one process"
+    )
     entry = RunEntry("r", 0, (1, 2), 0, p, 1)
     assert decode(encode(entry)) == entry and p.top_k == 2**31 - 1

@@ -18,9 +18,31 @@ from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# ChatML, as Qwen's, with its tool calling: offered tools are listed in a system turn, and a
+# call is JSON between <tool_call> markers (from which mlx-lm picks its json_tools parser).
+# Without tools it renders exactly the plain ChatML turns.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Signatures:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\nFor each call, reply with a JSON object between markers:\n'"
+    " + '<tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response>"
+    "<|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for tool_call in message.get('tool_calls') or [] %}"
+    "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": ' "
+    "+ (tool_call.arguments | tojson) + '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

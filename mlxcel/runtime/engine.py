@@ -35,7 +35,14 @@ from mlxcel.messages import (
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.runtime.sampling import Sampler, guarded_sampler, key_after_first
+from mlxcel.runtime.sampling import (
+    Sampler,
+    guarded_sampler,
+    key_after_first,
+    logits_processors,
+    sampling_problem,
+    top_alternatives,
+)
 
 
 class SeqState(enum.Enum):
@@ -71,8 +78,10 @@ class _Insert:
 
 @dataclass
 class _StepOutput:
-    # (request_id, token, finish_reason, logprob)
-    tokens: list[tuple[str, int, str | None, float | None]] = field(default_factory=list)
+    # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)
+    tokens: list[
+        tuple[str, int, str | None, float | None, tuple[list[int], list[float]] | None]
+    ] = field(default_factory=list)
     prompt_tokens: int = 0
     new_uids: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
@@ -202,6 +211,9 @@ class LocalEngine:
             return f"token id outside the vocabulary [0, {vocab})"
         if e.sampling.max_tokens < 1:
             return "max_tokens must be >= 1"
+        problem = sampling_problem(e.sampling, vocab)
+        if problem is not None:
+            return problem
         limit = int(self.loaded.config.get("max_position_embeddings", 1 << 30))
         if len(e.token_ids) + e.sampling.max_tokens > limit:
             return (
@@ -244,7 +256,11 @@ class LocalEngine:
             for s in inserts:
                 s.state = SeqState.RUNNING
             removals, self._to_remove = self._to_remove, []
-            want_lp = {r for r, s in self._seqs.items() if s.entry.sampling.logprobs}
+            want_lp = {
+                r: s.entry.sampling.top_logprobs
+                for r, s in self._seqs.items()
+                if s.entry.sampling.logprobs
+            }
             try:
                 async with asyncio.timeout(self.step_timeout):
                     out = await self.compute.run(
@@ -276,7 +292,7 @@ class LocalEngine:
             for request_id, kept in out.kept.items():
                 if request_id in self._seqs:
                     self.kept[request_id] = kept
-            for request_id, token, finish, logprob in out.tokens:
+            for request_id, token, finish, logprob, top in out.tokens:
                 seq = self._seqs.get(request_id)
                 if seq is None:
                     continue  # cancelled while the step ran
@@ -296,6 +312,8 @@ class LocalEngine:
                         finish,
                         seq.entry.nonce,
                         logprobs=(logprob,) if logprob is not None and not is_eos else None,
+                        top_ids=tuple(top[0]) if top and not is_eos else None,
+                        top_logprobs=tuple(top[1]) if top and not is_eos else None,
                     ),
                     seq,
                 )
@@ -305,7 +323,7 @@ class LocalEngine:
         inserts: list[_Insert],
         removals: list[int],
         by_uid: dict[int, str],
-        want_lp: set[str],
+        want_lp: dict[str, int],
     ) -> _StepOutput:
         """Compute thread: apply joins and leaves, then run one batched step.
 
@@ -326,6 +344,7 @@ class LocalEngine:
                 max_tokens=[i.entry.sampling.max_tokens for i in inserts],
                 caches=[i.cache for i in inserts],
                 samplers=samplers,
+                logits_processors=[logits_processors(i.entry.sampling) for i in inserts],
             )
             for i, uid, sampler in zip(inserts, uids, samplers, strict=True):
                 rid = i.entry.request_id
@@ -339,8 +358,12 @@ class LocalEngine:
             request_id = by_uid.get(r.uid)
             if request_id is None:
                 continue
-            lp = float(r.logprobs[r.token].item()) if request_id in want_lp else None
-            out.tokens.append((request_id, int(r.token), r.finish_reason, lp))
+            lp = top = None
+            if request_id in want_lp:
+                lp = float(r.logprobs[r.token].item())
+                if want_lp[request_id]:
+                    top = top_alternatives(r.logprobs, want_lp[request_id])
+            out.tokens.append((request_id, int(r.token), r.finish_reason, lp, top))
             if r.finish_reason is not None and request_id in self._kept_samplers:
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxcel.messages import SamplingParams
 
@@ -36,6 +36,8 @@ def make_sampler(p: SamplingParams, key_state: Sequence[int] = ()) -> Sampler | 
     key = [start]
 
     def sample(logprobs: mx.array) -> mx.array:
+        if 0 < p.min_p <= 1:
+            logprobs = apply_min_p(logprobs, p.min_p)
         if 0 < p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
         if 0 < p.top_k < logprobs.shape[-1]:
@@ -47,6 +49,57 @@ def make_sampler(p: SamplingParams, key_state: Sequence[int] = ()) -> Sampler | 
 
     sample.key = key  # type: ignore[attr-defined]  # read by key_after_first()
     return sample
+
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def sampling_problem(p: SamplingParams, vocab: int) -> str | None:
+    """Why these parameters cannot run on a model of ``vocab`` tokens (None: they can).
+
+    Checked before a sequence joins a batch: a processor that raised inside mlx-lm's batched
+    step would fail every sequence in it, and an out-of-range bias index would not raise at
+    all. The API validates the same ranges; this guards the cluster's messages too."""
+    if len(p.logit_bias_ids) != len(p.logit_bias_values):
+        return "logit_bias ids and values differ in length"
+    if any(not 0 <= t < vocab for t in p.logit_bias_ids):
+        return f"logit_bias names a token outside the vocabulary [0, {vocab})"
+    if len(set(p.logit_bias_ids)) != len(p.logit_bias_ids):
+        return "logit_bias names a token twice"
+    if any(not -100 <= v <= 100 for v in p.logit_bias_values):
+        return "logit_bias values must be within [-100, 100]"
+    if not 0 <= p.top_logprobs <= 20:
+        return "top_logprobs must be within [0, 20]"
+    if not 0 <= p.min_p <= 1:
+        return "min_p must be within [0, 1]"
+    if not 0 < p.repetition_penalty <= 10:
+        return "repetition_penalty must be within (0, 10]"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            return f"{name} must be within [-2, 2]"
+    return None
+
+
+def logits_processors(p: SamplingParams) -> list[LogitsProcessor]:
+    """mlx-lm's processors for logit_bias and the three penalties (empty: none asked for).
+
+    They see the sequence's tokens (prompt included) and run before the logprobs are taken,
+    so the returned logprobs are those of the distribution actually sampled, as in mlx-lm."""
+    return make_logits_processors(
+        logit_bias=dict(zip(p.logit_bias_ids, p.logit_bias_values, strict=True)) or None,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+        presence_penalty=p.presence_penalty or None,
+        frequency_penalty=p.frequency_penalty or None,
+    )
+
+
+def top_alternatives(logprobs: mx.array, k: int) -> tuple[list[int], list[float]]:
+    """The ``k`` most likely tokens of one step's logprob vector, most likely first."""
+    k = min(k, logprobs.shape[-1])
+    idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    return idx[order].tolist(), vals[order].tolist()
 
 
 def key_after_first(sampler: Sampler | None) -> tuple[int, ...]:

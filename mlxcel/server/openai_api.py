@@ -21,10 +21,14 @@ from loguru import logger
 from pydantic import BaseModel, ValidationError
 
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
-from mlxcel.frontend import Delta, EngineError, Frontend, Usage
-from mlxcel.messages import ErrorCode, SamplingParams
+from mlxcel.frontend import EngineError, Frontend, Usage
+from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
+from mlxcel.server import logprobs as lp
 from mlxcel.server.metrics import Metrics
-from mlxcel.server.schemas import MAX_INT, ChatCompletionRequest, CompletionRequest
+from mlxcel.server.params import refuse_unimplemented, sampling_params, template_tools
+from mlxcel.server.responses import Output, account, sse, usage_body
+from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxcel.server.tools import tool_text_for
 
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
@@ -48,7 +52,17 @@ def error_response(
 def _validation_error(exc: ValidationError) -> web.Response:
     err = exc.errors()[0]
     param = ".".join(str(p) for p in err["loc"]) or None
-    return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param=param)
+    if err["type"] == "extra_forbidden":
+        return error_response(
+            400,
+            f"{param}: this server does not recognize this parameter",
+            param=param,
+            code="unsupported_parameter",
+        )
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return error_response(
+        400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value"
+    )
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -90,24 +104,10 @@ def _model_check(app: web.Application, name: str) -> None:
     served = app[SETTINGS]["model_name"]
     if name != served:
         raise RequestError(
-            f"model {name!r} does not exist; this server serves {served!r}", param="model"
+            f"model {name!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
         )
-
-
-def _params(
-    req: ChatCompletionRequest | CompletionRequest, default_max: int, logprobs: bool
-) -> SamplingParams:
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=min(req.top_k or 0, MAX_INT),
-        seed=req.seed,
-        max_tokens=max_tokens or default_max,
-        logprobs=logprobs,
-    )
 
 
 # Codes the generating side reports that mean "not now", not "broken": a load balancer may retry.
@@ -153,7 +153,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         return resp
     except RequestError as exc:
         status = 400
-        return error_response(400, str(exc), param=exc.param)
+        return error_response(400, str(exc), param=exc.param, code=exc.code)
     except AdmissionRejected as exc:
         status = 503
         return error_response(
@@ -177,7 +177,6 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     app = request.app
     fe = app[FRONTEND]
-    metrics = app[METRICS]
     settings = app[SETTINGS]
     body = await _read_json(request)
     if not isinstance(body, dict):
@@ -187,212 +186,103 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         req = schema.model_validate(body)
     except ValidationError as exc:
         return _validation_error(exc)
+    assert isinstance(req, ChatCompletionRequest | CompletionRequest)
     _model_check(app, req.model)
+    refuse_unimplemented(req)
+    params = sampling_params(
+        req,
+        default_max=settings["default_max_tokens"],
+        vocab=fe.vocab_size,
+        supported=settings["sampling"],
+        mode=settings["mode"],
+    )
+    tools = None
     if isinstance(req, ChatCompletionRequest):
-        prompt_ids = await fe.apply_chat_template_async(
-            [{"role": m.role, "content": m.text()} for m in req.messages]
-        )
-        want_lp = req.logprobs
+        tools = template_tools(req, bool(getattr(fe.tokenizer, "has_tool_calling", False)))
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages", code="invalid_value") from None
+        prompt_ids = await fe.apply_chat_template_async(messages, tools)
     else:
-        assert isinstance(req, CompletionRequest)
         prompt_ids = await fe.encode_prompt_async(req.prompt)
-        want_lp = bool(req.logprobs)
-    params = _params(req, settings["default_max_tokens"], want_lp)
+    out = Output(
+        kind,
+        ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+        int(time.time()),
+        req.model,
+        fe.tokenizer,
+        params.logprobs,
+        tool_text_for(fe.tokenizer, tools),
+    )
     usage = Usage()
-    created = int(time.time())
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    request["usage"] = usage  # for the access log line
     stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await _sse(
-            request, stream, kind, rid, created, req.model, usage, include_usage, metrics
-        )
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await sse(request, stream, out, usage, include_usage, app[METRICS])
     text: list[str] = []
-    lps: list[tuple[int, float]] = []
+    calls: list[dict[str, Any]] = []
+    lps: list[lp.Entry] = []
     finish = None
     async with aclosing(stream) as it:
         async for d in it:
-            text.append(d.text)
-            if d.logprobs:
-                lps.extend(zip(d.token_ids, d.logprobs, strict=False))
+            shown, new_calls = out.split(d.text)
+            text.append(shown)
+            calls.extend(new_calls)
+            lps.extend(lp.entries(d))
             finish = d.finish_reason
-    _account(metrics, usage)
+    text.append(out.rest())
+    account(app[METRICS], usage)
     content = "".join(text)
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": finish,
-            "logprobs": _chat_logprobs(fe, lps) if want_lp else None,
+            "message": message,
+            "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+            "logprobs": lp.chat_logprobs(fe.tokenizer, lps) if params.logprobs else None,
         }
-        obj = "chat.completion"
     else:
         choice = {
             "index": 0,
             "text": content,
             "finish_reason": finish,
-            "logprobs": _completion_logprobs(fe, lps) if want_lp else None,
+            "logprobs": lp.completion_logprobs(fe.tokenizer, lps) if params.logprobs else None,
         }
-        obj = "text_completion"
     return web.json_response(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "choices": [choice],
-            "usage": _usage(usage),
-        }
+        {**out.head(final=True), "choices": [choice], "usage": usage_body(usage)}
     )
 
 
-def _usage(u: Usage) -> dict[str, int]:
+def _model_card(app: web.Application) -> dict[str, Any]:
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "id": app[SETTINGS]["model_name"],
+        "object": "model",
+        "created": app[SETTINGS]["created"],
+        "owned_by": "mlxcel",
     }
-
-
-def _account(metrics: Metrics, u: Usage) -> None:
-    metrics.prompt_tokens.inc(u.prompt_tokens)
-    metrics.generated_tokens.inc(u.completion_tokens)
-    if u.first_token_at is not None:
-        metrics.ttft.observe(u.first_token_at - u.submitted_at)
-
-
-def _token_str(fe: Frontend, t: int) -> str:
-    return str(fe.tokenizer.decode([t]))
-
-
-def _chat_logprobs(fe: Frontend, lps: list[tuple[int, float]]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": _token_str(fe, t),
-                "logprob": lp,
-                "bytes": list(_token_str(fe, t).encode()),
-                "top_logprobs": [],
-            }
-            for t, lp in lps
-        ]
-    }
-
-
-def _completion_logprobs(fe: Frontend, lps: list[tuple[int, float]]) -> dict[str, Any]:
-    return {
-        "tokens": [_token_str(fe, t) for t, _ in lps],
-        "token_logprobs": [lp for _, lp in lps],
-        "top_logprobs": None,
-        "text_offset": None,
-    }
-
-
-async def _sse(
-    request: web.Request,
-    stream: Any,
-    kind: str,
-    rid: str,
-    created: int,
-    model: str,
-    usage: Usage,
-    include_usage: bool,
-    metrics: Metrics,
-) -> web.StreamResponse:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    resp: web.StreamResponse | None = None
-
-    def chunk(d: Delta | None, first: bool = False) -> dict[str, Any]:
-        choices: list[dict[str, Any]] = []
-        if d is not None or first:
-            if kind == "chat":
-                delta: dict[str, Any] = (
-                    {"role": "assistant", "content": ""} if first else {"content": d.text}
-                )  # type: ignore[union-attr]
-                choices = [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "finish_reason": None if first else d.finish_reason,
-                        "logprobs": None,
-                    }
-                ]  # type: ignore[union-attr]
-            else:
-                choices = [
-                    {"index": 0, "text": d.text, "finish_reason": d.finish_reason, "logprobs": None}
-                ]  # type: ignore[union-attr]
-        out: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    async def send(payload: dict[str, Any] | str) -> None:
-        assert resp is not None
-        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        await resp.write(f"data: {data}\n\n".encode())
-
-    try:
-        async with aclosing(stream) as it:
-            async for d in it:
-                if resp is None:
-                    # Headers go out with the first token, so admission errors can still be a 4xx/5xx.
-                    resp = web.StreamResponse(
-                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                    )
-                    await resp.prepare(request)
-                    if kind == "chat":
-                        await send(chunk(None, first=True))
-                await send(chunk(d))
-    except (EngineError, DeadlineExceeded) as exc:
-        if resp is None:
-            raise
-        # The status line is gone; report the failure in-band, as OpenAI's API does.
-        code = exc.code if isinstance(exc, EngineError) else ErrorCode.DEADLINE_EXCEEDED
-        await send(
-            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
-        )
-        await resp.write_eof()
-        return resp
-    if resp is None:  # pragma: no cover - a stream always yields its final delta
-        raise RequestError("generation produced nothing")
-    _account(metrics, usage)
-    if include_usage:
-        await send(
-            {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(usage),
-            }
-        )
-    await send("[DONE]")
-    await resp.write_eof()
-    return resp
 
 
 async def list_models(request: web.Request) -> web.Response:
-    name = request.app[SETTINGS]["model_name"]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": request.app[SETTINGS]["created"],
-                    "owned_by": "mlxcel",
-                }
-            ],
-        }
-    )
+    return web.json_response({"object": "list", "data": [_model_card(request.app)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the client's ``models.retrieve``); ids may contain '/'."""
+    card = _model_card(request.app)
+    wanted = request.match_info["model_id"]
+    if wanted != card["id"]:
+        return error_response(
+            404,
+            f"model {wanted!r} does not exist; this server serves {card['id']!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(card)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -435,7 +325,13 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason or "error", err_type="invalid_request_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        return error_response(
+            exc.status,
+            exc.reason or "error",
+            err_type="invalid_request_error",
+            code=code.get(exc.status, f"http_{exc.status}"),
+        )
     except Exception:
         logger.exception("unhandled error in {}", request.path)
         return error_response(500, "internal server error", err_type="server_error")
@@ -449,6 +345,8 @@ def build_app(
     default_max_tokens: int,
     max_body_bytes: int,
     health_extra: Any = None,
+    sampling: frozenset[str] = EXTENDED_SAMPLING,
+    mode: str = "one process",
 ) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[FRONTEND] = fe
@@ -459,10 +357,13 @@ def build_app(
         "model_name": model_name,
         "default_max_tokens": default_max_tokens,
         "created": int(time.time()),
+        "sampling": sampling,
+        "mode": mode,
     }
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", retrieve_model)
     app.router.add_get("/health", health)
     app.router.add_get("/health/live", liveness)
     app.router.add_get("/metrics", metrics_endpoint)

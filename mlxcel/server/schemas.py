@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI-compatible API, validated strictly.
 
-Types are strict (a string is not a number, a number is not a bool); unknown fields that
-OpenAI clients commonly send are ignored. Every validation failure becomes a 400 with an
-OpenAI-style error body naming the offending parameter.
+Types are strict (a string is not a number, a number is not a bool). A top-level parameter
+this server does not know is refused by name; one it knows but does not implement is refused
+by :mod:`mlxcel.server.params`. Every validation failure becomes a 400 with an OpenAI-style
+error body naming the offending parameter.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,9 +17,17 @@ MAX_STOP = 4
 MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and must fit the wire
 
 
+MAX_LOGIT_BIAS = 1024  # entries; each is a processor index, not a cost worth more
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: JSON's NaN/Infinity extensions get "should be a finite number".
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+class _Request(_Strict):
+    # A parameter this server does not know is refused by name, never silently ignored.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -29,9 +39,36 @@ class ContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        # Said before the union is tried, or the error would be about the str branch.
+        for part in v if isinstance(v, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported: this server's models "
+                    "take text only (send parts of type 'text')"
+                )
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -40,8 +77,48 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it (tool call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except ValueError:
+                        raise ValueError(
+                            f"tool call {c.function.name!r}: arguments are not valid JSON"
+                        ) from None
+                calls.append(
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": args},
+                    }
+                )
+            out["tool_calls"] = calls
+        return out
 
-class _Sampling(_Strict):
+
+class ToolFunction(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class _Sampling(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -49,17 +126,36 @@ class _Sampling(_Strict):
     # Any k at or above the vocabulary keeps every token, so larger values are clamped (to a
     # number every node can carry: the cluster codec holds 64-bit integers).
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # Accepted and without effect on generation: they label the request for its sender.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys are token ids as strings, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"bias for token {key} must be within [-100, 100]")
         return v
 
     def stop_list(self) -> list[str]:
@@ -72,16 +168,19 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Known, not implemented: a request naming them gets a 400 (see params.refusals).
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)

@@ -47,7 +47,7 @@ class TpEngine(LocalEngine):
         inserts: list[_Insert],
         removals: list[int],
         by_uid: dict[int, str],
-        want_lp: set[str],
+        want_lp: dict[str, int],
     ) -> _StepOutput:
         step = TpStep(
             tuple(

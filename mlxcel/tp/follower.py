@@ -27,7 +27,7 @@ def run_follower(
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlxcel.runtime.sampling import guarded_sampler
+    from mlxcel.runtime.sampling import guarded_sampler, logits_processors
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
 
     try:
@@ -52,6 +52,8 @@ def run_follower(
                     [list(i.token_ids) for i in step.inserts],
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
                     samplers=[guarded_sampler(i.sampling, {}, i.request_id) for i in step.inserts],
+                    # The same processors as rank 0, or the ranks' next inputs would differ.
+                    logits_processors=[logits_processors(i.sampling) for i in step.inserts],
                 )
             gen.next()
     except RuntimeError as exc:

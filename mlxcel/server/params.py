@@ -1,0 +1,131 @@
+"""From a validated request to :class:`SamplingParams`, refusing what this node cannot do.
+
+Every parameter of the API is implemented, refused with a 400 naming it, or (``user``,
+``metadata``, ``store``) accepted as a label with no effect on generation; docs/http-api.md
+lists which is which. A parameter this serving mode cannot apply (a pipeline does not run
+logits processors) is refused the same way: never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxcel.errors import RequestError
+from mlxcel.messages import SamplingParams
+from mlxcel.server.schemas import MAX_INT, ChatCompletionRequest, CompletionRequest
+
+
+def unsupported(param: str, why: str) -> RequestError:
+    return RequestError(f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
+def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """The parameters the API defines that this server does not implement."""
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise unsupported("echo", "echoing the prompt is not supported")
+        if req.suffix:
+            raise unsupported(
+                "suffix", "insertion (a suffix after the completion) is not supported"
+            )
+        if req.best_of not in (None, 1):
+            raise unsupported("best_of", "only best_of=1 is supported")
+        return
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise unsupported(
+            "response_format",
+            f"type {fmt.get('type')!r} (structured output) is not supported; only 'text'",
+        )
+    if req.functions is not None or req.function_call is not None:
+        name = "functions" if req.functions is not None else "function_call"
+        raise unsupported(name, "the deprecated functions API is not supported; send tools")
+    if req.parallel_tool_calls is False:
+        raise unsupported(
+            "parallel_tool_calls", "false is not supported: the model may call several tools"
+        )
+    choice = req.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        raise unsupported(
+            "tool_choice",
+            f"{choice!r} is not supported: only 'auto' and 'none' (the model decides whether "
+            "to call a tool; it cannot be forced)",
+        )
+
+
+def _asked(req: ChatCompletionRequest | CompletionRequest) -> dict[str, bool]:
+    """Which extended sampling parameters the request asks for (non-neutral values)."""
+    top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs
+    return {
+        "top_logprobs": bool(top),
+        "min_p": bool(req.min_p),
+        "logit_bias": bool(req.logit_bias),
+        "presence_penalty": bool(req.presence_penalty),
+        "frequency_penalty": bool(req.frequency_penalty),
+        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
+    }
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    default_max: int,
+    vocab: int,
+    supported: frozenset[str],
+    mode: str,
+) -> SamplingParams:
+    """The request's sampling, checked against the model's vocabulary and this node's mode."""
+    for name, wanted in _asked(req).items():
+        if wanted and name not in supported:
+            shown = (
+                "logprobs"
+                if name == "top_logprobs" and isinstance(req, CompletionRequest)
+                else name
+            )
+            raise unsupported(shown, f"not supported by this server's mode ({mode})")
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        want_lp, top = req.logprobs, req.top_logprobs or 0
+        if top and not want_lp:
+            raise RequestError(
+                "top_logprobs: needs logprobs set to true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+    else:
+        max_tokens = req.max_tokens
+        want_lp, top = req.logprobs is not None, req.logprobs or 0
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    bad = sorted(t for t in bias if t >= vocab)
+    if bad:
+        raise RequestError(
+            f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+            param="logit_bias",
+            code="invalid_value",
+        )
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=min(req.top_k or 0, MAX_INT),
+        seed=req.seed,
+        max_tokens=max_tokens or default_max,
+        logprobs=want_lp,
+        top_logprobs=top,
+        min_p=float(req.min_p or 0.0),
+        logit_bias_ids=tuple(bias),
+        logit_bias_values=tuple(bias.values()),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=float(req.repetition_penalty or 1.0),
+    )
+
+
+def template_tools(
+    req: ChatCompletionRequest, has_tool_calling: bool
+) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt (None: no tools, or tool_choice 'none')."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if not has_tool_calling:
+        raise unsupported("tools", "this model's chat template does not support tool calling")
+    return [t.model_dump(exclude_none=True) for t in req.tools]

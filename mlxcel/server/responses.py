@@ -1,0 +1,152 @@
+"""Response bodies and server-sent event streams of the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import json
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from mlxcel.errors import DeadlineExceeded, RequestError
+from mlxcel.frontend import EngineError, Usage
+from mlxcel.messages import ErrorCode
+from mlxcel.server import logprobs as lp
+from mlxcel.server.metrics import Metrics
+from mlxcel.server.tools import ToolCallText
+
+
+class Output:
+    """What one response needs to shape its body or its chunks."""
+
+    def __init__(
+        self,
+        kind: str,
+        rid: str,
+        created: int,
+        model: str,
+        tokenizer: Any,
+        logprobs: bool,
+        tool_text: ToolCallText | None,
+    ) -> None:
+        self.kind, self.rid, self.created, self.model = kind, rid, created, model
+        self.tokenizer, self.logprobs, self.tool_text = tokenizer, logprobs, tool_text
+        self.chars = 0  # completion text sent so far (completions' text_offset)
+
+    def head(self, final: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            obj = "chat.completion" if final else "chat.completion.chunk"
+        else:
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def split(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        return (text, []) if self.tool_text is None else self.tool_text.feed(text)
+
+    def rest(self) -> str:
+        return "" if self.tool_text is None else self.tool_text.finish()
+
+    def chunk_choice(
+        self, text: str, calls: list[dict[str, Any]], items: list[lp.Entry], finish: str | None
+    ) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or not calls else {}
+            if calls:
+                delta["tool_calls"] = calls
+            logprobs = lp.chat_logprobs(self.tokenizer, items) if self.logprobs and items else None
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        logprobs = None
+        if self.logprobs and items:
+            logprobs = lp.completion_logprobs(self.tokenizer, items, self.chars)
+        self.chars += len(text)
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def usage_body(u: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def account(metrics: Metrics, u: Usage) -> None:
+    metrics.prompt_tokens.inc(u.prompt_tokens)
+    metrics.generated_tokens.inc(u.completion_tokens)
+    if u.first_token_at is not None:
+        metrics.ttft.observe(u.first_token_at - u.submitted_at)
+
+
+async def sse(
+    request: web.Request,
+    stream: Any,
+    out: Output,
+    usage: Usage,
+    include_usage: bool,
+    metrics: Metrics,
+) -> web.StreamResponse:
+    resp: web.StreamResponse | None = None
+    made_calls = False
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {**out.head(final=False), "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        assert resp is not None
+        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        await resp.write(f"data: {data}\n\n".encode())
+
+    try:
+        async with aclosing(stream) as it:
+            async for d in it:
+                if resp is None:
+                    # Headers go out with the first token, so admission errors can still be a 4xx/5xx.
+                    resp = web.StreamResponse(
+                        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                    )
+                    await resp.prepare(request)
+                    if out.kind == "chat":
+                        first = {"role": "assistant", "content": ""}
+                        await send(
+                            chunk(
+                                [
+                                    {
+                                        "index": 0,
+                                        "delta": first,
+                                        "finish_reason": None,
+                                        "logprobs": None,
+                                    }
+                                ]
+                            )
+                        )
+                text, calls = out.split(d.text)
+                if d.finish_reason is not None:
+                    text += out.rest()
+                made_calls = made_calls or bool(calls)
+                finish = d.finish_reason
+                if finish == "stop" and made_calls:
+                    finish = "tool_calls"
+                items = lp.entries(d)
+                if text or calls or finish or (items and out.logprobs):
+                    await send(chunk([out.chunk_choice(text, calls, items, finish)]))
+    except (EngineError, DeadlineExceeded) as exc:
+        if resp is None:
+            raise
+        # The status line is gone; report the failure in-band, as OpenAI's API does.
+        code = exc.code if isinstance(exc, EngineError) else ErrorCode.DEADLINE_EXCEEDED
+        await send(
+            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
+        )
+        await resp.write_eof()
+        return resp
+    if resp is None:  # pragma: no cover - a stream always yields its final delta
+        raise RequestError("generation produced nothing")
+    account(metrics, usage)
+    if include_usage:
+        await send({**out.head(final=False), "choices": [], "usage": usage_body(usage)})
+    await send("[DONE]")
+    await resp.write_eof()
+    return resp

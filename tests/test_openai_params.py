@@ -1,0 +1,340 @@
+"""Every OpenAI parameter through the official client: it does what its definition says, or
+it gets a 400 that names it. Most checks run on a checkpoint rigged so greedy output is known
+(tests/rigged.py); the real runtime, the real server, the real client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.rigged import CALL, Rigged, write_rigged
+
+MODEL = "rigged"
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Rigged:
+    return write_rigged(tmp_path_factory.mktemp("rigged") / "rigged")
+
+
+@pytest.fixture(scope="module")
+def server(rig: Rigged) -> Iterator[ServerProcess]:
+    srv = ServerProcess(["-m", str(rig.path), "--served-model-name", MODEL])
+    yield srv
+    assert srv.stop() == 0, srv.output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def chat(client: openai.OpenAI, **kw: Any) -> Any:
+    kw.setdefault("messages", ASK)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, **kw)
+
+
+def streamed_chat(client: openai.OpenAI, **kw: Any) -> tuple[str, list[Any], str | None, list[Any]]:
+    """(content, tool call deltas, finish reason, logprob entries) of a streamed chat."""
+    text, calls, finish, lps = "", [], None, []
+    for ch in chat(client, stream=True, **kw):
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        text += c.delta.content or ""
+        calls += c.delta.tool_calls or []
+        finish = c.finish_reason or finish
+        if c.logprobs is not None:
+            lps += c.logprobs.content or []
+    return text, calls, finish, lps
+
+
+# --- tool calls ---------------------------------------------------------------------------
+
+
+def test_a_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> None:
+    r = chat(client, tools=TOOLS, max_tokens=10)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_streamed_tool_call_arrives_as_one_delta(client: openai.OpenAI) -> None:
+    text, calls, finish, _ = streamed_chat(client, tools=TOOLS, max_tokens=10)
+    assert finish == "tool_calls"
+    assert "<tool_call>" not in text and CALL not in text
+    (call,) = calls
+    assert call.index == 0 and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_without_tools_the_same_text_is_plain_content(client: openai.OpenAI) -> None:
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = chat(client, max_tokens=10, **kw)
+        assert r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content == f"<tool_call>{CALL}</tool_call>"
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_cut_off_tool_call_is_returned_as_content(client: openai.OpenAI) -> None:
+    r = chat(client, tools=TOOLS, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == f"<tool_call>{CALL}"
+
+
+def test_a_conversation_with_tool_results_renders(client: openai.OpenAI) -> None:
+    r = chat(client, tools=TOOLS, max_tokens=10)
+    call = r.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    again = chat(client, messages=history, tools=TOOLS, max_tokens=10)
+    assert again.choices[0].finish_reason == "tool_calls"
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+# --- logit_bias, logprobs ---------------------------------------------------------------------
+
+
+def test_logit_bias_of_minus_100_on_the_greedy_token_changes_it(
+    client: openai.OpenAI, rig: Rigged
+) -> None:
+    plain = chat(client, max_tokens=1, logprobs=True)
+    assert plain.choices[0].logprobs.content[0].token == "<tool_call>"
+    biased = chat(client, max_tokens=1, logprobs=True, logit_bias={str(rig.call_start): -100})
+    assert biased.choices[0].logprobs.content[0].token != "<tool_call>"
+    text, *_ = streamed_chat(client, max_tokens=1, logit_bias={str(rig.call_start): -100})
+    assert text and not text.startswith("<tool_call>")
+    # +100 on another token makes it the greedy one.
+    forced = client.completions.create(
+        model=MODEL, prompt=[rig.x], max_tokens=3, temperature=0, logit_bias={str(rig.z): 100}
+    )
+    assert forced.choices[0].text == "zzz"
+
+
+def test_top_logprobs_3_returns_3_alternatives_best_first(client: openai.OpenAI) -> None:
+    r = chat(client, max_tokens=3, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == ["<tool_call>", CALL, "</tool_call>"]
+    for c in content:
+        assert len(c.top_logprobs) == 3
+        values = [t.logprob for t in c.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert bytes(c.bytes) == c.token.encode()
+    _, _, _, streamed = streamed_chat(client, max_tokens=3, logprobs=True, top_logprobs=3)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(len(c.top_logprobs) == 3 for c in streamed)
+
+
+def test_completions_logprobs_2_returns_the_top_2(client: openai.OpenAI, rig: Rigged) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt=[rig.x], max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "xxx" and lp.tokens == ["x", "x", "x"]
+    assert lp.text_offset == [0, 1, 2]
+    for top, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert list(top) == ["x", "y"] and top["x"] == chosen and top["y"] < chosen
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=[rig.x], max_tokens=3, temperature=0, logprobs=2, stream=True
+        )
+    )
+    offsets = [
+        o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset
+    ]
+    assert offsets == [0, 1, 2]
+    plain = client.completions.create(model=MODEL, prompt=[rig.x], max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+# --- penalties, min_p ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}],
+    ids=lambda p: next(iter(p)),
+)
+def test_each_penalty_breaks_a_repeat(client: openai.OpenAI, rig: Rigged, penalty: dict) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "prompt": [rig.x], "max_tokens": 2, "temperature": 0}
+    assert client.completions.create(**kw).choices[0].text == "xx"
+    # mlx-lm's processors take penalties as extra parameters of the request body.
+    out = client.completions.create(**kw, extra_body=penalty).choices[0].text
+    assert out.startswith("y"), out
+
+
+def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Rigged) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "prompt": [rig.x], "max_tokens": 8, "seed": 7}
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    hot = client.completions.create(**kw, temperature=2.0).choices[0].text
+    assert hot != greedy  # 500 near-equal tokens at temperature 2
+    pinned = client.completions.create(**kw, temperature=2.0, extra_body={"min_p": 1.0})
+    assert pinned.choices[0].text == greedy == "x" * 8
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}},
+                }
+            },
+            "response_format",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "tool_choice",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"n": 2}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"abc": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_unimplemented_or_invalid_parameters_get_400_naming_them(
+    client: openai.OpenAI, kw: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, max_tokens=2, **kw)
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"].split(".")[0] == param, body
+    assert body["code"] and param in body["message"], body
+    assert chat(client, max_tokens=2).choices[0].finish_reason  # the server goes on
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")],
+)
+def test_unimplemented_completion_parameters_get_400(
+    client: openai.OpenAI, kw: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kw)
+    assert err.value.body["param"] == param and err.value.body["code"]  # type: ignore[index]
+
+
+def test_an_image_part_is_refused_clearly(client: openai.OpenAI) -> None:
+    msg = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ],
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, messages=[msg], max_tokens=2)
+    body = err.value.body
+    assert "'image_url'" in body["message"] and "text only" in body["message"]  # type: ignore[index]
+    assert body["param"] == "messages.0.content" and body["code"] == "invalid_value"  # type: ignore[index]
+
+
+def test_every_400_has_a_code(client: openai.OpenAI, server: ServerProcess) -> None:
+    import urllib.error
+    import urllib.request
+
+    for raw in (b"{not json", b"[]", json.dumps({"model": MODEL}).encode()):
+        req = urllib.request.Request(server.base_url + "/v1/chat/completions", data=raw)
+        req.add_header("Content-Type", "application/json")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 400
+        assert json.loads(err.value.read())["error"]["code"]
+    with pytest.raises(openai.BadRequestError) as bad_model:
+        client.chat.completions.create(model="nope", messages=ASK)  # type: ignore[arg-type]
+    assert bad_model.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model" and m.owned_by == "mlxcel"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/other-model")
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_tools_for_a_template_without_tool_support_are_refused(
+    tiny: Path, tmp_path: Path, start_server: type[ServerProcess]
+) -> None:
+    plain = tmp_path / "plain-template"
+    shutil.copytree(tiny, plain)
+    cfg_path = plain / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+        "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    srv = start_server(["-m", str(plain), "--served-model-name", MODEL])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(c, tools=TOOLS, max_tokens=2)
+    assert err.value.body["param"] == "tools"  # type: ignore[index]
+    assert "tool calling" in err.value.body["message"]  # type: ignore[index]
+
+
+def test_a_pipeline_refuses_what_it_cannot_apply(
+    tiny: Path, start_server: type[ServerProcess]
+) -> None:
+    srv = start_server(["-m", str(tiny), "--pp-size", "2", "--served-model-name", MODEL])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    for kw in (
+        {"logit_bias": {"5": 3}},
+        {"logprobs": True, "top_logprobs": 2},
+        {"presence_penalty": 1.0},
+        {"extra_body": {"min_p": 0.1}},
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(c, max_tokens=2, **kw)
+        assert "pipeline" in err.value.body["message"]  # type: ignore[index]
+        assert err.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
+    assert chat(c, max_tokens=2, logprobs=True).choices[0].logprobs is not None
