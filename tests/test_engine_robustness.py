@@ -71,6 +71,32 @@ async def test_a_failing_sampler_ends_its_own_sequence_only(
         assert await collect(stack, "neighbour one", greedy) == want_greedy
 
 
+async def test_out_of_range_extended_sampling_is_refused_alone(tiny: Path) -> None:
+    """What the API validates, the engine checks again: a cluster peer can send anything, and
+    an out-of-vocabulary bias index would not even raise inside mlx-lm's batched step."""
+    from mlxcel.errors import RequestError
+
+    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+        greedy = SamplingParams(max_tokens=10)
+        want = await collect(stack, "a greedy neighbour", greedy)
+        bad = [
+            SamplingParams(max_tokens=4, logit_bias_ids=(VOCAB,), logit_bias_values=(5.0,)),
+            SamplingParams(max_tokens=4, logit_bias_ids=(1, 2), logit_bias_values=(5.0,)),
+            SamplingParams(max_tokens=4, logit_bias_ids=(1,), logit_bias_values=(1e9,)),
+            SamplingParams(max_tokens=4, logprobs=True, top_logprobs=10_000),
+            SamplingParams(max_tokens=4, repetition_penalty=-1.0),
+            SamplingParams(max_tokens=4, temperature=1.0, min_p=7.0),
+        ]
+        results = await asyncio.gather(
+            *(collect(stack, "bad", p) for p in bad),
+            collect(stack, "a greedy neighbour", greedy),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, RequestError) for r in results[:-1]), results
+        assert results[-1] == want
+        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+
+
 params_strategy = st.builds(
     SamplingParams,
     temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
@@ -78,6 +104,22 @@ params_strategy = st.builds(
     top_k=st.integers(0, 2 * VOCAB),
     seed=st.none() | st.integers(0, 2**63 - 1),
     max_tokens=st.integers(1, 6),
+    logprobs=st.booleans(),
+    top_logprobs=st.integers(0, 20),
+    min_p=st.sampled_from([0.0, 0.05, 1.0]),
+    logit_bias_ids=st.sampled_from([(), (3,), (0, VOCAB - 1)]),
+    presence_penalty=st.sampled_from([0.0, -2.0, 2.0]),
+    frequency_penalty=st.sampled_from([0.0, 1.5]),
+    repetition_penalty=st.sampled_from([1.0, 0.5, 10.0]),
+).map(
+    lambda p: SamplingParams(
+        **{
+            **{f: getattr(p, f) for f in p.__dataclass_fields__},
+            "logit_bias_values": tuple(
+                100.0 if i % 2 else -100.0 for i in range(len(p.logit_bias_ids))
+            ),
+        }
+    )
 )
 
 

@@ -97,6 +97,27 @@ def reference(checkpoints: dict[str, Path], family: str) -> list[str]:
                     async for d in it:
                         text.append(d.text)
                 out.append("".join(text))
+            # A bias away from the greedy first token changes the token fed back to every
+            # rank: each must apply the same processors (and penalties), or they diverge.
+            ids: list[int] = []
+            async with aclosing(
+                fe.stream(fe.encode_prompt("Concurrent 0 prompt"), SamplingParams(max_tokens=1))
+            ) as it:
+                async for d in it:
+                    ids += d.token_ids
+            text = []
+            pen = SamplingParams(
+                max_tokens=12,
+                logit_bias_ids=(ids[0],),
+                logit_bias_values=(-100.0,),
+                presence_penalty=2.0,
+                repetition_penalty=1.5,
+            )
+            async with aclosing(fe.stream(fe.encode_prompt("Concurrent 0 prompt"), pen)) as it:
+                async for d in it:
+                    text.append(d.text)
+            out.append("".join(text))
+            out.append(str(ids[0]))
             return out
 
     return asyncio.run(go())
@@ -133,7 +154,7 @@ def test_serve_tp2_through_the_openai_client(
         await ac.close()
         return [r.choices[0].text for r in rs]
 
-    assert asyncio.run(concurrent()) == reference
+    assert asyncio.run(concurrent()) == reference[:4]
     c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
     streamed = "".join(
         ch.choices[0].text
@@ -143,6 +164,16 @@ def test_serve_tp2_through_the_openai_client(
         if ch.choices
     )
     assert streamed == reference[0]
+    penalized = c.completions.create(
+        model=MODEL,
+        prompt="Concurrent 0 prompt",
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=2.0,
+        logit_bias={reference[5]: -100},
+        extra_body={"repetition_penalty": 1.5},
+    )
+    assert penalized.choices[0].text == reference[4] != reference[0]
     a = c.completions.create(model=MODEL, prompt="seeded", max_tokens=8, temperature=0.9, seed=11)
     b = c.completions.create(model=MODEL, prompt="seeded", max_tokens=8, temperature=0.9, seed=11)
     assert a.choices[0].text == b.choices[0].text
