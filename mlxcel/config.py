@@ -138,8 +138,19 @@ class PipelineSettings(_Base):
 
 
 class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
-    prompt: str = Field("Hello", description="prompt text", json_schema_extra=_short("-p"))
-    chat: bool = Field(False, description="wrap the prompt in the model's chat template")
+    prompt: str = Field(
+        "Hello", description="prompt text ('-' reads it from stdin)", json_schema_extra=_short("-p")
+    )
+    raw: bool = Field(
+        False, description="feed the prompt as is (default: wrapped in the model's chat template)"
+    )
+    system_prompt: str | None = Field(None, description="a system message before the prompt")
+
+    @model_validator(mode="after")
+    def _system_needs_template(self) -> GenerateSettings:
+        if self.raw and self.system_prompt is not None:
+            raise ValueError("--system-prompt needs the chat template: drop --raw")
+        return self
 
 
 def _check_address(address: str, flag: str, port_zero: bool) -> None:

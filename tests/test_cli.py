@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mlxcel", *args],
@@ -28,6 +28,7 @@ def run_cli(
         env={**os.environ, **(env or {})},
         timeout=timeout,
         cwd=ROOT,
+        input=stdin,
     )
 
 
@@ -113,6 +114,38 @@ def test_generate_prints_text_and_a_stats_line(tiny: Path) -> None:
     assert "BLAS:" in r.stderr
     again = run_cli("generate", "-m", str(tiny), "-p", "Hello there", "-n", "12", "--temp", "0")
     assert again.stdout.split("\n")[:-2] == r.stdout.split("\n")[:-2]  # greedy is deterministic
+
+
+def _prompt_tokens(r: subprocess.CompletedProcess[str]) -> int:
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.rstrip("\n").split("\n")[-1].split("prompt tokens: ")[1].split(",")[0])
+
+
+def test_generate_uses_the_chat_template_like_mlx_lm(tiny: Path) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tiny)
+    base = ("generate", "-m", str(tiny), "-n", "3", "--temp", "0")
+    raw = _prompt_tokens(run_cli(*base, "-p", "Hello there", "--raw"))
+    assert raw == len(tok.encode("Hello there"))
+    chat = _prompt_tokens(run_cli(*base, "-p", "Hello there"))
+    want = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], add_generation_prompt=True
+    )
+    assert chat == len(want) > raw
+    system = _prompt_tokens(run_cli(*base, "-p", "Hello there", "--system-prompt", "Be brief."))
+    assert system > chat
+    # -p - reads the prompt from stdin: the same tokens, the same text.
+    piped = run_cli(*base, "-p", "-", stdin="Hello there")
+    direct = run_cli(*base, "-p", "Hello there")
+    assert (
+        _prompt_tokens(piped) == chat
+        and piped.stdout.split("\n")[0] == direct.stdout.split("\n")[0]
+    )
+    empty = run_cli(*base, "-p", "-", stdin="")
+    assert empty.returncode == 2 and "empty prompt from stdin" in empty.stderr
+    both = run_cli(*base, "--raw", "--system-prompt", "x")
+    assert both.returncode == 2 and "--system-prompt needs the chat template" in both.stderr
 
 
 def test_embedded_default_is_created_once_and_reused(tmp_path: Path) -> None:

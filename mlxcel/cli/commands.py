@@ -8,7 +8,7 @@ import sys
 import time
 from contextlib import aclosing
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -20,6 +20,7 @@ from mlxcel.config_tools import (
     DemoSettings,
     KeygenSettings,
 )
+from mlxcel.errors import ConfigError
 from mlxcel.home import embedded_model
 
 if TYPE_CHECKING:
@@ -51,10 +52,7 @@ async def generate(s: GenerateSettings) -> int:
         return _print_plan(path, s.pp_size, s.pp_layers)
     async with _generation_stack(s, path, pipelined) as stack:
         fe = stack.frontend
-        if s.chat:
-            ids = fe.apply_chat_template([{"role": "user", "content": s.prompt}])
-        else:
-            ids = fe.encode_prompt(s.prompt)
+        ids = _prompt_ids(fe, s)
         params = SamplingParams(
             temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
         )
@@ -68,6 +66,23 @@ async def generate(s: GenerateSettings) -> int:
         sys.stdout.write("\n")
         print(_stats_line(usage), flush=True)
     return 0
+
+
+def _prompt_ids(fe: Any, s: GenerateSettings) -> list[int]:
+    """As ``mlx_lm generate``: the chat template when the tokenizer has one, unless --raw."""
+    prompt = s.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt:
+            raise ConfigError("-p/--prompt", "'-' read an empty prompt from stdin")
+    if s.raw or getattr(fe.tokenizer, "chat_template", None) is None:
+        if s.system_prompt is not None:
+            raise ConfigError("--system-prompt", "this model's tokenizer has no chat template")
+        return fe.encode_prompt(prompt)
+    messages = [{"role": "user", "content": prompt}]
+    if s.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": s.system_prompt})
+    return fe.apply_chat_template(messages)
 
 
 def _tp_rank(s: GenerateSettings | ServeSettings) -> int:
