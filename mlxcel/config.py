@@ -112,8 +112,10 @@ class ModelSettings(_Base):
     @field_validator("model")
     @classmethod
     def _model_exists(cls, v: str | None) -> str | None:
-        if v is not None and not Path(v).expanduser().is_dir():
-            raise ValueError(f"no such model folder: {v}")
+        from mlxcel.runtime.hub import is_hub_id
+
+        if v is not None and not Path(v).expanduser().is_dir() and not is_hub_id(v):
+            raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
         return v
 
 

@@ -23,7 +23,8 @@ def home() -> Path:
 
 def embedded_model(shape: str = DEFAULT_SHAPE, family: str = DEFAULT_FAMILY, seed: int = 0) -> Path:
     """Path of the embedded checkpoint, created on first use."""
-    from mlxcel.runtime.checkpoint import stderr_progress, write_checkpoint
+    from mlxcel.progress import log_step
+    from mlxcel.runtime.checkpoint import write_checkpoint
 
     target = home() / "models" / f"{shape}-{family}-s{seed}"
     if (target / "config.json").is_file():
@@ -31,7 +32,7 @@ def embedded_model(shape: str = DEFAULT_SHAPE, family: str = DEFAULT_FAMILY, see
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        progress = stderr_progress if shape != "tiny" else None
+        progress = log_step if shape != "tiny" else None
         write_checkpoint(tmp, shape, family, seed, progress=progress)
         try:
             tmp.rename(target)

@@ -352,3 +352,44 @@ def test_disaggregated_flags_are_checked_before_anything_starts(
     r = run_cli("serve", *argv)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _fake_hub_cache(root: Path, repo: str, model: Path) -> Path:
+    """The Hugging Face cache layout (refs/main -> snapshots/<commit>/files), offline."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / ("models--" + repo.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    shutil.copytree(model, base / "snapshots" / commit)
+    return base / "snapshots" / commit
+
+
+def test_a_hub_id_loads_from_the_offline_cache(
+    tiny: Path, tmp_path: Path, start_server: type
+) -> None:
+    import openai
+
+    cache = tmp_path / "hub"
+    snap = _fake_hub_cache(cache, "mlxcel-test/tiny-chat", tiny)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    r = run_cli("generate", "-m", "mlxcel-test/tiny-chat", "-p", "hi", "-n", "4", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "generated tokens: 4" in r.stdout
+    assert f"loaded model {snap}" in r.stderr and "MiB of weights" in r.stderr
+    local = run_cli("generate", "-m", str(tiny), "-p", "hi", "-n", "4")
+    assert r.stdout.split("\n")[0] == local.stdout.split("\n")[0]  # the same checkpoint
+    # Not in the cache, offline: one line naming the id and the cache, exit 2.
+    missing = run_cli("generate", "-m", "mlxcel-test/absent", "-p", "hi", env=env)
+    assert missing.returncode == 2
+    assert "mlxcel-test/absent" in missing.stderr and str(cache) in missing.stderr
+    assert "Traceback" not in missing.stderr
+    # Neither a folder nor an org/name id: refused before anything loads.
+    bad = run_cli("generate", "-m", "no/such/folder", "-p", "hi", env=env)
+    assert bad.returncode == 2 and "no such model folder" in bad.stderr
+    # serve names the model by its Hub id, which models.retrieve accepts (a '/' in the path).
+    srv = start_server(["-m", "mlxcel-test/tiny-chat"], env=env)
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert [m.id for m in c.models.list().data] == ["mlxcel-test/tiny-chat"]
+    assert c.models.retrieve("mlxcel-test/tiny-chat").id == "mlxcel-test/tiny-chat"

@@ -30,16 +30,19 @@ from mlxcel.messages import SamplingParams
 
 def resolve_model(model: str | None, shape: str = "tiny") -> Path:
     if model is not None:
-        return Path(model).expanduser()
+        from mlxcel.runtime.hub import resolve
+
+        return resolve(model)
     path = embedded_model(shape)
     logger.info("no --model given: using the embedded {} checkpoint at {}", shape, path)
     return path
 
 
 def checkpoint(s: CheckpointSettings) -> int:
-    from mlxcel.runtime.checkpoint import stderr_progress, write_checkpoint
+    from mlxcel.progress import log_step
+    from mlxcel.runtime.checkpoint import write_checkpoint
 
-    write_checkpoint(s.out, s.shape, s.family, s.seed, s.quantize, progress=stderr_progress)
+    write_checkpoint(s.out, s.shape, s.family, s.seed, s.quantize, progress=log_step)
     return 0
 
 

@@ -5,7 +5,6 @@ here, in the CLI, and nowhere in the library."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from loguru import logger
 
@@ -93,7 +92,7 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
     assert s.distributed_config is not None
     cfg = load_cluster_config(s.distributed_config)
     if s.model is not None:
-        path = Path(s.model).expanduser()
+        path = resolve_model(s.model)
     elif cfg.model is not None:
         path = (s.distributed_config.parent / cfg.model).expanduser()
     else:
@@ -112,8 +111,11 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
 async def _serve_http(s: ServeSettings, node: Assembled) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
     from mlxcel.runner import HttpOptions, NodeRunner
+    from mlxcel.runtime.hub import is_hub_id
 
-    name = s.served_model_name or node.model_name
+    # A Hub model is served under its id, not its snapshot folder's hash.
+    hub = s.model if s.model is not None and is_hub_id(s.model) else None
+    name = s.served_model_name or hub or node.model_name
     http = HttpOptions(s.host, s.port, name, s.default_max_tokens, s.max_body_bytes)
     runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)
     await runner.setup()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mlxcel.progress import step_bar
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -27,7 +28,7 @@ CHAT_TEMPLATE = (
     "{{ '# Tools\n\nYou may call one or more functions. Signatures:\n<tools>' }}"
     "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\n</tools>\nFor each call, reply with a JSON object between markers:\n'"
-    " + '<tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call><|im_end|>\n' }}"
+    ' + \'<tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|>\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (tools and loop.first and message['role'] == 'system') %}"
@@ -38,7 +39,7 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     "{% for tool_call in message.get('tool_calls') or [] %}"
     "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
-    "{{ '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": ' "
+    '{{ \'<tool_call>{"name": "\' + tool_call.name + \'", "arguments": \' '
     "+ (tool_call.arguments | tojson) + '}</tool_call>' }}"
     "{% endfor %}"
     "{{ '<|im_end|>\n' }}"
@@ -216,6 +217,7 @@ def write_checkpoint(
         size += arr.nbytes
     weight_map: dict[str, str] = {}
     total = 0
+    bar = step_bar(len(shards), "writing weights", enabled=progress is not None)
     for i, shard in enumerate(shards):
         fname = (
             "model.safetensors"
@@ -226,14 +228,12 @@ def write_checkpoint(
         nbytes = sum(a.nbytes for a in shard.values())
         total += nbytes
         weight_map.update({k: fname for k in shard})
+        bar.update(1)  # type: ignore[attr-defined]
         say(f"wrote {fname} ({nbytes / 2**20:.1f} MiB, shard {i + 1}/{len(shards)})")
+    bar.close()  # type: ignore[attr-defined]
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     save_config(config, out / "config.json")
     del model
     say(f"checkpoint ready at {out} ({total / 2**20:.1f} MiB)")
     return out
-
-
-def stderr_progress(msg: str) -> None:
-    print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)

@@ -8,16 +8,19 @@ decoder layers, final norm, head, masks and KV caches); it only decides which of
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from loguru import logger
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
+from mlxcel.progress import slow_task
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -66,10 +69,20 @@ def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
         raise ModelLoadError(f"{p}/config.json: {exc}") from None
     if not list(p.glob("*.safetensors")):
         raise ModelLoadError(f"{p}: no *.safetensors weights")
+    size = sum(f.stat().st_size for f in p.glob("*.safetensors"))
+    started = time.perf_counter()
     try:
-        model, tokenizer = load(str(p), lazy=lazy)
+        with slow_task(f"loading {p.name}"):
+            model, tokenizer = load(str(p), lazy=lazy)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    logger.info(
+        "loaded model {} ({:.1f} MiB of weights{}) in {:.2f}s",
+        p,
+        size / 2**20,
+        ", mapped lazily" if lazy else "",
+        time.perf_counter() - started,
+    )
     return LoadedModel(p, model, tokenizer, config)
 
 
