@@ -10,22 +10,16 @@ line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
-
-from mlxcel.errors import ConfigError
 
 ENV_PREFIX = "MLXCEL_"
 # Read by their own loaders, which know the precedence among them (mlxcel.net.secret): mapped
@@ -38,17 +32,54 @@ class _EnvSource(EnvSettingsSource):
         return {k: v for k, v in super().__call__().items() if k not in NOT_FROM_ENV}
 
 
+LogLevel = Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+class _TomlData(PydanticBaseSettingsSource):
+    """The settings a TOML file gives this command (see :mod:`mlxcel.config_cli`)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self.data = data
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
 class _Base(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
-    # Set by :func:`load_settings` just before construction; read by the source hook.
-    _toml_file: ClassVar[Path | None] = None
-    # Set by :func:`load_settings`: setting name -> where its value came from, as a message
-    # names it (the flag, the variable, or "name (--config FILE)").
+    # Every command logs through loguru with these two.
+    log_level: LogLevel = Field(
+        "INFO",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text lines, or one JSON object per line for log shippers",
+        json_schema_extra={"group": "logging and configuration"},
+    )
+
+    # Set by :func:`mlxcel.config_cli.load_settings` just before construction: this
+    # command's settings from the TOML file, read by the source hook.
+    _toml_data: ClassVar[dict[str, Any] | None] = None
+    # Set by load_settings: setting name -> where its value came from, as a message names it
+    # (the flag, the variable, or "name (--config FILE)").
     _origin: dict[str, str] = PrivateAttr(default_factory=dict)
+    # Set by load_settings: notes about the TOML file, logged once logging is up.
+    _notes: list[str] = PrivateAttr(default_factory=list)
 
     def origin(self, name: str) -> str:
         return self._origin.get(name) or flag_of(name, type(self))
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
 
     @classmethod
     def settings_customise_sources(
@@ -60,8 +91,8 @@ class _Base(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
-        if cls._toml_file is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        if cls._toml_data is not None:
+            sources.append(_TomlData(settings_cls, cls._toml_data))
         return tuple(sources)
 
 
@@ -72,7 +103,8 @@ def _short(flag: str) -> dict[str, Any]:
 class ModelSettings(_Base):
     model: str | None = Field(
         None,
-        description="model folder (Hugging Face layout); default: the embedded tiny model",
+        description="model folder (Hugging Face layout) or Hub id org/name (default: the "
+        "embedded tiny model)",
         json_schema_extra=_short("-m"),
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
@@ -105,18 +137,20 @@ class ModelSettings(_Base):
         gt=0,
         description="seconds to wait for pipeline stages or tensor-parallel ranks at start-up",
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="log level on stderr"
-    )
 
     @field_validator("model")
     @classmethod
     def _model_exists(cls, v: str | None) -> str | None:
-        from mlxcel.runtime.hub import is_hub_id
+        return check_model(v)
 
-        if v is not None and not Path(v).expanduser().is_dir() and not is_hub_id(v):
-            raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
-        return v
+
+def check_model(v: str | None) -> str | None:
+    """A local model folder, or a Hugging Face ``org/name`` id (resolved when used)."""
+    from mlxcel.runtime.hub import is_hub_id
+
+    if v is not None and not Path(v).expanduser().is_dir() and not is_hub_id(v):
+        raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
+    return v
 
 
 class SamplingSettings(_Base):
@@ -346,111 +380,6 @@ class ServeSettings(ModelSettings, PipelineSettings):
         return self
 
 
-# --- CLI generation --------------------------------------------------------------------------
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(self.prog, message)
-
-
 def flag_of(name: str, cls: type[BaseSettings]) -> str:
     extra = cls.model_fields[name].json_schema_extra or {}
     return str(extra.get("flag", "--" + name.replace("_", "-")))  # type: ignore[union-attr]
-
-
-def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    parser.add_argument(
-        "--config",
-        dest="_config",
-        metavar="FILE",
-        default=argparse.SUPPRESS,
-        help="TOML file of settings (default: $MLXCEL_CONFIG, else none)",
-    )
-    for name, f in cls.model_fields.items():
-        extra = f.json_schema_extra or {}
-        flags = [flag_of(name, cls)]
-        if isinstance(extra, dict) and "short" in extra:
-            flags.insert(0, str(extra["short"]))
-        default = "required" if f.is_required() else repr(f.default)
-        help_text = f"{f.description} (default: {default}; env {ENV_PREFIX}{name.upper()})"
-        if name in NOT_FROM_ENV:
-            help_text = f"{f.description} (default: {default})"
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if f.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["metavar"] = name.upper()
-        parser.add_argument(*flags, **kwargs)
-
-
-def _source(name: str, cli: dict[str, Any], toml_path: Path | None) -> str | None:
-    """Where a given setting came from: None for the command line (or nowhere), else the
-    environment variable or the TOML file."""
-    if name in cli:
-        return None
-    env = ENV_PREFIX + name.upper()
-    if env in os.environ and name not in NOT_FROM_ENV:
-        return env
-    return str(toml_path) if toml_path is not None else None
-
-
-def load_settings(cls: type[_Base], args: argparse.Namespace) -> Any:
-    """Build settings from parsed CLI args plus environment and TOML; raise ConfigError."""
-    cli = {k: v for k, v in vars(args).items() if k in cls.model_fields}
-    config_file = getattr(args, "_config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
-    toml_path = None
-    if config_file:
-        toml_path = Path(config_file)
-        if not toml_path.is_file():
-            raise ConfigError("--config", f"no such file: {config_file}")
-        import tomllib
-
-        try:
-            data = tomllib.loads(toml_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError("--config", f"{config_file}: {exc}") from None
-        unknown = sorted(set(data) - set(cls.model_fields))
-        if unknown:
-            raise ConfigError("--config", f"{config_file}: unknown setting(s) {', '.join(unknown)}")
-    cls._toml_file = toml_path
-    try:
-        settings = cls(**cli)
-        # Where each explicitly given setting came from, for messages that must name it.
-        for name in settings.model_fields_set:
-            src = _source(name, cli, toml_path)
-            settings._origin[name] = (
-                flag_of(name, cls)
-                if src is None
-                else src
-                if src.startswith(ENV_PREFIX)
-                else f"{name} (--config {src})"
-            )
-        return settings
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        if not err["loc"]:  # a rule across several settings
-            raise ConfigError(
-                cls.__name__.removesuffix("Settings").lower(),
-                err["msg"].removeprefix("Value error, "),
-            ) from None
-        name = str(err["loc"][0])
-        flag = flag_of(name, cls) if name in cls.model_fields else name
-        src = _source(name, cli, toml_path)
-        where = f" (from {src})" if src else ""
-        raw = err.get("input")
-        shown = f" (got {raw!r})" if raw is not None and not isinstance(raw, dict) else ""
-        raise ConfigError(flag + where, f"{err['msg']}{shown}") from None
-    finally:
-        cls._toml_file = None
-
-
-def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=prog, description=description)
-    add_arguments(p, cls)
-    return p
-
-
-def die(err: ConfigError) -> None:
-    print(f"error: {err}", file=sys.stderr)
-    raise SystemExit(2)

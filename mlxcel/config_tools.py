@@ -11,14 +11,25 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from mlxcel.config import ModelSettings, _Base, _short
+from mlxcel.config import LogLevel, _Base, _short, check_model
+
+
+class _HasModel(_Base):
+    """A command with a ``model`` field: a local folder or a Hub id, checked up front."""
+
+    @field_validator("model", check_fields=False)
+    @classmethod
+    def _model_exists(cls, v: str | None) -> str | None:
+        return check_model(v)
 
 
 class CheckpointSettings(_Base):
     shape: Literal["tiny", "small", "qwen3-0.6b"] = Field("tiny", description="model shape")
     family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
     out: Path = Field(..., description="output folder")
-    seed: int = Field(0, ge=0, lt=2**32, description="weight seed")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description="weight seed", json_schema_extra={"group": "options"}
+    )
     quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
 
     @field_validator("quantize", mode="before")
@@ -30,7 +41,16 @@ class CheckpointSettings(_Base):
         return v
 
 
-class BenchBatchingSettings(ModelSettings):
+class BenchBatchingSettings(_HasModel):
+    model: str | None = Field(
+        None,
+        description="model folder or org/name (default: the embedded small checkpoint)",
+        json_schema_extra=_short("-m"),
+    )
+    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
+    prefill_step_size: int = Field(
+        512, ge=16, le=65536, description="prompt tokens per prefill chunk"
+    )
     streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
     tokens: int = Field(64, ge=1, description="tokens generated per stream")
     json_lines: bool = Field(
@@ -61,8 +81,10 @@ class BenchFramesSettings(_Base):
         "reference,unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305",
         description="modes to measure (reference: a bare length-prefixed uvloop stream)",
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
+    log_level: LogLevel = Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
     )
 
     @field_validator("sizes")
@@ -91,7 +113,7 @@ class KeygenSettings(_Base):
     force: bool = Field(False, description="overwrite an existing file")
 
 
-class SimSettings(_Base):
+class SimSettings(_HasModel):
     seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
     first_seed: int = Field(0, ge=0, description="the first seed of the run")
     scenario: Literal["all", "mixed", "bringup", "disagg", "scale", "tiny"] = Field(
@@ -148,9 +170,6 @@ class ClusterCheckSettings(_Base):
         0.2, gt=0, le=60, description="first reconnect delay in seconds (doubles)"
     )
     duration: float = Field(0.0, ge=0, description="listen mode: seconds to run (0 = until Ctrl-C)")
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="log level on stderr"
-    )
 
     @model_validator(mode="after")
     def _one_mode(self) -> ClusterCheckSettings:
@@ -159,7 +178,7 @@ class ClusterCheckSettings(_Base):
         return self
 
 
-class BenchPipelineSettings(_Base):
+class BenchPipelineSettings(_HasModel):
     """A model-level benchmark: which model (default small), how many tokens, JSON or table."""
 
     model: str | None = Field(
@@ -171,12 +190,14 @@ class BenchPipelineSettings(_Base):
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
+    log_level: LogLevel = Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
     )
 
 
-class BenchDisaggSettings(_Base):
+class BenchDisaggSettings(_HasModel):
     """TTFT and inter-token latency under a mixed workload, hybrid vs 1 prefill + 1 decode."""
 
     model: str | None = Field(
@@ -191,12 +212,14 @@ class BenchDisaggSettings(_Base):
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
+    log_level: LogLevel = Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
     )
 
 
-class DemoSettings(_Base):
+class DemoSettings(_HasModel):
     prompt: str = Field(
         "Explain pipeline parallelism in one sentence.", description="the chat message to send"
     )
@@ -206,8 +229,10 @@ class DemoSettings(_Base):
         description="model folder (default: the embedded tiny model)",
         json_schema_extra=_short("-m"),
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
+    log_level: LogLevel = Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
     )
 
 
@@ -215,7 +240,7 @@ class BenchTpSettings(BenchPipelineSettings):
     """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
 
 
-class BenchBringupSettings(_Base):
+class BenchBringupSettings(_HasModel):
     model: str | None = Field(
         None,
         description="model folder (default: the embedded tiny model)",
@@ -224,6 +249,8 @@ class BenchBringupSettings(_Base):
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
     )
-    log_level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "WARNING", description="log level on stderr"
+    log_level: LogLevel = Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
     )

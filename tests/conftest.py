@@ -63,6 +63,15 @@ def tiny_bf16(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def error_line(stderr: str) -> str:
+    """The one line a failed command reports its error in: ``error: ...`` for a bad command
+    line (before logging starts), else an ERROR log line; its message only."""
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ") or " ERROR " in ln]
+    assert len(lines) == 1, stderr
+    line = lines[0]
+    return line.split(" ERROR ", 1)[1].strip() if " ERROR " in line else line[len("error: ") :]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -75,7 +84,7 @@ class ServerProcess:
         args: list[str],
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
-        ready: str = "mlxcel serving",  # the stdout line that says it serves
+        ready: str = "mlxcel serving",  # in the log line that says it serves
     ) -> None:
         self.port = free_port(host)
         self.host = host
@@ -106,7 +115,7 @@ class ServerProcess:
             if not line:
                 break
             self.lines.append(line)
-            if line.startswith(ready):
+            if ready in line:
                 # Keep draining its output, so a chatty server never blocks on a full pipe.
                 threading.Thread(target=self._drain, daemon=True).start()
                 return

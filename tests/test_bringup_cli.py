@@ -498,7 +498,8 @@ def test_the_assignment_listener_keeps_8_pending_sockets_4_per_source(secret: Pa
 )
 def test_bad_bring_up_flags_are_refused_by_name(argv: list[str], message: str) -> None:
     from mlxcel.cli.main import build_parser
-    from mlxcel.config import ServeSettings, load_settings
+    from mlxcel.config import ServeSettings
+    from mlxcel.config_cli import load_settings
     from mlxcel.errors import ConfigError
 
     args = build_parser().parse_args(["serve", *argv])

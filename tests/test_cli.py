@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import main as cli_main
-from mlxcel.config import GenerateSettings, ServeSettings, load_settings
+from mlxcel.config import GenerateSettings, ServeSettings
+from mlxcel.config_cli import load_settings
 from mlxcel.errors import ConfigError, PlatformUnsupported
 from mlxcel.platform_guard import refuse_distributed_on_windows
+from tests.conftest import error_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,15 +95,94 @@ def test_invalid_flag_exits_2_with_one_line(args: list[str], flag: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], r.stderr
 
 
-def test_help_lists_every_flag_with_its_default() -> None:
+def test_help_lists_every_flag_readably() -> None:
     r = run_cli("serve", "--help")
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     for name, f in ServeSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         assert flag in text, flag
-        assert f"default: {f.default!r}" in text, name
-    assert "MLXCEL_PARALLEL" in text
+        shown = f"default: {f.default}" in text
+        says_nothing = f.default is None or f.default is False or "default" in (f.description or "")
+        assert shown != says_nothing, name  # a default that says something, and only once
+    assert (
+        "MLXCEL_PARALLEL" in text and "(default: None" not in text and "default: None" not in text
+    )
+    assert "--node-role {hybrid,prefill,decode,router}" in text
+    assert "--log-level {TRACE,DEBUG,INFO,WARNING,ERROR}" in text
+    for group in ("model and prompt:", "HTTP server:", "pipeline parallelism:", "logging and"):
+        assert group in r.stdout, group
+    gen = run_cli("generate", "--help").stdout
+    usage = " ".join(gen.split("\n\n")[0].split())
+    # The common flags first: -m, -p, -n before any --pp-/--tp- flag.
+    assert usage.index("-m MODEL") < usage.index("-p PROMPT") < usage.index("-n MAX_TOKENS")
+    assert usage.index("-n MAX_TOKENS") < usage.index("--pp-") < usage.index("--tp-")
+    ck = run_cli("checkpoint", "--help").stdout
+    flat = " ".join(ck.split())
+    assert "required: --out OUT output folder [required" in flat
+    for choices in ("--shape {tiny,small,qwen3-0.6b}", "--family {qwen3,qwen2,llama}"):
+        assert choices in flat
+    assert "--quantize {4,8}" in flat
+    # Each benchmark documents the default model it actually uses.
+    for bench, shape in (
+        ("batching", "small"),
+        ("pipeline", "small"),
+        ("tp", "small"),
+        ("disagg", "small"),
+        ("bringup", "tiny"),
+    ):
+        h = " ".join(run_cli("bench", bench, "--help").stdout.split())
+        assert f"default: the embedded {shape}" in h, bench
+    # A benchmark takes only the flags it uses.
+    assert "--tp-size" not in run_cli("bench", "batching", "--help").stdout
+
+
+def test_log_level_is_case_insensitive(tiny: Path) -> None:
+    base = ("generate", "-m", str(tiny), "-p", "x", "-n", "2")
+    r = run_cli(*base, "--log-level", "warning")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = run_cli(*base, env={"MLXCEL_LOG_LEVEL": "warning"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = run_cli(*base, "--log-level", "info")
+    assert r.returncode == 0 and " INFO    BLAS: " in r.stderr, r.stderr
+
+
+def test_one_toml_file_serves_every_command(tmp_path: Path) -> None:
+    conf = tmp_path / "mlxcel.toml"
+    conf.write_text(
+        "port = 7001\nmax_tokens = 7\nstreams = '1,2'\n"
+        "[serve]\nparallel = 2\n[generate]\nmax_tokens = 9\n[bench.batching]\ntokens = 5\n"
+    )
+    args = cli_main.build_parser().parse_args(["serve", "--config", str(conf)])
+    kw = {
+        "section": "serve",
+        "known_elsewhere": frozenset(
+            n
+            for c, _ in [*cli_main.COMMANDS.values(), *cli_main.BENCHES.values()]
+            for n in c.model_fields
+        ),
+        "tables": frozenset([*cli_main.COMMANDS, "bench"]),
+    }
+    serve = load_settings(ServeSettings, args, **kw)
+    assert serve.port == 7001 and serve.parallel == 2
+    assert any("max_tokens" in n and "streams" in n for n in serve._notes)
+    gen = load_settings(GenerateSettings, _ns(_config=str(conf)), **{**kw, "section": "generate"})
+    assert gen.max_tokens == 9  # its table beats the top level
+    from mlxcel.config_tools import BenchBatchingSettings
+
+    bench = load_settings(
+        BenchBatchingSettings, _ns(_config=str(conf)), **{**kw, "section": "bench.batching"}
+    )
+    assert bench.tokens == 5 and bench.streams == "1,2"
+    # Through the real command line: the note is logged, nothing fails.
+    r = run_cli("checkpoint", "--config", str(conf), "--out", str(tmp_path / "ck"))
+    assert r.returncode == 0 and "note:" in r.stderr and "ignores other commands" in r.stderr
+    conf.write_text("[serve]\nmax_tokens = 3\n")
+    with pytest.raises(ConfigError, match=r"\[serve\] has setting\(s\) serve lacks: max_tokens"):
+        load_settings(ServeSettings, args, **kw)
+    conf.write_text("frobnicate = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting.*frobnicate"):
+        load_settings(ServeSettings, args, **kw)
 
 
 def test_generate_prints_text_and_a_stats_line(tiny: Path) -> None:
@@ -308,7 +389,7 @@ def test_busy_http_port_is_one_line_naming_the_address(tiny: Path) -> None:
         r = run_cli("serve", "-m", str(tiny), "--port", str(port))
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    line = error_line(r.stderr)
     assert f"127.0.0.1:{port}" in line and "address already in use" in line
 
 

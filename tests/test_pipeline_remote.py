@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import error_line, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3"
@@ -65,7 +65,7 @@ class Proc:
             if not line:
                 break
             self.lines.append(line)
-            if line.startswith(ready):
+            if ready in line:
                 return
         self.stop()
         raise RuntimeError(f"process did not become ready ({ready!r}):\n" + "".join(self.lines))
@@ -507,7 +507,7 @@ def test_busy_stage_port_and_missing_stages_fail_in_one_line(
             cwd=ROOT,
         )
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    line = error_line(r.stderr)
     assert stages[0] in line and "address already in use" in line
     # A coordinator whose stages never come says what it waits for, then gives up.
     r = subprocess.run(
@@ -521,7 +521,7 @@ def test_busy_stage_port_and_missing_stages_fail_in_one_line(
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"waiting for stage stage-0 at {stages[0]}" in r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    line = error_line(r.stderr)
     assert "unreachable within 7s (--startup-timeout)" in line
 
 

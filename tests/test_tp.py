@@ -19,7 +19,7 @@ from mlxcel.errors import ConfigError
 from mlxcel.messages import SamplingParams
 from mlxcel.server.run import local_stack
 from mlxcel.tp.group import check_modes, check_shardable
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, error_line
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -275,7 +275,7 @@ def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
     took = time.monotonic() - t0
     assert r.returncode != 0, r.stderr
     assert "waiting for the ranks to join the group (rank 1 at 127.0.0.1:" in r.stderr
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "after 6s (--startup-timeout)" in errors[0]
     assert "Traceback" not in r.stderr
     assert took < 60
@@ -293,5 +293,4 @@ def test_a_hostfile_of_the_wrong_shape_is_one_line(tiny: Path, tmp_path: Path) -
             timeout=120,
         )
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-        assert line.startswith("error: --tp-hostfile: ")
+        assert error_line(r.stderr).startswith("--tp-hostfile: ")

@@ -36,7 +36,7 @@ def _spawn(args: list[str], cwd: Path) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         cwd=cwd,
-        env={**os.environ, "MLXCEL_LOG_LEVEL": "WARNING"},
+        env={**os.environ, "MLXCEL_LOG_LEVEL": "INFO"},  # the ready lines are INFO lines
     )
 
 
@@ -49,7 +49,7 @@ def _wait_line(p: subprocess.Popen[str], prefix: str) -> str:
         if not line:
             break
         seen.append(line)
-        if line.startswith(prefix):
+        if prefix in line:
             return line
     raise RuntimeError(f"no {prefix!r} line:\n" + "".join(seen[-20:]))
 

@@ -236,7 +236,7 @@ async def await_assignment(
             port,
             beacons=discovery.mode == "mdns",
         )
-        print(f"mlxcel peer waiting for a stage assignment on {host}:{port}", flush=True)
+        logger.info("mlxcel peer waiting for a stage assignment on {}:{}", host, port)
         service = PeerService(
             node, ReplyEndpoint(f"{host}:{port}", listener), PeerCore(facts, node_now()), announce
         )

@@ -258,9 +258,7 @@ def keygen(s: KeygenSettings) -> int:
     from mlxcel.net.secret import keygen as write_secret
 
     path = write_secret(s.out, force=s.force)
-    print(
-        f"wrote a new cluster secret to {path} (mode 0600); copy it to every node", file=sys.stderr
-    )
+    logger.info("wrote a new cluster secret to {} (mode 0600); copy it to every node", path)
     return 0
 
 

@@ -14,14 +14,8 @@ from typing import Any
 from loguru import logger
 
 from mlxcel import __version__
-from mlxcel.config import (
-    GenerateSettings,
-    ServeSettings,
-    _OneLineParser,
-    add_arguments,
-    die,
-    load_settings,
-)
+from mlxcel.config import GenerateSettings, ServeSettings
+from mlxcel.config_cli import OneLineParser, add_arguments, die, load_settings
 from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchBringupSettings,
@@ -36,6 +30,7 @@ from mlxcel.config_tools import (
     SimSettings,
 )
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
+from mlxcel.logs import setup_logging
 from mlxcel.loop import run_async
 from mlxcel.pipeline.partition import PartitionError
 from mlxcel.platform_guard import DISTRIBUTED_FLAGS, refuse_distributed_on_windows
@@ -80,28 +75,15 @@ def _enable_stack_dumps() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def _setup_logging(level: str) -> None:
-    logger.remove()
-    # diagnose=False: tracebacks never print variable values, which could hold secrets or
-    # payload bytes (rules of the house: neither reaches a log line).
-    logger.add(
-        sys.stderr,
-        level=level,
-        format="{time:HH:mm:ss.SSS} {level: <7} {message}",
-        diagnose=False,
-        backtrace=False,
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="mlxcel", description="Distributed LLM inference on MLX.")
+    parser = OneLineParser(prog="mlxcel", description="Distributed LLM inference on MLX.")
     parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, (cls, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p, cls)
     bench = sub.add_parser("bench", help="benchmarks that print figures", description="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=_OneLineParser)
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", parser_class=OneLineParser)
     for name, (cls, help_text) in BENCHES.items():
         p = bsub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p, cls)
@@ -131,9 +113,21 @@ def main(argv: list[str] | None = None) -> None:
             if args.bench is None:
                 raise ConfigError("bench", "name a benchmark: " + ", ".join(BENCHES))
             cls = BENCHES[args.bench][0]
+            section = f"bench.{args.bench}"
         else:
             cls = COMMANDS[args.command][0]
-        settings = load_settings(cls, args)
+            section = args.command
+        settings = load_settings(
+            cls,
+            args,
+            section=section,
+            known_elsewhere=frozenset(
+                name
+                for other, _ in [*COMMANDS.values(), *BENCHES.values()]
+                for name in other.model_fields
+            ),
+            tables=frozenset([*COMMANDS, "bench"]),
+        )
         if hasattr(settings, "tp_size"):
             from mlxcel.tp.group import check_modes
 
@@ -153,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     except PlatformUnsupported as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    _setup_logging(getattr(settings, "log_level", "INFO"))
+    setup_logging(settings.log_level, settings.log_format)
+    # Processes this one starts (stages, ranks, nodes) log in the same format.
+    os.environ["MLXCEL_LOG_FORMAT"] = settings.log_format
+    for note in settings._notes:
+        logger.info("note: {}", note)
     _enable_stack_dumps()
     if args.command not in ("keygen", "cluster-check"):
         from mlxcel.runtime.blas import ensure_blas
@@ -164,10 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         code = 130
     except (ConfigError, PartitionError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        logger.error("{}", exc)  # logging is up: the one format, like every other line
         code = 2
     except MlxcelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        logger.error("{}", exc)
         code = 1
         if type(exc).__name__ == "TpGroupFailed" or getattr(exc, "code", None) == "tp_group_failed":
             # A broken tensor-parallel group can leave a thread blocked in a collective that

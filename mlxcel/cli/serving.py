@@ -121,8 +121,8 @@ async def _serve_http(s: ServeSettings, node: Assembled) -> None:
     await runner.setup()
     await runner.start()
     with signals(runner.request_stop):
-        # One stable line on stdout that scripts and tests wait for (signals are armed by now).
-        print(f"mlxcel serving {name} on {runner.addresses['http']}", flush=True)
+        # One stable line that scripts and tests wait for (signals are armed by now).
+        logger.info("mlxcel serving {} on {}", name, runner.addresses["http"])
         await runner.wait()
         await runner.stop()
 
@@ -135,7 +135,7 @@ async def _run_stage(s: ServeSettings, node: Assembled) -> None:
     runner = NodeRunner(node.serving)
     await runner.start()
     logger.info("transport: {}", probe_rdma().detail)
-    print(f"mlxcel {node.summary} listening on {runner.addresses['cluster']}", flush=True)
+    logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])
     with signals(runner.request_stop):
         await runner.wait()
         if not service.stopped.is_set():
@@ -156,7 +156,7 @@ async def _run_worker(node: Assembled) -> None:
     runner = NodeRunner(node.serving)
     await runner.start()
     with signals(runner.request_stop):
-        print(f"mlxcel {node.summary} listening on {runner.addresses['cluster']}", flush=True)
+        logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])
         await runner.wait()
     await runner.stop()
     logger.info("{} stopped", node.summary)

@@ -318,6 +318,45 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
+    """One INFO line per request: method, path, status, tokens, latency (fields in JSON)."""
+    started = time.perf_counter()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except BaseException:
+        status = 499 if request.transport is None or request.transport.is_closing() else 500
+        raise
+    finally:
+        usage = request.get("usage")
+        prompt = usage.prompt_tokens if usage is not None else 0
+        completion = usage.completion_tokens if usage is not None else 0
+        ms = (time.perf_counter() - started) * 1000
+        logger.bind(
+            method=request.method,
+            path=request.path,
+            status=status,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            latency_ms=round(ms, 1),
+            remote=request.remote,
+        ).info(
+            "{} {} {} prompt={} completion={} {:.1f}ms",
+            request.method,
+            request.path,
+            status,
+            prompt,
+            completion,
+            ms,
+        )
+
+
+@web.middleware
 async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404, 405, 413) into OpenAI-style bodies."""
     try:
@@ -348,7 +387,7 @@ def build_app(
     sampling: frozenset[str] = EXTENDED_SAMPLING,
     mode: str = "one process",
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[access_log, json_errors])
     app[FRONTEND] = fe
     app[METRICS] = metrics
     if health_extra is not None:

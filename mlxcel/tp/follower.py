@@ -10,8 +10,11 @@ group breaks.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from loguru import logger
 
 import mlxcel  # noqa: F401  (BLAS before mlx)
 
@@ -40,7 +43,7 @@ def run_follower(
             prefill_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
         )
-        print(f"tp rank {rank} of {group.size()} ready", file=sys.stderr, flush=True)
+        logger.info("tp rank {} of {} ready", rank, group.size())
         while True:
             step = broadcast_step(group, None)
             if step.stop:
@@ -57,7 +60,7 @@ def run_follower(
                 )
             gen.next()
     except RuntimeError as exc:
-        print(f"tp rank {rank}: group failed: {exc}", file=sys.stderr, flush=True)
+        logger.error("tp rank {}: group failed: {}", rank, exc)
         return 1
 
 
@@ -69,11 +72,14 @@ def main() -> int:
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--prefill-step-size", type=int, default=512)
     ap.add_argument("--startup-timeout", type=float, default=60.0)
+    # Rank 0's own settings, which its environment carries (see cli.main).
+    ap.add_argument("--log-level", default=os.environ.get("MLXCEL_LOG_LEVEL", "INFO").upper())
+    ap.add_argument("--log-format", default=os.environ.get("MLXCEL_LOG_FORMAT", "text"))
     a = ap.parse_args()
-    from loguru import logger
-
+    from mlxcel.logs import setup_logging
     from mlxcel.runtime.blas import ensure_blas
 
+    setup_logging(a.log_level, a.log_format)
     logger.info("BLAS: {}", ensure_blas())
     return run_follower(
         Path(a.model),

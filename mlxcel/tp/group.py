@@ -77,17 +77,24 @@ def write_local_hostfile(n: int, folder: Path) -> Path:
 # child prints what is being waited for every few seconds and, past the deadline, one error
 # line and a SIGKILL for the stuck process. Closing its stdin (or dying) releases it.
 _WATCHDOG = """
-import os, select, signal, sys, time
-timeout, pid, what = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import json, os, select, signal, sys, time
+timeout, pid, what, fmt = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def say(level, msg):
+    if fmt == "json":
+        line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
+                           "message": msg, "logger": "mlxcel.tp.watchdog", "pid": os.getpid()})
+    else:
+        line = time.strftime("%H:%M:%S.000 ") + level.ljust(7) + " " + msg
+    print(line, file=sys.stderr, flush=True)
 start = time.monotonic()
 while (left := start + timeout - time.monotonic()) > 0:
     if select.select([sys.stdin], [], [], min(5.0, left))[0]:
         sys.exit(0)
-    print(time.strftime("%H:%M:%S.000"), "INFO    tensor parallel: waiting for", what,
-          "(%.0fs of %gs)" % (time.monotonic() - start, timeout), file=sys.stderr, flush=True)
-print("error: tensor parallel: gave up waiting for", what, "after %gs (--startup-timeout);"
-      % timeout, "is every rank of the hostfile started? (exit status 137: killed by the"
-      " start-up watchdog)", file=sys.stderr, flush=True)
+    say("INFO", "tensor parallel: waiting for %s (%.0fs of %gs)"
+        % (what, time.monotonic() - start, timeout))
+say("ERROR", "tensor parallel: gave up waiting for %s after %gs (--startup-timeout); is every"
+    " rank of the hostfile started? (exit status 137: killed by the start-up watchdog)"
+    % (what, timeout))
 os.kill(pid, signal.SIGKILL)
 """
 
@@ -133,7 +140,15 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
     peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
     what = f"the ranks to join the group ({peers})"
     dog = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(timeout), str(os.getpid()), what],
+        [
+            sys.executable,
+            "-c",
+            _WATCHDOG,
+            str(timeout),
+            str(os.getpid()),
+            what,
+            os.environ.get("MLXCEL_LOG_FORMAT", "text"),
+        ],
         stdin=subprocess.PIPE,
     )
     try:

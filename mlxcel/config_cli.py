@@ -1,0 +1,343 @@
+"""Command lines and TOML files for the settings models of :mod:`mlxcel.config`.
+
+The parser is generated from a command's model: one flag per field, in groups per concern
+(the common flags first), choices listed for fixed sets, required flags marked, each help
+line ending in its default (when it says something) and its environment variable.
+
+One TOML file serves every command. Top-level keys apply to each command that has that
+setting, and a table named after a command (``[serve]``, ``[generate]``, ``[bench.batching]``)
+applies to that command only, over the top level. A key that no command knows is an error; a
+key that only other commands know is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+from mlxcel.config import ENV_PREFIX, NOT_FROM_ENV, _Base, flag_of
+from mlxcel.errors import ConfigError
+
+# Help groups, in the order they are shown; a field with no group lands in "options".
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("required", ()),
+    (
+        "model and prompt",
+        (
+            "model",
+            "prompt",
+            "raw",
+            "system_prompt",
+            "max_tokens",
+            "served_model_name",
+            "out",
+        ),
+    ),
+    (
+        "sampling",
+        (
+            "temp",
+            "top_p",
+            "top_k",
+            "seed",
+        ),
+    ),
+    ("options", ()),
+    (
+        "HTTP server",
+        (
+            "host",
+            "port",
+            "parallel",
+            "queue_size",
+            "request_timeout",
+            "default_max_tokens",
+            "max_body_bytes",
+            "drain_timeout",
+        ),
+    ),
+    (
+        "batching",
+        (
+            "max_batch_size",
+            "prefill_step_size",
+        ),
+    ),
+    (
+        "pipeline parallelism",
+        (
+            "pp_size",
+            "pp_layers",
+            "pp_return_logits",
+            "pp_micro_batch_size",
+            "dry_run",
+            "distributed_config",
+            "node_id",
+            "startup_timeout",
+        ),
+    ),
+    (
+        "tensor parallelism",
+        (
+            "tp_size",
+            "tp_hostfile",
+            "tp_rank",
+            "tp_moe_mode",
+            "tp_embedding_mode",
+            "tp_lm_head_mode",
+        ),
+    ),
+    (
+        "cluster transport",
+        (
+            "cluster_secret_file",
+            "cluster_interface",
+        ),
+    ),
+    (
+        "zero-config bring-up",
+        (
+            "pp_auto",
+            "pp_peer",
+            "cluster_peers",
+            "cluster_control_addr",
+            "cluster_discovery",
+            "cluster_discovery_target",
+            "cluster_discovery_port",
+            "cluster_name",
+            "cluster_config_out",
+        ),
+    ),
+    (
+        "disaggregated serving",
+        (
+            "node_role",
+            "serving_bind",
+            "prefill_peers",
+            "decode_peers",
+        ),
+    ),
+    (
+        "logging and configuration",
+        (
+            "log_level",
+            "log_format",
+        ),
+    ),
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(self.prog, message)
+
+
+def _group_of(name: str, required: bool, extra: dict[str, Any] | None = None) -> str:
+    if required:
+        return "required"
+    if extra and "group" in extra:
+        return str(extra["group"])
+    for title, names in GROUPS:
+        if name in names:
+            return title
+    return "options"
+
+
+def _choices(annotation: Any) -> list[Any] | None:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(typing.get_args(annotation))
+    if len(args) == 1:
+        return _choices(args[0])
+    return None
+
+
+def _help(description: str, default: Any, name: str, required: bool) -> str:
+    parts = []
+    if required:
+        parts.append("required")
+    elif (
+        not (default is None or default is False or default == "") and "default" not in description
+    ):
+        parts.append(f"default: {default}")
+    if name not in NOT_FROM_ENV:
+        parts.append(f"env {ENV_PREFIX}{name.upper()}")
+    return f"{description} [{'; '.join(parts)}]" if parts else description
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    # "options" is argparse's own group (it holds -h and comes first).
+    groups = {
+        title: parser._optionals if title == "options" else parser.add_argument_group(title)
+        for title, _ in GROUPS
+    }
+    groups["logging and configuration"].add_argument(
+        "--config",
+        dest="_config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"TOML file of settings for any command [env {ENV_PREFIX}CONFIG]",
+    )
+    order = {title: i for i, (title, _) in enumerate(GROUPS)}
+    rank = {name: i for _, names in GROUPS for i, name in enumerate(names)}
+
+    def position(item: tuple[int, tuple[str, Any]]) -> tuple[int, int, int]:
+        index, (name, f) = item
+        return (order[_group_of(name, f.is_required(), _extra(f))], rank.get(name, 999), index)
+
+    fields = [kv for _, kv in sorted(enumerate(cls.model_fields.items()), key=position)]
+    for name, f in fields:
+        extra = _extra(f)
+        flags = [flag_of(name, cls)]
+        if "short" in extra:
+            flags.insert(0, str(extra["short"]))
+        required = f.is_required()
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": _help(f.description or "", f.default, name, required),
+        }
+        choices = _choices(f.annotation)
+        if f.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif choices:
+            if all(isinstance(c, int) for c in choices):
+                kwargs["type"] = int
+            elif name == "log_level":
+                kwargs["type"] = str.upper
+            kwargs["choices"] = choices
+            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+        else:
+            kwargs["metavar"] = name.upper()
+        groups[_group_of(name, required, extra)].add_argument(*flags, **kwargs)
+    for group in groups.values():  # argparse shows empty groups as bare titles
+        if not group._group_actions and group is not parser._optionals:
+            parser._action_groups.remove(group)
+
+
+def _extra(f: Any) -> dict[str, Any]:
+    return f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+
+
+def _source(name: str, cli: dict[str, Any], toml_path: Path | None) -> str | None:
+    """Where a given setting came from: None for the command line (or nowhere), else the
+    environment variable or the TOML file."""
+    if name in cli:
+        return None
+    env = ENV_PREFIX + name.upper()
+    if env in os.environ and name not in NOT_FROM_ENV:
+        return env
+    return str(toml_path) if toml_path is not None else None
+
+
+def toml_settings(
+    path: Path,
+    cls: type[_Base],
+    section: str,
+    known_elsewhere: frozenset[str],
+    tables: frozenset[str],
+) -> tuple[dict[str, Any], list[str]]:
+    """This command's settings from the file, and notes on what it skipped."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--config", f"{path}: {exc}") from None
+    own = data
+    for part in section.split("."):
+        own = own.get(part, {}) if isinstance(own, dict) else {}
+    if not isinstance(own, dict):
+        raise ConfigError("--config", f"{path}: [{section}] must be a table")
+    top = {k: v for k, v in data.items() if k not in tables}
+    fields = set(cls.model_fields)
+    unknown = sorted((set(top) | set(own)) - fields - known_elsewhere)
+    if unknown:
+        raise ConfigError("--config", f"{path}: unknown setting(s) {', '.join(unknown)}")
+    misplaced = sorted(set(own) - fields)
+    if misplaced:
+        raise ConfigError(
+            "--config",
+            f"{path}: [{section}] has setting(s) {section} lacks: {', '.join(misplaced)}",
+        )
+    notes = []
+    skipped = sorted(set(top) - fields)
+    if skipped:
+        notes.append(f"{path}: {section} ignores other commands' setting(s) {', '.join(skipped)}")
+    merged = {k: v for k, v in top.items() if k in fields}
+    merged.update(own)
+    return merged, notes
+
+
+def load_settings(
+    cls: type[_Base],
+    args: argparse.Namespace,
+    *,
+    section: str = "",
+    known_elsewhere: frozenset[str] = frozenset(),
+    tables: frozenset[str] = frozenset(),
+) -> Any:
+    """Build settings from parsed CLI args plus environment and TOML; raise ConfigError.
+
+    ``section``: the command's table name; ``known_elsewhere``: settings other commands
+    have; ``tables``: every command's table name (top-level keys that are not settings)."""
+    cli = {k: v for k, v in vars(args).items() if k in cls.model_fields}
+    config_file = getattr(args, "_config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
+    toml_path = None
+    notes: list[str] = []
+    data: dict[str, Any] | None = None
+    if config_file:
+        toml_path = Path(config_file)
+        if not toml_path.is_file():
+            raise ConfigError("--config", f"no such file: {config_file}")
+        data, notes = toml_settings(toml_path, cls, section, known_elsewhere, tables)
+    cls._toml_data = data
+    try:
+        settings = cls(**cli)
+        settings._notes = notes
+        # Where each explicitly given setting came from, for messages that must name it.
+        for name in settings.model_fields_set:
+            src = _source(name, cli, toml_path)
+            settings._origin[name] = (
+                flag_of(name, cls)
+                if src is None
+                else src
+                if src.startswith(ENV_PREFIX)
+                else f"{name} (--config {src})"
+            )
+        return settings
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if not err["loc"]:  # a rule across several settings
+            raise ConfigError(
+                cls.__name__.removesuffix("Settings").lower(),
+                err["msg"].removeprefix("Value error, "),
+            ) from None
+        name = str(err["loc"][0])
+        flag = flag_of(name, cls) if name in cls.model_fields else name
+        src = _source(name, cli, toml_path)
+        where = f" (from {src})" if src else ""
+        raw = err.get("input")
+        shown = f" (got {raw!r})" if raw is not None and not isinstance(raw, dict) else ""
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ConfigError(flag + where, f"{msg}{shown}") from None
+    finally:
+        cls._toml_data = None
+
+
+def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description=description)
+    add_arguments(p, cls)
+    return p
+
+
+def die(err: ConfigError) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    raise SystemExit(2)

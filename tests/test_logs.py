@@ -1,0 +1,75 @@
+"""Every line a process prints about itself is in one format: text, or JSON per line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import openai
+import pytest
+from loguru import logger
+
+from mlxcel.logs import setup_logging
+from tests.conftest import ServerProcess
+
+MODEL = "tiny"
+ASK = [{"role": "user", "content": "hello"}]
+
+
+def test_json_logs_are_one_object_per_line_with_access_fields(
+    tiny: Path, start_server: type[ServerProcess]
+) -> None:
+    srv = start_server(["-m", str(tiny), "--served-model-name", MODEL, "--log-format", "json"])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="nope", messages=ASK)  # type: ignore[arg-type]
+    assert srv.stop() == 0
+    records = [json.loads(line) for line in srv.output.splitlines()]  # every line parses
+    assert all({"time", "level", "message", "pid"} <= rec.keys() for rec in records)
+    messages = [rec["message"] for rec in records]
+    assert any(m.startswith("BLAS: ") for m in messages)
+    assert any(m.startswith(f"mlxcel serving {MODEL} on http://") for m in messages)
+    access = [rec for rec in records if rec.get("path") == "/v1/chat/completions"]
+    assert [a["status"] for a in access] == [200, 400]
+    ok = access[0]
+    assert ok["method"] == "POST" and ok["level"] == "INFO" and ok["latency_ms"] > 0
+    assert ok["prompt_tokens"] == r.usage.prompt_tokens  # type: ignore[union-attr]
+    assert ok["completion_tokens"] == r.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_text_access_line_per_request(tiny: Path, start_server: type[ServerProcess]) -> None:
+    srv = start_server(["-m", str(tiny), "--served-model-name", MODEL])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = c.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, stream=True)
+    chunks = list(r)
+    assert chunks
+    c.models.list()
+    srv.stop()
+    lines = srv.output.splitlines()
+    (line,) = [ln for ln in lines if "POST /v1/completions" in ln]
+    assert " INFO    POST /v1/completions 200 prompt=" in line and "completion=4 " in line
+    assert line.endswith("ms")
+    assert any(" INFO    GET /v1/models 200 prompt=0 completion=0 " in ln for ln in lines)
+    # No line escapes the format: each starts with a time and a level.
+    import re
+
+    pattern = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} (TRACE|DEBUG|INFO|SUCCESS|WARNING|ERROR)\s")
+    assert all(pattern.match(ln) for ln in lines if ln.strip()), lines
+
+
+def test_library_records_and_warnings_go_through_loguru() -> None:
+    seen: list[str] = []
+    with warnings.catch_warnings():  # restores the warnings hook afterwards
+        warnings.simplefilter("always")
+        setup_logging("INFO", "text")
+        logger.add(lambda m: seen.append(m.record["message"]), level="INFO")
+        logging.getLogger("huggingface_hub.file_download").warning("a library speaks")
+        logging.getLogger("some.lib").info("below WARNING: quiet unless asked")
+        warnings.warn("an old API", DeprecationWarning, stacklevel=1)
+    setup_logging("INFO", "text")
+    assert "huggingface_hub.file_download: a library speaks" in seen
+    assert not any("quiet unless asked" in m for m in seen)
+    assert any(m.startswith("DeprecationWarning: an old API") for m in seen)
