@@ -419,6 +419,10 @@ def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cluster up: stages on 127.0.0.2 and 127.0.0.3" in r.stdout
+    import platform
+
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert "BLAS: mkl " in r.stdout  # the README's command gets the fast BLAS
     assert "tokens: 12;" in r.stdout and "per-token latency" in r.stdout
     assert "bytes on the wire" in r.stdout
     assert "stage-0 exit 0, stage-1 exit 0, coordinator exit 0" in r.stdout

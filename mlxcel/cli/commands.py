@@ -270,9 +270,11 @@ async def demo(s: DemoSettings) -> int:
     import aiohttp
 
     from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.runtime.blas import ensure_blas
 
     model = resolve_model(s.model)
     with tempfile.TemporaryDirectory(prefix="mlxcel-demo-") as tmp:
+        print(f"BLAS: {ensure_blas()} (every process)", flush=True)
         print(
             f"starting a 2-stage pipeline on loopback (model {model.name}, secret and config in {tmp}) ...",
             flush=True,
@@ -296,7 +298,7 @@ async def demo(s: DemoSettings) -> int:
                 usage = {}
                 async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
                     if resp.status != 200:
-                        print(f"error: HTTP {resp.status}: {await resp.text()}", file=sys.stderr)
+                        logger.error("HTTP {}: {}", resp.status, await resp.text())
                         return 1
                     async for raw in resp.content:
                         line = raw.decode().strip()
@@ -304,7 +306,8 @@ async def demo(s: DemoSettings) -> int:
                             continue
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
-                            print(f"\nerror: {chunk['error']['message']}", file=sys.stderr)
+                            print(flush=True)
+                            logger.error("{}", chunk["error"]["message"])
                             return 1
                         if chunk.get("usage"):
                             usage = chunk["usage"]
