@@ -119,6 +119,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
+    def extended(self) -> list[str]:
+        """The EXTENDED_SAMPLING parameters these params ask for (non-neutral values)."""
+        asked = {
+            "top_logprobs": self.top_logprobs > 0,
+            "min_p": self.min_p > 0,
+            "logit_bias": bool(self.logit_bias_ids or self.logit_bias_values),
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+        }
+        return [name for name, on in asked.items() if on]
+
 
 # SamplingParams fields beyond temperature/top-p/top-k/seed, by their API names. A serving
 # mode that cannot apply one refuses requests that ask for it (see mlxcel.runner.Serving).

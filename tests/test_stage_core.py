@@ -197,6 +197,14 @@ def test_an_activation_of_another_owner_never_joins_this_owners_cache() -> None:
         (RunEntry("r", 0, (-1,), 0, SP, 5), ErrorCode.BAD_REQUEST),
         (RunEntry("r", 0, (1,), 3, SP, 5), ErrorCode.BAD_REQUEST),  # cache holds 0 positions
         (RunEntry("r", 0, (1,) * 65, 0, SP, 5), ErrorCode.BAD_REQUEST),  # beyond max_len 64
+        # Sampling a pipeline does not apply is refused, never ignored.
+        (RunEntry("r", 0, (1,), 0, SamplingParams(min_p=0.1), 5), ErrorCode.BAD_REQUEST),
+        (
+            RunEntry(
+                "r", 0, (1,), 0, SamplingParams(logit_bias_ids=(3,), logit_bias_values=(1.0,)), 5
+            ),
+            ErrorCode.BAD_REQUEST,
+        ),
     ],
 )
 def test_bad_run_entries_are_refused_with_their_nonce(entry: RunEntry, code: str) -> None:

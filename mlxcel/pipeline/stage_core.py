@@ -390,6 +390,13 @@ class StageCore(StageGate):
             )
         if seq.tokens + step.n > seq.max_len:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids beyond the prepared length")
+        extended = step.sampling.extended()
+        if extended:
+            # The final stage samples without mlx-lm's processors: refuse, never ignore.
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"a pipeline does not apply {', '.join(extended)} (the HTTP API refuses them)",
+            )
         seq.state = new_state
         seq.step = step
         seq.step_nonce = step.nonce

@@ -53,19 +53,6 @@ def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None
         )
 
 
-def _asked(req: ChatCompletionRequest | CompletionRequest) -> dict[str, bool]:
-    """Which extended sampling parameters the request asks for (non-neutral values)."""
-    top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs
-    return {
-        "top_logprobs": bool(top),
-        "min_p": bool(req.min_p),
-        "logit_bias": bool(req.logit_bias),
-        "presence_penalty": bool(req.presence_penalty),
-        "frequency_penalty": bool(req.frequency_penalty),
-        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
-    }
-
-
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     *,
@@ -75,14 +62,6 @@ def sampling_params(
     mode: str,
 ) -> SamplingParams:
     """The request's sampling, checked against the model's vocabulary and this node's mode."""
-    for name, wanted in _asked(req).items():
-        if wanted and name not in supported:
-            shown = (
-                "logprobs"
-                if name == "top_logprobs" and isinstance(req, CompletionRequest)
-                else name
-            )
-            raise unsupported(shown, f"not supported by this server's mode ({mode})")
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
         want_lp, top = req.logprobs, req.top_logprobs or 0
@@ -103,7 +82,7 @@ def sampling_params(
             param="logit_bias",
             code="invalid_value",
         )
-    return SamplingParams(
+    params = SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=min(req.top_k or 0, MAX_INT),
@@ -118,6 +97,12 @@ def sampling_params(
         frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(req.repetition_penalty or 1.0),
     )
+    for name in params.extended():
+        if name not in supported:
+            completions = isinstance(req, CompletionRequest)
+            shown = "logprobs" if name == "top_logprobs" and completions else name
+            raise unsupported(shown, f"not supported by this server's mode ({mode})")
+    return params
 
 
 def template_tools(
