@@ -11,10 +11,11 @@ and from MLX arrays.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+from mlxcel.error_codes import ErrorCode as ErrorCode  # part of the Error contract
 
 # dtype name -> bytes per element. The names match MLX's dtype names.
 DTYPE_SIZES: dict[str, int] = {
@@ -33,43 +34,6 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-class ErrorCode(enum.StrEnum):
-    """Every ``Error.code`` this build sends. ``Error.code`` stays a plain string on the wire
-    (a newer peer may send a code this build does not know); compare against these."""
-
-    # refusals: the sender is not allowed to send this here
-    NOT_COORDINATOR = "not_coordinator"  # a command from anyone but the coordinator
-    NOT_UPSTREAM = "not_upstream"  # an activation from anyone but the upstream stage
-    NOT_OWNER = "not_owner"  # a command for a sequence another identity prepared
-    NOT_ENTRY = "not_entry"  # a RunEntry sent to a stage that is not the entry stage
-    # protocol state: the message does not fit the sequence's (or node's) state
-    NOT_PREPARED = "not_prepared"  # a step for a sequence this node does not hold
-    STEP_IN_FLIGHT = "step_in_flight"  # a second step before the first was answered
-    SEQUENCE_FAILED = "sequence_failed"  # a step for a sequence whose earlier step failed
-    DRAINING = "draining"  # new sequences while draining
-    TOO_MANY_SEQUENCES = "too_many_sequences"  # the node holds its maximum already
-    # bad input
-    BAD_REQUEST = "bad_request"  # token ids, positions or lengths that do not fit
-    BAD_ACTIVATION = "bad_activation"  # hidden states of the wrong dtype, shape or size
-    BAD_MESSAGE = "bad_message"  # bytes that did not decode to a message
-    # failures
-    FORWARD_TIMEOUT = "forward_timeout"  # one step overran its compute deadline
-    FORWARD_FAILED = "forward_failed"  # the runtime raised while running a step
-    SAMPLING_FAILED = "sampling_failed"  # this sequence's sampler raised
-    ENGINE_FAILED = "engine_failed"  # the one-process engine failed
-    DOWNSTREAM_UNREACHABLE = "downstream_unreachable"  # a stage could not pass a step on
-    STAGE_UNREACHABLE = "stage_unreachable"  # the coordinator lost or cannot reach a stage
-    DEADLINE_EXCEEDED = "deadline_exceeded"  # an exchange passed its deadline
-    QUEUE_FULL = "queue_full"  # admission queue full
-    # disaggregated serving
-    NO_NODE_AVAILABLE = "no_node_available"  # the router has no online node for a role
-    NODE_UNREACHABLE = "node_unreachable"  # a prefill or decode node was lost mid-request
-    UNSUPPORTED_MODEL = "unsupported_model"  # the model's cache cannot be handed off
-    DECODE_TARGET_REFUSED = "decode_target_refused"  # not in MLXCEL_DECODE_ALLOWLIST
-    HANDOFF_FAILED = "handoff_failed"  # the KV handoff was refused, corrupt or undeliverable
-    HANDOFF_TIMEOUT = "handoff_timeout"  # a lease expired, or results stopped arriving
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,9 @@ from mlxcel.server.tools import tool_text_for
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
 SETTINGS = web.AppKey("settings", dict)
-HEALTH = web.AppKey("health", object)  # optional async callable adding role details to /health
+HEALTH = web.AppKey("health", object)
+# What a generation request used, for its access line (a typed key where aiohttp has them).
+USAGE: Any = web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"  # optional async callable adding role details to /health
 
 
 def error_response(
@@ -216,7 +218,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         tool_text_for(fe.tokenizer, tools),
     )
     usage = Usage()
-    request["usage"] = usage  # for the access log line
+    request[USAGE] = usage
     stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -333,7 +335,7 @@ async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
         status = 499 if request.transport is None or request.transport.is_closing() else 500
         raise
     finally:
-        usage = request.get("usage")
+        usage = request.get(USAGE)
         prompt = usage.prompt_tokens if usage is not None else 0
         completion = usage.completion_tokens if usage is not None else 0
         ms = (time.perf_counter() - started) * 1000
