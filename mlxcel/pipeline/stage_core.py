@@ -314,11 +314,13 @@ class StageCore(StageGate):
         seq = self._owned(m, source)
         if seq is None:
             raise ProtocolError(ErrorCode.NOT_PREPARED, f"no sequence {m.request_id!r} here")
+        problem = ""
         if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"token ids empty or outside the vocabulary [0, {self.vocab})",
-            )
+            problem = f"token ids empty or outside the vocabulary [0, {self.vocab})"
+        elif m.sampling.extended():  # the final stage samples without mlx-lm's processors
+            problem = f"a pipeline does not apply {', '.join(m.sampling.extended())}"
+        if problem:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
         n = len(m.token_ids)
         step = Step(
             seq.key,
@@ -390,13 +392,6 @@ class StageCore(StageGate):
             )
         if seq.tokens + step.n > seq.max_len:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "token ids beyond the prepared length")
-        extended = step.sampling.extended()
-        if extended:
-            # The final stage samples without mlx-lm's processors: refuse, never ignore.
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"a pipeline does not apply {', '.join(extended)} (the HTTP API refuses them)",
-            )
         seq.state = new_state
         seq.step = step
         seq.step_nonce = step.nonce
@@ -404,8 +399,7 @@ class StageCore(StageGate):
         self._queue.append(seq)
 
     def _start_next(self, now: float, out: list[Effect]) -> None:
-        """Start one job if none runs: queued decode steps batch; prompt chunks run alone and
-        alternate with decode batches, so neither starves the other."""
+        """Start one job if none runs: decode steps batch; prompt chunks alternate with them."""
         if self._job is not None:
             return
         queued = [s for s in self._queue if s.state is SeqState.QUEUED and self._live(s.key) is s]

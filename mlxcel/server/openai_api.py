@@ -35,7 +35,9 @@ METRICS = web.AppKey("metrics", Metrics)
 SETTINGS = web.AppKey("settings", dict)
 HEALTH = web.AppKey("health", object)
 # What a generation request used, for its access line (a typed key where aiohttp has them).
-USAGE: Any = web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"  # optional async callable adding role details to /health
+USAGE: Any = (
+    web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"
+)  # optional async callable adding role details to /health
 
 
 def error_response(
