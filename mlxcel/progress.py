@@ -31,7 +31,7 @@ def slow_task(desc: str) -> Iterator[None]:
 
     def tick() -> None:
         while not done.wait(0.25):
-            bar.refresh()  # tqdm only redraws when told; the delay applies to the first draw
+            bar.update(0)  # redraws the elapsed time, once the delay has passed
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()

@@ -56,7 +56,7 @@ def test_colocated_processes_split_the_cores(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.delenv("MLXCEL_BLAS_THREADS", raising=False)
     monkeypatch.setattr(blas.os, "sched_getaffinity", lambda _pid: set(range(17)))
-    assert blas.default_threads(1) == 16
+    assert blas.default_threads(1) == 17
     assert blas.default_threads(4) == 4
     assert blas.default_threads(40) == 1
     assert blas.colocated_env(3)["MLXCEL_BLAS_THREADS"] == "5"

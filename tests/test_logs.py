@@ -73,3 +73,27 @@ def test_library_records_and_warnings_go_through_loguru() -> None:
     assert "huggingface_hub.file_download: a library speaks" in seen
     assert not any("quiet unless asked" in m for m in seen)
     assert any(m.startswith("DeprecationWarning: an old API") for m in seen)
+
+
+def test_progress_bars_appear_only_for_slow_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    from mlxcel.progress import slow_task, step_bar
+
+    with slow_task("quick step"):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
+    with slow_task("slow step"):
+        time.sleep(1.6)
+    err = capsys.readouterr().err
+    assert "slow step: 00:01" in err and err.endswith("\n")
+    bar = step_bar(3, "shards", enabled=True)
+    for _ in range(3):
+        time.sleep(0.5)
+        bar.update(1)  # type: ignore[attr-defined]
+    bar.close()  # type: ignore[attr-defined]
+    assert "shards: 100%" in capsys.readouterr().err
+    quiet = step_bar(3, "shards", enabled=False)
+    quiet.update(3)  # type: ignore[attr-defined]
+    quiet.close()  # type: ignore[attr-defined]
+    assert capsys.readouterr().err == ""

@@ -64,25 +64,29 @@ def _openblas_candidates() -> list[str]:
     return out
 
 
-def default_threads(processes: int) -> int:
-    """BLAS threads for one of ``processes`` mlxcel processes sharing this host's cores.
-
-    One core is left for the reactor and MLX's own CPU work: BLAS threads spread over every
-    core make small decode matmuls slower (thread wake-ups cost more than the split saves; on
-    2 cores, batch-8 decode ran 25% faster on one BLAS thread than on two).
-    """
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // max(1, processes))
+        return os.cpu_count() or 1
+
+
+def default_threads(processes: int) -> int:
+    """BLAS threads for one of ``processes`` mlxcel processes sharing this host's cores."""
+    return max(1, _cores() // max(1, processes))
 
 
 def _thread_env() -> None:
-    """Apply ``MLXCEL_BLAS_THREADS`` and quiet idle threads; the user's own settings win."""
-    threads = os.environ.get("MLXCEL_BLAS_THREADS", "").strip() or str(default_threads(1))
-    os.environ.setdefault("MKL_NUM_THREADS", threads)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
+    """Apply ``MLXCEL_BLAS_THREADS`` and quiet idle threads; the user's own settings win.
+
+    Alone on a host, OpenBLAS keeps its default (every core) and MKL leaves one core free:
+    MKL's threading costs more than it saves on small decode matmuls (on 2 cores, batch-8
+    decode ran 28% faster on one MKL thread than on two, while OpenBLAS ran 10% faster on
+    two; docs/benchmarks.md)."""
+    threads = os.environ.get("MLXCEL_BLAS_THREADS", "").strip()
+    os.environ.setdefault("MKL_NUM_THREADS", threads or str(max(1, _cores() - 1)))
+    if threads:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
     # Intel's OpenMP spins 200 ms after each parallel region by default, stealing the cores
     # MLX's own CPU work and co-located processes need between two matmuls; sleep at once.
     os.environ.setdefault("KMP_BLOCKTIME", "0")
