@@ -231,6 +231,8 @@ def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Ri
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
         ({"logit_bias": {"abc": 5}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 5}}, "logit_bias"),  # isdigit() but not int(): was a 500
+        ({"logit_bias": {"7": 1, "007": 2}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"extra_body": {"min_p": 2}}, "min_p"),

@@ -9,6 +9,7 @@ error body naming the offending parameter.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,6 +18,7 @@ MAX_STOP = 4
 MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and must fit the wire
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 MAX_LOGIT_BIAS = 1024  # entries; each is a processor index, not a cost worth more
 
 
@@ -151,9 +153,13 @@ class _Sampling(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        seen: set[int] = set()
         for key, value in (v or {}).items():
-            if not key.isdigit() or len(key) > 10:
+            if not _TOKEN_ID.fullmatch(key):  # ASCII digits: str.isdigit() also takes "²"
                 raise ValueError(f"keys are token ids as strings, got {key!r}")
+            if int(key) in seen:
+                raise ValueError(f"token {int(key)} is given twice")
+            seen.add(int(key))
             if not -100 <= value <= 100:
                 raise ValueError(f"bias for token {key} must be within [-100, 100]")
         return v
