@@ -148,6 +148,8 @@ class Frontend:
             kwargs["tools"] = tools
         try:
             return list(self.tokenizer.apply_chat_template(messages, **kwargs))
+        except RecursionError:
+            raise RequestError("the messages or tools are nested too deeply", "messages") from None
         except (ValueError, TypeError, KeyError) as exc:
             # The template itself refused the conversation (jinja raises its own errors,
             # e.g. roles out of order): the request is at fault, not the server.

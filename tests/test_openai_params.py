@@ -227,6 +227,13 @@ def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Ri
         ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"n": 2}, "n"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+            "tools.0.function.strict",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stop": 5}, "stop"),  # a union's branch names never leak into param
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"999999": 5}}, "logit_bias"),
@@ -247,9 +254,49 @@ def test_unimplemented_or_invalid_parameters_get_400_naming_them(
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, max_tokens=2, **kw)
     body = err.value.body
-    assert isinstance(body, dict) and body["param"].split(".")[0] == param, body
+    assert isinstance(body, dict) and body["param"].startswith(param), body
     assert body["code"] and param in body["message"], body
     assert chat(client, max_tokens=2).choices[0].finish_reason  # the server goes on
+
+
+def test_deep_nesting_is_a_400_not_a_500(client: openai.OpenAI, rig: Rigged) -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(200):
+        node["a"] = {}
+        node = node["a"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, tools=[tool], max_tokens=2)
+    assert "nested deeper" in err.value.body["message"]  # type: ignore[index]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps(deep)}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, messages=history, max_tokens=2)
+    assert "nested deeper" in err.value.body["message"]  # type: ignore[index]
+    assert chat(client, max_tokens=2).choices[0].finish_reason
+
+
+def test_tool_call_text_edge_cases() -> None:
+    from mlx_lm.tool_parsers.json_tools import parse_tool_call
+
+    from mlxcel.server.tools import ToolCallText
+
+    t = ToolCallText("<tool_call>", "</tool_call>", parse_tool_call, [])
+    # Markers split anywhere, text around calls kept, in order.
+    pieces = ["a <tool", '_call>{"name": "f", "argu', 'ments": {}}</tool_', "call> b"]
+    out = [t.feed(p) for p in pieces]
+    assert "".join(text for text, _ in out) + t.finish() == "a  b"
+    (call,) = [c for _, calls in out for c in calls]
+    assert call["function"] == {"name": "f", "arguments": "{}"} and call["index"] == 0
+    # Nothing the model wrote is lost: an empty list, bad JSON, no name, an unclosed call.
+    for raw in ("[]", "{not json", '{"arguments": {}}'):
+        t = ToolCallText("<tool_call>", "</tool_call>", parse_tool_call, [])
+        text, calls = t.feed(f"x<tool_call>{raw}</tool_call>y")
+        assert calls == [] and text + t.finish() == f"x<tool_call>{raw}</tool_call>y"
+    t = ToolCallText("<tool_call>", "</tool_call>", parse_tool_call, [])
+    text, calls = t.feed('x<tool_call>{"name": "f"')
+    assert calls == [] and text + t.finish() == 'x<tool_call>{"name": "f"'
 
 
 @pytest.mark.parametrize(
@@ -276,7 +323,7 @@ def test_an_image_part_is_refused_clearly(client: openai.OpenAI) -> None:
         chat(client, messages=[msg], max_tokens=2)
     body = err.value.body
     assert "'image_url'" in body["message"] and "text only" in body["message"]  # type: ignore[index]
-    assert body["param"] == "messages.0.content" and body["code"] == "invalid_value"  # type: ignore[index]
+    assert body["param"] == "messages.0.content" and body["code"] == "unsupported_parameter"  # type: ignore[index]
 
 
 def test_every_400_has_a_code(client: openai.OpenAI, server: ServerProcess) -> None:

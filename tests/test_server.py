@@ -247,6 +247,10 @@ def test_client_disconnect_mid_stream_frees_the_sequence(server: ServerProcess) 
         assert time.monotonic() < deadline, "sequence not freed after disconnect"
         time.sleep(0.05)
     assert metric(server, "mlxcel_inflight_requests") == 0
+    # A client that leaves is not a server error: counted as 499, never as a 500.
+    text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
+    assert 'endpoint="/v1/completions",status="499"' in text
+    assert 'endpoint="/v1/completions",status="500"' not in text
 
 
 def test_metrics_count_requests_and_tokens(server: ServerProcess, client: openai.OpenAI) -> None:

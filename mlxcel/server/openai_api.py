@@ -10,6 +10,7 @@ cache.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -53,9 +54,18 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+# pydantic names the branch of a union it tried in an error's location: not a parameter.
+_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _validation_error(exc: ValidationError) -> web.Response:
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    loc = [str(p) for p in err["loc"] if str(p) not in _BRANCHES and "[" not in str(p)]
+    param = ".".join(loc) or None
+    if err["type"] == "unsupported_parameter":
+        return error_response(
+            400, f"{param}: {err['msg']}", param=param, code="unsupported_parameter"
+        )
     if err["type"] == "extra_forbidden":
         return error_response(
             400,
@@ -85,11 +95,17 @@ async def _read_json(request: web.Request) -> Any:
     return body
 
 
+MAX_DEPTH = 64  # JSON nesting: a chat template renders tool schemas recursively
+
+
 def _no_lone_surrogates(value: Any) -> None:
-    """JSON may escape half of a UTF-16 pair (``"\\ud800"``); no tokenizer can encode that."""
-    stack = [value]
+    """JSON may escape half of a UTF-16 pair (``"\\ud800"``); no tokenizer can encode that.
+    Also bounds the nesting, which recursive consumers (templates, schemas) cannot take."""
+    stack = [(value, 0)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(f"request body is nested deeper than {MAX_DEPTH} levels")
         if isinstance(v, str):
             try:
                 v.encode("utf-8")
@@ -98,10 +114,10 @@ def _no_lone_surrogates(value: Any) -> None:
                     "request body contains a lone UTF-16 surrogate (invalid Unicode text)"
                 ) from None
         elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
+            stack.extend((k, depth + 1) for k in v)
+            stack.extend((x, depth + 1) for x in v.values())
         elif isinstance(v, list):
-            stack.extend(v)
+            stack.extend((x, depth + 1) for x in v)
 
 
 def _model_check(app: web.Application, name: str) -> None:
@@ -173,6 +189,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except EngineError as exc:
         status, err_type, headers = engine_error_status(exc.code)
         return error_response(status, str(exc), err_type=err_type, code=exc.code, headers=headers)
+    except asyncio.CancelledError:
+        status = 499  # the client went away: not a server error (nginx's code for it)
+        raise
     finally:
         metrics.requests.labels(endpoint, str(status)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)

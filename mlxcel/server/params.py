@@ -21,6 +21,8 @@ def unsupported(param: str, why: str) -> RequestError:
 
 def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None:
     """The parameters the API defines that this server does not implement."""
+    if req.n not in (None, 1):
+        raise unsupported("n", "only n=1 is supported (one choice per request)")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise unsupported("echo", "echoing the prompt is not supported")
@@ -40,6 +42,13 @@ def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None
     if req.functions is not None or req.function_call is not None:
         name = "functions" if req.functions is not None else "function_call"
         raise unsupported(name, "the deprecated functions API is not supported; send tools")
+    for i, tool in enumerate(req.tools or []):
+        if tool.function.strict:
+            raise unsupported(
+                f"tools.{i}.function.strict",
+                "strict schemas (structured output) are not supported; the model's calls are "
+                "returned as it writes them",
+            )
     if req.parallel_tool_calls is False:
         raise unsupported(
             "parallel_tool_calls", "false is not supported: the model may call several tools"

@@ -12,14 +12,35 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4
 MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and must fit the wire
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-MAX_LOGIT_BIAS = 1024  # entries; each is a processor index, not a cost worth more
+MAX_LOGIT_BIAS = 1024
+MAX_ARG_DEPTH = 32  # tool call arguments sent as a JSON string (the body's own limit is 64)
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest  # entries; each is a processor index, not a cost worth more
 
 
 class _Strict(BaseModel):
@@ -32,7 +53,7 @@ class _Request(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
@@ -66,11 +87,19 @@ class ChatMessage(_Strict):
         for part in v if isinstance(v, list) else []:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(
-                    f"content parts of type {kind!r} are not supported: this server's models "
-                    "take text only (send parts of type 'text')"
+                shown = repr(kind).replace("{", "(").replace("}", ")")  # no template fields
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    f"content parts of type {shown} are not supported: this server's models "
+                    "take text only (send parts of type 'text')",
                 )
         return v
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message of role 'tool' needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -93,10 +122,15 @@ class ChatMessage(_Strict):
                 if isinstance(args, str):
                     try:
                         args = json.loads(args or "{}")
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise ValueError(
                             f"tool call {c.function.name!r}: arguments are not valid JSON"
                         ) from None
+                    if _depth(args) > MAX_ARG_DEPTH:
+                        raise ValueError(
+                            f"tool call {c.function.name!r}: arguments are nested deeper than "
+                            f"{MAX_ARG_DEPTH} levels"
+                        )
                 calls.append(
                     {
                         "id": c.id,
@@ -108,14 +142,14 @@ class ChatMessage(_Strict):
         return out
 
 
-class ToolFunction(_Strict):
+class ToolFunction(_Request):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(_Request):
     type: Literal["function"]
     function: ToolFunction
 
@@ -133,7 +167,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1)  # more than 1 is refused by name (server.params)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -162,6 +196,15 @@ class _Sampling(_Request):
             seen.add(int(key))
             if not -100 <= value <= 100:
                 raise ValueError(f"bias for token {key} must be within [-100, 100]")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # stream is validated first
+            raise ValueError("only allowed with stream set to true")
         return v
 
     def stop_list(self) -> list[str]:

@@ -99,6 +99,8 @@ class ToolCallText:
                     },
                 }
             )
+        if not out:  # "[]" calls nothing: what the model wrote stays content
+            return None
         self.made += len(out)
         return out
 
