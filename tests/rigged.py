@@ -12,6 +12,7 @@ Chains (the ids are in the returned :class:`Rigged`):
   (one added token) → ``</tool_call>`` → ``<|im_end|>``: a tool call, then the end;
 - ``x`` → ``x`` with logit 1.0 and ``x`` → ``y`` with logit 0.5: greedy repeats ``x``; any
   penalty on repeats tips it over to ``y``; ``y`` → ``z`` (logit 1.0) → ``z`` ...
+- ``w`` → the byte 0xC3 → the byte 0xA9 → ``<|im_end|>``: "é" split over two tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Rigged:
     x: int
     y: int
     z: int
+    w: int
+    e_lead: int  # the byte 0xC3 (byte-level BPE shows it as "Ã")
+    e_tail: int  # the byte 0xA9 ("©")
 
 
 def write_rigged(out: Path) -> Rigged:
@@ -48,7 +52,8 @@ def write_rigged(out: Path) -> Rigged:
     tok.add_tokens([AddedToken(t, normalized=False) for t in ("<tool_call>", "</tool_call>", CALL)])
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", CALL, "<|im_end|>")}
-    x, y, z = (tok.token_to_id(c) for c in "xyz")
+    x, y, z, w_tok = (tok.token_to_id(c) for c in "xyzw")
+    e_lead, e_tail = tok.token_to_id("\u00c3"), tok.token_to_id("\u00a9")
     gen_prompt = tok.encode("<|im_start|>assistant\n").ids
     nl = gen_prompt[-1]
     assert tok.decode([nl]).endswith("\n"), tok.decode([nl])
@@ -78,6 +83,9 @@ def write_rigged(out: Path) -> Rigged:
         (x, y, 0.5),
         (y, z, 1.0),
         (z, z, 1.0),
+        (w_tok, e_lead, 10.0),
+        (e_lead, e_tail, 10.0),
+        (e_tail, ids["<|im_end|>"], 10.0),
     ]
     sources = list(dict.fromkeys(src for src, _, _ in chain))
     dim = {src: i for i, src in enumerate(sources)}
@@ -104,4 +112,7 @@ def write_rigged(out: Path) -> Rigged:
         x,
         y,
         z,
+        w_tok,
+        e_lead,
+        e_tail,
     )

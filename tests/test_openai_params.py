@@ -175,6 +175,43 @@ def test_completions_logprobs_2_returns_the_top_2(client: openai.OpenAI, rig: Ri
     assert plain.choices[0].logprobs is None
 
 
+def test_a_character_split_over_tokens_keeps_its_bytes_and_offsets(
+    client: openai.OpenAI, rig: Rigged
+) -> None:
+    """Byte-level BPE spreads "é" over two tokens: neither is text alone."""
+    kw: dict[str, Any] = {"model": MODEL, "prompt": [rig.w], "max_tokens": 4, "temperature": 0}
+    r = client.completions.create(**kw, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "é"
+    assert lp.tokens == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert lp.text_offset == [0, 0]  # no character is complete before the second byte
+    assert [next(iter(t)) for t in lp.top_logprobs] == lp.tokens
+    streamed = [
+        ch.choices[0].logprobs
+        for ch in client.completions.create(**kw, logprobs=2, stream=True)
+        if ch.choices and ch.choices[0].logprobs
+    ]
+    assert [o for s in streamed for o in s.text_offset] == [0, 0]
+    msgs = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=1,
+        temperature=0,
+        logprobs=True,  # type: ignore[arg-type]
+    )
+    assert c.choices[0].logprobs.content[0].bytes == list(b"<tool_call>")
+    # The chat shape: the bytes of the two tokens join into the character.
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel.server.logprobs import chat_logprobs
+
+    tok = load_tokenizer(rig.path)
+    content = chat_logprobs(tok, [(rig.e_lead, -0.1, ()), (rig.e_tail, -0.2, ())])["content"]
+    assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "é"
+    assert [c["token"] for c in content] == lp.tokens
+
+
 # --- penalties, min_p ---------------------------------------------------------------------
 
 

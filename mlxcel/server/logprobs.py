@@ -1,4 +1,11 @@
-"""Log probabilities in the two shapes of the OpenAI API (chat and legacy completions)."""
+"""Log probabilities in the two shapes of the OpenAI API (chat and legacy completions).
+
+A token is a run of bytes, not always whole characters: byte-level BPE splits "é" or an emoji
+over several tokens. Each token's bytes come from mlx-lm's detokenizer tables (the same
+mapping it streams text with), so ``bytes`` rebuilds the text exactly, a token that is not
+valid UTF-8 alone is shown as ``bytes:\\xNN…`` (as OpenAI shows it), and ``text_offset``
+counts the characters completed before each token.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,9 @@ from mlxcel.frontend import Delta
 # (token id, its logprob, its most likely alternatives as (id, logprob), best first)
 Entry = tuple[int, float, tuple[tuple[int, float], ...]]
 
+_SPM_SPACE = "\u2581".encode()
+_tables: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, byte lookup)
+
 
 def entries(d: Delta) -> list[Entry]:
     if not d.logprobs:
@@ -17,14 +27,54 @@ def entries(d: Delta) -> list[Entry]:
     return list(zip(d.token_ids, d.logprobs, tops, strict=False))
 
 
-def _text(tokenizer: Any, t: int) -> str:
-    return str(tokenizer.decode([t]))
+def _lookup(tokenizer: Any) -> Any:
+    """token id -> bytes, built once per tokenizer from its streaming detokenizer."""
+    hit = _tables.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    det = tokenizer.detokenizer
+    if isinstance(det, SPMStreamingDetokenizer):
+        table = det.tokenmap
+
+        def lookup(t: int) -> bytes:
+            return bytes(table[t]).replace(_SPM_SPACE, b" ")
+
+    elif isinstance(det, BPEStreamingDetokenizer):
+        from mlx_lm.tokenizer_utils import _byte_decoder
+
+        table, decoder = det.tokenmap, _byte_decoder()
+
+        def lookup(t: int) -> bytes:
+            out = bytearray()
+            for c in table[t]:
+                b = decoder.get(c)
+                out.extend(bytes([b]) if b is not None else c.encode())
+            return bytes(out)
+
+    else:
+
+        def lookup(t: int) -> bytes:
+            return str(tokenizer.decode([t])).encode()
+
+    _tables[id(tokenizer)] = (tokenizer, lookup)
+    return lookup
+
+
+def _shown(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def chat_logprobs(tokenizer: Any, items: list[Entry]) -> dict[str, Any]:
+    lookup = _lookup(tokenizer)
+
     def one(t: int, lp: float) -> dict[str, Any]:
-        s = _text(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        raw = lookup(t)
+        return {"token": _shown(raw), "logprob": lp, "bytes": list(raw)}
 
     return {
         "content": [
@@ -34,16 +84,26 @@ def chat_logprobs(tokenizer: Any, items: list[Entry]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(tokenizer: Any, items: list[Entry], offset: int = 0) -> dict[str, Any]:
-    """``offset``: characters of completion text before these tokens (for ``text_offset``)."""
-    tokens = [_text(tokenizer, t) for t, _, _ in items]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
+def completion_logprobs(
+    tokenizer: Any, items: list[Entry], before: bytearray | None = None
+) -> dict[str, Any]:
+    """``before``: the completion's bytes so far (a stream passes the same buffer each chunk,
+    and it grows by these tokens)."""
+    lookup = _lookup(tokenizer)
+    seen = before if before is not None else bytearray()
+    tokens, offsets, tops = [], [], []
+    for t, _, top in items:
+        raw = lookup(t)
+        offsets.append(len(seen.decode("utf-8", "ignore")))  # characters completed so far
+        seen.extend(raw)
+        tokens.append(_shown(raw))
+        alternatives: dict[str, float] = {}
+        for a, alp in top:  # best first: a later token shown the same way never overwrites
+            alternatives.setdefault(_shown(lookup(a)), alp)
+        tops.append(alternatives)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in items],
-        "top_logprobs": [{_text(tokenizer, a): alp for a, alp in top} for _, _, top in items],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }

@@ -31,7 +31,7 @@ class Output:
     ) -> None:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.tokenizer, self.logprobs, self.tool_text = tokenizer, logprobs, tool_text
-        self.chars = 0  # completion text sent so far (completions' text_offset)
+        self.sent = bytearray()  # completion bytes so far, for a stream's text_offset
 
     def head(self, final: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -57,8 +57,7 @@ class Output:
             return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         logprobs = None
         if self.logprobs and items:
-            logprobs = lp.completion_logprobs(self.tokenizer, items, self.chars)
-        self.chars += len(text)
+            logprobs = lp.completion_logprobs(self.tokenizer, items, self.sent)
         return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
