@@ -163,6 +163,7 @@ def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> 
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
+    assert " ERROR " not in r.stderr and "Traceback" not in r.stderr, r.stderr  # a clean stop
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["mode"] for row in rows] == ["hybrid", "disagg-1p1d"]
     # The split row really ran through the router and its nodes: warm-up, 2 streams, 1 long.

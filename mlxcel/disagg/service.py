@@ -23,7 +23,7 @@ from mlxcel.disagg.protocol import PROBE_INTERVAL, PrefillJob, ResumeJob, Verify
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
 from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import BusError, MlxcelError
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -95,7 +95,10 @@ class RouterService(_DisaggAdapter):
     def _peer_lost(self, identity: str) -> None:
         super()._peer_lost(identity)
         if identity in self.router.nodes:  # is it gone, or was that someone else on its IP?
-            self.node.spawn(self._probe_one(identity, fresh=True), name="router.probe-now")
+            try:
+                self.node.spawn(self._probe_one(identity, fresh=True), name="router.probe-now")
+            except BusError:
+                pass  # the router is shutting down: its connections close, nothing to probe
 
     async def _probe_one(self, address: str, fresh: bool = False) -> None:
         deadline = deadline_in(min(2.0, self.probe_interval * 2))
