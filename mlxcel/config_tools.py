@@ -31,6 +31,7 @@ class CheckpointSettings(_Base):
         0, ge=0, lt=2**32, description="weight seed", json_schema_extra={"group": "options"}
     )
     quantize: Literal[4, 8] | None = Field(None, description="quantize weights to 4 or 8 bits")
+    force: bool = Field(False, description="write into a folder that is not empty")
 
     @field_validator("quantize", mode="before")
     @classmethod

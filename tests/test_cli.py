@@ -474,3 +474,18 @@ def test_a_hub_id_loads_from_the_offline_cache(
     c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
     assert [m.id for m in c.models.list().data] == ["mlxcel-test/tiny-chat"]
     assert c.models.retrieve("mlxcel-test/tiny-chat").id == "mlxcel-test/tiny-chat"
+
+
+def test_checkpoint_never_overwrites_by_surprise(tmp_path: Path) -> None:
+    target = tmp_path / "ck"
+    assert run_cli("checkpoint", "--out", str(target)).returncode == 0
+    before = (target / "model.safetensors").read_bytes()
+    again = run_cli("checkpoint", "--out", str(target), "--seed", "9")
+    assert again.returncode == 2 and "is not empty (--force" in again.stderr
+    assert (target / "model.safetensors").read_bytes() == before
+    assert run_cli("checkpoint", "--out", str(target), "--seed", "9", "--force").returncode == 0
+    assert (target / "model.safetensors").read_bytes() != before
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    r = run_cli("checkpoint", "--out", str(afile))
+    assert r.returncode == 2 and "is a file" in r.stderr and "Traceback" not in r.stderr

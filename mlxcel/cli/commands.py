@@ -39,6 +39,10 @@ def resolve_model(model: str | None, shape: str = "tiny") -> Path:
 
 
 def checkpoint(s: CheckpointSettings) -> int:
+    if s.out.exists() and not s.out.is_dir():
+        raise ConfigError("--out", f"{s.out} is a file, not a folder")
+    if s.out.is_dir() and any(s.out.iterdir()) and not s.force:
+        raise ConfigError("--out", f"{s.out} is not empty (--force writes into it anyway)")
     from mlxcel.progress import log_step
     from mlxcel.runtime.checkpoint import write_checkpoint
 
