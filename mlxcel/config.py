@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -76,10 +76,12 @@ class _Base(BaseSettings):
     def origin(self, name: str) -> str:
         return self._origin.get(name) or flag_of(name, type(self))
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
-    def _level_any_case(cls, v: Any) -> Any:
-        return v.upper() if isinstance(v, str) else v
+    def _any_case(cls, v: Any, info: ValidationInfo) -> Any:
+        if not isinstance(v, str):
+            return v
+        return v.upper() if info.field_name == "log_level" else v.lower()
 
     @classmethod
     def settings_customise_sources(

@@ -212,6 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
                 kwargs["type"] = int
             elif name == "log_level":
                 kwargs["type"] = str.upper
+            elif name == "log_format":
+                kwargs["type"] = str.lower
             kwargs["choices"] = choices
             kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         else:
@@ -338,6 +340,26 @@ def make_parser(prog: str, cls: type[BaseSettings], description: str) -> argpars
     return p
 
 
-def die(err: ConfigError) -> None:
-    print(f"error: {err}", file=sys.stderr)
+def _json_asked(argv: list[str]) -> bool:
+    """Whether the command line or environment asks for JSON logs (read before parsing
+    succeeded, for the one line that says why it did not)."""
+    for i, a in enumerate(argv):
+        if a.lower() == "--log-format=json" or (
+            a == "--log-format" and i + 1 < len(argv) and argv[i + 1].lower() == "json"
+        ):
+            return True
+    return os.environ.get(ENV_PREFIX + "LOG_FORMAT", "").lower() == "json"
+
+
+def die(err: Exception, argv: list[str] | None = None) -> None:
+    """A bad command line: one line on stderr, exit status 2 (before logging is set up)."""
+    if _json_asked(sys.argv[1:] if argv is None else argv):
+        import json
+        import time
+
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        line = {"time": stamp, "level": "ERROR", "message": str(err), "pid": os.getpid()}
+        print(json.dumps(line), file=sys.stderr)
+    else:
+        print(f"error: {err}", file=sys.stderr)
     raise SystemExit(2)

@@ -31,9 +31,25 @@ class _ToLoguru(logging.Handler):
         except ValueError:
             level = record.levelno
         msg = record.getMessage()
+        if record.name == "aiohttp.server" and record.exc_info:
+            # A malformed request (a header too long, a bad request line): aiohttp answers
+            # 400 itself. Its traceback would echo the client's bytes: one line instead.
+            exc = record.exc_info[1]
+            logger.debug("aiohttp.server: bad HTTP request: {}", type(exc).__name__)
+            return
         if record.exc_info:
             msg += "\n" + logging.Formatter().formatException(record.exc_info)
         logger.opt(depth=0).bind(logger_name=record.name).log(level, "{}: {}", record.name, msg)
+
+
+def adopt_library_logging() -> None:
+    """transformers prints through its own stderr handler (``[transformers] …``), which it
+    installs on import: hand its records to the root logger (and so to loguru) instead. Call
+    after anything that may have imported it (mlx-lm's loaders)."""
+    tl = sys.modules.get("transformers.utils.logging")
+    if tl is not None:
+        tl.disable_default_handler()
+        tl.enable_propagation()
 
 
 def _json_sink(message: Any) -> None:

@@ -75,11 +75,19 @@ def test_library_records_and_warnings_go_through_loguru() -> None:
     assert any(m.startswith("DeprecationWarning: an old API") for m in seen)
 
 
-def test_progress_bars_appear_only_for_slow_steps(capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bars_appear_only_for_slow_steps(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import time
 
+    from mlxcel import progress
     from mlxcel.progress import slow_task, step_bar
 
+    monkeypatch.setattr(progress, "bars_wanted", lambda: False)  # a pipe, or JSON logs
+    with slow_task("slow step"):
+        time.sleep(1.3)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "bars_wanted", lambda: True)  # a terminal
     with slow_task("quick step"):
         time.sleep(0.1)
     assert capsys.readouterr().err == ""
@@ -97,3 +105,34 @@ def test_progress_bars_appear_only_for_slow_steps(capsys: pytest.CaptureFixture[
     quiet.update(3)  # type: ignore[attr-defined]
     quiet.close()  # type: ignore[attr-defined]
     assert capsys.readouterr().err == ""
+
+
+def test_a_bad_command_line_is_one_json_line_when_json_is_asked(tiny: Path) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        import os
+
+        return subprocess.run(
+            [sys.executable, "-m", "mlxcel", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **(env or {})},
+        )
+
+    r = run("serve", "--log-format", "JSON", "--port", "99999")
+    assert r.returncode == 2
+    (line,) = r.stderr.splitlines()
+    rec = json.loads(line)
+    assert rec["level"] == "ERROR" and rec["message"].startswith("--port: ")
+    r = run("serve", "--nope", env={"MLXCEL_LOG_FORMAT": "json"})
+    assert r.returncode == 2 and json.loads(r.stderr)["message"].endswith("--nope")
+    # A long prompt's library warning comes through the same sink, not as a raw line.
+    r = run(
+        "generate", "-m", str(tiny), "--raw", "-n", "2", "-p", "x " * 5000, "--log-format", "json"
+    )
+    assert r.returncode == 1
+    records = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert any(rec["logger"].startswith("transformers") for rec in records)

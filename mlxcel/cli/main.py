@@ -142,11 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(
                     "--tp-size", "tensor and pipeline parallelism cannot be combined yet"
                 )
-    except ConfigError as exc:
-        die(exc)
-    except PlatformUnsupported as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (ConfigError, PlatformUnsupported) as exc:
+        die(exc, argv)
     setup_logging(settings.log_level, settings.log_format)
     # Processes this one starts (stages, ranks, nodes) log in the same format.
     os.environ["MLXCEL_LOG_FORMAT"] = settings.log_format

@@ -20,6 +20,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
+from mlxcel.logs import adopt_library_logging
 from mlxcel.progress import slow_task
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -76,6 +77,7 @@ def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
             model, tokenizer = load(str(p), lazy=lazy)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    adopt_library_logging()
     logger.info(
         "loaded model {} ({:.1f} MiB of weights{}) in {:.2f}s",
         p,
@@ -182,6 +184,7 @@ def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
         tokenizer = load_tokenizer(p, eos_token_ids=config.get("eos_token_id"))
     except Exception as exc:
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    adopt_library_logging()
     return tokenizer, config
 
 
