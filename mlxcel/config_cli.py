@@ -239,42 +239,55 @@ def _source(name: str, cli: dict[str, Any], toml_path: Path | None) -> str | Non
     return str(toml_path) if toml_path is not None else None
 
 
+def _tables(data: dict[str, Any], sections: dict[str, type[_Base]], path: Path) -> dict[str, Any]:
+    """Every command table in the file, by section name, each checked against its command."""
+    found: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "bench":
+            if not isinstance(value, dict):
+                raise ConfigError("--config", f"{path}: [bench] must hold [bench.NAME] tables")
+            for name, table in value.items():
+                found[f"bench.{name}"] = table
+        elif key in sections:
+            found[key] = value
+    for name, table in found.items():
+        if name not in sections:
+            known = ", ".join(s for s in sections if s.startswith("bench."))
+            raise ConfigError("--config", f"{path}: no command [{name}] (benchmarks: {known})")
+        if not isinstance(table, dict):
+            raise ConfigError("--config", f"{path}: [{name}] must be a table")
+        lacking = sorted(set(table) - set(sections[name].model_fields))
+        if lacking:
+            raise ConfigError(
+                "--config", f"{path}: [{name}] has setting(s) {name} lacks: {', '.join(lacking)}"
+            )
+    return found
+
+
 def toml_settings(
-    path: Path,
-    cls: type[_Base],
-    section: str,
-    known_elsewhere: frozenset[str],
-    tables: frozenset[str],
+    path: Path, cls: type[_Base], section: str, sections: dict[str, type[_Base]]
 ) -> tuple[dict[str, Any], list[str]]:
-    """This command's settings from the file, and notes on what it skipped."""
+    """This command's settings from the file, and notes on what it skipped. The whole file
+    is checked, whichever command reads it: a typo fails every command alike."""
     import tomllib
 
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError("--config", f"{path}: {exc}") from None
-    own = data
-    for part in section.split("."):
-        own = own.get(part, {}) if isinstance(own, dict) else {}
-    if not isinstance(own, dict):
-        raise ConfigError("--config", f"{path}: [{section}] must be a table")
-    top = {k: v for k, v in data.items() if k not in tables}
-    fields = set(cls.model_fields)
-    unknown = sorted((set(top) | set(own)) - fields - known_elsewhere)
+    tables = _tables(data, {**sections, section: cls}, path)
+    top = {k: v for k, v in data.items() if k != "bench" and k not in sections}
+    known = {name for c in [cls, *sections.values()] for name in c.model_fields}
+    unknown = sorted(set(top) - known)
     if unknown:
         raise ConfigError("--config", f"{path}: unknown setting(s) {', '.join(unknown)}")
-    misplaced = sorted(set(own) - fields)
-    if misplaced:
-        raise ConfigError(
-            "--config",
-            f"{path}: [{section}] has setting(s) {section} lacks: {', '.join(misplaced)}",
-        )
+    fields = set(cls.model_fields)
     notes = []
     skipped = sorted(set(top) - fields)
     if skipped:
         notes.append(f"{path}: {section} ignores other commands' setting(s) {', '.join(skipped)}")
     merged = {k: v for k, v in top.items() if k in fields}
-    merged.update(own)
+    merged.update(tables.get(section, {}))
     return merged, notes
 
 
@@ -283,13 +296,12 @@ def load_settings(
     args: argparse.Namespace,
     *,
     section: str = "",
-    known_elsewhere: frozenset[str] = frozenset(),
-    tables: frozenset[str] = frozenset(),
+    sections: dict[str, type[_Base]] | None = None,
 ) -> Any:
     """Build settings from parsed CLI args plus environment and TOML; raise ConfigError.
 
-    ``section``: the command's table name; ``known_elsewhere``: settings other commands
-    have; ``tables``: every command's table name (top-level keys that are not settings)."""
+    ``section``: the command's table name; ``sections``: every command's table name and
+    settings class (``bench.NAME`` for benchmarks), to check the whole file."""
     cli = {k: v for k, v in vars(args).items() if k in cls.model_fields}
     config_file = getattr(args, "_config", None) or os.environ.get(ENV_PREFIX + "CONFIG")
     toml_path = None
@@ -299,7 +311,7 @@ def load_settings(
         toml_path = Path(config_file)
         if not toml_path.is_file():
             raise ConfigError("--config", f"no such file: {config_file}")
-        data, notes = toml_settings(toml_path, cls, section, known_elsewhere, tables)
+        data, notes = toml_settings(toml_path, cls, section or "this command", sections or {})
     cls._toml_data = data
     try:
         settings = cls(**cli)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -154,15 +155,7 @@ def test_one_toml_file_serves_every_command(tmp_path: Path) -> None:
         "[serve]\nparallel = 2\n[generate]\nmax_tokens = 9\n[bench.batching]\ntokens = 5\n"
     )
     args = cli_main.build_parser().parse_args(["serve", "--config", str(conf)])
-    kw = {
-        "section": "serve",
-        "known_elsewhere": frozenset(
-            n
-            for c, _ in [*cli_main.COMMANDS.values(), *cli_main.BENCHES.values()]
-            for n in c.model_fields
-        ),
-        "tables": frozenset([*cli_main.COMMANDS, "bench"]),
-    }
+    kw: dict[str, typing.Any] = {"section": "serve", "sections": cli_main.SECTIONS}
     serve = load_settings(ServeSettings, args, **kw)
     assert serve.port == 7001 and serve.parallel == 2
     assert any("max_tokens" in n and "streams" in n for n in serve._notes)
@@ -183,6 +176,17 @@ def test_one_toml_file_serves_every_command(tmp_path: Path) -> None:
     conf.write_text("frobnicate = 1\n")
     with pytest.raises(ConfigError, match="unknown setting.*frobnicate"):
         load_settings(ServeSettings, args, **kw)
+    # Another command's table is checked too: a typo fails whichever command reads the file.
+    for text, words in (
+        ("[generate]\nbogus = 1\n", "[generate] has setting(s) generate lacks: bogus"),
+        ("[bench.batchng]\ntokens = 3\n", "no command [bench.batchng]"),
+        ("bench = 'x'\n", "[bench] must hold"),
+        ("generate = [1, 2]\n", "[generate] must be a table"),
+        ("[bench]\nstreams = '1'\n", "no command [bench.streams]"),
+    ):
+        conf.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_settings(ServeSettings, args, **kw)
 
 
 def test_generate_prints_text_and_a_stats_line(tiny: Path) -> None:

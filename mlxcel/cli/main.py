@@ -66,6 +66,13 @@ BENCHES: dict[str, tuple[type, str]] = {
 }
 
 
+# Every command's table name in a TOML file, with its settings (load_settings checks all).
+SECTIONS: dict[str, type] = {
+    **{name: cls for name, (cls, _) in COMMANDS.items()},
+    **{f"bench.{name}": cls for name, (cls, _) in BENCHES.items()},
+}
+
+
 def _enable_stack_dumps() -> None:
     """``kill -USR1 <pid>`` prints every thread's stack to stderr (for a stuck process)."""
     if sys.platform != "win32":
@@ -121,12 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             cls,
             args,
             section=section,
-            known_elsewhere=frozenset(
-                name
-                for other, _ in [*COMMANDS.values(), *BENCHES.values()]
-                for name in other.model_fields
-            ),
-            tables=frozenset([*COMMANDS, "bench"]),
+            sections=SECTIONS,
         )
         if hasattr(settings, "tp_size"):
             from mlxcel.tp.group import check_modes
