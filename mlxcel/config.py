@@ -109,7 +109,6 @@ class ModelSettings(_Base):
         "embedded tiny model)",
         json_schema_extra=_short("-m"),
     )
-    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
     prefill_step_size: int = Field(
         512, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
@@ -123,13 +122,13 @@ class ModelSettings(_Base):
         None, ge=0, description="this process's rank with --tp-hostfile (default $MLX_RANK)"
     )
     tp_moe_mode: Literal["replicated", "sharded"] = Field(
-        "replicated", description="expert layers under TP"
+        "replicated", description="expert layers under TP (sharded: not implemented yet)"
     )
     tp_embedding_mode: Literal["replicated", "sharded"] = Field(
-        "replicated", description="embedding under TP"
+        "replicated", description="embedding under TP (sharded: not implemented yet)"
     )
     tp_lm_head_mode: Literal["replicated", "sharded"] = Field(
-        "replicated", description="LM head under TP"
+        "replicated", description="LM head under TP (sharded: not implemented yet)"
     )
     pp_size: int = Field(
         1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"
@@ -188,6 +187,8 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
     def _system_needs_template(self) -> GenerateSettings:
         if self.raw and self.system_prompt is not None:
             raise ValueError("--system-prompt needs the chat template: drop --raw")
+        if self.pp_return_logits and self.pp_size == 1 and self.pp_layers is None:
+            raise ValueError("--pp-return-logits is for a pipeline (--pp-size or --pp-layers)")
         return self
 
 
@@ -218,6 +219,7 @@ def _check_address(address: str, flag: str, port_zero: bool) -> None:
 
 
 class ServeSettings(ModelSettings, PipelineSettings):
+    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
     pp_micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -343,6 +345,29 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--prefill-peers is for --node-role router")
         if role == "decode" and self.decode_peers:
             raise ValueError("--decode-peers is for --node-role router or prefill")
+        return self
+
+    @model_validator(mode="after")
+    def _flags_need_their_mode(self) -> ServeSettings:
+        """A flag of a mode this node does not run would be ignored: refuse it instead."""
+        pipelined = (
+            self.pp_size > 1
+            or self.pp_layers is not None
+            or self.distributed_config is not None
+            or self.pp_auto is not None
+            or self.pp_peer
+        )
+        for flag, given in (
+            ("--pp-micro-batch-size", self.pp_micro_batch_size is not None),
+            ("--pp-return-logits", self.pp_return_logits),
+        ):
+            if given and not pipelined:
+                raise ValueError(
+                    f"{flag} is for a pipeline (--pp-size, --pp-layers, --distributed-config, "
+                    "--pp-auto or --pp-peer)"
+                )
+        if self.node_id is not None and self.distributed_config is None:
+            raise ValueError("--node-id names this node in a --distributed-config file")
         return self
 
     @model_validator(mode="after")

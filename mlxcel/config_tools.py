@@ -48,7 +48,6 @@ class BenchBatchingSettings(_HasModel):
         description="model folder or org/name (default: the embedded small checkpoint)",
         json_schema_extra=_short("-m"),
     )
-    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
     prefill_step_size: int = Field(
         512, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )

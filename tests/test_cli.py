@@ -87,6 +87,13 @@ def test_invalid_values_name_flag_and_source(
         (["generate", "--nope"], "unrecognized"),
         (["checkpoint"], "--out"),
         (["serve", "--log-level", "LOUD"], "--log-level"),
+        # A flag of a mode the command does not run is refused, not ignored.
+        (["serve", "--pp-return-logits"], "--pp-return-logits"),
+        (["serve", "--pp-micro-batch-size", "2"], "--pp-micro-batch-size"),
+        (["serve", "--node-id", "x"], "--node-id"),
+        (["generate", "--pp-return-logits"], "--pp-return-logits"),
+        (["generate", "--max-batch-size", "2"], "unrecognized"),
+        (["bench", "batching", "--max-batch-size", "2"], "unrecognized"),
     ],
 )
 def test_invalid_flag_exits_2_with_one_line(args: list[str], flag: str) -> None:

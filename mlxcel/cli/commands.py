@@ -111,7 +111,7 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         path,
         _tp_rank(s),
         s.tp_hostfile,
-        s.max_batch_size,
+        getattr(s, "max_batch_size", 1),  # generate runs one sequence
         s.prefill_step_size,
         s.startup_timeout,
     )
@@ -195,7 +195,7 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
     top = max(counts)
     async with local_stack(
         path,
-        max_batch_size=max(top, s.max_batch_size),
+        max_batch_size=top,  # every stream in one batch: what the benchmark measures
         parallel=top,
         prefill_step_size=s.prefill_step_size,
         name="bench",
