@@ -49,6 +49,11 @@ def test_blas_threads_follow_the_setting_and_the_share_of_cores() -> None:
     # A user's own MKL_NUM_THREADS wins over mlxcel's share.
     env = {"MLXCEL_BLAS": "mkl", "MLXCEL_BLAS_THREADS": "1", "MKL_NUM_THREADS": "2"}
     assert _py(code, env).endswith(", 2 threads")
+    assert _py(code, {"MLXCEL_BLAS": "MKL"}).startswith("mkl ")  # names in any case
+    problem = "from mlxcel.runtime.blas import blas_problem; print(blas_problem())"
+    assert "not a positive integer" in _py(problem, {"MLXCEL_BLAS_THREADS": "-1"})
+    assert _py(problem, {"MLXCEL_BLAS_THREADS": "1", "MLXCEL_BLAS": "mkl"}) == "None"
+    assert "not usable" in _py(problem, {"MLXCEL_BLAS": "/no/such.so"})
 
 
 def test_colocated_processes_split_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,9 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("note: {}", note)
     _enable_stack_dumps()
     if args.command not in ("keygen", "cluster-check"):
-        from mlxcel.runtime.blas import ensure_blas
+        from mlxcel.runtime.blas import blas_problem, ensure_blas
 
         logger.info("BLAS: {}", ensure_blas())  # every process that computes says which
+        if (problem := blas_problem()) is not None:
+            logger.warning("BLAS: {}", problem)  # shown at the benchmarks' WARNING level too
     try:
         code = _dispatch(args, settings)
     except KeyboardInterrupt:

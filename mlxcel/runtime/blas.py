@@ -84,6 +84,9 @@ def _thread_env() -> None:
     decode ran 28% faster on one MKL thread than on two, while OpenBLAS ran 10% faster on
     two; docs/benchmarks.md)."""
     threads = os.environ.get("MLXCEL_BLAS_THREADS", "").strip()
+    if threads and not (threads.isascii() and threads.isdigit() and int(threads) > 0):
+        _state["threads_note"] = f"MLXCEL_BLAS_THREADS={threads!r} is not a positive integer"
+        threads = ""
     os.environ.setdefault("MKL_NUM_THREADS", threads or str(max(1, _cores() - 1)))
     if threads:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
@@ -143,6 +146,8 @@ def _choose() -> str:
     if "mlx.core" in sys.modules:
         return "bundled reference BLAS (mlx was imported before mlxcel could choose)"
     choice = os.environ.get("MLXCEL_BLAS", "").strip()
+    if choice.lower() in ("bundled", "mkl", "openblas"):
+        choice = choice.lower()
     if choice == "bundled":
         return "bundled reference BLAS (MLXCEL_BLAS=bundled)"
     _thread_env()
@@ -168,6 +173,17 @@ def _choose() -> str:
     if errors:
         hint += f"; tried: {errors[0]}"
     return hint
+
+
+def blas_problem() -> str | None:
+    """What an operator should fix about the BLAS choice (None: nothing): a setting that could
+    not be used, or a slow fallback that was not asked for."""
+    desc = ensure_blas()
+    if "threads_note" in _state:
+        return _state["threads_note"] + "; the default thread count is used"
+    if desc.startswith("bundled reference BLAS (slow)"):
+        return desc
+    return None
 
 
 def blas_name() -> str:
