@@ -149,7 +149,7 @@ def check_model(v: str | None) -> str | None:
     """A local model folder, or a Hugging Face ``org/name`` id (resolved when used)."""
     from mlxcel.runtime.hub import is_hub_id
 
-    if v is not None and not Path(v).expanduser().is_dir() and not is_hub_id(v):
+    if v is not None and (not v.strip() or not Path(v).expanduser().is_dir()) and not is_hub_id(v):
         raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
     return v
 

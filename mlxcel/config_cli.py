@@ -173,18 +173,8 @@ def _help(description: str, default: Any, name: str, required: bool) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    # "options" is argparse's own group (it holds -h and comes first).
-    groups = {
-        title: parser._optionals if title == "options" else parser.add_argument_group(title)
-        for title, _ in GROUPS
-    }
-    groups["logging and configuration"].add_argument(
-        "--config",
-        dest="_config",
-        metavar="FILE",
-        default=argparse.SUPPRESS,
-        help=f"TOML file of settings for any command [env {ENV_PREFIX}CONFIG]",
-    )
+    parser._optionals.title = "help"  # argparse's own group, shown first: -h alone
+    groups = {title: parser.add_argument_group(title) for title, _ in GROUPS}
     order = {title: i for i, (title, _) in enumerate(GROUPS)}
     rank = {name: i for _, names in GROUPS for i, name in enumerate(names)}
 
@@ -219,8 +209,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
         else:
             kwargs["metavar"] = name.upper()
         groups[_group_of(name, required, extra)].add_argument(*flags, **kwargs)
+    groups["logging and configuration"].add_argument(
+        "--config",
+        dest="_config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"TOML file of settings for any command [env {ENV_PREFIX}CONFIG]",
+    )
     for group in groups.values():  # argparse shows empty groups as bare titles
-        if not group._group_actions and group is not parser._optionals:
+        if not group._group_actions:
             parser._action_groups.remove(group)
 
 

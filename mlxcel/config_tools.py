@@ -124,9 +124,15 @@ class SimSettings(_HasModel):
         "the real checkpoint (--model)",
     )
     model: str | None = Field(
-        None, description="checkpoint for --scenario tiny (default: the embedded tiny model)"
+        None,
+        description="checkpoint or Hub id for --scenario tiny (default: the embedded tiny model)",
     )
-    seed: int | None = Field(None, ge=0, description="replay this one seed (ignores --seeds)")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="replay this one seed (ignores --seeds)",
+        json_schema_extra={"group": "options"},
+    )
     stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
     inject: str | None = Field(
         None,
@@ -155,7 +161,11 @@ class ClusterCheckSettings(_Base):
     advertise: str | None = Field(
         None, description="listener identity HOST:PORT this node claims (connect mode)"
     )
-    node_id: str = Field("check", description="node id announced in the handshake")
+    node_id: str = Field(
+        "check",
+        description="node id announced in the handshake",
+        json_schema_extra={"group": "options"},
+    )
     cluster_secret_file: Path | None = Field(
         None, description="cluster secret file (see docs/security.md)"
     )
@@ -183,7 +193,7 @@ class BenchPipelineSettings(_HasModel):
 
     model: str | None = Field(
         None,
-        description="model folder (default: the embedded small checkpoint)",
+        description="model folder or Hub id org/name (default: the embedded small checkpoint)",
         json_schema_extra=_short("-m"),
     )
     tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
@@ -202,7 +212,7 @@ class BenchDisaggSettings(_HasModel):
 
     model: str | None = Field(
         None,
-        description="model folder (default: the embedded small checkpoint)",
+        description="model folder or Hub id org/name (default: the embedded small checkpoint)",
         json_schema_extra=_short("-m"),
     )
     streams: int = Field(4, ge=1, le=64, description="short streams decoding throughout")
@@ -226,7 +236,7 @@ class DemoSettings(_HasModel):
     max_tokens: int = Field(32, ge=1, le=4096, description="tokens to stream")
     model: str | None = Field(
         None,
-        description="model folder (default: the embedded tiny model)",
+        description="model folder or Hub id org/name (default: the embedded tiny model)",
         json_schema_extra=_short("-m"),
     )
     log_level: LogLevel = Field(
@@ -243,7 +253,7 @@ class BenchTpSettings(BenchPipelineSettings):
 class BenchBringupSettings(_HasModel):
     model: str | None = Field(
         None,
-        description="model folder (default: the embedded tiny model)",
+        description="model folder or Hub id org/name (default: the embedded tiny model)",
         json_schema_extra=_short("-m"),
     )
     json_lines: bool = Field(

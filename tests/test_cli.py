@@ -236,6 +236,17 @@ def test_generate_uses_the_chat_template_like_mlx_lm(tiny: Path) -> None:
     )
     empty = run_cli(*base, "-p", "-", stdin="")
     assert empty.returncode == 2 and "empty prompt from stdin" in empty.stderr
+    assert "loaded model" not in empty.stderr  # refused before the model loads
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *base, "-p", "-"],
+        input=b"\xff\xfe",
+        capture_output=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and b"not UTF-8" in r.stderr
+    assert run_cli(*base, "-p", "", "--raw").returncode == 2
+    assert run_cli("generate", "-m", "", "-p", "x").returncode == 2
     both = run_cli(*base, "--raw", "--system-prompt", "x")
     assert both.returncode == 2 and "--system-prompt needs the chat template" in both.stderr
 

@@ -51,6 +51,7 @@ def checkpoint(s: CheckpointSettings) -> int:
 
 
 async def generate(s: GenerateSettings) -> int:
+    prompt = _read_prompt(s.prompt)  # before the model loads: a bad prompt fails at once
     path = resolve_model(s.model)
     pipelined = s.pp_size > 1 or s.pp_layers is not None
     if _tp_follower(s, path):
@@ -59,7 +60,7 @@ async def generate(s: GenerateSettings) -> int:
         return _print_plan(path, s.pp_size, s.pp_layers)
     async with _generation_stack(s, path, pipelined) as stack:
         fe = stack.frontend
-        ids = _prompt_ids(fe, s)
+        ids = _prompt_ids(fe, s, prompt)
         params = SamplingParams(
             temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
         )
@@ -75,13 +76,23 @@ async def generate(s: GenerateSettings) -> int:
     return 0
 
 
-def _prompt_ids(fe: Any, s: GenerateSettings) -> list[int]:
-    """As ``mlx_lm generate``: the chat template when the tokenizer has one, unless --raw."""
-    prompt = s.prompt
+def _read_prompt(prompt: str) -> str:
+    """``-p -`` reads the prompt from stdin (UTF-8); an empty prompt is refused either way."""
     if prompt == "-":
-        prompt = sys.stdin.read()
+        raw = sys.stdin.buffer.read()
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError("-p/--prompt", f"'-' read text that is not UTF-8 ({exc})") from None
         if not prompt:
             raise ConfigError("-p/--prompt", "'-' read an empty prompt from stdin")
+    if not prompt:
+        raise ConfigError("-p/--prompt", "the prompt is empty")
+    return prompt
+
+
+def _prompt_ids(fe: Any, s: GenerateSettings, prompt: str) -> list[int]:
+    """As ``mlx_lm generate``: the chat template when the tokenizer has one, unless --raw."""
     if s.raw or getattr(fe.tokenizer, "chat_template", None) is None:
         if s.system_prompt is not None:
             raise ConfigError("--system-prompt", "this model's tokenizer has no chat template")
