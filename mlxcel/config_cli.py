@@ -328,7 +328,7 @@ def load_settings(
         err = exc.errors()[0]
         if not err["loc"]:  # a rule across several settings
             raise ConfigError(
-                cls.__name__.removesuffix("Settings").lower(),
+                section or cls.__name__.removesuffix("Settings").lower(),
                 err["msg"].removeprefix("Value error, "),
             ) from None
         name = str(err["loc"][0])
@@ -336,8 +336,9 @@ def load_settings(
         src = _source(name, cli, toml_path)
         where = f" (from {src})" if src else ""
         raw = err.get("input")
-        shown = f" (got {raw!r})" if raw is not None and not isinstance(raw, dict) else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
+        quiet = raw is None or isinstance(raw, dict) or str(raw) in msg  # said once is enough
+        shown = "" if quiet else f" (got {raw!r})"
         raise ConfigError(flag + where, f"{msg}{shown}") from None
     finally:
         cls._toml_data = None

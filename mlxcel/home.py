@@ -39,6 +39,8 @@ def embedded_model(shape: str = DEFAULT_SHAPE, family: str = DEFAULT_FAMILY, see
         except OSError:
             if not (target / "config.json").is_file():  # lost a race only if the winner is done
                 raise
+        if progress is not None:
+            progress(f"ready at {target}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

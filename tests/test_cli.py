@@ -272,7 +272,7 @@ def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
         "checkpoint", "--shape", "tiny", "--family", "llama", "--out", str(out), "--seed", "5"
     )
     assert r.returncode == 0, r.stderr
-    assert "checkpoint ready" in r.stderr
+    assert f"checkpoint: ready at {out}" in r.stderr
     g = run_cli("generate", "-m", str(out), "-n", "3")
     assert g.returncode == 0 and "generated tokens: 3" in g.stdout
 

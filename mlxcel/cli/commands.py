@@ -47,6 +47,7 @@ def checkpoint(s: CheckpointSettings) -> int:
     from mlxcel.runtime.checkpoint import write_checkpoint
 
     write_checkpoint(s.out, s.shape, s.family, s.seed, s.quantize, progress=log_step)
+    log_step(f"ready at {s.out}")
     return 0
 
 

@@ -235,5 +235,5 @@ def write_checkpoint(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     save_config(config, out / "config.json")
     del model
-    say(f"checkpoint ready at {out} ({total / 2**20:.1f} MiB)")
+    say(f"checkpoint written ({total / 2**20:.1f} MiB)")
     return out
