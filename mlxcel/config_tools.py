@@ -246,6 +246,19 @@ class DemoSettings(_HasModel):
     )
 
 
+class BenchEngineSettings(BenchPipelineSettings):
+    """mlxcel's engine beside mlx-lm's own generate path, on identical random prompts."""
+
+    streams: str = Field("1,8,32", description="comma-separated concurrent stream counts")
+    prompt_tokens: int = Field(64, ge=1, le=65536, description="tokens in each random prompt")
+    tokens: int = Field(128, ge=2, le=4096, description="greedy tokens per stream (at most)")
+
+    @field_validator("streams")
+    @classmethod
+    def _streams(cls, v: str) -> str:
+        return BenchBatchingSettings._streams(v)
+
+
 class BenchTpSettings(BenchPipelineSettings):
     """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
 

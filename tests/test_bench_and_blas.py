@@ -177,3 +177,35 @@ def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> 
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
     assert rows[0]["itl_p99_vs_hybrid"] == 1.0
+
+
+def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
+    argv = ["bench", "engine", "--json", "-m", str(tiny), "--streams", "1,3"]
+    argv += ["--prompt-tokens", "12", "--tokens", "6"]
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    engines = [(row.get("engine"), row["streams"]) for row in rows]
+    assert engines == [
+        ("mlx-lm", 1),
+        ("mlxcel", 1),
+        (None, 1),
+        ("mlx-lm", 3),
+        ("mlxcel", 3),
+        (None, 3),
+    ]
+    for row in rows:
+        if "engine" in row:
+            assert row["prompt_tokens"] == 12 and row["decode_tok_per_s"] > 0
+            assert row["ttft_ms"] > 0 and 1 <= row["tokens"] <= 6 * row["streams"]
+        else:
+            assert row["ratio"] > 0
+    # The same greedy work on both sides: the same number of tokens per stream count.
+    by = {(row["engine"], row["streams"]): row["tokens"] for row in rows if "engine" in row}
+    assert by[("mlx-lm", 1)] == by[("mlxcel", 1)] and by[("mlx-lm", 3)] == by[("mlxcel", 3)]

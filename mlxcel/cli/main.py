@@ -20,6 +20,7 @@ from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchBringupSettings,
     BenchDisaggSettings,
+    BenchEngineSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
     BenchTpSettings,
@@ -48,6 +49,10 @@ COMMANDS: dict[str, tuple[type, str]] = {
     "sim": (SimSettings, "simulate pipeline clusters with seeded faults on a virtual clock"),
 }
 BENCHES: dict[str, tuple[type, str]] = {
+    "engine": (
+        BenchEngineSettings,
+        "decode tok/s and TTFT: mlxcel's engine beside mlx-lm's own path, same prompts",
+    ),
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
     "tp": (BenchTpSettings, "decode tok/s at tensor-parallel sizes 1 and 2"),
@@ -205,6 +210,18 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return run_async(
             run_bench(
                 commands.resolve_model(settings.model, "small"),
+                settings.tokens,
+                settings.json_lines,
+            )
+        )
+    if args.command == "bench" and args.bench == "engine":
+        from mlxcel.bench.engine import run_bench as run_engine_bench
+
+        return run_async(
+            run_engine_bench(
+                commands.resolve_model(settings.model, "small"),
+                [int(x) for x in settings.streams.split(",") if x.strip()],
+                settings.prompt_tokens,
                 settings.tokens,
                 settings.json_lines,
             )

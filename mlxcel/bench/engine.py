@@ -1,0 +1,136 @@
+"""``python -m mlxcel bench engine``: mlxcel's engine beside mlx-lm's own path, one run.
+
+For each stream count, both engines get the same random prompts (seeded token ids) and
+generate greedily up to ``tokens`` each:
+
+- mlx-lm, untuned, as a user would call it: ``stream_generate`` for one stream,
+  ``batch_generate`` for several;
+- mlxcel's engine through its frontend (``local_stack``: the path ``serve`` uses), the
+  streams submitted at once.
+
+Each row has ``engine``, ``streams``, ``prompt_tokens``, ``decode_tok_per_s`` (tokens after
+each stream's first, over the time they took) and ``ttft_ms`` (mean time to the first token);
+a ``ratio`` row divides mlxcel's decode rate by mlx-lm's. Both engines stop a stream at an
+end-of-sequence token, so ``tokens`` counts what they really generated (the same, greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+
+def _prompts(vocab: int, streams: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(streams)]
+
+
+def _mlx_lm_row(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate, stream_generate
+
+    if len(prompts) == 1:
+        t0 = time.perf_counter()
+        first = None
+        last = None
+        for r in stream_generate(model, tokenizer, prompts[0], max_tokens=tokens):
+            first = first or time.perf_counter()
+            last = r
+        assert last is not None and first is not None
+        mx.synchronize()
+        return {
+            "decode_tok_per_s": last.generation_tps,
+            "ttft_ms": (first - t0) * 1e3,
+            "tokens": last.generation_tokens,
+        }
+    out = batch_generate(model, tokenizer, prompts, max_tokens=tokens, return_token_ids=True)
+    s = out.stats
+    return {
+        "decode_tok_per_s": s.generation_tps,
+        "ttft_ms": s.prompt_time * 1e3,  # the batch's prompts are all run before decoding
+        "tokens": sum(len(t) for t in out.token_ids or []),
+    }
+
+
+async def _mlxcel_row(fe: Any, prompts: list[list[int]], tokens: int) -> dict:
+    from mlxcel.frontend import Usage
+    from mlxcel.messages import SamplingParams
+
+    async def one(ids: list[int]) -> Usage:
+        u = Usage()
+        async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
+            async for _ in it:
+                pass
+        return u
+
+    usages = await asyncio.gather(*(one(p) for p in prompts))
+    firsts = [u.first_token_at or 0.0 for u in usages]
+    start, end = min(firsts), max(u.last_token_at or 0.0 for u in usages)
+    after_first = sum(max(0, u.completion_tokens - 1) for u in usages)
+    ttft = sum(f - u.submitted_at for f, u in zip(firsts, usages, strict=True)) / len(usages)
+    return {
+        "decode_tok_per_s": after_first / (end - start) if end > start else 0.0,
+        "ttft_ms": ttft * 1e3,
+        "tokens": sum(u.completion_tokens for u in usages),
+    }
+
+
+async def run_bench(
+    model: Path, streams: list[int], prompt_tokens: int, tokens: int, json_lines: bool
+) -> int:
+    from mlx_lm.utils import load
+
+    from mlxcel.runtime.blas import blas_name
+    from mlxcel.server.run import local_stack
+
+    ref_model, ref_tok = load(str(model))
+    vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
+    top = max(streams)
+    rows: list[dict] = []
+    async with local_stack(
+        model, max_batch_size=top, parallel=top, prefill_step_size=2048, name="bench-engine"
+    ) as st:
+        warm = _prompts(vocab, 2, prompt_tokens, seed=99)
+        _mlx_lm_row(ref_model, ref_tok, warm[:1], 8)  # warm-up: compile both paths once
+        _mlx_lm_row(ref_model, ref_tok, warm, 8)
+        await _mlxcel_row(st.frontend, warm, 8)
+        for n in streams:
+            prompts = _prompts(vocab, n, prompt_tokens, seed=n)
+            ref = await asyncio.to_thread(_mlx_lm_row, ref_model, ref_tok, prompts, tokens)
+            ours = await _mlxcel_row(st.frontend, prompts, tokens)
+            for engine, r in (("mlx-lm", ref), ("mlxcel", ours)):
+                rows.append(
+                    {
+                        "bench": "engine",
+                        "engine": engine,
+                        "streams": n,
+                        "prompt_tokens": prompt_tokens,
+                        "tokens": r["tokens"],
+                        "decode_tok_per_s": round(r["decode_tok_per_s"], 2),
+                        "ttft_ms": round(r["ttft_ms"], 1),
+                        "blas": blas_name(),
+                    }
+                )
+            ratio = (
+                ours["decode_tok_per_s"] / ref["decode_tok_per_s"] if ref["decode_tok_per_s"] else 0
+            )
+            rows.append({"bench": "engine", "ratio": round(ratio, 3), "streams": n})
+    if json_lines:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        return 0
+    print(f"model {model} | {prompt_tokens}-token random prompts, up to {tokens} greedy tokens")
+    for r in rows:
+        if "ratio" in r:
+            print(f"  streams {r['streams']:>3}: mlxcel / mlx-lm decode = x{r['ratio']}")
+        else:
+            print(
+                f"{r['engine']:>7} streams {r['streams']:>3}: {r['decode_tok_per_s']:>9.1f} "
+                f"decode tok/s, TTFT {r['ttft_ms']:>8.1f} ms, {r['tokens']} tokens"
+            )
+    return 0
