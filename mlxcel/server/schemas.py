@@ -24,10 +24,8 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4
 MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and must fit the wire
-
-
-_TOKEN_ID = re.compile(r"[0-9]{1,10}")
-MAX_LOGIT_BIAS = 1024
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits only
+MAX_LOGIT_BIAS = 1024  # entries; each is an index the processor adds a bias at
 MAX_ARG_DEPTH = 32  # tool call arguments sent as a JSON string (the body's own limit is 64)
 
 
@@ -40,7 +38,7 @@ def _depth(value: Any) -> int:
             stack.extend((x, d + 1) for x in v.values())
         elif isinstance(v, list):
             stack.extend((x, d + 1) for x in v)
-    return deepest  # entries; each is a processor index, not a cost worth more
+    return deepest
 
 
 class _Strict(BaseModel):
