@@ -3,7 +3,6 @@ and hand the resulting cluster node to the ordinary serve path (docs/bringup.md)
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import os
 import threading
@@ -50,8 +49,10 @@ def _load(modules: tuple[str, ...]) -> None:
 def _prefetch(*modules: str) -> None:
     """Import ``modules`` on a worker thread: the coordinator's serving imports (MLX, aiohttp,
     mlx-lm, transformers: about 2 s) overlap its push and the stages' start instead of
-    following them. Python's per-module import locks make a later import wait for this one."""
-    threading.Thread(target=_load, args=(modules,), name="prefetch", daemon=True).start()
+    following them. Python's per-module import locks make a later import wait for this one.
+    Not a daemon: a process that fails early joins it before exiting, never tearing MLX down
+    under an import still running."""
+    threading.Thread(target=_load, args=(modules,), name="prefetch", daemon=False).start()
 
 
 async def bringup_spec(s: ServeSettings) -> StackSpec | None:
@@ -60,8 +61,10 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     discovery = _discovery(s)
     if s.pp_peer:
         # What the stage needs once activated (MLX, mlx-lm, the runner) is loaded before the
-        # peer starts waiting: an activated stage then starts at once.
-        await asyncio.to_thread(_load, ("mlxcel.pipeline.remote", "mlxcel.runner"))
+        # peer starts waiting: an activated stage then starts at once. On this thread: a
+        # worker thread that touched MLX can abort the process at exit (a refused peer exits
+        # within a second, and did, under load, with SIGABRT).
+        _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
         got = await await_assignment(
             path, secret, s.cluster_control_addr, discovery, cluster_name=s.cluster_name
         )
