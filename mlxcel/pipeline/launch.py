@@ -122,7 +122,7 @@ async def start_serve(
     args: list[str], log: Path, ready: str, env: dict[str, str]
 ) -> asyncio.subprocess.Process:
     """``python -m mlxcel serve ARGS`` with its output in ``log``; returns once a line
-    starting with ``ready`` is there (or raises with the log's tail)."""
+    containing ``ready`` is there (or raises with the log's tail)."""
     if env.get("MLXCEL_LOG_LEVEL", "INFO").upper() not in ("TRACE", "DEBUG", "INFO"):
         env = {**env, "MLXCEL_LOG_LEVEL": "INFO"}  # the ready line is an INFO line
     fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
