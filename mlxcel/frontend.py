@@ -146,22 +146,18 @@ class Frontend:
         kwargs: dict[str, Any] = {"add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
         try:
             return list(self.tokenizer.apply_chat_template(messages, **kwargs))
         except RecursionError:
             raise RequestError("the messages or tools are nested too deeply", "messages") from None
-        except (ValueError, TypeError, KeyError) as exc:
-            # The template itself refused the conversation (jinja raises its own errors,
-            # e.g. roles out of order): the request is at fault, not the server.
+        except (ValueError, TypeError, KeyError, TemplateError) as exc:
+            # The template refused the conversation (e.g. roles out of order, or its own
+            # raise_exception): the request is at fault, not the server.
             raise RequestError(
                 f"the chat template refused the messages: {exc}", "messages"
             ) from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("jinja2"):
-                raise RequestError(
-                    f"the chat template refused the messages: {exc}", "messages"
-                ) from None
-            raise
 
     # Tokenizing a multi-megabyte prompt takes seconds: the HTTP path does it on a worker
     # thread so the reactor keeps streaming everyone else's tokens meanwhile.

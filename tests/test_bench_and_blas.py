@@ -12,6 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _bench(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m mlxcel ARGV``, which must succeed."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def _py(code: str, env: dict[str, str]) -> str:
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -160,14 +173,7 @@ def test_bench_frames_prints_json_lines_for_every_mode() -> None:
 def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> None:
     argv = ["bench", "disagg", "--json", "-m", str(tiny), "--streams", "2", "--tokens", "8"]
     argv += ["--long-prompts", "1", "--long-len", "64"]
-    r = subprocess.run(
-        [sys.executable, "-m", "mlxcel", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr
+    r = _bench(argv)
     assert " ERROR " not in r.stderr and "Traceback" not in r.stderr, r.stderr  # a clean stop
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["mode"] for row in rows] == ["hybrid", "disagg-1p1d"]
@@ -182,14 +188,7 @@ def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> 
 def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
     argv = ["bench", "engine", "--json", "-m", str(tiny), "--streams", "1,3"]
     argv += ["--prompt-tokens", "12", "--tokens", "6"]
-    r = subprocess.run(
-        [sys.executable, "-m", "mlxcel", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr
+    r = _bench(argv)
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     engines = [(row.get("engine"), row["streams"]) for row in rows]
     assert engines == [

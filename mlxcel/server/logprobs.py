@@ -27,6 +27,12 @@ def entries(d: Delta) -> list[Entry]:
     return list(zip(d.token_ids, d.logprobs, tops, strict=False))
 
 
+def prepare(tokenizer: Any) -> None:
+    """Build the byte table (a pass over the whole vocabulary) ahead of use; the server runs
+    this on a worker thread so the first logprobs request never stalls the reactor."""
+    _lookup(tokenizer)
+
+
 def _lookup(tokenizer: Any) -> Any:
     """token id -> bytes, built once per tokenizer from its streaming detokenizer."""
     hit = _tables.get(id(tokenizer))

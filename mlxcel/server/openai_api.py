@@ -238,6 +238,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         params.logprobs,
         tool_text_for(fe.tokenizer, tools),
     )
+    if params.logprobs:
+        await asyncio.to_thread(lp.prepare, fe.tokenizer)  # once per tokenizer, then cached
     usage = Usage()
     request[USAGE] = usage
     stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
