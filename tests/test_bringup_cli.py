@@ -527,19 +527,3 @@ def test_a_control_address_that_is_not_this_hosts_is_refused_at_start(
     )
     assert c.finish(60) == 2
     assert "192.0.2.77 is not an address of this host" in c.text
-
-
-def test_the_coordinators_prefetch_thread_never_loads_mlx() -> None:
-    """A worker thread that imported mlx-lm aborted a refused coordinator at exit (SIGABRT,
-    now and then): what the prefetch thread imports must leave MLX to the main thread."""
-    from mlxcel.cli.bringup import PREFETCH
-
-    probe = (
-        "import importlib, sys\n"
-        f"for m in {PREFETCH!r}: importlib.import_module(m)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import threading
 import tomllib
 from pathlib import Path
 
@@ -46,20 +45,6 @@ def _load(modules: tuple[str, ...]) -> None:
         importlib.import_module(m)
 
 
-# Imported on a worker thread while the coordinator pushes: the slow pure-Python part of the
-# serving imports (about 0.9 s of the 2 s). Nothing that touches MLX: a thread that imported
-# mlx-lm aborts the process at exit now and then ("terminate called without an active
-# exception"), even joined (2 runs in 12 of a refused start did).
-PREFETCH = ("transformers", "aiohttp", "jinja2")
-
-
-def _prefetch(*modules: str) -> None:
-    """Import ``modules`` on a worker thread. Python's per-module import locks make a later
-    import of the same module wait for this one. Not a daemon: a process that fails early
-    joins it before exiting."""
-    threading.Thread(target=_load, args=(modules,), name="prefetch", daemon=False).start()
-
-
 async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     path = resolve_model(s.model)
     secret = cluster_secret(s, None)
@@ -78,8 +63,9 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         logger.info("assigned {}: cluster written to {}", got.node_id, out)
         return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
     assert s.pp_auto is not None
-    if not s.dry_run:  # the serving side's imports, while the push runs
-        _prefetch(*PREFETCH)
+    # The serving side's imports are not overlapped with the push on a worker thread: a
+    # thread that imported mlx-lm aborted the process at exit now and then, and one that
+    # imported transformers while the main thread did broke its lazy module for both.
     control = control_address(s.cluster_control_addr, s.host, discovery)
     check_local(control)
     plan = await push_assignments(
