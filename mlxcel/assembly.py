@@ -29,6 +29,7 @@ class Generation:
     request_timeout: float = 600.0
     max_batch_size: int = 8
     prefill_step_size: int = 512
+    prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
 
 
 @dataclass(frozen=True)
@@ -116,21 +117,32 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
         "request_timeout": g.request_timeout,
     }
     if isinstance(spec, LocalSpec):
+        from pydantic import ByteSize
+
         from mlxcel.server.run import local_stack
 
         async with local_stack(
             spec.model,
             max_batch_size=g.max_batch_size,
             prefill_step_size=g.prefill_step_size,
+            prompt_cache_bytes=g.prompt_cache_bytes,
             name="serve",
             **limits,
         ) as st:
             m = st.loaded
+            pc = st.engine.prompt_cache
             yield Assembled(
-                Serving(st.node, st.frontend, lambda: st.engine.active, sampling=EXTENDED_SAMPLING),
+                Serving(
+                    st.node,
+                    st.frontend,
+                    lambda: st.engine.active,
+                    sampling=EXTENDED_SAMPLING,
+                    prompt_cache=pc.stats if pc is not None else None,
+                ),
                 m.name,
                 f"model {m.name} ({m.family}, {m.n_layers} layers); decode path: batched "
-                f"forward, up to {g.max_batch_size} sequences per step",
+                f"forward, up to {g.max_batch_size} sequences per step; prompt cache: "
+                + (ByteSize(pc.max_bytes).human_readable() if pc is not None else "off"),
             )
     elif isinstance(spec, TensorParallelSpec):
         from mlxcel.tp.launch import tp_stack

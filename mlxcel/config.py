@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -220,6 +220,12 @@ def _check_address(address: str, flag: str, port_zero: bool) -> None:
 
 class ServeSettings(ModelSettings, PipelineSettings):
     max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
+    prompt_cache_bytes: ByteSize = Field(
+        "1GiB",  # type: ignore[assignment]  # validated into a ByteSize
+        description="one-process serving: memory for KV caches of finished requests, reused "
+        "by later prompts that share their prefix (multi-turn chat); 0 turns it off; "
+        "bytes or a size such as 512MiB",
+    )
     pp_micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -368,6 +374,13 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 )
         if self.node_id is not None and self.distributed_config is None:
             raise ValueError("--node-id names this node in a --distributed-config file")
+        if "prompt_cache_bytes" in self.model_fields_set and (
+            pipelined or self.tp_size > 1 or self.node_role != "hybrid"
+        ):
+            raise ValueError(
+                "--prompt-cache-bytes is for one-process serving (no pipeline, tensor "
+                "parallelism or --node-role)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -277,3 +277,11 @@ class BenchBringupSettings(_HasModel):
         description="log level on stderr (any case)",
         json_schema_extra={"group": "logging and configuration"},
     )
+
+
+class BenchPromptCacheSettings(BenchPipelineSettings):
+    """Time to first token of a chat's second turn, with the history cached and without."""
+
+    history: int = Field(2048, ge=16, le=65536, description="tokens of history in turn 1")
+    turn_tokens: int = Field(32, ge=1, le=4096, description="new user tokens in turn 2")
+    tokens: int = Field(32, ge=2, le=4096, description="greedy tokens each turn generates")

@@ -65,6 +65,7 @@ def _alternatives(msg: RunResult) -> tuple[tuple[tuple[int, float], ...], ...] |
 @dataclass
 class Usage:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, how many the prompt cache supplied
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -220,6 +221,7 @@ class Frontend:
                 now = loop.time()
                 if usage.first_token_at is None:
                     usage.first_token_at = now
+                    usage.cached_tokens = msg.cached_tokens
                 usage.last_token_at = now
                 usage.completion_tokens += len(msg.token_ids)
                 for t in msg.token_ids:

@@ -175,6 +175,7 @@ class RunResult(Message):
     # sampling.top_logprobs alternatives per token, flattened: token i's are [i*k, (i+1)*k).
     top_ids: tuple[int, ...] | None = None
     top_logprobs: tuple[float, ...] | None = None
+    cached_tokens: int = 0  # on a sequence's first result: prompt tokens served from cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ class Serving:
     # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
     sampling: frozenset[str] = frozenset()
     mode: str = "one process"  # how this node generates, as a refusal names it
+    prompt_cache: Callable[[], dict[str, int]] | None = None  # its counters, for /metrics
 
 
 class NodeRunner:
@@ -96,6 +97,8 @@ class NodeRunner:
             inflight_requests=lambda: fe.in_flight,
             handler_errors=lambda: sum(node.bus.handler_errors.values()),
         )
+        if self.serving.prompt_cache is not None:
+            metrics.bind_prompt_cache(self.serving.prompt_cache)
         app = build_app(
             fe,
             metrics,

@@ -208,3 +208,29 @@ def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
     # The same greedy work on both sides: the same number of tokens per stream count.
     by = {(row["engine"], row["streams"]): row["tokens"] for row in rows if "engine" in row}
     assert by[("mlx-lm", 1)] == by[("mlxcel", 1)] and by[("mlx-lm", 3)] == by[("mlxcel", 3)]
+
+
+def test_bench_prompt_cache_prints_both_turns_for_both_engines(tiny: Path) -> None:
+    argv = ["bench", "prompt-cache", "--json", "-m", str(tiny)]
+    r = _bench([*argv, "--history", "100", "--turn-tokens", "7", "--tokens", "5"])
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    turns = [(row.get("engine"), row.get("turn")) for row in rows]
+    assert turns == [
+        ("mlx-lm", 1),
+        ("mlx-lm", 2),
+        ("mlxcel", 1),
+        ("mlxcel", 2),
+        ("mlxcel, no cache", 2),
+        (None, None),
+    ]
+    by = {(row["engine"], row["turn"]): row for row in rows[:-1]}
+    assert all(row["ttft_ms"] > 0 for row in by.values())
+    assert by[("mlxcel", 1)]["prompt_tokens"] == 100 and by[("mlxcel", 1)]["cached_tokens"] == 0
+    # Turn 2 is the history, the reply (5 tokens at most) and 7 more; the cache held the
+    # history and the reply, for both engines alike.
+    for engine in ("mlx-lm", "mlxcel"):
+        second = by[(engine, 2)]
+        assert 108 <= second["prompt_tokens"] <= 112
+        assert second["cached_tokens"] == second["prompt_tokens"] - 7
+    assert by[("mlxcel, no cache", 2)]["cached_tokens"] == 0
+    assert rows[-1]["ratio"] > 0 and rows[-1]["mlx_lm_ratio"] > 0

@@ -23,6 +23,7 @@ from mlxcel.config_tools import (
     BenchEngineSettings,
     BenchFramesSettings,
     BenchPipelineSettings,
+    BenchPromptCacheSettings,
     BenchTpSettings,
     CheckpointSettings,
     ClusterCheckSettings,
@@ -52,6 +53,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "engine": (
         BenchEngineSettings,
         "decode tok/s and TTFT: mlxcel's engine beside mlx-lm's own path, same prompts",
+    ),
+    "prompt-cache": (
+        BenchPromptCacheSettings,
+        "TTFT of a chat's 2nd turn: history from the prompt cache vs prefilled, beside mlx-lm",
     ),
     "batching": (BenchBatchingSettings, "aggregate decode tok/s at several concurrent streams"),
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
@@ -226,6 +231,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 settings.json_lines,
             )
         )
+    if args.command == "bench" and args.bench == "prompt-cache":
+        from mlxcel.bench.prompt_cache import run_bench as run_cache_bench
+
+        return run_async(run_cache_bench(commands.resolve_model(settings.model, "small"), settings))
     if args.command == "bench" and args.bench == "tp":
         from mlxcel.bench.tp import run_bench as run_tp_bench
 

@@ -30,7 +30,12 @@ async def serve(s: ServeSettings) -> int:
     if spec is None:
         return 0  # a dry run, or a tensor-parallel follower that has finished
     gen = Generation(
-        s.parallel, s.queue_size, s.request_timeout, s.max_batch_size, s.prefill_step_size
+        s.parallel,
+        s.queue_size,
+        s.request_timeout,
+        s.max_batch_size,
+        s.prefill_step_size,
+        int(s.prompt_cache_bytes),
     )
     async with assemble(spec, gen) as node:
         logger.info("{}", node.summary)

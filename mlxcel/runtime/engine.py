@@ -35,6 +35,7 @@ from mlxcel.messages import (
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
+from mlxcel.runtime.prompt_cache import PromptCache
 from mlxcel.runtime.sampling import (
     Sampler,
     guarded_sampler,
@@ -66,6 +67,7 @@ class _Seq:
     key_state: tuple[int, ...] = ()
     keep_cache: bool = False
     sink: Sink | None = None
+    cached: int = 0  # prompt tokens the prompt cache supplied (reported with the first token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,7 @@ class _StepOutput:
         tuple[str, int, str | None, float | None, tuple[list[int], list[float]] | None]
     ] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)  # request_id -> prompt tokens reused
     new_uids: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
     kept: dict[str, tuple[Packed, tuple[int, ...]]] = field(default_factory=dict)
@@ -99,12 +102,15 @@ class LocalEngine:
         max_batch_size: int = 8,
         prefill_step_size: int = 512,
         max_sequences: int = 64,
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.loaded = loaded
         self.compute = compute
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.max_sequences = max_sequences
+        # Compute thread: caches of finished prompts for later requests sharing their prefix.
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.eos = loaded.eos_token_ids()
         self._seqs: dict[str, _Seq] = {}
         self._by_uid: dict[int, str] = {}
@@ -287,6 +293,9 @@ class LocalEngine:
                     self._to_remove.append(uid)
             self.steps += 1
             self.prompt_tokens += out.prompt_tokens
+            for request_id, n in out.cached.items():
+                if (s := self._seqs.get(request_id)) is not None:
+                    s.cached = n
             for request_id, why in out.failed.items():
                 await self._fail_one(request_id, why)
             for request_id, kept in out.kept.items():
@@ -314,6 +323,7 @@ class LocalEngine:
                         logprobs=(logprob,) if logprob is not None and not is_eos else None,
                         top_ids=tuple(top[0]) if top and not is_eos else None,
                         top_logprobs=tuple(top[1]) if top and not is_eos else None,
+                        cached_tokens=seq.cached if seq.generated == 1 else 0,
                     ),
                     seq,
                 )
@@ -339,18 +349,28 @@ class LocalEngine:
             self._kept_samplers.pop(rid)  # removed before it finished
         if inserts:
             samplers = [self._guarded(i.entry, i.key_state) for i in inserts]
+            caches, seen, prompts = [], [], []
+            for i in inserts:
+                cache, n = self._start(i)
+                caches.append(cache)
+                # A cached prefix is context already in the cache (penalties see it).
+                seen.append(list(i.entry.token_ids[:n]))
+                prompts.append(list(i.entry.token_ids[n:]))
             uids = gen.insert(
-                [list(i.entry.token_ids) for i in inserts],
+                prompts,
                 max_tokens=[i.entry.sampling.max_tokens for i in inserts],
-                caches=[i.cache for i in inserts],
+                caches=caches,
+                all_tokens=seen,
                 samplers=samplers,
                 logits_processors=[logits_processors(i.entry.sampling) for i in inserts],
             )
-            for i, uid, sampler in zip(inserts, uids, samplers, strict=True):
+            for i, uid, sampler, cached in zip(inserts, uids, samplers, seen, strict=True):
                 rid = i.entry.request_id
                 by_uid[uid] = rid
                 out.new_uids[rid] = uid
                 out.prompt_tokens += len(i.entry.token_ids)
+                if cached:
+                    out.cached[rid] = len(cached)
                 if i.keep_cache:
                     self._kept_samplers[rid] = (sampler, len(i.entry.token_ids))
         _prompt_responses, responses = gen.next()
@@ -364,6 +384,14 @@ class LocalEngine:
                 if want_lp[request_id]:
                     top = top_alternatives(r.logprobs, want_lp[request_id])
             out.tokens.append((request_id, int(r.token), r.finish_reason, lp, top))
+            if (
+                r.finish_reason is not None
+                and self.prompt_cache is not None
+                and request_id not in self._kept_samplers
+                and r.prompt_cache
+                and r.all_tokens
+            ):
+                self.prompt_cache.store(r.all_tokens, r.prompt_cache)
             if r.finish_reason is not None and request_id in self._kept_samplers:
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:
@@ -375,6 +403,14 @@ class LocalEngine:
         out.failed.update(self._sample_failures)  # the guards keep this dict: clear, never swap
         self._sample_failures.clear()
         return out
+
+    def _start(self, i: _Insert) -> tuple[list[Any] | None, int]:
+        """Compute thread: the cache a sequence starts from and how many of its prompt
+        tokens that cache covers. A handed-off cache covers what came before ``token_ids``;
+        otherwise the prompt cache may cover a prefix of them."""
+        if i.cache is not None or i.keep_cache or self.prompt_cache is None:
+            return i.cache, 0
+        return self.prompt_cache.fetch(i.entry.token_ids)
 
     def _guarded(self, e: RunEntry, key: tuple[int, ...] = ()) -> Sampler | None:
         """Compute thread: this request's sampler, failing alone (None: the shared greedy path)."""
@@ -399,6 +435,8 @@ class LocalEngine:
         self._to_remove.clear()
         self._sample_failures.clear()
         self._kept_samplers.clear()  # only ever touched on the compute thread, which is idle now
+        if self.prompt_cache is not None:  # its memory may be what the step ran out of
+            self.prompt_cache.clear()
         self._gen = await self.compute.run(self._make_generator)
         for rid, s in seqs.items():
             await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)

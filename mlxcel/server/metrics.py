@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -57,5 +58,34 @@ class Metrics:
         self.inflight_requests.set_function(inflight_requests)
         self.handler_errors.set_function(handler_errors)
 
+    def bind_prompt_cache(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Expose the engine's prompt cache (its counters live on the engine)."""
+        self.registry.register(_PromptCacheCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector:
+    """Read at scrape time: the engine counts on its compute thread, not through here."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_hits", "prompts that started from a cached prefix", s["hits"]
+        )
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_misses", "prompts with no cached prefix", s["misses"]
+        )
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_reused_tokens",
+            "prompt tokens taken from the prompt cache instead of prefilled",
+            s["reused_tokens"],
+        )
+        yield GaugeMetricFamily("mlxcel_prompt_cache_bytes", "bytes the cache holds", s["bytes"])
+        yield GaugeMetricFamily(
+            "mlxcel_prompt_cache_entries", "cached token sequences", s["entries"]
+        )

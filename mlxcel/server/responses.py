@@ -61,11 +61,12 @@ class Output:
         return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def usage_body(u: Usage) -> dict[str, int]:
+def usage_body(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 

@@ -30,6 +30,7 @@ async def local_stack(
     *,
     max_batch_size: int = 8,
     prefill_step_size: int = 512,
+    prompt_cache_bytes: int = 0,
     parallel: int = 8,
     queue_size: int = 64,
     request_timeout: float = 600.0,
@@ -46,6 +47,7 @@ async def local_stack(
                 max_batch_size=max_batch_size,
                 prefill_step_size=prefill_step_size,
                 max_sequences=max(parallel, 1),
+                prompt_cache_bytes=prompt_cache_bytes,
             )
             await engine.attach(node)
             fe = Frontend(

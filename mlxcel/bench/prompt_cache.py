@@ -1,0 +1,123 @@
+"""``python -m mlxcel bench prompt-cache``: what a cached history saves on a chat's next turn.
+
+Turn 1 sends ``history`` random tokens (seeded) and generates ``tokens`` greedily; turn 2
+resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. Measured
+in one run, time to first token (TTFT) of each turn:
+
+- mlxcel's engine through its frontend (``local_stack``, the path ``serve`` uses) with its
+  prompt cache, and turn 2 again on an engine without one;
+- mlx-lm as its own chat loop uses it: one ``make_prompt_cache`` carried from turn 1 into
+  turn 2, which then feeds only the tokens the cache lacks.
+
+The ``ratio`` row is turn 2's TTFT over turn 1's, for each engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+
+def _mlx_lm_turn(model: Any, tokenizer: Any, ids: list[int], tokens: int, cache: list) -> tuple:
+    from mlx_lm.generate import stream_generate
+
+    t0 = time.perf_counter()
+    first = None
+    reply: list[int] = []
+    for r in stream_generate(model, tokenizer, ids, max_tokens=tokens, prompt_cache=cache):
+        first = first or time.perf_counter()
+        reply.append(int(r.token))
+    assert first is not None
+    return (first - t0) * 1e3, reply
+
+
+def _mlx_lm_chat(model: Any, tokenizer: Any, history: list[int], user: list[int], n: int) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    ttft1, reply = _mlx_lm_turn(model, tokenizer, history, n, cache)
+    second = history + reply + user
+    held = int(cache[0].offset)  # what the cache already holds of turn 2's tokens
+    ttft2, _ = _mlx_lm_turn(model, tokenizer, second[held:], n, cache)
+    return [(1, len(history), 0, ttft1), (2, len(second), held, ttft2)]
+
+
+async def _mlxcel_turn(fe: Any, ids: list[int], tokens: int) -> tuple[float, list[int], int]:
+    from mlxcel.frontend import Usage
+    from mlxcel.messages import SamplingParams
+
+    u = Usage()
+    reply: list[int] = []
+    async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
+        async for d in it:
+            reply.extend(d.token_ids)
+    assert u.first_token_at is not None
+    return (u.first_token_at - u.submitted_at) * 1e3, reply, u.cached_tokens
+
+
+async def run_bench(model: Path, s: Any) -> int:
+    from mlx_lm.utils import load
+
+    from mlxcel.runtime.blas import blas_name
+    from mlxcel.server.run import local_stack
+
+    ref_model, ref_tok = load(str(model))
+    vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
+    rng = random.Random(0)
+    history = [rng.randrange(16, vocab) for _ in range(s.history)]
+    user = [rng.randrange(16, vocab) for _ in range(s.turn_tokens)]
+    warm = [rng.randrange(16, vocab) for _ in range(64)]
+    rows: list[dict] = []
+
+    def row(engine: str, turn: int, prompt: int, cached: int, ttft: float) -> None:
+        rows.append(
+            {
+                "bench": "prompt-cache",
+                "engine": engine,
+                "turn": turn,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "ttft_ms": round(ttft, 1),
+                "blas": blas_name(),
+            }
+        )
+
+    _mlx_lm_chat(ref_model, ref_tok, warm, warm[:8], 4)  # kernels compile on first use
+    for turn, prompt, cached, ttft in _mlx_lm_chat(ref_model, ref_tok, history, user, s.tokens):
+        row("mlx-lm", turn, prompt, cached, ttft)
+    async with local_stack(model, prompt_cache_bytes=4 << 30, name="bench-cache") as st:
+        await _mlxcel_turn(st.frontend, warm, 4)
+        ttft1, reply, _ = await _mlxcel_turn(st.frontend, history, s.tokens)
+        second = history + reply + user
+        ttft2, _, cached = await _mlxcel_turn(st.frontend, second, s.tokens)
+    row("mlxcel", 1, len(history), 0, ttft1)
+    row("mlxcel", 2, len(second), cached, ttft2)
+    async with local_stack(model, prompt_cache_bytes=0, name="bench-nocache") as st:
+        await _mlxcel_turn(st.frontend, warm, 4)
+        off, _, _ = await _mlxcel_turn(st.frontend, second, s.tokens)
+    row("mlxcel, no cache", 2, len(second), 0, off)
+    ref1, ref2 = rows[0]["ttft_ms"], rows[1]["ttft_ms"]
+    rows.append(
+        {
+            "bench": "prompt-cache",
+            "ratio": round(ttft2 / ttft1, 3),  # mlxcel: turn 2 / turn 1
+            "mlx_lm_ratio": round(ref2 / ref1, 3) if ref1 else 0.0,
+        }
+    )
+    if s.json_lines:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        return 0
+    print(f"model {model} | {s.history}-token history, +{s.turn_tokens} tokens in turn 2")
+    for r in rows[:-1]:
+        print(
+            f"{r['engine']:>17} turn {r['turn']}: TTFT {r['ttft_ms']:>8.1f} ms "
+            f"({r['prompt_tokens']} prompt tokens, {r['cached_tokens']} from cache)"
+        )
+    last = rows[-1]
+    print(f"turn 2 / turn 1 TTFT: mlxcel x{last['ratio']}, mlx-lm x{last['mlx_lm_ratio']}")
+    return 0

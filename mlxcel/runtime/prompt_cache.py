@@ -1,0 +1,87 @@
+"""Reuse the KV cache of a prompt's longest cached prefix across requests.
+
+A multi-turn chat resends its whole history every turn; with this store the engine prefills
+only what is new. The store is mlx-lm's own ``LRUPromptCache`` (a token trie with LRU
+eviction, the one ``mlx_lm.server`` uses), bounded in bytes; this module adds what a server
+needs around it: the one-token rule on exact hits, a per-entry size guard and counters.
+
+Compute thread only: entries hold MLX arrays. The counters are plain ints the reactor may
+read at any time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+# Every entry belongs to the one model this engine serves.
+_MODEL = "model"
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError("a prompt cache needs max_bytes >= 1 (0 means: no cache at all)")
+        self.max_bytes = max_bytes
+        # Entries are bounded by bytes only: a count limit would evict small, useful ones.
+        self._lru = LRUPromptCache(max_size=1 << 62, max_bytes=max_bytes)
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+        self.stored = 0
+        self.too_large = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._lru.nbytes)
+
+    @property
+    def entries(self) -> int:
+        return len(self._lru)
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the cache of ``tokens``' longest cached prefix and how many
+        tokens it covers; ``(None, 0)`` on a miss. At least one token is always left to
+        prefill: the model must see the last prompt token to produce the first new one."""
+        toks = list(tokens)
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL, toks)
+        if cache is not None and not rest:  # an exact hit: give back the last token
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = toks[-1:]
+            else:  # a rotating cache cannot step back; prefill it all
+                cache, rest = None, toks
+        if cache is None:
+            self.misses += 1
+            return None, 0
+        reused = len(toks) - len(rest)
+        self.hits += 1
+        self.reused_tokens += reused
+        return cache, reused
+
+    def store(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Keep ``cache`` (covering exactly ``tokens``) for later prompts that start with
+        them. One entry larger than the whole budget is not kept (it would evict everything
+        and then itself)."""
+        if not tokens or not cache:
+            return
+        if sum(c.nbytes for c in cache) > self.max_bytes:
+            self.too_large += 1
+            return
+        self._lru.insert_cache(_MODEL, list(tokens), cache)
+        self.stored += 1
+
+    def clear(self) -> None:
+        self._lru.trim_to(n_sequences=0)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "reused_tokens": self.reused_tokens,
+            "entries": self.entries,
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
