@@ -178,3 +178,64 @@ async def test_usage_counts_tokens_and_times(tiny: Path) -> None:
         assert u.completion_tokens == len(toks) == 7
         assert u.prompt_tokens == len(stack.frontend.encode_prompt("Hello world"))
         assert u.submitted_at <= u.first_token_at <= u.last_token_at  # type: ignore[operator]
+
+
+def _count_handoffs(stack: LocalStack) -> list[int]:
+    """Wrap the engine's compute-thread step; the list grows by one per hand-off."""
+    calls: list[int] = []
+    inner = stack.engine._step
+
+    def counted(*a: object) -> object:
+        calls.append(1)
+        return inner(*a)  # type: ignore[arg-type]
+
+    stack.engine._step = counted  # type: ignore[method-assign]
+    return calls
+
+
+async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path) -> None:
+    async with local_stack(tiny, max_batch_size=2, parallel=2) as stack:
+        stack.engine.run_seconds = 60.0  # only the step count and the events end a run
+        calls = _count_handoffs(stack)
+        toks, _, finish = await collect(stack, PROMPTS[0], SamplingParams(max_tokens=64))
+        # insert+prefill, the first token, then 62 tokens in runs of up to 16 (a hand-off per
+        # token would be 64 or more)
+        assert finish == "length" and len(toks) == 64
+        assert len(calls) <= 2 + 4 + 1, len(calls)
+        # with one step per hand-off the same request costs a hand-off per token: the bound
+        # above is what the runs buy
+        stack.engine.run_steps = 1
+        calls.clear()
+        assert (await collect(stack, PROMPTS[0], SamplingParams(max_tokens=64)))[0] == toks
+        assert len(calls) >= 64
+
+
+async def test_a_request_that_arrives_mid_run_joins_at_once(tiny: Path) -> None:
+    async with local_stack(tiny, max_batch_size=2, parallel=2) as stack:
+        # Runs as long as the step limit allows: only the reactor's interrupt can end one.
+        stack.engine.run_steps = 10_000
+        stack.engine.run_seconds = 60.0
+        long_usage = Usage()
+        long = asyncio.create_task(
+            collect(stack, PROMPTS[0], SamplingParams(max_tokens=400), usage=long_usage)
+        )
+        # The first token ends a run; the next one would run to the end of the 400.
+        await until(lambda: long_usage.completion_tokens >= 1)
+        at_submit = stack.engine.steps
+        short_usage = Usage()
+        short = await collect(stack, PROMPTS[1], SamplingParams(max_tokens=2), usage=short_usage)
+        assert short[2] == "length"
+        # The long stream went on for a few steps, not for the rest of its 400.
+        assert stack.engine.steps - at_submit < 20
+        assert not long.done()
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        # A cancel ends the run too: the engine lets go of the sequence promptly.
+        steps = stack.engine.steps
+        await until(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        assert stack.engine.steps - steps < 5
+
+
+async def until(cond: object, timeout: float = 10.0) -> None:
+    await wait_for(cond, timeout)

@@ -29,6 +29,7 @@ class TpEngine(LocalEngine):
         super().__init__(*args, **kwargs)
         self.group = group
         self.step_timeout = STEP_TIMEOUT
+        self.run_steps = 1  # followers replay one batch step per broadcast
         self.fatal: asyncio.Event = asyncio.Event()
         self.fatal_reason = ""
 
