@@ -18,7 +18,8 @@ from loguru import logger
 
 from mlxcel.bus import Envelope
 from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
-from mlxcel.runtime.engine import LocalEngine, _Insert, _StepOutput
+from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.engine_state import Insert, StepOutput
 from mlxcel.tp.group import broadcast_step
 
 STEP_TIMEOUT = 120.0  # a batch step (even a long CPU prefill) far below this; a wedged group above
@@ -30,6 +31,7 @@ class TpEngine(LocalEngine):
         self.group = group
         self.step_timeout = STEP_TIMEOUT
         self.run_steps = 1  # followers replay one batch step per broadcast
+        self.solo = False  # ... of the batch generator, which they run too
         self.fatal: asyncio.Event = asyncio.Event()
         self.fatal_reason = ""
 
@@ -45,11 +47,11 @@ class TpEngine(LocalEngine):
 
     def _step(
         self,
-        inserts: list[_Insert],
+        inserts: list[Insert],
         removals: list[int],
         by_uid: dict[int, str],
         want_lp: dict[str, int],
-    ) -> _StepOutput:
+    ) -> StepOutput:
         step = TpStep(
             tuple(
                 TpInsert(i.entry.request_id, i.entry.token_ids, i.entry.sampling) for i in inserts

@@ -1,0 +1,130 @@
+"""A sequence that starts on an idle engine decodes alone (runtime/solo.py) and joins the
+batch when another arrives: the tokens (greedy or seeded sampling) and logprobs are those it
+would have had in the batch from the start."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel.frontend import Usage
+from mlxcel.messages import SamplingParams
+from mlxcel.runtime.model import load_model
+from mlxcel.runtime.sampling import make_sampler
+from mlxcel.runtime.solo import Solo
+from mlxcel.server.run import LocalStack, local_stack
+from tests.test_engine import PROMPTS, collect, wait_for
+
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, logprobs=True)
+
+
+async def lone_and_joined(stack: LocalStack, params: SamplingParams) -> tuple:
+    alone = await collect(stack, PROMPTS[4], params)
+    # The same request again, with a second one arriving while it decodes alone.
+    usage = Usage()
+    first = asyncio.create_task(collect(stack, PROMPTS[4], params, usage=usage))
+    await wait_for(lambda: usage.completion_tokens >= 1)
+    assert stack.engine._solo is not None, "a lone request decodes alone"
+    other = await collect(stack, PROMPTS[2], SamplingParams(max_tokens=5))
+    joined = await first
+    assert other[2] == "length"
+    return alone, joined
+
+
+async def test_a_lone_request_decodes_alone_and_keeps_its_tokens_when_another_joins(
+    tiny: Path,
+) -> None:
+    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+        stack.engine.run_steps = 2  # short runs: the second request lands mid-sequence
+        for params in (SamplingParams(max_tokens=40), SEEDED):
+            alone, joined = await lone_and_joined(stack, params)
+            assert joined == alone
+        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+        # The batch generator from the start: the same tokens again.
+        stack.engine.solo = False
+        batched = await collect(stack, PROMPTS[4], SEEDED)
+        assert batched == alone
+
+
+async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
+    params = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=3)
+
+    async def logprobs(stack: LocalStack) -> list:
+        fe, out = stack.frontend, []
+        async for d in fe.stream(fe.encode_prompt(PROMPTS[0]), params):
+            out.append((d.token_ids, d.logprobs, d.top))
+        return out
+
+    async with local_stack(tiny) as stack:
+        alone = await logprobs(stack)
+        stack.engine.solo = False
+        batched = await logprobs(stack)
+    assert len(alone) == len(batched) == 8
+    for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):
+        assert ta == tb and la is not None and lb is not None
+        assert abs(la[0] - lb[0]) < 1e-4
+        assert [i for i, _ in pa[0]] == [i for i, _ in pb[0]]
+
+
+async def test_penalties_and_busy_engines_use_the_batch(tiny: Path) -> None:
+    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+        penalised = asyncio.create_task(
+            collect(stack, PROMPTS[0], SamplingParams(max_tokens=200, repetition_penalty=1.3))
+        )
+        await wait_for(lambda: stack.engine.tokens_generated >= 2)
+        # mlx-lm's processors need the sequence's tokens: the batch generator keeps them
+        assert stack.engine._solo is None and stack.engine.batch_cache_rows() == 1
+        plain = asyncio.create_task(collect(stack, PROMPTS[1], SamplingParams(max_tokens=3)))
+        await plain
+        assert stack.engine._solo is None  # it arrived on a busy engine
+        penalised.cancel()
+        await asyncio.gather(penalised, return_exceptions=True)
+        await wait_for(lambda: stack.engine.batch_cache_rows() == 0)
+
+
+def _decode(s: Solo, n: int) -> list[int]:
+    """Step ``s`` until it has returned ``n`` tokens (prefill chunks return none)."""
+    got: list[int] = []
+    while len(got) < n:
+        t = s.step()
+        if t is not None:
+            got.append(t.token)
+    return got
+
+
+def test_a_hand_over_continues_the_sequence_exactly(tiny: Path) -> None:
+    """Solo on its own: whatever state it is handed over in (mid-prompt, mid-decode, on its
+    last token), the hand-over carries the cache and the token already sampled."""
+    loaded = load_model(tiny)
+    prompt = loaded.tokenizer.encode(PROMPTS[4])
+    assert len(prompt) > 5  # more than one prefill chunk of 4
+
+    def solo(max_tokens: int) -> Solo:
+        sampler = make_sampler(SamplingParams(temperature=0.8, seed=3))
+        cache = make_prompt_cache(loaded.model)
+        return Solo(loaded.model, "r", -1, prompt, cache, [], sampler, max_tokens, set(), 4)
+
+    whole = _decode(solo(6), 6)
+    # Mid-prompt: nothing sampled yet, the rest of the prompt goes to the batch generator.
+    s = solo(6)
+    assert s.step() is None
+    tok, rest = s.hand_over()
+    assert tok is None and rest is not None
+    assert rest.fed + rest.prompt == prompt and rest.max_tokens == 6
+    assert rest.cache[0].offset == len(rest.fed) == 4
+    # Mid-decode: the sampled token comes out with the hand-over; the cache holds the rest.
+    s = solo(6)
+    got = _decode(s, 2)
+    tok, rest = s.hand_over()
+    assert tok is not None and rest is not None and tok.finish is None
+    assert got + [tok.token] == whole[:3]
+    assert rest.prompt == [tok.token] and rest.max_tokens == 3
+    assert rest.fed == prompt + got and rest.cache[0].offset == len(rest.fed)
+    # On its last token: nothing is left to hand over.
+    s = solo(3)
+    got = _decode(s, 2)
+    tok, rest = s.hand_over()
+    assert rest is None and tok is not None and tok.finish == "length"
+    assert got + [tok.token] == whole[:3]
