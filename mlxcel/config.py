@@ -226,6 +226,17 @@ class ServeSettings(ModelSettings, PipelineSettings):
         "by later prompts that share their prefix (multi-turn chat); 0 turns it off; "
         "bytes or a size such as 512MiB",
     )
+
+    @field_validator("prompt_cache_bytes")
+    @classmethod
+    def _cache_size(cls, v: ByteSize) -> ByteSize:
+        # A few bytes hold no model's KV for one token: a forgotten unit, not a choice.
+        if 0 < v < 1 << 20:
+            raise ValueError(
+                f"{int(v)} bytes cannot hold a cached prompt; give at least 1MiB (a size "
+                "such as 512MiB), or 0 to turn the cache off"
+            )
+        return v
     pp_micro_batch_size: int | None = Field(
         None,
         ge=1,

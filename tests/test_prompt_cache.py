@@ -3,6 +3,7 @@ what is new, gives the same tokens as without the cache, and the cache stays in 
 
 from __future__ import annotations
 
+import asyncio
 import random
 from contextlib import aclosing
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from mlxcel.frontend import Usage
 from mlxcel.messages import SamplingParams
 from mlxcel.server.run import LocalStack, local_stack
-from tests.conftest import ServerProcess, error_line
+from tests.conftest import ServerProcess, error_line, until_true
 from tests.test_cli import run_cli
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -107,14 +108,60 @@ async def test_an_entry_larger_than_the_whole_cache_is_not_kept(tiny: Path) -> N
         assert (pc.entries, pc.nbytes, pc.too_large) == (0, 0, 1)
 
 
-async def test_a_cancelled_request_leaves_nothing_in_the_cache(tiny: Path) -> None:
+async def test_a_cancelled_request_keeps_what_it_computed(tiny: Path) -> None:
+    """The frontend cancels a request that hit a stop string, or whose client left: what it
+    computed still serves the next prompt, alone or in the batch."""
+    for solo in (True, False):
+        async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
+            stack.engine.solo = solo
+            ids = prompt(100, 6)
+            params = SamplingParams(max_tokens=200)
+            async with aclosing(stack.frontend.stream(ids, params, [])) as it:
+                async for _ in it:
+                    break  # the client went away after one token
+            await until_true(lambda: stack.engine.batch_cache_rows() == 0)
+            pc = stack.engine.prompt_cache
+            assert pc is not None and pc.entries == 1
+            _, cached = await turn(stack, ids + [1, 2, 3])
+            assert cached == 100, solo
+
+
+async def test_a_one_token_prompt_is_a_miss_not_a_hit(tiny: Path) -> None:
     async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
-        ids = prompt(100, 6)
-        async with aclosing(stack.frontend.stream(ids, SamplingParams(max_tokens=200), [])) as it:
-            async for _ in it:
-                break  # the client went away after one token
-        _, cached = await turn(stack, ids + [1, 2, 3])
-        assert cached == 0 and stack.engine.prompt_cache.entries == 1  # type: ignore[union-attr]
+        pc = stack.engine.prompt_cache
+        assert pc is not None
+        await turn(stack, [77])
+        assert (await turn(stack, [77]))[1] == 0
+        assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 2, 0)
+
+
+async def test_cached_entries_hold_exactly_their_bytes(tiny: Path) -> None:
+    """An entry taken out of the batch must not keep the batch's buffer alive, nor a lone
+    sequence's 256-token growth steps: the bound counts what is really held."""
+    async with local_stack(tiny, max_batch_size=8, parallel=8, prompt_cache_bytes=64 << 20) as st:
+        await turn(st, prompt(20, 1))  # alone
+        await asyncio.gather(*(turn(st, prompt(300 + 50 * k, 10 + k)) for k in range(4)))
+        pc = st.engine.prompt_cache
+        assert pc is not None and pc.entries == 5
+
+        def held() -> int:
+            entries = [e.prompt_cache for e in _entries(pc)]
+            arrays = [a for cache in entries for c in cache for a in (c.keys, c.values)]
+            assert all(
+                a.shape[2] == c.offset for cache in entries for c in cache for a in (c.keys,)
+            )
+            return sum(a.nbytes for a in arrays)
+
+        assert held() == pc.nbytes
+
+
+def _entries(pc: object) -> list:
+    lru = pc._lru  # type: ignore[attr-defined]
+    return [lru._trie.get(m, t) for m, t in _pairs(lru)]
+
+
+def _pairs(lru: object) -> list:
+    return [p for q in lru._lru._lrus.values() for p in q]  # type: ignore[attr-defined]
 
 
 def test_the_server_reports_cached_tokens_and_counts_hits(
@@ -150,6 +197,7 @@ def test_the_server_reports_cached_tokens_and_counts_hits(
         (["--prompt-cache-bytes", "lots"], "could not parse"),
         (["--prompt-cache-bytes", "-1"], "could not parse"),
         (["--prompt-cache-bytes", "1.5XB"], "byte unit: XB"),
+        (["--prompt-cache-bytes", "1.5"], "at least 1MiB"),
         (["--prompt-cache-bytes", "1GiB", "--pp-size", "2"], "one-process serving"),
         (["--prompt-cache-bytes", "0", "--tp-size", "2"], "one-process serving"),
         (

@@ -330,8 +330,15 @@ class LocalEngine(SoloSteps):
         assert gen is not None
         out = StepOutput()
         if removals:
-            if self._solo is not None and self._solo.uid in removals:
+            # What a cancelled sequence computed still serves a later prompt: a client that
+            # stops at a stop string (the frontend cancels it) or retries after leaving.
+            if (solo := self._solo) is not None and solo.uid in removals:
                 self._solo = None
+                self._keep_prompt(solo.fed, solo.cache)
+            if self.prompt_cache is not None:
+                decoding = [u for u in removals if u in gen._generation_batch.uids]
+                for cache, tokens in gen.extract_cache(decoding).values():
+                    self._keep_prompt(list(tokens), cache)
             gen.remove(removals)
             self._decoding.difference_update(removals)
         running = set(by_uid.values())
@@ -376,7 +383,7 @@ class LocalEngine(SoloSteps):
         # A run's tokens are delivered together: keep bursts to about run_steps tokens, so
         # the reactor never holds the GIL long while the compute thread waits for it (8
         # streams in 16-step runs lost 20% on an H200). A big batch amortizes the hand-off.
-        for _ in range(max(1, self.run_steps // max(1, len(by_uid) + len(inserts)))):
+        for _ in range(max(1, self.run_steps // max(1, self.batch_cache_rows()))):
             out.steps += 1
             if self._solo is not None:
                 news, busy = self._solo_step(self._solo, want_lp, out), True

@@ -14,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.models.cache import (
+    KVCache,
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 # Every entry belongs to the one model this engine serves.
 _MODEL = "model"
@@ -46,17 +53,21 @@ class PromptCache:
         tokens it covers; ``(None, 0)`` on a miss. At least one token is always left to
         prefill: the model must see the last prompt token to produce the first new one."""
         toks = list(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(_MODEL, toks)
+        try:
+            cache, rest = self._lru.fetch_nearest_cache(_MODEL, toks)
+        except Exception as exc:  # the cache is an optimization: never fail a request on it
+            logger.warning("prompt cache: lookup failed, prefilling instead: {}", exc)
+            cache, rest = None, toks
         if cache is not None and not rest:  # an exact hit: give back the last token
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
                 rest = toks[-1:]
             else:  # a rotating cache cannot step back; prefill it all
                 cache, rest = None, toks
-        if cache is None:
+        reused = len(toks) - len(rest)
+        if cache is None or reused == 0:  # a one-token prompt shares nothing usable
             self.misses += 1
             return None, 0
-        reused = len(toks) - len(rest)
         self.hits += 1
         self.reused_tokens += reused
         return cache, reused
@@ -67,10 +78,15 @@ class PromptCache:
         and then itself)."""
         if not tokens or not cache:
             return
-        if sum(c.nbytes for c in cache) > self.max_bytes:
-            self.too_large += 1
+        try:
+            _compact(cache)
+            if sum(c.nbytes for c in cache) > self.max_bytes:
+                self.too_large += 1
+                return
+            self._lru.insert_cache(_MODEL, list(tokens), cache)
+        except Exception as exc:  # the cache is an optimization: never fail a request on it
+            logger.warning("prompt cache: could not keep a finished sequence: {}", exc)
             return
-        self._lru.insert_cache(_MODEL, list(tokens), cache)
         self.stored += 1
 
     def clear(self) -> None:
@@ -85,3 +101,15 @@ class PromptCache:
             "bytes": self.nbytes,
             "max_bytes": self.max_bytes,
         }
+
+
+def _compact(cache: list[Any]) -> None:
+    """Make ``cache`` hold exactly its tokens, evaluated. A cache taken out of the batch is
+    an unevaluated slice that keeps the whole batch's buffer alive, and a sequence's own
+    cache grows in 256-token steps: either way its real footprint would exceed the
+    ``nbytes`` the bound counts."""
+    for c in cache:
+        if isinstance(c, KVCache) and c.keys is not None and c.offset < c.keys.shape[2]:
+            c.keys = mx.contiguous(c.keys[..., : c.offset, :])
+            c.values = mx.contiguous(c.values[..., : c.offset, :])
+    mx.eval([c.state for c in cache])
