@@ -237,6 +237,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 "such as 512MiB), or 0 to turn the cache off"
             )
         return v
+
     pp_micro_batch_size: int | None = Field(
         None,
         ge=1,

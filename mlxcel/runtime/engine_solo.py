@@ -6,22 +6,24 @@ A mixin of :class:`~mlxcel.runtime.engine.LocalEngine`; every method runs on the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.runtime.engine_state import Insert, StepOutput
-from mlxcel.runtime.sampling import Sampler, logits_processors
+from mlxcel.runtime.sampling import logits_processors
 from mlxcel.runtime.solo import Solo
 
 if TYPE_CHECKING:
     from mlx_lm.generate import BatchGenerator
 
-    from mlxcel.messages import RunEntry
     from mlxcel.runtime.model import LoadedModel
 
 
 class SoloSteps:
+    """Mixed into LocalEngine, whose state and helpers (``_start``, ``_guarded``,
+    ``_record``, ``_keep_prompt``, ``batch_cache_rows``) these methods use."""
+
     loaded: LoadedModel
     eos: set[int]
     prefill_step_size: int
@@ -30,22 +32,6 @@ class SoloSteps:
     _solo_uids: int
     _gen: BatchGenerator | None
     _decoding: set[int]
-
-    if TYPE_CHECKING:  # LocalEngine's, used here
-
-        def batch_cache_rows(self) -> int: ...
-        def _start(self, i: Insert) -> tuple[list[Any] | None, int]: ...
-        def _guarded(self, e: RunEntry, key: tuple[int, ...] = ()) -> Sampler | None: ...
-        def _record(
-            self,
-            request_id: str,
-            token: int,
-            finish: str | None,
-            logprobs: Any,
-            want_lp: dict[str, int],
-            out: StepOutput,
-        ) -> None: ...
-        def _keep_prompt(self, tokens: list[int] | None, cache: list[Any] | None) -> None: ...
 
     def _may_solo(self, inserts: list[Insert]) -> bool:
         """A lone plain request on an idle engine decodes without the batch generator."""
@@ -86,7 +72,11 @@ class SoloSteps:
         return t.first or t.finish is not None
 
     def _hand_over(
-        self, solo: Solo, by_uid: dict[int, str], want_lp: dict[str, int], out: StepOutput
+        self,
+        solo: Solo,
+        by_uid: dict[int, str],
+        want_lp: dict[str, int],
+        out: StepOutput,
     ) -> None:
         assert self._gen is not None
         self._solo = None
