@@ -322,7 +322,8 @@ class LocalEngine(SoloSteps):
         by_uid: dict[int, str],
         want_lp: dict[str, int],
     ) -> StepOutput:
-        """Compute thread: apply joins and leaves, then run one batched step.
+        """Compute thread: apply joins and leaves, then run a run of steps (batched, or the
+        sequence decoding alone).
 
         Touches no reactor-owned state: it gets snapshots and returns what changed.
         """
