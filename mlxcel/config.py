@@ -386,7 +386,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 )
         if self.node_id is not None and self.distributed_config is None:
             raise ValueError("--node-id names this node in a --distributed-config file")
-        if "prompt_cache_bytes" in self.model_fields_set and (
+        if self.prompt_cache_bytes and (
             pipelined or self.tp_size > 1 or self.node_role != "hybrid"
         ):
             raise ValueError(

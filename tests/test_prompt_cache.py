@@ -3,16 +3,18 @@ what is new, gives the same tokens as without the cache, and the cache stays in 
 
 from __future__ import annotations
 
-import asyncio
 import random
 from contextlib import aclosing
 from pathlib import Path
 
+import mlx.core as mx
 import openai
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from mlxcel.frontend import Usage
 from mlxcel.messages import SamplingParams
+from mlxcel.runtime.prompt_cache import PromptCache
 from mlxcel.server.run import LocalStack, local_stack
 from tests.conftest import ServerProcess, error_line, until_true
 from tests.test_cli import run_cli
@@ -113,7 +115,7 @@ async def test_a_cancelled_request_keeps_what_it_computed(tiny: Path) -> None:
     computed still serves the next prompt, alone or in the batch."""
     for solo in (True, False):
         async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
-            stack.engine.solo = solo
+            stack.engine.solo_enabled = solo
             ids = prompt(100, 6)
             params = SamplingParams(max_tokens=200)
             async with aclosing(stack.frontend.stream(ids, params, [])) as it:
@@ -135,33 +137,46 @@ async def test_a_one_token_prompt_is_a_miss_not_a_hit(tiny: Path) -> None:
         assert (pc.hits, pc.misses, pc.reused_tokens) == (0, 2, 0)
 
 
-async def test_cached_entries_hold_exactly_their_bytes(tiny: Path) -> None:
-    """An entry taken out of the batch must not keep the batch's buffer alive, nor a lone
-    sequence's 256-token growth steps: the bound counts what is really held."""
-    async with local_stack(tiny, max_batch_size=8, parallel=8, prompt_cache_bytes=64 << 20) as st:
-        await turn(st, prompt(20, 1))  # alone
-        await asyncio.gather(*(turn(st, prompt(300 + 50 * k, 10 + k)) for k in range(4)))
-        pc = st.engine.prompt_cache
-        assert pc is not None and pc.entries == 5
-
-        def held() -> int:
-            entries = [e.prompt_cache for e in _entries(pc)]
-            arrays = [a for cache in entries for c in cache for a in (c.keys, c.values)]
-            assert all(
-                a.shape[2] == c.offset for cache in entries for c in cache for a in (c.keys,)
-            )
-            return sum(a.nbytes for a in arrays)
-
-        assert held() == pc.nbytes
+def _kv(tokens: int, heads: int = 2, dim: int = 16) -> KVCache:
+    c = KVCache()
+    shape = (1, heads, tokens, dim)
+    c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+    return c
 
 
-def _entries(pc: object) -> list:
-    lru = pc._lru  # type: ignore[attr-defined]
-    return [lru._trie.get(m, t) for m, t in _pairs(lru)]
+def test_kept_entries_hold_their_own_tokens_only() -> None:
+    """A cache taken out of the batch is a view of the whole batch's buffer, and a lone
+    sequence's cache grows in 256-token steps: what the store keeps (and counts) is its own
+    tokens, and the batch's buffer is freed."""
+    pc = PromptCache(64 << 20)
+    batch = mx.random.normal((8, 2, 4096, 64))
+    mx.eval(batch)
+    view = KVCache()
+    # as mlx-lm's BatchKVCache.extract gives it: an unevaluated copy of the row's slice
+    view.keys = mx.contiguous(batch[2:3, :, :10, :])
+    view.values = mx.contiguous(batch[3:4, :, :10, :])
+    view.offset = 10
+    grown = _kv(5)
+    assert grown.keys.shape[2] == 256
+    held = mx.get_active_memory()
+    batch_bytes = batch.nbytes
+    del batch
+    pc.store(list(range(10)), [view])
+    pc.store([300, 301, 302, 303, 304], [grown])
+    for c in (view, grown):
+        assert c.keys.shape[2] == c.values.shape[2] == c.offset
+    # keys and values, float32: 10 tokens x 2 heads x 64 dims, and 5 x 2 x 16
+    assert pc.nbytes == 2 * 4 * (10 * 2 * 64 + 5 * 2 * 16)
+    assert mx.get_active_memory() < held - batch_bytes // 2  # the batch buffer went
 
 
-def _pairs(lru: object) -> list:
-    return [p for q in lru._lru._lrus.values() for p in q]  # type: ignore[attr-defined]
+def test_an_exact_hit_leaves_the_last_token_to_prefill() -> None:
+    pc = PromptCache(64 << 20)
+    pc.store([1, 2, 3, 4], [_kv(4)])
+    for _ in range(2):  # and the stored entry is not cut by the first hit
+        cache, n = pc.fetch([1, 2, 3, 4])
+        assert cache is not None and n == 3 and cache[0].offset == 3
+    assert (pc.hits, pc.reused_tokens) == (2, 6)
 
 
 def test_the_server_reports_cached_tokens_and_counts_hits(
@@ -199,7 +214,7 @@ def test_the_server_reports_cached_tokens_and_counts_hits(
         (["--prompt-cache-bytes", "1.5XB"], "byte unit: XB"),
         (["--prompt-cache-bytes", "1.5"], "at least 1MiB"),
         (["--prompt-cache-bytes", "1GiB", "--pp-size", "2"], "one-process serving"),
-        (["--prompt-cache-bytes", "0", "--tp-size", "2"], "one-process serving"),
+        (["--prompt-cache-bytes", "64MiB", "--tp-size", "2"], "one-process serving"),
         (
             [
                 "--prompt-cache-bytes",

@@ -17,19 +17,37 @@ from mlxcel.runtime.solo import Solo
 from mlxcel.server.run import LocalStack, local_stack
 from tests.test_engine import PROMPTS, collect, wait_for
 
-SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, logprobs=True)
+# Long enough that the second request arrives while the first still decodes.
+GREEDY = SamplingParams(max_tokens=300)
+SEEDED = SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=7, logprobs=True)
+
+
+def _record(stack: LocalStack, name: str) -> list[str]:
+    """Wrap the engine's ``name`` (a compute-thread method whose first argument is a solo or
+    an insert); the list gets the request id of each call."""
+    seen: list[str] = []
+    inner = getattr(stack.engine, name)
+
+    def recorded(first: object, *a: object) -> object:
+        rid = getattr(first, "request_id", None) or first.entry.request_id  # type: ignore[attr-defined]
+        seen.append(rid)
+        return inner(first, *a)
+
+    setattr(stack.engine, name, recorded)
+    return seen
 
 
 async def lone_and_joined(stack: LocalStack, params: SamplingParams) -> tuple:
     alone = await collect(stack, PROMPTS[4], params)
     # The same request again, with a second one arriving while it decodes alone.
+    handed = _record(stack, "_hand_over")
     usage = Usage()
     first = asyncio.create_task(collect(stack, PROMPTS[4], params, usage=usage))
     await wait_for(lambda: usage.completion_tokens >= 1)
-    assert stack.engine._solo is not None, "a lone request decodes alone"
     other = await collect(stack, PROMPTS[2], SamplingParams(max_tokens=5))
+    assert not first.done(), "the first request was still decoding when the other joined"
     joined = await first
-    assert other[2] == "length"
+    assert other[2] == "length" and len(handed) == 1
     return alone, joined
 
 
@@ -38,12 +56,12 @@ async def test_a_lone_request_decodes_alone_and_keeps_its_tokens_when_another_jo
 ) -> None:
     async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
         stack.engine.run_steps = 2  # short runs: the second request lands mid-sequence
-        for params in (SamplingParams(max_tokens=40), SEEDED):
+        for params in (GREEDY, SEEDED):
             alone, joined = await lone_and_joined(stack, params)
             assert joined == alone
         assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
         # The batch generator from the start: the same tokens again.
-        stack.engine.solo = False
+        stack.engine.solo_enabled = False
         batched = await collect(stack, PROMPTS[4], SEEDED)
         assert batched == alone
 
@@ -59,7 +77,7 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
 
     async with local_stack(tiny) as stack:
         alone = await logprobs(stack)
-        stack.engine.solo = False
+        stack.engine.solo_enabled = False
         batched = await logprobs(stack)
     assert len(alone) == len(batched) == 8
     for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):
@@ -70,15 +88,18 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
 
 async def test_penalties_and_busy_engines_use_the_batch(tiny: Path) -> None:
     async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+        alone = _record(stack, "_start_solo")
+        await collect(stack, PROMPTS[3], SamplingParams(max_tokens=2))
+        assert len(alone) == 1  # the control: a plain request on an idle engine
         penalised = asyncio.create_task(
-            collect(stack, PROMPTS[0], SamplingParams(max_tokens=200, repetition_penalty=1.3))
+            collect(stack, PROMPTS[0], SamplingParams(max_tokens=300, repetition_penalty=1.3))
         )
-        await wait_for(lambda: stack.engine.tokens_generated >= 2)
+        await wait_for(lambda: stack.engine.tokens_generated >= 4)
         # mlx-lm's processors need the sequence's tokens: the batch generator keeps them
         assert stack.engine._solo is None and stack.engine.batch_cache_rows() == 1
-        plain = asyncio.create_task(collect(stack, PROMPTS[1], SamplingParams(max_tokens=3)))
-        await plain
-        assert stack.engine._solo is None  # it arrived on a busy engine
+        plain = await collect(stack, PROMPTS[1], SamplingParams(max_tokens=3))
+        assert plain[2] == "length" and not penalised.done()
+        assert len(alone) == 1  # neither went alone: one had penalties, one found it busy
         penalised.cancel()
         await asyncio.gather(penalised, return_exceptions=True)
         await wait_for(lambda: stack.engine.batch_cache_rows() == 0)

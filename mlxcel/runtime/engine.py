@@ -33,7 +33,14 @@ from mlxcel.messages import (
 )
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine_solo import SoloSteps
-from mlxcel.runtime.engine_state import Insert, Seq, SeqState, Sink, StepOutput
+from mlxcel.runtime.engine_state import (
+    Insert,
+    Seq,
+    SeqState,
+    Sink,
+    StepOutput,
+    entry_problem,
+)
 from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.runtime.prompt_cache import PromptCache
@@ -42,7 +49,6 @@ from mlxcel.runtime.sampling import (
     guarded_sampler,
     key_after_first,
     logits_processors,
-    sampling_problem,
     top_alternatives,
 )
 from mlxcel.runtime.solo import Solo
@@ -79,12 +85,13 @@ class LocalEngine(SoloSteps):
         self._wake = asyncio.Event()
         # Set by the reactor when sequences join or leave: ends a run of decode steps early.
         self._interrupt = threading.Event()
-        # Compute thread: uids that have produced a token (a new one ends a run).
-        self._decoding: set[int] = set()
+        # Compute thread: batch uids that have produced a token (a new one is a first token,
+        # which ends a run: its time to first token).
+        self._started: set[int] = set()
         self.run_steps = RUN_STEPS
         self.run_seconds = RUN_SECONDS
         # Compute thread: the sequence decoding alone, if any (runtime/solo.py).
-        self.solo = True
+        self.solo_enabled = True
         self._solo: Solo | None = None
         self._solo_uids = 0
         self._gen: BatchGenerator | None = None
@@ -110,7 +117,8 @@ class LocalEngine(SoloSteps):
         return len(self._seqs)
 
     def batch_cache_rows(self) -> int:
-        """Rows the batch generator itself holds; 0 once every sequence has left."""
+        """Sequences holding KV caches on the compute side (the batch generator's rows and
+        the one decoding alone); 0 once every sequence has left."""
         gen = self._gen
         if gen is None:
             return 0
@@ -140,6 +148,15 @@ class LocalEngine(SoloSteps):
         node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
 
+    def _reset(self) -> BatchGenerator:
+        """Compute thread: forget every sequence's state; a fresh batch generator."""
+        self._kept_samplers.clear()
+        self._started.clear()
+        self._solo = None
+        if self.prompt_cache is not None:  # its memory may be what the step ran out of
+            self.prompt_cache.clear()
+        return self._make_generator()
+
     def _make_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self.loaded.model,
@@ -168,7 +185,7 @@ class LocalEngine(SoloSteps):
         """Start a sequence; returns why not (None: started). With ``cache`` it resumes after
         the cached tokens; with ``keep_cache`` its packed cache lands in :attr:`kept` before
         its last result; with ``sink`` its results go there instead of onto the bus."""
-        problem = self._validate(e)
+        problem = entry_problem(e, self.loaded.config)
         if problem is None and e.request_id in self._seqs:
             problem = f"request {e.request_id!r} is already running"
         if problem is None and len(self._seqs) >= self.max_sequences:
@@ -186,25 +203,6 @@ class LocalEngine(SoloSteps):
         """Drop a sequence (only its owner may) and free its caches."""
         self._drop(request_id, source)
         self.kept.pop(request_id, None)
-
-    def _validate(self, e: RunEntry) -> str | None:
-        vocab = int(self.loaded.config["vocab_size"])
-        if not e.token_ids:
-            return "empty prompt"
-        if any(not 0 <= t < vocab for t in e.token_ids):
-            return f"token id outside the vocabulary [0, {vocab})"
-        if e.sampling.max_tokens < 1:
-            return "max_tokens must be >= 1"
-        problem = sampling_problem(e.sampling, vocab)
-        if problem is not None:
-            return problem
-        limit = int(self.loaded.config.get("max_position_embeddings", 1 << 30))
-        if len(e.token_ids) + e.sampling.max_tokens > limit:
-            return (
-                f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
-                f"exceeds the model's context of {limit}"
-            )
-        return None
 
     async def _on_cancel(self, env: Envelope[CancelRequest]) -> None:
         self._drop(env.msg.request_id, env.source)
@@ -333,15 +331,14 @@ class LocalEngine(SoloSteps):
         if removals:
             # What a cancelled sequence computed still serves a later prompt: a client that
             # stops at a stop string (the frontend cancels it) or retries after leaving.
+            # (Stored before the sequence lets go: the reactor sees it held until then.)
             if (solo := self._solo) is not None and solo.uid in removals:
-                self._solo = None
                 self._keep_prompt(solo.fed, solo.cache)
-            if self.prompt_cache is not None:
-                decoding = [u for u in removals if u in gen._generation_batch.uids]
-                for cache, tokens in gen.extract_cache(decoding).values():
-                    self._keep_prompt(list(tokens), cache)
+                self._solo = None
+            if self.prompt_cache is not None:  # those decoding; a prompt batch is padded
+                self._keep_removed([u for u in removals if u in gen._generation_batch.uids])
             gen.remove(removals)
-            self._decoding.difference_update(removals)
+            self._started.difference_update(removals)
         running = set(by_uid.values())
         for rid in [r for r in self._kept_samplers if r not in running]:
             self._kept_samplers.pop(rid)  # removed before it finished
@@ -375,15 +372,13 @@ class LocalEngine(SoloSteps):
                     out.cached[rid] = len(cached)
                 if i.keep_cache:
                     self._kept_samplers[rid] = (sampler, len(i.entry.token_ids))
-        # Steps run back to back while nothing changes: the reactor then wakes once per run,
-        # not once per token (measured on an H200: a hand-off per token cost 5-30%). A run
-        # ends at the first token of a new sequence (its time to first token), a finish, a
-        # step with nothing to do, a sampler failure, the reactor asking (a request arrived
-        # or left) or after run_seconds, so tokens stream in short bursts.
-        until = time.perf_counter() + self.run_seconds
-        # A run's tokens are delivered together: keep bursts to about run_steps tokens, so
-        # the reactor never holds the GIL long while the compute thread waits for it (8
+        # Steps run back to back while nothing changes: the reactor wakes once per run, not
+        # per token. A run ends at a new sequence's first token, a finish, a step with
+        # nothing to do, a sampler failure, the reactor asking (a request came or left),
+        # run_seconds, or about run_steps tokens: its tokens are delivered together, and
+        # longer bursts kept the reactor on the GIL while the compute thread waited (8
         # streams in 16-step runs lost 20% on an H200). A big batch amortizes the hand-off.
+        until = time.perf_counter() + self.run_seconds
         for _ in range(max(1, self.run_steps // max(1, self.batch_cache_rows()))):
             out.steps += 1
             if self._solo is not None:
@@ -415,11 +410,11 @@ class LocalEngine(SoloSteps):
         first token or finished."""
         news = False
         for r in responses:
-            if r.uid not in self._decoding:
-                self._decoding.add(r.uid)
+            if r.uid not in self._started:
+                self._started.add(r.uid)
                 news = True
             if r.finish_reason is not None:
-                self._decoding.discard(r.uid)
+                self._started.discard(r.uid)
                 news = True
             request_id = by_uid.get(r.uid)
             if request_id is None:
@@ -452,6 +447,16 @@ class LocalEngine(SoloSteps):
             if want_lp[request_id]:
                 top = top_alternatives(logprobs, want_lp[request_id])
         out.tokens.append((request_id, token, finish, lp, top))
+
+    def _keep_removed(self, uids: list[int]) -> None:
+        assert self._gen is not None
+        try:
+            taken = self._gen.extract_cache(uids)
+        except Exception as exc:  # the cache is an optimization: never fail a step on it
+            logger.warning("prompt cache: could not take a cancelled sequence's cache: {}", exc)
+            return
+        for cache, tokens in taken.values():
+            self._keep_prompt(list(tokens), cache)
 
     def _keep_prompt(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
         """Compute thread: a finished sequence's cache, for later prompts that start alike."""
@@ -488,11 +493,8 @@ class LocalEngine(SoloSteps):
         self._by_uid.clear()
         self._to_remove.clear()
         self._sample_failures.clear()
-        self._kept_samplers.clear()  # only ever touched on the compute thread, which is idle now
-        self._decoding.clear()
-        self._solo = None
-        if self.prompt_cache is not None:  # its memory may be what the step ran out of
-            self.prompt_cache.clear()
-        self._gen = await self.compute.run(self._make_generator)
+        # On the compute thread, after whatever step may still be running there (a timed-out
+        # one): the state it owns is reset by it, never under it.
+        self._gen = await self.compute.run(self._reset)
         for rid, s in seqs.items():
             await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)

@@ -27,15 +27,15 @@ class SoloSteps:
     loaded: LoadedModel
     eos: set[int]
     prefill_step_size: int
-    solo: bool
+    solo_enabled: bool
     _solo: Solo | None
     _solo_uids: int
     _gen: BatchGenerator | None
-    _decoding: set[int]
+    _started: set[int]
 
     def _may_solo(self, inserts: list[Insert]) -> bool:
         """A lone plain request on an idle engine decodes without the batch generator."""
-        if not self.solo or len(inserts) != 1 or self.batch_cache_rows():
+        if not self.solo_enabled or len(inserts) != 1 or self.batch_cache_rows():
             return False
         i = inserts[0]
         return i.cache is None and not i.keep_cache and not logits_processors(i.entry.sampling)
@@ -96,4 +96,4 @@ class SoloSteps:
         by_uid[uid] = solo.request_id
         out.moved[solo.request_id] = uid
         if solo.generated:
-            self._decoding.add(uid)  # its next token is not a first token
+            self._started.add(uid)  # its next token is not a first token

@@ -1,5 +1,5 @@
-"""The engine's bookkeeping types: a sequence on the reactor's side, what the reactor hands
-the compute thread for a step, and what a step hands back."""
+"""The engine's bookkeeping: a sequence on the reactor's side, what the reactor hands the
+compute thread for a step, what a step hands back, and the check of a new entry."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from mlxcel.disagg.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
+from mlxcel.runtime.sampling import sampling_problem
 
 # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)
 StepToken = tuple[str, int, str | None, float | None, tuple[list[int], list[float]] | None]
@@ -51,9 +52,31 @@ class Insert:
 class StepOutput:
     tokens: list[StepToken] = field(default_factory=list)
     prompt_tokens: int = 0
-    steps: int = 0  # batch generator steps run
+    steps: int = 0  # steps run: batched ones, and a lone sequence's (prefill chunks too)
     cached: dict[str, int] = field(default_factory=dict)  # request_id -> prompt tokens reused
     new_uids: dict[str, int] = field(default_factory=dict)
     moved: dict[str, int] = field(default_factory=dict)  # request_id -> its uid from now on
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
     kept: dict[str, tuple[Packed, tuple[int, ...]]] = field(default_factory=dict)
+
+
+def entry_problem(e: RunEntry, config: dict[str, Any]) -> str | None:
+    """Why the engine cannot run ``e`` on a model of this config (None: it can). Checked for
+    every sender: the API validates the same ranges, this guards the cluster's messages."""
+    vocab = int(config["vocab_size"])
+    if not e.token_ids:
+        return "empty prompt"
+    if any(not 0 <= t < vocab for t in e.token_ids):
+        return f"token id outside the vocabulary [0, {vocab})"
+    if e.sampling.max_tokens < 1:
+        return "max_tokens must be >= 1"
+    problem = sampling_problem(e.sampling, vocab)
+    if problem is not None:
+        return problem
+    limit = int(config.get("max_position_embeddings", 1 << 30))
+    if len(e.token_ids) + e.sampling.max_tokens > limit:
+        return (
+            f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
+            f"exceeds the model's context of {limit}"
+        )
+    return None

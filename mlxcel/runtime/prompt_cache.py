@@ -1,9 +1,11 @@
 """Reuse the KV cache of a prompt's longest cached prefix across requests.
 
 A multi-turn chat resends its whole history every turn; with this store the engine prefills
-only what is new. The store is mlx-lm's own ``LRUPromptCache`` (a token trie with LRU
-eviction, the one ``mlx_lm.server`` uses), bounded in bytes; this module adds what a server
-needs around it: the one-token rule on exact hits, a per-entry size guard and counters.
+only what is new. The store is mlx-lm's own ``LRUPromptCache`` (a token trie, the one
+``mlx_lm.server`` uses), bounded in bytes; it evicts the least recently *stored* entry (a
+lookup does not refresh one; a conversation's next turn stores a longer entry that replaces
+it). This module adds what a server needs around it: the one-token rule on exact hits,
+compaction, a per-entry size guard, counters, and failures that never fail a request.
 
 Compute thread only: entries hold MLX arrays. The counters are plain ints the reactor may
 read at any time.
@@ -55,15 +57,15 @@ class PromptCache:
         toks = list(tokens)
         try:
             cache, rest = self._lru.fetch_nearest_cache(_MODEL, toks)
+            if cache is not None and not rest:  # an exact hit: give back the last token
+                if can_trim_prompt_cache(cache):
+                    trim_prompt_cache(cache, 1)
+                    rest = toks[-1:]
+                else:  # a rotating cache cannot step back; prefill it all
+                    cache, rest = None, toks
         except Exception as exc:  # the cache is an optimization: never fail a request on it
             logger.warning("prompt cache: lookup failed, prefilling instead: {}", exc)
             cache, rest = None, toks
-        if cache is not None and not rest:  # an exact hit: give back the last token
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                rest = toks[-1:]
-            else:  # a rotating cache cannot step back; prefill it all
-                cache, rest = None, toks
         reused = len(toks) - len(rest)
         if cache is None or reused == 0:  # a one-token prompt shares nothing usable
             self.misses += 1

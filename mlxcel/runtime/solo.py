@@ -3,7 +3,7 @@
 mlx-lm's ``BatchGenerator`` pays on every step for what a batch needs (a padded batch cache
 and its masks, per-row bookkeeping). With one sequence on a fast GPU the host's Python is the
 bottleneck, and that costs about a quarter of the decode rate of ``stream_generate`` (H200,
-Qwen3-0.6B shapes, 4-bit: 206 vs 273 tok/s). So a sequence that starts while the engine is
+Qwen3-0.6B shapes, 4-bit, one process: 175 vs 239 tok/s). So a sequence that starts while the engine is
 idle decodes here, pipelined as ``generate_step`` is: the next token's graph is queued before
 this token is read.
 
@@ -37,7 +37,8 @@ class SoloToken:
 @dataclass(frozen=True, slots=True)
 class HandOver:
     """What the batch generator continues from: feed ``prompt`` on top of ``cache``, which
-    holds ``fed``; ``max_tokens`` more may be generated."""
+    holds ``fed``; ``max_tokens`` more may be generated. ``prompt`` is the rest of the prompt
+    (handed over mid-prompt) or the one token sampled but not yet fed (mid-decode)."""
 
     cache: list[Any]
     fed: list[int]

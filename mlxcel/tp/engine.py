@@ -31,7 +31,7 @@ class TpEngine(LocalEngine):
         self.group = group
         self.step_timeout = STEP_TIMEOUT
         self.run_steps = 1  # followers replay one batch step per broadcast
-        self.solo = False  # ... of the batch generator, which they run too
+        self.solo_enabled = False  # followers replay BatchGenerator steps: no lone decoding
         self.fatal: asyncio.Event = asyncio.Event()
         self.fatal_reason = ""
 
