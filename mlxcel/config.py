@@ -386,8 +386,10 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 )
         if self.node_id is not None and self.distributed_config is None:
             raise ValueError("--node-id names this node in a --distributed-config file")
-        if self.prompt_cache_bytes and (
-            pipelined or self.tp_size > 1 or self.node_role != "hybrid"
+        if (
+            "prompt_cache_bytes" in self.model_fields_set
+            and self.prompt_cache_bytes
+            and (pipelined or self.tp_size > 1 or self.node_role != "hybrid")
         ):
             raise ValueError(
                 "--prompt-cache-bytes is for one-process serving (no pipeline, tensor "
