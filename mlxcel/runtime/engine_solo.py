@@ -66,9 +66,9 @@ class SoloSteps:
         if t is None:
             return False  # a prefill chunk
         self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
-        if t.finish is not None:
-            self._solo = None
+        if t.finish is not None:  # kept before it lets go: the reactor sees it held till then
             self._keep_prompt(solo.fed, solo.cache)
+            self._solo = None
         return t.first or t.finish is not None
 
     def _hand_over(
@@ -79,12 +79,12 @@ class SoloSteps:
         out: StepOutput,
     ) -> None:
         assert self._gen is not None
-        self._solo = None
         t, rest = solo.hand_over()
         if t is not None:
             self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
-        if rest is None:
+        if rest is None:  # that token finished it
             self._keep_prompt(solo.fed, solo.cache)
+            self._solo = None
             return
         (uid,) = self._gen.insert(
             [rest.prompt],
@@ -93,6 +93,7 @@ class SoloSteps:
             all_tokens=[rest.fed],
             samplers=[solo.sampler],
         )
+        self._solo = None
         by_uid[uid] = solo.request_id
         out.moved[solo.request_id] = uid
         if solo.generated:
