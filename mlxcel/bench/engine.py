@@ -30,22 +30,48 @@ def _prompts(vocab: int, streams: int, length: int, seed: int) -> list[list[int]
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(streams)]
 
 
+def mlx_lm_stream(
+    model: Any, tokenizer: Any, ids: list[int], tokens: int, cache: list | None = None
+) -> tuple[float, list[int], Any]:
+    """mlx-lm's ``stream_generate`` as a user calls it: time to first token (ms), the tokens,
+    and its last response (with its own rates)."""
+    from mlx_lm.generate import stream_generate
+
+    t0 = time.perf_counter()
+    first = last = None
+    out: list[int] = []
+    for r in stream_generate(model, tokenizer, ids, max_tokens=tokens, prompt_cache=cache):
+        first = first or time.perf_counter()
+        out.append(int(r.token))
+        last = r
+    assert first is not None and last is not None
+    return (first - t0) * 1e3, out, last
+
+
+async def mlxcel_stream(fe: Any, ids: list[int], tokens: int) -> tuple[Any, list[int]]:
+    """One greedy request through mlxcel's frontend (the path ``serve`` takes): its
+    :class:`~mlxcel.frontend.Usage` and tokens."""
+    from mlxcel.frontend import Usage
+    from mlxcel.messages import SamplingParams
+
+    u = Usage()
+    out: list[int] = []
+    async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
+        async for d in it:
+            out.extend(d.token_ids)
+    return u, out
+
+
 def _mlx_lm_row(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int) -> dict:
     import mlx.core as mx
-    from mlx_lm.generate import batch_generate, stream_generate
+    from mlx_lm.generate import batch_generate
 
     if len(prompts) == 1:
-        t0 = time.perf_counter()
-        first = None
-        last = None
-        for r in stream_generate(model, tokenizer, prompts[0], max_tokens=tokens):
-            first = first or time.perf_counter()
-            last = r
-        assert last is not None and first is not None
+        ttft, _, last = mlx_lm_stream(model, tokenizer, prompts[0], tokens)
         mx.synchronize()
         return {
             "decode_tok_per_s": last.generation_tps,
-            "ttft_ms": (first - t0) * 1e3,
+            "ttft_ms": ttft,
             "tokens": last.generation_tokens,
         }
     out = batch_generate(model, tokenizer, prompts, max_tokens=tokens, return_token_ids=True)
@@ -58,17 +84,8 @@ def _mlx_lm_row(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: in
 
 
 async def _mlxcel_row(fe: Any, prompts: list[list[int]], tokens: int) -> dict:
-    from mlxcel.frontend import Usage
-    from mlxcel.messages import SamplingParams
-
-    async def one(ids: list[int]) -> Usage:
-        u = Usage()
-        async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
-            async for _ in it:
-                pass
-        return u
-
-    usages = await asyncio.gather(*(one(p) for p in prompts))
+    runs = await asyncio.gather(*(mlxcel_stream(fe, p, tokens) for p in prompts))
+    usages = [u for u, _ in runs]
     firsts = [u.first_token_at or 0.0 for u in usages]
     start, end = min(firsts), max(u.last_token_at or 0.0 for u in usages)
     after_first = sum(max(0, u.completion_tokens - 1) for u in usages)

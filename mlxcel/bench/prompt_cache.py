@@ -16,45 +16,25 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-
-def _mlx_lm_turn(model: Any, tokenizer: Any, ids: list[int], tokens: int, cache: list) -> tuple:
-    from mlx_lm.generate import stream_generate
-
-    t0 = time.perf_counter()
-    first = None
-    reply: list[int] = []
-    for r in stream_generate(model, tokenizer, ids, max_tokens=tokens, prompt_cache=cache):
-        first = first or time.perf_counter()
-        reply.append(int(r.token))
-    assert first is not None
-    return (first - t0) * 1e3, reply
+from mlxcel.bench.engine import mlx_lm_stream, mlxcel_stream
 
 
 def _mlx_lm_chat(model: Any, tokenizer: Any, history: list[int], user: list[int], n: int) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    ttft1, reply = _mlx_lm_turn(model, tokenizer, history, n, cache)
+    ttft1, reply, _ = mlx_lm_stream(model, tokenizer, history, n, cache)
     second = history + reply + user
     held = int(cache[0].offset)  # what the cache already holds of turn 2's tokens
-    ttft2, _ = _mlx_lm_turn(model, tokenizer, second[held:], n, cache)
+    ttft2, _, _ = mlx_lm_stream(model, tokenizer, second[held:], n, cache)
     return [(1, len(history), 0, ttft1), (2, len(second), held, ttft2)]
 
 
 async def _mlxcel_turn(fe: Any, ids: list[int], tokens: int) -> tuple[float, list[int], int]:
-    from mlxcel.frontend import Usage
-    from mlxcel.messages import SamplingParams
-
-    u = Usage()
-    reply: list[int] = []
-    async with aclosing(fe.stream(ids, SamplingParams(max_tokens=tokens), usage=u)) as it:
-        async for d in it:
-            reply.extend(d.token_ids)
+    u, reply = await mlxcel_stream(fe, ids, tokens)
     assert u.first_token_at is not None
     return (u.first_token_at - u.submitted_at) * 1e3, reply, u.cached_tokens
 

@@ -39,7 +39,6 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
-        self.stored = 0
         self.too_large = 0
 
     @property
@@ -88,8 +87,6 @@ class PromptCache:
             self._lru.insert_cache(_MODEL, list(tokens), cache)
         except Exception as exc:  # the cache is an optimization: never fail a request on it
             logger.warning("prompt cache: could not keep a finished sequence: {}", exc)
-            return
-        self.stored += 1
 
     def clear(self) -> None:
         self._lru.trim_to(n_sequences=0)
