@@ -21,9 +21,11 @@ from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Effect, ResetPeer, Send, Warn
 from mlxcel.endpoint import Endpoint, SendFailed
 from mlxcel.errors import MlxcelError, QueueFull
-from mlxcel.messages import Message
+from mlxcel.messages import BUNDLED, MAX_BUNDLE, Bundle, Message
 from mlxcel.net.ratelimit import WarningLimiter
+from mlxcel.wire.codec import tensor_bytes
 
+BUNDLE_TENSOR_BYTES = 1 << 20  # larger tensors (prompt chunks) travel alone
 OUTBOX_SIZE = 1024  # messages queued for one peer before they are dropped
 STRANGER_OUTBOX = 64  # refusals to non-peers, all together
 LOCAL_OUTBOX = 4096  # results on their way to the frontend (it drains them at once)
@@ -56,6 +58,9 @@ class CoreAdapter:
         self._outboxes: dict[str, asyncio.Queue[Send]] = {}
         self._timer_changed = asyncio.Event()
         self._sending = 0  # sends on their way out of an outbox
+        # Roles that speak Bundle (the pipeline) set this: what piled up in one peer's outbox
+        # while the reactor was busy goes out as one Bundle.
+        self.bundles = False
 
     def now(self) -> float:
         return self.loop.time()
@@ -76,7 +81,16 @@ class CoreAdapter:
         self.endpoint.on_peer_lost(self._peer_lost)
 
     async def _on_message(self, env: Envelope[Any]) -> None:
-        self.feed(self.core.handle(env.msg, env.source, self.now()))
+        msg, now = env.msg, self.now()
+        if isinstance(msg, Bundle):
+            many = getattr(self.core, "handle_many", None)
+            if many is not None:  # a core that batches decides once, after every item
+                self.feed(many(msg.items, env.source, now))
+            else:
+                for item in msg.items:
+                    self.feed(self.core.handle(item, env.source, now))
+            return
+        self.feed(self.core.handle(msg, env.source, now))
 
     def _peer_lost(self, identity: str) -> None:
         self.feed(self.core.peer_lost(identity, self.now()))
@@ -163,28 +177,61 @@ class CoreAdapter:
             await asyncio.sleep(0.005)
         return True
 
+    def _expired(self, send: Send) -> bool:
+        if send.deadline is not None and send.deadline <= self.now():
+            self.expired_sends += 1  # its exchange is over: do not hold the line
+            return True
+        return False
+
+    def _more(self, box: asyncio.Queue[Send], first: Send) -> tuple[list[Send], Send | None]:
+        """``first`` and whatever is queued behind it that may share its Bundle, and the first
+        queued send that may not (it goes next, on its own turn)."""
+        sends = [first]
+        if not (self.bundles and first.peer and type(first.msg) in BUNDLED):
+            return sends, None
+        room = BUNDLE_TENSOR_BYTES - tensor_bytes(first.msg)
+        while len(sends) < MAX_BUNDLE and not box.empty():
+            nxt = box.get_nowait()
+            if self._expired(nxt):
+                continue
+            size = tensor_bytes(nxt.msg) if type(nxt.msg) in BUNDLED else room + 1
+            if size > room:
+                return sends, nxt
+            sends.append(nxt)
+            room -= size
+        return sends, None
+
     async def _drain(self, box: asyncio.Queue[Send], peer: bool) -> None:
         budget = self.send_budget if peer else 1.0
+        held: Send | None = None
         while True:
-            send = await box.get()
+            if held is None:
+                first = await box.get()
+            else:  # it waited outside the box: counted as sending, so flush() waits for it
+                first, held = held, None
+                self._sending -= 1
+            if self._expired(first):
+                continue
+            sends, held = self._more(box, first)
+            self._sending += held is not None
             deadline = deadline_in(budget)
-            if send.deadline is not None:
-                if send.deadline <= self.now():
-                    self.expired_sends += 1  # its exchange is over: do not hold the line
-                    continue
+            ends = [s.deadline for s in sends if s.deadline is not None]
+            if len(ends) == len(sends):  # the bundle is worth sending while any item is
                 over = self.deadline_overrides_budget
-                deadline = send.deadline if over else min(deadline, send.deadline)
+                deadline = max(ends) if over else min(deadline, max(ends))
+            msg = first.msg if len(sends) == 1 else Bundle(tuple(s.msg for s in sends))
             self._sending += 1
             try:
-                await self.endpoint.send(send.dest, send.msg, deadline)
+                await self.endpoint.send(first.dest, msg, deadline)
             except (SendFailed, MlxcelError) as exc:
-                self._failed(send, str(exc), exc)
+                for s in sends:
+                    self._failed(s, str(exc), exc)
             finally:
                 self._sending -= 1
                 if not peer:
                     # A refusal to someone who is not a peer travels on a one-off connection:
                     # addresses a member claims cannot pile up here.
-                    self.endpoint.reset(send.dest)
+                    self.endpoint.reset(first.dest)
 
 
 class LocalOutbox:

@@ -53,7 +53,7 @@ class PipelineSpec:
     size: int
     layers: str | None = None
     return_logits: bool = False
-    max_in_flight: int | None = None
+    micro_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class _ClusterNodeSpec:
 @dataclass(frozen=True)
 class CoordinatorSpec(_ClusterNodeSpec):
     startup_timeout: float = 60.0
-    max_in_flight: int | None = None
+    micro_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             return_logits=spec.return_logits,
             max_batch_size=g.max_batch_size,
             prefill_chunk=g.prefill_step_size,
-            max_in_flight=spec.max_in_flight,
+            micro_batch_size=spec.micro_batch_size,
             **limits,
         ) as ps:
             c = ps.coordinator
@@ -212,7 +212,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             interface=spec.interface,
             startup_timeout=spec.startup_timeout,
             prefill_chunk=g.prefill_step_size,
-            max_in_flight=spec.max_in_flight,
+            micro_batch_size=spec.micro_batch_size,
             **limits,
         ) as rc:
             c = rc.coordinator

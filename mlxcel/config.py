@@ -242,7 +242,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None,
         ge=1,
         le=4096,
-        description="pipeline: sequences in the stages at once; more wait (default: --parallel)",
+        description=(
+            "pipeline: sequences per micro-batch -- decode steps that travel and run as one "
+            "batch on every stage, while other micro-batches occupy the other stages "
+            "(default: --parallel / stages; keep it at most the stages' --max-batch-size)"
+        ),
     )
     distributed_config: Path | None = Field(
         None, description="cluster TOML (pipeline across processes/hosts)"

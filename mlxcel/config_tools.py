@@ -259,8 +259,14 @@ class BenchEngineSettings(BenchPipelineSettings):
         return BenchBatchingSettings._streams(v)
 
 
-class BenchTpSettings(BenchPipelineSettings):
-    """Same knobs as the pipeline benchmark: model (default small), tokens, --json."""
+class BenchStagesSettings(BenchPipelineSettings):
+    """The pipeline and tensor-parallel benchmarks: one stream, then ``streams`` at once."""
+
+    streams: int = Field(8, ge=1, le=256, description="concurrent streams of the aggregate run")
+
+
+class BenchTpSettings(BenchStagesSettings):
+    """Same knobs as the pipeline benchmark: model (default small), tokens, streams, --json."""
 
 
 class BenchBringupSettings(_HasModel):

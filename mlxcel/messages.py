@@ -458,6 +458,21 @@ class TokenResult(Message):
     logprobs: tuple[float, ...] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Bundle(Message):
+    """Several pipeline messages for one peer in one frame, in order.
+
+    The pipeline adapters coalesce what a core sends one peer in one go (a micro-batch's
+    RunEntries, a job's activations or results) so a step of N sequences costs one frame, one
+    decode and one bus hop instead of N. The receiver handles every item exactly as if it had
+    arrived alone from the same authenticated source: each is authorised on its own. Items are
+    only ``BUNDLED`` kinds (never a Bundle), at most ``MAX_BUNDLE`` of them.
+    """
+
+    KIND: ClassVar[int] = 28
+    items: tuple[Message, ...]
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PrepareSequence,
     RunEntry,
@@ -486,4 +501,18 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     HandoffAck,
     HandoffVerdict,
     TokenResult,
+    Bundle,
+)
+
+MAX_BUNDLE = 256  # items per Bundle: more is refused whole, before any item is built
+# What a Bundle may carry: the pipeline's per-sequence traffic.
+BUNDLED: tuple[type[Message], ...] = (
+    PrepareSequence,
+    RunEntry,
+    Activation,
+    RunResult,
+    CancelRequest,
+    ReleaseSequence,
+    Ack,
+    Error,
 )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from mlxcel.bus import LOCAL, Node
 from mlxcel.endpoint import SendFailed
-from mlxcel.messages import Message, PrepareSequence, RunEntry, SamplingParams
+from mlxcel.messages import Bundle, Message, PrepareSequence, RunEntry, SamplingParams
 from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.coordinator_core import PipelineError
 
@@ -51,7 +51,11 @@ async def test_health_probes_to_a_dead_stage_do_not_hold_up_a_request() -> None:
         await node.bus.publish(entry, source=LOCAL, deadline=t0 + 1)
         results = await asyncio.gather(*probes, return_exceptions=True)
         assert all(isinstance(r, PipelineError) for r in results)
-        while not any(isinstance(m, PrepareSequence) for _, m in ep.attempts):
+        while not any(
+            isinstance(m, PrepareSequence)
+            for _, sent in ep.attempts
+            for m in (sent.items if isinstance(sent, Bundle) else (sent,))
+        ):
             assert loop.time() - t0 < 10, "the request waited behind expired probes"
             await asyncio.sleep(0.05)
         assert coord.expired_sends > 0  # expired probes were dropped unsent

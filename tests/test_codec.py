@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from mlxcel.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
 from mlxcel.messages import (
     ALL_MESSAGES,
+    BUNDLED,
     DTYPE_SIZES,
+    MAX_BUNDLE,
     Ack,
     Activation,
     AssignAbort,
@@ -22,6 +24,7 @@ from mlxcel.messages import (
     AssignRefused,
     Beacon,
     BeginDrain,
+    Bundle,
     CancelRequest,
     Error,
     HandoffAck,
@@ -40,6 +43,7 @@ from mlxcel.messages import (
     TokenResult,
     TpInsert,
     TpStep,
+    Undecodable,
 )
 from mlxcel.wire.codec import decode, encode
 
@@ -162,7 +166,12 @@ messages = st.one_of(
 )
 
 
-@given(messages)
+bundles = st.lists(messages.filter(lambda m: type(m) in BUNDLED), min_size=1, max_size=4).map(
+    lambda items: Bundle(tuple(items))
+)
+
+
+@given(messages | bundles)
 def test_round_trip(msg: object) -> None:
     assert decode(encode(msg)) == msg  # type: ignore[arg-type]
 
@@ -196,8 +205,58 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "HandoffAck",
         "HandoffVerdict",
         "TokenResult",
+        "Bundle",
     }
     assert {c.__name__ for c in ALL_MESSAGES} == names
+
+
+def _raw_bundle(items: object, **extra: object) -> bytes:
+    return cbor2.dumps({"kind": Bundle.KIND, "items": items, **extra})
+
+
+def _item(msg: object) -> dict[str, object]:
+    return cbor2.loads(encode(msg))  # type: ignore[arg-type,no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (_raw_bundle([]), "1 to 256"),
+        (_raw_bundle([_item(ReleaseSequence("r"))] * (MAX_BUNDLE + 1)), "1 to 256"),
+        (_raw_bundle({"kind": 6}), "1 to 256"),
+        (_raw_bundle([7]), "expected a map"),
+        (_raw_bundle([_item(ReleaseSequence("r"))], extra=1), "unexpected field"),
+    ],
+    ids=["empty", "too-many", "not-an-array", "item-not-a-map", "extra-field"],
+)
+def test_a_malformed_bundle_is_refused_whole(raw: bytes, why: str) -> None:
+    with pytest.raises(DecodeError, match=why):
+        decode(raw)
+
+
+def test_a_bad_bundle_item_becomes_undecodable_and_the_rest_still_arrive() -> None:
+    """A nested Bundle, a kind a Bundle may not carry and a broken RunEntry each turn into an
+    Undecodable naming what could be salvaged (so the exchange is answered at once); the good
+    item around them is decoded as usual."""
+    nested = _item(Bundle((ReleaseSequence("n"),)))
+    not_bundled = _item(QueryState(5))
+    broken = {"kind": RunEntry.KIND, "request_id": "r1", "nonce": 9}
+    good = _item(ReleaseSequence("ok"))
+    out = decode(_raw_bundle([nested, not_bundled, broken, good]))
+    assert isinstance(out, Bundle)
+    first, second, third, fourth = out.items
+    assert isinstance(first, Undecodable) and first.kind == Bundle.KIND
+    assert isinstance(second, Undecodable) and second.nonce == 5
+    assert isinstance(third, Undecodable) and (third.request_id, third.nonce) == ("r1", 9)
+    assert "micro_batch" in third.reason
+    assert fourth == ReleaseSequence("ok")
+
+
+def test_encode_refuses_a_bundle_it_could_not_decode() -> None:
+    with pytest.raises(TypeError):
+        encode(Bundle(()))
+    with pytest.raises(TypeError):
+        encode(Bundle((QueryState(1),)))
 
 
 @settings(max_examples=500)

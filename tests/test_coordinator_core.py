@@ -207,7 +207,7 @@ def test_a_missed_deadline_on_a_live_path_fails_only_its_own_request() -> None:
     c = core()
     start(c, "a")
     b = start(c, "b")
-    out = c.handle(RunResult("b", 0, (3,), None, b.nonce), S2, 1.0)  # b progresses
+    out = c.handle(RunResult("b", b.micro_batch, (3,), None, b.nonce), S2, 1.0)  # b progresses
     (b2,) = [s.msg for s in sent(out, RunEntry)]
     out = c.on_timer(2.1)  # a's deadline
     assert not [e for e in out if isinstance(e, ResetPeer)]
@@ -316,3 +316,47 @@ def test_a_restarted_coordinator_does_not_reuse_nonces() -> None:
     assert prep.msg.nonce == 1 << 40
     stage.handle(prep.msg, "C", 1.0)
     assert stage.seqs["req-1"].key != old_key  # a fresh claim, not a copy of the old one
+
+
+def _admit(c: CoordinatorCore, rid: str, n: int = 3) -> list[Send]:
+    """Submit ``rid`` (a one-token prompt) and ack it everywhere; what the last Ack sent."""
+    out = c.handle(RunEntry(rid, 0, (1,), 0, SamplingParams(max_tokens=n), 5), LOCAL, 0.0)
+    for p in sent(out, PrepareSequence):
+        out = c.handle(Ack(rid, p.msg.nonce), p.dest, 0.1)
+    return sent(out, RunEntry)
+
+
+def test_decode_steps_of_one_micro_batch_travel_together() -> None:
+    """Two micro-batches of two: a request whose step is ready waits while another of its
+    micro-batch is in the stages, then both go in one burst; the other micro-batch is never
+    held up by this one, and a member that ends releases the ones waiting on it."""
+    c = core(max_in_flight=4, micro_batch_size=2)
+    (a,) = [s.msg for s in _admit(c, "a")]
+    (b,) = [s.msg for s in _admit(c, "b")]  # the emptiest micro-batch: the other one
+    assert (a.micro_batch, b.micro_batch) == (0, 1)
+    assert _admit(c, "c") == []  # micro-batch 0: a's step is still in the stages
+    assert c.reqs["c"].micro_batch == 0
+    # b's micro-batch goes on without waiting for micro-batch 0.
+    out = c.handle(RunResult("b", 1, (3,), None, b.nonce), S2, 0.2)
+    assert [s.msg.request_id for s in sent(out, RunEntry)] == ["b"]
+    # a's result releases both a's next step and c's first one, together.
+    out = c.handle(RunResult("a", 0, (3,), None, a.nonce), S2, 0.3)
+    steps = [s.msg for s in sent(out, RunEntry)]
+    assert sorted(m.request_id for m in steps) == ["a", "c"]
+    assert {m.micro_batch for m in steps} == {0} and all(s.dest == S0 for s in sent(out, RunEntry))
+    a2, c1 = sorted(steps, key=lambda m: m.request_id)
+    # c's result comes first: it waits for a; a finishes (EOS) and c goes on alone.
+    assert sent(c.handle(RunResult("c", 0, (4,), None, c1.nonce), S2, 0.4), RunEntry) == []
+    out = c.handle(RunResult("a", 0, (EOS,), None, a2.nonce), S2, 0.5)
+    assert [s.msg.request_id for s in sent(out, RunEntry)] == ["c"]
+    assert c.reqs["c"].state is ReqState.DECODE and "a" not in c.reqs
+
+
+def test_a_waiting_member_that_is_cancelled_leaves_no_trace() -> None:
+    c = core(max_in_flight=2, micro_batch_size=2)
+    (a,) = [s.msg for s in _admit(c, "a")]
+    assert _admit(c, "b") == []  # waits for a
+    c.handle(CancelRequest("b", "client left"), LOCAL, 0.2)
+    out = c.handle(RunResult("a", 0, (3,), None, a.nonce), S2, 0.3)
+    assert [s.msg.request_id for s in sent(out, RunEntry)] == ["a"]
+    assert c._mb_parked == [[]] and c._mb_members == [1]

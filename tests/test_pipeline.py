@@ -71,6 +71,28 @@ async def test_inproc_pipeline_matches_single_process(
         assert all(s.stats.batches < s.stats.forwards for s in st.stages)
 
 
+async def test_micro_batches_whose_members_come_and_go_match_single_process(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """Two micro-batches of two, eight requests of different lengths through four slots:
+    rows leave the stages' persistent batches early and newcomers join them mid-decode, and
+    every request still gets exactly the single-process tokens (greedy). Afterwards no stage
+    holds a cache, a batch or a sampler."""
+    lengths = [3, 16, 7, 12, 5, 16, 9, 2]
+    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=2) as st:
+        got = await asyncio.gather(
+            *(collect(st.frontend, p, n) for p, n in zip(PROMPTS, lengths, strict=True))
+        )
+        assert got == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
+        assert st.coordinator.coord.peak_in_flight == 4
+        assert all(s.stats.largest_batch == 2 for s in st.stages)
+        await until_true(lambda: all(not s.seqs for s in st.stages))
+        await st.stages[0].compute.run(lambda: None)  # frees queued before it have run
+        for s in st.stages:
+            rt = s.runtime
+            assert (rt.caches, rt.batches, rt.batch_of, rt.samplers) == ({}, {}, {}, {})
+
+
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:
     async with pipeline_stack(tiny, 2, return_logits=True) as st:
         assert [await collect(st.frontend, p) for p in PROMPTS[:3]] == reference[:3]
@@ -269,8 +291,12 @@ def test_auto_split_uses_real_costs_for_uneven_models() -> None:
     # A heavy dense layer 0, cheap attention-only layers, heavy expert layers.
     costs = LayerCosts((900, 100, 100, 100, 800, 800), embed=200, head=200, other=0)
     stages = auto_split(costs, 3)
-    assert [(s.start, s.end) for s in stages] == [(0, 1), (1, 5), (5, 6)]
+    # Time: 1000 | 1000 | 1000 (the embedding is a lookup; the head a matmul).
+    assert [(s.start, s.end) for s in stages] == [(0, 2), (2, 5), (5, 6)]
     assert sum(s.bytes for s in stages) == costs.total
+    # A large tied vocabulary: the head outweighs layers, so the last stage gets fewer.
+    vocab = LayerCosts((100,) * 8, embed=300, head=300, other=0)
+    assert [(s.start, s.end) for s in auto_split(vocab, 2)] == [(0, 5), (5, 8)]
     # Declared memory shifts the split; a plan that cannot fit is an error with the numbers.
     weighted = auto_split(costs, 2, memory=[3000.0, 1000.0])
     assert weighted[0].bytes > weighted[1].bytes

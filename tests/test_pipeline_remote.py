@@ -480,11 +480,17 @@ def test_pp_micro_batch_size_and_max_batch_size_are_honoured(tiny: Path) -> None
         finally:
             assert p.stop() == 0
 
-    one = run("--pp-micro-batch-size", "1")
-    assert one["max_in_flight"] == 1 and one["peak_in_flight"] == 1
+    # Micro-batches of one: six requests in flight at once, every stage runs one at a time.
+    one = run("--pp-micro-batch-size", "1", "--parallel", "6")
+    assert one["micro_batch_size"] == 1 and one["peak_in_flight"] == 6
     assert all(s["largest_batch"] == 1 for s in one["stages"])
-    two = run("--pp-micro-batch-size", "6", "--max-batch-size", "2")
-    assert two["peak_in_flight"] > 1
+    # Two micro-batches of three travel and run together (the first steps may be apart).
+    three = run("--pp-micro-batch-size", "3", "--parallel", "6")
+    assert three["micro_batch_size"] == 3
+    assert all(s["largest_batch"] == 3 for s in three["stages"])
+    # The default: --parallel / stages; a stage's --max-batch-size still bounds its batches.
+    two = run("--parallel", "6", "--max-batch-size", "2")
+    assert two["micro_batch_size"] == 3 and two["peak_in_flight"] > 1
     assert all(s["largest_batch"] == 2 for s in two["stages"])
 
 

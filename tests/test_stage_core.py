@@ -285,6 +285,30 @@ def test_decode_steps_batch_and_prompt_chunks_alternate_with_them() -> None:
     assert [s.request_id for s in batch.job.steps] == ["a", "b"]  # decodes batch, up to max_batch
 
 
+def test_a_job_runs_one_micro_batch_oldest_first_and_a_bundle_is_decided_once() -> None:
+    """Decode steps of micro-batches 0 and 1 arrive interleaved in one Bundle: the stage runs
+    micro-batch 0 (the oldest step's) as one job, then micro-batch 1 -- never a mix, which
+    would break both persistent batches. Nothing starts before the Bundle's last item."""
+    c = core(index=0, max_batch=8)
+    for rid in ("a", "b", "c", "d"):
+        prepared(c, rid)
+        (s,) = [
+            e
+            for e in c.handle(RunEntry(rid, 0, (1,), 0, SP, 1), C, 1.0)
+            if isinstance(e, StartCompute)
+        ]
+        c.compute_done(s.job.id, [hidden()], 0.0, 1.0)
+    steps = tuple(
+        RunEntry(rid, mb, (2,), 1, SP, 3) for rid, mb in (("a", 0), ("b", 1), ("c", 0), ("d", 1))
+    )
+    out = c.handle_many(steps, C, 2.0)
+    (first,) = [e for e in out if isinstance(e, StartCompute)]
+    assert [(s.request_id, s.micro_batch) for s in first.job.steps] == [("a", 0), ("c", 0)]
+    out = c.compute_done(first.job.id, [hidden(), hidden()], 0.0, 2.1)
+    (second,) = [e for e in out if isinstance(e, StartCompute)]
+    assert [s.request_id for s in second.job.steps] == ["b", "d"]
+
+
 # --- drain, shutdown, leases, timeouts, lost peers -----------------------------------------------
 
 

@@ -13,6 +13,7 @@ async def run_bench(
 ) -> int:
     from mlxcel.runtime.blas import blas_name
     from mlxcel.server.run import local_stack
+    from mlxcel.tp.group import pick_backend
     from mlxcel.tp.launch import tp_stack
 
     rows = []
@@ -33,6 +34,7 @@ async def run_bench(
                 "tok_per_s": round(rate, 2),
                 f"tok_per_s_{streams}_streams": round(agg, 2),
                 "tokens": tokens,
+                "backend": pick_backend() if n > 1 else "none",
                 "blas": blas_name(),
             }
         )
@@ -43,7 +45,8 @@ async def run_bench(
             print(json.dumps(r), flush=True)
     if not json_lines:
         print(
-            f"model {model} | {tokens} greedy tokens; ranks are processes on mx.distributed (ring)"
+            f"model {model} | {tokens} greedy tokens; ranks are processes on mx.distributed "
+            f"({pick_backend()})"
         )
         for r in rows:
             print(

@@ -22,8 +22,8 @@ from mlxcel.config_tools import (
     BenchDisaggSettings,
     BenchEngineSettings,
     BenchFramesSettings,
-    BenchPipelineSettings,
     BenchPromptCacheSettings,
+    BenchStagesSettings,
     BenchTpSettings,
     CheckpointSettings,
     ClusterCheckSettings,
@@ -62,7 +62,7 @@ BENCHES: dict[str, tuple[type, str]] = {
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
     "tp": (BenchTpSettings, "decode tok/s at tensor-parallel sizes 1 and 2"),
     "pipeline": (
-        BenchPipelineSettings,
+        BenchStagesSettings,
         "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
     ),
     "disagg": (
@@ -217,6 +217,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 commands.resolve_model(settings.model, "small"),
                 settings.tokens,
                 settings.json_lines,
+                streams=settings.streams,
             )
         )
     if args.command == "bench" and args.bench == "engine":
@@ -243,6 +244,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 commands.resolve_model(settings.model, "small"),
                 settings.tokens,
                 settings.json_lines,
+                streams=settings.streams,
             )
         )
     if args.command == "bench" and args.bench == "bringup":

@@ -152,6 +152,12 @@ class SecureConnection:
             self.protection, payload, record_size=self.record_size, max_message=self.max_message
         )
         records = max(1, -(-len(payload) // self.record_size))
+        if records == 1 and not self._send_lock.locked() and self._drained(deadline):
+            # The common case: one frame onto an idle stream whose buffer the kernel has
+            # emptied. Sealed and written without yielding (so nothing interleaves and the
+            # counter order holds); no deadline to arm, since nothing can wait.
+            self._write(next(frames))
+            return
         written = 0
         try:
             async with until(deadline, f"send to {self.source}"), self._send_lock:
@@ -167,6 +173,12 @@ class SecureConnection:
                 # came next on this stream would be glued onto it. Only a new connection helps.
                 self.close()
             raise
+
+    def _drained(self, deadline: float | None) -> bool:
+        transport = self.writer.transport
+        if deadline is not None and deadline <= asyncio.get_running_loop().time():
+            return False  # let the slow path say the deadline passed
+        return not transport.is_closing() and transport.get_write_buffer_size() == 0
 
     def _write(self, frame: bytearray) -> None:
         self.writer.write(frame)

@@ -21,6 +21,7 @@ from mlxcel.endpoint import Endpoint
 from mlxcel.errors import MlxcelError
 from mlxcel.messages import (
     Ack,
+    Bundle,
     CancelRequest,
     Error,
     RunEntry,
@@ -63,7 +64,7 @@ class PipelineCoordinator(CoreAdapter):
         return_logits: bool = False,
         max_sequences: int = 64,
         prefill_chunk: int = 512,
-        max_in_flight: int | None = None,
+        micro_batch_size: int | None = None,
         inject: frozenset[str] = frozenset(),
     ) -> None:
         core = CoordinatorCore(
@@ -73,7 +74,8 @@ class PipelineCoordinator(CoreAdapter):
             max_len=max_len,
             step_timeout=step_timeout,
             return_logits=return_logits,
-            max_in_flight=max_in_flight or max_sequences,
+            max_in_flight=max_sequences,
+            micro_batch_size=micro_batch_size,
             prefill_chunk=prefill_chunk,
             pick_token=pick_token if return_logits else None,
             first_nonce=secrets.randbits(48) + 1,
@@ -108,7 +110,10 @@ class PipelineCoordinator(CoreAdapter):
         # (counted); replies are heard only from the network, so the core's own local results
         # to the frontend never come back to it.
         self.subscribe([RunEntry, CancelRequest], Origin.ANY, maxsize=max(self.max_sequences, 256))
-        self.subscribe([RunResult, Ack, State, Error, Undecodable], Origin.REMOTE, maxsize=1024)
+        self.subscribe(
+            [RunResult, Ack, State, Error, Undecodable, Bundle], Origin.REMOTE, maxsize=1024
+        )
+        self.bundles = True
         self._local.start()
         self.start()
 
@@ -174,6 +179,7 @@ class PipelineCoordinator(CoreAdapter):
                 "stages": out,
                 "active": c.active,
                 "max_in_flight": c.max_in_flight,
+                "micro_batch_size": c.micro_batch_size,
                 "peak_in_flight": c.peak_in_flight,
                 "completed": c.completed,
                 "failed": c.failed,

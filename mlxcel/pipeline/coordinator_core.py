@@ -8,6 +8,14 @@ answered with an empty RunResult), then the last token as the first sampling ste
 request ends for any reason, the sequence is released on every stage. At most
 ``max_in_flight`` sequences are in the stages at once; later requests wait in order.
 
+Micro-batches: every admitted request joins one of ``ceil(max_in_flight / micro_batch_size)``
+micro-batches (the emptiest). Decode steps of one micro-batch travel together: a request whose
+step is ready waits (parked) while others of its micro-batch still have a step in the stages,
+and the whole micro-batch is sent as soon as its last result is in. Each stage runs a
+micro-batch as one batch on persistent caches, and with one micro-batch per stage in flight
+(the default size, ``max_in_flight / stages``) stage k computes one while stage k+1 computes
+the next.
+
 Every exchange has a fresh nonce and an absolute deadline. What the core accepts from the
 network: Ack/State only from the stage it addressed; RunResult only from the final stage,
 with the nonce of the exchange that is waiting, for the same request and micro-batch (and,
@@ -68,6 +76,7 @@ class CoordinatorCore:
         step_timeout: float = 30.0,
         return_logits: bool = False,
         max_in_flight: int = 64,
+        micro_batch_size: int | None = None,
         prefill_chunk: int = 512,
         pick_token: PickToken | None = None,
         first_nonce: int = 1,
@@ -84,6 +93,11 @@ class CoordinatorCore:
         self.step_timeout = step_timeout
         self.return_logits = return_logits
         self.max_in_flight = max_in_flight
+        self.micro_batch_size = micro_batch_size or max(1, -(-max_in_flight // len(stages)))
+        n_micro = max(1, -(-max_in_flight // self.micro_batch_size))
+        self._mb_members = [0] * n_micro  # admitted requests per micro-batch
+        self._mb_out: list[set[str]] = [set() for _ in range(n_micro)]  # steps in the stages
+        self._mb_parked: list[list[Req]] = [[] for _ in range(n_micro)]
         self.prefill_chunk = prefill_chunk
         self.pick_token = pick_token
         self.inject = inject
@@ -277,6 +291,9 @@ class CoordinatorCore:
                 continue
             req.state = REQ_TABLE.next(req.state, ReqEvent.ADMIT)
             req.admitted = True
+            mb = min(range(len(self._mb_members)), key=self._mb_members.__getitem__)
+            req.micro_batch = mb
+            self._mb_members[mb] += 1
             self.peak_in_flight = max(self.peak_in_flight, self.held)
             total = len(req.entry.token_ids) + req.entry.sampling.max_tokens
             for stage in self.stages:
@@ -293,18 +310,36 @@ class CoordinatorCore:
     def _next_step(self, req: Req, now: float, out: list[Effect]) -> None:
         e = req.entry
         rid = e.request_id
-        if req.prefix:
-            piece, req.prefix = req.prefix[: self.prefill_chunk], req.prefix[self.prefill_chunk :]
-            req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
-            nonce = self._open(RunResult, self.stages[0], rid, e.micro_batch, now, len(piece), 0)
-            msg = RunEntry(rid, e.micro_batch, piece, req.pos, e.sampling, nonce, sample=False)
-        else:
-            step = req.next_tokens
-            req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
-            nonce = self._open(RunResult, self.stages[0], rid, e.micro_batch, now, len(step), 1)
-            msg = RunEntry(rid, e.micro_batch, step, req.pos, e.sampling, nonce)
+        if not req.prefix:
+            mb = req.micro_batch
+            req.parked = True
+            self._mb_parked[mb].append(req)
+            self._flush(mb, now, out)
+            return
+        piece, req.prefix = req.prefix[: self.prefill_chunk], req.prefix[self.prefill_chunk :]
+        req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
+        nonce = self._open(RunResult, self.stages[0], rid, req.micro_batch, now, len(piece), 0)
+        msg = RunEntry(rid, req.micro_batch, piece, req.pos, e.sampling, nonce, sample=False)
         req.pending = {nonce}
         out.append(self._send(self.stages[0], msg))
+
+    def _flush(self, mb: int, now: float, out: list[Effect]) -> None:
+        """Send micro-batch ``mb``'s parked decode steps together once none is in the stages."""
+        if self._mb_out[mb]:
+            return
+        parked, self._mb_parked[mb] = self._mb_parked[mb], []
+        for req in parked:
+            req.parked = False
+            e = req.entry
+            rid = e.request_id
+            req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
+            step = req.next_tokens
+            nonce = self._open(RunResult, self.stages[0], rid, mb, now, len(step), 1)
+            req.pending = {nonce}
+            self._mb_out[mb].add(rid)
+            out.append(
+                self._send(self.stages[0], RunEntry(rid, mb, step, req.pos, e.sampling, nonce))
+            )
 
     def _end(self, req: Req, now: float, out: list[Effect]) -> None:
         """The request left (finished, failed or cancelled): free its slot and its stages."""
@@ -313,10 +348,18 @@ class CoordinatorCore:
         for nonce in req.pending:
             self._exchanges.pop(nonce, None)
         req.pending = set()
+        mb = req.micro_batch
+        self._mb_out[mb].discard(rid)
+        if req.parked:
+            req.parked = False
+            self._mb_parked[mb].remove(req)
         if req.admitted:
             req.admitted = False
+            self._mb_members[mb] -= 1
             # Best effort, briefly: a stage that misses it frees the sequence at its lease.
             out.extend(Send(s, ReleaseSequence(rid), deadline=now + 5.0) for s in self.stages)
+        if self._mb_parked[mb]:
+            self._flush(mb, now, out)  # it may have been the step the others waited for
         self._admit(now, out)
 
     # --- exchanges ----------------------------------------------------------------------------
@@ -428,6 +471,7 @@ class CoordinatorCore:
             req.pos += ex.seq_len
             self._next_step(req, now, out)
             return
+        self._mb_out[req.micro_batch].discard(ex.request_id)
         self.decode_steps += 1
         self.decode_wall_s += now - ex.sent_at
         self.decode_compute_s += m.compute_us / 1e6

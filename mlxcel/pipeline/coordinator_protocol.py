@@ -95,3 +95,5 @@ class Req:
     generated: int = 0
     picker: Any = None  # PickToken's state
     admitted: bool = False  # holds an in-flight slot (and sequences on the stages)
+    micro_batch: int = 0  # which micro-batch its decode steps travel in
+    parked: bool = False  # its decode step waits for the rest of its micro-batch

@@ -52,7 +52,7 @@ async def pipeline_stack(
     return_logits: bool = False,
     max_batch_size: int = 8,
     prefill_chunk: int = 512,
-    max_in_flight: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> AsyncIterator[PipelineStack]:
     compute = ComputeThread()
     try:
@@ -96,7 +96,7 @@ async def pipeline_stack(
                 return_logits=return_logits,
                 max_sequences=max(parallel, 1),
                 prefill_chunk=prefill_chunk,
-                max_in_flight=max_in_flight,
+                micro_batch_size=micro_batch_size,
             )
             coordinator.attach()
             fe = Frontend(

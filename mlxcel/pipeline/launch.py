@@ -18,6 +18,7 @@ from pathlib import Path
 from mlxcel.errors import MlxcelError
 from mlxcel.net.secret import keygen
 from mlxcel.runtime.blas import colocated_env
+from mlxcel.runtime.devices import device_env
 
 
 def free_port(host: str) -> int:
@@ -74,11 +75,11 @@ class LoopbackCluster:
             ]
         self.config.write_text("\n".join(lines) + "\n")
 
-    async def _start(self, node_id: str, ready: str, *extra: str) -> None:
+    async def _start(self, node_id: str, ready: str, *extra: str, index: int = 0) -> None:
         args = ["-m", str(self.model), "--distributed-config", str(self.config)]
         args += ["--node-id", node_id, *extra, *self.extra_args]
         log = self.workdir / f"{node_id}.log"
-        proc = await start_serve(args, log, ready, self._env())
+        proc = await start_serve(args, log, ready, device_env(index, self._env()))
         self.procs.append((node_id, proc, log))
 
     def _env(self) -> dict[str, str]:
@@ -88,7 +89,7 @@ class LoopbackCluster:
         self.write_config()
         try:
             await asyncio.gather(
-                *(self._start(f"stage-{i}", "mlxcel stage") for i in range(self.n_stages))
+                *(self._start(f"stage-{i}", "mlxcel stage", index=i) for i in range(self.n_stages))
             )
             if self.spawn_coordinator:
                 await self._start("coordinator", "mlxcel serving", "--port", str(self.http_port))

@@ -5,8 +5,11 @@ safetensors headers (no weights are loaded). A decoder layer costs the bytes of 
 the embedding is charged to the first stage and the final norm and LM head to the last (a tied
 head re-uses the embedding, so the last stage is charged for it too). Uneven models -- a
 dense layer 0, cheap attention-only layers, heavy expert layers -- therefore split correctly
-without per-family tables. With declared per-node memory the split balances cost/memory and
-refuses a plan that does not fit, showing the numbers.
+without per-family tables. Without declared memory the split balances time: the bytes a
+stage multiplies by, so the embedding (a table lookup) does not count, while a tied head (a
+full matmul over the embedding) does -- a byte-balanced split of a small model with a large
+vocabulary leaves the last stage the bottleneck. With declared per-node memory the split
+balances bytes/memory and refuses a plan that does not fit, showing the numbers.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def plan(
 def auto_split(
     costs: LayerCosts, n_stages: int, memory: list[float] | None = None
 ) -> list[StagePlan]:
-    """Contiguous split minimising the largest cost/memory ratio (dynamic programming)."""
+    """Contiguous split minimising the largest stage cost (time, or bytes/memory when
+    ``memory`` is declared), by dynamic programming."""
     n = len(costs.layers)
     if not 1 <= n_stages <= n:
         raise PartitionError(f"cannot split {n} layers into {n_stages} stages")
@@ -184,7 +188,7 @@ def auto_split(
                     continue
                 c = prefix[j] - prefix[i]
                 if s == 1:
-                    c += costs.embed + costs.other
+                    c += costs.other + (costs.embed if memory is not None else 0)
                 if last:
                     c += costs.head
                 v = max(best[s - 1][i], c / weight[s - 1])

@@ -162,7 +162,7 @@ async def remote_coordinator(
     interface: str | None = None,
     startup_timeout: float = 60.0,
     prefill_chunk: int = 512,
-    max_in_flight: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> AsyncIterator[RemoteCoordinator]:
     """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
     tokenizer, config = load_tokenizer_only(model_path)
@@ -180,7 +180,7 @@ async def remote_coordinator(
             return_logits=return_logits,
             max_sequences=parallel,
             prefill_chunk=prefill_chunk,
-            max_in_flight=max_in_flight,
+            micro_batch_size=micro_batch_size,
         )
         coordinator.attach()
         await listener.start()

@@ -11,6 +11,7 @@ jobs and results between them.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 from loguru import logger
 
@@ -18,7 +19,7 @@ from mlxcel.adapter import CoreAdapter
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, FreeCache, StartCompute, Stopped
 from mlxcel.endpoint import Endpoint
-from mlxcel.messages import Undecodable
+from mlxcel.messages import Bundle, Undecodable
 from mlxcel.pipeline.stage_core import StageCore
 from mlxcel.pipeline.stage_protocol import (
     MAY_SEND,
@@ -27,6 +28,7 @@ from mlxcel.pipeline.stage_protocol import (
     StageConfig,
     StageState,
     StageStats,
+    StepOutput,
 )
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
@@ -75,7 +77,8 @@ class StageService(CoreAdapter):
         return self.stage.state
 
     def attach(self) -> None:
-        self.subscribe([*MAY_SEND, Undecodable], Origin.REMOTE, maxsize=256)
+        self.subscribe([*MAY_SEND, Undecodable, Bundle], Origin.REMOTE, maxsize=256)
+        self.bundles = True
         self.start()
 
     async def warm_up(self) -> float:
@@ -97,7 +100,10 @@ class StageService(CoreAdapter):
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute):
-            self.node.spawn(self._run(effect.job), name=f"{self.name}.job")
+            # Submitted now, not from the task: the compute thread starts while the reactor
+            # still sends the previous job's outputs (ordered with frees, as before).
+            fut = self.compute.submit(self.runtime.run, effect.job)
+            self.node.spawn(self._run(effect.job, fut), name=f"{self.name}.job")
         elif isinstance(effect, FreeCache):
             # Queued behind any job still using the cache: the compute thread runs in order.
             self.compute.submit(self.runtime.free, effect.key)
@@ -106,11 +112,12 @@ class StageService(CoreAdapter):
         else:
             super().apply(effect)
 
-    async def _run(self, job: ComputeJob) -> None:
-        # Submitted at once (so it is ordered with frees); the core's timer bounds the wait.
-        fut = asyncio.wrap_future(self.compute.submit(self.runtime.run, job))
+    async def _run(
+        self, job: ComputeJob, submitted: Future[tuple[list[StepOutput], float]]
+    ) -> None:
+        # The core's timer bounds the wait.
         try:
-            outputs, took = await fut
+            outputs, took = await asyncio.wrap_future(submitted)
         except Exception as exc:  # an execution failure is reported like a bad activation
             logger.exception("stage {}: forward failed", self.config.index)
             self.feed(self.stage.compute_failed(job.id, str(exc), self.now()))

@@ -66,12 +66,10 @@ from mlxcel.pipeline.stage_protocol import (
     Step,
     StepFailed,
     StepOutput,
+    pick_job,
 )
 
 __all__ = ["StageConfig", "StageCore", "StageState"]
-
-
-# --- the core ---------------------------------------------------------------------------------
 
 
 class StageCore(StageGate):
@@ -118,27 +116,32 @@ class StageCore(StageGate):
     # --- entry points -------------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
         """One message from ``source`` (an authenticated identity) at time ``now``."""
+        return self.handle_many((msg,), source, now)
+
+    def handle_many(self, msgs: tuple[Message, ...], source: str, now: float) -> list[Effect]:
+        """A Bundle's items, each authorised and handled as if alone; the next job is chosen
+        after the last, so a micro-batch that arrived together runs together."""
         out: list[Effect] = []
-        if isinstance(msg, Undecodable):
-            self._on_undecodable(msg, source, out)
-            return out
-        if type(msg) not in MAY_SEND:
-            self._refuse(out, msg, source, ErrorCode.BAD_MESSAGE, "not a stage message")
-            return out
-        if isinstance(msg, RunEntry) and not self.is_first:
-            self._refuse(out, msg, source, ErrorCode.NOT_ENTRY, "this stage is not the entry stage")
-            return out
-        if not self._sender_ok(msg, source):
-            self._refused_sender(out, msg, source)
-            return out
-        handler = getattr(self, f"_on_{type(msg).__name__}")
-        try:
-            handler(msg, source, now, out)
-        except ProtocolError as exc:
-            self._refuse(out, msg, source, exc.code, str(exc))
+        for msg in msgs:
+            self._handle_one(msg, source, now, out)
         self._start_next(now, out)
         self._maybe_stopped(out)
         return out
+
+    def _handle_one(self, msg: Message, source: str, now: float, out: list[Effect]) -> None:
+        if isinstance(msg, Undecodable):
+            self._on_undecodable(msg, source, out)
+        elif type(msg) not in MAY_SEND:
+            self._refuse(out, msg, source, ErrorCode.BAD_MESSAGE, "not a stage message")
+        elif isinstance(msg, RunEntry) and not self.is_first:
+            self._refuse(out, msg, source, ErrorCode.NOT_ENTRY, "this stage is not the entry stage")
+        elif not self._sender_ok(msg, source):
+            self._refused_sender(out, msg, source)
+        else:
+            try:
+                getattr(self, f"_on_{type(msg).__name__}")(msg, source, now, out)
+            except ProtocolError as exc:
+                self._refuse(out, msg, source, exc.code, str(exc))
 
     def compute_done(
         self, job_id: int, outputs: list[StepOutput], took: float, now: float
@@ -406,12 +409,7 @@ class StageCore(StageGate):
         self._queue.clear()
         if not queued:
             return
-        decodes = [s for s in queued if s.step is not None and s.step.decode]
-        prompts = [s for s in queued if s not in decodes]
-        if decodes and not (prompts and self._last_was_decode):
-            chosen = decodes[: self.config.max_batch]
-        else:
-            chosen = prompts[:1]
+        chosen = pick_job(queued, self.config.max_batch, self._last_was_decode)
         self._last_was_decode = bool(chosen[0].step and chosen[0].step.decode)
         self._queue.extend(s for s in queued if s not in chosen)
         for seq in chosen:

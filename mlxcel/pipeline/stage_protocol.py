@@ -224,3 +224,17 @@ class StageStats:
     leases_expired: int = 0
     dropped: int = 0
     by_code: dict[str, int] = field(default_factory=dict)
+
+
+def pick_job(queued: list[Seq], max_batch: int, last_was_decode: bool) -> list[Seq]:
+    """What runs next, from the queued sequences (oldest first): the decode steps of one
+    micro-batch -- the oldest queued decode's -- as one batch of at most ``max_batch`` (the
+    stage keeps that micro-batch's caches as one persistent batch), or one prompt chunk.
+    Prompt chunks alternate with decode batches, so a long prompt cannot stall decoding and
+    decoding cannot starve a prompt."""
+    decodes = [(s, s.step) for s in queued if s.step is not None and s.step.decode]
+    prompts = [s for s in queued if s.step is not None and not s.step.decode]
+    if decodes and not (prompts and last_was_decode):
+        mb = decodes[0][1].micro_batch
+        return [s for s, step in decodes if step.micro_batch == mb][:max_batch]
+    return prompts[:1]

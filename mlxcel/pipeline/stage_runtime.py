@@ -10,30 +10,51 @@ caches under that key until the core frees it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from mlxcel.messages import ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
-from mlxcel.runtime.model import LayerRange, merge_rows, split_row
+from mlxcel.runtime.model import LayerRange, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch's persistent caches: a batch cache per layer, a row per sequence."""
+
+    keys: list[SeqKey]
+    cache: list[Any]
+
+
 class StageRuntime:
-    """A layer range plus the per-sequence caches and samplers. Call only on one thread."""
+    """A layer range plus the per-sequence caches and samplers. Call only on one thread.
+
+    A sequence's cache lives on its own while its prompt is filled, then -- from its first
+    decode step -- as a row of its micro-batch's persistent batch (mlx-lm's BatchKVCache, the
+    batch generator's own ``extend``/``filter``), so a decode step of N sequences is one
+    forward pass with no per-step merging or splitting of caches. Rows join and leave only
+    when the micro-batch's membership changes.
+    """
 
     def __init__(self, layers: LayerRange) -> None:
         self.layers = layers
         self.width = layers.loaded.hidden_size
         self.vocab = int(layers.loaded.config["vocab_size"])
-        self.caches: dict[SeqKey, list[Any]] = {}
+        self.caches: dict[SeqKey, list[Any]] = {}  # sequences outside any micro-batch
+        self.batches: dict[int, MicroBatch] = {}
+        self.batch_of: dict[SeqKey, int] = {}
         self.samplers: dict[SeqKey, Sampler | None] = {}
 
     def free(self, key: SeqKey) -> None:
         self.caches.pop(key, None)
         self.samplers.pop(key, None)
+        mb = self.batch_of.pop(key, None)
+        if mb is not None:
+            self._drop_row(mb, key)
 
     def run(self, job: ComputeJob) -> tuple[list[StepOutput], float]:
         """The job's outputs and how long it ran *on this thread*: timed here, not on the
@@ -57,45 +78,103 @@ class StageRuntime:
                 h = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
             mx.eval(h)
 
+    # --- micro-batches ------------------------------------------------------------------------
+    def _drop_row(self, mb: int, key: SeqKey) -> None:
+        batch = self.batches[mb]
+        keep = [i for i, k in enumerate(batch.keys) if k != key]
+        if not keep:
+            del self.batches[mb]
+            return
+        rows = mx.array(keep)
+        for c in batch.cache:
+            c.filter(rows)
+        batch.keys = [batch.keys[i] for i in keep]
+
+    def _take_out(self, key: SeqKey) -> list[Any]:
+        """``key``'s cache on its own again, out of the micro-batch it was in (if any)."""
+        mb = self.batch_of.pop(key, None)
+        if mb is not None:
+            batch = self.batches[mb]
+            row = batch.keys.index(key)
+            self.caches[key] = [split_row(c, row) for c in batch.cache]
+            self._drop_row(mb, key)
+        return self.caches.setdefault(key, self.layers.make_batch_cache())
+
+    def _micro_batch(self, mb: int, keys: list[SeqKey]) -> MicroBatch:
+        """Micro-batch ``mb``'s persistent batch with exactly the rows ``keys``."""
+        batch = self.batches.get(mb)
+        want = set(keys)
+        for k in [k for k in batch.keys if k not in want] if batch is not None else []:
+            self._take_out(k)  # not in this step: it keeps its cache, outside the batch
+        batch = self.batches.get(mb)
+        for k in keys:
+            if self.batch_of.get(k) == mb:
+                continue
+            single = self._take_out(k)
+            del self.caches[k]
+            if batch is None:
+                batch = self.batches[mb] = MicroBatch([k], single)
+            else:
+                for c, one in zip(batch.cache, single, strict=True):
+                    c.extend(one)
+                batch.keys.append(k)
+            self.batch_of[k] = mb
+        assert batch is not None
+        return batch
+
+    # --- one job ------------------------------------------------------------------------------
     def _run(self, job: ComputeJob) -> list[StepOutput]:
-        """One sequence runs on its own cache. Several (single-token decode steps) run as one
-        batch: their caches are merged into mlx-lm's BatchKVCache (left-padded to a common
-        length, with the matching attention mask), and split back afterwards."""
+        """A prompt chunk runs on its sequence's own cache; decode steps (one micro-batch) run
+        as one batch on the micro-batch's persistent cache, inputs in its row order."""
         steps = job.steps
-        caches = [self.caches.setdefault(s.key, self.layers.make_batch_cache()) for s in steps]
-        xs = [
-            mx.array([list(s.tokens)], dtype=mx.int32)
-            if s.tokens is not None
-            else from_tensor(s.hidden)  # type: ignore[arg-type]
-            for s in steps
-        ]
         head = "none" if not any(s.sample for s in steps) else "all"
         if job.last and not job.return_logits and head != "none":
             head = "last"  # sampling needs the last position's logits only
-        if len(steps) == 1:
-            h = self.layers(xs[0], caches[0], head=head)
+        if all(s.decode for s in steps):
+            batch = self._micro_batch(steps[0].micro_batch, [s.key for s in steps])
+            rows = [batch.keys.index(s.key) for s in steps]
+            by_row = sorted(range(len(steps)), key=rows.__getitem__)
+            cache = batch.cache
+            x = _inputs([steps[j] for j in by_row])
         else:
-            batch = [merge_rows([c[i] for c in caches]) for i in range(len(caches[0]))]
-            h = self.layers(mx.concatenate(xs, axis=0), batch, head=head)
-            mx.eval(h)
-            for row, s in enumerate(steps):
-                caches[row] = self.caches[s.key] = [split_row(c, row) for c in batch]
+            (step,) = steps  # prompt chunks run one at a time
+            cache, rows, x = self._take_out(step.key), [0], _inputs([step])
+        h = self.layers(x, cache, head=head)
         if not job.last:
             mx.eval(h)
-            return [to_tensor(h[row : row + 1]) for row in range(len(steps))]
+            return [to_tensor(h[r : r + 1]) for r in rows]
         if head == "none":
-            mx.eval([c.state for cache in caches for c in cache])
+            mx.eval([c.state for c in cache])
             return [None] * len(steps)
         if job.return_logits:
             mx.eval(h)
-            return [to_tensor(h[row : row + 1].astype(mx.float32)) for row in range(len(steps))]
-        return [
-            self._sample(s, h[row : row + 1, -1, :]) if s.sample else None
-            for row, s in enumerate(steps)
-        ]
+            return [to_tensor(h[r : r + 1].astype(mx.float32)) for r in rows]
+        return self._sample(steps, [h[r : r + 1, -1, :] for r in rows])
 
-    def _sample(self, step: Step, logits: mx.array) -> Sampled | StepFailed:
-        """One row's token; a failure here fails this sequence only."""
+    def _sample(self, steps: tuple[Step, ...], logits: list[mx.array]) -> list[StepOutput]:
+        """Each row's token, evaluated together; a failure fails its own sequence only."""
+        picks: list[tuple[mx.array, mx.array] | StepFailed | None] = []
+        for step, row in zip(steps, logits, strict=True):
+            picks.append(self._pick(step, row) if step.sample else None)
+        ready = [p for p in picks if isinstance(p, tuple)]
+        try:
+            mx.eval(ready)
+        except Exception:
+            pass  # evaluated one by one below, so only the failing rows fail
+        out: list[StepOutput] = []
+        for p in picks:
+            if not isinstance(p, tuple):
+                out.append(p)
+                continue
+            tok, logprobs = p
+            try:
+                t = int(tok.item())
+                out.append(Sampled(t, float(logprobs[0, t].item())))
+            except Exception as exc:
+                out.append(_failed(exc))
+        return out
+
+    def _pick(self, step: Step, logits: mx.array) -> tuple[mx.array, mx.array] | StepFailed:
         try:
             if step.key not in self.samplers:
                 self.samplers[step.key] = make_sampler(step.sampling)
@@ -105,12 +184,21 @@ class StageRuntime:
             # skipping it would break near-ties differently.
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tok = sampler(logprobs) if sampler is not None else mx.argmax(logprobs, -1)
-            mx.eval(tok, logprobs)
-            t = int(tok.item())
-            return Sampled(t, float(logprobs[0, t].item()))
+            return tok, logprobs
         except Exception as exc:
-            why = f"sampling failed: {type(exc).__name__}: {exc}"
-            return StepFailed(ErrorCode.SAMPLING_FAILED, why)
+            return _failed(exc)
+
+
+def _inputs(steps: list[Step]) -> mx.array:
+    """Token ids ``[B, n]`` (entry stage) or hidden states ``[B, n, width]``, in this order."""
+    if steps[0].tokens is not None:
+        return mx.array([list(s.tokens or ()) for s in steps], dtype=mx.int32)
+    hs = [from_tensor(s.hidden) for s in steps]  # type: ignore[arg-type]
+    return hs[0] if len(hs) == 1 else mx.concatenate(hs, axis=0)
+
+
+def _failed(exc: Exception) -> StepFailed:
+    return StepFailed(ErrorCode.SAMPLING_FAILED, f"sampling failed: {type(exc).__name__}: {exc}")
 
 
 __all__ = ["StageRuntime", "Tensor"]

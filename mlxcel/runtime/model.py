@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from loguru import logger
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
 from mlxcel.logs import adopt_library_logging
@@ -186,19 +186,6 @@ def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
     adopt_library_logging()
     return tokenizer, config
-
-
-def merge_rows(rows: list[Any]) -> Any:
-    """One BatchKVCache over several one-row BatchKVCaches (left-padded to a common length)."""
-    plain = []
-    for r in rows:
-        kv = KVCache()
-        if r.keys is not None:
-            kv.keys = r.keys[..., : r._idx, :]
-            kv.values = r.values[..., : r._idx, :]
-            kv.offset = r._idx
-        plain.append(kv)
-    return BatchKVCache.merge(plain)
 
 
 def split_row(batch: Any, row: int) -> Any:

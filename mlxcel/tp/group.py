@@ -1,4 +1,5 @@
-"""Tensor-parallel groups on MLX's own distributed layer (the ring backend over TCP).
+"""Tensor-parallel groups on MLX's own distributed layer: NCCL between CUDA GPUs, else the
+ring backend over TCP (``MLXCEL_TP_BACKEND`` picks one).
 
 Ranks are processes. Weights are sharded by mlx-lm's ``Model.shard(group)``; the collectives
 inside the sharded layers are MLX's. Rank 0 drives: before each batch step it sends the
@@ -126,17 +127,40 @@ def read_hostfile(path: Path) -> list[list[str]]:
     return ranks
 
 
+BACKENDS = ("ring", "nccl")
+
+
+def pick_backend() -> str:
+    """NCCL where MLX runs on CUDA: its collectives go GPU to GPU, where the ring would copy
+    every all-reduce through host memory and TCP. ``MLXCEL_TP_BACKEND`` overrides."""
+    import mlx.core as mx
+
+    want = os.environ.get("MLXCEL_TP_BACKEND", "").strip().lower()
+    if want and want not in BACKENDS:
+        raise ConfigError("MLXCEL_TP_BACKEND", f"{want!r} is not one of {', '.join(BACKENDS)}")
+    if want == "nccl" and not mx.cuda.is_available():
+        raise ConfigError("MLXCEL_TP_BACKEND", "nccl needs MLX on CUDA GPUs")
+    return want or ("nccl" if mx.cuda.is_available() else "ring")
+
+
 def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
-    """Join the ring. Every rank must call this; it blocks until all are connected, or kills
-    this process after ``timeout`` seconds with one line saying which ranks never came."""
+    """Join the group. Every rank must call this; it blocks until all are connected, or kills
+    this process after ``timeout`` seconds with one line saying which ranks never came.
+    Under NCCL, rank 0's hostfile address is the rendezvous (``NCCL_HOST_IP:NCCL_PORT``)."""
     import subprocess
     import sys
 
     import mlx.core as mx
 
+    ranks = read_hostfile(hostfile)
+    backend = pick_backend()
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
-    ranks = read_hostfile(hostfile)
+    if backend == "nccl":
+        host, _, port = ranks[0][0].rpartition(":")
+        os.environ.update(
+            NCCL_HOST_IP=host.strip("[]"), NCCL_PORT=port, MLX_WORLD_SIZE=str(len(ranks))
+        )
     peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
     what = f"the ranks to join the group ({peers})"
     dog = subprocess.Popen(
@@ -152,7 +176,7 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
         stdin=subprocess.PIPE,
     )
     try:
-        return mx.distributed.init(backend="ring", strict=True)
+        return mx.distributed.init(backend=backend, strict=True)
     finally:
         assert dog.stdin is not None
         dog.stdin.close()

@@ -25,6 +25,7 @@ from mlxcel.errors import MlxcelError
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.devices import device_env
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.tp.engine import TpEngine
 from mlxcel.tp.group import (
@@ -93,7 +94,7 @@ async def tp_stack(
                         str(prefill_step_size),
                         "--startup-timeout",
                         str(startup_timeout),
-                        env=colocated_env(tp_size),
+                        env=device_env(rank, colocated_env(tp_size)),
                     )
                 )
         stopping = False

@@ -25,7 +25,17 @@ from typing import Any
 import cbor2
 
 from mlxcel.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
-from mlxcel.messages import ALL_MESSAGES, Message, SamplingParams, Tensor, TpInsert
+from mlxcel.messages import (
+    ALL_MESSAGES,
+    BUNDLED,
+    MAX_BUNDLE,
+    Bundle,
+    Message,
+    SamplingParams,
+    Tensor,
+    TpInsert,
+    Undecodable,
+)
 
 _INT_MIN = -(2**63)
 _INT_MAX = 2**64 - 1
@@ -42,9 +52,18 @@ def encode(msg: Message) -> bytes:
     """Encode a message to its one CBOR form."""
     if type(msg) not in _BY_KIND.values():
         raise TypeError(f"{type(msg).__name__} is not a registered message")
-    body = {"kind": msg.KIND}
-    body.update(_to_plain(msg))
-    return cbor2.dumps(body)
+    return cbor2.dumps(_body(msg))
+
+
+def _body(msg: Message) -> dict[str, Any]:
+    body: dict[str, Any] = {"kind": msg.KIND}
+    if isinstance(msg, Bundle):
+        if not 0 < len(msg.items) <= MAX_BUNDLE or any(type(m) not in BUNDLED for m in msg.items):
+            raise TypeError(f"a Bundle holds 1 to {MAX_BUNDLE} items of the bundled kinds")
+        body["items"] = [_body(m) for m in msg.items]
+    else:
+        body.update(_to_plain(msg))
+    return body
 
 
 def _to_plain(obj: Any) -> dict[str, Any]:
@@ -61,6 +80,8 @@ def _to_plain(obj: Any) -> dict[str, Any]:
 
 def tensor_bytes(msg: Message) -> int:
     """Bytes of tensor data ``msg`` carries (what its encoding mostly copies)."""
+    if isinstance(msg, Bundle):
+        return sum(tensor_bytes(m) for m in msg.items)
     total = 0
     for f in dataclasses.fields(msg):  # type: ignore[arg-type]
         value = getattr(msg, f.name)
@@ -90,7 +111,38 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     cls = _BY_KIND.get(kind)
     if cls is None:
         raise UnknownKindError(f"unknown message kind {kind}")
+    if cls is Bundle:
+        return _build_bundle(raw)
     return _build(cls, raw, cls.__name__)
+
+
+_BUNDLED_BY_KIND = {cls.KIND: cls for cls in BUNDLED}
+
+
+def _build_bundle(raw: dict[Any, Any]) -> Bundle:
+    """A Bundle whose shape is wrong is refused whole; an item that does not decode becomes
+    :class:`Undecodable` in its place, so its exchange is answered and the rest still run."""
+    items = raw.pop("items", None)
+    if raw:
+        raise FieldError(f"Bundle: unexpected field(s) {sorted(map(str, raw))}")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_BUNDLE:
+        raise FieldError(f"Bundle: items must be an array of 1 to {MAX_BUNDLE} messages")
+    out: list[Message] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise FieldError(f"Bundle.items[{i}]: expected a map, got {type(item).__name__}")
+        kind = item.get("kind")
+        cls = _BUNDLED_BY_KIND.get(kind) if type(kind) is int else None
+        try:
+            if cls is None:
+                raise UnknownKindError(f"kind {kind!r} cannot travel in a Bundle")
+            body = dict(item)
+            del body["kind"]
+            out.append(_build(cls, body, f"Bundle.items[{i}].{cls.__name__}"))
+        except DecodeError as exc:
+            k, rid, nonce = _salvage_map(item)
+            out.append(Undecodable(k, rid, nonce, str(exc)[:300]))
+    return Bundle(tuple(out))
 
 
 def salvage(data: bytes | bytearray | memoryview) -> tuple[int | None, str | None, int | None]:
@@ -102,7 +154,10 @@ def salvage(data: bytes | bytearray | memoryview) -> tuple[int | None, str | Non
         return None, None, None
     if not isinstance(raw, dict):
         return None, None, None
+    return _salvage_map(raw)
 
+
+def _salvage_map(raw: dict[Any, Any]) -> tuple[int | None, str | None, int | None]:
     def pick(key: str, tp: type) -> Any:
         v = raw.get(key)
         if type(v) is not tp or (tp is int and not _INT_MIN <= v <= _INT_MAX):
