@@ -59,3 +59,50 @@ async def test_health_probes_to_a_dead_stage_do_not_hold_up_a_request() -> None:
             assert loop.time() - t0 < 10, "the request waited behind expired probes"
             await asyncio.sleep(0.05)
         assert coord.expired_sends > 0  # expired probes were dropped unsent
+
+
+class Recorder:
+    """An endpoint that records what it is asked to send and fails sends to ``dead``."""
+
+    identity = "coordinator"
+    wire_bytes = 0
+
+    def __init__(self, dead: str = "") -> None:
+        self.sent: list[tuple[str, Message]] = []
+        self.dead = dead
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        self.sent.append((dest, msg))
+        if dest == self.dead:
+            raise SendFailed(f"send to {dest} failed: connection refused")
+
+    def reset(self, dest: str) -> None:
+        pass
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        pass
+
+
+async def test_what_queues_for_one_peer_leaves_as_one_bundle_and_fails_item_by_item() -> None:
+    """Eight requests admitted in one go: each stage gets one Bundle of eight PrepareSequences,
+    not eight frames. When that Bundle cannot be delivered, every one of its requests fails
+    (none waits out its deadline)."""
+    async with Node("coordinator") as node:
+        ep = Recorder(dead="s1")
+        coord = PipelineCoordinator(
+            node, ep, ["s0", "s1"], eos=set(), vocab=16, max_len=64, max_sequences=8
+        )
+        coord.attach()
+        for i in range(8):
+            coord.feed(
+                coord.core.handle(
+                    RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(max_tokens=2), i), LOCAL, 0.0
+                )
+            )
+        await asyncio.sleep(0.05)
+        by_dest = {dest: msg for dest, msg in ep.sent}
+        assert sorted(by_dest) == ["s0", "s1"] and len(ep.sent) == 2
+        for msg in by_dest.values():
+            assert isinstance(msg, Bundle)
+            assert [m.request_id for m in msg.items] == [f"r{i}" for i in range(8)]
+        assert coord.coord.failed == 8 and coord.active == 0

@@ -221,6 +221,34 @@ def test_bench_tp_prints_json_lines(tiny: Path) -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["tp_size"] for row in rows] == [1, 2]
     assert all(row["tok_per_s"] > 0 for row in rows)
+    assert [row["backend"] for row in rows] == ["none", "ring"]  # no CUDA here
+
+
+def test_the_collective_backend_is_nccl_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring on this CPU; a wrong or impossible MLXCEL_TP_BACKEND is refused by name."""
+    from mlxcel.errors import ConfigError
+    from mlxcel.tp.group import pick_backend
+
+    assert pick_backend() == "ring"
+    monkeypatch.setenv("MLXCEL_TP_BACKEND", "Ring")
+    assert pick_backend() == "ring"
+    for bad, words in (("mpi", "not one of ring, nccl"), ("nccl", "needs MLX on CUDA")):
+        monkeypatch.setenv("MLXCEL_TP_BACKEND", bad)
+        with pytest.raises(ConfigError, match=words):
+            pick_backend()
+
+
+def test_co_located_processes_get_a_gpu_each_only_where_there_are_several(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mlxcel.runtime import devices
+
+    env = {"A": "1"}
+    assert devices.gpu_ids() == [] and devices.device_env(1, env) == env  # CPU: unchanged
+    monkeypatch.setattr(devices, "gpu_ids", lambda: ["3"])
+    assert devices.device_env(1, env) == env  # one GPU: everyone shares it
+    monkeypatch.setattr(devices, "gpu_ids", lambda: ["2", "5"])
+    assert [devices.device_env(i, env)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["2", "5", "2"]
 
 
 def test_tp_hostfile_joins_ranks_started_separately(tiny: Path, tmp_path: Path) -> None:
