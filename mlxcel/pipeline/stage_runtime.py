@@ -19,7 +19,7 @@ from mlxcel.messages import ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
 from mlxcel.runtime.model import LayerRange, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import from_tensor, to_tensor
+from mlxcel.runtime.tensors import from_tensor, row_tensors
 
 
 @dataclass
@@ -141,14 +141,12 @@ class StageRuntime:
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
         h = self.layers(x, cache, head=head)
         if not job.last:
-            mx.eval(h)
-            return [to_tensor(h[r : r + 1]) for r in rows]
+            return list(row_tensors(h, rows))
         if head == "none":
             mx.eval([c.state for c in cache])
             return [None] * len(steps)
         if job.return_logits:
-            mx.eval(h)
-            return [to_tensor(h[r : r + 1].astype(mx.float32)) for r in rows]
+            return list(row_tensors(h.astype(mx.float32), rows))
         return self._sample(steps, [h[r : r + 1, -1, :] for r in rows])
 
     def _sample(self, steps: tuple[Step, ...], logits: list[mx.array]) -> list[StepOutput]:
@@ -166,10 +164,9 @@ class StageRuntime:
             if not isinstance(p, tuple):
                 out.append(p)
                 continue
-            tok, logprobs = p
+            tok, logprob = p
             try:
-                t = int(tok.item())
-                out.append(Sampled(t, float(logprobs[0, t].item())))
+                out.append(Sampled(int(tok.item()), float(logprob.item())))
             except Exception as exc:
                 out.append(_failed(exc))
         return out
@@ -184,7 +181,8 @@ class StageRuntime:
             # skipping it would break near-ties differently.
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tok = sampler(logprobs) if sampler is not None else mx.argmax(logprobs, -1)
-            return tok, logprobs
+            # The chosen token's logprob joins the same evaluation (no second round trip).
+            return tok, mx.take_along_axis(logprobs, tok.reshape(1, 1), axis=-1)
         except Exception as exc:
             return _failed(exc)
 

@@ -23,6 +23,16 @@ def to_tensor(a: mx.array) -> Tensor:
     return Tensor(name, tuple(a.shape), data)
 
 
+def row_tensors(a: mx.array, rows: list[int]) -> list[Tensor]:
+    """``a[r : r + 1]`` for each of ``rows`` as Tensors, from one copy to the host (on a GPU a
+    copy per row would be a transfer and a synchronisation per row)."""
+    name = _dtype_name(a.dtype)
+    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    host = np.array(raw, copy=False)
+    shape = (1, *a.shape[1:])
+    return [Tensor(name, shape, np.ascontiguousarray(host[r : r + 1]).tobytes()) for r in rows]
+
+
 def from_tensor(t: Tensor) -> mx.array:
     if t.dtype == "bfloat16":
         arr = np.frombuffer(t.data, dtype=np.uint16).reshape(t.shape)
