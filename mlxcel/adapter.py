@@ -83,9 +83,9 @@ class CoreAdapter:
     async def _on_message(self, env: Envelope[Any]) -> None:
         msg, now = env.msg, self.now()
         if isinstance(msg, Bundle):
-            many = getattr(self.core, "handle_many", None)
-            if many is not None:  # a core that batches decides once, after every item
-                self.feed(many(msg.items, env.source, now))
+            bundle = getattr(self.core, "handle_bundle", None)
+            if bundle is not None:  # a core that batches decides once, after every item
+                self.feed(bundle(msg.items, env.source, now))
             else:
                 for item in msg.items:
                     self.feed(self.core.handle(item, env.source, now))

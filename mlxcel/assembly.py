@@ -213,6 +213,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             startup_timeout=spec.startup_timeout,
             prefill_chunk=g.prefill_step_size,
             micro_batch_size=spec.micro_batch_size,
+            max_batch_size=g.max_batch_size,
             **limits,
         ) as rc:
             c = rc.coordinator

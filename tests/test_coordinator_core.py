@@ -360,3 +360,15 @@ def test_a_waiting_member_that_is_cancelled_leaves_no_trace() -> None:
     out = c.handle(RunResult("a", 0, (3,), None, a.nonce), S2, 0.3)
     assert [s.msg.request_id for s in sent(out, RunEntry)] == ["a"]
     assert c._mb_parked == [[]] and c._mb_members == [1]
+
+
+def test_a_lost_stage_fails_parked_requests_at_once_and_sends_nothing_for_them() -> None:
+    """A request parked behind its micro-batch has no exchange open, but its caches on the
+    stages are gone with the connection: it fails now, not at a deadline, and no RunEntry is
+    sent for it to the stage that was given up."""
+    c = core(max_in_flight=2, micro_batch_size=2)
+    _admit(c, "a")
+    assert _admit(c, "b") == []  # parked behind a
+    out = c.peer_lost(S1, 0.5)
+    assert sorted(m.request_id for m in delivered(out)) == ["a", "b"]
+    assert sent(out, RunEntry) == [] and c.active == 0 and c._mb_members == [0]

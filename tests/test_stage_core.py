@@ -309,6 +309,27 @@ def test_a_job_runs_one_micro_batch_oldest_first_and_a_bundle_is_decided_once() 
     assert [s.request_id for s in second.job.steps] == ["b", "d"]
 
 
+def test_a_stranger_bundle_gets_one_refusal_and_replies_in_a_bundle_get_none() -> None:
+    """A Bundle from outside the cluster is refused once, not once per item (each refusal
+    dials the sender back). From the upstream stage, items a stage never takes alone (an
+    Error, an Ack, a RunResult) are dropped unanswered: answering them would let two stages
+    trade refusals forever."""
+    c = prepared(core(index=1))
+    steps = tuple(RunEntry("r", 0, (1,), 0, SP, n) for n in range(50))
+    out = c.handle_bundle(steps, EVE, 1.0)
+    (refusal,) = [e for e in out if isinstance(e, Send)]
+    assert refusal.dest == EVE and refusal.msg.code == ErrorCode.BAD_MESSAGE
+    replies = (
+        Error(ErrorCode.BAD_MESSAGE, "x", "r", 1),
+        Ack("r", 1),
+        RunResult("r", 0, (), None, 1),
+    )
+    assert c.handle_bundle(replies, UP, 2.0) == [] and c.stats.dropped == 3
+    # A Bundle of what the upstream stage may send is handled item by item, as usual.
+    out = c.handle_bundle((Activation("r", 0, hidden(), 0, SP, 7, owner=C),), UP, 3.0)
+    assert [type(e).__name__ for e in out] == ["StartCompute"]
+
+
 # --- drain, shutdown, leases, timeouts, lost peers -----------------------------------------------
 
 

@@ -157,6 +157,8 @@ class SecureConnection:
             # emptied. Sealed and written without yielding (so nothing interleaves and the
             # counter order holds); no deadline to arm, since nothing can wait.
             self._write(next(frames))
+            if self.writer.transport.is_closing():  # the write found the socket broken
+                raise ConnectionClosed(f"{self!r} closed while sending")
             return
         written = 0
         try:

@@ -65,6 +65,7 @@ class PipelineCoordinator(CoreAdapter):
         max_sequences: int = 64,
         prefill_chunk: int = 512,
         micro_batch_size: int | None = None,
+        stage_max_batch: int | None = None,
         inject: frozenset[str] = frozenset(),
     ) -> None:
         core = CoordinatorCore(
@@ -76,6 +77,7 @@ class PipelineCoordinator(CoreAdapter):
             return_logits=return_logits,
             max_in_flight=max_sequences,
             micro_batch_size=micro_batch_size,
+            stage_max_batch=stage_max_batch,
             prefill_chunk=prefill_chunk,
             pick_token=pick_token if return_logits else None,
             first_nonce=secrets.randbits(48) + 1,

@@ -77,6 +77,7 @@ class CoordinatorCore:
         return_logits: bool = False,
         max_in_flight: int = 64,
         micro_batch_size: int | None = None,
+        stage_max_batch: int | None = None,
         prefill_chunk: int = 512,
         pick_token: PickToken | None = None,
         first_nonce: int = 1,
@@ -93,11 +94,15 @@ class CoordinatorCore:
         self.step_timeout = step_timeout
         self.return_logits = return_logits
         self.max_in_flight = max_in_flight
-        self.micro_batch_size = micro_batch_size or max(1, -(-max_in_flight // len(stages)))
+        # By default one micro-batch per stage, but never more than a stage runs at once (a
+        # larger one would be split there, and its batch cache regrouped, every step).
+        fit = min(-(-max_in_flight // len(stages)), stage_max_batch or max_in_flight)
+        self.micro_batch_size = micro_batch_size or max(1, fit)
         n_micro = max(1, -(-max_in_flight // self.micro_batch_size))
         self._mb_members = [0] * n_micro  # admitted requests per micro-batch
         self._mb_out: list[set[str]] = [set() for _ in range(n_micro)]  # steps in the stages
         self._mb_parked: list[list[Req]] = [[] for _ in range(n_micro)]
+        self._holding = False
         self.prefill_chunk = prefill_chunk
         self.pick_token = pick_token
         self.inject = inject
@@ -215,9 +220,17 @@ class CoordinatorCore:
         for nonce, ex in list(self._exchanges.items()):
             if not ex.request_id and ex.dest == stage:
                 self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
-        for req in self._in_stages() if victims is None else victims:
-            if req.admitted and req.pending:  # not ended meanwhile
-                self._close(min(req.pending), out, ErrorCode.STAGE_UNREACHABLE, why, now)
+        self._holding = True  # no parked step is sent to a stage that is being given up
+        try:
+            for req in self._in_stages() if victims is None else victims:
+                if req.admitted and req.pending:  # not ended meanwhile
+                    self._close(min(req.pending), out, ErrorCode.STAGE_UNREACHABLE, why, now)
+                elif req.admitted and req.parked:  # its caches there are gone too
+                    self._fail(req, out, ErrorCode.STAGE_UNREACHABLE, why, now)
+        finally:
+            self._holding = False
+        for mb in range(len(self._mb_parked)):
+            self._flush(mb, now, out)  # requests admitted meanwhile, if any are ready
 
     def _heard_since(self, ex: Exchange) -> bool:
         """Whether anything came back on the exchange's path after it was sent."""
@@ -325,7 +338,7 @@ class CoordinatorCore:
 
     def _flush(self, mb: int, now: float, out: list[Effect]) -> None:
         """Send micro-batch ``mb``'s parked decode steps together once none is in the stages."""
-        if self._mb_out[mb]:
+        if self._mb_out[mb] or self._holding or not self._mb_parked[mb]:
             return
         parked, self._mb_parked[mb] = self._mb_parked[mb], []
         for req in parked:
@@ -397,11 +410,13 @@ class CoordinatorCore:
             out.append(Answer(nonce, PipelineError(code, why)))
             return
         req = self.reqs.get(ex.request_id)
-        if req is None or nonce not in req.pending:
-            return
+        if req is not None and nonce in req.pending:
+            self._fail(req, out, code, why, now)
+
+    def _fail(self, req: Req, out: list[Effect], code: str, why: str, now: float) -> None:
         self.failed += 1
-        out.append(Warn("warning", f"coordinator: request {ex.request_id} failed: {why}"))
         e = req.entry
+        out.append(Warn("warning", f"coordinator: request {e.request_id} failed: {why}"))
         out.append(Deliver(Error(code, why, e.request_id, e.nonce)))
         req.state = REQ_TABLE.next(req.state, ReqEvent.FAIL)
         self._end(req, now, out)

@@ -97,6 +97,7 @@ async def pipeline_stack(
                 max_sequences=max(parallel, 1),
                 prefill_chunk=prefill_chunk,
                 micro_batch_size=micro_batch_size,
+                stage_max_batch=max_batch_size,
             )
             coordinator.attach()
             fe = Frontend(

@@ -163,6 +163,7 @@ async def remote_coordinator(
     startup_timeout: float = 60.0,
     prefill_chunk: int = 512,
     micro_batch_size: int | None = None,
+    max_batch_size: int | None = None,
 ) -> AsyncIterator[RemoteCoordinator]:
     """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
     tokenizer, config = load_tokenizer_only(model_path)
@@ -181,6 +182,7 @@ async def remote_coordinator(
             max_sequences=parallel,
             prefill_chunk=prefill_chunk,
             micro_batch_size=micro_batch_size,
+            stage_max_batch=max_batch_size,
         )
         coordinator.attach()
         await listener.start()

@@ -119,8 +119,6 @@ class StageCore(StageGate):
         return self.handle_many((msg,), source, now)
 
     def handle_many(self, msgs: tuple[Message, ...], source: str, now: float) -> list[Effect]:
-        """A Bundle's items, each authorised and handled as if alone; the next job is chosen
-        after the last, so a micro-batch that arrived together runs together."""
         out: list[Effect] = []
         for msg in msgs:
             self._handle_one(msg, source, now, out)

@@ -41,6 +41,23 @@ class StageGate:
             return False
         return source.rpartition(":")[2] == port
 
+    def handle_bundle(self, msgs: tuple[Message, ...], source: str, now: float) -> list[Effect]:
+        """A Bundle's items, each authorised and handled as if alone; the next job is chosen
+        after the last, so a micro-batch that arrived together runs together. Only a peer
+        may bundle (a stranger's Bundle gets one refusal, not one per item), and an item of a
+        kind a stage never takes is dropped unanswered: an Error answering an Error would let
+        one Bundle start an endless exchange of refusals between two stages."""
+        if len(msgs) > 1 and not self.is_peer(source):
+            out: list[Effect] = []
+            self._refuse(out, msgs[0], source, ErrorCode.BAD_MESSAGE, "a Bundle from a stranger")
+            return out
+        taken = tuple(m for m in msgs if type(m) in MAY_SEND or isinstance(m, Undecodable))
+        self.stats.dropped += len(msgs) - len(taken)
+        return self.handle_many(taken, source, now)
+
+    def handle_many(self, msgs: tuple[Message, ...], source: str, now: float) -> list[Effect]:
+        raise NotImplementedError  # the core's
+
     def is_peer(self, dest: str) -> bool:
         return dest in (self.config.upstream, self.config.downstream) or self.is_coordinator(dest)
 

@@ -21,17 +21,18 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.devices import device_env
+from mlxcel.runtime.devices import device_env, gpu_ids
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.tp.engine import TpEngine
 from mlxcel.tp.group import (
     check_shardable,
     init_group,
     load_sharded,
+    pick_backend,
     read_hostfile,
     write_local_hostfile,
 )
@@ -71,6 +72,11 @@ async def tp_stack(
             raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {tp_size}")
         tp_size = ranks
     check_shardable(config, tp_size)  # before any weights load
+    gpus = gpu_ids()
+    if hostfile is None and pick_backend() == "nccl" and tp_size > len(gpus):
+        raise ConfigError(
+            "--tp-size", f"{tp_size} ranks but {len(gpus)} GPUs here: NCCL needs a GPU per rank"
+        )
     compute = ComputeThread()
     followers: list[asyncio.subprocess.Process] = []
     with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
