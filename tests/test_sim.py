@@ -43,6 +43,7 @@ def test_300_seeds_cover_every_fault_kind_and_keep_every_invariant() -> None:
     assert set(summary["faults"]) == set(FAULT_KINDS) | bringup_kinds | disagg_kinds
     # Faults do bite: some requests complete and some fail with an error, none hang.
     assert summary["completed"] > 0 and summary["failed"] > 0
+    assert summary["bundles"] > 0  # micro-batches and forgeries travelled in Bundles
     # Some bring-ups activate every stage, some fail having started none (the check of each
     # run holds them to exactly that), and crashed coordinators account for the rest.
     runs, activated, failed = summary["bringups"]

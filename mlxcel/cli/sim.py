@@ -32,6 +32,7 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, object]:
         "requests": sum(r.requests for r in serving),
         "completed": sum(r.completed for r in serving),
         "failed": sum(r.failed for r in serving),
+        "bundles": sum(r.bundles for r in serving),
         # bring-ups: how many ran, activated every stage, failed having started none
         "bringups": [len(ups), sum(r.completed for r in ups), sum(r.failed for r in ups)],
         # disaggregated runs: how many, their requests, completed, failed with an error

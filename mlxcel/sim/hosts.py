@@ -23,7 +23,17 @@ from mlxcel.effects import (
     Stopped,
     Warn,
 )
-from mlxcel.messages import CancelRequest, Error, Message, RunEntry, RunResult, SamplingParams
+from mlxcel.messages import (
+    BUNDLED,
+    MAX_BUNDLE,
+    Bundle,
+    CancelRequest,
+    Error,
+    Message,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+)
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
 from mlxcel.pipeline.stage_core import StageConfig, StageCore
 from mlxcel.sim.clock import Scheduler
@@ -62,16 +72,21 @@ class SimHost:
         self.feed(effects)
 
     def feed(self, effects: list[Effect]) -> None:
+        sends: dict[str, list[Message]] = {}
         for e in effects:
             if isinstance(e, Send):
                 self.check_send(e)
-                self.net.send(self.identity, e.dest, e.msg)
+                sends.setdefault(e.dest, []).append(e.msg)
             elif isinstance(e, Warn):
                 self.warnings[e.kind] += 1
             elif isinstance(e, ResetPeer):
                 self.net.reset_link(self.identity, e.dest)
             else:
                 self.apply(e)
+        # As the adapter's outboxes do: what one call sends one peer travels as one Bundle.
+        for dest, msgs in sends.items():
+            for part in _bundles(msgs):
+                self.net.send(self.identity, dest, part)
         self._arm()
 
     def apply(self, effect: Effect) -> None:
@@ -99,11 +114,18 @@ class SimHost:
 
     # --- what the network calls ---------------------------------------------------------------
     def receive(self, msg: Message, source: str) -> None:
-        self.call(self.core.handle, msg, source, self.now())
+        if not isinstance(msg, Bundle):
+            self.call(self.core.handle, msg, source, self.now())
+        elif isinstance(self.core, StageCore):
+            self.call(self.core.handle_bundle, msg.items, source, self.now())
+        else:
+            for item in msg.items:
+                self.call(self.core.handle, item, source, self.now())
 
     def send_failed(self, dest: str, msg: Message, reason: str) -> None:
-        if self.up:
-            self.call(self.core.undeliverable, Send(dest, msg), reason, self.now())
+        for item in msg.items if isinstance(msg, Bundle) else (msg,):
+            if self.up:
+                self.call(self.core.undeliverable, Send(dest, item), reason, self.now())
 
     def peer_lost(self, identity: str) -> None:
         if self.up:
@@ -137,16 +159,19 @@ class StageHost(SimHost):
     def receive(self, msg: Message, source: str) -> None:
         # Ownership invariant, observed from outside the core: a message from anyone but a
         # sequence's owner must leave that sequence exactly as it was.
-        rid = getattr(msg, "request_id", None)
-        before = self.core.seqs.get(rid) if isinstance(rid, str) else None
-        seen = (before.key, before.owner) if before is not None else None
+        items = msg.items if isinstance(msg, Bundle) else (msg,)
+        before = {}
+        for item in items:
+            rid = getattr(item, "request_id", None)
+            seq = self.core.seqs.get(rid) if isinstance(rid, str) else None
+            if seq is not None and source != seq.owner:
+                before[rid] = (seq.key, seq.owner, type(item).__name__)
         super().receive(msg, source)
-        if before is not None and source != before.owner:
-            after = self.core.seqs.get(rid)  # type: ignore[arg-type]
-            if after is None or (after.key, after.owner) != seen:
+        for rid, (key, owner, kind) in before.items():
+            after = self.core.seqs.get(rid)
+            if after is None or (after.key, after.owner) != (key, owner):
                 self.violations.append(
-                    f"{self.identity}: {type(msg).__name__} from {source} changed {rid!r}, "
-                    f"owned by {before.owner}"
+                    f"{self.identity}: {kind} from {source} changed {rid!r}, owned by {owner}"
                 )
         if len(self.core.seqs) > self.config.max_sequences:
             self.violations.append(f"{self.identity}: holds {len(self.core.seqs)} sequences")
@@ -329,3 +354,19 @@ class Intruder(SimHost):
     def inject(self, dest: str, msg: Message) -> None:
         self.sched.trace("intrude", self.identity, dest, type(msg).__name__)
         self.net.send(self.identity, dest, msg)
+
+
+def _bundles(msgs: list[Message]) -> list[Message]:
+    """Runs of bundled kinds become Bundles (of at most MAX_BUNDLE); the rest go alone."""
+    out: list[Message] = []
+    run: list[Message] = []
+    for m in [*msgs, None]:
+        if m is not None and type(m) in BUNDLED and len(run) < MAX_BUNDLE:
+            run.append(m)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else Bundle(tuple(run)))
+        run = [m] if m is not None and type(m) in BUNDLED else []
+        if m is not None and type(m) not in BUNDLED:
+            out.append(m)
+    return out

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxcel.messages import Activation, Message, RunResult
+from mlxcel.messages import Activation, Bundle, Message, RunResult
 from mlxcel.sim.clock import Scheduler
 
 
@@ -49,6 +49,8 @@ class Faults:
 
 def size_of(msg: Message) -> int:
     """Bytes on the wire, roughly: a header plus any tensor."""
+    if isinstance(msg, Bundle):
+        return 96 + sum(size_of(m) for m in msg.items)
     if isinstance(msg, Activation):
         return 96 + msg.hidden.nbytes
     if isinstance(msg, RunResult) and msg.logits is not None:
@@ -71,6 +73,7 @@ class SimNetwork:
         self._fifo: dict[tuple[str, str], float] = {}  # link -> last arrival time
         self._epochs: dict[tuple[str, str], int] = {}  # host pair -> connections reset so far
         self.sent = 0
+        self.bundles = 0
         self.delivered = 0
         self.lost = 0
         self.refused = 0  # messages from or to a host without the secret
@@ -97,6 +100,7 @@ class SimNetwork:
         if not sender.up:
             return
         self.sent += 1
+        self.bundles += isinstance(msg, Bundle)
         receiver = self.hosts.get(dst)
         if receiver is None or not receiver.up:
             # Nobody listens there: the dial fails after a round trip.

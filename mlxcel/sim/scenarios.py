@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxcel.messages import (
     Activation,
+    Bundle,
     CancelRequest,
     Error,
     Message,
@@ -72,6 +73,7 @@ class Result:
     inject: tuple[str, ...] = ()
     forced_stages: int | None = None
     model: str | None = None  # the checkpoint of a real-model scenario
+    bundles: int = 0  # Bundles the nodes sent each other
 
     @property
     def replay(self) -> str:
@@ -257,16 +259,19 @@ def _intrude(
     outcomes = cluster.coordinator.outcomes
     width = cluster.model.width
 
-    def strike() -> None:
-        live = [rid for rid, o in outcomes.items() if o.finish is None] or ["nobody"]
-        rid = rng.choice(live)
-        cluster.targeted.add(rid)
-        dest = rng.choice(stages)
+    def forge(rid: str, to_coordinator: bool) -> Message:
         nonce = rng.randint(1, 64)
+        if to_coordinator:  # a forged result or error, with a guessed nonce
+            return rng.choice(
+                [
+                    RunResult(rid, 0, (rng.randint(0, 63),), None, nonce),
+                    Error("forged", "evil", rid, nonce),
+                ]
+            )
         sp = SamplingParams(max_tokens=4)
         pos = rng.randint(0, 8)
         hidden = Tensor("float32", (1, 1, width), bytes(4 * width))
-        msg: Message = rng.choice(
+        return rng.choice(
             [
                 PrepareSequence(rid, 64, nonce),
                 RunEntry(rid, 0, (1, 2), pos, sp, nonce),
@@ -275,15 +280,15 @@ def _intrude(
                 Activation(rid, 0, hidden, pos, sp, nonce),
             ]
         )
-        if rng.random() < 0.3:  # a forged result or error, with a guessed nonce
-            dest = COORDINATOR
-            msg = rng.choice(
-                [
-                    RunResult(rid, 0, (rng.randint(0, 63),), None, nonce),
-                    Error("forged", "evil", rid, nonce),
-                ]
-            )
-        evil.inject(dest, msg)
+
+    def strike() -> None:
+        live = [rid for rid, o in outcomes.items() if o.finish is None] or ["nobody"]
+        to_coordinator = rng.random() < 0.3
+        dest = COORDINATOR if to_coordinator else rng.choice(stages)
+        msgs = [forge(rng.choice(live), to_coordinator) for _ in range(rng.choice((1, 1, 3)))]
+        for m in msgs:
+            cluster.targeted.add(m.request_id)  # type: ignore[attr-defined]
+        evil.inject(dest, msgs[0] if len(msgs) == 1 else Bundle(tuple(msgs)))
 
     for _ in range(rng.randint(5, 30)):
         sched.at(rng.uniform(0.0, horizon), strike)
@@ -379,6 +384,7 @@ def run_scenario(
         tuple(sorted(inject)),
         stages,
         str(model_path) if model_path is not None else None,
+        cluster.net.bundles,
     )
 
 
