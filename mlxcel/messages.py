@@ -473,46 +473,13 @@ class Bundle(Message):
     items: tuple[Message, ...]
 
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    PrepareSequence,
-    RunEntry,
-    Activation,
-    RunResult,
-    CancelRequest,
-    ReleaseSequence,
-    Ack,
-    Error,
-    BeginDrain,
-    Shutdown,
-    State,
-    QueryState,
-    TpStep,
-    AssignOffer,
-    AssignAccepted,
-    AssignRefused,
-    AssignCommit,
-    AssignCommitted,
-    AssignActivate,
-    AssignActivated,
-    AssignAbort,
-    Beacon,
-    PrefillRequest,
-    KvHandoff,
-    HandoffAck,
-    HandoffVerdict,
-    TokenResult,
-    Bundle,
+# Every message that may cross the wire: each class above but the local-only Undecodable.
+# (``slots=True`` replaces each class, and the replaced ones linger among the subclasses.)
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(
+    c for c in Message.__subclasses__() if globals().get(c.__name__) is c and c is not Undecodable
 )
 
 MAX_BUNDLE = 256  # items per Bundle: more is refused whole, before any item is built
 # What a Bundle may carry: the pipeline's per-sequence traffic.
-BUNDLED: tuple[type[Message], ...] = (
-    PrepareSequence,
-    RunEntry,
-    Activation,
-    RunResult,
-    CancelRequest,
-    ReleaseSequence,
-    Ack,
-    Error,
-)
+BUNDLED: tuple[type[Message], ...] = (PrepareSequence, RunEntry, Activation, RunResult)
+BUNDLED += (CancelRequest, ReleaseSequence, Ack, Error)

@@ -359,7 +359,7 @@ def test_a_waiting_member_that_is_cancelled_leaves_no_trace() -> None:
     c.handle(CancelRequest("b", "client left"), LOCAL, 0.2)
     out = c.handle(RunResult("a", 0, (3,), None, a.nonce), S2, 0.3)
     assert [s.msg.request_id for s in sent(out, RunEntry)] == ["a"]
-    assert c._mb_parked == [[]] and c._mb_members == [1]
+    assert c.micro.parked == [[]] and c.micro.members == [1]
 
 
 def test_a_lost_stage_fails_parked_requests_at_once_and_sends_nothing_for_them() -> None:
@@ -371,4 +371,4 @@ def test_a_lost_stage_fails_parked_requests_at_once_and_sends_nothing_for_them()
     assert _admit(c, "b") == []  # parked behind a
     out = c.peer_lost(S1, 0.5)
     assert sorted(m.request_id for m in delivered(out)) == ["a", "b"]
-    assert sent(out, RunEntry) == [] and c.active == 0 and c._mb_members == [0]
+    assert sent(out, RunEntry) == [] and c.active == 0 and c.micro.members == [0]

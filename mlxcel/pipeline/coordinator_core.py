@@ -6,15 +6,8 @@ exchange from the final stage. The prompt runs as mlx-lm's batch generator runs 
 token but the last in chunks of ``prefill_chunk`` that only fill caches (``sample=False``,
 answered with an empty RunResult), then the last token as the first sampling step. When a
 request ends for any reason, the sequence is released on every stage. At most
-``max_in_flight`` sequences are in the stages at once; later requests wait in order.
-
-Micro-batches: every admitted request joins one of ``ceil(max_in_flight / micro_batch_size)``
-micro-batches (the emptiest). Decode steps of one micro-batch travel together: a request whose
-step is ready waits (parked) while others of its micro-batch still have a step in the stages,
-and the whole micro-batch is sent as soon as its last result is in. Each stage runs a
-micro-batch as one batch on persistent caches, and with one micro-batch per stage in flight
-(the default size, ``max_in_flight / stages``) stage k computes one while stage k+1 computes
-the next.
+``max_in_flight`` sequences are in the stages at once; later requests wait in order; decode
+steps travel in micro-batches (``MicroBatches``, by default one per stage).
 
 Every exchange has a fresh nonce and an absolute deadline. What the core accepts from the
 network: Ack/State only from the stage it addressed; RunResult only from the final stage,
@@ -53,11 +46,13 @@ from mlxcel.messages import (
 from mlxcel.pipeline.coordinator_protocol import (
     REQ_TABLE,
     Exchange,
+    MicroBatches,
     PickToken,
     PipelineError,
     Req,
     ReqEvent,
     ReqState,
+    result_problem,
 )
 
 __all__ = ["CoordinatorCore", "PipelineError", "REQ_TABLE", "ReqEvent", "ReqState"]
@@ -98,11 +93,7 @@ class CoordinatorCore:
         # larger one would be split there, and its batch cache regrouped, every step).
         fit = min(-(-max_in_flight // len(stages)), stage_max_batch or max_in_flight)
         self.micro_batch_size = micro_batch_size or max(1, fit)
-        n_micro = max(1, -(-max_in_flight // self.micro_batch_size))
-        self._mb_members = [0] * n_micro  # admitted requests per micro-batch
-        self._mb_out: list[set[str]] = [set() for _ in range(n_micro)]  # steps in the stages
-        self._mb_parked: list[list[Req]] = [[] for _ in range(n_micro)]
-        self._holding = False
+        self.micro = MicroBatches(max(1, -(-max_in_flight // self.micro_batch_size)))
         self.prefill_chunk = prefill_chunk
         self.pick_token = pick_token
         self.inject = inject
@@ -220,7 +211,7 @@ class CoordinatorCore:
         for nonce, ex in list(self._exchanges.items()):
             if not ex.request_id and ex.dest == stage:
                 self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
-        self._holding = True  # no parked step is sent to a stage that is being given up
+        self.micro.holding = True  # no parked step is sent to a stage that is being given up
         try:
             for req in self._in_stages() if victims is None else victims:
                 if req.admitted and req.pending:  # not ended meanwhile
@@ -228,8 +219,8 @@ class CoordinatorCore:
                 elif req.admitted and req.parked:  # its caches there are gone too
                     self._fail(req, out, ErrorCode.STAGE_UNREACHABLE, why, now)
         finally:
-            self._holding = False
-        for mb in range(len(self._mb_parked)):
+            self.micro.holding = False
+        for mb in range(len(self.micro.parked)):
             self._flush(mb, now, out)  # requests admitted meanwhile, if any are ready
 
     def _heard_since(self, ex: Exchange) -> bool:
@@ -254,10 +245,8 @@ class CoordinatorCore:
         self, stage: str, now: float, timeout: float, reset: bool = True
     ) -> tuple[int, list[Effect]]:
         """Ask ``stage`` for its State; the answer comes as ``Answer(token, State | error)``."""
-        out: list[Effect] = []
         nonce = self._open(State, stage, "", 0, now, timeout=timeout, reset=reset)
-        out.append(self._send(stage, QueryState(nonce)))
-        return nonce, out
+        return nonce, [self._send(stage, QueryState(nonce))]
 
     def decode_overhead_ms(self) -> float:
         """Mean protocol time per decode step: wall time minus the stages' compute for it."""
@@ -304,9 +293,7 @@ class CoordinatorCore:
                 continue
             req.state = REQ_TABLE.next(req.state, ReqEvent.ADMIT)
             req.admitted = True
-            mb = min(range(len(self._mb_members)), key=self._mb_members.__getitem__)
-            req.micro_batch = mb
-            self._mb_members[mb] += 1
+            self.micro.join(req)
             self.peak_in_flight = max(self.peak_in_flight, self.held)
             total = len(req.entry.token_ids) + req.entry.sampling.max_tokens
             for stage in self.stages:
@@ -324,10 +311,8 @@ class CoordinatorCore:
         e = req.entry
         rid = e.request_id
         if not req.prefix:
-            mb = req.micro_batch
-            req.parked = True
-            self._mb_parked[mb].append(req)
-            self._flush(mb, now, out)
+            self.micro.park(req)
+            self._flush(req.micro_batch, now, out)
             return
         piece, req.prefix = req.prefix[: self.prefill_chunk], req.prefix[self.prefill_chunk :]
         req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
@@ -338,21 +323,15 @@ class CoordinatorCore:
 
     def _flush(self, mb: int, now: float, out: list[Effect]) -> None:
         """Send micro-batch ``mb``'s parked decode steps together once none is in the stages."""
-        if self._mb_out[mb] or self._holding or not self._mb_parked[mb]:
-            return
-        parked, self._mb_parked[mb] = self._mb_parked[mb], []
-        for req in parked:
-            req.parked = False
+        for req in self.micro.release(mb):
             e = req.entry
-            rid = e.request_id
             req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
-            step = req.next_tokens
-            nonce = self._open(RunResult, self.stages[0], rid, mb, now, len(step), 1)
-            req.pending = {nonce}
-            self._mb_out[mb].add(rid)
-            out.append(
-                self._send(self.stages[0], RunEntry(rid, mb, step, req.pos, e.sampling, nonce))
+            nonce = self._open(
+                RunResult, self.stages[0], e.request_id, mb, now, len(req.next_tokens), 1
             )
+            req.pending = {nonce}
+            msg = RunEntry(e.request_id, mb, req.next_tokens, req.pos, e.sampling, nonce)
+            out.append(self._send(self.stages[0], msg))
 
     def _end(self, req: Req, now: float, out: list[Effect]) -> None:
         """The request left (finished, failed or cancelled): free its slot and its stages."""
@@ -361,18 +340,12 @@ class CoordinatorCore:
         for nonce in req.pending:
             self._exchanges.pop(nonce, None)
         req.pending = set()
-        mb = req.micro_batch
-        self._mb_out[mb].discard(rid)
-        if req.parked:
-            req.parked = False
-            self._mb_parked[mb].remove(req)
+        self.micro.leave(req, req.admitted)
         if req.admitted:
             req.admitted = False
-            self._mb_members[mb] -= 1
             # Best effort, briefly: a stage that misses it frees the sequence at its lease.
             out.extend(Send(s, ReleaseSequence(rid), deadline=now + 5.0) for s in self.stages)
-        if self._mb_parked[mb]:
-            self._flush(mb, now, out)  # it may have been the step the others waited for
+        self._flush(req.micro_batch, now, out)  # it may have been the step others waited for
         self._admit(now, out)
 
     # --- exchanges ----------------------------------------------------------------------------
@@ -437,38 +410,16 @@ class CoordinatorCore:
             return None
         ex = self._exchanges.get(m.nonce)
         if ex is None and "accept-stale-nonce" in self.inject:
-            ex = next(
-                (
-                    x
-                    for x in self._exchanges.values()
-                    if x.request_id == m.request_id and x.kind is RunResult
-                ),
-                None,
-            )
-            if ex is not None:
-                nonce = next(n for n, x in self._exchanges.items() if x is ex)
-                return nonce, ex
+            rid, items = m.request_id, self._exchanges.items()
+            stale = [(n, x) for n, x in items if x.request_id == rid and x.kind is RunResult]
+            if stale:
+                return stale[0]
         if ex is None or ex.kind is not RunResult:
             self._drop(out, "stale or unknown nonce", m, source)
             return None
-        if ex.request_id != m.request_id or ex.micro_batch != m.micro_batch:
-            self._drop(out, "request or micro-batch does not match the exchange", m, source)
-            return None
-        if ex.tokens == 0:
-            if m.token_ids or m.logits is not None:
-                self._drop(
-                    out, "a prompt-chunk RunResult carries no token and no logits", m, source
-                )
-                return None
-        elif self.return_logits:
-            t = m.logits
-            if t is None or t.shape != (1, ex.seq_len, self.vocab):
-                shape = None if t is None else list(t.shape)
-                detail = f"{shape}, expected [1, {ex.seq_len}, {self.vocab}]"
-                self._drop(out, "logits of the wrong shape", m, source, detail)
-                return None
-        elif len(m.token_ids) != 1:
-            self._drop(out, "a sampled RunResult carries exactly one token", m, source)
+        problem = result_problem(m, ex, self.return_logits, self.vocab)
+        if problem is not None:
+            self._drop(out, problem[0], m, source, problem[1])
             return None
         return m.nonce, ex
 
@@ -486,7 +437,7 @@ class CoordinatorCore:
             req.pos += ex.seq_len
             self._next_step(req, now, out)
             return
-        self._mb_out[req.micro_batch].discard(ex.request_id)
+        self.micro.out[req.micro_batch].discard(ex.request_id)
         self.decode_steps += 1
         self.decode_wall_s += now - ex.sent_at
         self.decode_compute_s += m.compute_us / 1e6

@@ -15,7 +15,7 @@ from typing import Any
 
 from mlxcel.errors import MlxcelError
 from mlxcel.fsm import Table
-from mlxcel.messages import ErrorCode, Message, RunEntry, SamplingParams, Tensor
+from mlxcel.messages import ErrorCode, Message, RunEntry, RunResult, SamplingParams, Tensor
 
 
 class PipelineError(MlxcelError):
@@ -97,3 +97,67 @@ class Req:
     admitted: bool = False  # holds an in-flight slot (and sequences on the stages)
     micro_batch: int = 0  # which micro-batch its decode steps travel in
     parked: bool = False  # its decode step waits for the rest of its micro-batch
+
+
+class MicroBatches:
+    """Which micro-batch each admitted request is in, and whose decode steps wait for it.
+
+    A request joins the emptiest of ``n`` micro-batches. Decode steps of one micro-batch
+    travel together: a request whose step is ready waits (parked) while others of its
+    micro-batch still have a step in the stages, and the whole micro-batch goes as soon as its
+    last result is in. Each stage runs a micro-batch as one batch on persistent caches, and with
+    one micro-batch per stage in flight stage k computes one while stage k+1 computes the next.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.members = [0] * n  # admitted requests per micro-batch
+        self.out: list[set[str]] = [set() for _ in range(n)]  # ids with a step in the stages
+        self.parked: list[list[Req]] = [[] for _ in range(n)]
+        self.holding = False  # while set, nothing is released (a stage is being given up)
+
+    def join(self, req: Req) -> None:
+        req.micro_batch = min(range(len(self.members)), key=self.members.__getitem__)
+        self.members[req.micro_batch] += 1
+
+    def park(self, req: Req) -> None:
+        req.parked = True
+        self.parked[req.micro_batch].append(req)
+
+    def release(self, mb: int) -> list[Req]:
+        """The parked requests of ``mb`` to send now (marked in flight), if none is out."""
+        if self.out[mb] or self.holding or not self.parked[mb]:
+            return []
+        ready, self.parked[mb] = self.parked[mb], []
+        for req in ready:
+            req.parked = False
+            self.out[mb].add(req.entry.request_id)
+        return ready
+
+    def leave(self, req: Req, admitted: bool) -> None:
+        mb = req.micro_batch
+        self.out[mb].discard(req.entry.request_id)
+        if req.parked:
+            req.parked = False
+            self.parked[mb].remove(req)
+        if admitted:
+            self.members[mb] -= 1
+
+
+def result_problem(
+    m: RunResult, ex: Exchange, return_logits: bool, vocab: int
+) -> tuple[str, str] | None:
+    """Why a RunResult carrying a waiting exchange's nonce does not answer it, as (reason,
+    detail) -- the reason a fixed string, so the drop counters stay bounded -- or None."""
+    if ex.request_id != m.request_id or ex.micro_batch != m.micro_batch:
+        return "request or micro-batch does not match the exchange", ""
+    if ex.tokens == 0:
+        if m.token_ids or m.logits is not None:
+            return "a prompt-chunk RunResult carries no token and no logits", ""
+    elif return_logits:
+        t = m.logits
+        if t is None or t.shape != (1, ex.seq_len, vocab):
+            shape = None if t is None else list(t.shape)
+            return "logits of the wrong shape", f"{shape}, expected [1, {ex.seq_len}, {vocab}]"
+    elif len(m.token_ids) != 1:
+        return "a sampled RunResult carries exactly one token", ""
+    return None
