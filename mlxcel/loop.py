@@ -43,3 +43,27 @@ def signals(on_signal: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+PARENT_ENV = "MLXCEL_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """A process a launcher started (``MLXCEL_PARENT_PID`` set, see
+    :func:`mlxcel.runtime.blas.colocated_env`) gets SIGTERM when the launcher goes, however it
+    goes: a killed benchmark or test must not leave stage processes and TP ranks behind.
+    Linux only (``PR_SET_PDEATHSIG``); elsewhere the launchers' own shutdown is all there is."""
+    import os
+
+    want = os.environ.pop(PARENT_ENV, "")
+    if not want.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None)
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != int(want):
+        # Not started by that launcher (a stale variable), or it died in the instant before
+        # the line above: better an orphan, as before, than a server killed by its shell.
+        libc.prctl(pr_set_pdeathsig, 0)

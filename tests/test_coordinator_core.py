@@ -372,3 +372,16 @@ def test_a_lost_stage_fails_parked_requests_at_once_and_sends_nothing_for_them()
     out = c.peer_lost(S1, 0.5)
     assert sorted(m.request_id for m in delivered(out)) == ["a", "b"]
     assert sent(out, RunEntry) == [] and c.active == 0 and c.micro.members == [0]
+
+
+def test_a_missed_deadline_that_resets_a_stage_sends_no_parked_step_to_it() -> None:
+    """The timed-out request's end would release the requests parked behind it -- onto the
+    connection just reset, for requests failed in the same breath. None is sent."""
+    c = core(max_in_flight=2, micro_batch_size=2)
+    _admit(c, "a")
+    assert _admit(c, "b") == []  # parked behind a
+    out = c.on_timer(2.2)  # a's deadline; nothing heard from the stages since
+    assert ResetPeer(S0) in out and sent(out, RunEntry) == []
+    codes = {m.request_id: m.code for m in delivered(out)}
+    assert codes == {"a": ErrorCode.DEADLINE_EXCEEDED, "b": ErrorCode.STAGE_UNREACHABLE}
+    assert not c.micro.holding and c.micro.members == [0]

@@ -777,3 +777,59 @@ def test_refused_members_cannot_pile_up_connections_or_logs(tiny: Path, secret: 
     assert after <= before + 2, (before, after)
     assert len(refusing) <= 10, len(refusing)
     assert max(len(ln) for ln in refusing) < 700
+
+
+LAUNCHER = """
+import asyncio, sys
+from pathlib import Path
+from mlxcel.pipeline.launch import LoopbackCluster
+
+async def main():
+    async with LoopbackCluster(Path(sys.argv[1]), 2, Path(sys.argv[2]), spawn_coordinator=False) as cl:
+        print(" ".join(str(p.pid) for _, p, _ in cl.procs), flush=True)
+        await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_stage_processes_go_when_their_launcher_is_killed(tiny: Path, tmp_path: Path) -> None:
+    """A benchmark or test killed outright (SIGKILL: no cleanup runs) used to leave its stage
+    processes serving forever; now each gets SIGTERM from the kernel and exits."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tiny), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    end = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == []
+
+
+def test_a_stale_parent_pid_does_not_kill_a_process_someone_else_started() -> None:
+    """MLXCEL_PARENT_PID left in a shell (not this process's parent) is ignored."""
+    env = {**os.environ, "MLXCEL_PARENT_PID": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "--help"], env=env, capture_output=True, timeout=60
+    )
+    assert r.returncode == 0 and b"usage" in r.stdout

@@ -168,9 +168,7 @@ class CoordinatorCore:
             if ex is None:
                 continue
             if ex.kind is RunResult:
-                what = (
-                    f"no result for {ex.request_id} from the pipeline ({ex.dest} -> {self.final})"
-                )
+                what = f"no result for {ex.request_id} from the pipeline {ex.dest}..{self.final}"
             else:
                 what = f"no {ex.kind.__name__} from {ex.dest} for {ex.request_id or 'a query'}"
             # Nothing back on that path since the exchange was sent: the stream may be wedged
@@ -181,6 +179,7 @@ class CoordinatorCore:
             victims = self._in_stages() if reset else []
             if reset:
                 out.append(ResetPeer(ex.dest))
+                self.micro.holding = True  # until _lose: no parked step for a stage given up
             budget = ex.deadline - ex.sent_at
             self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, f"{what} within {budget:g}s", now)
             if reset:

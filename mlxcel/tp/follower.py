@@ -92,4 +92,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from mlxcel.loop import die_with_parent
+
+    die_with_parent()
     sys.exit(main())
