@@ -93,6 +93,23 @@ async def test_micro_batches_whose_members_come_and_go_match_single_process(
             assert (rt.caches, rt.batches, rt.batch_of, rt.samplers) == ({}, {}, {}, {})
 
 
+async def test_a_micro_batch_larger_than_a_stage_batch_keeps_its_caches_in_chunks(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """One micro-batch of four through stages that run at most two rows at once: the stage
+    runs it as two fixed chunks, each on a batch cache of its own, instead of regrouping
+    rows every step (which copied every cache, every step). Tokens stay the engine's."""
+    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=4, max_batch_size=2) as st:
+        got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:4]))
+        assert got == reference[:4]
+        assert all(s.stats.largest_batch == 2 for s in st.stages)
+        # 4 rows join once each, plus a few moves while the first steps line up; 30 decode
+        # jobs per stage would regroup about 60 times if chunks changed every step.
+        assert all(s.runtime.regroups <= 12 for s in st.stages), [
+            s.runtime.regroups for s in st.stages
+        ]
+
+
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:
     async with pipeline_stack(tiny, 2, return_logits=True) as st:
         assert [await collect(st.frontend, p) for p in PROMPTS[:3]] == reference[:3]

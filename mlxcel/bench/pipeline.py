@@ -127,12 +127,16 @@ async def run_bench(
     )
 
     with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
-        async with LoopbackCluster(model, 2, Path(tmp), spawn_coordinator=False) as cl:
+        # Stages batch up to ``streams`` rows, like the one-process engine beside them.
+        batch = ("--max-batch-size", str(streams))
+        async with LoopbackCluster(
+            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch
+        ) as cl:
             cfg = load_cluster_config(cl.config)
             secret = load_cluster_secret(None, {}, cl.config)
             assert secret is not None
             async with remote_coordinator(
-                cfg, cfg.coordinator, model, secret, parallel=streams
+                cfg, cfg.coordinator, model, secret, parallel=streams, max_batch_size=streams
             ) as rc:
                 await decode_rate(rc.frontend, 8)
 

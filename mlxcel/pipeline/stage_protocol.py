@@ -236,5 +236,12 @@ def pick_job(queued: list[Seq], max_batch: int, last_was_decode: bool) -> list[S
     prompts = [s for s in queued if s.step is not None and not s.step.decode]
     if decodes and not (prompts and last_was_decode):
         mb = decodes[0][1].micro_batch
-        return [s for s, step in decodes if step.micro_batch == mb][:max_batch]
+        # A micro-batch larger than max_batch runs in chunks taken in a fixed order (by
+        # sequence), so each chunk is the same rows every step and keeps its batch cache.
+        members = sorted((s for s, step in decodes if step.micro_batch == mb), key=_by_key)
+        return members[:max_batch]
     return prompts[:1]
+
+
+def _by_key(s: Seq) -> SeqKey:
+    return s.key

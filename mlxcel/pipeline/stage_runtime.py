@@ -34,10 +34,11 @@ class StageRuntime:
     """A layer range plus the per-sequence caches and samplers. Call only on one thread.
 
     A sequence's cache lives on its own while its prompt is filled, then -- from its first
-    decode step -- as a row of its micro-batch's persistent batch (mlx-lm's BatchKVCache, the
-    batch generator's own ``extend``/``filter``), so a decode step of N sequences is one
-    forward pass with no per-step merging or splitting of caches. Rows join and leave only
-    when the micro-batch's membership changes.
+    decode step -- as a row of a persistent batch (mlx-lm's BatchKVCache, the batch
+    generator's own ``extend``/``filter``): its micro-batch's, or, for a micro-batch larger
+    than the stage's batch, its chunk's. A decode step of N sequences is one forward pass with
+    no per-step merging or splitting of caches; rows join and leave only when membership
+    changes.
     """
 
     def __init__(self, layers: LayerRange) -> None:
@@ -45,16 +46,18 @@ class StageRuntime:
         self.width = layers.loaded.hidden_size
         self.vocab = int(layers.loaded.config["vocab_size"])
         self.caches: dict[SeqKey, list[Any]] = {}  # sequences outside any micro-batch
-        self.batches: dict[int, MicroBatch] = {}
+        self.batches: dict[int, MicroBatch] = {}  # by an id of the runtime's own
         self.batch_of: dict[SeqKey, int] = {}
+        self.regroups = 0  # rows moved into or out of a batch
+        self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
 
     def free(self, key: SeqKey) -> None:
         self.caches.pop(key, None)
         self.samplers.pop(key, None)
-        mb = self.batch_of.pop(key, None)
-        if mb is not None:
-            self._drop_row(mb, key)
+        bid = self.batch_of.pop(key, None)
+        if bid is not None:
+            self._drop_row(bid, key)
 
     def run(self, job: ComputeJob) -> tuple[list[StepOutput], float]:
         """The job's outputs and how long it ran *on this thread*: timed here, not on the
@@ -78,12 +81,12 @@ class StageRuntime:
                 h = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
             mx.eval(h)
 
-    # --- micro-batches ------------------------------------------------------------------------
-    def _drop_row(self, mb: int, key: SeqKey) -> None:
-        batch = self.batches[mb]
+    # --- persistent batches ------------------------------------------------------------------------
+    def _drop_row(self, bid: int, key: SeqKey) -> None:
+        batch = self.batches[bid]
         keep = [i for i, k in enumerate(batch.keys) if k != key]
         if not keep:
-            del self.batches[mb]
+            del self.batches[bid]
             return
         rows = mx.array(keep)
         for c in batch.cache:
@@ -92,33 +95,40 @@ class StageRuntime:
 
     def _take_out(self, key: SeqKey) -> list[Any]:
         """``key``'s cache on its own again, out of the micro-batch it was in (if any)."""
-        mb = self.batch_of.pop(key, None)
-        if mb is not None:
-            batch = self.batches[mb]
+        bid = self.batch_of.pop(key, None)
+        if bid is not None:
+            batch = self.batches[bid]
             row = batch.keys.index(key)
             self.caches[key] = [split_row(c, row) for c in batch.cache]
-            self._drop_row(mb, key)
+            self._drop_row(bid, key)
         return self.caches.setdefault(key, self.layers.make_batch_cache())
 
-    def _micro_batch(self, mb: int, keys: list[SeqKey]) -> MicroBatch:
-        """Micro-batch ``mb``'s persistent batch with exactly the rows ``keys``."""
-        batch = self.batches.get(mb)
+    def _batch_for(self, keys: list[SeqKey]) -> MicroBatch:
+        """A persistent batch with exactly the rows ``keys``: the one most of them are in
+        already, rows taken out and added where membership changed (counted in ``regroups``);
+        in steady state, as it is."""
+        ids = [self.batch_of[k] for k in keys if k in self.batch_of]
+        bid = max(sorted(set(ids)), key=ids.count) if ids else None
+        batch = self.batches[bid] if bid is not None else None
         want = set(keys)
         for k in [k for k in batch.keys if k not in want] if batch is not None else []:
             self._take_out(k)  # not in this step: it keeps its cache, outside the batch
-        batch = self.batches.get(mb)
+            self.regroups += 1
         for k in keys:
-            if self.batch_of.get(k) == mb:
+            if bid is not None and self.batch_of.get(k) == bid:
                 continue
             single = self._take_out(k)
             del self.caches[k]
-            if batch is None:
-                batch = self.batches[mb] = MicroBatch([k], single)
+            self.regroups += 1
+            if batch is None or bid is None:
+                self._next_id += 1
+                bid = self._next_id
+                batch = self.batches[bid] = MicroBatch([k], single)
             else:
                 for c, one in zip(batch.cache, single, strict=True):
                     c.extend(one)
                 batch.keys.append(k)
-            self.batch_of[k] = mb
+            self.batch_of[k] = bid
         assert batch is not None
         return batch
 
@@ -131,7 +141,7 @@ class StageRuntime:
         if job.last and not job.return_logits and head != "none":
             head = "last"  # sampling needs the last position's logits only
         if all(s.decode for s in steps):
-            batch = self._micro_batch(steps[0].micro_batch, [s.key for s in steps])
+            batch = self._batch_for([s.key for s in steps])
             rows = [batch.keys.index(s.key) for s in steps]
             by_row = sorted(range(len(steps)), key=rows.__getitem__)
             cache = batch.cache
