@@ -24,7 +24,8 @@ from mlxcel.runtime.tensors import from_tensor, row_tensors
 
 @dataclass
 class MicroBatch:
-    """One micro-batch's persistent caches: a batch cache per layer, a row per sequence."""
+    """A persistent batch (a micro-batch, or a chunk of one): a batch cache per layer, a row
+    per sequence."""
 
     keys: list[SeqKey]
     cache: list[Any]
@@ -81,7 +82,7 @@ class StageRuntime:
                 h = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
             mx.eval(h)
 
-    # --- persistent batches ------------------------------------------------------------------------
+    # --- persistent batches -----------------------------------------------------------------------
     def _drop_row(self, bid: int, key: SeqKey) -> None:
         batch = self.batches[bid]
         keep = [i for i, k in enumerate(batch.keys) if k != key]
@@ -94,7 +95,7 @@ class StageRuntime:
         batch.keys = [batch.keys[i] for i in keep]
 
     def _take_out(self, key: SeqKey) -> list[Any]:
-        """``key``'s cache on its own again, out of the micro-batch it was in (if any)."""
+        """``key``'s cache on its own again, out of the batch it was in (if any)."""
         bid = self.batch_of.pop(key, None)
         if bid is not None:
             batch = self.batches[bid]
