@@ -12,11 +12,21 @@ from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.coordinator_core import PipelineError
 
 
-class DeadStage:
-    """An endpoint whose every send hangs until its deadline, like dialing a dead host."""
+class FakeEndpoint:
+    """What a coordinator needs of an endpoint, besides ``send``."""
 
     identity = "coordinator"
     wire_bytes = 0
+
+    def reset(self, dest: str) -> None:
+        pass
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        pass
+
+
+class DeadStage(FakeEndpoint):
+    """An endpoint whose every send hangs until its deadline, like dialing a dead host."""
 
     def __init__(self) -> None:
         self.attempts: list[tuple[float, Message]] = []
@@ -26,12 +36,6 @@ class DeadStage:
         self.attempts.append((loop.time(), msg))
         await asyncio.sleep(max(0.0, deadline - loop.time()))
         raise SendFailed(f"send to {dest} failed: connect deadline passed")
-
-    def reset(self, dest: str) -> None:
-        pass
-
-    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
-        pass
 
 
 async def test_health_probes_to_a_dead_stage_do_not_hold_up_a_request() -> None:
@@ -61,11 +65,8 @@ async def test_health_probes_to_a_dead_stage_do_not_hold_up_a_request() -> None:
         assert coord.expired_sends > 0  # expired probes were dropped unsent
 
 
-class Recorder:
+class Recorder(FakeEndpoint):
     """An endpoint that records what it is asked to send and fails sends to ``dead``."""
-
-    identity = "coordinator"
-    wire_bytes = 0
 
     def __init__(self, dead: str = "") -> None:
         self.sent: list[tuple[str, Message]] = []
@@ -75,12 +76,6 @@ class Recorder:
         self.sent.append((dest, msg))
         if dest == self.dead:
             raise SendFailed(f"send to {dest} failed: connection refused")
-
-    def reset(self, dest: str) -> None:
-        pass
-
-    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
-        pass
 
 
 async def test_what_queues_for_one_peer_leaves_as_one_bundle_and_fails_item_by_item() -> None:

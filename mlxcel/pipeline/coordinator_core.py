@@ -55,6 +55,8 @@ from mlxcel.pipeline.coordinator_protocol import (
     result_problem,
 )
 
+Missed = tuple[int, str] | None  # a timed-out exchange: its nonce, and why
+
 __all__ = ["CoordinatorCore", "PipelineError", "REQ_TABLE", "ReqEvent", "ReqState"]
 
 
@@ -175,16 +177,13 @@ class CoordinatorCore:
             # mid-frame. Replace it, so the next request dials afresh. The stage frees what it
             # holds for us when the connection closes, so every request in the stages fails
             # now (not one deadline at a time); those admitted after this point are unharmed.
-            reset = ex.reset and not self._heard_since(ex)
-            victims = self._in_stages() if reset else []
-            if reset:
-                out.append(ResetPeer(ex.dest))
-                self.micro.holding = True  # until _lose: no parked step for a stage given up
-            budget = ex.deadline - ex.sent_at
-            self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, f"{what} within {budget:g}s", now)
-            if reset:
-                why = f"the connections to stage {ex.dest} were reset after a missed deadline"
-                self._lose(ex.dest, why, now, out, victims)
+            missed = f"{what} within {ex.deadline - ex.sent_at:g}s"
+            if not (ex.reset and not self._heard_since(ex)):
+                self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, missed, now)
+                continue
+            out.append(ResetPeer(ex.dest))
+            why = f"the connections to stage {ex.dest} were reset after a missed deadline"
+            self._lose(ex.dest, why, now, out, (nonce, missed))
         return out
 
     def next_timer(self) -> float | None:
@@ -197,22 +196,24 @@ class CoordinatorCore:
         in the stages fails now (and every query to that stage)."""
         out: list[Effect] = []
         if identity in self.stages:
-            victims = self._in_stages()  # snapshot: requests admitted while failing these live
-            self._lose(identity, f"lost the connection to stage {identity}", now, out, victims)
+            self._lose(identity, f"lost the connection to stage {identity}", now, out, None)
         return out
 
     def _in_stages(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.admitted]
 
-    def _lose(
-        self, stage: str, why: str, now: float, out: list[Effect], victims: list[Req] | None = None
-    ) -> None:
-        for nonce, ex in list(self._exchanges.items()):
-            if not ex.request_id and ex.dest == stage:
-                self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
-        self.micro.holding = True  # no parked step is sent to a stage that is being given up
+    def _lose(self, stage: str, why: str, now: float, out: list[Effect], missed: Missed) -> None:
+        """Fail every request in the stages and queries to ``stage``, after ``missed`` (nonce,
+        why): the exchange whose deadline gave the stage up. No parked step goes out meanwhile."""
+        victims = self._in_stages()  # a snapshot: requests admitted while failing these live
+        self.micro.holding = True
         try:
-            for req in self._in_stages() if victims is None else victims:
+            if missed is not None:
+                self._close(missed[0], out, ErrorCode.DEADLINE_EXCEEDED, missed[1], now)
+            for nonce, ex in list(self._exchanges.items()):
+                if not ex.request_id and ex.dest == stage:
+                    self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, why, now)
+            for req in victims:
                 if req.admitted and req.pending:  # not ended meanwhile
                     self._close(min(req.pending), out, ErrorCode.STAGE_UNREACHABLE, why, now)
                 elif req.admitted and req.parked:  # its caches there are gone too

@@ -8,6 +8,8 @@ right identity -- counted by code, warned about at a limited rate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mlxcel.effects import Effect, Send, Warn
 from mlxcel.messages import Activation, Error, ErrorCode, Message, Tensor, Undecodable
 from mlxcel.pipeline.stage_protocol import (
@@ -27,6 +29,7 @@ class StageGate:
     width: int
     seqs: dict[str, Seq]
     stats: StageStats
+    handle_many: Callable[[tuple[Message, ...], str, float], list[Effect]]  # the core's
 
     @property
     def _me(self) -> str:
@@ -54,9 +57,6 @@ class StageGate:
         taken = tuple(m for m in msgs if type(m) in MAY_SEND or isinstance(m, Undecodable))
         self.stats.dropped += len(msgs) - len(taken)
         return self.handle_many(taken, source, now)
-
-    def handle_many(self, msgs: tuple[Message, ...], source: str, now: float) -> list[Effect]:
-        raise NotImplementedError  # the core's
 
     def is_peer(self, dest: str) -> bool:
         return dest in (self.config.upstream, self.config.downstream) or self.is_coordinator(dest)

@@ -12,6 +12,7 @@ not in a table is refused with the code the table names for it.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 
 from mlxcel.fsm import Table
@@ -226,6 +227,9 @@ class StageStats:
     by_code: dict[str, int] = field(default_factory=dict)
 
 
+_KEY = operator.attrgetter("key")
+
+
 def pick_job(queued: list[Seq], max_batch: int, last_was_decode: bool) -> list[Seq]:
     """What runs next, from the queued sequences (oldest first): the decode steps of one
     micro-batch -- the oldest queued decode's -- as one batch of at most ``max_batch`` (the
@@ -238,10 +242,6 @@ def pick_job(queued: list[Seq], max_batch: int, last_was_decode: bool) -> list[S
         mb = decodes[0][1].micro_batch
         # A micro-batch larger than max_batch runs in chunks taken in a fixed order (by
         # sequence), so each chunk is the same rows every step and keeps its batch cache.
-        members = sorted((s for s, step in decodes if step.micro_batch == mb), key=_by_key)
+        members = sorted((s for s, step in decodes if step.micro_batch == mb), key=_KEY)
         return members[:max_batch]
     return prompts[:1]
-
-
-def _by_key(s: Seq) -> SeqKey:
-    return s.key

@@ -152,12 +152,12 @@ class StageRuntime:
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
         h = self.layers(x, cache, head=head)
         if not job.last:
-            return list(row_tensors(h, rows))
+            return [*row_tensors(h, rows)]
         if head == "none":
             mx.eval([c.state for c in cache])
             return [None] * len(steps)
         if job.return_logits:
-            return list(row_tensors(h.astype(mx.float32), rows))
+            return [*row_tensors(h.astype(mx.float32), rows)]
         return self._sample(steps, [h[r : r + 1, -1, :] for r in rows])
 
     def _sample(self, steps: tuple[Step, ...], logits: list[mx.array]) -> list[StepOutput]:

@@ -16,20 +16,20 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
+def _on_host(a: mx.array) -> np.ndarray:
+    """``a`` evaluated and on the host, bfloat16 as its raw 16-bit patterns."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False)
+
+
 def to_tensor(a: mx.array) -> Tensor:
-    name = _dtype_name(a.dtype)
-    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    data = np.ascontiguousarray(np.array(raw, copy=False)).tobytes()
-    return Tensor(name, tuple(a.shape), data)
+    data = np.ascontiguousarray(_on_host(a)).tobytes()
+    return Tensor(_dtype_name(a.dtype), tuple(a.shape), data)
 
 
 def row_tensors(a: mx.array, rows: list[int]) -> list[Tensor]:
     """``a[r : r + 1]`` for each of ``rows`` as Tensors, from one copy to the host (on a GPU a
     copy per row would be a transfer and a synchronisation per row)."""
-    name = _dtype_name(a.dtype)
-    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    host = np.array(raw, copy=False)
-    shape = (1, *a.shape[1:])
+    name, host, shape = _dtype_name(a.dtype), _on_host(a), (1, *a.shape[1:])
     return [Tensor(name, shape, np.ascontiguousarray(host[r : r + 1]).tobytes()) for r in rows]
 
 
