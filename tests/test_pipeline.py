@@ -110,6 +110,72 @@ async def test_a_micro_batch_larger_than_a_stage_batch_keeps_its_caches_in_chunk
         ]
 
 
+async def _tokens_and_logprobs(fe, prompt: str, **kw) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+    from contextlib import aclosing
+
+    toks: list[int] = []
+    lps: list[float] = []
+    params = SamplingParams(max_tokens=10, logprobs=True, **kw)
+    async with aclosing(fe.stream(fe.encode_prompt(prompt), params)) as it:
+        async for d in it:
+            toks.extend(d.token_ids)
+            lps.extend(d.logprobs or ())
+    return toks, lps
+
+
+async def test_a_micro_batch_of_greedy_and_sampled_rows_samples_each_row_as_alone(
+    tiny: Path,
+) -> None:
+    """The last stage samples a micro-batch at once (one argmax for greedy rows, a row's own
+    sampler otherwise): greedy rows keep the one-process engine's tokens and logprobs beside
+    a seeded sampled row, and the sampled row draws what it draws alone."""
+    async with local_stack(tiny) as one:
+        want = [await _tokens_and_logprobs(one.frontend, p) for p in PROMPTS[:3]]
+    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=4) as st:
+        alone = await _tokens_and_logprobs(st.frontend, PROMPTS[3], temperature=0.9, seed=7)
+        got = await asyncio.gather(
+            *(_tokens_and_logprobs(st.frontend, p) for p in PROMPTS[:3]),
+            _tokens_and_logprobs(st.frontend, PROMPTS[3], temperature=0.9, seed=7),
+        )
+        assert all(s.stats.largest_batch == 4 for s in st.stages)
+    for (toks, lps), (want_toks, want_lps) in zip(got[:3], want, strict=True):
+        assert toks == want_toks and len(lps) == len(toks)
+        assert lps == pytest.approx(want_lps, abs=1e-4)
+    assert got[3][0] == alone[0] and len(alone[0]) == 10
+    assert got[3][1] == pytest.approx(alone[1], abs=1e-4)
+
+
+def test_warm_up_runs_every_shape_class_the_first_requests_bring(tiny: Path) -> None:
+    """On a fresh H200 the first eight concurrent requests missed the 30 s step deadline
+    while the stages compiled kernels for short prompts and batched decode steps (warm-up
+    had run one 512-token chunk and one single-row step): every stage now runs those shapes
+    before it reports ready, with the batched sampling on the last."""
+    from mlxcel.pipeline.stage_runtime import StageRuntime
+    from mlxcel.runtime.model import LayerRange, load_model
+
+    class Spy:
+        """The layer range, recording the (batch, length) of every forward."""
+
+        def __init__(self, real: LayerRange) -> None:
+            self.real, self.seen = real, []
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.real, name)
+
+        def __call__(self, x, cache, head):  # type: ignore[no-untyped-def]
+            self.seen.append(tuple(x.shape[:2]))
+            return self.real(x, cache, head=head)
+
+    loaded = load_model(tiny)
+    n = loaded.n_layers
+    for start, end in ((0, n // 2), (n // 2, n)):
+        spy = Spy(LayerRange(loaded, start, end))
+        runtime = StageRuntime(spy)  # type: ignore[arg-type]
+        runtime.warm_up(512, spy.is_first, spy.is_last, batch=6)
+        seen = spy.seen
+        assert seen == [(1, 512), (1, 16), (1, 1), (2, 1), (4, 1), (6, 1)]
+
+
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:
     async with pipeline_stack(tiny, 2, return_logits=True) as st:
         assert [await collect(st.frontend, p) for p in PROMPTS[:3]] == reference[:3]

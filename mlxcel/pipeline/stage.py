@@ -82,13 +82,15 @@ class StageService(CoreAdapter):
         self.start()
 
     async def warm_up(self) -> float:
-        """Run a throwaway prompt chunk and decode step before serving; returns the seconds."""
+        """Run a throwaway prompt chunk and decode steps (one row, a full batch) before serving;
+        returns the seconds."""
         t0 = self.now()
         await self.compute.run(
             self.runtime.warm_up,
             self.config.warm_up_tokens,
             self.stage.is_first,
             self.stage.is_last,
+            self.config.max_batch,
         )
         took = self.now() - t0
         logger.info("stage {}: warmed up in {:.2f}s", self.config.index, took)

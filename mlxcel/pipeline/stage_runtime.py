@@ -67,15 +67,19 @@ class StageRuntime:
         outs = self._run(job)
         return outs, time.perf_counter() - t0
 
-    def warm_up(self, tokens: int, first: bool, last: bool) -> None:
-        """A throwaway prompt chunk and decode step: a GPU compiles its kernels on first use
-        (tens of seconds on a fresh machine), better before the stage reports ready."""
-        cache = self.layers.make_batch_cache()
-        for n in (tokens, 1):
+    def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
+        """Throwaway prompt chunks (``tokens`` long and a short one) and decode steps of 1, 2,
+        4, ... ``batch`` rows. A GPU compiles a kernel for each new shape class on first use,
+        tens of seconds on a fresh machine: inside the first requests that missed the steps'
+        deadline and reset the stage (seen on an H200), so it happens before ready instead."""
+        rows = sorted({1 << i for i in range(max(batch, 1).bit_length())} | {max(batch, 1)})
+        shapes = [(1, n) for n in sorted({tokens, min(tokens, 16)}, reverse=True)]
+        for b, n in shapes + [(r, 1) for r in rows]:
+            cache = self.layers.make_batch_cache(b)
             if first:
-                x = mx.zeros((1, n), dtype=mx.int32)
+                x = mx.zeros((b, n), dtype=mx.int32)
             else:
-                x = mx.zeros((1, n, self.width), dtype=self.layers.dtype)
+                x = mx.zeros((b, n, self.width), dtype=self.layers.dtype)
             h = self.layers(x, cache, head="last")
             if last:
                 logits = h[:, -1, :]
@@ -158,20 +162,41 @@ class StageRuntime:
             return [None] * len(steps)
         if job.return_logits:
             return [*row_tensors(h.astype(mx.float32), rows)]
-        return self._sample(steps, [h[r : r + 1, -1, :] for r in rows])
+        last = h[:, -1, :]
+        if rows != sorted(rows):  # the batch's rows in step order
+            last = last[mx.array(rows)]
+        return self._sample(steps, last)
 
-    def _sample(self, steps: tuple[Step, ...], logits: list[mx.array]) -> list[StepOutput]:
-        """Each row's token, evaluated together; a failure fails its own sequence only."""
-        picks: list[tuple[mx.array, mx.array] | StepFailed | None] = []
-        for step, row in zip(steps, logits, strict=True):
-            picks.append(self._pick(step, row) if step.sample else None)
-        ready = [p for p in picks if isinstance(p, tuple)]
+    def _sample(self, steps: tuple[Step, ...], logits: mx.array) -> list[StepOutput]:
+        """Each row's token and its logprob, as mlx-lm's batch generator samples: the batch
+        normalised at once, one argmax when every row is greedy, else each row through its
+        own sampler; evaluated together. A failing sampler fails its own sequence only."""
+        # Normalise in the model's dtype, like the one-process engine: in bf16 it rounds, and
+        # skipping it would break near-ties differently.
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers: list[Sampler | None | StepFailed] = [self._sampler(s) for s in steps]
+        if all(sm is None for sm in samplers):
+            toks = mx.argmax(logprobs, axis=-1)
+            picks = [toks, mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]]
+            try:
+                mx.eval(picks)
+                return [
+                    Sampled(t, lp) if s.sample else None
+                    for s, t, lp in zip(steps, picks[0].tolist(), picks[1].tolist(), strict=True)
+                ]
+            except Exception as exc:
+                return [_failed(exc) if s.sample else None for s in steps]
+        rows = [
+            self._pick(sm, logprobs[i : i + 1]) if s.sample else None
+            for i, (s, sm) in enumerate(zip(steps, samplers, strict=True))
+        ]
+        ready = [p for p in rows if isinstance(p, tuple)]
         try:
             mx.eval(ready)
         except Exception:
             pass  # evaluated one by one below, so only the failing rows fail
         out: list[StepOutput] = []
-        for p in picks:
+        for p in rows:
             if not isinstance(p, tuple):
                 out.append(p)
                 continue
@@ -182,15 +207,23 @@ class StageRuntime:
                 out.append(_failed(exc))
         return out
 
-    def _pick(self, step: Step, logits: mx.array) -> tuple[mx.array, mx.array] | StepFailed:
+    def _sampler(self, step: Step) -> Sampler | None | StepFailed:
+        """``step``'s sequence's sampler (None: greedy), made on its first sampled step."""
+        if not step.sample:
+            return None
         try:
             if step.key not in self.samplers:
                 self.samplers[step.key] = make_sampler(step.sampling)
-            sampler = self.samplers[step.key]
-            # Exactly the one-process engine's arithmetic (mlx-lm's batch generator): normalise
-            # in the model's dtype, then argmax or sample. In bf16 the normalisation rounds, so
-            # skipping it would break near-ties differently.
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return self.samplers[step.key]
+        except Exception as exc:
+            return _failed(exc)
+
+    def _pick(
+        self, sampler: Sampler | None | StepFailed, logprobs: mx.array
+    ) -> tuple[mx.array, mx.array] | StepFailed:
+        if isinstance(sampler, StepFailed):
+            return sampler
+        try:
             tok = sampler(logprobs) if sampler is not None else mx.argmax(logprobs, -1)
             # The chosen token's logprob joins the same evaluation (no second round trip).
             return tok, mx.take_along_axis(logprobs, tok.reshape(1, 1), axis=-1)
@@ -199,11 +232,20 @@ class StageRuntime:
 
 
 def _inputs(steps: list[Step]) -> mx.array:
-    """Token ids ``[B, n]`` (entry stage) or hidden states ``[B, n, width]``, in this order."""
+    """Token ids ``[B, n]`` (entry stage) or hidden states ``[B, n, width]``, in this order:
+    rows of one shape and dtype are joined on the host and cross to MLX as one array."""
     if steps[0].tokens is not None:
         return mx.array([list(s.tokens or ()) for s in steps], dtype=mx.int32)
-    hs = [from_tensor(s.hidden) for s in steps]  # type: ignore[arg-type]
-    return hs[0] if len(hs) == 1 else mx.concatenate(hs, axis=0)
+    hs = [s.hidden for s in steps]
+    first = hs[0]
+    assert first is not None
+    if len(hs) == 1 or any(
+        h is None or (h.dtype, h.shape) != (first.dtype, first.shape) for h in hs
+    ):
+        arrays = [from_tensor(h) for h in hs]  # type: ignore[arg-type]
+        return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
+    joined = b"".join(h.data for h in hs)  # type: ignore[union-attr]
+    return from_tensor(Tensor(first.dtype, (len(hs) * first.shape[0], *first.shape[1:]), joined))
 
 
 def _failed(exc: Exception) -> StepFailed:

@@ -68,14 +68,19 @@ def _body(msg: Message) -> dict[str, Any]:
 
 def _to_plain(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+    for name in _field_names(type(obj)):
+        value = getattr(obj, name)
         if isinstance(value, _NESTED):
             value = _to_plain(value)
         elif isinstance(value, tuple):
             value = [_to_plain(v) if isinstance(v, _NESTED) else v for v in value]
-        out[f.name] = value
+        out[name] = value
     return out
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def tensor_bytes(msg: Message) -> int:
@@ -167,58 +172,115 @@ def _salvage_map(raw: dict[Any, Any]) -> tuple[int | None, str | None, int | Non
     return pick("kind", int), pick("request_id", str), pick("nonce", int)
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+# --- decoding: a checker per field, built once per class ----------------------------------------
+# A checker returns the value (a tuple or a nested dataclass where the field wants one) or
+# raises _Bad. The path in an error ("RunEntry.sampling.top_k") is assembled only when one is
+# raised, so a well-formed message costs one call per field.
+
+Check = typing.Callable[[Any], Any]
+
+
+class _Bad(Exception):
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.path: list[str] = []  # innermost first: ".top_k", ".sampling"
 
 
 def _build(cls: type, raw: dict[Any, Any], where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    extra = [k for k in raw if k not in fields]
-    if extra:
-        raise FieldError(f"{where}: unexpected field(s) {sorted(map(str, extra))}")
-    hints = _hints(cls)
-    values: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in raw:
-            if f.default is not dataclasses.MISSING:
-                # Optional fields with defaults may be omitted by older encoders.
-                continue
-            raise FieldError(f"{where}: missing field {name!r}")
-        values[name] = _check(hints[name], raw[name], f"{where}.{name}")
+    try:
+        return _struct(cls, raw)
+    except _Bad as bad:
+        raise FieldError(f"{where}{''.join(reversed(bad.path))}: {bad.what}") from None
+
+
+def _struct(cls: type, raw: dict[Any, Any]) -> Any:
+    names, plan = _plan(cls)
+    if not names.issuperset(raw):
+        raise _Bad(f"unexpected field(s) {sorted(str(k) for k in raw if k not in names)}")
+    try:  # every field present and well-formed: one pass
+        values = {name: check(raw[name]) for name, _, check in plan}
+    except (_Bad, KeyError):
+        values = _fields(plan, raw)  # again, field by field, to name what is wrong
     try:
         return cls(**values)
     except TensorSizeError:
         raise
     except (TypeError, ValueError) as exc:  # pragma: no cover - checks above are complete
-        raise FieldError(f"{where}: {exc}") from None
+        raise _Bad(str(exc)) from None
 
 
-def _check(tp: Any, value: Any, where: str) -> Any:
+def _fields(plan: tuple[tuple[str, bool, Check], ...], raw: dict[Any, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, optional, check in plan:
+        if name not in raw:
+            if optional:
+                continue  # optional fields with defaults may be omitted by older encoders
+            raise _Bad(f"missing field {name!r}")
+        try:
+            values[name] = check(raw[name])
+        except _Bad as bad:
+            bad.path.append(f".{name}")
+            raise
+    return values
+
+
+@cache
+def _plan(cls: type) -> tuple[frozenset[str], tuple[tuple[str, bool, Check], ...]]:
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    plan = tuple(
+        (f.name, f.default is not dataclasses.MISSING, _checker(hints[f.name])) for f in fields
+    )
+    return frozenset(f.name for f in fields), plan
+
+
+def _checker(tp: Any) -> Check:
+    """The check for a value of annotated type ``tp``: exactly that type (a bool is not an
+    int, an int is not a float), integers within 64 bits, arrays and maps where they belong."""
     origin = typing.get_origin(tp)
     if origin is types.UnionType or origin is typing.Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check(inner, value, where)
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        some = _checker(inner)
+        return lambda v: None if v is None else some(v)
     if origin is tuple:
-        elem = typing.get_args(tp)[0]
-        if not isinstance(value, list):
-            raise FieldError(f"{where}: expected an array, got {type(value).__name__}")
-        return tuple(_check(elem, v, f"{where}[{i}]") for i, v in enumerate(value))
+        return _array(_checker(typing.get_args(tp)[0]))
     if tp in _NESTED:
-        if not isinstance(value, dict):
-            raise FieldError(f"{where}: expected a map, got {type(value).__name__}")
-        return _build(tp, dict(value), where)
+        return lambda v: _struct(tp, v) if isinstance(v, dict) else _wrong("a map", v)
     if tp is int:
-        if type(value) is not int:
-            raise FieldError(f"{where}: expected an integer, got {type(value).__name__}")
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise FieldError(f"{where}: integer out of 64-bit range")
-        return value
+        return _int
     if tp in (float, str, bool, bytes):
-        if type(value) is not tp:
-            raise FieldError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise FieldError(f"{where}: unsupported field type {tp!r}")  # pragma: no cover
+        name = tp.__name__
+        return lambda v: v if type(v) is tp else _wrong(name, v)
+
+    def unsupported(v: Any) -> Any:  # pragma: no cover - a programming error
+        raise _Bad(f"unsupported field type {tp!r}")
+
+    return unsupported
+
+
+def _wrong(expected: str, value: Any) -> Any:
+    raise _Bad(f"expected {expected}, got {type(value).__name__}")
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:
+        _wrong("an integer", v)
+    if not _INT_MIN <= v <= _INT_MAX:
+        raise _Bad("integer out of 64-bit range")
+    return v
+
+
+def _array(elem: Check) -> Check:
+    def check(value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            _wrong("an array", value)
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(elem(v))
+            except _Bad as bad:
+                bad.path.append(f"[{i}]")
+                raise
+        return tuple(out)
+
+    return check
