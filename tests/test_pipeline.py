@@ -145,11 +145,14 @@ async def test_a_micro_batch_of_greedy_and_sampled_rows_samples_each_row_as_alon
     assert got[3][1] == pytest.approx(alone[1], abs=1e-4)
 
 
-def test_warm_up_runs_every_shape_class_the_first_requests_bring(tiny: Path) -> None:
+def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
+    tiny: Path,
+) -> None:
     """On a fresh H200 the first eight concurrent requests missed the 30 s step deadline
-    while the stages compiled kernels for short prompts and batched decode steps (warm-up
-    had run one 512-token chunk and one single-row step): every stage now runs those shapes
-    before it reports ready, with the batched sampling on the last."""
+    while the stages compiled kernels (warm-up had run one 512-token chunk and one single-row
+    step on an empty cache). Every stage now serves throwaway sequences through its own
+    compute path before it reports ready: a full chunk, short prompts, and decode steps of
+    1, 2, 4, ... max-batch rows gathered into a batch cache; afterwards it holds nothing."""
     from mlxcel.pipeline.stage_runtime import StageRuntime
     from mlxcel.runtime.model import LayerRange, load_model
 
@@ -172,8 +175,17 @@ def test_warm_up_runs_every_shape_class_the_first_requests_bring(tiny: Path) -> 
         spy = Spy(LayerRange(loaded, start, end))
         runtime = StageRuntime(spy)  # type: ignore[arg-type]
         runtime.warm_up(512, spy.is_first, spy.is_last, batch=6)
-        seen = spy.seen
-        assert seen == [(1, 512), (1, 16), (1, 1), (2, 1), (4, 1), (6, 1)]
+        prompts = [length for rows, length in spy.seen if length > 1]
+        decodes = [rows for rows, length in spy.seen if length == 1]
+        assert 512 in prompts and min(prompts) < 16
+        assert sorted(set(decodes)) == [1, 2, 4, 6] and all(decodes.count(b) == 2 for b in (2, 4))
+        assert runtime.regroups > 0  # rows were gathered into batch caches, as in serving
+        assert (runtime.caches, runtime.batches, runtime.batch_of, runtime.samplers) == (
+            {},
+            {},
+            {},
+            {},
+        )
 
 
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:

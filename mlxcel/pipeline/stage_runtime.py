@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcel.messages import ErrorCode, Tensor
+from mlxcel.messages import DTYPE_SIZES, ErrorCode, SamplingParams, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
 from mlxcel.runtime.model import LayerRange, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import from_tensor, row_tensors
+from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
 
 
 @dataclass
@@ -68,23 +68,44 @@ class StageRuntime:
         return outs, time.perf_counter() - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
-        """Throwaway prompt chunks (``tokens`` long and a short one) and decode steps of 1, 2,
-        4, ... ``batch`` rows. A GPU compiles a kernel for each new shape class on first use,
-        tens of seconds on a fresh machine: inside the first requests that missed the steps'
-        deadline and reset the stage (seen on an H200), so it happens before ready instead."""
+        """Serve throwaway sequences through :meth:`run`, as the coordinator would: for b = 1,
+        2, 4, ... ``batch``, b prompts (one ``tokens`` long, the others short), then two decode
+        steps of all b as one batch (gathered into a batch cache, then run on it), then freed.
+
+        A GPU compiles a kernel the first time it meets a shape class -- prompt lengths,
+        batch sizes, padded masks, a batch cache growing and shrinking -- tens of seconds per
+        class on a fresh machine. Inside the first requests that missed the steps' 30 s
+        deadline (eight concurrent requests on a fresh H200, after a warm-up of one chunk and
+        one single-row step); here it happens before the stage reports ready."""
         rows = sorted({1 << i for i in range(max(batch, 1).bit_length())} | {max(batch, 1)})
-        shapes = [(1, n) for n in sorted({tokens, min(tokens, 16)}, reverse=True)]
-        for b, n in shapes + [(r, 1) for r in rows]:
-            cache = self.layers.make_batch_cache(b)
-            if first:
-                x = mx.zeros((b, n), dtype=mx.int32)
-            else:
-                x = mx.zeros((b, n, self.width), dtype=self.layers.dtype)
-            h = self.layers(x, cache, head="last")
-            if last:
-                logits = h[:, -1, :]
-                h = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
-            mx.eval(h)
+        for b in rows:
+            keys = [("warm-up", -1 - i) for i in range(b)]
+            lengths = [tokens + 1 if i == 0 else 3 + i % 5 for i in range(b)]
+            for key, n in zip(keys, lengths, strict=True):
+                self.run(
+                    self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last)
+                )
+            for pos in range(2):
+                steps = [
+                    self._warm_step(key, 1, n - 1 + pos, first, True)
+                    for key, n in zip(keys, lengths, strict=True)
+                ]
+                self.run(self._warm_job(steps, first, last))
+            for key in keys:
+                self.free(key)
+
+    def _warm_step(self, key: SeqKey, n: int, start: int, first: bool, sample: bool) -> Step:
+        hidden = None
+        if not first:
+            name = dtype_name(self.layers.dtype)
+            size = n * self.width * DTYPE_SIZES[name]
+            hidden = Tensor(name, (1, n, self.width), bytes(size))
+        tokens = (0,) * n if first else None
+        return Step(key, 0, tokens, hidden, n, start, SamplingParams(), 0, sample)
+
+    @staticmethod
+    def _warm_job(steps: list[Step], first: bool, last: bool) -> ComputeJob:
+        return ComputeJob(0, tuple(steps), first, last, False)
 
     # --- persistent batches -----------------------------------------------------------------------
     def _drop_row(self, bid: int, key: SeqKey) -> None:

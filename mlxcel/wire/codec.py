@@ -190,7 +190,8 @@ def _build(cls: type, raw: dict[Any, Any], where: str) -> Any:
     try:
         return _struct(cls, raw)
     except _Bad as bad:
-        raise FieldError(f"{where}{''.join(reversed(bad.path))}: {bad.what}") from None
+        why = f"{where}{''.join(reversed(bad.path))}: {bad.what}"
+    raise FieldError(why)  # outside the handler: the error holds no reference to the peer's data
 
 
 def _struct(cls: type, raw: dict[Any, Any]) -> Any:
