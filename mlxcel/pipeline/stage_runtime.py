@@ -68,24 +68,26 @@ class StageRuntime:
         return outs, time.perf_counter() - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
-        """Serve throwaway sequences through :meth:`run`, as the coordinator would: for b = 1,
-        2, 4, ... ``batch``, b prompts (one ``tokens`` long, the others short), then two decode
-        steps of all b as one batch (gathered into a batch cache, then run on it), then freed.
+        """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
+        them: one prompt per chunk length 2, 4, 8, ... ``tokens`` (each then one decode step),
+        and for b = 2, 4, ... ``batch`` b short prompts whose next two decode steps run as one
+        batch (gathered into a batch cache, then run on it).
 
-        A GPU compiles a kernel the first time it meets a shape class -- prompt lengths,
-        batch sizes, padded masks, a batch cache growing and shrinking -- tens of seconds per
-        class on a fresh machine. Inside the first requests that missed the steps' 30 s
-        deadline (eight concurrent requests on a fresh H200, after a warm-up of one chunk and
-        one single-row step); here it happens before the stage reports ready."""
-        rows = sorted({1 << i for i in range(max(batch, 1).bit_length())} | {max(batch, 1)})
-        for b in rows:
-            keys = [("warm-up", -1 - i) for i in range(b)]
-            lengths = [tokens + 1 if i == 0 else 3 + i % 5 for i in range(b)]
+        A GPU compiles a kernel the first time it meets a shape class -- a range of prompt
+        lengths, a batch size, a padded mask, a batch cache growing and shrinking -- tens of
+        seconds per class on a fresh machine. Left to the first requests (eight concurrent
+        ones on a fresh H200, after a warm-up of one chunk and one single-row step), that
+        missed the steps' 30 s deadline; here it happens before the stage reports ready."""
+        chunks = sorted({1 << k for k in range(1, max(tokens, 2).bit_length())} | {tokens})
+        rows = sorted({1 << k for k in range(1, batch.bit_length())} | {batch}) if batch > 1 else []
+        groups = [[n + 1] for n in chunks] + [[3 + i % 5 for i in range(b)] for b in rows]
+        for lengths in groups:
+            keys = [("warm-up", -1 - i) for i in range(len(lengths))]
             for key, n in zip(keys, lengths, strict=True):
                 self.run(
                     self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last)
                 )
-            for pos in range(2):
+            for pos in range(1 if len(lengths) == 1 else 2):
                 steps = [
                     self._warm_step(key, 1, n - 1 + pos, first, True)
                     for key, n in zip(keys, lengths, strict=True)
