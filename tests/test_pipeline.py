@@ -148,12 +148,12 @@ async def test_a_micro_batch_of_greedy_and_sampled_rows_samples_each_row_as_alon
 def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
     tiny: Path,
 ) -> None:
-    """On a fresh H200 the first eight concurrent requests missed the 30 s step deadline
-    while the stages compiled kernels (warm-up had run one 512-token chunk and one single-row
-    step on an empty cache). Every stage now serves throwaway sequences through its own
-    compute path before it reports ready: prompt chunks of 2, 4, ... 512 tokens, and decode
-    steps of 1, 2, 4, ... max-batch rows gathered into a batch cache; afterwards it holds
-    nothing."""
+    """A GPU compiles kernels on a shape class's first use; warm-up ran one 512-token chunk
+    and one single-row step on an empty cache, so batched decode (padded masks, batch caches
+    that grow and shrink, batched sampling) compiled inside the first requests. Every stage
+    now serves throwaway sequences through its own compute path before it reports ready: a
+    full chunk, short prompts, and decode steps of 1, 2, 4, ... max-batch rows gathered into
+    a batch cache; afterwards it holds nothing."""
     from mlxcel.pipeline.stage_runtime import StageRuntime
     from mlxcel.runtime.model import LayerRange, load_model
 
@@ -178,7 +178,7 @@ def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
         runtime.warm_up(512, spy.is_first, spy.is_last, batch=6)
         prompts = [length for rows, length in spy.seen if length > 1]
         decodes = [rows for rows, length in spy.seen if length == 1]
-        assert set(prompts) >= {2, 4, 8, 16, 32, 64, 128, 256, 512}
+        assert 512 in prompts and min(prompts) < 16
         assert sorted(set(decodes)) == [1, 2, 4, 6] and all(decodes.count(b) == 2 for b in (2, 4))
         assert runtime.regroups > 0  # rows were gathered into batch caches, as in serving
         assert (runtime.caches, runtime.batches, runtime.batch_of, runtime.samplers) == (

@@ -68,26 +68,25 @@ class StageRuntime:
         return outs, time.perf_counter() - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
-        """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
-        them: one prompt per chunk length 2, 4, 8, ... ``tokens`` (each then one decode step),
-        and for b = 2, 4, ... ``batch`` b short prompts whose next two decode steps run as one
-        batch (gathered into a batch cache, then run on it).
+        """Serve throwaway sequences through :meth:`run`, as the coordinator would: for b = 1,
+        2, 4, ... ``batch``, b prompts (one ``tokens`` long, the others short), then two decode
+        steps of all b as one batch (gathered into a batch cache, then run on it), then freed.
 
-        A GPU compiles a kernel the first time it meets a shape class -- a range of prompt
-        lengths, a batch size, a padded mask, a batch cache growing and shrinking -- tens of
-        seconds per class on a fresh machine. Left to the first requests (eight concurrent
-        ones on a fresh H200, after a warm-up of one chunk and one single-row step), that
-        missed the steps' 30 s deadline; here it happens before the stage reports ready."""
-        chunks = sorted({1 << k for k in range(1, max(tokens, 2).bit_length())} | {tokens})
-        rows = sorted({1 << k for k in range(1, batch.bit_length())} | {batch}) if batch > 1 else []
-        groups = [[n + 1] for n in chunks] + [[3 + i % 5 for i in range(b)] for b in rows]
-        for lengths in groups:
-            keys = [("warm-up", -1 - i) for i in range(len(lengths))]
+        A GPU compiles a kernel the first time it meets a shape class; this compiles the
+        serving path's (prompt chunks, batched decode with padded masks, batch caches that grow
+        and shrink, batched sampling) before the stage reports ready. It is not every class a
+        request can bring: on a fresh H200 the first eight concurrent requests still missed
+        the 30 s step deadline after it, and a warm-up of every power-of-two chunk length took
+        over 100 s there, past the launchers' start-up window (docs/pipeline.md)."""
+        rows = sorted({1 << i for i in range(max(batch, 1).bit_length())} | {max(batch, 1)})
+        for b in rows:
+            keys = [("warm-up", -1 - i) for i in range(b)]
+            lengths = [tokens + 1 if i == 0 else 3 + i % 5 for i in range(b)]
             for key, n in zip(keys, lengths, strict=True):
                 self.run(
                     self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last)
                 )
-            for pos in range(1 if len(lengths) == 1 else 2):
+            for pos in range(2):
                 steps = [
                     self._warm_step(key, 1, n - 1 + pos, first, True)
                     for key, n in zip(keys, lengths, strict=True)
