@@ -245,8 +245,8 @@ class ServeSettings(ModelSettings, PipelineSettings):
         description=(
             "pipeline: sequences per micro-batch -- decode steps that travel and run as one "
             "batch on every stage, while other micro-batches occupy the other stages "
-            "(default: --parallel / stages, at most --max-batch-size; keep it at most the "
-            "stages' --max-batch-size)"
+            "(default: --parallel / stages for a multi-process pipeline, --parallel for "
+            "--pp-size, whose stages share one compute thread; at most --max-batch-size)"
         ),
     )
     distributed_config: Path | None = Field(

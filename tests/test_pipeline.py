@@ -71,6 +71,21 @@ async def test_inproc_pipeline_matches_single_process(
         assert all(s.stats.batches < s.stats.forwards for s in st.stages)
 
 
+async def test_the_in_process_pipeline_runs_its_sequences_as_one_micro_batch(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """Its stages share one compute thread, so two micro-batches could never overlap: the
+    default (no --pp-micro-batch-size) is one micro-batch of --parallel, and four concurrent
+    requests decode as batches of four on every stage, not two batches of two."""
+    async with pipeline_stack(tiny, 2, parallel=4) as st:
+        assert st.coordinator.coord.micro_batch_size == 4
+        got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:4]))
+        assert got == reference[:4]
+        assert all(s.stats.largest_batch == 4 for s in st.stages)
+    async with pipeline_stack(tiny, 2, parallel=4, max_batch_size=2) as st:
+        assert st.coordinator.coord.micro_batch_size == 2  # never more than a stage runs
+
+
 async def test_micro_batches_whose_members_come_and_go_match_single_process(
     tiny: Path, reference: list[list[int]]
 ) -> None:
