@@ -195,13 +195,60 @@ def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
         decodes = [rows for rows, length in spy.seen if length == 1]
         assert 512 in prompts and min(prompts) < 16
         assert sorted(set(decodes)) == [1, 2, 4, 6] and all(decodes.count(b) == 2 for b in (2, 4))
-        assert runtime.regroups > 0  # rows were gathered into batch caches, as in serving
+        assert runtime.regroups == 0  # the counter counts serving only
         assert (runtime.caches, runtime.batches, runtime.batch_of, runtime.samplers) == (
             {},
             {},
             {},
             {},
         )
+
+
+def test_a_sampling_evaluation_that_fails_fails_its_rows_instead_of_returning_garbage(
+    tiny: Path,
+) -> None:
+    """MLX marks the arrays of a failed evaluation as evaluated, and reading them returns
+    garbage instead of raising: a sampler whose graph fails when evaluated used to hand every
+    row of the pass a token anyway. Now every sampled row of that pass fails (a sampler that
+    raises when called still fails only its own row)."""
+    import mlx.core as mx
+
+    from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, Step, StepFailed
+    from mlxcel.pipeline.stage_runtime import StageRuntime
+    from mlxcel.runtime.model import LayerRange, load_model
+
+    loaded = load_model(tiny)
+    runtime = StageRuntime(LayerRange(loaded, 0, loaded.n_layers))
+    keys = [("a", 1), ("b", 1), ("c", 1)]
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.9, seed=3)
+
+    def job(steps: list[Step]) -> list:
+        return runtime.run(ComputeJob(0, tuple(steps), True, True, False))[0]
+
+    def decode(params: list[SamplingParams], pos: int) -> list:
+        return job(
+            [Step(k, 0, (7,), None, 1, pos, p, 0) for k, p in zip(keys, params, strict=True)]
+        )
+
+    for k in keys:
+        job([Step(k, 0, (5, 6, 7, 8), None, 4, 0, greedy, 0, sample=False)])
+    ok = decode([greedy, hot, greedy], 4)
+    assert all(isinstance(o, Sampled) for o in ok)
+
+    def fails_when_evaluated(logprobs: mx.array) -> mx.array:
+        singular = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu)[0, 0]
+        return mx.argmax(logprobs, -1) + (singular * 0).astype(mx.uint32)
+
+    def fails_when_called(logprobs: mx.array) -> mx.array:
+        raise ValueError("boom")
+
+    runtime.samplers[keys[1]] = fails_when_evaluated
+    out = decode([greedy, hot, greedy], 5)
+    assert all(isinstance(o, StepFailed) for o in out), out
+    runtime.samplers[keys[1]] = fails_when_called
+    out = decode([greedy, hot, greedy], 6)
+    assert isinstance(out[1], StepFailed) and "boom" in out[1].why
+    assert isinstance(out[0], Sampled) and isinstance(out[2], Sampled)
 
 
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:

@@ -488,7 +488,11 @@ def test_pp_micro_batch_size_and_max_batch_size_are_honoured(tiny: Path) -> None
     three = run("--pp-micro-batch-size", "3", "--parallel", "6")
     assert three["micro_batch_size"] == 3
     assert all(s["largest_batch"] == 3 for s in three["stages"])
-    # The default: --parallel / stages, but no more than --max-batch-size (three of two here).
+    # The in-process default: one micro-batch of --parallel (its stages share one compute
+    # thread, so a second micro-batch could not overlap), no more than --max-batch-size.
+    six = run("--parallel", "6", "--max-batch-size", "6")
+    assert six["micro_batch_size"] == 6 and six["peak_in_flight"] == 6
+    assert all(s["largest_batch"] == 6 for s in six["stages"])
     two = run("--parallel", "6", "--max-batch-size", "2")
     assert two["micro_batch_size"] == 2 and two["peak_in_flight"] > 1
     assert all(s["largest_batch"] == 2 for s in two["stages"])

@@ -82,8 +82,8 @@ class StageService(CoreAdapter):
         self.start()
 
     async def warm_up(self) -> float:
-        """Run a throwaway prompt chunk and decode steps (one row, a full batch) before serving;
-        returns the seconds."""
+        """Serve throwaway sequences (a full prompt chunk, short prompts, decode batches up to
+        ``max_batch`` rows) before serving; returns the seconds."""
         t0 = self.now()
         await self.compute.run(
             self.runtime.warm_up,

@@ -21,6 +21,8 @@ from mlxcel.runtime.model import LayerRange, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
 
+WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
+
 
 @dataclass
 class MicroBatch:
@@ -68,32 +70,33 @@ class StageRuntime:
         return outs, time.perf_counter() - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
-        """Serve throwaway sequences through :meth:`run`, as the coordinator would: for b = 1,
-        2, 4, ... ``batch``, b prompts (one ``tokens`` long, the others short), then two decode
-        steps of all b as one batch (gathered into a batch cache, then run on it), then freed.
+        """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
+        them: one ``tokens``-long prompt and its first decode step alone; then up to
+        ``WARM_UP_ROWS`` short prompts whose decode steps run as batches of 2, 4, ...
+        ``batch`` rows (gathered into a batch cache, regrouped as the size changes; greedy).
 
         A GPU compiles a kernel the first time it meets a shape class; this compiles the
         serving path's (prompt chunks, batched decode with padded masks, batch caches that grow
-        and shrink, batched sampling) before the stage reports ready. It is not every class a
-        request can bring: on a fresh H200 the first eight concurrent requests still missed
-        the 30 s step deadline after it, and a warm-up of every power-of-two chunk length took
-        over 100 s there, past the launchers' start-up window (docs/pipeline.md)."""
-        rows = sorted({1 << i for i in range(max(batch, 1).bit_length())} | {max(batch, 1)})
-        for b in rows:
-            keys = [("warm-up", -1 - i) for i in range(b)]
-            lengths = [tokens + 1 if i == 0 else 3 + i % 5 for i in range(b)]
-            for key, n in zip(keys, lengths, strict=True):
-                self.run(
-                    self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last)
+        and shrink, batched greedy sampling) before the stage reports ready. It is not every
+        class a request can bring: on a fresh H200 the first eight concurrent requests still
+        missed the 30 s step deadline after it (docs/pipeline.md, known limit)."""
+        most = max(1, min(batch, WARM_UP_ROWS))
+        sizes = sorted({1 << k for k in range(1, most.bit_length())} | {most}) if most > 1 else []
+        lengths = [tokens + 1] + [3 + i % 5 for i in range(most if sizes else 0)]
+        keys = [("warm-up", -1 - i) for i in range(len(lengths))]
+        for key, n in zip(keys, lengths, strict=True):
+            self.run(self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last))
+        pos = {key: n - 1 for key, n in zip(keys, lengths, strict=True)}
+        for group in [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]:
+            self.run(
+                self._warm_job(
+                    [self._warm_step(k, 1, pos[k], first, True) for k in group], first, last
                 )
-            for pos in range(2):
-                steps = [
-                    self._warm_step(key, 1, n - 1 + pos, first, True)
-                    for key, n in zip(keys, lengths, strict=True)
-                ]
-                self.run(self._warm_job(steps, first, last))
-            for key in keys:
-                self.free(key)
+            )
+            pos.update({k: pos[k] + 1 for k in group})
+        for key in keys:
+            self.free(key)
+        self.regroups = 0  # counts serving only
 
     def _warm_step(self, key: SeqKey, n: int, start: int, first: bool, sample: bool) -> Step:
         hidden = None
@@ -192,7 +195,8 @@ class StageRuntime:
     def _sample(self, steps: tuple[Step, ...], logits: mx.array) -> list[StepOutput]:
         """Each row's token and its logprob, as mlx-lm's batch generator samples: the batch
         normalised at once, one argmax when every row is greedy, else each row through its
-        own sampler; evaluated together. A failing sampler fails its own sequence only."""
+        own sampler; evaluated together. A sampler that cannot be made or called fails its
+        own sequence only; an evaluation that fails fails every sampled row of the pass."""
         # Normalise in the model's dtype, like the one-process engine: in bf16 it rounds, and
         # skipping it would break near-ties differently.
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -208,26 +212,20 @@ class StageRuntime:
                 ]
             except Exception as exc:
                 return [_failed(exc) if s.sample else None for s in steps]
-        rows = [
+        each = [
             self._pick(sm, logprobs[i : i + 1]) if s.sample else None
             for i, (s, sm) in enumerate(zip(steps, samplers, strict=True))
         ]
-        ready = [p for p in rows if isinstance(p, tuple)]
         try:
-            mx.eval(ready)
-        except Exception:
-            pass  # evaluated one by one below, so only the failing rows fail
-        out: list[StepOutput] = []
-        for p in rows:
-            if not isinstance(p, tuple):
-                out.append(p)
-                continue
-            tok, logprob = p
-            try:
-                out.append(Sampled(int(tok.item()), float(logprob.item())))
-            except Exception as exc:
-                out.append(_failed(exc))
-        return out
+            mx.eval([p for p in each if isinstance(p, tuple)])
+        except Exception as exc:
+            # MLX marks the arrays of a failed evaluation as evaluated and hands back garbage
+            # from them: no row's token can be trusted, so every row that had one fails.
+            return [_failed(exc) if isinstance(p, tuple) else p for p in each]
+        return [
+            Sampled(int(p[0].item()), float(p[1].item())) if isinstance(p, tuple) else p
+            for p in each
+        ]
 
     def _sampler(self, step: Step) -> Sampler | None | StepFailed:
         """``step``'s sequence's sampler (None: greedy), made on its first sampled step."""

@@ -126,11 +126,11 @@ class LayerRange:
         """The dtype hidden states travel in (the embedding's, as mlx-lm computes them)."""
         return getattr(self._embed, "scales", self._embed.weight).dtype  # quantized: scales
 
-    def make_batch_cache(self, rows: int = 1) -> list[Any]:
+    def make_batch_cache(self) -> list[Any]:
         """One sequence's caches as mlx-lm's batch generator keeps them: a BatchKVCache of one
-        row per layer (``rows`` empty rows for a warm-up). Same cache type, same masks and RoPE offsets as the one-process engine,
+        row per layer. Same cache type, same masks and RoPE offsets as the one-process engine,
         so a stage's arithmetic is the engine's, bit for bit (GPU kernels included)."""
-        return [BatchKVCache([0] * rows) for _ in self.layers]
+        return [BatchKVCache([0]) for _ in self.layers]
 
     def make_cache(self) -> list[Any]:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
