@@ -234,3 +234,29 @@ def test_bench_prompt_cache_prints_both_turns_for_both_engines(tiny: Path) -> No
         assert second["cached_tokens"] == second["prompt_tokens"] - 7
     assert by[("mlxcel, no cache", 2)]["cached_tokens"] == 0
     assert rows[-1]["ratio"] > 0 and rows[-1]["mlx_lm_ratio"] > 0
+
+
+def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path) -> None:
+    """``tools/pipeline_load.py`` (the harness behind the H200 profile in benchmarks.md): a
+    real 2-stage loopback pipeline under steady load, with the per-step split and each
+    process's CPU per token; a bad flag is refused naming it."""
+    cmd = [sys.executable, "-m", "tools.pipeline_load", "-m", str(tiny)]
+    r = subprocess.run(
+        [*cmd, "--streams", "2", "--tokens", "8", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "measuring" in r.stderr
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["mode"] == "remote" and row["tok_per_s"] > 0 and row["decode_steps"] >= 2
+    assert row["overhead_ms_per_step"] >= 0 and row["stage_compute_ms_per_step"] > 0
+    names = {"coordinator", "stage-0", "stage-1"}
+    assert set(row["cpu_fraction"]) == names and set(row["cpu_ms_per_token"]) == names
+    assert all(v > 0 for v in row["cpu_ms_per_token"].values())
+    bad = subprocess.run(
+        [*cmd, "--streams", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--streams" in bad.stderr

@@ -62,12 +62,12 @@ async def aggregate_rate(fe: Frontend, tokens: int, streams: int) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def _steps(c: PipelineCoordinator) -> tuple[int, float, float]:
+def step_totals(c: PipelineCoordinator) -> tuple[int, float, float]:
     core = c.coord
     return core.decode_steps, core.decode_wall_s, core.decode_compute_s
 
 
-def _overhead(
+def per_step_ms(
     before: tuple[int, float, float], after: tuple[int, float, float]
 ) -> tuple[float, float]:
     """(protocol ms per decode step, stage compute ms per decode step) between two snapshots."""
@@ -111,9 +111,9 @@ async def run_bench(
     )
 
     async with pipeline_stack(model, 2, parallel=streams, max_batch_size=streams) as ps:
-        before = _steps(ps.coordinator)
+        before = step_totals(ps.coordinator)
         inproc = await measure(ps.frontend)
-        overhead, compute_ms = _overhead(before, _steps(ps.coordinator))
+        overhead, compute_ms = per_step_ms(before, step_totals(ps.coordinator))
         concurrent["inproc-2"] = await aggregate_rate(ps.frontend, tokens, streams)
     rows.append(
         {
@@ -146,9 +146,9 @@ async def run_bench(
 
                 rates = []
                 for _ in range(repeats):
-                    before = _steps(rc.coordinator)
+                    before = step_totals(rc.coordinator)
                     rate, _n = await decode_rate(rc.frontend, tokens)
-                    rates.append((rate, *_overhead(before, _steps(rc.coordinator))))
+                    rates.append((rate, *per_step_ms(before, step_totals(rc.coordinator))))
                 # Bytes per *decoded* token: the marginal cost of a longer run of the same prompt
                 # (the prompt's prefill activation is paid once per request, not per token).
                 half = tokens // 2
