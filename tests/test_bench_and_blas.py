@@ -260,3 +260,12 @@ def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path
         [*cmd, "--streams", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "--streams" in bad.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "tools.pipeline_load", "-m", str(ROOT / "no-such-model")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "no-such-model" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.bench.pipeline import aggregate_rate, per_step_ms, step_totals
+from mlxcel.errors import MlxcelError
 
 
 def cpu_seconds(pid: int) -> float:
@@ -107,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.streams < 1 or a.tokens < 2 or a.seconds < 0:
         p.error("--streams must be >= 1, --tokens >= 2 and --seconds >= 0")
-    row = asyncio.run(run(a.model, a.mode, a.streams, a.tokens, a.seconds))
+    if not (a.model / "config.json").is_file():
+        p.error(f"-m {a.model}: not a model folder (no config.json)")
+    try:
+        row = asyncio.run(run(a.model, a.mode, a.streams, a.tokens, a.seconds))
+    except MlxcelError as exc:
+        print(f"pipeline_load: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(row) if a.json else "  ".join(f"{k}={v}" for k, v in row.items()))
     return 0
 
