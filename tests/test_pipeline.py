@@ -84,6 +84,9 @@ async def test_the_in_process_pipeline_runs_its_sequences_as_one_micro_batch(
         assert all(s.stats.largest_batch == 4 for s in st.stages)
     async with pipeline_stack(tiny, 2, parallel=4, max_batch_size=2) as st:
         assert st.coordinator.coord.micro_batch_size == 2  # never more than a stage runs
+    async with pipeline_stack(tiny, 2, parallel=1) as st:  # generate --pp-size
+        assert st.coordinator.coord.micro_batch_size == 1
+        assert all(s.config.max_batch == 1 for s in st.stages)  # no batches to warm up
 
 
 async def test_micro_batches_whose_members_come_and_go_match_single_process(
@@ -185,12 +188,31 @@ def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
             self.seen.append(tuple(x.shape[:2]))
             return self.real(x, cache, head=head)
 
+    import mlxcel.pipeline.stage_runtime as stage_runtime
+
+    made: list[SamplingParams] = []
+
+    def recording(p: SamplingParams):  # type: ignore[no-untyped-def]
+        made.append(p)
+        return real_make_sampler(p)
+
+    real_make_sampler = stage_runtime.make_sampler
     loaded = load_model(tiny)
     n = loaded.n_layers
     for start, end in ((0, n // 2), (n // 2, n)):
         spy = Spy(LayerRange(loaded, start, end))
         runtime = StageRuntime(spy)  # type: ignore[arg-type]
-        runtime.warm_up(512, spy.is_first, spy.is_last, batch=6)
+        stage_runtime.make_sampler = recording
+        try:
+            runtime.warm_up(512, spy.is_first, spy.is_last, batch=6)
+        finally:
+            stage_runtime.make_sampler = real_make_sampler
+        # The last stage also draws a filtered sample (top-p, top-k, min-p kernels).
+        hot = [p for p in made if p.temperature > 0]
+        assert [p.top_k > 0 and p.top_p < 1 and p.min_p > 0 for p in hot] == (
+            [True] if spy.is_last else []
+        )
+        made.clear()
         prompts = [length for rows, length in spy.seen if length > 1]
         decodes = [rows for rows, length in spy.seen if length == 1]
         assert 512 in prompts and min(prompts) < 16

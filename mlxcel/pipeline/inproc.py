@@ -77,7 +77,7 @@ async def pipeline_stack(
                     upstream=names[i - 1] if i else None,
                     downstream=names[i + 1] if i + 1 < len(names) else None,
                     return_logits=return_logits,
-                    max_batch=max_batch_size,
+                    max_batch=min(max_batch_size, max(parallel, 1)),  # never more rows
                     warm_up_tokens=prefill_chunk,
                 )
                 svc = StageService(

@@ -10,7 +10,7 @@ caches under that key until the core frees it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +22,7 @@ from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
 
 WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
+WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
 
 
 @dataclass
@@ -71,13 +72,14 @@ class StageRuntime:
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
         """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
-        them: one ``tokens``-long prompt and its first decode step alone; then up to
-        ``WARM_UP_ROWS`` short prompts whose decode steps run as batches of 2, 4, ...
-        ``batch`` rows (gathered into a batch cache, regrouped as the size changes; greedy).
+        them: one ``tokens``-long prompt and its first decode step alone (sampled with top-p,
+        top-k and min-p filters); then up to ``WARM_UP_ROWS`` short prompts whose decode steps
+        run as batches of 2, 4, ... ``batch`` rows (gathered into a batch cache, regrouped as
+        the size changes; greedy).
 
         A GPU compiles a kernel the first time it meets a shape class; this compiles the
         serving path's (prompt chunks, batched decode with padded masks, batch caches that grow
-        and shrink, batched greedy sampling) before the stage reports ready. It is not every
+        and shrink, batched greedy and filtered sampling) before the stage reports ready. It is not every
         class a request can bring: on a fresh H200 the first eight concurrent requests still
         missed the 30 s step deadline after it (docs/pipeline.md, known limit)."""
         most = max(1, min(batch, WARM_UP_ROWS))
@@ -88,11 +90,10 @@ class StageRuntime:
             self.run(self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last))
         pos = {key: n - 1 for key, n in zip(keys, lengths, strict=True)}
         for group in [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]:
-            self.run(
-                self._warm_job(
-                    [self._warm_step(k, 1, pos[k], first, True) for k in group], first, last
-                )
-            )
+            steps = [self._warm_step(k, 1, pos[k], first, True) for k in group]
+            if group[0] == keys[0]:  # the long prompt samples: filters, categorical draw
+                steps = [replace(steps[0], sampling=WARM_UP_SAMPLING)]
+            self.run(self._warm_job(steps, first, last))
             pos.update({k: pos[k] + 1 for k in group})
         for key in keys:
             self.free(key)
