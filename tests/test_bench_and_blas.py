@@ -242,7 +242,7 @@ def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path
     process's CPU per token; a bad flag is refused naming it."""
     cmd = [sys.executable, "-m", "tools.pipeline_load", "-m", str(tiny)]
     r = subprocess.run(
-        [*cmd, "--streams", "2", "--tokens", "8", "--json"],
+        [*cmd, "--streams", "2", "--tokens", "8", "--seconds", "1", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -255,7 +255,10 @@ def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path
     assert row["overhead_ms_per_step"] >= 0 and row["stage_compute_ms_per_step"] > 0
     names = {"coordinator", "stage-0", "stage-1"}
     assert set(row["cpu_fraction"]) == names and set(row["cpu_ms_per_token"]) == names
-    assert all(v > 0 for v in row["cpu_ms_per_token"].values())
+    # /proc counts CPU in clock ticks (10 ms): over a second of load the sum shows, while one
+    # process's share may round to zero.
+    cpu = row["cpu_ms_per_token"].values()
+    assert all(v >= 0 for v in cpu) and sum(cpu) > 0
     bad = subprocess.run(
         [*cmd, "--streams", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
