@@ -20,12 +20,11 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from mlxcel.bench.pipeline import aggregate_rate, per_step_ms, step_totals
+from mlxcel.bench.pipeline import aggregate_rate, loopback_pipeline, per_step_ms, step_totals
 from mlxcel.errors import MlxcelError
 
 
@@ -53,33 +52,18 @@ async def run(model: Path, mode: str, streams: int, tokens: int, seconds: float)
             print(f"measuring {os.getpid()}", file=sys.stderr, flush=True)
             row["tok_per_s"] = round(await steady(st.frontend, streams, tokens, seconds), 2)
         return row
-    from mlxcel.net.secret import load_cluster_secret
-    from mlxcel.pipeline.cluster_config import load_cluster_config
-    from mlxcel.pipeline.launch import LoopbackCluster
-    from mlxcel.pipeline.remote import remote_coordinator
-
-    with tempfile.TemporaryDirectory(prefix="mlxcel-load-") as tmp:
-        batch = ("--max-batch-size", str(streams))
-        async with LoopbackCluster(
-            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch
-        ) as cl:
-            cfg = load_cluster_config(cl.config)
-            secret = load_cluster_secret(None, {}, cl.config)
-            assert secret is not None
-            async with remote_coordinator(
-                cfg, cfg.coordinator, model, secret, parallel=streams, max_batch_size=streams
-            ) as rc:
-                await aggregate_rate(rc.frontend, 8, streams)
-                pids = [os.getpid()] + [proc.pid for _, proc, _ in cl.procs]
-                print("measuring", *pids, file=sys.stderr, flush=True)
-                cpu0, t0, before = (
-                    [cpu_seconds(p) for p in pids],
-                    time.perf_counter(),
-                    step_totals(rc.coordinator),
-                )
-                rate = await steady(rc.frontend, streams, tokens, seconds)
-                after, wall = step_totals(rc.coordinator), time.perf_counter() - t0
-                cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+    async with loopback_pipeline(model, streams) as (cl, rc):
+        await aggregate_rate(rc.frontend, 8, streams)
+        pids = [os.getpid()] + [proc.pid for _, proc, _ in cl.procs]
+        print("measuring", *pids, file=sys.stderr, flush=True)
+        cpu0, t0, before = (
+            [cpu_seconds(p) for p in pids],
+            time.perf_counter(),
+            step_totals(rc.coordinator),
+        )
+        rate = await steady(rc.frontend, streams, tokens, seconds)
+        after, wall = step_totals(rc.coordinator), time.perf_counter() - t0
+        cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
     overhead, compute = per_step_ms(before, after)
     names = ["coordinator", "stage-0", "stage-1"]
     row.update(

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import tempfile
-from contextlib import aclosing
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from mlxcel.frontend import Frontend, Usage
 from mlxcel.messages import SamplingParams
@@ -76,14 +78,34 @@ def per_step_ms(
     return 1e3 * (wall - compute) / steps, 1e3 * compute / steps
 
 
+@asynccontextmanager
+async def loopback_pipeline(model: Path, streams: int) -> AsyncIterator[tuple[Any, Any]]:
+    """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 over
+    the full transport and a coordinator in this process, all batching up to ``streams`` rows
+    like the one-process engine they are compared with."""
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.pipeline.remote import remote_coordinator
+
+    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+        batch = ("--max-batch-size", str(streams))
+        async with LoopbackCluster(
+            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch
+        ) as cl:
+            cfg = load_cluster_config(cl.config)
+            secret = load_cluster_secret(None, {}, cl.config)
+            assert secret is not None
+            async with remote_coordinator(
+                cfg, cfg.coordinator, model, secret, parallel=streams, max_batch_size=streams
+            ) as rc:
+                yield cl, rc
+
+
 async def run_bench(
     model: Path, tokens: int, json_lines: bool, repeats: int = 2, streams: int = 8
 ) -> int:
-    from mlxcel.net.secret import load_cluster_secret
-    from mlxcel.pipeline.cluster_config import load_cluster_config
     from mlxcel.pipeline.inproc import pipeline_stack
-    from mlxcel.pipeline.launch import LoopbackCluster
-    from mlxcel.pipeline.remote import remote_coordinator
     from mlxcel.runtime.blas import blas_name
     from mlxcel.server.run import local_stack
 
@@ -126,39 +148,28 @@ async def run_bench(
         }
     )
 
-    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
-        # Stages batch up to ``streams`` rows, like the one-process engine beside them.
-        batch = ("--max-batch-size", str(streams))
-        async with LoopbackCluster(
-            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch
-        ) as cl:
-            cfg = load_cluster_config(cl.config)
-            secret = load_cluster_secret(None, {}, cl.config)
-            assert secret is not None
-            async with remote_coordinator(
-                cfg, cfg.coordinator, model, secret, parallel=streams, max_batch_size=streams
-            ) as rc:
-                await decode_rate(rc.frontend, 8)
+    async with loopback_pipeline(model, streams) as (_cluster, rc):
+        await decode_rate(rc.frontend, 8)
 
-                async def wire_total() -> int:
-                    states = await rc.coordinator.query_states()
-                    return rc.endpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
+        async def wire_total() -> int:
+            states = await rc.coordinator.query_states()
+            return rc.endpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
 
-                rates = []
-                for _ in range(repeats):
-                    before = step_totals(rc.coordinator)
-                    rate, _n = await decode_rate(rc.frontend, tokens)
-                    rates.append((rate, *per_step_ms(before, step_totals(rc.coordinator))))
-                # Bytes per *decoded* token: the marginal cost of a longer run of the same prompt
-                # (the prompt's prefill activation is paid once per request, not per token).
-                half = tokens // 2
-                w0 = await wire_total()
-                await decode_rate(rc.frontend, half)
-                w1 = await wire_total()
-                await decode_rate(rc.frontend, tokens)
-                w2 = await wire_total()
-                per_token_wire = ((w2 - w1) - (w1 - w0)) / (tokens - half)
-                concurrent["remote-2"] = await aggregate_rate(rc.frontend, tokens, streams)
+        rates = []
+        for _ in range(repeats):
+            before = step_totals(rc.coordinator)
+            rate, _n = await decode_rate(rc.frontend, tokens)
+            rates.append((rate, *per_step_ms(before, step_totals(rc.coordinator))))
+        # Bytes per *decoded* token: the marginal cost of a longer run of the same prompt
+        # (the prompt's prefill activation is paid once per request, not per token).
+        half = tokens // 2
+        w0 = await wire_total()
+        await decode_rate(rc.frontend, half)
+        w1 = await wire_total()
+        await decode_rate(rc.frontend, tokens)
+        w2 = await wire_total()
+        per_token_wire = ((w2 - w1) - (w1 - w0)) / (tokens - half)
+        concurrent["remote-2"] = await aggregate_rate(rc.frontend, tokens, streams)
     remote, overhead, compute_ms = max(rates)
     rows.append(
         {

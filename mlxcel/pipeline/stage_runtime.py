@@ -79,9 +79,9 @@ class StageRuntime:
 
         A GPU compiles a kernel the first time it meets a shape class; this compiles the
         serving path's (prompt chunks, batched decode with padded masks, batch caches that grow
-        and shrink, batched greedy and filtered sampling) before the stage reports ready. It is not every
-        class a request can bring: on a fresh H200 the first eight concurrent requests still
-        missed the 30 s step deadline after it (docs/pipeline.md, known limit)."""
+        and shrink, batched greedy and filtered sampling) before the stage reports ready. It is
+        not every class a request can bring: on a fresh H200 the first eight concurrent
+        requests still missed the 30 s step deadline after it (docs/pipeline.md, known limit)."""
         most = max(1, min(batch, WARM_UP_ROWS))
         sizes = sorted({1 << k for k in range(1, most.bit_length())} | {most}) if most > 1 else []
         lengths = [tokens + 1] + [3 + i % 5 for i in range(most if sizes else 0)]
