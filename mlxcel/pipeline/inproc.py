@@ -54,11 +54,12 @@ async def pipeline_stack(
     prefill_chunk: int = 512,
     micro_batch_size: int | None = None,
 ) -> AsyncIterator[PipelineStack]:
+    stage_batch = max(1, min(parallel, max_batch_size))  # a stage never sees more rows
     if micro_batch_size is None:
         # The stages of one process share one compute thread, so micro-batches cannot overlap
         # here: splitting the batch would only cost batching (8 streams on `small`: 75 tok/s
         # in two micro-batches of 4, 110-120 in one of 8).
-        micro_batch_size = max(1, min(parallel, max_batch_size))
+        micro_batch_size = stage_batch
     compute = ComputeThread()
     try:
         loaded = await compute.run(load_model, model_path)
@@ -77,7 +78,7 @@ async def pipeline_stack(
                     upstream=names[i - 1] if i else None,
                     downstream=names[i + 1] if i + 1 < len(names) else None,
                     return_logits=return_logits,
-                    max_batch=min(max_batch_size, max(parallel, 1)),  # never more rows
+                    max_batch=stage_batch,
                     warm_up_tokens=prefill_chunk,
                 )
                 svc = StageService(
@@ -102,7 +103,7 @@ async def pipeline_stack(
                 max_sequences=max(parallel, 1),
                 prefill_chunk=prefill_chunk,
                 micro_batch_size=micro_batch_size,
-                stage_max_batch=max_batch_size,
+                stage_max_batch=stage_batch,
             )
             coordinator.attach()
             fe = Frontend(

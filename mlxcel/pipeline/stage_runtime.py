@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcel.messages import DTYPE_SIZES, ErrorCode, SamplingParams, Tensor
+from mlxcel.messages import ErrorCode, SamplingParams, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
 from mlxcel.runtime.model import LayerRange, split_row
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
+from mlxcel.runtime.tensors import from_tensor, row_tensors, to_tensor
 
 WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
 WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
@@ -100,12 +100,8 @@ class StageRuntime:
         self.regroups = 0  # counts serving only
 
     def _warm_step(self, key: SeqKey, n: int, start: int, first: bool, sample: bool) -> Step:
-        hidden = None
-        if not first:
-            name = dtype_name(self.layers.dtype)
-            size = n * self.width * DTYPE_SIZES[name]
-            hidden = Tensor(name, (1, n, self.width), bytes(size))
         tokens = (0,) * n if first else None
+        hidden = None if first else to_tensor(mx.zeros((1, n, self.width), self.layers.dtype))
         return Step(key, 0, tokens, hidden, n, start, SamplingParams(), 0, sample)
 
     @staticmethod
