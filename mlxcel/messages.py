@@ -253,6 +253,17 @@ class QueryState(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(Message):
+    """From a stage to a sequence's owner: the steps of these exchanges are still queued or
+    computing here. Sent only for steps held across a whole keep-alive interval, so that a
+    coordinator tells a slow stage (kernels compiling on a fresh GPU, a long queue) from a
+    silent one."""
+
+    KIND: ClassVar[int] = 29
+    nonces: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TpInsert:
     """A sequence joining the tensor-parallel batch (what rank 0 inserted this step)."""
 

@@ -32,6 +32,7 @@ from mlxcel.messages import (
     KvHandoff,
     PrefillRequest,
     PrepareSequence,
+    Progress,
     QueryState,
     ReleaseSequence,
     RunEntry,
@@ -104,6 +105,7 @@ messages = st.one_of(
         u64,
     ),
     st.builds(QueryState, u64),
+    st.builds(Progress, st.lists(u64, max_size=5).map(tuple)),
     st.builds(
         TpStep,
         st.lists(
@@ -190,6 +192,7 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "Shutdown",
         "State",
         "QueryState",
+        "Progress",
         "TpStep",
         "AssignOffer",
         "AssignAccepted",

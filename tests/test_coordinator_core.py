@@ -16,6 +16,7 @@ from mlxcel.messages import (
     Error,
     ErrorCode,
     PrepareSequence,
+    Progress,
     QueryState,
     ReleaseSequence,
     RunEntry,
@@ -214,6 +215,43 @@ def test_a_missed_deadline_on_a_live_path_fails_only_its_own_request() -> None:
     assert [m.request_id for m in delivered(out)] == ["a"] and "b" in c.reqs
     out = c.on_timer(3.1)  # b2's deadline, nothing heard since it was sent: reset
     assert ResetPeer(S0) in out
+
+
+def test_progress_from_a_stage_restarts_the_deadlines_of_the_exchanges_it_holds() -> None:
+    """A stage still working on a step (kernels compiling, a long queue) is slow, not silent:
+    its Progress keeps the exchange alive; one it does not name still misses its deadline."""
+    c = core()
+    a = start(c, "a")
+    start(c, "b")
+    assert c.handle(Progress((a.nonce,)), S0, 1.5) == []
+    out = c.on_timer(2.1)  # b's deadline passes (a's was extended); S0 spoke, so no reset
+    assert not [e for e in out if isinstance(e, ResetPeer)]
+    assert [m.request_id for m in delivered(out)] == ["b"] and "a" in c.reqs
+    assert c.next_timer() == pytest.approx(3.5)
+    c.handle(Progress((a.nonce,)), S1, 3.0)  # any stage of the pipeline may hold it
+    assert delivered(c.on_timer(3.5)) == [] and c.next_timer() == pytest.approx(5.0)
+    assert c.kept_alive == 2  # /health shows it: a stage slow enough to need keep-alives
+    out = c.handle(RunResult("a", a.micro_batch, (3,), None, a.nonce), S2, 4.5)  # still counts
+    assert [m.token_ids for m in delivered(out)] == [(3,)]
+    # Silence again: the next step fails at its own deadline.
+    (a2,) = [s.msg for s in sent(out, RunEntry)]
+    (err,) = delivered(c.on_timer(6.5))
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED and a2.nonce not in c._exchanges
+
+
+def test_progress_from_a_stranger_or_for_other_exchanges_changes_nothing() -> None:
+    c = core()
+    step = start(c)
+    c.handle(Progress((step.nonce,)), "10.0.0.66:7000", 1.0)  # not a stage of this pipeline
+    assert c.dropped["not from a stage of this pipeline"] == 1
+    c.handle(Progress((step.nonce + 100,)), S0, 1.0)  # no such exchange: ignored
+    assert c.next_timer() == pytest.approx(2.1)
+    # An exchange that waits for an Ack (preparing) is not kept alive by Progress.
+    c2 = core()
+    out = c2.handle(RunEntry("p", 0, (1,), 0, SamplingParams(max_tokens=2), 9), LOCAL, 0.0)
+    prep = sent(out, PrepareSequence)[0]
+    c2.handle(Progress((prep.msg.nonce,)), prep.dest, 1.0)
+    assert [e.code for e in delivered(c2.on_timer(2.0))] == [ErrorCode.DEADLINE_EXCEEDED]
 
 
 def test_a_reset_fails_every_request_in_the_stages_at_once() -> None:

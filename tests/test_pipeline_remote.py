@@ -626,6 +626,43 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
             p.stop()
 
 
+def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_progress(
+    tiny: Path, secret: Path
+) -> None:
+    """One 3000-token prompt chunk takes seconds on a CPU, more than the 1 s step deadline set
+    here (as the first requests on a fresh GPU do while kernels compile). The stages holding
+    it say so (Progress), so the request completes instead of failing deadline_exceeded."""
+    from mlxcel.messages import SamplingParams
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.remote import remote_coordinator
+
+    cfg_path, _ = write_cluster(secret.parent, 2, secret)
+    cfg_path.write_text(cfg_path.read_text().replace("step_timeout = 20", "step_timeout = 1"))
+    procs = [start_stage(tiny, cfg_path, 0), start_stage(tiny, cfg_path, 1)]
+
+    async def run() -> tuple[list[int], int, float]:
+        cfg = load_cluster_config(cfg_path)
+        sec = load_cluster_secret(None, {}, cfg_path)
+        assert sec is not None
+        async with remote_coordinator(cfg, cfg.coordinator, tiny, sec, prefill_chunk=3000) as rc:
+            prompt = [1 + (7 * i) % 500 for i in range(3001)]  # one chunk, then the last token
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            tokens: list[int] = []
+            async for d in rc.frontend.stream(prompt, SamplingParams(max_tokens=3)):
+                tokens += d.token_ids
+            return tokens, rc.coordinator.coord.kept_alive, loop.time() - t0
+
+    try:
+        tokens, kept_alive, took = asyncio.run(run())
+    finally:
+        for p in procs:
+            p.stop()
+    print(f"\n3001-token prompt through 2 stages in {took:.2f}s; {kept_alive} keep-alive(s)")
+    assert len(tokens) == 3 and kept_alive > 0
+
+
 def test_undecodable_messages_are_answered_with_an_error_carrying_the_nonce(
     tiny: Path, secret: Path
 ) -> None:

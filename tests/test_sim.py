@@ -141,3 +141,37 @@ def test_the_real_tiny_checkpoint_computes_a_small_cluster(tiny: Path) -> None:
     # An insider seed with the owner check skipped is caught with real compute too.
     bad = run_scenario("tiny", 9, model_path=tiny, inject=frozenset({"skip-owner-check"}))
     assert "insider" in bad.faults and bad.violations
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_steps_queued_behind_a_slow_stage_outlive_the_step_deadline(keep_alive: bool) -> None:
+    """A stage whose every job is slow (as on a fresh GPU, compiling kernels) but within its
+    forward timeout holds a queue that takes longer than the coordinator's step deadline. Its
+    Progress messages keep those exchanges alive, so every request completes; without them
+    (the control) the same run fails requests that no fault touched."""
+    import math
+    import random
+
+    from mlxcel.sim.scenarios import REQUEST_TIMEOUT, STEP_TIMEOUT, build, check
+
+    rng = random.Random(11)
+    cluster = build(rng, 11, 2, frozenset(), False)
+    for host in cluster.stages:
+        host.slow = 60.0  # a decode job ~0.25 s, a prompt chunk up to ~0.7 s (< 1 s timeout)
+        if not keep_alive:
+            host.config.progress_interval = math.inf
+            host._boot()
+    coord = cluster.coordinator
+    for i in range(12):
+        prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(24))
+        cluster.sched.at(0.0, coord.submit, f"req-{i}", prompt, 4, REQUEST_TIMEOUT)
+    cluster.sched.run(REQUEST_TIMEOUT + 120.0)
+    outcomes = list(coord.outcomes.values())
+    ended = max(o.ended_at or 0.0 for o in outcomes)
+    assert ended > 2 * STEP_TIMEOUT  # the queue really outlasted the step deadline
+    failed = [o.finish for o in outcomes if o.finish and o.finish.startswith("error")]
+    if keep_alive:
+        assert check(cluster) == [] and not failed
+    else:
+        assert "error:deadline_exceeded" in failed
+        assert any("though no fault touched it" in v for v in check(cluster))

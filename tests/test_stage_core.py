@@ -18,6 +18,7 @@ from mlxcel.messages import (
     Error,
     ErrorCode,
     PrepareSequence,
+    Progress,
     QueryState,
     ReleaseSequence,
     RunEntry,
@@ -372,6 +373,33 @@ def test_a_step_that_overruns_fails_and_its_late_answer_is_ignored() -> None:
     assert errors(c.on_timer(3.0)) == [(C, ErrorCode.FORWARD_TIMEOUT, 5)]
     assert c.compute_done(start.job.id, [hidden()], 5.0, 6.0) == []
     assert not c.busy
+
+
+def test_steps_held_across_a_keep_alive_interval_are_reported_to_their_owner() -> None:
+    c = core(index=0, progress_interval=5.0, forward_timeout=60.0)
+    prepared(c, "r")
+    prepared(c, "q", nonce=2)
+    out = c.handle(RunEntry("r", 0, (1,), 0, SP, 5), C, 1.0)
+    (start,) = [e for e in out if isinstance(e, StartCompute)]
+    c.handle(RunEntry("q", 0, (1,) * 3, 0, SP, 6), C, 2.0)  # queued behind r's job
+    assert c.next_timer() == 6.0
+    assert sends(c.on_timer(6.0)) == []  # not yet held for a whole interval
+    assert sends(c.on_timer(11.0)) == [Send(C, Progress((5, 6)))]
+    out = c.compute_done(start.job.id, [hidden()], 10.5, 12.0)  # r done; q's job starts
+    (start,) = [e for e in out if isinstance(e, StartCompute)]
+    assert sends(c.on_timer(16.0)) == [Send(C, Progress((6,)))]
+    c.compute_done(start.job.id, [hidden(3)], 4.0, 17.0)
+    assert sends(c.on_timer(21.0)) == [] and c.next_timer() == 312.0  # idle: r's lease only
+
+
+def test_a_stage_whose_steps_are_fast_sends_no_progress() -> None:
+    c = prepared(core(index=0, progress_interval=5.0))
+    for i in range(4):
+        t = 1.0 + 4 * i  # one step every 4 s, each done at once
+        out = c.handle(RunEntry("r", 0, (1,), i, SP, 10 + i), C, t)
+        (start,) = [e for e in out if isinstance(e, StartCompute)]
+        c.compute_done(start.job.id, [hidden()], 0.01, t + 0.01)
+        assert not [s for s in sends(c.on_timer(t + 3.0)) if isinstance(s.msg, Progress)]
 
 
 def test_losing_the_owner_frees_what_it_held() -> None:

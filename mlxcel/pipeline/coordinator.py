@@ -24,6 +24,7 @@ from mlxcel.messages import (
     Bundle,
     CancelRequest,
     Error,
+    Progress,
     RunEntry,
     RunResult,
     SamplingParams,
@@ -113,7 +114,9 @@ class PipelineCoordinator(CoreAdapter):
         # to the frontend never come back to it.
         self.subscribe([RunEntry, CancelRequest], Origin.ANY, maxsize=max(self.max_sequences, 256))
         self.subscribe(
-            [RunResult, Ack, State, Error, Undecodable, Bundle], Origin.REMOTE, maxsize=1024
+            [RunResult, Ack, State, Progress, Error, Undecodable, Bundle],
+            Origin.REMOTE,
+            maxsize=1024,
         )
         self.bundles = True
         self._local.start()
@@ -188,6 +191,7 @@ class PipelineCoordinator(CoreAdapter):
                 "steps": c.steps,
                 "decode_steps": c.decode_steps,
                 "decode_overhead_ms": round(c.decode_overhead_ms(), 3),
+                "kept_alive": c.kept_alive,
                 "dropped": dict(c.dropped),
                 "wire_bytes_out": self.endpoint.wire_bytes,
             },

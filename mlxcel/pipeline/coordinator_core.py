@@ -36,6 +36,7 @@ from mlxcel.messages import (
     ErrorCode,
     Message,
     PrepareSequence,
+    Progress,
     QueryState,
     ReleaseSequence,
     RunEntry,
@@ -52,10 +53,15 @@ from mlxcel.pipeline.coordinator_protocol import (
     Req,
     ReqEvent,
     ReqState,
+    entry_problem,
     result_problem,
+    stale_exchange,
 )
 
 Missed = tuple[int, str] | None  # a timed-out exchange: its nonce, and why
+# What a stage may send the coordinator, and the method that takes it.
+_FROM_STAGE = dict.fromkeys((Ack, State), "_on_reply") | {Progress: "_on_progress"}
+_FROM_STAGE |= {RunResult: "_on_result", Error: "_on_error"}
 
 __all__ = ["CoordinatorCore", "PipelineError", "REQ_TABLE", "ReqEvent", "ReqState"]
 
@@ -112,6 +118,7 @@ class CoordinatorCore:
         self.completed = 0
         self.failed = 0
         self.steps = 0
+        self.kept_alive = 0  # exchanges a stage's Progress kept past a deadline
         # Decode steps measured at the hand-offs: wall time from sending the RunEntry to
         # receiving its RunResult, and the stages' compute for it. The difference is protocol.
         self.decode_steps = 0
@@ -145,21 +152,15 @@ class CoordinatorCore:
             pass  # our own Deliver effects, when a bus routes them back
         elif source not in self._stage_set:
             self._drop(out, "not from a stage of this pipeline", msg, source)
-        elif isinstance(msg, RunResult):
-            self._heard[source] = now
-            self._on_result(msg, source, now, out)
-        elif isinstance(msg, (Ack, State)):
-            self._heard[source] = now
-            self._on_reply(msg, source, now, out)
-        elif isinstance(msg, Error):
-            self._heard[source] = now
-            self._on_error(msg, source, now, out)
         elif isinstance(msg, Undecodable):
             why = f"undecodable message (kind {msg.kind}): {msg.reason}"
             err = Error(ErrorCode.BAD_MESSAGE, why, msg.request_id, msg.nonce)
             self._on_error(err, source, now, out)
-        else:
+        elif (on := _FROM_STAGE.get(type(msg))) is None:
             self._drop(out, "not a coordinator message", msg, source)
+        else:
+            self._heard[source] = now
+            getattr(self, on)(msg, source, now, out)
         return out
 
     def on_timer(self, now: float) -> list[Effect]:
@@ -167,7 +168,7 @@ class CoordinatorCore:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, nonce = heapq.heappop(self._deadlines)
             ex = self._exchanges.get(nonce)
-            if ex is None:
+            if ex is None or ex.deadline > now:  # closed, or extended by a Progress
                 continue
             if ex.kind is RunResult:
                 what = f"no result for {ex.request_id} from the pipeline {ex.dest}..{self.final}"
@@ -236,9 +237,8 @@ class CoordinatorCore:
         if nonce in self._exchanges:
             self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, reason, now)
         else:
-            out.append(
-                Warn("debug", f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}")
-            )
+            what = f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}"
+            out.append(Warn("debug", what))
         return out
 
     def query(
@@ -250,9 +250,8 @@ class CoordinatorCore:
 
     def decode_overhead_ms(self) -> float:
         """Mean protocol time per decode step: wall time minus the stages' compute for it."""
-        if not self.decode_steps:
-            return 0.0
-        return 1e3 * (self.decode_wall_s - self.decode_compute_s) / self.decode_steps
+        protocol_s = self.decode_wall_s - self.decode_compute_s
+        return 1e3 * protocol_s / self.decode_steps if self.decode_steps else 0.0
 
     # --- the local side -----------------------------------------------------------------------
     def _on_entry(self, m: RunEntry, now: float, out: list[Effect]) -> None:
@@ -266,15 +265,7 @@ class CoordinatorCore:
                 Deliver(Error(ErrorCode.BAD_REQUEST, "request id already running", rid, m.nonce))
             )
             return
-        total = len(m.token_ids) + m.sampling.max_tokens
-        problem = None
-        if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
-            problem = f"prompt empty or token id outside the vocabulary [0, {self.vocab})"
-        elif total > self.max_len:
-            problem = (
-                f"prompt ({len(m.token_ids)} tokens) + max_tokens ({m.sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_len}"
-            )
+        problem = entry_problem(m, self.vocab, self.max_len)
         if problem is not None:
             self.failed += 1
             out.append(Deliver(Error(ErrorCode.BAD_REQUEST, problem, rid, m.nonce)))
@@ -410,10 +401,8 @@ class CoordinatorCore:
             return None
         ex = self._exchanges.get(m.nonce)
         if ex is None and "accept-stale-nonce" in self.inject:
-            rid, items = m.request_id, self._exchanges.items()
-            stale = [(n, x) for n, x in items if x.request_id == rid and x.kind is RunResult]
-            if stale:
-                return stale[0]
+            if (stale := stale_exchange(self._exchanges, m.request_id)) is not None:
+                return stale
         if ex is None or ex.kind is not RunResult:
             self._drop(out, "stale or unknown nonce", m, source)
             return None
@@ -483,6 +472,16 @@ class CoordinatorCore:
         req.pending.discard(m.nonce)
         if not req.pending:
             self._next_step(req, now, out)
+
+    def _on_progress(self, m: Progress, source: str, now: float, out: list[Effect]) -> None:
+        """A stage still holds these exchanges' steps: slow, not silent, so their deadlines
+        restart (each step is bounded by the stage's forward timeout, a request by its own)."""
+        for nonce in m.nonces:
+            ex = self._exchanges.get(nonce)
+            if ex is not None and ex.kind is RunResult:
+                self.kept_alive += 1
+                ex.deadline = now + self.step_timeout
+                heapq.heappush(self._deadlines, (ex.deadline, nonce))
 
     def _on_error(self, m: Error, source: str, now: float, out: list[Effect]) -> None:
         ex = self._exchanges.get(m.nonce) if m.nonce is not None else None

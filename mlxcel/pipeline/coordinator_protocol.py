@@ -161,3 +161,23 @@ def result_problem(
     elif len(m.token_ids) != 1:
         return "a sampled RunResult carries exactly one token", ""
     return None
+
+
+def entry_problem(m: RunEntry, vocab: int, max_len: int) -> str | None:
+    """Why a local RunEntry cannot run on this pipeline, or None."""
+    if not m.token_ids or any(not 0 <= t < vocab for t in m.token_ids):
+        return f"prompt empty or token id outside the vocabulary [0, {vocab})"
+    total = len(m.token_ids) + m.sampling.max_tokens
+    if total > max_len:
+        return (
+            f"prompt ({len(m.token_ids)} tokens) + max_tokens ({m.sampling.max_tokens}) "
+            f"exceeds the model's context of {max_len}"
+        )
+    return None
+
+
+def stale_exchange(exchanges: dict[int, Exchange], rid: str) -> tuple[int, Exchange] | None:
+    """The ``accept-stale-nonce`` bug (for the simulator's tests): any RunResult exchange of
+    the request, whatever nonce the result carries."""
+    stale = [(n, x) for n, x in exchanges.items() if x.request_id == rid and x.kind is RunResult]
+    return stale[0] if stale else None

@@ -30,6 +30,7 @@ from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSp
 from mlxcel.pipeline.coordinator import PipelineCoordinator, PipelineError
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
+from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, load_model, load_tokenizer_only
 from mlxcel.wire.handshake import Identity
@@ -130,6 +131,7 @@ async def stage_node(
                     max_sequences=cfg.cluster.max_sequences_per_stage,
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
+                    progress_interval=keep_alive_interval(cfg.cluster.step_timeout),
                 ),
             )
             service.attach()

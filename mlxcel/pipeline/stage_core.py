@@ -39,6 +39,7 @@ from mlxcel.messages import (
     ErrorCode,
     Message,
     PrepareSequence,
+    Progress,
     QueryState,
     ReleaseSequence,
     RunEntry,
@@ -54,6 +55,7 @@ from mlxcel.pipeline.stage_protocol import (
     NODE_TABLE,
     SEQ_TABLE,
     ComputeJob,
+    KeepAlive,
     Sampled,
     Seq,
     SeqEvent,
@@ -100,6 +102,7 @@ class StageCore(StageGate):
         self._job: ComputeJob | None = None
         self._job_deadline = 0.0
         self._last_was_decode = False
+        self._keepalive = KeepAlive(config.progress_interval)
 
     @property
     def is_first(self) -> bool:
@@ -181,6 +184,10 @@ class StageCore(StageGate):
         if self._job is not None and now >= self._job_deadline:
             why = f"a step took longer than {self.config.forward_timeout:g}s"
             out += self._fail_job(self._job.id, ErrorCode.FORWARD_TIMEOUT, why, now)
+        if self._keepalive.at is not None and now >= self._keepalive.at:
+            held = {(s.owner, s.step.nonce) for s in self.seqs.values() if s.step is not None}
+            for owner, nonces in self._keepalive.tick(held, now).items():
+                self._send(out, owner, Progress(nonces))
         lease = self.config.lease  # the same sum next_timer() reports, so a timer never misses
         idle = [
             rid
@@ -202,6 +209,8 @@ class StageCore(StageGate):
         ]
         if self._job is not None:
             times.append(self._job_deadline)
+        if self._keepalive.at is not None:
+            times.append(self._keepalive.at)
         return min(times) if times else None
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
@@ -274,21 +283,13 @@ class StageCore(StageGate):
         self.seqs[m.request_id] = Seq(key, source, m.max_len, now, nonce=m.nonce)
         self._send(out, source, Ack(m.request_id, m.nonce))
 
-    def _on_release(
-        self, m: CancelRequest | ReleaseSequence, source: str, out: list[Effect]
+    def _on_ReleaseSequence(
+        self, m: CancelRequest | ReleaseSequence, source: str, now: float, out: list[Effect]
     ) -> None:
         if (seq := self._owned(m, source)) is not None:  # logged only if queued work is lost
             self._free(out, [m.request_id], quiet=seq.state is not SeqState.QUEUED)
 
-    def _on_CancelRequest(
-        self, m: CancelRequest, source: str, now: float, out: list[Effect]
-    ) -> None:
-        self._on_release(m, source, out)
-
-    def _on_ReleaseSequence(
-        self, m: ReleaseSequence, source: str, now: float, out: list[Effect]
-    ) -> None:
-        self._on_release(m, source, out)
+    _on_CancelRequest = _on_ReleaseSequence
 
     def _on_BeginDrain(self, m: BeginDrain, source: str, now: float, out: list[Effect]) -> None:
         self.begin_drain()
@@ -398,6 +399,7 @@ class StageCore(StageGate):
         seq.step_nonce = step.nonce
         seq.touched = now
         self._queue.append(seq)
+        self._keepalive.arm(now)
 
     def _start_next(self, now: float, out: list[Effect]) -> None:
         """Start one job if none runs: decode steps batch; prompt chunks alternate with them."""

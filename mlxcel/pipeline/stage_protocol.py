@@ -141,6 +141,7 @@ class StageConfig:
     max_sequences: int = 256  # prepared sequences held at once (each holds KV caches)
     lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
     forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail
+    progress_interval: float = 5.0  # keep_alive_interval() of the default 30 s step deadline
 
 
 SeqKey = tuple[str, int]  # (request id, generation): a re-prepared id gets a fresh key
@@ -180,6 +181,41 @@ class ComputeJob:
     first: bool  # the entry stage (takes token ids)
     last: bool  # the final stage (samples, or returns logits)
     return_logits: bool
+
+
+def keep_alive_interval(step_timeout: float) -> float:
+    """How often a stage reports held steps, for a coordinator whose step deadline is
+    ``step_timeout``. A step is first reported within two intervals of arriving and a
+    step handed downstream can go unreported for up to three (one before the hand-off, two
+    after), so six fit one deadline twice over."""
+    return step_timeout / 6
+
+
+class KeepAlive:
+    """Which held steps to report as still in progress, at most once per ``interval``.
+
+    A tick reports the (owner, nonce) pairs held at this tick and the one before, so a step
+    is reported between one and two intervals after it arrived and then every interval while
+    it stays; a stage whose steps are fast never sends one. Ticks run only while steps are
+    held (``at`` is None otherwise)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.at: float | None = None
+        self._before: set[tuple[str, int]] = set()
+
+    def arm(self, now: float) -> None:
+        if self.at is None:
+            self.at = now + self.interval
+
+    def tick(self, held: set[tuple[str, int]], now: float) -> dict[str, tuple[int, ...]]:
+        still = held & self._before
+        self._before = held
+        self.at = now + self.interval if held else None
+        by_owner: dict[str, list[int]] = {}
+        for owner, nonce in sorted(still):
+            by_owner.setdefault(owner, []).append(nonce)
+        return {owner: tuple(nonces) for owner, nonces in by_owner.items()}
 
 
 @dataclass(frozen=True, slots=True)

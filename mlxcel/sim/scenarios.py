@@ -29,24 +29,14 @@ from mlxcel.messages import (
     Tensor,
 )
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
-from mlxcel.pipeline.stage_core import StageConfig
+from mlxcel.pipeline.stage_protocol import StageConfig, keep_alive_interval
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
 from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import Link, SimNetwork
 
-FAULT_KINDS = (
-    "drop",
-    "delay",
-    "duplicate",
-    "reorder",
-    "partition",
-    "crash",
-    "slow",
-    "skew",
-    "outsider",
-    "insider",
-)
+FAULT_KINDS = ("drop", "delay", "duplicate", "reorder", "partition", "crash", "slow", "skew")
+FAULT_KINDS += ("outsider", "insider")
 SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg")
 BUGS = ("skip-owner-check", "accept-stale-nonce")
 COORDINATOR = "10.0.0.1:7000"
@@ -139,6 +129,7 @@ def build(
             max_batch=max_batch,
             lease=30.0,
             forward_timeout=FORWARD_TIMEOUT,
+            progress_interval=keep_alive_interval(STEP_TIMEOUT),
         )
         host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
         stages.append(host)
