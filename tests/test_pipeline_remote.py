@@ -874,3 +874,38 @@ def test_a_stale_parent_pid_does_not_kill_a_process_someone_else_started() -> No
         [sys.executable, "-m", "mlxcel", "--help"], env=env, capture_output=True, timeout=60
     )
     assert r.returncode == 0 and b"usage" in r.stdout
+
+
+def test_a_starting_node_is_waited_for_while_it_writes_and_given_up_when_silent(
+    tmp_path: Path,
+) -> None:
+    """The launchers wait on a node's log: one that keeps writing (a stage warming up on a
+    fresh GPU, minutes of kernel compiles) is waited for past the silence window; one that
+    goes silent is given up after it, not after a fixed total."""
+    from mlxcel.pipeline.launch import wait_ready
+
+    async def run(script: str, silence: float) -> tuple[bool, float]:
+        log = tmp_path / "node.log"
+        with open(log, "w") as fh:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-u", "-c", script, stdout=fh, stderr=fh
+            )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ok = await wait_ready(proc, log, "READY", silence=silence)
+        took = loop.time() - t0
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        return ok, took
+
+    busy = (
+        "import time\nfor i in range(8):\n    print('warm-up', i); time.sleep(0.25)\nprint('READY')"
+    )
+    ok, took = asyncio.run(run(busy, silence=1.0))
+    assert ok and took > 1.5  # 2 s of output, twice the silence window: still waited for
+    stuck = "import time\nprint('loading'); time.sleep(30)"
+    ok, took = asyncio.run(run(stuck, silence=1.0))
+    assert not ok and took < 10
+    ok, _ = asyncio.run(run("raise SystemExit(3)", silence=5.0))
+    assert not ok

@@ -27,6 +27,9 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+START_SILENCE_S = 120.0  # a starting node silent this long (no log line, not ready) is stuck
+
+
 class LoopbackCluster:
     def __init__(
         self,
@@ -138,15 +141,29 @@ async def start_serve(
         env=env,
     )
     fh.close()
+    if not await wait_ready(proc, log, ready):
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise MlxcelError(f"{' '.join(args[:6])} did not start:\n{log.read_text()[-2000:]}")
+    return proc
+
+
+async def wait_ready(
+    proc: asyncio.subprocess.Process, log: Path, ready: str, silence: float = START_SILENCE_S
+) -> bool:
+    """Whether ``ready`` appeared in ``log`` before ``proc`` exited or fell silent for
+    ``silence`` seconds. A process that keeps writing (a stage compiling GPU kernels in its
+    warm-up, minutes on a fresh machine) is waited for."""
     loop = asyncio.get_running_loop()
-    end = loop.time() + 120
-    while loop.time() < end:
-        if ready in log.read_text():
-            return proc
-        if proc.returncode is not None:
-            break
+    size, heard = -1, loop.time()
+    while proc.returncode is None:
+        text = log.read_text()
+        if ready in text:
+            return True
+        if len(text) != size:
+            size, heard = len(text), loop.time()
+        elif loop.time() - heard > silence:
+            return False
         await asyncio.sleep(0.05)
-    if proc.returncode is None:
-        proc.kill()
-        await proc.wait()
-    raise MlxcelError(f"{' '.join(args[:6])} did not start:\n{log.read_text()[-2000:]}")
+    return ready in log.read_text()

@@ -36,6 +36,8 @@ from mlxcel.runtime.model import LayerRange
 
 __all__ = ["StageConfig", "StageService", "StageState"]
 
+SLOW_FORWARD_S = 1.0  # a forward pass longer than this is logged
+
 
 class StageService(CoreAdapter):
     def __init__(
@@ -124,4 +126,13 @@ class StageService(CoreAdapter):
             logger.exception("stage {}: forward failed", self.config.index)
             self.feed(self.stage.compute_failed(job.id, str(exc), self.now()))
             return
+        if took > SLOW_FORWARD_S:  # what an operator sees of kernels compiling, or an overload
+            rows, tokens = len(job.steps), sum(s.n for s in job.steps)
+            logger.info(
+                "stage {}: a forward of {} sequence(s), {} token(s) took {:.1f}s",
+                self.config.index,
+                rows,
+                tokens,
+                took,
+            )
         self.feed(self.stage.compute_done(job.id, outputs, took, self.now()))

@@ -10,10 +10,12 @@ caches under that key until the core frees it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
+from loguru import logger
 
 from mlxcel.messages import ErrorCode, SamplingParams, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
@@ -86,15 +88,26 @@ class StageRuntime:
         sizes = sorted({1 << k for k in range(1, most.bit_length())} | {most}) if most > 1 else []
         lengths = [tokens + 1] + [3 + i % 5 for i in range(most if sizes else 0)]
         keys = [("warm-up", -1 - i) for i in range(len(lengths))]
-        for key, n in zip(keys, lengths, strict=True):
-            self.run(self._warm_job([self._warm_step(key, n - 1, 0, first, False)], first, last))
-        pos = {key: n - 1 for key, n in zip(keys, lengths, strict=True)}
-        for group in [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]:
-            steps = [self._warm_step(k, 1, pos[k], first, True) for k in group]
-            if group[0] == keys[0]:  # the long prompt samples: filters, categorical draw
-                steps = [replace(steps[0], sampling=WARM_UP_SAMPLING)]
+        groups = [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]
+
+        def forwards() -> Iterator[list[Step]]:
+            for key, n in zip(keys, lengths, strict=True):
+                yield [self._warm_step(key, n - 1, 0, first, False)]
+            pos = {key: n - 1 for key, n in zip(keys, lengths, strict=True)}
+            for group in groups:
+                steps = [self._warm_step(k, 1, pos[k], first, True) for k in group]
+                if group[0] == keys[0]:  # the long prompt samples: filters, categorical draw
+                    steps = [replace(steps[0], sampling=WARM_UP_SAMPLING)]
+                yield steps
+                pos.update({k: pos[k] + 1 for k in group})
+
+        t0 = said = time.monotonic()
+        for i, steps in enumerate(forwards(), 1):
             self.run(self._warm_job(steps, first, last))
-            pos.update({k: pos[k] + 1 for k in group})
+            if time.monotonic() - said > 5.0:  # compiling: say so, for whoever waits on us
+                said = time.monotonic()
+                total = len(keys) + len(groups)
+                logger.info("warm-up: {} of {} forwards in {:.0f}s", i, total, said - t0)
         for key in keys:
             self.free(key)
         self.regroups = 0  # counts serving only
