@@ -24,6 +24,10 @@ from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import from_tensor, row_tensors, to_tensor
 
 WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
+# Prompt chunks of these many tokens meet every tile class of MLX's quantized matmul on a
+# GPU: it takes fewer than 8 rows as vectors and tiles the rest by the next power of two
+# (16 to 64; a 21-token prompt compiled the 32-row kernel for 32 s on a fresh H200).
+TILE_CLASS_ROWS = (8, 16, 32, 64)
 WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
 
 
@@ -77,16 +81,17 @@ class StageRuntime:
         them: one ``tokens``-long prompt and its first decode step alone (sampled with top-p,
         top-k and min-p filters); then up to ``WARM_UP_ROWS`` short prompts whose decode steps
         run as batches of 2, 4, ... ``batch`` rows (gathered into a batch cache, regrouped as
-        the size changes; greedy).
+        the size changes; greedy); and prompts of ``TILE_CLASS_ROWS`` tokens, alone.
 
-        A GPU compiles a kernel the first time it meets a shape class; this compiles the
-        serving path's (prompt chunks, batched decode with padded masks, batch caches that grow
-        and shrink, batched greedy and filtered sampling) before the stage reports ready. It is
-        not every class a request can bring: on a fresh H200 the first eight concurrent
-        requests still missed the 30 s step deadline after it (docs/pipeline.md, known limit)."""
+        A GPU compiles a kernel the first time it meets a shape class (on a fresh H200, about
+        30 s for each of MLX's quantized matmul kernels); this compiles the serving path's
+        (prompt chunks of every tile class, batched decode with padded masks, batch caches that
+        grow and shrink, batched greedy and filtered sampling) before the stage reports ready.
+        MLX keeps what it compiled on disk, so a later start on the same machine is quick."""
         most = max(1, min(batch, WARM_UP_ROWS))
         sizes = sorted({1 << k for k in range(1, most.bit_length())} | {most}) if most > 1 else []
         lengths = [tokens + 1] + [3 + i % 5 for i in range(most if sizes else 0)]
+        lengths += [n + 1 for n in TILE_CLASS_ROWS if n < tokens]  # prompt-only sequences
         keys = [("warm-up", -1 - i) for i in range(len(lengths))]
         groups = [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]
 
