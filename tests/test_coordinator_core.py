@@ -227,16 +227,18 @@ def test_progress_from_a_stage_restarts_the_deadlines_of_the_exchanges_it_holds(
     out = c.on_timer(2.1)  # b's deadline passes (a's was extended); S0 spoke, so no reset
     assert not [e for e in out if isinstance(e, ResetPeer)]
     assert [m.request_id for m in delivered(out)] == ["b"] and "a" in c.reqs
+    assert c.kept_alive == 1  # /health: one exchange outlived a deadline thanks to Progress
     assert c.next_timer() == pytest.approx(3.5)
     c.handle(Progress((a.nonce,)), S1, 3.0)  # any stage of the pipeline may hold it
     assert delivered(c.on_timer(3.5)) == [] and c.next_timer() == pytest.approx(5.0)
-    assert c.kept_alive == 2  # /health shows it: a stage slow enough to need keep-alives
+    assert c.kept_alive == 1 and len(c._deadlines) == 1  # counted once, one entry each
     out = c.handle(RunResult("a", a.micro_batch, (3,), None, a.nonce), S2, 4.5)  # still counts
     assert [m.token_ids for m in delivered(out)] == [(3,)]
-    # Silence again: the next step fails at its own deadline.
     (a2,) = [s.msg for s in sent(out, RunEntry)]
-    (err,) = delivered(c.on_timer(6.5))
-    assert err.code == ErrorCode.DEADLINE_EXCEEDED and a2.nonce not in c._exchanges
+    c.handle(Progress((a2.nonce,)), S1, 5.0)
+    (err,) = delivered(c.on_timer(7.0))  # then silence: it fails, saying so
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED
+    assert "within 2s of the last progress report (2.5s in all)" in err.message
 
 
 def test_progress_from_a_stranger_or_for_other_exchanges_changes_nothing() -> None:
@@ -246,11 +248,17 @@ def test_progress_from_a_stranger_or_for_other_exchanges_changes_nothing() -> No
     assert c.dropped["not from a stage of this pipeline"] == 1
     c.handle(Progress((step.nonce + 100,)), S0, 1.0)  # no such exchange: ignored
     assert c.next_timer() == pytest.approx(2.1)
+    # More nonces than there are exchanges (a copy of one, a million times) is refused whole.
+    c.handle(Progress((step.nonce,) * 1_000_000), S0, 1.5)
+    assert c.dropped["Progress names more exchanges than are waiting"] == 1
+    assert len(delivered(c.on_timer(2.1))) == 1 and len(c._deadlines) == 0
     # An exchange that waits for an Ack (preparing) is not kept alive by Progress.
     c2 = core()
     out = c2.handle(RunEntry("p", 0, (1,), 0, SamplingParams(max_tokens=2), 9), LOCAL, 0.0)
-    prep = sent(out, PrepareSequence)[0]
-    c2.handle(Progress((prep.msg.nonce,)), prep.dest, 1.0)
+    preps = sent(out, PrepareSequence)
+    for p in preps[:2]:
+        c2.handle(Ack("p", p.msg.nonce), p.dest, 0.5)
+    c2.handle(Progress((preps[2].msg.nonce,)), preps[2].dest, 1.9)
     assert [e.code for e in delivered(c2.on_timer(2.0))] == [ErrorCode.DEADLINE_EXCEEDED]
 
 

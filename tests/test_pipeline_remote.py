@@ -659,7 +659,7 @@ def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_
     finally:
         for p in procs:
             p.stop()
-    print(f"\n3001-token prompt through 2 stages in {took:.2f}s; {kept_alive} keep-alive(s)")
+    print(f"\n3001-token prompt through 2 stages in {took:.2f}s; {kept_alive} exchange(s) kept alive past the deadline")
     assert len(tokens) == 3 and kept_alive > 0
 
 
@@ -884,7 +884,7 @@ def test_a_starting_node_is_waited_for_while_it_writes_and_given_up_when_silent(
     goes silent is given up after it, not after a fixed total."""
     from mlxcel.pipeline.launch import wait_ready
 
-    async def run(script: str, silence: float) -> tuple[bool, float]:
+    async def run(script: str, silence: float, limit: float = 60.0) -> tuple[bool, float]:
         log = tmp_path / "node.log"
         with open(log, "w") as fh:
             proc = await asyncio.create_subprocess_exec(
@@ -892,20 +892,24 @@ def test_a_starting_node_is_waited_for_while_it_writes_and_given_up_when_silent(
             )
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        ok = await wait_ready(proc, log, "READY", silence=silence)
+        ok = await wait_ready(proc, log, "READY", silence=silence, limit=limit)
         took = loop.time() - t0
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
         return ok, took
 
-    busy = (
-        "import time\nfor i in range(8):\n    print('warm-up', i); time.sleep(0.25)\nprint('READY')"
-    )
-    ok, took = asyncio.run(run(busy, silence=1.0))
-    assert ok and took > 1.5  # 2 s of output, twice the silence window: still waited for
-    stuck = "import time\nprint('loading'); time.sleep(30)"
-    ok, took = asyncio.run(run(stuck, silence=1.0))
-    assert not ok and took < 10
+    serve = "print('READY'); time.sleep(30)"  # a node that is ready keeps running
+    busy = f"import time\nfor i in range(10):\n    print('warm-up', i); time.sleep(0.4)\n{serve}"
+    ok, took = asyncio.run(run(busy, silence=2.0))
+    assert ok and took > 3.0  # 4 s of output, twice the silence window: still waited for
+    ok, took = asyncio.run(run("import time\nprint('loading'); time.sleep(30)", silence=2.0))
+    assert not ok and took < 12  # silent: given up after the window
     ok, _ = asyncio.run(run("raise SystemExit(3)", silence=5.0))
     assert not ok
+    forever = "import time\nwhile True:\n    print('busy'); time.sleep(0.2)"
+    ok, took = asyncio.run(run(forever, silence=2.0, limit=1.5))
+    assert not ok and took < 8  # writing forever is not starting: the overall limit
+    half = "import sys, time\nsys.stdout.buffer.write(b'\\xc3'); sys.stdout.flush()\n"
+    ok, _ = asyncio.run(run(half + f"time.sleep(1)\n{serve}", silence=5.0))
+    assert ok  # a UTF-8 character cut in half by a read is no error

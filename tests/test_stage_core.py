@@ -375,7 +375,7 @@ def test_a_step_that_overruns_fails_and_its_late_answer_is_ignored() -> None:
     assert not c.busy
 
 
-def test_steps_held_across_a_keep_alive_interval_are_reported_to_their_owner() -> None:
+def test_held_steps_are_reported_to_their_owner_every_interval_while_held() -> None:
     c = core(index=0, progress_interval=5.0, forward_timeout=60.0)
     prepared(c, "r")
     prepared(c, "q", nonce=2)
@@ -383,13 +383,12 @@ def test_steps_held_across_a_keep_alive_interval_are_reported_to_their_owner() -
     (start,) = [e for e in out if isinstance(e, StartCompute)]
     c.handle(RunEntry("q", 0, (1,) * 3, 0, SP, 6), C, 2.0)  # queued behind r's job
     assert c.next_timer() == 6.0
-    assert sends(c.on_timer(6.0)) == []  # not yet held for a whole interval
-    assert sends(c.on_timer(11.0)) == [Send(C, Progress((5, 6)))]
-    out = c.compute_done(start.job.id, [hidden()], 10.5, 12.0)  # r done; q's job starts
+    assert sends(c.on_timer(6.0)) == [Send(C, Progress((5, 6)))]  # running and queued
+    out = c.compute_done(start.job.id, [hidden()], 10.5, 10.0)  # r done; q's job starts
     (start,) = [e for e in out if isinstance(e, StartCompute)]
-    assert sends(c.on_timer(16.0)) == [Send(C, Progress((6,)))]
-    c.compute_done(start.job.id, [hidden(3)], 4.0, 17.0)
-    assert sends(c.on_timer(21.0)) == [] and c.next_timer() == 312.0  # idle: r's lease only
+    assert sends(c.on_timer(11.0)) == [Send(C, Progress((6,)))]
+    c.compute_done(start.job.id, [hidden(3)], 4.0, 15.0)
+    assert sends(c.on_timer(16.0)) == [] and c.next_timer() == 310.0  # idle: r's lease only
 
 
 def test_a_stage_whose_steps_are_fast_sends_no_progress() -> None:
@@ -400,6 +399,26 @@ def test_a_stage_whose_steps_are_fast_sends_no_progress() -> None:
         (start,) = [e for e in out if isinstance(e, StartCompute)]
         c.compute_done(start.job.id, [hidden()], 0.01, t + 0.01)
         assert not [s for s in sends(c.on_timer(t + 3.0)) if isinstance(s.msg, Progress)]
+
+
+def test_a_compute_thread_stuck_past_its_timeout_stops_the_reports() -> None:
+    """Steps queued behind a job that overran its forward timeout are not progressing: the
+    stage goes silent about them (so the coordinator's step deadline fails them) until the
+    compute thread gives the abandoned job back."""
+    c = core(index=0, progress_interval=5.0, forward_timeout=12.0, max_batch=1)
+    prepared(c, "r")
+    prepared(c, "q", nonce=2)
+    out = c.handle(RunEntry("r", 0, (1,), 0, SP, 5), C, 1.0)
+    (stuck,) = [e for e in out if isinstance(e, StartCompute)]
+    c.handle(RunEntry("q", 0, (1,), 0, SP, 6), C, 1.0)
+    assert sends(c.on_timer(6.0)) == [Send(C, Progress((5, 6)))]
+    out = c.on_timer(13.0)  # r's job overruns: r fails, q's job is started behind it
+    assert errors(out) == [(C, ErrorCode.FORWARD_TIMEOUT, 5)]
+    (queued,) = [e for e in out if isinstance(e, StartCompute)]
+    assert c.next_timer() == 18.0 and sends(c.on_timer(18.0)) == []  # ticks, silent
+    assert c.compute_done(stuck.job.id, [hidden()], 19.0, 20.0) == []  # the thread is back
+    assert sends(c.on_timer(23.0)) == [Send(C, Progress((6,)))]
+    assert queued.job.steps[0].nonce == 6
 
 
 def test_losing_the_owner_frees_what_it_held() -> None:

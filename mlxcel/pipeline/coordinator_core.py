@@ -54,6 +54,7 @@ from mlxcel.pipeline.coordinator_protocol import (
     ReqEvent,
     ReqState,
     entry_problem,
+    missed_text,
     result_problem,
     stale_exchange,
 )
@@ -118,7 +119,7 @@ class CoordinatorCore:
         self.completed = 0
         self.failed = 0
         self.steps = 0
-        self.kept_alive = 0  # exchanges a stage's Progress kept past a deadline
+        self.kept_alive = 0  # exchanges a stage's Progress carried past a missed deadline
         # Decode steps measured at the hand-offs: wall time from sending the RunEntry to
         # receiving its RunResult, and the stages' compute for it. The difference is protocol.
         self.decode_steps = 0
@@ -168,17 +169,18 @@ class CoordinatorCore:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, nonce = heapq.heappop(self._deadlines)
             ex = self._exchanges.get(nonce)
-            if ex is None or ex.deadline > now:  # closed, or extended by a Progress
+            if ex is None:
                 continue
-            if ex.kind is RunResult:
-                what = f"no result for {ex.request_id} from the pipeline {ex.dest}..{self.final}"
-            else:
-                what = f"no {ex.kind.__name__} from {ex.dest} for {ex.request_id or 'a query'}"
+            if ex.deadline > now:  # extended by a stage's Progress: one entry per exchange
+                self.kept_alive += not ex.kept
+                ex.kept = True
+                heapq.heappush(self._deadlines, (ex.deadline, nonce))
+                continue
+            missed = missed_text(ex, self.final, self.step_timeout, now)
             # Nothing back on that path since the exchange was sent: the stream may be wedged
             # mid-frame. Replace it, so the next request dials afresh. The stage frees what it
             # holds for us when the connection closes, so every request in the stages fails
             # now (not one deadline at a time); those admitted after this point are unharmed.
-            missed = f"{what} within {ex.deadline - ex.sent_at:g}s"
             if not (ex.reset and not self._heard_since(ex)):
                 self._close(nonce, out, ErrorCode.DEADLINE_EXCEEDED, missed, now)
                 continue
@@ -474,14 +476,12 @@ class CoordinatorCore:
             self._next_step(req, now, out)
 
     def _on_progress(self, m: Progress, source: str, now: float, out: list[Effect]) -> None:
-        """A stage still holds these exchanges' steps: slow, not silent, so their deadlines
-        restart (each step is bounded by the stage's forward timeout, a request by its own)."""
-        for nonce in m.nonces:
-            ex = self._exchanges.get(nonce)
-            if ex is not None and ex.kind is RunResult:
-                self.kept_alive += 1
-                ex.deadline = now + self.step_timeout
-                heapq.heappush(self._deadlines, (ex.deadline, nonce))
+        """A stage still holds these steps: slow, not silent, so their deadlines restart."""
+        if len(m.nonces) > len(self._exchanges):  # bounded work for any list it is sent
+            return self._drop(out, "Progress names more exchanges than are waiting", m, source)
+        for nonce in set(m.nonces):  # one that crossed its result is ignored
+            if (ex := self._exchanges.get(nonce)) is not None and ex.kind is RunResult:
+                ex.deadline, ex.reported = now + self.step_timeout, True
 
     def _on_error(self, m: Error, source: str, now: float, out: list[Effect]) -> None:
         ex = self._exchanges.get(m.nonce) if m.nonce is not None else None

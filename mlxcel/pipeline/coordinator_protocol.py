@@ -82,6 +82,8 @@ class Exchange:
     tokens: int = 1  # a RunResult's token count: 0 for a cache-filling prompt chunk
     sent_at: float = 0.0
     reset: bool = True  # a missed deadline replaces the connections (not for health probes)
+    kept: bool = False  # a stage's Progress carried it past a deadline it would have missed
+    reported: bool = False  # a stage's Progress restarted its deadline
 
 
 @dataclass
@@ -181,3 +183,15 @@ def stale_exchange(exchanges: dict[int, Exchange], rid: str) -> tuple[int, Excha
     the request, whatever nonce the result carries."""
     stale = [(n, x) for n, x in exchanges.items() if x.request_id == rid and x.kind is RunResult]
     return stale[0] if stale else None
+
+
+def missed_text(ex: Exchange, final: str, step_timeout: float, now: float) -> str:
+    """Why exchange ``ex`` failed at its deadline (``final``: the pipeline's last stage)."""
+    if ex.kind is RunResult:
+        what = f"no result for {ex.request_id} from the pipeline {ex.dest}..{final}"
+    else:
+        what = f"no {ex.kind.__name__} from {ex.dest} for {ex.request_id or 'a query'}"
+    if ex.reported:
+        waited = now - ex.sent_at
+        return f"{what} within {step_timeout:g}s of the last progress report ({waited:.1f}s in all)"
+    return f"{what} within {ex.deadline - ex.sent_at:g}s"

@@ -16,8 +16,11 @@ from mlxcel.net.network import LocalFabric
 from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
+from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
+
+STEP_TIMEOUT = 30.0  # the coordinator's step deadline (its stages report progress within it)
 
 
 @dataclass
@@ -80,6 +83,7 @@ async def pipeline_stack(
                     return_logits=return_logits,
                     max_batch=stage_batch,
                     warm_up_tokens=prefill_chunk,
+                    progress_interval=keep_alive_interval(STEP_TIMEOUT, len(names)),
                 )
                 svc = StageService(
                     node,
@@ -99,6 +103,7 @@ async def pipeline_stack(
                 eos=loaded.eos_token_ids(),
                 vocab=int(loaded.config["vocab_size"]),
                 max_len=int(loaded.config.get("max_position_embeddings", 1 << 30)),
+                step_timeout=STEP_TIMEOUT,
                 return_logits=return_logits,
                 max_sequences=max(parallel, 1),
                 prefill_chunk=prefill_chunk,

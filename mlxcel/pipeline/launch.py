@@ -28,6 +28,7 @@ def free_port(host: str) -> int:
 
 
 START_SILENCE_S = 120.0  # a starting node silent this long (no log line, not ready) is stuck
+START_LIMIT_S = 1800.0  # and one that is not ready after this long, however much it writes
 
 
 class LoopbackCluster:
@@ -141,29 +142,39 @@ async def start_serve(
         env=env,
     )
     fh.close()
-    if not await wait_ready(proc, log, ready):
-        if proc.returncode is None:
+    ok = False
+    try:
+        ok = await wait_ready(proc, log, ready)
+    finally:  # not ready, or interrupted: never leave the child behind
+        if not ok and proc.returncode is None:
             proc.kill()
             await proc.wait()
-        raise MlxcelError(f"{' '.join(args[:6])} did not start:\n{log.read_text()[-2000:]}")
+    if not ok:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise MlxcelError(f"{' '.join(args[:6])} did not start:\n{tail}")
     return proc
 
 
 async def wait_ready(
-    proc: asyncio.subprocess.Process, log: Path, ready: str, silence: float = START_SILENCE_S
+    proc: asyncio.subprocess.Process,
+    log: Path,
+    ready: str,
+    silence: float = START_SILENCE_S,
+    limit: float = START_LIMIT_S,
 ) -> bool:
-    """Whether ``ready`` appeared in ``log`` before ``proc`` exited or fell silent for
-    ``silence`` seconds. A process that keeps writing (a stage compiling GPU kernels in its
-    warm-up, minutes on a fresh machine) is waited for."""
+    """Whether ``ready`` appeared in ``log`` while ``proc`` still runs, before it fell silent
+    for ``silence`` seconds or ``limit`` passed. A process that keeps writing (a stage
+    compiling GPU kernels in its warm-up, minutes on a fresh machine) is waited for."""
     loop = asyncio.get_running_loop()
-    size, heard = -1, loop.time()
-    while proc.returncode is None:
-        text = log.read_text()
-        if ready in text:
-            return True
-        if len(text) != size:
-            size, heard = len(text), loop.time()
+    size, heard, end = -1, loop.time(), loop.time() + limit
+    want = ready.encode()
+    while proc.returncode is None and loop.time() < end:
+        data = log.read_bytes()
+        if want in data:
+            return proc.returncode is None
+        if len(data) != size:
+            size, heard = len(data), loop.time()
         elif loop.time() - heard > silence:
             return False
         await asyncio.sleep(0.05)
-    return ready in log.read_text()
+    return False

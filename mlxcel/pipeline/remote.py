@@ -131,7 +131,7 @@ async def stage_node(
                     max_sequences=cfg.cluster.max_sequences_per_stage,
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
-                    progress_interval=keep_alive_interval(cfg.cluster.step_timeout),
+                    progress_interval=keep_alive_interval(cfg.cluster.step_timeout, len(stages)),
                 ),
             )
             service.attach()

@@ -103,6 +103,7 @@ class StageCore(StageGate):
         self._job_deadline = 0.0
         self._last_was_decode = False
         self._keepalive = KeepAlive(config.progress_interval)
+        self._stuck: int | None = None  # a timed-out job the compute thread has not returned
 
     @property
     def is_first(self) -> bool:
@@ -150,13 +151,11 @@ class StageCore(StageGate):
         """The backend finished job ``job_id`` in ``took`` seconds of compute."""
         out: list[Effect] = []
         job = self._job
+        self._stuck = None if job_id == self._stuck else self._stuck  # the thread is back
         if job is None or job.id != job_id:
             return out  # a job that timed out and was abandoned: its requests already failed
         self._job = None
-        self.stats.compute_s += took
-        self.stats.forwards += len(job.steps)
-        self.stats.batches += 1
-        self.stats.largest_batch = max(self.stats.largest_batch, len(job.steps))
+        self.stats.ran(len(job.steps), took)
         spent = int(took * 1e6)
         for step, result in zip(job.steps, outputs, strict=True):
             seq = self._live(step.key)
@@ -177,17 +176,20 @@ class StageCore(StageGate):
 
     def compute_failed(self, job_id: int, why: str, now: float) -> list[Effect]:
         """The backend raised while running job ``job_id``: its sequences fail."""
+        self._stuck = None if job_id == self._stuck else self._stuck
         return self._fail_job(job_id, ErrorCode.FORWARD_FAILED, why, now)
 
     def on_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = []
         if self._job is not None and now >= self._job_deadline:
             why = f"a step took longer than {self.config.forward_timeout:g}s"
+            self._stuck = self._job.id
             out += self._fail_job(self._job.id, ErrorCode.FORWARD_TIMEOUT, why, now)
         if self._keepalive.at is not None and now >= self._keepalive.at:
             held = {(s.owner, s.step.nonce) for s in self.seqs.values() if s.step is not None}
-            for owner, nonces in self._keepalive.tick(held, now).items():
-                self._send(out, owner, Progress(nonces))
+            report = self._keepalive.tick(held, now)
+            for owner, nonces in report.items() if self._stuck is None else ():
+                self._send(out, owner, Progress(nonces))  # a stuck compute thread: silence
         lease = self.config.lease  # the same sum next_timer() reports, so a timer never misses
         idle = [
             rid

@@ -183,37 +183,31 @@ class ComputeJob:
     return_logits: bool
 
 
-def keep_alive_interval(step_timeout: float) -> float:
-    """How often a stage reports held steps, for a coordinator whose step deadline is
-    ``step_timeout``. A step is first reported within two intervals of arriving and a
-    step handed downstream can go unreported for up to three (one before the hand-off, two
-    after), so six fit one deadline twice over."""
-    return step_timeout / 6
+def keep_alive_interval(step_timeout: float, n_stages: int = 2) -> float:
+    """How often a stage reports the steps it holds, for a coordinator whose step deadline is
+    ``step_timeout``. A step held across a tick is reported, so between two reports an
+    exchange spends less than an interval in each stage it crosses, plus up to an interval on
+    either side: (stages + 1) intervals, at most two thirds of the deadline."""
+    return step_timeout / (2 * max(3, n_stages))
 
 
 class KeepAlive:
-    """Which held steps to report as still in progress, at most once per ``interval``.
-
-    A tick reports the (owner, nonce) pairs held at this tick and the one before, so a step
-    is reported between one and two intervals after it arrived and then every interval while
-    it stays; a stage whose steps are fast never sends one. Ticks run only while steps are
-    held (``at`` is None otherwise)."""
+    """When a stage reports the steps it holds: every ``interval`` while it holds any (``at``
+    is None otherwise). One small message per owner per interval, only while busy."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.at: float | None = None
-        self._before: set[tuple[str, int]] = set()
 
     def arm(self, now: float) -> None:
         if self.at is None:
             self.at = now + self.interval
 
     def tick(self, held: set[tuple[str, int]], now: float) -> dict[str, tuple[int, ...]]:
-        still = held & self._before
-        self._before = held
+        """``held``'s (owner, nonce) pairs grouped by owner; schedules the next tick."""
         self.at = now + self.interval if held else None
         by_owner: dict[str, list[int]] = {}
-        for owner, nonce in sorted(still):
+        for owner, nonce in sorted(held):
             by_owner.setdefault(owner, []).append(nonce)
         return {owner: tuple(nonces) for owner, nonces in by_owner.items()}
 
@@ -261,6 +255,13 @@ class StageStats:
     leases_expired: int = 0
     dropped: int = 0
     by_code: dict[str, int] = field(default_factory=dict)
+
+    def ran(self, rows: int, took: float) -> None:
+        """A forward pass of ``rows`` sequences took ``took`` seconds of compute."""
+        self.compute_s += took
+        self.forwards += rows
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, rows)
 
 
 _KEY = operator.attrgetter("key")

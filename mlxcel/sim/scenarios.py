@@ -129,7 +129,7 @@ def build(
             max_batch=max_batch,
             lease=30.0,
             forward_timeout=FORWARD_TIMEOUT,
-            progress_interval=keep_alive_interval(STEP_TIMEOUT),
+            progress_interval=keep_alive_interval(STEP_TIMEOUT, n_stages),
         )
         host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
         stages.append(host)
