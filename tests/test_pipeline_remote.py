@@ -659,7 +659,9 @@ def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_
     finally:
         for p in procs:
             p.stop()
-    print(f"\n3001-token prompt through 2 stages in {took:.2f}s; {kept_alive} exchange(s) kept alive past the deadline")
+    print(
+        f"\n3001-token prompt through 2 stages in {took:.2f}s; {kept_alive} exchange(s) kept alive past the deadline"
+    )
     assert len(tokens) == 3 and kept_alive > 0
 
 
