@@ -255,7 +255,7 @@ class QueryState(Message):
 @dataclass(frozen=True, slots=True)
 class Progress(Message):
     """From a stage to a sequence's owner: the steps of these exchanges are still queued or
-    computing here. Sent only for steps held across a whole keep-alive interval, so that a
+    computing here. Sent once per keep-alive interval while the stage holds steps, so that a
     coordinator tells a slow stage (kernels compiling on a fresh GPU, a long queue) from a
     silent one."""
 
