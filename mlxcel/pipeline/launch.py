@@ -169,11 +169,11 @@ async def wait_ready(
     size, heard, end = -1, loop.time(), loop.time() + limit
     want = ready.encode()
     while proc.returncode is None and loop.time() < end:
-        data = log.read_bytes()
-        if want in data:
-            return proc.returncode is None
-        if len(data) != size:
-            size, heard = len(data), loop.time()
+        grown = log.stat().st_size
+        if grown != size:  # read only what changed: a warm-up can take minutes
+            size, heard = grown, loop.time()
+            if want in log.read_bytes():
+                return proc.returncode is None
         elif loop.time() - heard > silence:
             return False
         await asyncio.sleep(0.05)

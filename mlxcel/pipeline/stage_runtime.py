@@ -106,12 +106,12 @@ class StageRuntime:
                 yield steps
                 pos.update({k: pos[k] + 1 for k in group})
 
-        t0 = said = time.monotonic()
+        total, t0 = len(keys) + len(groups), time.monotonic()
+        said = t0
         for i, steps in enumerate(forwards(), 1):
             self.run(self._warm_job(steps, first, last))
             if time.monotonic() - said > 5.0:  # compiling: say so, for whoever waits on us
                 said = time.monotonic()
-                total = len(keys) + len(groups)
                 logger.info("warm-up: {} of {} forwards in {:.0f}s", i, total, said - t0)
         for key in keys:
             self.free(key)
