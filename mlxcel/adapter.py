@@ -56,14 +56,24 @@ class CoreAdapter:
         # bounded by its lease may take longer than the budget, which bounds the rest).
         self.deadline_overrides_budget = False
         self._outboxes: dict[str, asyncio.Queue[Send]] = {}
-        self._timer_changed = asyncio.Event()
+        # The core's next timer, armed on the loop: re-armed only when the time it names
+        # changes (most calls leave it as it was), never a task woken per message.
+        self._timer_at: float | None = None
+        self._timer_handle: asyncio.TimerHandle | None = None
+        self._timer_live = False  # from start() until the node closes
         self._sending = 0  # sends on their way out of an outbox
+        self._busy: set[str] = set()  # outboxes whose drain holds a send
         # Roles that speak Bundle (the pipeline) set this: what piled up in one peer's outbox
         # while the reactor was busy goes out as one Bundle.
         self.bundles = False
 
     def now(self) -> float:
         return self.loop.time()
+
+    @property
+    def running(self) -> bool:
+        """Started and its node not closed: what a callback from another thread checks."""
+        return self._timer_live
 
     def subscribe(self, classes: Iterable[type[Message]], origin: Origin, maxsize: int) -> None:
         for cls in classes:
@@ -77,7 +87,11 @@ class CoreAdapter:
 
     def start(self) -> None:
         """Arm the timer and listen for lost peers (call once, on a running node)."""
-        self.node.spawn(self._timer(), name=f"{self.name}.timer", critical=True)
+        # The timer lives as long as the node: its closing (the task's end) disarms it.
+        lifetime = self.node.spawn(asyncio.Event().wait(), name=f"{self.name}.timer")
+        lifetime.add_done_callback(self._stop_timer)
+        self._timer_live = True
+        self._rearm()
         self.endpoint.on_peer_lost(self._peer_lost)
 
     async def _on_message(self, env: Envelope[Any]) -> None:
@@ -97,10 +111,15 @@ class CoreAdapter:
 
     def feed(self, effects: list[Effect]) -> None:
         """Carry out ``effects`` in order, without waiting on anything."""
+        sends: list[Send] = []  # a run of sends, handed over together (they may bundle)
         for effect in effects:
             if isinstance(effect, Send):
-                self._queue_send(effect)
-            elif isinstance(effect, ResetPeer):
+                sends.append(effect)
+                continue
+            if sends:
+                self._send(sends)
+                sends = []
+            if isinstance(effect, ResetPeer):
                 self.endpoint.reset(effect.dest)
             elif isinstance(effect, Warn):
                 if effect.kind in ("debug", "info", "warning"):
@@ -109,36 +128,89 @@ class CoreAdapter:
                     self.limiter.warn(effect.kind, effect.text)
             else:
                 self.apply(effect)
-        self._timer_changed.set()
+        if sends:
+            self._send(sends)
+        self._rearm()
 
     def apply(self, effect: Effect) -> None:
         raise NotImplementedError(f"{self.name}: no handler for {type(effect).__name__}")
 
-    async def _timer(self) -> None:
-        while True:
-            self._timer_changed.clear()
-            when = self.core.next_timer()
-            if when is not None and when <= self.now():
-                try:
-                    self.feed(self.core.on_timer(self.now()))
-                except Exception:  # a core bug must not take the node down; say so loudly
-                    logger.exception("{}: timer handling failed", self.name)
-                    await asyncio.sleep(0.1)  # and do not spin on it
-                await asyncio.sleep(0)  # let the loop breathe between bursts
-                continue
-            try:
-                async with asyncio.timeout_at(when):
-                    await self._timer_changed.wait()
-            except TimeoutError:
-                pass
+    def _rearm(self) -> None:
+        if not self._timer_live:
+            return
+        when = self.core.next_timer()
+        if when == self._timer_at:
+            return
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+        self._timer_at = when
+        self._timer_handle = None if when is None else self.loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._timer_handle, self._timer_at = None, None
+        try:
+            self.feed(self.core.on_timer(self.now()))  # feed() arms the next one
+        except Exception:  # a core bug must not take the node down; say so loudly
+            logger.exception("{}: timer handling failed", self.name)
+            if self._timer_live:  # and do not spin on it
+                self._timer_at = self.now() + 0.1
+                self._timer_handle = self.loop.call_at(self._timer_at, self._fire)
+
+    def _stop_timer(self, _lifetime: object = None) -> None:
+        self._timer_live = False
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
 
     # --- outboxes -----------------------------------------------------------------------------
+    def _send(self, sends: list[Send]) -> None:
+        """Each destination's sends, in order: written at once where its outbox is empty and
+        idle and the endpoint can write without waiting (most sends: no task wakes for
+        them), queued behind what its outbox holds otherwise."""
+        now = getattr(self.endpoint, "send_now", None)
+        by_dest: dict[str, list[Send]] = {}
+        for s in sends:
+            key = s.dest if s.peer else "*"
+            if key not in by_dest and (now is None or not s.peer or not self._idle(key)):
+                self._queue_send(s)
+            else:
+                by_dest.setdefault(key, []).append(s)
+        for items in by_dest.values():
+            while items:
+                first = items.pop(0)
+                if self._expired(first):
+                    continue
+                group = [first]
+                room = self._room(first)
+                while room is not None and items and len(group) < MAX_BUNDLE:
+                    if self._expired(items[0]):
+                        items.pop(0)
+                        continue
+                    room = self._joins(items[0], room)
+                    if room is not None:
+                        group.append(items.pop(0))
+                msg = first.msg if len(group) == 1 else Bundle(tuple(g.msg for g in group))
+                try:
+                    if now(first.dest, msg):
+                        continue
+                except SendFailed as exc:
+                    for g in group:
+                        self._failed(g, str(exc), exc)
+                    continue
+                for g in group + items:  # not now: the outbox keeps the order
+                    self._queue_send(g)
+                items.clear()
+
+    def _idle(self, key: str) -> bool:
+        """Nothing waits in the outbox for ``key`` or is on its way out of it."""
+        box = self._outboxes.get(key)
+        return key not in self._busy and (box is None or box.empty())
+
     def _queue_send(self, send: Send) -> None:
         key = send.dest if send.peer else "*"
         box = self._outboxes.get(key)
         if box is None:
             box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE if send.peer else STRANGER_OUTBOX)
-            self.node.spawn(self._drain(box, send.peer), name=f"{self.name}.out:{key}")
+            self.node.spawn(self._drain(key, box, send.peer), name=f"{self.name}.out:{key}")
         try:
             box.put_nowait(send)
         except asyncio.QueueFull:
@@ -183,30 +255,42 @@ class CoreAdapter:
             return True
         return False
 
+    def _room(self, first: Send) -> int | None:
+        """Tensor bytes left in ``first``'s Bundle; None: it travels alone."""
+        if not (self.bundles and first.peer and type(first.msg) in BUNDLED):
+            return None
+        return BUNDLE_TENSOR_BYTES - tensor_bytes(first.msg)
+
+    def _joins(self, nxt: Send, room: int) -> int | None:
+        """The room left once ``nxt`` joins a Bundle with ``room``; None: it may not."""
+        if type(nxt.msg) not in BUNDLED:
+            return None
+        size = tensor_bytes(nxt.msg)
+        return room - size if size <= room else None
+
     def _more(self, box: asyncio.Queue[Send], first: Send) -> tuple[list[Send], Send | None]:
         """``first`` and whatever is queued behind it that may share its Bundle, and the first
         queued send that may not (it goes next, on its own turn)."""
         sends = [first]
-        if not (self.bundles and first.peer and type(first.msg) in BUNDLED):
-            return sends, None
-        room = BUNDLE_TENSOR_BYTES - tensor_bytes(first.msg)
-        while len(sends) < MAX_BUNDLE and not box.empty():
+        room = self._room(first)
+        while room is not None and len(sends) < MAX_BUNDLE and not box.empty():
             nxt = box.get_nowait()
             if self._expired(nxt):
                 continue
-            size = tensor_bytes(nxt.msg) if type(nxt.msg) in BUNDLED else room + 1
-            if size > room:
+            room = self._joins(nxt, room)
+            if room is None:
                 return sends, nxt
             sends.append(nxt)
-            room -= size
         return sends, None
 
-    async def _drain(self, box: asyncio.Queue[Send], peer: bool) -> None:
+    async def _drain(self, key: str, box: asyncio.Queue[Send], peer: bool) -> None:
         budget = self.send_budget if peer else 1.0
         held: Send | None = None
         while True:
             if held is None:
+                self._busy.discard(key)
                 first = await box.get()
+                self._busy.add(key)  # until it waits again: nothing may pass it meanwhile
             else:  # it waited outside the box: counted as sending, so flush() waits for it
                 first, held = held, None
                 self._sending -= 1

@@ -101,7 +101,10 @@ class Subscription:
                 logger.debug("bus: {} full, dropped {}", self.name, type(env.msg).__name__)
                 return False
             return True
-        if self.queue.full() and deadline is None:
+        if not self.queue.full():  # room now: no wait, so no deadline to arm
+            self.queue.put_nowait(env)
+            return True
+        if deadline is None:
             raise BusError(f"{self.name}: blocking publish needs a deadline")
         try:
             async with until(deadline, f"publish to {self.name}"):
@@ -186,6 +189,25 @@ class Bus:
         for sub in subs:
             accepted += await sub._offer(env, deadline)
         return accepted
+
+    def publish_now(self, msg: Message, *, source: str = LOCAL) -> bool:
+        """``publish`` without waiting: every subscriber that admits ``source`` takes ``msg``
+        now, or -- if any queue is full -- none does and the answer is False."""
+        if self.closed:
+            raise BusError("bus is closed")
+        subs = [s for s in self._subs.get(type(msg), ()) if s.origin.admits(source)]
+        if not subs:
+            self.unrouted[type(msg).__name__] += 1
+            return True  # delivered to nobody, as ``publish`` would
+        if any(s.queue.full() and s.policy is Overflow.BLOCK for s in subs):
+            return False
+        env = Envelope(msg, source)
+        for sub in subs:
+            if sub.queue.full():
+                sub.dropped += 1  # a DROP subscriber, as ``publish`` would
+            else:
+                sub.queue.put_nowait(env)
+        return True
 
     def close(self) -> None:
         self.closed = True

@@ -30,6 +30,11 @@ class Endpoint(Protocol):
     async def send(self, dest: str, msg: Message, deadline: float) -> None:
         """Deliver ``msg`` to ``dest`` by ``deadline``; raise :class:`SendFailed` if it cannot."""
 
+    # Optional, and what the adapter tries first: ``send_now(dest, msg) -> bool`` delivers
+    # ``msg`` at once when that needs no waiting (an open, idle connection; a subscriber with
+    # room) and returns False, having sent nothing, otherwise. An endpoint without it (or
+    # with it set to None) gets every message through ``send``.
+
     def reset(self, dest: str) -> None:
         """Drop every connection with ``dest`` (both directions); the next send redials."""
 

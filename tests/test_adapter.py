@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from mlxcel.bus import LOCAL, Node
+from mlxcel.bus import LOCAL, Node, Origin
 from mlxcel.endpoint import SendFailed
 from mlxcel.messages import Bundle, Message, PrepareSequence, RunEntry, SamplingParams
 from mlxcel.pipeline.coordinator import PipelineCoordinator
@@ -101,3 +101,128 @@ async def test_what_queues_for_one_peer_leaves_as_one_bundle_and_fails_item_by_i
             assert isinstance(msg, Bundle)
             assert [m.request_id for m in msg.items] == [f"r{i}" for i in range(8)]
         assert coord.coord.failed == 8 and coord.active == 0
+
+
+class TimerCore:
+    """A core whose timer is ``due`` (a message may move it); counts its firings."""
+
+    def __init__(self, due: float | None, fail: int = 0) -> None:
+        self.due = due
+        self.fired: list[float] = []
+        self.fail = fail  # the first ``fail`` firings raise, as a core bug would
+
+    def handle(self, msg: Message, source: str, now: float) -> list:
+        assert isinstance(msg, RunEntry)
+        self.due = now + msg.start_pos / 1000  # a message names a new timer, in ms
+        return []
+
+    def on_timer(self, now: float) -> list:
+        self.fired.append(now)
+        if len(self.fired) <= self.fail:
+            raise RuntimeError("core bug")
+        self.due = None
+        return []
+
+    def next_timer(self) -> float | None:
+        return self.due
+
+    def undeliverable(self, send: object, reason: str, now: float) -> list:
+        return []
+
+    def peer_lost(self, identity: str, now: float) -> list:
+        return []
+
+
+async def _timer_node(core: TimerCore) -> tuple[Node, object]:
+    from mlxcel.adapter import CoreAdapter
+
+    node = Node("timer")
+    await node.__aenter__()
+    adapter = CoreAdapter(node, Recorder(), core, "timer", 1.0)  # type: ignore[arg-type]
+    adapter.subscribe([RunEntry], origin=Origin.ANY, maxsize=8)
+    adapter.start()
+    return node, adapter
+
+
+async def test_the_core_timer_fires_when_due_and_moves_earlier_on_a_message() -> None:
+    """The adapter arms the core's timer on the loop and re-arms it only when the time the
+    core names changes: a message that makes it earlier must bring the firing forward."""
+    loop = asyncio.get_running_loop()
+    core = TimerCore(loop.time() + 5.0)
+    node, _adapter = await _timer_node(core)
+    try:
+        t0 = loop.time()
+        entry = RunEntry("r", 0, (1,), 50, SamplingParams(), 1)  # timer in 50 ms
+        await node.bus.publish(entry, deadline=t0 + 1)
+        while not core.fired:
+            assert loop.time() - t0 < 2, "the earlier timer never fired"
+            await asyncio.sleep(0.01)
+        assert core.fired[0] - t0 >= 0.049 and len(core.fired) == 1
+        await asyncio.sleep(0.1)
+        assert len(core.fired) == 1  # nothing due any more: no firing
+    finally:
+        await node.__aexit__(None, None, None)
+
+
+async def test_a_failing_core_timer_is_retried_without_spinning_and_stops_with_the_node() -> None:
+    loop = asyncio.get_running_loop()
+    core = TimerCore(loop.time(), fail=3)
+    node, _adapter = await _timer_node(core)
+    t0 = loop.time()
+    try:
+        while len(core.fired) < 4:
+            assert loop.time() - t0 < 3
+            await asyncio.sleep(0.02)
+        gaps = [b - a for a, b in zip(core.fired, core.fired[1:], strict=False)]
+        assert all(g >= 0.09 for g in gaps), gaps  # 0.1 s apart, not a busy loop
+    finally:
+        await node.__aexit__(None, None, None)
+    core.due, n = loop.time(), len(core.fired)
+    await asyncio.sleep(0.15)
+    assert len(core.fired) == n  # a closed node's core is never called again
+
+
+class Gate(Recorder):
+    """An endpoint that can write at once while ``open`` (``send_now``), like an idle socket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = True
+        self.now: list[tuple[str, Message]] = []
+        self.refused = 0
+
+    def send_now(self, dest: str, msg: Message) -> bool:
+        if not self.open:
+            self.refused += 1
+            return False
+        self.now.append((dest, msg))
+        return True
+
+
+async def test_sends_go_out_at_once_when_idle_and_never_pass_what_is_queued() -> None:
+    """An idle outbox writes through ``send_now`` (no task wakes); once something is queued
+    for a peer, later sends to it queue behind it even when the socket could take them."""
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.effects import Send
+
+    def entry(i: int) -> RunEntry:
+        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+    async with Node("n") as node:
+        ep = Gate()
+        adapter = CoreAdapter(node, ep, TimerCore(None), "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        adapter.feed([Send("s0", entry(1))])
+        assert [m for _, m in ep.now] == [entry(1)] and ep.sent == []
+        ep.open = False
+        adapter.feed([Send("s0", entry(2))])  # refused: queued
+        ep.open = True
+        adapter.feed([Send("s0", entry(3)), Send("s1", entry(4))])  # s0 has one queued
+        assert [m for _, m in ep.now] == [entry(1), entry(4)]  # s1 was idle
+        await asyncio.sleep(0.05)
+        assert ep.sent == [("s0", entry(2)), ("s0", entry(3))]  # in order, behind it
+        adapter.bundles = True
+        adapter.feed([Send("s0", entry(i)) for i in (5, 6, 7)])
+        dest, msg = ep.now[-1]
+        assert dest == "s0" and isinstance(msg, Bundle)  # a run of sends still bundles
+        assert [m.nonce for m in msg.items] == [5, 6, 7] and ep.refused == 1

@@ -128,6 +128,8 @@ async def test_a_corrupt_handoff_is_refused_and_reported(tiny: Path) -> None:
             await real_send(dest, msg, deadline)
 
         t.prefill.service.endpoint.send = corrupt  # type: ignore[method-assign]
+
+        t.prefill.service.endpoint.send_now = None  # every send through it
         with pytest.raises(EngineError) as err:
             await collect(t.router.frontend, PROMPTS[0])
         assert err.value.code == ErrorCode.HANDOFF_FAILED
@@ -146,6 +148,8 @@ async def test_an_expired_lease_is_an_error_and_the_cache_is_never_read(tiny: Pa
                 await real_send(dest, msg, deadline)
 
         t.decode.service.endpoint.send = swallow_acks  # type: ignore[method-assign]
+
+        t.decode.service.endpoint.send_now = None  # every send through it
         core = t.prefill.service.prefill
         core.config = dataclasses.replace(core.config, lease=0.5)
         with pytest.raises(EngineError) as err:

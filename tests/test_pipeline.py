@@ -398,6 +398,8 @@ async def test_stale_nonce_and_wrong_sender_results_are_dropped(
                 forged.append(msg.request_id)
 
         coord.endpoint.send = send_and_forge  # type: ignore[method-assign]
+
+        coord.endpoint.send_now = None  # every send through it
         assert await collect(st.frontend, PROMPTS[0]) == reference[0]
         assert coord.dropped["not from the final stage"] >= 1
         assert coord.dropped["stale or unknown nonce"] >= 1
@@ -432,6 +434,8 @@ async def test_out_of_bounds_activation_fails_the_request_fast(tiny: Path, probl
             await real(dest, msg, deadline)
 
         s0.endpoint.send = tamper  # type: ignore[method-assign]
+
+        s0.endpoint.send_now = None  # every send through it
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(EngineError) as info:
@@ -827,6 +831,8 @@ async def test_a_slow_destination_delays_only_what_goes_to_it(tiny: Path) -> Non
             await real_send(dest, msg, deadline)
 
         s0.endpoint.send = send  # type: ignore[method-assign]
+
+        s0.endpoint.send_now = None  # every send through it
         evil = rogue(st, "mallory")
         for i in range(3):
             await evil.send("stage-0", PrepareSequence(f"x{i}", 8, i), deadline_in(5))

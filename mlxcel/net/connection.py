@@ -28,6 +28,7 @@ from mlxcel.deadlines import until
 from mlxcel.errors import DeadlineExceeded, DecodeError, MlxcelError, QueueFull
 from mlxcel.messages import Message, Undecodable
 from mlxcel.net.ratelimit import WarningLimiter
+from mlxcel.net.read_deadline import ReadDeadline
 from mlxcel.wire.codec import decode, encode, salvage, tensor_bytes
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -115,6 +116,11 @@ class SecureConnection:
             confirm_first=not outbound,
         )
         self._send_lock = asyncio.Lock()
+        self._read_deadline = ReadDeadline(asyncio.get_running_loop(), self._read_late)
+        self._frame_late = (
+            f"{self.source}: a frame (or the next record of a message) did not arrive within "
+            f"{frame_timeout:g}s"
+        )
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -148,18 +154,12 @@ class SecureConnection:
     ) -> None:
         if self.closed:
             raise ConnectionClosed(f"{self!r} is closed")
+        if self._write_now(payload, deadline):
+            return
         frames = message_frames(
             self.protection, payload, record_size=self.record_size, max_message=self.max_message
         )
         records = max(1, -(-len(payload) // self.record_size))
-        if records == 1 and not self._send_lock.locked() and self._drained(deadline):
-            # The common case: one frame onto an idle stream whose buffer the kernel has
-            # emptied. Sealed and written without yielding (so nothing interleaves and the
-            # counter order holds); no deadline to arm, since nothing can wait.
-            self._write(next(frames))
-            if self.writer.transport.is_closing():  # the write found the socket broken
-                raise ConnectionClosed(f"{self!r} closed while sending")
-            return
         written = 0
         try:
             async with until(deadline, f"send to {self.source}"), self._send_lock:
@@ -175,6 +175,28 @@ class SecureConnection:
                 # came next on this stream would be glued onto it. Only a new connection helps.
                 self.close()
             raise
+
+    def send_now(self, msg: Message) -> bool:
+        """Write ``msg`` at once if that needs no waiting: a message of one record onto an idle
+        stream whose buffer the kernel has emptied. False: nothing was written (``send`` it).
+        What a role's outbox tries first, saving a task's wake-up per message."""
+        if self.closed or tensor_bytes(msg) > self.record_size // 2:
+            return False  # large: maybe several records, maybe encoded on a worker thread
+        if self._send_lock.locked() or not self._drained(None):
+            return False  # checked before encoding, so a busy stream costs nothing here
+        return self._write_now(encode(msg), None)
+
+    def _write_now(self, payload: bytes | bytearray | memoryview, deadline: float | None) -> bool:
+        if len(payload) > self.record_size or self._send_lock.locked():
+            return False
+        if not self._drained(deadline):
+            return False
+        # One frame onto an idle stream: sealed and written without yielding (so nothing
+        # interleaves and the counter order holds); no deadline to arm, since nothing waits.
+        self._write(next(message_frames(self.protection, payload, max_message=self.max_message)))
+        if self.writer.transport.is_closing():  # the write found the socket broken
+            raise ConnectionClosed(f"{self!r} closed while sending")
+        return True
 
     def _drained(self, deadline: float | None) -> bool:
         transport = self.writer.transport
@@ -229,26 +251,30 @@ class SecureConnection:
         ``frame_timeout``, so a damaged length or a stalled peer cannot wedge the reader and
         a half-sent message cannot hold the budget forever."""
         stream = self._stream
+        deadline = self._read_deadline
         while (event := stream.next_event()) is None:
-            inside = stream.in_frame
+            if stream.in_frame:
+                deadline.start(self.frame_timeout, self._frame_late)
+            elif idle is None:
+                deadline.done()
+            else:
+                deadline.start(idle, f"{self.source} sent nothing for {idle:g}s")
             try:
-                async with asyncio.timeout(self.frame_timeout if inside else idle):
-                    data = await self.reader.readexactly(stream.bytes_needed)
-            except TimeoutError:
-                if inside:
-                    raise FrameTimeout(
-                        f"{self.source}: a frame (or the next record of a message) did not "
-                        f"arrive within {self.frame_timeout:g}s"
-                    ) from None
-                raise FrameTimeout(f"{self.source} sent nothing for {idle:g}s") from None
+                data = await self.reader.readexactly(stream.bytes_needed)
             except asyncio.IncompleteReadError:
                 raise ConnectionClosed(f"{self.source} closed the connection") from None
             except (ConnectionError, OSError) as exc:
                 raise ConnectionClosed(f"{self.source}: {exc}") from None
+            finally:
+                deadline.done()
             if self.closed:  # closed on this side while reading: no frame error to report
                 raise ConnectionClosed(f"{self!r} is closed")
             stream.receive_data(data)
         return event
+
+    def _read_late(self, why: str) -> None:
+        """A read overran its deadline: the read in progress raises :class:`FrameTimeout`."""
+        self.reader.set_exception(FrameTimeout(why))
 
     async def recv_payload(self) -> bytes | bytearray | memoryview:
         """The next complete message payload (raises ConnectionClosed or FrameError). An
@@ -320,6 +346,7 @@ class SecureConnection:
         if self.closed:
             return
         self.closed = True
+        self._read_deadline.cancel()
         self._stream.close()  # gives back what a half-received message holds of the budget
         try:
             self.writer.close()

@@ -45,6 +45,17 @@ class LocalEndpoint:
         self.fabric.sent += 1
         await node.bus.publish(msg, source=self.identity, deadline=deadline)
 
+    def send_now(self, dest: str, msg: Message) -> bool:
+        """Deliver ``msg`` at once if every subscriber of ``dest`` has room; False: nothing
+        was delivered, ``send`` it instead."""
+        node = self.fabric.nodes.get(dest)
+        if node is None or node.bus.closed:
+            raise SendFailed(f"no node {dest!r} on the local fabric")
+        if not node.bus.publish_now(msg, source=self.identity):
+            return False
+        self.fabric.sent += 1
+        return True
+
     def reset(self, dest: str) -> None:
         """Nothing to reset in memory."""
 
@@ -87,6 +98,20 @@ class TcpEndpoint:
         written = conn.frames_out
         try:
             await conn.send(msg, deadline)
+        except (MlxcelError, ConnectionError, OSError) as exc:
+            raise SendFailed(
+                f"send to {dest} failed: {exc}", unsent=conn.frames_out == written
+            ) from exc
+
+    def send_now(self, dest: str, msg: Message) -> bool:
+        """Write ``msg`` to ``dest`` at once if a connection is open and idle (see
+        :meth:`SecureConnection.send_now`); False: nothing was sent, ``send`` it instead."""
+        conn = self.pool.ready(*split_hostport(dest))
+        if conn is None:
+            return False
+        written = conn.frames_out
+        try:
+            return conn.send_now(msg)
         except (MlxcelError, ConnectionError, OSError) as exc:
             raise SendFailed(
                 f"send to {dest} failed: {exc}", unsent=conn.frames_out == written

@@ -141,6 +141,14 @@ class ConnectionPool:
             if key not in self._conns and not lock.locked():
                 self._locks.pop(key, None)
 
+    def ready(self, host: str, port: int) -> SecureConnection | None:
+        """The open connection to ``host:port``, if there is one and nobody is dialing it."""
+        conn = self._conns.get((host, port))
+        if conn is None or conn.closed:
+            return None
+        lock = self._locks.get((host, port))
+        return None if lock is not None and lock.locked() else conn
+
     def drop(self, host: str, port: int) -> None:
         """Close the pooled connection to ``host:port`` (the next ``get`` dials again)."""
         conn = self._conns.pop((host, port), None)

@@ -11,7 +11,9 @@ jobs and results between them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from loguru import logger
 
@@ -104,10 +106,12 @@ class StageService(CoreAdapter):
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute):
-            # Submitted now, not from the task: the compute thread starts while the reactor
-            # still sends the previous job's outputs (ordered with frees, as before).
-            fut = self.compute.submit(self.runtime.run, effect.job)
-            self.node.spawn(self._run(effect.job, fut), name=f"{self.name}.job")
+            # Submitted now: the compute thread starts while the reactor still sends the
+            # previous job's outputs (ordered with frees). Its end comes back as a callback on
+            # the loop, not as a task per job (a task, a wrapped future and a wake-up each).
+            job, loop = effect.job, self.loop
+            fut = self.compute.submit(self.runtime.run, job)
+            fut.add_done_callback(lambda f: _call_back(loop, self._job_ended, job, f))
         elif isinstance(effect, FreeCache):
             # Queued behind any job still using the cache: the compute thread runs in order.
             self.compute.submit(self.runtime.free, effect.key)
@@ -116,12 +120,11 @@ class StageService(CoreAdapter):
         else:
             super().apply(effect)
 
-    async def _run(
-        self, job: ComputeJob, submitted: Future[tuple[list[StepOutput], float]]
-    ) -> None:
-        # The core's timer bounds the wait.
+    def _job_ended(self, job: ComputeJob, done: Future[tuple[list[StepOutput], float]]) -> None:
+        if not self.running or done.cancelled():  # the node closed meanwhile
+            return
         try:
-            outputs, took = await asyncio.wrap_future(submitted)
+            outputs, took = done.result()
         except Exception as exc:  # an execution failure is reported like a bad activation
             logger.exception("stage {}: forward failed", self.config.index)
             self.feed(self.stage.compute_failed(job.id, str(exc), self.now()))
@@ -136,3 +139,11 @@ class StageService(CoreAdapter):
                 took,
             )
         self.feed(self.stage.compute_done(job.id, outputs, took, self.now()))
+
+
+def _call_back(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """On the compute thread: run ``fn(*args)`` on the loop (not if the loop has closed)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed: nobody waits for this job any more
+        pass

@@ -88,13 +88,24 @@ def tensor_bytes(msg: Message) -> int:
     if isinstance(msg, Bundle):
         return sum(tensor_bytes(m) for m in msg.items)
     total = 0
-    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
-        value = getattr(msg, f.name)
+    for name in _tensor_fields(type(msg)):
+        value = getattr(msg, name)
         if isinstance(value, Tensor):
             total += value.nbytes
         elif isinstance(value, tuple):
             total += sum(v.nbytes for v in value if isinstance(v, Tensor))
     return total
+
+
+@cache
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """The fields of ``cls`` whose annotation can hold a Tensor (asked on every send)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if _holds_tensor(hints[f.name]))
+
+
+def _holds_tensor(tp: Any) -> bool:
+    return tp is Tensor or any(_holds_tensor(a) for a in typing.get_args(tp))
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
