@@ -194,7 +194,7 @@ class StageRuntime:
         else:
             (step,) = steps  # prompt chunks run one at a time
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
-        h = self.layers(x, cache, head=head)
+        h = self.layers(x, cache, head=head, overlap=True)
         if not job.last:
             return [*row_tensors(h, rows)]
         if head == "none":
