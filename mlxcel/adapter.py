@@ -72,8 +72,9 @@ class CoreAdapter:
 
     @property
     def running(self) -> bool:
-        """Started and its node not closed: what a callback from another thread checks."""
-        return self._timer_live
+        """Started and its node not closing: what a timer or a callback from another thread
+        checks (the bus closes before any task is cancelled, so this turns false at once)."""
+        return self._timer_live and not self.node.bus.closed
 
     def subscribe(self, classes: Iterable[type[Message]], origin: Origin, maxsize: int) -> None:
         for cls in classes:
@@ -136,7 +137,8 @@ class CoreAdapter:
         raise NotImplementedError(f"{self.name}: no handler for {type(effect).__name__}")
 
     def _rearm(self) -> None:
-        if not self._timer_live:
+        if not self.running:
+            self._stop_timer()
             return
         when = self.core.next_timer()
         if when == self._timer_at:
@@ -148,11 +150,16 @@ class CoreAdapter:
 
     def _fire(self) -> None:
         self._timer_handle, self._timer_at = None, None
+        if not self.running:  # the node began closing after this call was scheduled
+            self._stop_timer()
+            return
         try:
             self.feed(self.core.on_timer(self.now()))  # feed() arms the next one
         except Exception:  # a core bug must not take the node down; say so loudly
             logger.exception("{}: timer handling failed", self.name)
-            if self._timer_live:  # and do not spin on it
+            if self.running:  # and do not spin on it: retry later, in place of any timer
+                if self._timer_handle is not None:  # a nested feed() may have armed one
+                    self._timer_handle.cancel()
                 self._timer_at = self.now() + 0.1
                 self._timer_handle = self.loop.call_at(self._timer_at, self._fire)
 
@@ -160,13 +167,16 @@ class CoreAdapter:
         self._timer_live = False
         if self._timer_handle is not None:
             self._timer_handle.cancel()
+            self._timer_handle, self._timer_at = None, None
 
     # --- outboxes -----------------------------------------------------------------------------
     def _send(self, sends: list[Send]) -> None:
         """Each destination's sends, in order: written at once where its outbox is empty and
         idle and the endpoint can write without waiting (most sends: no task wakes for
-        them), queued behind what its outbox holds otherwise."""
+        them), queued behind what its outbox holds otherwise. Failures reach the core only
+        once every send is written or queued, so its reaction cannot overtake them."""
         now = getattr(self.endpoint, "send_now", None)
+        failed: list[tuple[Send, SendFailed]] = []
         by_dest: dict[str, list[Send]] = {}
         for s in sends:
             key = s.dest if s.peer else "*"
@@ -193,12 +203,13 @@ class CoreAdapter:
                     if now(first.dest, msg):
                         continue
                 except SendFailed as exc:
-                    for g in group:
-                        self._failed(g, str(exc), exc)
+                    failed.extend((g, exc) for g in group)
                     continue
                 for g in group + items:  # not now: the outbox keeps the order
                     self._queue_send(g)
                 items.clear()
+        for send, exc in failed:
+            self._failed(send, str(exc), exc)
 
     def _idle(self, key: str) -> bool:
         """Nothing waits in the outbox for ``key`` or is on its way out of it."""

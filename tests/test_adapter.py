@@ -226,3 +226,89 @@ async def test_sends_go_out_at_once_when_idle_and_never_pass_what_is_queued() ->
         dest, msg = ep.now[-1]
         assert dest == "s0" and isinstance(msg, Bundle)  # a run of sends still bundles
         assert [m.nonce for m in msg.items] == [5, 6, 7] and ep.refused == 1
+
+
+async def test_a_timer_due_as_the_node_closes_never_reaches_the_core() -> None:
+    """The timer was disarmed only a loop turn after the bus closed, so one already due
+    still called the core of a closing node (and a compute callback saw it running)."""
+    loop = asyncio.get_running_loop()
+    core = TimerCore(None)
+    node, adapter = await _timer_node(core)
+    core.due = loop.time()
+    adapter.feed([])  # type: ignore[attr-defined]  # arms it: due on the next loop turn
+    await node.__aexit__(None, None, None)  # closes without a turn in between
+    await asyncio.sleep(0.05)
+    assert core.fired == [] and not adapter.running  # type: ignore[attr-defined]
+
+
+class Bogus:
+    """An effect no adapter knows: carrying it out raises, as a core bug would."""
+
+
+class ReactingCore(TimerCore):
+    """Answers an undeliverable send with a notice to ``s0``; its first firing sends to a
+    dead peer, then emits an effect nobody handles."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.notices = 0
+
+    def on_timer(self, now: float) -> list:
+        from mlxcel.effects import Send
+
+        self.fired.append(now)
+        self.due = None
+        if len(self.fired) > 1:
+            return []
+        return [Send("dead", RunEntry("x", 0, (1,), 0, SamplingParams(), 0)), Bogus()]
+
+    def undeliverable(self, send: object, reason: str, now: float) -> list:
+        from mlxcel.effects import Send
+
+        self.notices += 1
+        self.due = now + 0.03  # the reaction also names a timer (armed by the nested feed)
+        return [Send("s0", RunEntry("notice", 0, (1,), 0, SamplingParams(), 99))]
+
+
+class DeadGate(Gate):
+    def send_now(self, dest: str, msg: Message) -> bool:
+        if dest == "dead":
+            raise SendFailed("send to dead failed: connection refused")
+        return super().send_now(dest, msg)
+
+
+async def test_a_failed_inline_send_is_reported_after_the_sends_beside_it() -> None:
+    """A send that failed at once was reported to the core before the next sends of the same
+    call went out, so the core's reaction overtook them on the wire."""
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.effects import Send
+
+    def entry(i: int) -> RunEntry:
+        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+    async with Node("n") as node:
+        ep = DeadGate()
+        core = ReactingCore()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        adapter.feed([Send("dead", entry(1)), Send("s0", entry(2)), Send("s0", entry(3))])
+        assert core.notices == 1
+        assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 3, 99]
+
+
+async def test_a_failing_timer_leaves_one_retry_armed_not_an_orphan() -> None:
+    """When carrying out a timer's effects raised after a nested call had armed the next
+    timer, the 0.1 s retry replaced that handle without cancelling it: two timers ran."""
+    from mlxcel.adapter import CoreAdapter
+
+    loop = asyncio.get_running_loop()
+    async with Node("n") as node:
+        core = ReactingCore()
+        adapter = CoreAdapter(node, DeadGate(), core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        core.due = loop.time()
+        adapter.feed([])
+        await asyncio.sleep(0.3)
+        assert core.notices == 1
+        assert len(core.fired) == 2, core.fired  # the first, then its retry: nothing else
+        assert core.fired[1] - core.fired[0] >= 0.09
