@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loguru import logger
@@ -60,6 +60,25 @@ def _alternatives(msg: RunResult) -> tuple[tuple[tuple[int, float], ...], ...] |
     k = len(msg.top_ids) // len(msg.token_ids)
     pairs = list(zip(msg.top_ids, msg.top_logprobs, strict=True))
     return tuple(tuple(pairs[i * k : (i + 1) * k]) for i in range(len(msg.token_ids)))
+
+
+def _per_token(msg: RunResult) -> list[RunResult]:
+    """A result of several tokens as one result per token (the finish on the last)."""
+    n = len(msg.token_ids)
+    k = len(msg.top_ids) // n if msg.top_ids else 0
+    return [
+        replace(
+            msg,
+            token_ids=(t,),
+            finish_reason=msg.finish_reason if i == n - 1 else None,
+            logprobs=msg.logprobs[i : i + 1] if msg.logprobs else msg.logprobs,
+            top_ids=msg.top_ids[i * k : (i + 1) * k] if msg.top_ids else msg.top_ids,
+            top_logprobs=(
+                msg.top_logprobs[i * k : (i + 1) * k] if msg.top_logprobs else msg.top_logprobs
+            ),
+        )
+        for i, t in enumerate(msg.token_ids)
+    ]
 
 
 @dataclass
@@ -223,22 +242,26 @@ class Frontend:
                     usage.first_token_at = now
                     usage.cached_tokens = msg.cached_tokens
                 usage.last_token_at = now
-                usage.completion_tokens += len(msg.token_ids)
-                for t in msg.token_ids:
-                    detok.add_token(t)
-                if msg.finish_reason is not None:
-                    finished = True
-                    detok.finalize()
-                text, hit = stops.feed(detok.last_segment)
-                top = _alternatives(msg)
-                if hit:
-                    yield Delta(text, msg.token_ids, "stop", msg.logprobs, top)
-                    return
-                if msg.finish_reason is not None:
-                    text += stops.flush()
-                    yield Delta(text, msg.token_ids, msg.finish_reason, msg.logprobs, top)
-                    return
-                yield Delta(text, msg.token_ids, None, msg.logprobs, top)
+                # A stop string may end inside a message of several tokens: then it is read
+                # token by token, so the stream ends at the token that completed it.
+                several = stops.stops and len(msg.token_ids) > 1
+                for part in _per_token(msg) if several else (msg,):
+                    usage.completion_tokens += len(part.token_ids)
+                    for t in part.token_ids:
+                        detok.add_token(t)
+                    if part.finish_reason is not None:
+                        finished = True
+                        detok.finalize()
+                    text, hit = stops.feed(detok.last_segment)
+                    top = _alternatives(part)
+                    if hit:
+                        yield Delta(text, part.token_ids, "stop", part.logprobs, top)
+                        return
+                    if part.finish_reason is not None:
+                        text += stops.flush()
+                        yield Delta(text, part.token_ids, part.finish_reason, part.logprobs, top)
+                        return
+                    yield Delta(text, part.token_ids, None, part.logprobs, top)
         finally:
             self._streams.pop(request_id, None)
             self.in_flight -= 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from contextlib import aclosing
 from pathlib import Path
 
@@ -237,3 +238,45 @@ async def test_a_request_that_arrives_mid_run_joins_at_once(tiny: Path) -> None:
             lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0, 30.0
         )
         assert stack.engine.steps < 1500
+
+
+async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there(
+    tiny: Path,
+) -> None:
+    """The engine sends a run's tokens for a sequence as one result (fewer hops per token);
+    a stop string completed by a token inside such a result must still end the stream at
+    that token, with a logprob for each token delivered and none for the rest."""
+    params = SamplingParams(max_tokens=48, logprobs=True)
+    async with local_stack(tiny) as stack:
+        stack.engine.run_seconds = 60.0  # only the step count ends a run: runs of 16
+        fe = stack.frontend
+        tok = fe.tokenizer
+        ids = fe.encode_prompt(PROMPTS[2])
+        deltas = [d async for d in fe.stream(ids, params)]
+        sizes = [len(d.token_ids) for d in deltas]
+        assert max(sizes) > 1 and len(deltas) <= 48 // 16 + 3, sizes
+        full = [t for d in deltas for t in d.token_ids]
+        ends = set(itertools.accumulate(sizes))  # token counts at which a message ended
+        # The text the stream shows after each token (the detokenizer holds back partial
+        # words), as one message per token would have shown it.
+        detok = tok.detokenizer
+        detok.reset()
+        shown = [""]
+        for t in full:
+            detok.add_token(t)
+            shown.append(shown[-1] + detok.last_segment)
+        text = "".join(d.text for d in deltas)
+        # A stop string whose first complete appearance needs a token inside a message.
+        for at in range(4, len(text) - 3):
+            stop = text[at : at + 3]
+            k = next(n for n, seen in enumerate(shown) if stop in seen)
+            if k not in ends and text.index(stop) == at:
+                break
+        else:
+            pytest.fail(f"no stop string ends inside a message: {sizes}")
+        cut = [d async for d in fe.stream(ids, params, stop=[stop])]
+        got = [t for d in cut for t in d.token_ids]
+        assert cut[-1].finish_reason == "stop" and got == full[:k]
+        assert sum(len(d.logprobs or ()) for d in cut) == k
+        assert "".join(d.text for d in cut) == text[:at]
+        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)

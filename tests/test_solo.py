@@ -72,7 +72,9 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
     async def logprobs(stack: LocalStack) -> list:
         fe, out = stack.frontend, []
         async for d in fe.stream(fe.encode_prompt(PROMPTS[0]), params):
-            out.append((d.token_ids, d.logprobs, d.top))
+            assert d.logprobs is not None and d.top is not None
+            assert len(d.token_ids) == len(d.logprobs) == len(d.top)  # one each per token
+            out.extend(zip(d.token_ids, d.logprobs, d.top, strict=True))
         return out
 
     async with local_stack(tiny) as stack:
@@ -81,9 +83,9 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
         batched = await logprobs(stack)
     assert len(alone) == len(batched) == 8
     for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):
-        assert ta == tb and la is not None and lb is not None
-        assert abs(la[0] - lb[0]) < 1e-4
-        assert [i for i, _ in pa[0]] == [i for i, _ in pb[0]]
+        assert ta == tb
+        assert abs(la - lb) < 1e-4
+        assert [i for i, _ in pa] == [i for i, _ in pb]
 
 
 async def test_penalties_and_busy_engines_use_the_batch(tiny: Path) -> None:

@@ -1,8 +1,9 @@
 """The single-process generation role: continuous batching on mlx-lm's BatchGenerator.
 
 It is a bus role like any other. It consumes ``RunEntry`` (start a sequence),
-``CancelRequest`` and ``ReleaseSequence`` (drop one and free its caches), and publishes one
-``RunResult`` per generated token to the owner of the request. New sequences join between
+``CancelRequest`` and ``ReleaseSequence`` (drop one and free its caches), and publishes the
+generated tokens to the owner of the request: one ``RunResult`` per sequence per run of
+decode steps (a run ends at any sequence's first token, so that one is not held back). New sequences join between
 decode steps; finished or cancelled ones leave without stalling the rest; up to
 ``max_batch_size`` sequences share one batched forward pass.
 
@@ -39,6 +40,7 @@ from mlxcel.runtime.engine_state import (
     SeqState,
     Sink,
     StepOutput,
+    StepToken,
     entry_problem,
 )
 from mlxcel.runtime.kv_handoff import pack
@@ -286,32 +288,38 @@ class LocalEngine(SoloSteps):
             for request_id, kept in out.kept.items():
                 if request_id in self._seqs:
                     self.kept[request_id] = kept
-            for request_id, token, finish, logprob, top in out.tokens:
+            for request_id, items in _by_sequence(out.tokens).items():
                 seq = self._seqs.get(request_id)
                 if seq is None:
                     continue  # cancelled while the step ran
-                seq.generated += 1
-                if finish is not None:
-                    self._seqs.pop(request_id, None)
-                    if seq.uid is not None:
-                        self._by_uid.pop(seq.uid, None)
-                is_eos = finish == "stop" and token in self.eos
-                if not is_eos:
-                    self.tokens_generated += 1
-                await self._reply(
-                    RunResult(
-                        request_id,
-                        seq.entry.micro_batch,
-                        () if is_eos else (token,),
-                        finish,
-                        seq.entry.nonce,
-                        logprobs=(logprob,) if logprob is not None and not is_eos else None,
-                        top_ids=tuple(top[0]) if top and not is_eos else None,
-                        top_logprobs=tuple(top[1]) if top and not is_eos else None,
-                        cached_tokens=seq.cached if seq.generated == 1 else 0,
-                    ),
-                    seq,
-                )
+                await self._reply(self._result(seq, items), seq)
+
+    def _result(self, seq: Seq, items: list[StepToken]) -> RunResult:
+        """One message for what a run produced for ``seq`` (in order; a finish can only be
+        the last): fewer hops per token than a message each, the same tokens."""
+        first = seq.generated == 0
+        seq.generated += len(items)
+        finish = items[-1][2]
+        if finish is not None:
+            self._seqs.pop(seq.entry.request_id, None)
+            if seq.uid is not None:
+                self._by_uid.pop(seq.uid, None)
+        if finish == "stop" and items[-1][1] in self.eos:
+            items = items[:-1]  # the end-of-sequence token is not part of the text
+        self.tokens_generated += len(items)
+        lps = [lp for _, _, _, lp, _ in items if lp is not None]
+        tops = [top for _, _, _, _, top in items if top]
+        return RunResult(
+            seq.entry.request_id,
+            seq.entry.micro_batch,
+            tuple(token for _, token, _, _, _ in items),
+            finish,
+            seq.entry.nonce,
+            logprobs=tuple(lps) if lps else None,
+            top_ids=tuple(i for ids, _ in tops for i in ids) if tops else None,
+            top_logprobs=tuple(v for _, vs in tops for v in vs) if tops else None,
+            cached_tokens=seq.cached if first else 0,
+        )
 
     def _step(
         self,
@@ -498,3 +506,11 @@ class LocalEngine(SoloSteps):
         self._gen = await self.compute.run(self._reset)
         for rid, s in seqs.items():
             await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)
+
+
+def _by_sequence(tokens: list[StepToken]) -> dict[str, list[StepToken]]:
+    """A run's tokens, grouped by sequence, each group in step order."""
+    groups: dict[str, list[StepToken]] = {}
+    for t in tokens:
+        groups.setdefault(t[0], []).append(t)
+    return groups
