@@ -185,9 +185,9 @@ def test_warm_up_serves_the_shapes_the_first_requests_bring_and_keeps_nothing(
         def __getattr__(self, name: str) -> object:
             return getattr(self.real, name)
 
-        def __call__(self, x, cache, head, overlap=False):  # type: ignore[no-untyped-def]
+        def __call__(self, x, cache, head):  # type: ignore[no-untyped-def]
             self.seen.append(tuple(x.shape[:2]))
-            return self.real(x, cache, head=head, overlap=overlap)
+            return self.real(x, cache, head=head)
 
     import mlxcel.pipeline.stage_runtime as stage_runtime
 

@@ -61,10 +61,6 @@ class StageRuntime:
         self.regroups = 0  # rows moved into or out of a batch
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
-        # Evaluate layer by layer while the graph is built (LayerRange ``overlap``) on a CPU,
-        # where it hides ~1 ms of graph building per step; on an H200 it made each step
-        # 1-3 ms slower (a command buffer per layer), so a GPU evaluates the range at once.
-        self.overlap = mx.default_device().type == mx.DeviceType.cpu
 
     def free(self, key: SeqKey) -> None:
         self.caches.pop(key, None)
@@ -198,7 +194,7 @@ class StageRuntime:
         else:
             (step,) = steps  # prompt chunks run one at a time
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
-        h = self.layers(x, cache, head=head, overlap=self.overlap)
+        h = self.layers(x, cache, head=head)
         if not job.last:
             return [*row_tensors(h, rows)]
         if head == "none":

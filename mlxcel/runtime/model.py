@@ -136,18 +136,12 @@ class LayerRange:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
         return make_prompt_cache(self.loaded.model)[self.start : self.end]
 
-    def __call__(
-        self, x: mx.array, cache: list[Any] | None = None, head: str = "all", overlap: bool = False
-    ) -> mx.array:
+    def __call__(self, x: mx.array, cache: list[Any] | None = None, head: str = "all") -> mx.array:
         """``x``: token ids ``[B, L]`` on the first range, hidden ``[B, L, D]`` otherwise.
 
         On the last range ``head`` picks what comes out: ``"all"`` logits for every position,
         ``"last"`` for the last position only (what sampling needs; the head is the largest
         matmul of a prompt chunk), ``"none"`` the final hidden states (a cache-filling chunk).
-
-        ``overlap``: start evaluating each layer while the next one's graph is built (a stage
-        cannot build step t+1 while step t runs, as the one-process engine does; this hides
-        most of the building behind the evaluation instead). Same operations, same results.
         """
         h = self._embed(x) if self.is_first else x
         if cache is None:
@@ -160,8 +154,6 @@ class LayerRange:
                     h, c, window_size=self._window if sliding else None
                 )
             h = layer(h, masks[sliding], cache=c)
-            if overlap:
-                mx.async_eval(h)
         if self.is_last and head != "none":
             if head == "last":
                 h = h[:, -1:, :]
