@@ -62,6 +62,11 @@ class CoreAdapter:
         self._timer_handle: asyncio.TimerHandle | None = None
         self._timer_live = False  # from start() until the node closes
         self._sending = 0  # sends on their way out of an outbox
+        # Sends that failed during a feed() (at once, or a full outbox): the core hears of
+        # them when the outermost feed() has carried out everything, so its reaction cannot
+        # overtake what it decided before.
+        self._feeding = 0
+        self._deferred: list[tuple[Send, str, BaseException | None]] = []
         self._busy: set[str] = set()  # outboxes whose drain holds a send
         # Roles that speak Bundle (the pipeline) set this: what piled up in one peer's outbox
         # while the reactor was busy goes out as one Bundle.
@@ -111,7 +116,34 @@ class CoreAdapter:
         self.feed(self.core.peer_lost(identity, self.now()))
 
     def feed(self, effects: list[Effect]) -> None:
-        """Carry out ``effects`` in order, without waiting on anything."""
+        """Carry out ``effects`` in order, without waiting on anything; then tell the core of
+        the sends that failed meanwhile (even when an effect raised)."""
+        self._feeding += 1
+        try:
+            self._carry_out(effects)
+        finally:
+            try:
+                if self._feeding == 1:
+                    self._tell_failures()
+            finally:
+                self._feeding -= 1
+        self._rearm()
+
+    def _tell_failures(self) -> None:
+        """The deferred failures, one after another, each reaction carried out in turn (its
+        own failures join the end of the line: a loop, never a recursion)."""
+        told = 0
+        while self._deferred:
+            send, reason, exc = self._deferred.pop(0)
+            told += 1
+            if told > OUTBOX_SIZE:  # a core that answers each failure with another
+                logger.error("{}: failed sends keep failing; dropped", self.name)
+                self._deferred.clear()
+                return
+            self.dropped_sends += 1
+            self._carry_out(self.undeliverable(send, reason, exc))
+
+    def _carry_out(self, effects: list[Effect]) -> None:
         sends: list[Send] = []  # a run of sends, handed over together (they may bundle)
         for effect in effects:
             if isinstance(effect, Send):
@@ -131,7 +163,6 @@ class CoreAdapter:
                 self.apply(effect)
         if sends:
             self._send(sends)
-        self._rearm()
 
     def apply(self, effect: Effect) -> None:
         raise NotImplementedError(f"{self.name}: no handler for {type(effect).__name__}")
@@ -173,10 +204,9 @@ class CoreAdapter:
     def _send(self, sends: list[Send]) -> None:
         """Each destination's sends, in order: written at once where its outbox is empty and
         idle and the endpoint can write without waiting (most sends: no task wakes for
-        them), queued behind what its outbox holds otherwise. Failures reach the core only
-        once every send is written or queued, so its reaction cannot overtake them."""
+        them), queued behind what its outbox holds otherwise. Failures wait for the end of
+        the outermost ``feed()`` (see there)."""
         now = getattr(self.endpoint, "send_now", None)
-        failed: list[tuple[Send, SendFailed]] = []
         by_dest: dict[str, list[Send]] = {}
         for s in sends:
             key = s.dest if s.peer else "*"
@@ -203,13 +233,11 @@ class CoreAdapter:
                     if now(first.dest, msg):
                         continue
                 except SendFailed as exc:
-                    failed.extend((g, exc) for g in group)
+                    self._deferred.extend((g, str(exc), exc) for g in group)
                     continue
                 for g in group + items:  # not now: the outbox keeps the order
                     self._queue_send(g)
                 items.clear()
-        for send, exc in failed:
-            self._failed(send, str(exc), exc)
 
     def _idle(self, key: str) -> bool:
         """Nothing waits in the outbox for ``key`` or is on its way out of it."""
@@ -225,7 +253,11 @@ class CoreAdapter:
         try:
             box.put_nowait(send)
         except asyncio.QueueFull:
-            self._failed(send, f"the outbox for {send.dest} is full")
+            failure = (send, f"the outbox for {send.dest} is full", None)
+            if self._feeding:
+                self._deferred.append(failure)
+            else:
+                self._failed(*failure)
 
     def _failed(self, send: Send, reason: str, exc: BaseException | None = None) -> None:
         self.dropped_sends += 1

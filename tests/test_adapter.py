@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import pytest
+
 from mlxcel.bus import LOCAL, Node, Origin
 from mlxcel.endpoint import SendFailed
 from mlxcel.messages import Bundle, Message, PrepareSequence, RunEntry, SamplingParams
@@ -312,3 +314,73 @@ async def test_a_failing_timer_leaves_one_retry_armed_not_an_orphan() -> None:
         assert core.notices == 1
         assert len(core.fired) == 2, core.fired  # the first, then its retry: nothing else
         assert core.fired[1] - core.fired[0] >= 0.09
+
+
+async def test_a_failure_is_reported_after_every_effect_of_its_feed() -> None:
+    """Failures were held back only to the end of their own run of sends: a send after any
+    other effect (here a Warn) was overtaken by the core's reaction to the failure."""
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.effects import Send, Warn
+
+    def entry(i: int) -> RunEntry:
+        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+    async with Node("n") as node:
+        ep = DeadGate()
+        core = ReactingCore()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        adapter.feed([Send("dead", entry(1)), Warn("debug", "between"), Send("s0", entry(2))])
+        assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 99]
+
+
+async def test_a_full_outbox_is_reported_after_the_sends_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send refused by a full outbox was reported at once, before sends to idle peers of
+    the same call went out."""
+    import mlxcel.adapter
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.effects import Send
+
+    def entry(i: int) -> RunEntry:
+        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+    monkeypatch.setattr(mlxcel.adapter, "OUTBOX_SIZE", 1)
+    async with Node("n") as node:
+        ep = Gate()
+        core = ReactingCore()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        ep.open = False
+        adapter.feed([Send("slow", entry(0))])  # not written: it fills slow's one-slot outbox
+        ep.open = True
+        adapter.feed([Send("slow", entry(1)), Send("s0", entry(2)), Send("s0", entry(3))])
+        assert core.notices == 1
+        assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 3, 99]
+
+
+class Stubborn(TimerCore):
+    """Answers every undeliverable send by sending to the dead peer again."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.notices = 0
+
+    def undeliverable(self, send: object, reason: str, now: float) -> list:
+        from mlxcel.effects import Send
+
+        self.notices += 1
+        return [Send("dead", RunEntry("again", 0, (1,), 0, SamplingParams(), self.notices))]
+
+
+async def test_a_core_that_answers_each_failure_with_another_cannot_loop_forever() -> None:
+    from mlxcel.adapter import OUTBOX_SIZE, CoreAdapter
+    from mlxcel.effects import Send
+
+    async with Node("n") as node:
+        core = Stubborn()
+        adapter = CoreAdapter(node, DeadGate(), core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        adapter.feed([Send("dead", RunEntry("x", 0, (1,), 0, SamplingParams(), 0))])
+        assert core.notices == OUTBOX_SIZE  # told in a loop, not a recursion; then dropped

@@ -272,3 +272,29 @@ def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path
     )
     assert missing.returncode == 2 and "no-such-model" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+async def test_inter_token_gaps_spread_a_several_token_result_over_its_tokens() -> None:
+    """The engine delivers a run's tokens as one result: the latency bench must count one
+    gap per token (the result's gap spread over them), not one per result."""
+    import asyncio
+    import time
+
+    from mlxcel.bench.disagg import _one
+    from mlxcel.frontend import Delta
+
+    class Paced:
+        async def stream(self, ids: list[int], params: object, usage: object) -> object:
+            usage.submitted_at = usage.first_token_at = time.perf_counter()  # type: ignore[attr-defined]
+            yield Delta("a", (1,))
+            await asyncio.sleep(0.04)
+            yield Delta("bcd", (2, 3, 4))
+            await asyncio.sleep(0.02)
+            yield Delta("e", (5,), "length")
+
+    gaps: list[float] = []
+    await _one(Paced(), [1], 5, gaps)  # type: ignore[arg-type]
+    assert len(gaps) == 4  # tokens after the first
+    # The 40 ms result's gap, spread evenly over its three tokens (lower bounds only: a
+    # sleep never ends early, a busy machine may end it late).
+    assert gaps[0] == gaps[1] == gaps[2] and 3 * gaps[0] >= 0.04 and gaps[3] >= 0.02, gaps

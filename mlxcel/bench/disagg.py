@@ -34,14 +34,15 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def _one(fe: Frontend, ids: list[int], n: int, gaps: list[float] | None) -> float:
-    """Run one request; returns its TTFT (s) and appends its inter-token gaps to ``gaps``."""
+    """Run one request; returns its TTFT (s) and appends its inter-token gaps to ``gaps``
+    (a result that brings several tokens spreads its gap evenly over them)."""
     u = Usage()
     last = None
     async with aclosing(fe.stream(ids, SamplingParams(max_tokens=n), usage=u)) as it:
         async for d in it:
             now = time.perf_counter()
             if d.token_ids and last is not None and gaps is not None:
-                gaps.append(now - last)
+                gaps.extend([(now - last) / len(d.token_ids)] * len(d.token_ids))
             if d.token_ids:
                 last = now
     assert u.first_token_at is not None
