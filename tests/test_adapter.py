@@ -279,23 +279,28 @@ class DeadGate(Gate):
         return super().send_now(dest, msg)
 
 
-async def test_a_failed_inline_send_is_reported_after_the_sends_beside_it() -> None:
-    """A send that failed at once was reported to the core before the next sends of the same
-    call went out, so the core's reaction overtook them on the wire."""
-    from mlxcel.adapter import CoreAdapter
-    from mlxcel.effects import Send
+def _entry(i: int) -> RunEntry:
+    return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
 
-    def entry(i: int) -> RunEntry:
-        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+@pytest.mark.parametrize("between", ["send", "warn"])
+async def test_a_failed_send_is_reported_after_every_effect_of_its_feed(between: str) -> None:
+    """A send that failed at once was reported to the core before the later effects of the
+    same call were carried out, so the core's reaction overtook later sends on the wire:
+    first within a run of sends, then (once that was fixed) across any other effect."""
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.effects import Send, Warn
 
     async with Node("n") as node:
         ep = DeadGate()
         core = ReactingCore()
         adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
         adapter.start()
-        adapter.feed([Send("dead", entry(1)), Send("s0", entry(2)), Send("s0", entry(3))])
+        middle = Send("s0", _entry(2)) if between == "send" else Warn("debug", "between")
+        adapter.feed([Send("dead", _entry(1)), middle, Send("s0", _entry(3))])
         assert core.notices == 1
-        assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 3, 99]
+        want = [2, 3, 99] if between == "send" else [3, 99]
+        assert [m.nonce for d, m in ep.now if d == "s0"] == want
 
 
 async def test_a_failing_timer_leaves_one_retry_armed_not_an_orphan() -> None:
@@ -316,24 +321,6 @@ async def test_a_failing_timer_leaves_one_retry_armed_not_an_orphan() -> None:
         assert core.fired[1] - core.fired[0] >= 0.09
 
 
-async def test_a_failure_is_reported_after_every_effect_of_its_feed() -> None:
-    """Failures were held back only to the end of their own run of sends: a send after any
-    other effect (here a Warn) was overtaken by the core's reaction to the failure."""
-    from mlxcel.adapter import CoreAdapter
-    from mlxcel.effects import Send, Warn
-
-    def entry(i: int) -> RunEntry:
-        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
-
-    async with Node("n") as node:
-        ep = DeadGate()
-        core = ReactingCore()
-        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
-        adapter.start()
-        adapter.feed([Send("dead", entry(1)), Warn("debug", "between"), Send("s0", entry(2))])
-        assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 99]
-
-
 async def test_a_full_outbox_is_reported_after_the_sends_beside_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -343,9 +330,7 @@ async def test_a_full_outbox_is_reported_after_the_sends_beside_it(
     from mlxcel.adapter import CoreAdapter
     from mlxcel.effects import Send
 
-    def entry(i: int) -> RunEntry:
-        return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
-
+    entry = _entry
     monkeypatch.setattr(mlxcel.adapter, "OUTBOX_SIZE", 1)
     async with Node("n") as node:
         ep = Gate()
