@@ -62,9 +62,9 @@ class CoreAdapter:
         self._timer_handle: asyncio.TimerHandle | None = None
         self._timer_live = False  # from start() until the node closes
         self._sending = 0  # sends on their way out of an outbox
-        # Sends that failed during a feed() (at once, or a full outbox): the core hears of
-        # them when the outermost feed() has carried out everything, so its reaction cannot
-        # overtake what it decided before.
+        # Failed sends, until the core is told (``_failed``): during a feed() only once the
+        # outermost one has carried out everything, so its reaction cannot overtake what it
+        # decided before.
         self._feeding = 0
         self._deferred: list[tuple[Send, str, BaseException | None]] = []
         self._busy: set[str] = set()  # outboxes whose drain holds a send
@@ -204,8 +204,7 @@ class CoreAdapter:
     def _send(self, sends: list[Send]) -> None:
         """Each destination's sends, in order: written at once where its outbox is empty and
         idle and the endpoint can write without waiting (most sends: no task wakes for
-        them), queued behind what its outbox holds otherwise. Failures wait for the end of
-        the outermost ``feed()`` (see there)."""
+        them), queued behind what its outbox holds otherwise."""
         now = getattr(self.endpoint, "send_now", None)
         by_dest: dict[str, list[Send]] = {}
         for s in sends:
@@ -233,7 +232,8 @@ class CoreAdapter:
                     if now(first.dest, msg):
                         continue
                 except SendFailed as exc:
-                    self._deferred.extend((g, str(exc), exc) for g in group)
+                    for g in group:
+                        self._failed(g, str(exc), exc)
                     continue
                 for g in group + items:  # not now: the outbox keeps the order
                     self._queue_send(g)
@@ -253,15 +253,13 @@ class CoreAdapter:
         try:
             box.put_nowait(send)
         except asyncio.QueueFull:
-            failure = (send, f"the outbox for {send.dest} is full", None)
-            if self._feeding:
-                self._deferred.append(failure)
-            else:
-                self._failed(*failure)
+            self._failed(send, f"the outbox for {send.dest} is full")
 
     def _failed(self, send: Send, reason: str, exc: BaseException | None = None) -> None:
-        self.dropped_sends += 1
-        self.feed(self.undeliverable(send, reason, exc))
+        """Tell the core ``send`` failed: at the end of the ``feed()`` under way, if any."""
+        self._deferred.append((send, reason, exc))
+        if not self._feeding:
+            self.feed([])
 
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
         """Tell the core; a role whose core needs more than the reason (``exc``) overrides."""

@@ -330,7 +330,6 @@ async def test_a_full_outbox_is_reported_after_the_sends_beside_it(
     from mlxcel.adapter import CoreAdapter
     from mlxcel.effects import Send
 
-    entry = _entry
     monkeypatch.setattr(mlxcel.adapter, "OUTBOX_SIZE", 1)
     async with Node("n") as node:
         ep = Gate()
@@ -338,9 +337,9 @@ async def test_a_full_outbox_is_reported_after_the_sends_beside_it(
         adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
         adapter.start()
         ep.open = False
-        adapter.feed([Send("slow", entry(0))])  # not written: it fills slow's one-slot outbox
+        adapter.feed([Send("slow", _entry(0))])  # not written: it fills slow's one-slot outbox
         ep.open = True
-        adapter.feed([Send("slow", entry(1)), Send("s0", entry(2)), Send("s0", entry(3))])
+        adapter.feed([Send("slow", _entry(1)), Send("s0", _entry(2)), Send("s0", _entry(3))])
         assert core.notices == 1
         assert [m.nonce for d, m in ep.now if d == "s0"] == [2, 3, 99]
 

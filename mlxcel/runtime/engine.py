@@ -3,9 +3,9 @@
 It is a bus role like any other. It consumes ``RunEntry`` (start a sequence),
 ``CancelRequest`` and ``ReleaseSequence`` (drop one and free its caches), and publishes the
 generated tokens to the owner of the request: one ``RunResult`` per sequence per run of
-decode steps (a run ends at any sequence's first token, so that one is not held back). New sequences join between
-decode steps; finished or cancelled ones leave without stalling the rest; up to
-``max_batch_size`` sequences share one batched forward pass.
+decode steps (a run ends at any sequence's first token, so that one is not held back). New
+sequences join between decode steps; finished or cancelled ones leave without stalling the
+rest; up to ``max_batch_size`` sequences share one batched forward pass.
 
 All MLX work happens in :meth:`_step` on the compute thread; the reactor only moves
 messages.
