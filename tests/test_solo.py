@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.frontend import Usage
@@ -151,3 +153,34 @@ def test_a_hand_over_continues_the_sequence_exactly(tiny: Path) -> None:
     tok, rest = s.hand_over()
     assert rest is None and tok is not None and tok.finish == "length"
     assert got + [tok.token] == whole[:3]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # a tied head, and an lm_head
+def test_a_prompt_of_one_chunk_is_one_forward_to_its_first_token(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    """A chat's next turn on a cached history leaves a short prompt: its first token comes
+    from the forward that feeds it (not a prefill of all but its last token, then a forward
+    of that one), and the LM head runs on the last position only."""
+    loaded = load_model(checkpoints[family])
+    model = loaded.model
+    prompt = loaded.tokenizer.encode(PROMPTS[4])
+    reference = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[:, -1, :]
+    head_rows: list[int] = []  # positions each call of the LM head got
+    owner, name = (
+        (model.model.embed_tokens, "as_linear") if family == "qwen3" else (model, "lm_head")
+    )
+    head = getattr(owner, name)
+
+    def counted(x: mx.array) -> mx.array:
+        head_rows.append(x.shape[1])
+        return head(x)
+
+    object.__setattr__(owner, name, counted)  # an instance attribute, over the module's own
+    s = Solo(model, "r", -1, prompt, make_prompt_cache(model), [], None, 4, set(), 512)
+    first = s.step()
+    assert first is not None and first.first  # no step spent on a prefill chunk
+    assert first.token == int(mx.argmax(reference, axis=-1).item())
+    assert mx.allclose(first.logprobs.exp().sum(), mx.array(1.0), atol=1e-4)
+    assert head_rows == [1, 1]  # the first sample, and the next step queued behind it
+    assert s.cache[0].offset == len(prompt) + 1

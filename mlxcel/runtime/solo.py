@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxcel.runtime.model import last_logits
 from mlxcel.runtime.sampling import Sampler
 
 
@@ -74,7 +75,7 @@ class Solo:
         self._pending: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array]:
-        logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
+        logits = last_logits(self.model, inputs[None], self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs) if self.sampler else mx.argmax(logprobs, axis=-1)
         return token, logprobs.squeeze(0)
@@ -82,14 +83,16 @@ class Solo:
     def step(self) -> SoloToken | None:
         """One prefill chunk (None) or one generated token."""
         with mx.stream(generation_stream):
-            if len(self.rest) > 1:  # every prompt token but the last, a chunk at a time
-                n = min(self.prefill_step, len(self.rest) - 1)
-                chunk, self.rest = self.rest[:n], self.rest[n:]
+            if len(self.rest) > self.prefill_step:  # whole chunks while more than one is left
+                chunk, self.rest = self.rest[: self.prefill_step], self.rest[self.prefill_step :]
                 self.model(mx.array(chunk)[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 self.fed += chunk
                 return None
-            if self._pending is None:  # the last prompt token gives the first sample
+            if self._pending is None:
+                # The prompt's last chunk gives the first sample in the same forward: a short
+                # prompt (a chat's next turn on a cached history) is one forward to its first
+                # token, not a prefill of all but its last token and a forward of that one.
                 self._pending = self._forward(mx.array(self.rest))
                 mx.async_eval(*self._pending)
                 self.fed += self.rest
