@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -83,6 +84,10 @@ def _per_token(msg: RunResult) -> list[RunResult]:
 
 @dataclass
 class Usage:
+    """A request's token counts and times. The times are ``time.perf_counter()`` readings,
+    not the loop's clock: uvloop's ``loop.time()`` has millisecond steps and is read once per
+    loop iteration, which would blur a time to first token of a few milliseconds."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, how many the prompt cache supplied
     completion_tokens: int = 0
@@ -211,8 +216,7 @@ class Frontend:
         deadline = deadline if deadline is not None else deadline_in(self.request_timeout)
         usage = usage if usage is not None else Usage()
         usage.prompt_tokens = len(prompt_ids)
-        loop = asyncio.get_running_loop()
-        usage.submitted_at = loop.time()
+        usage.submitted_at = time.perf_counter()
         self._waiting += 1
         try:
             async with until(deadline, "waiting for a generation slot"):
@@ -237,7 +241,7 @@ class Frontend:
                     if msg.code == ErrorCode.BAD_REQUEST:
                         raise RequestError(msg.message)
                     raise EngineError(msg.code, msg.message)
-                now = loop.time()
+                now = time.perf_counter()
                 if usage.first_token_at is None:
                     usage.first_token_at = now
                     usage.cached_tokens = msg.cached_tokens

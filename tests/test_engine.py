@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from mlxcel.bus import Envelope
 from mlxcel.deadlines import deadline_in
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Usage
+from mlxcel.loop import run_async
 from mlxcel.messages import Error, RunEntry, SamplingParams
 from mlxcel.server.run import LocalStack, local_stack
 
@@ -179,6 +181,25 @@ async def test_usage_counts_tokens_and_times(tiny: Path) -> None:
         assert u.completion_tokens == len(toks) == 7
         assert u.prompt_tokens == len(stack.frontend.encode_prompt("Hello world"))
         assert u.submitted_at <= u.first_token_at <= u.last_token_at  # type: ignore[operator]
+
+
+def test_usage_times_are_exact_on_uvloop(tiny: Path) -> None:
+    """On uvloop (what ``python -m mlxcel`` runs), a request's times lie inside a window read
+    with ``time.perf_counter()`` around it: the loop's own clock moves in whole milliseconds
+    and only once per loop iteration, so a TTFT read from it could be off by a millisecond or
+    more (about 6 % of a 16 ms second turn)."""
+
+    async def timed() -> tuple[float, Usage, float]:
+        async with local_stack(tiny) as stack:
+            await collect(stack, "Hello world", SamplingParams(max_tokens=2))  # warm
+            u = Usage()
+            t0 = time.perf_counter()
+            await collect(stack, "Hello world", SamplingParams(max_tokens=3), usage=u)
+            return t0, u, time.perf_counter()
+
+    for _ in range(3):  # the old clock could land inside the window by chance, not thrice
+        t0, u, t1 = run_async(timed())
+        assert t0 <= u.submitted_at <= u.first_token_at <= u.last_token_at <= t1  # type: ignore[operator]
 
 
 def _count_handoffs(stack: LocalStack) -> list[int]:
