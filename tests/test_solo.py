@@ -139,6 +139,13 @@ def test_a_hand_over_continues_the_sequence_exactly(tiny: Path) -> None:
     assert tok is None and rest is not None
     assert rest.fed + rest.prompt == prompt and rest.max_tokens == 6
     assert rest.cache[0].offset == len(rest.fed) == 4
+    # Right after the first token, which no step has fed yet: the batch generator feeds it.
+    s = solo(6)
+    got = _decode(s, 1)
+    tok, rest = s.hand_over()
+    assert tok is None and rest is not None
+    assert got == whole[:1] and rest.prompt == got and rest.max_tokens == 5
+    assert rest.fed == prompt and rest.cache[0].offset == len(prompt)
     # Mid-decode: the sampled token comes out with the hand-over; the cache holds the rest.
     s = solo(6)
     got = _decode(s, 2)
@@ -182,5 +189,10 @@ def test_a_prompt_of_one_chunk_is_one_forward_to_its_first_token(
     assert first is not None and first.first  # no step spent on a prefill chunk
     assert first.token == int(mx.argmax(reference, axis=-1).item())
     assert mx.allclose(first.logprobs.exp().sum(), mx.array(1.0), atol=1e-4)
-    assert head_rows == [1, 1]  # the first sample, and the next step queued behind it
-    assert s.cache[0].offset == len(prompt) + 1
+    # Nothing is queued before the first token is returned (on a GPU, queueing a step is
+    # milliseconds of host time the first token would wait behind); the next step feeds it.
+    assert head_rows == [1] and s.cache[0].offset == len(prompt)
+    second = s.step()
+    assert second is not None and not second.first
+    assert head_rows == [1, 1, 1]  # the first token fed, and the step after queued
+    assert s.fed == prompt + [first.token, second.token]

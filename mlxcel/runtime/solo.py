@@ -39,7 +39,7 @@ class SoloToken:
 class HandOver:
     """What the batch generator continues from: feed ``prompt`` on top of ``cache``, which
     holds ``fed``; ``max_tokens`` more may be generated. ``prompt`` is the rest of the prompt
-    (handed over mid-prompt) or the one token sampled but not yet fed (mid-decode)."""
+    (handed over mid-prompt) or the one token generated but not yet fed (mid-decode)."""
 
     cache: list[Any]
     fed: list[int]
@@ -73,6 +73,7 @@ class Solo:
         self.prefill_step = prefill_step
         self.generated = 0
         self._pending: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
+        self._unfed: int | None = None  # the first token: returned, fed by the next step
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array]:
         logits = last_logits(self.model, inputs[None], self.cache)
@@ -89,14 +90,14 @@ class Solo:
                 mx.eval([c.state for c in self.cache])
                 self.fed += chunk
                 return None
-            if self._pending is None:
-                # The prompt's last chunk gives the first sample in the same forward: a short
-                # prompt (a chat's next turn on a cached history) is one forward to its first
-                # token, not a prefill of all but its last token and a forward of that one.
-                self._pending = self._forward(mx.array(self.rest))
+            if self.rest:
+                return self._first()
+            if self._pending is None:  # the first token, returned unfed: feed it now
+                assert self._unfed is not None
+                self._pending = self._forward(mx.array([self._unfed]))
                 mx.async_eval(*self._pending)
-                self.fed += self.rest
-                self.rest = []
+                self.fed.append(self._unfed)
+                self._unfed = None
             token, logprobs = self._pending
             # Queue the next step before reading this token. Every token returned is fed,
             # the last one too (as generate_step and the batch generator do): the cache
@@ -106,6 +107,25 @@ class Solo:
             out = self._read(token, logprobs)
             self.fed.append(out.token)
             return out
+
+    def _first(self) -> SoloToken:
+        """The prompt's last chunk and the first token in one forward (a short prompt, such
+        as a chat's next turn on a cached history, is one forward to its first token, not a
+        prefill of all but its last token and a forward of that one). The token is read at
+        once and fed by the next step: on a GPU, queueing a step costs milliseconds of host
+        time (building the graph, launching its kernels), which the first token would
+        otherwise wait behind."""
+        token, logprobs = self._forward(mx.array(self.rest))
+        self.fed += self.rest
+        self.rest = []
+        out = self._read(token, logprobs)
+        if out.finish is None:
+            self._unfed = out.token
+        else:  # fed now, so the cache holds the whole sequence for the prompt cache
+            self._pending = self._forward(token)
+            mx.async_eval(*self._pending)
+            self.fed.append(out.token)
+        return out
 
     def _read(self, token: mx.array, logprobs: mx.array) -> SoloToken:
         t = int(token.item())
@@ -119,6 +139,9 @@ class Solo:
         """Stop decoding alone. The token already sampled is read and returned (it belongs
         to the sequence); if the sequence goes on, the batch generator continues it from the
         returned :class:`HandOver` (None: that token finished it)."""
+        if self._unfed is not None:  # after its first token, which the next step feeds
+            left = self.max_tokens - self.generated
+            return None, HandOver(self.cache, self.fed, [self._unfed], left)
         if self._pending is None:  # still in its prompt: the batch generator prefills the rest
             return None, HandOver(self.cache, self.fed, self.rest, self.max_tokens)
         token, logprobs = self._pending
