@@ -5,7 +5,7 @@ and its masks, per-row bookkeeping). With one sequence on a fast GPU the host's 
 bottleneck, and that costs about a quarter of the decode rate of ``stream_generate`` (H200,
 Qwen3-0.6B shapes, 4-bit, one process: 175 vs 239 tok/s). So a sequence that starts while
 the engine is idle decodes here, pipelined as ``generate_step`` is: the next token's graph
-is queued before this token is read.
+is queued before this token is read (from the second token on: the first is read at once).
 
 ``generate_step`` itself cannot let go of a live sequence, and a second request must not
 wait for the first to finish: :meth:`Solo.hand_over` gives the batch generator everything it
