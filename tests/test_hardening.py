@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 from mlxcel.bus import Node
+from mlxcel.endpoint import SendFailed
+from mlxcel.messages import CancelRequest
 from mlxcel.net.listener import ClusterListener, Limits
+from mlxcel.net.network import TcpEndpoint
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.frames import KIND_END, KIND_PART
@@ -304,6 +307,28 @@ async def test_pool_entries_do_not_outlive_their_connections() -> None:
             c.close()
         await until_true(lambda: conn.closed)
         await until_true(lambda: not p._locks and not p._conns)
+
+
+async def test_a_destination_that_is_no_address_fails_the_send_not_the_sender() -> None:
+    """A malformed destination is a failed send (never sent), on the immediate path and the
+    queued one alike: a ValueError escaping would end the role's feed of effects."""
+    async with Node("member") as member:
+        ep = TcpEndpoint("node-127.0.0.2", pool(member, "127.0.0.2"))
+        msg = CancelRequest("r", "test")
+        for dest in ("no-port", "127.0.0.3:http", ""):
+            try:
+                ep.send_now(dest, msg)
+            except SendFailed as exc:
+                assert exc.unsent and dest in str(exc)
+            else:
+                raise AssertionError(f"send_now to {dest!r} did not fail")
+            try:
+                await ep.send(dest, msg, asyncio.get_running_loop().time() + 1)
+            except SendFailed as exc:
+                assert exc.unsent
+            else:
+                raise AssertionError(f"send to {dest!r} did not fail")
+            ep.reset(dest)  # nothing to close, and no error
 
 
 async def test_keepalives_keep_a_quiet_live_member_connected() -> None:

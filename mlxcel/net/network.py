@@ -74,6 +74,15 @@ def split_hostport(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _destination(dest: str) -> tuple[str, int]:
+    """``dest`` as a host and port; a destination that is not HOST:PORT fails the send (the
+    message never left), as an unreachable one does."""
+    try:
+        return split_hostport(dest)
+    except ValueError as exc:
+        raise SendFailed(f"send to {dest!r} failed: {exc}", unsent=True) from None
+
+
 class TcpEndpoint:
     """Sends over the cluster transport; replies reach a peer at its authenticated identity."""
 
@@ -90,7 +99,7 @@ class TcpEndpoint:
             listener.on_lost.append(self._inbound_lost)
 
     async def send(self, dest: str, msg: Message, deadline: float) -> None:
-        host, port = split_hostport(dest)
+        host, port = _destination(dest)
         try:
             conn = await self.pool.get(host, port, deadline)
         except (MlxcelError, ConnectionError, OSError) as exc:
@@ -106,7 +115,7 @@ class TcpEndpoint:
     def send_now(self, dest: str, msg: Message) -> bool:
         """Write ``msg`` to ``dest`` at once if a connection is open and idle (see
         :meth:`SecureConnection.send_now`); False: nothing was sent, ``send`` it instead."""
-        conn = self.pool.ready(*split_hostport(dest))
+        conn = self.pool.ready(*_destination(dest))
         if conn is None:
             return False
         written = conn.frames_out
@@ -120,7 +129,10 @@ class TcpEndpoint:
     def reset(self, dest: str) -> None:
         """Close our connection to ``dest`` and its connection to us: a wedged stream (a
         damaged length, a stalled peer) is replaced instead of failing every later request."""
-        host, port = split_hostport(dest)
+        try:
+            host, port = split_hostport(dest)
+        except ValueError:  # never sent to, so nothing to close
+            return
         self.pool.drop(host, port)
         if self.listener is not None:
             inbound = self.listener.connection_for(dest)
