@@ -298,3 +298,31 @@ async def test_inter_token_gaps_spread_a_several_token_result_over_its_tokens() 
     # The 40 ms result's gap, spread evenly over its three tokens (lower bounds only: a
     # sleep never ends early, a busy machine may end it late).
     assert gaps[0] == gaps[1] == gaps[2] and 3 * gaps[0] >= 0.04 and gaps[3] >= 0.02, gaps
+
+
+def test_mlx_lm_batch_ttft_reaches_the_first_tokens(tiny: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """mlx-lm's side of ``bench engine`` at several streams times each stream's first token,
+    not only the prefill (``batch_generate``'s ``prompt_time``): a first step made 100 ms
+    slower shows in its TTFT."""
+    import time
+
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    from mlxcel.bench.engine import mlx_lm_batch
+
+    model, tokenizer = load(str(tiny))
+    inner, calls = BatchGenerator.next_generated, []
+
+    def slow_first(self):  # type: ignore[no-untyped-def]
+        out = inner(self)
+        if not calls:  # the step that produced the first tokens
+            time.sleep(0.1)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(BatchGenerator, "next_generated", slow_first)
+    row = mlx_lm_batch(model, tokenizer, [[20, 21, 22, 23], [30, 31, 32]], 4)
+    assert calls[0] == 2  # both streams' first tokens came from the first step
+    assert row["ttft_ms"] >= 100
+    assert row["tokens"] >= 2 and row["decode_tok_per_s"] > 0
