@@ -13,7 +13,7 @@ import pytest
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
-from mlxcel.messages import Ack, Activation, SamplingParams, Tensor
+from mlxcel.messages import Ack, Activation, RunEntry, SamplingParams, Tensor
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.interfaces import InterfaceError, interface_ipv4, probe_rdma
 from mlxcel.net.listener import ClusterListener, Limits
@@ -490,3 +490,36 @@ async def test_a_send_cut_off_mid_message_closes_the_connection() -> None:
         await fresh.send(Ack("r", 999), deadline=deadline_in(5))
         await until_true(lambda: 999 in got)
         await lst.close()
+
+
+async def test_a_large_message_without_tensors_is_encoded_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``send_now`` declines a message larger than one record after encoding it (a long
+    prompt's token ids carry no tensor to size it by); the ``send`` that follows reuses that
+    payload instead of encoding the message again."""
+    import mlxcel.net.connection as connection
+
+    async with server() as srv, Node("client") as client:
+        got: list[RunEntry] = []
+
+        async def on_entry(env: Envelope[RunEntry]) -> None:
+            got.append(env.msg)
+
+        srv.node.bus.subscribe(RunEntry, on_entry)
+        conn = await client_pool(client, "127.0.0.2").get(SERVER_IP, srv.listener.port)
+        encoded: list[object] = []
+        real = connection.encode
+
+        def counted(msg: object) -> bytes:
+            encoded.append(msg)
+            return real(msg)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(connection, "encode", counted)
+        entry = RunEntry("r1", 0, tuple(range(70_000, 190_000)), 0, SamplingParams(), 7)
+        assert not conn.send_now(entry)  # several records: not written at once
+        await conn.send(entry)
+        assert encoded == [entry]
+        other = RunEntry("r2", 0, tuple(range(70_000, 190_000)), 0, SamplingParams(), 8)
+        await conn.send(other)  # nothing declined for this one: encoded as usual
+        assert encoded == [entry, other]
+        await until_true(lambda: len(got) == 2)
+        assert got == [entry, other]

@@ -122,6 +122,8 @@ class SecureConnection:
             f"{frame_timeout:g}s"
         )
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The one message send_now encoded and then declined, for the send that follows it.
+        self._declined: tuple[Message, bytes | bytearray | memoryview] | None = None
 
     @property
     def frames_in(self) -> int:
@@ -143,7 +145,10 @@ class SecureConnection:
     async def send(self, msg: Message, deadline: float | None = None) -> None:
         # Encoding copies every tensor byte: a KV handoff of hundreds of MiB would stall the
         # reactor for everyone, so a large one is encoded on a worker thread.
-        if tensor_bytes(msg) > ENCODE_INLINE:
+        declined, self._declined = self._declined, None
+        if declined is not None and declined[0] is msg:  # encoded already by send_now
+            payload = declined[1]
+        elif tensor_bytes(msg) > ENCODE_INLINE:
             payload = await asyncio.to_thread(encode, msg)
         else:
             payload = encode(msg)
@@ -184,7 +189,13 @@ class SecureConnection:
             return False  # large: maybe several records, maybe encoded on a worker thread
         if self._send_lock.locked() or not self._drained(None):
             return False  # checked before encoding, so a busy stream costs nothing here
-        return self._write_now(encode(msg), None)
+        payload = encode(msg)
+        if self._write_now(payload, None):
+            return True
+        # Too large for one record (a long prompt's token ids): ``send`` follows with this
+        # same message, and takes the payload instead of encoding it again.
+        self._declined = (msg, payload)
+        return False
 
     def _write_now(self, payload: bytes | bytearray | memoryview, deadline: float | None) -> bool:
         if len(payload) > self.record_size or self._send_lock.locked():
