@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.frontend import Usage
@@ -85,9 +83,9 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
         batched = await logprobs(stack)
     assert len(alone) == len(batched) == 8
     for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):
-        assert ta == tb
-        assert abs(la - lb) < 1e-4
-        assert [i for i, _ in pa] == [i for i, _ in pb]
+        # Exactly equal: alone, the prompt is fed in the batch generator's order (all but
+        # the last token in chunks, then the last alone), so a CPU BLAS rounds alike.
+        assert (ta, la, pa) == (tb, lb, pb)
 
 
 async def test_penalties_and_busy_engines_use_the_batch(tiny: Path) -> None:
@@ -162,37 +160,20 @@ def test_a_hand_over_continues_the_sequence_exactly(tiny: Path) -> None:
     assert got + [tok.token] == whole[:3]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])  # a tied head, and an lm_head
-def test_a_prompt_of_one_chunk_is_one_forward_to_its_first_token(
-    checkpoints: dict[str, Path], family: str
-) -> None:
-    """A chat's next turn on a cached history leaves a short prompt: its first token comes
-    from the forward that feeds it (not a prefill of all but its last token, then a forward
-    of that one), and the LM head runs on the last position only."""
-    loaded = load_model(checkpoints[family])
-    model = loaded.model
+def test_the_first_token_is_read_before_the_next_step_is_queued(tiny: Path) -> None:
+    """On a GPU, queueing a step is milliseconds of host time (its graph, its kernel
+    launches): the first token is returned with nothing queued behind it, and the next step
+    feeds it. The cache's offset moves as a forward is built, so it shows what is queued."""
+    loaded = load_model(tiny)
     prompt = loaded.tokenizer.encode(PROMPTS[4])
-    reference = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[:, -1, :]
-    head_rows: list[int] = []  # positions each call of the LM head got
-    owner, name = (
-        (model.model.embed_tokens, "as_linear") if family == "qwen3" else (model, "lm_head")
+    s = Solo(
+        loaded.model, "r", -1, prompt, make_prompt_cache(loaded.model), [], None, 4, set(), 512
     )
-    head = getattr(owner, name)
-
-    def counted(x: mx.array) -> mx.array:
-        head_rows.append(x.shape[1])
-        return head(x)
-
-    object.__setattr__(owner, name, counted)  # an instance attribute, over the module's own
-    s = Solo(model, "r", -1, prompt, make_prompt_cache(model), [], None, 4, set(), 512)
+    assert s.step() is None  # all prompt tokens but the last, in one chunk
     first = s.step()
-    assert first is not None and first.first  # no step spent on a prefill chunk
-    assert first.token == int(mx.argmax(reference, axis=-1).item())
-    assert mx.allclose(first.logprobs.exp().sum(), mx.array(1.0), atol=1e-4)
-    # Nothing is queued before the first token is returned (on a GPU, queueing a step is
-    # milliseconds of host time the first token would wait behind); the next step feeds it.
-    assert head_rows == [1] and s.cache[0].offset == len(prompt)
+    assert first is not None and first.first
+    assert s.cache[0].offset == len(prompt)  # no forward built behind the first token
     second = s.step()
     assert second is not None and not second.first
-    assert head_rows == [1, 1, 1]  # the first token fed, and the step after queued
+    assert s.cache[0].offset == len(prompt) + 2  # the first token fed, the next one queued
     assert s.fed == prompt + [first.token, second.token]

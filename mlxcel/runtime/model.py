@@ -161,20 +161,6 @@ class LayerRange:
         return h
 
 
-def last_logits(model: nn.Module, inputs: mx.array, cache: list[Any]) -> mx.array:
-    """The logits of the last position of ``inputs`` (``[B, n]`` -> ``[B, vocab]``), through
-    ``model`` on ``cache``. For the families this module knows, the LM head runs on that one
-    position only: a sample needs no more, and over a prompt chunk the head is the largest
-    matmul (512 positions of a 150k vocabulary: 160 GFLOP for nothing). Other families go
-    through the model's own ``__call__``."""
-    if getattr(model, "model_type", None) not in SUPPORTED_FAMILIES:
-        return model(inputs, cache=cache)[:, -1, :]
-    inner = model.model
-    h = inner(inputs, cache)[:, -1:, :]  # final-normed hidden states, as mlx-lm's head gets them
-    head = inner.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
-    return head(h)[:, -1, :]
-
-
 def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal ranges covering ``[0, n_layers)``."""
     if not 1 <= parts <= n_layers:

@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxcel.runtime.model import last_logits
 from mlxcel.runtime.sampling import Sampler
 
 
@@ -76,7 +75,7 @@ class Solo:
         self._unfed: int | None = None  # the first token: returned, fed by the next step
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array]:
-        logits = last_logits(self.model, inputs[None], self.cache)
+        logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs) if self.sampler else mx.argmax(logprobs, axis=-1)
         return token, logprobs.squeeze(0)
@@ -84,8 +83,14 @@ class Solo:
     def step(self) -> SoloToken | None:
         """One prefill chunk (None) or one generated token."""
         with mx.stream(generation_stream):
-            if len(self.rest) > self.prefill_step:  # whole chunks while more than one is left
-                chunk, self.rest = self.rest[: self.prefill_step], self.rest[self.prefill_step :]
+            if len(self.rest) > 1:
+                # Every prompt token but the last, a chunk at a time, then the last one alone:
+                # the batch generator's order. Feeding the last chunk and the last token in one
+                # forward would round differently under a CPU BLAS (a matmul of n rows against
+                # one of n-1, then 1), and a near-tie would then pick another token alone than
+                # in the batch.
+                n = min(self.prefill_step, len(self.rest) - 1)
+                chunk, self.rest = self.rest[:n], self.rest[n:]
                 self.model(mx.array(chunk)[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 self.fed += chunk
@@ -109,12 +114,10 @@ class Solo:
             return out
 
     def _first(self) -> SoloToken:
-        """The prompt's last chunk and the first token in one forward (a short prompt, such
-        as a chat's next turn on a cached history, is one forward to its first token, not a
-        prefill of all but its last token and a forward of that one). The token is read at
-        once and fed by the next step: on a GPU, queueing a step costs milliseconds of host
-        time (building the graph, launching its kernels), which the first token would
-        otherwise wait behind."""
+        """The last prompt token's forward gives the first token, read at once and fed by
+        the next step: on a GPU, queueing a step costs milliseconds of host time (building
+        the graph, launching its kernels), which the first token would otherwise wait
+        behind."""
         token, logprobs = self._forward(mx.array(self.rest))
         self.fed += self.rest
         self.rest = []
