@@ -99,16 +99,14 @@ class Solo:
                 return self._first()
             if self._pending is None:  # the first token, returned unfed: feed it now
                 assert self._unfed is not None
-                self._pending = self._forward(mx.array([self._unfed]))
-                mx.async_eval(*self._pending)
+                self._queue(mx.array([self._unfed]))
                 self.fed.append(self._unfed)
                 self._unfed = None
             token, logprobs = self._pending
             # Queue the next step before reading this token. Every token returned is fed,
             # the last one too (as generate_step and the batch generator do): the cache
             # then holds the whole sequence, for the prompt cache.
-            self._pending = self._forward(token)
-            mx.async_eval(*self._pending)
+            self._queue(token)
             out = self._read(token, logprobs)
             self.fed.append(out.token)
             return out
@@ -125,10 +123,14 @@ class Solo:
         if out.finish is None:
             self._unfed = out.token
         else:  # fed now, so the cache holds the whole sequence for the prompt cache
-            self._pending = self._forward(token)
-            mx.async_eval(*self._pending)
+            self._queue(token)
             self.fed.append(out.token)
         return out
+
+    def _queue(self, token: mx.array) -> None:
+        """Feed ``token`` and sample the next one, evaluated in the background."""
+        self._pending = self._forward(token)
+        mx.async_eval(*self._pending)
 
     def _read(self, token: mx.array, logprobs: mx.array) -> SoloToken:
         t = int(token.item())
@@ -139,8 +141,8 @@ class Solo:
         return SoloToken(t, logprobs, finish, self.generated == 1)
 
     def hand_over(self) -> tuple[SoloToken | None, HandOver | None]:
-        """Stop decoding alone. The token already sampled is read and returned (it belongs
-        to the sequence); if the sequence goes on, the batch generator continues it from the
+        """Stop decoding alone. A token sampled but not yet read is read and returned (it
+        belongs to the sequence); if the sequence goes on, the batch generator continues it from the
         returned :class:`HandOver` (None: that token finished it)."""
         if self._unfed is not None:  # after its first token, which the next step feeds
             left = self.max_tokens - self.generated
