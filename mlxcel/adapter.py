@@ -82,14 +82,17 @@ class CoreAdapter:
         return self._timer_live and not self.node.bus.closed
 
     def subscribe(self, classes: Iterable[type[Message]], origin: Origin, maxsize: int) -> None:
-        for cls in classes:
-            self.node.bus.subscribe(
-                cls,
-                self._on_message,
-                maxsize=maxsize,
-                name=f"{self.name}.{cls.__name__}",
-                origin=origin,
-            )
+        """One inbox for ``classes``: the core sees them in arrival order, and a message that
+        finds the inbox empty reaches the core inside its publisher's call (no task switch)."""
+        classes = tuple(classes)
+        self.node.bus.subscribe(
+            classes,
+            self._on_message,
+            maxsize=maxsize,
+            name=f"{self.name}.{'|'.join(c.__name__ for c in classes)}",
+            origin=origin,
+            sync=True,
+        )
 
     def start(self) -> None:
         """Arm the timer and listen for lost peers (call once, on a running node)."""
@@ -100,7 +103,7 @@ class CoreAdapter:
         self._rearm()
         self.endpoint.on_peer_lost(self._peer_lost)
 
-    async def _on_message(self, env: Envelope[Any]) -> None:
+    def _on_message(self, env: Envelope[Any]) -> None:
         msg, now = env.msg, self.now()
         if isinstance(msg, Bundle):
             bundle = getattr(self.core, "handle_bundle", None)

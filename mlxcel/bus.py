@@ -12,11 +12,20 @@ declared overflow policy:
 Every message is delivered inside an :class:`Envelope` naming its source: ``LOCAL`` for
 messages published in this process, the peer's authenticated identity for messages that came
 over the network. A handler that raises is logged and counted; the node keeps running.
+
+One subscription may take several classes: they share its queue, so its handler sees them
+in the order they were published. A subscription whose handler is synchronous (``sync=True``,
+as every role adapter's is) is called inside ``publish`` when nothing waits ahead of the
+message -- its queue empty, its handler not running -- and the publisher is not itself a bus
+handler: the message takes no queue and no task switch (what a socket reader's messages
+mostly meet). Anything else waits in the queue, in order; so no handler is ever re-entered,
+and a handler's own publishes never run another handler inside it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -59,6 +68,11 @@ class Envelope(Generic[M]):
 
 
 Handler = Callable[[Envelope[Any]], Awaitable[None]]
+SyncHandler = Callable[[Envelope[Any]], None]
+
+# True inside a bus handler (and any task it starts): what such code publishes is queued,
+# never delivered inline, so handlers do not nest.
+_IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar("bus_in_handler", default=False)
 
 
 class Subscription:
@@ -67,43 +81,78 @@ class Subscription:
     def __init__(
         self,
         bus: Bus,
-        cls: type[Message],
-        handler: Handler,
+        classes: tuple[type[Message], ...],
+        handler: Handler | SyncHandler,
         maxsize: int,
         policy: Overflow,
         name: str,
         origin: Origin = Origin.ANY,
+        sync: bool = False,
     ) -> None:
         if maxsize < 1:
             raise BusError(f"subscription {name!r}: maxsize must be >= 1")
         self.bus = bus
-        self.cls = cls
+        self.classes = classes
         self.handler = handler
+        self.sync = sync
         self.policy = policy
         self.name = name
         self.origin = origin
         self.queue: asyncio.Queue[Envelope[Any]] = asyncio.Queue(maxsize)
         self.delivered = 0
+        self.inline = 0  # of those delivered, how many inside publish
         self.dropped = 0
         self.failed = 0
+        self._running = False  # the handler is on the stack (or awaiting, if async)
         self._task: asyncio.Task[None] | None = None
 
     @property
     def depth(self) -> int:
         return self.queue.qsize()
 
-    async def _offer(self, env: Envelope[Any], deadline: float | None) -> bool:
-        if self.policy is Overflow.DROP:
-            try:
-                self.queue.put_nowait(env)
-            except asyncio.QueueFull:
-                self.dropped += 1
-                logger.debug("bus: {} full, dropped {}", self.name, type(env.msg).__name__)
-                return False
+    def _deliver_inline(self, env: Envelope[Any]) -> bool:
+        """Run a synchronous handler on ``env`` now, if nothing waits ahead of it and no
+        handler is publishing (see the module docstring); False: queue it."""
+        if not self.sync or self._running or not self.queue.empty() or _IN_HANDLER.get():
+            return False
+        token = _IN_HANDLER.set(True)
+        try:
+            self._call(env)
+        finally:
+            _IN_HANDLER.reset(token)
+        self.inline += 1
+        return True
+
+    def _call(self, env: Envelope[Any]) -> None:
+        self._running = True
+        try:
+            self.handler(env)
+            self.delivered += 1
+        except Exception:
+            self._failed(env)
+        finally:
+            self._running = False
+
+    def _failed(self, env: Envelope[Any]) -> None:
+        self.failed += 1
+        self.bus.handler_errors[self.name] += 1
+        logger.exception("handler {} failed on {}", self.name, type(env.msg).__name__)
+
+    def _offer_now(self, env: Envelope[Any]) -> bool:
+        """Deliver or queue ``env`` without waiting; False: a full queue dropped it."""
+        if self._deliver_inline(env):
             return True
-        if not self.queue.full():  # room now: no wait, so no deadline to arm
+        try:
             self.queue.put_nowait(env)
-            return True
+        except asyncio.QueueFull:
+            self.dropped += 1
+            logger.debug("bus: {} full, dropped {}", self.name, type(env.msg).__name__)
+            return False
+        return True
+
+    async def _offer(self, env: Envelope[Any], deadline: float | None) -> bool:
+        if self.policy is Overflow.DROP or not self.queue.full():
+            return self._offer_now(env)  # room now (or dropped): no wait, no deadline to arm
         if deadline is None:
             raise BusError(f"{self.name}: blocking publish needs a deadline")
         try:
@@ -114,17 +163,22 @@ class Subscription:
         return True
 
     async def _drain(self) -> None:
+        _IN_HANDLER.set(True)  # this task's own context: it runs handlers and nothing else
         while True:
             env = await self.queue.get()
+            if self.sync:
+                self._call(env)
+                continue
+            self._running = True
             try:
-                await self.handler(env)
+                await self.handler(env)  # type: ignore[misc]
                 self.delivered += 1
             except asyncio.CancelledError:
                 raise
             except Exception:
-                self.failed += 1
-                self.bus.handler_errors[self.name] += 1
-                logger.exception("handler {} failed on {}", self.name, type(env.msg).__name__)
+                self._failed(env)
+            finally:
+                self._running = False
 
     def unsubscribe(self) -> None:
         self.bus._remove(self)
@@ -142,33 +196,45 @@ class Bus:
 
     def subscribe(
         self,
-        cls: type[M],
-        handler: Callable[[Envelope[M]], Awaitable[None]],
+        cls: type[M] | tuple[type[Message], ...],
+        handler: Callable[[Envelope[M]], Awaitable[None]] | Callable[[Envelope[M]], None],
         *,
         maxsize: int = 64,
         policy: Overflow = Overflow.BLOCK,
         name: str | None = None,
         origin: Origin = Origin.ANY,
+        sync: bool = False,
     ) -> Subscription:
+        """Subscribe ``handler`` to one message class, or to several sharing one queue.
+        ``sync=True``: ``handler`` is a plain function, called inline where it can be."""
         if self.closed:
             raise BusError("bus is closed")
-        if not (isinstance(cls, type) and issubclass(cls, Message)):
-            raise BusError(f"{cls!r} is not a message class")
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        if not classes:
+            raise BusError("a subscription needs at least one message class")
+        for c in classes:
+            if not (isinstance(c, type) and issubclass(c, Message)):
+                raise BusError(f"{c!r} is not a message class")
         label = name or getattr(handler, "__qualname__", "handler")
-        sub = Subscription(self, cls, handler, maxsize, policy, label, origin)
-        self._subs.setdefault(cls, []).append(sub)
+        sub = Subscription(
+            self, tuple(dict.fromkeys(classes)), handler, maxsize, policy, label, origin, sync
+        )
+        for c in sub.classes:
+            self._subs.setdefault(c, []).append(sub)
         sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")
         return sub
 
     def _remove(self, sub: Subscription) -> None:
-        subs = self._subs.get(sub.cls, [])
-        if sub in subs:
-            subs.remove(sub)
+        for c in sub.classes:
+            subs = self._subs.get(c, [])
+            if sub in subs:
+                subs.remove(sub)
         if sub._task is not None:
             sub._task.cancel()
 
     def subscriptions(self) -> list[Subscription]:
-        return [s for subs in self._subs.values() for s in subs]
+        """Every subscription once (one of several classes is listed under each)."""
+        return list(dict.fromkeys(s for subs in self._subs.values() for s in subs))
 
     async def publish(
         self, msg: Message, *, source: str = LOCAL, deadline: float | None = None
@@ -203,10 +269,7 @@ class Bus:
             return False
         env = Envelope(msg, source)
         for sub in subs:
-            if sub.queue.full():
-                sub.dropped += 1  # a DROP subscriber, as ``publish`` would
-            else:
-                sub.queue.put_nowait(env)
+            sub._offer_now(env)  # a full one is a DROP subscriber: counted, as ``publish`` does
         return True
 
     def close(self) -> None:

@@ -148,3 +148,87 @@ async def test_subscription_size_must_be_positive() -> None:
             node.bus.subscribe(Ack, h, maxsize=0)
         with pytest.raises(BusError):
             node.bus.subscribe(int, h)  # type: ignore[arg-type]
+
+
+# --- synchronous subscriptions: inline delivery, one queue for several classes --------------
+
+
+async def test_a_sync_subscriber_is_called_inside_publish_when_nothing_waits() -> None:
+    got: list[int] = []
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, lambda env: got.append(env.msg.nonce), sync=True)
+        await node.bus.publish(Ack("r", 1), source="10.0.0.1:9000", deadline=deadline_in(1))
+        assert got == [1]  # before publish returned: no queue, no task switch
+        assert node.bus.publish_now(Ack("r", 2))
+        assert got == [1, 2]
+        assert (sub.delivered, sub.inline, sub.depth) == (2, 2, 0)
+
+
+async def test_several_classes_share_one_queue_in_publish_order() -> None:
+    """What a handler publishes is queued (never run inside it); a subscription of several
+    classes drains them in the order they were published, across classes."""
+    seen: list[tuple[str, int | None]] = []
+    release = asyncio.Event()
+
+    async def relay(env: Envelope[ReleaseSequence]) -> None:
+        # Inside a handler: these are queued, and arrive in this order.
+        for msg in (Ack("r", 1), CancelRequest("r", "x"), Ack("r", 2), CancelRequest("r", "y")):
+            assert node.bus.publish_now(msg)
+        assert seen == []  # nothing ran inside this handler
+        release.set()
+
+    def record(env: Envelope[Ack | CancelRequest]) -> None:
+        m = env.msg
+        seen.append((type(m).__name__, m.nonce if isinstance(m, Ack) else None))
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe((Ack, CancelRequest), record, sync=True, name="both")
+        node.bus.subscribe(ReleaseSequence, relay)
+        await node.bus.publish(ReleaseSequence("r"), deadline=deadline_in(1))
+        await release.wait()
+        await asyncio.sleep(0.01)
+        assert node.bus.subscriptions().count(sub) == 1
+    assert seen == [("Ack", 1), ("CancelRequest", None), ("Ack", 2), ("CancelRequest", None)]
+    assert sub.inline == 0 and sub.delivered == 4
+
+
+async def test_a_sync_handler_is_never_reentered_by_its_own_publishes() -> None:
+    depth, most, order = [0], [0], []
+
+    def handler(env: Envelope[Ack]) -> None:
+        depth[0] += 1
+        most[0] = max(most[0], depth[0])
+        order.append(env.msg.nonce)
+        if env.msg.nonce < 3:
+            assert node.bus.publish_now(Ack("r", env.msg.nonce + 1))
+        depth[0] -= 1
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, handler, sync=True)
+        assert node.bus.publish_now(Ack("r", 1))
+        assert order == [1]  # the first inline; what it published waits for the drain task
+        await asyncio.sleep(0.01)
+    assert order == [1, 2, 3] and most[0] == 1
+    assert sub.inline == 1 and sub.delivered == 3
+
+
+async def test_a_failing_sync_handler_is_counted_and_the_publisher_goes_on() -> None:
+    def flaky(env: Envelope[Ack]) -> None:
+        if env.msg.nonce == 1:
+            raise RuntimeError("boom")
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, flaky, sync=True, name="flaky")
+        assert await node.bus.publish(Ack("r", 1), deadline=deadline_in(1)) == 1
+        assert await node.bus.publish(Ack("r", 2), deadline=deadline_in(1)) == 1
+        assert (sub.failed, sub.delivered) == (1, 1)
+        assert node.bus.handler_errors["flaky"] == 1
+
+
+async def test_a_subscription_needs_message_classes() -> None:
+    async with Node("t") as node:
+        with pytest.raises(BusError, match="at least one"):
+            node.bus.subscribe((), lambda env: None, sync=True)
+        with pytest.raises(BusError, match="not a message class"):
+            node.bus.subscribe((Ack, int), lambda env: None, sync=True)  # type: ignore[arg-type]
