@@ -15,18 +15,19 @@ over the network. A handler that raises is logged and counted; the node keeps ru
 
 One subscription may take several classes: they share its queue, so its handler sees them
 in the order they were published. A subscription whose handler is synchronous (``sync=True``,
-as every role adapter's is) is called inside ``publish`` when nothing waits ahead of the
-message -- its queue empty, its handler not running -- and the publisher is not itself a bus
-handler: the message takes no queue and no task switch (what a socket reader's messages
-mostly meet). Anything else waits in the queue, in order; so no handler is ever re-entered,
-and a handler's own publishes never run another handler inside it.
+as every role adapter's is) is called inside ``publish`` when it is the message's only
+subscriber, nothing waits ahead of the message (its queue empty, its handler not running)
+and no synchronous handler is on the stack: the message takes no queue and no task switch
+(what a socket reader's messages mostly meet). Anything else waits in the queue, in order;
+so no handler is re-entered, and what a synchronous handler publishes never runs another
+handler inside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import enum
+import inspect
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -70,10 +71,6 @@ class Envelope(Generic[M]):
 Handler = Callable[[Envelope[Any]], Awaitable[None]]
 SyncHandler = Callable[[Envelope[Any]], None]
 
-# True inside a bus handler (and any task it starts): what such code publishes is queued,
-# never delivered inline, so handlers do not nest.
-_IN_HANDLER: contextvars.ContextVar[bool] = contextvars.ContextVar("bus_in_handler", default=False)
-
 
 class Subscription:
     """One handler's bounded inbox and the counters an operator needs to see it."""
@@ -100,7 +97,7 @@ class Subscription:
         self.origin = origin
         self.queue: asyncio.Queue[Envelope[Any]] = asyncio.Queue(maxsize)
         self.delivered = 0
-        self.inline = 0  # of those delivered, how many inside publish
+        self.inline = 0  # of those delivered, how many inside a publish
         self.dropped = 0
         self.failed = 0
         self._running = False  # the handler is on the stack (or awaiting, if async)
@@ -112,25 +109,27 @@ class Subscription:
 
     def _deliver_inline(self, env: Envelope[Any]) -> bool:
         """Run a synchronous handler on ``env`` now, if nothing waits ahead of it and no
-        handler is publishing (see the module docstring); False: queue it."""
-        if not self.sync or self._running or not self.queue.empty() or _IN_HANDLER.get():
+        synchronous handler is running (see the module docstring); False: queue it."""
+        if not self.sync or self._running or not self.queue.empty() or self.bus._sync_depth:
             return False
-        token = _IN_HANDLER.set(True)
-        try:
-            self._call(env)
-        finally:
-            _IN_HANDLER.reset(token)
-        self.inline += 1
+        if self._call(env):
+            self.inline += 1
         return True
 
-    def _call(self, env: Envelope[Any]) -> None:
+    def _call(self, env: Envelope[Any]) -> bool:
+        """A synchronous handler on ``env``; False: it raised (logged and counted). A
+        CancelledError from it is its own failure: nothing can cancel a plain function."""
         self._running = True
+        self.bus._sync_depth += 1
         try:
             self.handler(env)
             self.delivered += 1
-        except Exception:
+            return True
+        except (Exception, asyncio.CancelledError):
             self._failed(env)
+            return False
         finally:
+            self.bus._sync_depth -= 1
             self._running = False
 
     def _failed(self, env: Envelope[Any]) -> None:
@@ -138,9 +137,10 @@ class Subscription:
         self.bus.handler_errors[self.name] += 1
         logger.exception("handler {} failed on {}", self.name, type(env.msg).__name__)
 
-    def _offer_now(self, env: Envelope[Any]) -> bool:
-        """Deliver or queue ``env`` without waiting; False: a full queue dropped it."""
-        if self._deliver_inline(env):
+    def _offer_now(self, env: Envelope[Any], alone: bool) -> bool:
+        """Deliver (``alone``: the message's only subscriber) or queue ``env`` without
+        waiting; False: a full queue dropped it."""
+        if alone and self._deliver_inline(env):
             return True
         try:
             self.queue.put_nowait(env)
@@ -150,9 +150,9 @@ class Subscription:
             return False
         return True
 
-    async def _offer(self, env: Envelope[Any], deadline: float | None) -> bool:
+    async def _offer(self, env: Envelope[Any], deadline: float | None, alone: bool) -> bool:
         if self.policy is Overflow.DROP or not self.queue.full():
-            return self._offer_now(env)  # room now (or dropped): no wait, no deadline to arm
+            return self._offer_now(env, alone)  # room now (or dropped): no wait, no deadline
         if deadline is None:
             raise BusError(f"{self.name}: blocking publish needs a deadline")
         try:
@@ -163,7 +163,6 @@ class Subscription:
         return True
 
     async def _drain(self) -> None:
-        _IN_HANDLER.set(True)  # this task's own context: it runs handlers and nothing else
         while True:
             env = await self.queue.get()
             if self.sync:
@@ -193,6 +192,7 @@ class Bus:
         self.handler_errors: Counter[str] = Counter()
         self.unrouted: Counter[str] = Counter()
         self.closed = False
+        self._sync_depth = 0  # synchronous handlers on the stack (they never await)
 
     def subscribe(
         self,
@@ -215,6 +215,8 @@ class Bus:
         for c in classes:
             if not (isinstance(c, type) and issubclass(c, Message)):
                 raise BusError(f"{c!r} is not a message class")
+        if sync and inspect.iscoroutinefunction(handler):
+            raise BusError("a sync=True handler must be a plain function, not a coroutine")
         label = name or getattr(handler, "__qualname__", "handler")
         sub = Subscription(
             self, tuple(dict.fromkeys(classes)), handler, maxsize, policy, label, origin, sync
@@ -251,9 +253,12 @@ class Bus:
             self.unrouted[type(msg).__name__] += 1
             return 0
         env = Envelope(msg, source)
+        # Inline delivery only to a sole subscriber: with several, a handler run inside this
+        # loop could publish ahead of ``msg`` to the next one, or unsubscribe it.
+        alone = len(subs) == 1
         accepted = 0
         for sub in subs:
-            accepted += await sub._offer(env, deadline)
+            accepted += await sub._offer(env, deadline, alone)
         return accepted
 
     def publish_now(self, msg: Message, *, source: str = LOCAL) -> bool:
@@ -268,8 +273,9 @@ class Bus:
         if any(s.queue.full() and s.policy is Overflow.BLOCK for s in subs):
             return False
         env = Envelope(msg, source)
-        for sub in subs:
-            sub._offer_now(env)  # a full one is a DROP subscriber: counted, as ``publish`` does
+        alone = len(subs) == 1
+        for sub in subs:  # a full one is a DROP subscriber: counted, as ``publish`` does
+            sub._offer_now(env, alone)
         return True
 
     def close(self) -> None:

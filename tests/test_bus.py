@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -151,6 +152,8 @@ async def test_subscription_size_must_be_positive() -> None:
 
 
 # --- synchronous subscriptions: inline delivery, one queue for several classes --------------
+# Handlers here record what they see; the tests assert outside them (the bus catches and
+# counts whatever a handler raises, an AssertionError included).
 
 
 async def test_a_sync_subscriber_is_called_inside_publish_when_nothing_waits() -> None:
@@ -166,17 +169,15 @@ async def test_a_sync_subscriber_is_called_inside_publish_when_nothing_waits() -
 
 
 async def test_several_classes_share_one_queue_in_publish_order() -> None:
-    """What a handler publishes is queued (never run inside it); a subscription of several
-    classes drains them in the order they were published, across classes."""
+    """What a synchronous handler publishes is queued (never run inside it); a subscription
+    of several classes drains them in the order they were published, across classes."""
     seen: list[tuple[str, int | None]] = []
-    release = asyncio.Event()
+    seen_inside: list[int] = []
 
-    async def relay(env: Envelope[ReleaseSequence]) -> None:
-        # Inside a handler: these are queued, and arrive in this order.
+    def relay(env: Envelope[ReleaseSequence]) -> None:
         for msg in (Ack("r", 1), CancelRequest("r", "x"), Ack("r", 2), CancelRequest("r", "y")):
-            assert node.bus.publish_now(msg)
-        assert seen == []  # nothing ran inside this handler
-        release.set()
+            node.bus.publish_now(msg)
+        seen_inside.append(len(seen))
 
     def record(env: Envelope[Ack | CancelRequest]) -> None:
         m = env.msg
@@ -184,9 +185,9 @@ async def test_several_classes_share_one_queue_in_publish_order() -> None:
 
     async with Node("t") as node:
         sub = node.bus.subscribe((Ack, CancelRequest), record, sync=True, name="both")
-        node.bus.subscribe(ReleaseSequence, relay)
+        node.bus.subscribe(ReleaseSequence, relay, sync=True)
         await node.bus.publish(ReleaseSequence("r"), deadline=deadline_in(1))
-        await release.wait()
+        assert seen_inside == [0]  # nothing ran inside the relay
         await asyncio.sleep(0.01)
         assert node.bus.subscriptions().count(sub) == 1
     assert seen == [("Ack", 1), ("CancelRequest", None), ("Ack", 2), ("CancelRequest", None)]
@@ -201,7 +202,7 @@ async def test_a_sync_handler_is_never_reentered_by_its_own_publishes() -> None:
         most[0] = max(most[0], depth[0])
         order.append(env.msg.nonce)
         if env.msg.nonce < 3:
-            assert node.bus.publish_now(Ack("r", env.msg.nonce + 1))
+            node.bus.publish_now(Ack("r", env.msg.nonce + 1))
         depth[0] -= 1
 
     async with Node("t") as node:
@@ -213,22 +214,96 @@ async def test_a_sync_handler_is_never_reentered_by_its_own_publishes() -> None:
     assert sub.inline == 1 and sub.delivered == 3
 
 
+async def test_with_two_subscribers_nothing_runs_inside_publish() -> None:
+    """A handler run inside the loop over a message's subscribers could publish ahead of it
+    to the next one, fill its queue, or unsubscribe it: with several, both are queued."""
+    first: list[int] = []
+    second: list[int] = []
+    subs: list[Any] = []
+
+    def one(env: Envelope[Ack]) -> None:
+        first.append(env.msg.nonce)
+        if env.msg.nonce == 1:
+            node.bus.publish_now(Ack("r", 2))  # a reply, published after 1
+        if env.msg.nonce == 3:
+            subs[1].unsubscribe()
+
+    async with Node("t") as node:
+        subs.append(node.bus.subscribe(Ack, one, sync=True))
+        subs.append(node.bus.subscribe(Ack, lambda env: second.append(env.msg.nonce), sync=True))
+        assert node.bus.publish_now(Ack("r", 1))
+        assert first == [] and second == []
+        await asyncio.sleep(0.01)
+        assert first == [1, 2] and second == [1, 2]  # the cause before its reply, for both
+        await node.bus.publish(Ack("r", 3), deadline=deadline_in(1))
+        await asyncio.sleep(0.01)
+    assert second == [1, 2]  # unsubscribed by the first: never called with 3
+    assert subs[0].inline == 0 and subs[1].inline == 0
+
+
+async def test_publish_now_is_all_or_nothing_across_subscribers() -> None:
+    release = asyncio.Event()
+
+    async def slow(env: Envelope[Ack]) -> None:
+        await release.wait()
+
+    got: list[int] = []
+    async with Node("t") as node:
+        node.bus.subscribe(Ack, lambda env: got.append(env.msg.nonce), sync=True)
+        full = node.bus.subscribe(Ack, slow, maxsize=1)
+        assert node.bus.publish_now(Ack("r", 1))  # the slow one takes it into its handler
+        await asyncio.sleep(0)
+        assert node.bus.publish_now(Ack("r", 2))  # and this fills its queue
+        assert not node.bus.publish_now(Ack("r", 3))  # full: nobody takes 3
+        await asyncio.sleep(0.01)
+        assert got == [1, 2] and full.dropped == 0
+        release.set()
+
+
 async def test_a_failing_sync_handler_is_counted_and_the_publisher_goes_on() -> None:
+    cancelled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    cancelled.cancel()
+
     def flaky(env: Envelope[Ack]) -> None:
         if env.msg.nonce == 1:
             raise RuntimeError("boom")
+        if env.msg.nonce == 2:
+            cancelled.result()  # a CancelledError out of a plain function: its own failure
 
     async with Node("t") as node:
         sub = node.bus.subscribe(Ack, flaky, sync=True, name="flaky")
-        assert await node.bus.publish(Ack("r", 1), deadline=deadline_in(1)) == 1
-        assert await node.bus.publish(Ack("r", 2), deadline=deadline_in(1)) == 1
-        assert (sub.failed, sub.delivered) == (1, 1)
-        assert node.bus.handler_errors["flaky"] == 1
+        for n in (1, 2, 3):
+            assert await node.bus.publish(Ack("r", n), deadline=deadline_in(1)) == 1
+        assert (sub.failed, sub.delivered, sub.inline) == (2, 1, 1)
+        assert node.bus.handler_errors["flaky"] == 2
 
 
-async def test_a_subscription_needs_message_classes() -> None:
+async def test_a_task_started_by_a_sync_handler_publishes_inline() -> None:
+    """Only a handler on the stack queues what it publishes: a task it starts (an outbox, a
+    connection's reader) runs later with none on the stack, and delivers inline."""
+    got: list[int] = []
+
+    async def later() -> None:
+        await asyncio.sleep(0)
+        await node.bus.publish(Ack("r", 7), deadline=deadline_in(1))
+        got.append(-1)  # after publish returned
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, lambda env: got.append(env.msg.nonce), sync=True)
+        node.bus.subscribe(ReleaseSequence, lambda env: node.spawn(later()), sync=True)
+        assert node.bus.publish_now(ReleaseSequence("r"))
+        await asyncio.sleep(0.01)
+    assert got == [7, -1] and sub.inline == 1
+
+
+async def test_a_subscription_needs_message_classes_and_a_plain_sync_handler() -> None:
+    async def coroutine_handler(env: Envelope[Ack]) -> None:
+        pass
+
     async with Node("t") as node:
         with pytest.raises(BusError, match="at least one"):
             node.bus.subscribe((), lambda env: None, sync=True)
         with pytest.raises(BusError, match="not a message class"):
             node.bus.subscribe((Ack, int), lambda env: None, sync=True)  # type: ignore[arg-type]
+        with pytest.raises(BusError, match="plain function"):
+            node.bus.subscribe(Ack, coroutine_handler, sync=True)
