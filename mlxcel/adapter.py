@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from mlxcel.bus import Envelope, Node, Origin
+from mlxcel.bus import Envelope, Node, Origin, handling
 from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Effect, ResetPeer, Send, Warn
 from mlxcel.endpoint import Endpoint, SendFailed
@@ -123,11 +123,16 @@ class CoreAdapter:
         the sends that failed meanwhile (even when an effect raised)."""
         self._feeding += 1
         try:
-            self._carry_out(effects)
+            # What this publishes (the in-memory fabric hands it to another node's bus) is
+            # queued there, not handled inside this feed: a reply cannot overtake what this
+            # feed decided before it.
+            with handling():
+                self._carry_out(effects)
         finally:
             try:
                 if self._feeding == 1:
-                    self._tell_failures()
+                    with handling():
+                        self._tell_failures()
             finally:
                 self._feeding -= 1
         self._rearm()

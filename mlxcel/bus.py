@@ -17,10 +17,11 @@ One subscription may take several classes: they share its queue, so its handler 
 in the order they were published. A subscription whose handler is synchronous (``sync=True``,
 as every role adapter's is) is called inside ``publish`` when it is the message's only
 subscriber, nothing waits ahead of the message (its queue empty, its handler not running)
-and no synchronous handler is on the stack: the message takes no queue and no task switch
-(what a socket reader's messages mostly meet). Anything else waits in the queue, in order;
-so no handler is re-entered, and what a synchronous handler publishes never runs another
-handler inside it.
+and no synchronous handler -- nor a role adapter's ``feed``, see :func:`handling` -- is on
+this thread's stack, whatever bus it belongs to: the message takes no queue and no task
+switch (what a socket reader's messages mostly meet). Anything else waits in the queue, in
+the order the queue took it; so no handler is re-entered, and nothing a handler or a feed
+publishes -- over the in-memory fabric to another node's bus too -- runs a handler inside it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -72,6 +75,24 @@ Handler = Callable[[Envelope[Any]], Awaitable[None]]
 SyncHandler = Callable[[Envelope[Any]], None]
 
 
+class _Stack(threading.local):
+    depth = 0  # synchronous handlers and feeds on this thread's stack (they never await)
+
+
+_stack = _Stack()
+
+
+@contextmanager
+def handling() -> Iterator[None]:
+    """Mark synchronous work that reacts to messages (a role adapter's ``feed``): what it
+    publishes, on any bus of this thread, is queued rather than handled inside it."""
+    _stack.depth += 1
+    try:
+        yield
+    finally:
+        _stack.depth -= 1
+
+
 class Subscription:
     """One handler's bounded inbox and the counters an operator needs to see it."""
 
@@ -101,6 +122,7 @@ class Subscription:
         self.dropped = 0
         self.failed = 0
         self._running = False  # the handler is on the stack (or awaiting, if async)
+        self._removed = False  # unsubscribed (or the bus closed): called no more
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -110,7 +132,9 @@ class Subscription:
     def _deliver_inline(self, env: Envelope[Any]) -> bool:
         """Run a synchronous handler on ``env`` now, if nothing waits ahead of it and no
         synchronous handler is running (see the module docstring); False: queue it."""
-        if not self.sync or self._running or not self.queue.empty() or self.bus._sync_depth:
+        if not self.sync or self._running or self._removed or _stack.depth:
+            return False
+        if not self.queue.empty():  # what waits goes first
             return False
         if self._call(env):
             self.inline += 1
@@ -120,16 +144,19 @@ class Subscription:
         """A synchronous handler on ``env``; False: it raised (logged and counted). A
         CancelledError from it is its own failure: nothing can cancel a plain function."""
         self._running = True
-        self.bus._sync_depth += 1
+        _stack.depth += 1
         try:
-            self.handler(env)
+            result = self.handler(env)
+            if inspect.isawaitable(result):  # e.g. a lambda returning a coroutine
+                getattr(result, "close", lambda: None)()
+                raise BusError(f"sync handler {self.name} returned an awaitable")
             self.delivered += 1
             return True
         except (Exception, asyncio.CancelledError):
             self._failed(env)
             return False
         finally:
-            self.bus._sync_depth -= 1
+            _stack.depth -= 1
             self._running = False
 
     def _failed(self, env: Envelope[Any]) -> None:
@@ -165,6 +192,8 @@ class Subscription:
     async def _drain(self) -> None:
         while True:
             env = await self.queue.get()
+            if self._removed:  # by its own handler, mid-backlog: the cancel lands later
+                return
             if self.sync:
                 self._call(env)
                 continue
@@ -192,7 +221,6 @@ class Bus:
         self.handler_errors: Counter[str] = Counter()
         self.unrouted: Counter[str] = Counter()
         self.closed = False
-        self._sync_depth = 0  # synchronous handlers on the stack (they never await)
 
     def subscribe(
         self,
@@ -221,12 +249,13 @@ class Bus:
         sub = Subscription(
             self, tuple(dict.fromkeys(classes)), handler, maxsize, policy, label, origin, sync
         )
+        sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")  # may refuse
         for c in sub.classes:
             self._subs.setdefault(c, []).append(sub)
-        sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")
         return sub
 
     def _remove(self, sub: Subscription) -> None:
+        sub._removed = True
         for c in sub.classes:
             subs = self._subs.get(c, [])
             if sub in subs:
@@ -281,6 +310,7 @@ class Bus:
     def close(self) -> None:
         self.closed = True
         for sub in self.subscriptions():
+            sub._removed = True
             if sub._task is not None:
                 sub._task.cancel()
         self._subs.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -417,3 +418,54 @@ async def test_a_core_is_handed_messages_inside_the_publish_and_in_arrival_order
         ("CancelRequest", "b"),
         ("RunEntry", "d"),
     ]
+
+
+class ScriptCore(TimerCore):
+    """Answers each message by the script ``replies``: request id -> (dest, request ids)."""
+
+    def __init__(self, replies: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+        super().__init__(None)
+        self.replies = replies
+        self.seen: list[str] = []
+        self.others: list[Any] = []  # adapters of other nodes: is one of them feeding?
+        self.inside: list[bool] = []
+
+    def handle(self, msg: Message, source: str, now: float) -> list:
+        from mlxcel.effects import Send
+        from mlxcel.messages import CancelRequest
+
+        rid = msg.request_id  # type: ignore[attr-defined]
+        self.seen.append(rid)
+        self.inside.append(any(ad._feeding for ad in self.others))
+        dest, ids = self.replies.get(rid, ("", ()))
+        return [Send(dest, CancelRequest(i, "script")) for i in ids]
+
+
+async def test_over_the_in_memory_fabric_no_core_runs_inside_another_nodes_feed() -> None:
+    """A decides p then q for B; B answers p with r; A answers r with s. Over the fabric a
+    message must not be handled inside the sender's feed: B's core ran there, between p and
+    q, and (with a per-bus count) B's answer too, so B saw p, s, q -- a reaction overtaking
+    what A had decided before it, which TCP never allows."""
+    from mlxcel.adapter import CoreAdapter
+    from mlxcel.messages import CancelRequest
+    from mlxcel.net.network import LocalFabric
+
+    fabric = LocalFabric()
+    a_core = ScriptCore({"go": ("b", ("p", "q")), "r": ("b", ("s",))})
+    b_core = ScriptCore({"p": ("a", ("r",))})
+    async with Node("a") as a, Node("b") as b:
+        adapters = []
+        for name, node, core in (("a", a, a_core), ("b", b, b_core)):
+            ad = CoreAdapter(node, fabric.endpoint(name, node), core, name, 1.0)  # type: ignore[arg-type]
+            ad.subscribe([CancelRequest], origin=Origin.ANY, maxsize=8)
+            ad.start()
+            adapters.append(ad)
+        a_core.others, b_core.others = [adapters[1]], [adapters[0]]
+        adapters[0].feed(a_core.handle(CancelRequest("go", "start"), LOCAL, 0.0))
+        for _ in range(100):
+            if len(b_core.seen) == 3:
+                break
+            await asyncio.sleep(0.01)
+    assert b_core.seen == ["p", "q", "s"]
+    assert a_core.seen == ["go", "r"]
+    assert not any(a_core.inside[1:] + b_core.inside)  # ("go" is fed from outside)

@@ -307,3 +307,41 @@ async def test_a_subscription_needs_message_classes_and_a_plain_sync_handler() -
             node.bus.subscribe((Ack, int), lambda env: None, sync=True)  # type: ignore[arg-type]
         with pytest.raises(BusError, match="plain function"):
             node.bus.subscribe(Ack, coroutine_handler, sync=True)
+
+
+async def test_a_handler_that_unsubscribes_itself_is_not_called_for_its_backlog() -> None:
+    got: list[int] = []
+    subs: list[Any] = []
+
+    def once(env: Envelope[Ack]) -> None:
+        got.append(env.msg.nonce)
+        subs[0].unsubscribe()
+
+    def fill(env: Envelope[ReleaseSequence]) -> None:
+        for n in (1, 2, 3):  # queued behind each other (a handler publishes them)
+            node.bus.publish_now(Ack("r", n))
+
+    async with Node("t") as node:
+        subs.append(node.bus.subscribe(Ack, once, sync=True))
+        node.bus.subscribe(ReleaseSequence, fill, sync=True)
+        node.bus.publish_now(ReleaseSequence("r"))
+        await asyncio.sleep(0.01)
+    assert got == [1]
+
+
+async def test_a_sync_handler_returning_an_awaitable_fails_visibly() -> None:
+    async def work() -> None:
+        pass
+
+    async with Node("t") as node:
+        sub = node.bus.subscribe(Ack, lambda env: work(), sync=True, name="wrong")
+        assert node.bus.publish_now(Ack("r", 1))
+        assert (sub.failed, sub.delivered) == (1, 0)
+        assert node.bus.handler_errors["wrong"] == 1
+
+
+async def test_a_refused_subscription_is_not_left_half_registered() -> None:
+    node = Node("t")  # never entered: it cannot start a drain task
+    with pytest.raises(BusError, match="not running"):
+        node.bus.subscribe(Ack, lambda env: None, sync=True)
+    assert node.bus.subscriptions() == []
