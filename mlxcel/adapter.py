@@ -82,8 +82,9 @@ class CoreAdapter:
         return self._timer_live and not self.node.bus.closed
 
     def subscribe(self, classes: Iterable[type[Message]], origin: Origin, maxsize: int) -> None:
-        """One inbox for ``classes``: the core sees them in arrival order, and a message that
-        finds the inbox empty reaches the core inside its publisher's call (no task switch)."""
+        """One inbox for ``classes``: the core sees them in the order the inbox took them, and
+        a message that finds it empty reaches the core inside its publisher's call (no task
+        switch; see :mod:`mlxcel.bus` for when)."""
         classes = tuple(classes)
         self.node.bus.subscribe(
             classes,
@@ -124,8 +125,8 @@ class CoreAdapter:
         self._feeding += 1
         try:
             # What this publishes (the in-memory fabric hands it to another node's bus) is
-            # queued there, not handled inside this feed: a reply cannot overtake what this
-            # feed decided before it.
+            # queued there, not handled inside this feed: a reply cannot overtake the rest of
+            # what this feed decided.
             with handling():
                 self._carry_out(effects)
         finally:

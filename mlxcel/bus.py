@@ -14,7 +14,7 @@ messages published in this process, the peer's authenticated identity for messag
 over the network. A handler that raises is logged and counted; the node keeps running.
 
 One subscription may take several classes: they share its queue, so its handler sees them
-in the order they were published. A subscription whose handler is synchronous (``sync=True``,
+in the order the queue took them. A subscription whose handler is synchronous (``sync=True``,
 as every role adapter's is) is called inside ``publish`` when it is the message's only
 subscriber, nothing waits ahead of the message (its queue empty, its handler not running)
 and no synchronous handler -- nor a role adapter's ``feed``, see :func:`handling` -- is on
