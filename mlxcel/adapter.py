@@ -123,19 +123,18 @@ class CoreAdapter:
         """Carry out ``effects`` in order, without waiting on anything; then tell the core of
         the sends that failed meanwhile (even when an effect raised)."""
         self._feeding += 1
+        # What this publishes (the in-memory fabric hands it to another node's bus) is queued
+        # there, not handled inside this feed: a reply cannot overtake the rest of what this
+        # feed decided.
         try:
-            # What this publishes (the in-memory fabric hands it to another node's bus) is
-            # queued there, not handled inside this feed: a reply cannot overtake the rest of
-            # what this feed decided.
             with handling():
-                self._carry_out(effects)
-        finally:
-            try:
-                if self._feeding == 1:
-                    with handling():
+                try:
+                    self._carry_out(effects)
+                finally:
+                    if self._feeding == 1:
                         self._tell_failures()
-            finally:
-                self._feeding -= 1
+        finally:
+            self._feeding -= 1
         self._rearm()
 
     def _tell_failures(self) -> None:

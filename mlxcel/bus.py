@@ -121,7 +121,7 @@ class Subscription:
         self.inline = 0  # of those delivered, how many inside a publish
         self.dropped = 0
         self.failed = 0
-        self._running = False  # the handler is on the stack (or awaiting, if async)
+        self._running = False  # a synchronous handler is on the stack
         self._removed = False  # unsubscribed (or the bus closed): called no more
         self._task: asyncio.Task[None] | None = None
 
@@ -132,10 +132,8 @@ class Subscription:
     def _deliver_inline(self, env: Envelope[Any]) -> bool:
         """Run a synchronous handler on ``env`` now, if nothing waits ahead of it and no
         synchronous handler is running (see the module docstring); False: queue it."""
-        if not self.sync or self._running or self._removed or _stack.depth:
-            return False
-        if not self.queue.empty():  # what waits goes first
-            return False
+        if not self.sync or self._running or self._removed or _stack.depth or self.queue.qsize():
+            return False  # (what waits in the queue goes first)
         if self._call(env):
             self.inline += 1
         return True
@@ -197,7 +195,6 @@ class Subscription:
             if self.sync:
                 self._call(env)
                 continue
-            self._running = True
             try:
                 await self.handler(env)  # type: ignore[misc]
                 self.delivered += 1
@@ -205,8 +202,6 @@ class Subscription:
                 raise
             except Exception:
                 self._failed(env)
-            finally:
-                self._running = False
 
     def unsubscribe(self) -> None:
         self.bus._remove(self)

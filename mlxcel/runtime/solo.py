@@ -142,8 +142,8 @@ class Solo:
 
     def hand_over(self) -> tuple[SoloToken | None, HandOver | None]:
         """Stop decoding alone. A token sampled but not yet read is read and returned (it
-        belongs to the sequence); if the sequence goes on, the batch generator continues it from the
-        returned :class:`HandOver` (None: that token finished it)."""
+        belongs to the sequence); if the sequence goes on, the batch generator continues it
+        from the returned :class:`HandOver` (None: that token finished it)."""
         if self._unfed is not None:  # after its first token, which the next step feeds
             left = self.max_tokens - self.generated
             return None, HandOver(self.cache, self.fed, [self._unfed], left)
