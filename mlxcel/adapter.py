@@ -11,6 +11,7 @@ local delivery) are left to the subclass's ``apply``.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -28,7 +29,7 @@ from mlxcel.wire.codec import tensor_bytes
 BUNDLE_TENSOR_BYTES = 1 << 20  # larger tensors (prompt chunks) travel alone
 OUTBOX_SIZE = 1024  # messages queued for one peer before they are dropped
 STRANGER_OUTBOX = 64  # refusals to non-peers, all together
-LOCAL_OUTBOX = 4096  # results on their way to the frontend (it drains them at once)
+LOCAL_WAIT = 30.0  # a frontend inbox full this long is reported (its results keep waiting)
 
 
 class Core(Protocol):
@@ -368,29 +369,50 @@ class CoreAdapter:
 
 
 class LocalOutbox:
-    """What a role hands this node's frontend (``Deliver``): queued without waiting, so a core
-    call never blocks, and published on the bus in order."""
+    """What a role hands this node's frontend (``Deliver``): in order, without waiting, and
+    never dropped.
+
+    A message goes to the bus at once (``publish_now``; the frontend's subscription is a leaf,
+    so its handler runs inside that call). Only when the frontend's inbox is full -- or
+    something already waits here -- does it wait here, and everything after it waits behind
+    it, published in order by this outbox's task. What can wait is bounded by construction,
+    not by a count: each request in flight has at most ``max_tokens + 2`` results, and the
+    frontend's inbox drains on every turn of the loop.
+    """
 
     def __init__(self, node: Node, name: str) -> None:
         self.node = node
         self.name = name
-        self._queue: asyncio.Queue[Message] = asyncio.Queue(LOCAL_OUTBOX)
+        self._queue: collections.deque[Message] = collections.deque()
+        self._wake = asyncio.Event()
+        self.waited = 0  # messages that could not go to the bus at once
 
     def start(self) -> None:
         self.node.spawn(self._run(), name=f"{self.name}.local", critical=True)
 
     def put(self, msg: Message) -> None:
-        try:
-            self._queue.put_nowait(msg)
-        except asyncio.QueueFull:
-            logger.error("{}: local outbox full; dropping {}", self.name, type(msg).__name__)
+        if not self._queue and self.node.bus.publish_now(msg):
+            return
+        self.waited += 1
+        self._queue.append(msg)
+        self._wake.set()
 
     async def _run(self) -> None:
         while True:
-            msg = await self._queue.get()
-            try:
-                await self.node.bus.publish(msg, deadline=deadline_in(30))
-            except QueueFull:
-                logger.error(
-                    "{}: the frontend stayed full; dropped a {}", self.name, type(msg).__name__
-                )
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                msg = self._queue[0]
+                try:
+                    await self.node.bus.publish(msg, deadline=deadline_in(LOCAL_WAIT))
+                except QueueFull:
+                    # The frontend took nothing for that long: a bug, said loudly; the
+                    # result still waits its turn (the request's own deadline ends it).
+                    logger.error(
+                        "{}: the frontend took nothing for {:g}s; {} result(s) wait",
+                        self.name,
+                        LOCAL_WAIT,
+                        len(self._queue),
+                    )
+                    continue
+                self._queue.popleft()

@@ -22,6 +22,13 @@ this thread's stack, whatever bus it belongs to: the message takes no queue and 
 switch (what a socket reader's messages mostly meet). Anything else waits in the queue, in
 the order the queue took it; so no handler is re-entered, and nothing a handler or a feed
 publishes -- over the in-memory fabric to another node's bus too -- runs a handler inside it.
+
+One exception: a *leaf* subscription (``leaf=True``) is a synchronous handler that publishes
+nothing and calls nothing back -- it only hands the message to a queue of its own, as the
+frontend hands a token to its request's stream. Running it inside a feed cannot reorder
+anything, so it is called inline whenever nothing waits ahead of the message: a result goes
+from the role that produced it to the stream that waits for it with no queue of the bus and
+no task switch in between.
 """
 
 from __future__ import annotations
@@ -106,6 +113,7 @@ class Subscription:
         name: str,
         origin: Origin = Origin.ANY,
         sync: bool = False,
+        leaf: bool = False,
     ) -> None:
         if maxsize < 1:
             raise BusError(f"subscription {name!r}: maxsize must be >= 1")
@@ -113,6 +121,7 @@ class Subscription:
         self.classes = classes
         self.handler = handler
         self.sync = sync
+        self.leaf = leaf  # publishes nothing: may run inside another handler or a feed
         self.policy = policy
         self.name = name
         self.origin = origin
@@ -132,7 +141,8 @@ class Subscription:
     def _deliver_inline(self, env: Envelope[Any]) -> bool:
         """Run a synchronous handler on ``env`` now, if nothing waits ahead of it and no
         synchronous handler is running (see the module docstring); False: queue it."""
-        if not self.sync or self._running or self._removed or _stack.depth or self.queue.qsize():
+        nested = _stack.depth and not self.leaf
+        if not self.sync or self._running or self._removed or nested or self.queue.qsize():
             return False  # (what waits in the queue goes first)
         if self._call(env):
             self.inline += 1
@@ -227,9 +237,12 @@ class Bus:
         name: str | None = None,
         origin: Origin = Origin.ANY,
         sync: bool = False,
+        leaf: bool = False,
     ) -> Subscription:
         """Subscribe ``handler`` to one message class, or to several sharing one queue.
-        ``sync=True``: ``handler`` is a plain function, called inline where it can be."""
+        ``sync=True``: ``handler`` is a plain function, called inline where it can be;
+        ``leaf=True`` (with ``sync``): it publishes nothing, so it is called inline inside
+        other handlers and feeds too (see the module docstring)."""
         if self.closed:
             raise BusError("bus is closed")
         classes = cls if isinstance(cls, tuple) else (cls,)
@@ -240,9 +253,11 @@ class Bus:
                 raise BusError(f"{c!r} is not a message class")
         if sync and inspect.iscoroutinefunction(handler):
             raise BusError("a sync=True handler must be a plain function, not a coroutine")
+        if leaf and not sync:
+            raise BusError("leaf=True is for a synchronous handler (sync=True)")
         label = name or getattr(handler, "__qualname__", "handler")
         sub = Subscription(
-            self, tuple(dict.fromkeys(classes)), handler, maxsize, policy, label, origin, sync
+            self, tuple(dict.fromkeys(classes)), handler, maxsize, policy, label, origin, sync, leaf
         )
         sub._task = self._node.spawn(sub._drain(), name=f"bus:{sub.name}")  # may refuse
         for c in sub.classes:

@@ -13,6 +13,8 @@ from pydantic import Field, field_validator, model_validator
 
 from mlxcel.config import LogLevel, _Base, _short, check_model
 
+Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b"]
+
 
 class _HasModel(_Base):
     """A command with a ``model`` field: a local folder or a Hub id, checked up front."""
@@ -24,7 +26,7 @@ class _HasModel(_Base):
 
 
 class CheckpointSettings(_Base):
-    shape: Literal["tiny", "small", "qwen3-0.6b"] = Field("tiny", description="model shape")
+    shape: Shape = Field("tiny", description="model shape")
     family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
     out: Path = Field(..., description="output folder")
     seed: int = Field(
@@ -196,6 +198,11 @@ class BenchPipelineSettings(_HasModel):
         description="model folder or Hub id org/name (default: the embedded small checkpoint)",
         json_schema_extra=_short("-m"),
     )
+    shape: Shape = Field(
+        "small",
+        description="without -m: the embedded random-weight checkpoint of this shape (written "
+        "into the cache on first use)",
+    )
     tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
@@ -214,6 +221,9 @@ class BenchDisaggSettings(_HasModel):
         None,
         description="model folder or Hub id org/name (default: the embedded small checkpoint)",
         json_schema_extra=_short("-m"),
+    )
+    shape: Shape = Field(
+        "small", description="without -m: the embedded random-weight checkpoint of this shape"
     )
     streams: int = Field(4, ge=1, le=64, description="short streams decoding throughout")
     tokens: int = Field(64, ge=2, le=4096, description="tokens each short stream decodes")

@@ -144,13 +144,21 @@ class Frontend:
     def attach(self) -> None:
         # Only this node's own generating role (engine or coordinator) answers requests;
         # results that arrived from the network are the coordinator's to check first.
+        # A leaf: _route only hands the message to its request's queue, so the bus calls it
+        # inside the producer's own call -- the stream's queue is the only one on the way.
         bus = self.node.bus
-        bus.subscribe(
-            RunResult, self._route, maxsize=1024, name="frontend.results", origin=Origin.LOCAL
-        )
-        bus.subscribe(Error, self._route, maxsize=256, name="frontend.errors", origin=Origin.LOCAL)
+        for cls, size in ((RunResult, 1024), (Error, 256)):
+            bus.subscribe(
+                cls,
+                self._route,
+                maxsize=size,
+                name=f"frontend.{cls.__name__}",
+                origin=Origin.LOCAL,
+                sync=True,
+                leaf=True,
+            )
 
-    async def _route(self, env: Envelope[RunResult | Error]) -> None:
+    def _route(self, env: Envelope[RunResult | Error]) -> None:
         rid = env.msg.request_id
         q = self._streams.get(rid) if rid is not None else None
         if q is None:

@@ -64,6 +64,28 @@ class Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceTensor(Tensor):
+    """Hidden states that stay on the device: row ``row`` of ``array``, an MLX array that may
+    still be evaluating. Only stages of one process that share a compute thread pass these (the
+    next stage's graph is then built on the array while the device still computes it: no
+    synchronisation, no host copy). ``data`` is empty; the codec refuses to encode one, so a
+    device tensor can never reach a socket."""
+
+    array: object = field(default=None, repr=False, compare=False)
+    row: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES or any(d < 0 for d in self.shape):
+            from mlxcel.errors import TensorSizeError
+
+            raise TensorSizeError(f"bad device tensor {self.dtype}{list(self.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the sampling stage turns logits into tokens. temperature 0 means greedy."""
 
@@ -242,6 +264,12 @@ class State(Message):
     wire_bytes_out: int = 0  # bytes this node has written to cluster connections
     compute_us: int = 0  # time this node has spent computing, in microseconds
     largest_batch: int = 0  # most sequences this node has run in one forward pass
+    # Where a stage's compute went, in microseconds (see StageTiming): building graphs,
+    # waiting for the device, copying results to the host; and how many jobs it ran.
+    build_us: int = 0
+    eval_us: int = 0
+    copy_us: int = 0
+    jobs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -214,7 +214,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_bench(
-                commands.resolve_model(settings.model, "small"),
+                commands.resolve_model(settings.model, settings.shape),
                 settings.tokens,
                 settings.json_lines,
                 streams=settings.streams,
@@ -225,7 +225,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_engine_bench(
-                commands.resolve_model(settings.model, "small"),
+                commands.resolve_model(settings.model, settings.shape),
                 [int(x) for x in settings.streams.split(",") if x.strip()],
                 settings.prompt_tokens,
                 settings.tokens,
@@ -235,13 +235,14 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if args.command == "bench" and args.bench == "prompt-cache":
         from mlxcel.bench.prompt_cache import run_bench as run_cache_bench
 
-        return run_async(run_cache_bench(commands.resolve_model(settings.model, "small"), settings))
+        path = commands.resolve_model(settings.model, settings.shape)
+        return run_async(run_cache_bench(path, settings))
     if args.command == "bench" and args.bench == "tp":
         from mlxcel.bench.tp import run_bench as run_tp_bench
 
         return run_async(
             run_tp_bench(
-                commands.resolve_model(settings.model, "small"),
+                commands.resolve_model(settings.model, settings.shape),
                 settings.tokens,
                 settings.json_lines,
                 streams=settings.streams,
@@ -256,7 +257,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_disagg_bench(
-                commands.resolve_model(settings.model, "small"),
+                commands.resolve_model(settings.model, settings.shape),
                 streams=settings.streams,
                 tokens=settings.tokens,
                 long_prompts=settings.long_prompts,

@@ -84,6 +84,7 @@ async def pipeline_stack(
                     max_batch=stage_batch,
                     warm_up_tokens=prefill_chunk,
                     progress_interval=keep_alive_interval(STEP_TIMEOUT, len(names)),
+                    device_handoff=i + 1 < len(names),  # every stage shares `compute`
                 )
                 svc = StageService(
                     node,

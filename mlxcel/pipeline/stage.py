@@ -52,13 +52,14 @@ class StageService(CoreAdapter):
         inject: frozenset[str] = frozenset(),
     ) -> None:
         self.layers = layers
-        self.runtime = StageRuntime(layers)
+        self.runtime = StageRuntime(layers, device_handoff=config.device_handoff)
         core = StageCore(
             config,
             width=self.runtime.width,
             vocab=self.runtime.vocab,
             layers=(layers.start, layers.end),
             wire_bytes=lambda: endpoint.wire_bytes,
+            timing=self.runtime.timing.as_state,
             inject=inject,
         )
         super().__init__(node, endpoint, core, f"stage{config.index}", config.reply_deadline)

@@ -85,6 +85,7 @@ class StageCore(StageGate):
         vocab: int,
         layers: tuple[int, int],
         wire_bytes: Callable[[], int] = lambda: 0,
+        timing: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
         inject: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
@@ -92,6 +93,7 @@ class StageCore(StageGate):
         self.vocab = vocab
         self.layers = layers
         self.wire_bytes = wire_bytes
+        self.timing = timing  # (build, eval, copy) microseconds and jobs, from the runtime
         self.inject = inject
         self.state = StageState.SERVING
         self.seqs: dict[str, Seq] = {}
@@ -310,6 +312,7 @@ class StageCore(StageGate):
             self.wire_bytes(),
             int(self.stats.compute_s * 1e6),
             self.stats.largest_batch,
+            *self.timing(),
         )
         self._send(out, source, state)
 

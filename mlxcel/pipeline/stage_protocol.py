@@ -142,6 +142,9 @@ class StageConfig:
     lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
     forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail
     progress_interval: float = 5.0  # keep_alive_interval() of the default 30 s step deadline
+    # The downstream stage runs in this process, on the same compute thread: activations are
+    # handed over as device arrays still being evaluated (no synchronisation, no bytes).
+    device_handoff: bool = False
 
 
 SeqKey = tuple[str, int]  # (request id, generation): a re-prepared id gets a fresh key

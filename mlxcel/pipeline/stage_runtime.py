@@ -17,11 +17,11 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from mlxcel.messages import ErrorCode, SamplingParams, Tensor
+from mlxcel.messages import DeviceTensor, ErrorCode, SamplingParams, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
-from mlxcel.runtime.model import LayerRange, split_row
+from mlxcel.runtime.model import LayerRange, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import from_tensor, row_tensors, to_tensor
+from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors, to_tensor
 
 WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
 # Prompt chunks of these many tokens meet every tile class of MLX's quantized matmul on a
@@ -33,34 +33,58 @@ WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.
 
 @dataclass
 class MicroBatch:
-    """A persistent batch (a micro-batch, or a chunk of one): a batch cache per layer, a row
-    per sequence."""
+    """A persistent batch (a micro-batch, or a chunk of one): a row per sequence. One row keeps
+    the sequence's own caches (a KVCache per layer: no masks, the one-process decode path);
+    two or more rows share a batch cache (a BatchKVCache per layer, left-padded)."""
 
     keys: list[SeqKey]
     cache: list[Any]
+
+
+@dataclass
+class StageTiming:
+    """Where a stage's compute thread spent its jobs, in seconds: building the graph (Python
+    and kernel launches), waiting for the device to evaluate it, and copying results to the
+    host (activations to bytes, sampled tokens to ints)."""
+
+    jobs: int = 0
+    build_s: float = 0.0
+    eval_s: float = 0.0
+    copy_s: float = 0.0
+
+    def as_state(self) -> tuple[int, int, int, int]:
+        """(build, eval, copy) in microseconds and jobs, as a State message carries them."""
+        us = (int(x * 1e6) for x in (self.build_s, self.eval_s, self.copy_s))
+        return (*us, self.jobs)
 
 
 class StageRuntime:
     """A layer range plus the per-sequence caches and samplers. Call only on one thread.
 
     A sequence's cache lives on its own while its prompt is filled, then -- from its first
-    decode step -- as a row of a persistent batch (mlx-lm's BatchKVCache, the batch
-    generator's own ``extend``/``filter``): its micro-batch's, or, for a micro-batch larger
-    than the stage's batch, its chunk's. A decode step of N sequences is one forward pass with
-    no per-step merging or splitting of caches; rows join and leave only when membership
-    changes.
+    decode step -- as a row of a persistent batch: its micro-batch's, or, for a micro-batch
+    larger than the stage's batch, its chunk's. A decode step of N sequences is one forward
+    pass with no per-step merging or splitting of caches; rows join and leave only when
+    membership changes.
+
+    With ``device_handoff`` (the next stage is in this process and runs its jobs on the same
+    compute thread) an activation is not evaluated here: the job submits it and returns a
+    :class:`~mlxcel.messages.DeviceTensor`, and the next stage builds its graph on it while the
+    device computes it. Otherwise a step is evaluated once and copied to the host once.
     """
 
-    def __init__(self, layers: LayerRange) -> None:
+    def __init__(self, layers: LayerRange, device_handoff: bool = False) -> None:
         self.layers = layers
         self.width = layers.loaded.hidden_size
         self.vocab = int(layers.loaded.config["vocab_size"])
+        self.device_handoff = device_handoff
         self.caches: dict[SeqKey, list[Any]] = {}  # sequences outside any micro-batch
         self.batches: dict[int, MicroBatch] = {}  # by an id of the runtime's own
         self.batch_of: dict[SeqKey, int] = {}
         self.regroups = 0  # rows moved into or out of a batch
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
+        self.timing = StageTiming()
 
     def free(self, key: SeqKey) -> None:
         self.caches.pop(key, None)
@@ -74,7 +98,9 @@ class StageRuntime:
         reactor, so the hand-offs to and from the thread count as protocol overhead."""
         t0 = time.perf_counter()
         outs = self._run(job)
-        return outs, time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.timing.jobs += 1
+        return outs, took
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
         """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
@@ -133,20 +159,29 @@ class StageRuntime:
         if not keep:
             del self.batches[bid]
             return
-        rows = mx.array(keep)
-        for c in batch.cache:
-            c.filter(rows)
+        if len(keep) == 1:  # a lone row decodes on its own caches again
+            batch.cache = extract_row(batch.cache, keep[0])
+        else:
+            rows = mx.array(keep)
+            for c in batch.cache:
+                c.filter(rows)
         batch.keys = [batch.keys[i] for i in keep]
 
     def _take_out(self, key: SeqKey) -> list[Any]:
-        """``key``'s cache on its own again, out of the batch it was in (if any)."""
+        """``key``'s own caches, out of the batch it was in (if any)."""
         bid = self.batch_of.pop(key, None)
         if bid is not None:
             batch = self.batches[bid]
-            row = batch.keys.index(key)
-            self.caches[key] = [split_row(c, row) for c in batch.cache]
-            self._drop_row(bid, key)
-        return self.caches.setdefault(key, self.layers.make_batch_cache())
+            if len(batch.keys) == 1:
+                self.caches[key] = batch.cache
+                del self.batches[bid]
+            else:
+                self.caches[key] = extract_row(batch.cache, batch.keys.index(key))
+                self._drop_row(bid, key)
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = self.layers.make_cache()
+        return cache
 
     def _batch_for(self, keys: list[SeqKey]) -> MicroBatch:
         """A persistent batch with exactly the rows ``keys``: the one most of them are in
@@ -159,35 +194,44 @@ class StageRuntime:
         for k in [k for k in batch.keys if k not in want] if batch is not None else []:
             self._take_out(k)  # not in this step: it keeps its cache, outside the batch
             self.regroups += 1
-        for k in keys:
-            if bid is not None and self.batch_of.get(k) == bid:
-                continue
-            single = self._take_out(k)
+        joining = [k for k in keys if bid is None or self.batch_of.get(k) != bid]
+        if not joining:
+            assert batch is not None
+            return batch
+        own = []
+        for k in joining:
+            own.append(self._take_out(k))
             del self.caches[k]
-            self.regroups += 1
-            if batch is None or bid is None:
-                self._next_id += 1
-                bid = self._next_id
-                batch = self.batches[bid] = MicroBatch([k], single)
-            else:
-                for c, one in zip(batch.cache, single, strict=True):
-                    c.extend(one)
-                batch.keys.append(k)
+        self.regroups += len(joining)
+        if batch is None or bid is None:
+            self._next_id += 1
+            bid = self._next_id
+            cache = own[0] if len(own) == 1 else merge_rows(own)
+            batch = self.batches[bid] = MicroBatch(list(joining), cache)
+        elif len(batch.keys) == 1:  # a lone row becomes a batch
+            batch.cache = merge_rows([batch.cache, *own])
+            batch.keys += joining
+        else:
+            for c, more in zip(batch.cache, merge_rows(own), strict=True):
+                c.extend(more)
+            batch.keys += joining
+        for k in joining:
             self.batch_of[k] = bid
-        assert batch is not None
         return batch
 
     # --- one job ------------------------------------------------------------------------------
     def _run(self, job: ComputeJob) -> list[StepOutput]:
         """A prompt chunk runs on its sequence's own cache; decode steps (one micro-batch) run
         as one batch on the micro-batch's persistent cache, inputs in its row order."""
+        t0 = time.perf_counter()
         steps = job.steps
         head = "none" if not any(s.sample for s in steps) else "all"
         if job.last and not job.return_logits and head != "none":
             head = "last"  # sampling needs the last position's logits only
         if all(s.decode for s in steps):
             batch = self._batch_for([s.key for s in steps])
-            rows = [batch.keys.index(s.key) for s in steps]
+            where = {k: i for i, k in enumerate(batch.keys)}
+            rows = [where[s.key] for s in steps]
             by_row = sorted(range(len(steps)), key=rows.__getitem__)
             cache = batch.cache
             x = _inputs([steps[j] for j in by_row])
@@ -195,35 +239,65 @@ class StageRuntime:
             (step,) = steps  # prompt chunks run one at a time
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
         h = self.layers(x, cache, head=head)
+        timing = self.timing
         if not job.last:
-            return [*row_tensors(h, rows)]
+            if self.device_handoff:
+                mx.async_eval(h)  # the next stage's job, next on this thread, builds on it
+                timing.build_s += time.perf_counter() - t0
+                name, shape = dtype_name(h.dtype), (1, *h.shape[1:])
+                return [DeviceTensor(name, shape, b"", h, r) for r in rows]
+            t1 = time.perf_counter()
+            mx.eval(h)
+            t2 = time.perf_counter()
+            outs: list[StepOutput] = [*row_tensors(h, rows)]
+            timing.build_s += t1 - t0
+            timing.eval_s += t2 - t1
+            timing.copy_s += time.perf_counter() - t2
+            return outs
         if head == "none":
+            t1 = time.perf_counter()
             mx.eval([c.state for c in cache])
+            timing.build_s += t1 - t0
+            timing.eval_s += time.perf_counter() - t1
             return [None] * len(steps)
         if job.return_logits:
-            return [*row_tensors(h.astype(mx.float32), rows)]
+            t1 = time.perf_counter()
+            mx.eval(h)
+            t2 = time.perf_counter()
+            outs = [*row_tensors(h.astype(mx.float32), rows)]
+            timing.build_s += t1 - t0
+            timing.eval_s += t2 - t1
+            timing.copy_s += time.perf_counter() - t2
+            return outs
         last = h[:, -1, :]
         if rows != sorted(rows):  # the batch's rows in step order
             last = last[mx.array(rows)]
-        return self._sample(steps, last)
+        return self._sample(steps, last, t0)
 
-    def _sample(self, steps: tuple[Step, ...], logits: mx.array) -> list[StepOutput]:
+    def _sample(self, steps: tuple[Step, ...], logits: mx.array, t0: float) -> list[StepOutput]:
         """Each row's token and its logprob, as mlx-lm's batch generator samples: the batch
         normalised at once, one argmax when every row is greedy, else each row through its
         own sampler; evaluated together. A sampler that cannot be made or called fails its
         own sequence only; an evaluation that fails fails every sampled row of the pass."""
         # Normalise in the model's dtype, like the one-process engine: in bf16 it rounds, and
         # skipping it would break near-ties differently.
+        timing = self.timing
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers: list[Sampler | None | StepFailed] = [self._sampler(s) for s in steps]
         if all(sm is None for sm in samplers):
             toks = mx.argmax(logprobs, axis=-1)
             picks = [toks, mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]]
             try:
+                t1 = time.perf_counter()
                 mx.eval(picks)
+                t2 = time.perf_counter()
+                tokens, lps = picks[0].tolist(), picks[1].tolist()
+                timing.build_s += t1 - t0
+                timing.eval_s += t2 - t1
+                timing.copy_s += time.perf_counter() - t2
                 return [
                     Sampled(t, lp) if s.sample else None
-                    for s, t, lp in zip(steps, picks[0].tolist(), picks[1].tolist(), strict=True)
+                    for s, t, lp in zip(steps, tokens, lps, strict=True)
                 ]
             except Exception as exc:
                 return [_failed(exc) if s.sample else None for s in steps]
@@ -231,16 +305,22 @@ class StageRuntime:
             self._pick(sm, logprobs[i : i + 1]) if s.sample else None
             for i, (s, sm) in enumerate(zip(steps, samplers, strict=True))
         ]
+        t1 = time.perf_counter()
         try:
             mx.eval([p for p in each if isinstance(p, tuple)])
         except Exception as exc:
             # MLX marks the arrays of a failed evaluation as evaluated and hands back garbage
             # from them: no row's token can be trusted, so every row that had one fails.
             return [_failed(exc) if isinstance(p, tuple) else p for p in each]
-        return [
+        t2 = time.perf_counter()
+        outs = [
             Sampled(int(p[0].item()), float(p[1].item())) if isinstance(p, tuple) else p
             for p in each
         ]
+        timing.build_s += t1 - t0
+        timing.eval_s += t2 - t1
+        timing.copy_s += time.perf_counter() - t2
+        return outs
 
     def _sampler(self, step: Step) -> Sampler | None | StepFailed:
         """``step``'s sequence's sampler (None: greedy), made on its first sampled step."""
@@ -268,19 +348,37 @@ class StageRuntime:
 
 def _inputs(steps: list[Step]) -> mx.array:
     """Token ids ``[B, n]`` (entry stage) or hidden states ``[B, n, width]``, in this order:
-    rows of one shape and dtype are joined on the host and cross to MLX as one array."""
+    rows of one shape and dtype are joined on the host and cross to MLX as one array; device
+    tensors that are the rows of one array, in its order, are that array."""
     if steps[0].tokens is not None:
         return mx.array([list(s.tokens or ()) for s in steps], dtype=mx.int32)
     hs = [s.hidden for s in steps]
     first = hs[0]
     assert first is not None
+    if isinstance(first, DeviceTensor):
+        whole = first.array
+        assert isinstance(whole, mx.array)
+        if all(isinstance(h, DeviceTensor) and h.array is whole for h in hs) and [
+            h.row
+            for h in hs  # type: ignore[union-attr]
+        ] == list(range(whole.shape[0])):
+            return whole
     if len(hs) == 1 or any(
-        h is None or (h.dtype, h.shape) != (first.dtype, first.shape) for h in hs
+        h is None or isinstance(h, DeviceTensor) or (h.dtype, h.shape) != (first.dtype, first.shape)
+        for h in hs
     ):
-        arrays = [from_tensor(h) for h in hs]  # type: ignore[arg-type]
+        arrays = [_array_of(h) for h in hs]  # type: ignore[arg-type]
         return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
     joined = b"".join(h.data for h in hs)  # type: ignore[union-attr]
     return from_tensor(Tensor(first.dtype, (len(hs) * first.shape[0], *first.shape[1:]), joined))
+
+
+def _array_of(t: Tensor) -> mx.array:
+    if isinstance(t, DeviceTensor):
+        whole = t.array
+        assert isinstance(whole, mx.array)
+        return whole[t.row : t.row + 1]
+    return from_tensor(t)
 
 
 def _failed(exc: Exception) -> StepFailed:

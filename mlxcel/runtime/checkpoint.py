@@ -64,6 +64,7 @@ class Shape:
     tokenizer_vocab: int
     dtype: str
     max_positions: int
+    tied: bool = True  # the LM head shares the embedding's weights (small Qwen3s do; 8B+ do not)
 
 
 SHAPES: dict[str, Shape] = {
@@ -71,6 +72,9 @@ SHAPES: dict[str, Shape] = {
     "small": Shape(512, 8, 8, 4, 64, 1536, 8192, 8192, "float32", 8192),
     # The real Qwen3-0.6B shapes (vocabulary padded past our small tokenizer, as real ones are).
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936, 8192, "bfloat16", 40960),
+    # The shapes a user would split over stages or GPUs (Qwen3-8B: 16 GB in bf16, 14B: 30 GB).
+    "qwen3-8b": Shape(4096, 36, 32, 8, 128, 12288, 151936, 8192, "bfloat16", 40960, False),
+    "qwen3-14b": Shape(5120, 40, 40, 8, 128, 17408, 151936, 8192, "bfloat16", 40960, False),
 }
 
 _SYLLABLES = [
@@ -132,7 +136,7 @@ def model_config(shape: Shape, family: str) -> dict[str, Any]:
         "max_position_embeddings": shape.max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0 if family != "llama" else 500000.0,
-        "tie_word_embeddings": family != "llama",
+        "tie_word_embeddings": shape.tied and family != "llama",
         "hidden_act": "silu",
         "torch_dtype": shape.dtype,
         "bos_token_id": 0,

@@ -17,13 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from loguru import logger
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
 from mlxcel.logs import adopt_library_logging
 from mlxcel.progress import slow_task
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUBMIT_MIN_LAYERS = 8  # a range this long submits its first half early (see LayerRange)
 
 
 @dataclass
@@ -114,6 +115,10 @@ class LayerRange:
         self._embed = inner.embed_tokens
         self._norm = inner.norm
         self._window = getattr(inner, "sliding_window", None)
+        # Decoder layers after which the hidden states are submitted for evaluation while the
+        # rest of the graph is still being built (mlx-lm's loop overlaps building with the
+        # previous step; a stage that must evaluate its step overlaps within it instead).
+        self.submit_at = len(self.layers) // 2 if len(self.layers) >= SUBMIT_MIN_LAYERS else None
         top = loaded.model
         self._head = (
             top.lm_head
@@ -125,12 +130,6 @@ class LayerRange:
     def dtype(self) -> mx.Dtype:
         """The dtype hidden states travel in (the embedding's, as mlx-lm computes them)."""
         return getattr(self._embed, "scales", self._embed.weight).dtype  # quantized: scales
-
-    def make_batch_cache(self) -> list[Any]:
-        """One sequence's caches as mlx-lm's batch generator keeps them: a BatchKVCache of one
-        row per layer. Same cache type, same masks and RoPE offsets as the one-process engine,
-        so a stage's arithmetic is the engine's, bit for bit (GPU kernels included)."""
-        return [BatchKVCache([0]) for _ in self.layers]
 
     def make_cache(self) -> list[Any]:
         """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
@@ -147,7 +146,9 @@ class LayerRange:
         if cache is None:
             cache = [None] * len(self.layers)
         masks: dict[bool, Any] = {}
-        for layer, c in zip(self.layers, cache, strict=True):
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+            if i == self.submit_at:
+                mx.async_eval(h)
             sliding = bool(getattr(layer, "use_sliding", False))
             if sliding not in masks:
                 masks[sliding] = create_attention_mask(
@@ -188,11 +189,22 @@ def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
     return tokenizer, config
 
 
-def split_row(batch: Any, row: int) -> Any:
-    """Row ``row`` of a BatchKVCache as a one-row BatchKVCache without padding."""
-    kv = batch.extract(row)
-    one = BatchKVCache([0])
-    one.keys, one.values = kv.keys, kv.values
-    one._idx = kv.offset
-    one.offset = mx.array([kv.offset])
-    return one
+def extract_row(batch: list[Any], row: int) -> list[Any]:
+    """Row ``row`` of a batch cache (one BatchKVCache per layer) as one sequence's own caches
+    (a KVCache per layer, without padding). Every layer of a batch has the same padding, so it
+    is read from the device once, not once per layer as ``BatchKVCache.extract`` would."""
+    pad = int(batch[0].left_padding[row].item())
+    out = []
+    for c in batch:
+        one = KVCache()
+        one.keys = mx.contiguous(c.keys[row : row + 1, :, pad : c._idx])
+        one.values = mx.contiguous(c.values[row : row + 1, :, pad : c._idx])
+        one.offset = one.keys.shape[2]
+        out.append(one)
+    return out
+
+
+def merge_rows(caches: list[list[Any]]) -> list[Any]:
+    """Several sequences' own caches (a KVCache per layer each) as one batch cache, rows in
+    this order, left-padded to the longest (mlx-lm's ``BatchKVCache.merge``)."""
+    return [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]

@@ -12,7 +12,7 @@ import numpy as np
 from mlxcel.messages import Tensor
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
+def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
@@ -23,13 +23,13 @@ def _on_host(a: mx.array) -> np.ndarray:
 
 def to_tensor(a: mx.array) -> Tensor:
     data = np.ascontiguousarray(_on_host(a)).tobytes()
-    return Tensor(_dtype_name(a.dtype), tuple(a.shape), data)
+    return Tensor(dtype_name(a.dtype), tuple(a.shape), data)
 
 
 def row_tensors(a: mx.array, rows: list[int]) -> list[Tensor]:
     """``a[r : r + 1]`` for each of ``rows`` as Tensors, from one copy to the host (on a GPU a
     copy per row would be a transfer and a synchronisation per row)."""
-    name, host, shape = _dtype_name(a.dtype), _on_host(a), (1, *a.shape[1:])
+    name, host, shape = dtype_name(a.dtype), _on_host(a), (1, *a.shape[1:])
     return [Tensor(name, shape, np.ascontiguousarray(host[r : r + 1]).tobytes()) for r in rows]
 
 

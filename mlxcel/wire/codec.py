@@ -30,6 +30,7 @@ from mlxcel.messages import (
     BUNDLED,
     MAX_BUNDLE,
     Bundle,
+    DeviceTensor,
     Message,
     SamplingParams,
     Tensor,
@@ -70,6 +71,8 @@ def _to_plain(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _field_names(type(obj)):
         value = getattr(obj, name)
+        if isinstance(value, DeviceTensor):
+            raise TypeError(f"{name}: a device tensor cannot leave its process")
         if isinstance(value, _NESTED):
             value = _to_plain(value)
         elif isinstance(value, tuple):
