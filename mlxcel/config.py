@@ -172,6 +172,17 @@ class PipelineSettings(_Base):
         False, description="final stage returns logits; the coordinator samples"
     )
     dry_run: bool = Field(False, description="print the pipeline plan and exit")
+    pp_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=(
+            "pipeline: sequences per micro-batch -- decode steps that travel and run as one "
+            "batch on every stage, while other micro-batches occupy the other stages "
+            "(default: --parallel / stages for a multi-process pipeline, --parallel for "
+            "--pp-size, whose stages share one compute thread; at most --max-batch-size)"
+        ),
+    )
 
 
 class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
@@ -187,8 +198,12 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
     def _system_needs_template(self) -> GenerateSettings:
         if self.raw and self.system_prompt is not None:
             raise ValueError("--system-prompt needs the chat template: drop --raw")
-        if self.pp_return_logits and self.pp_size == 1 and self.pp_layers is None:
-            raise ValueError("--pp-return-logits is for a pipeline (--pp-size or --pp-layers)")
+        for flag, given in (
+            ("--pp-return-logits", self.pp_return_logits),
+            ("--pp-micro-batch-size", self.pp_micro_batch_size is not None),
+        ):
+            if given and self.pp_size == 1 and self.pp_layers is None:
+                raise ValueError(f"{flag} is for a pipeline (--pp-size or --pp-layers)")
         return self
 
 
@@ -238,17 +253,6 @@ class ServeSettings(ModelSettings, PipelineSettings):
             )
         return v
 
-    pp_micro_batch_size: int | None = Field(
-        None,
-        ge=1,
-        le=4096,
-        description=(
-            "pipeline: sequences per micro-batch -- decode steps that travel and run as one "
-            "batch on every stage, while other micro-batches occupy the other stages "
-            "(default: --parallel / stages for a multi-process pipeline, --parallel for "
-            "--pp-size, whose stages share one compute thread; at most --max-batch-size)"
-        ),
-    )
     distributed_config: Path | None = Field(
         None, description="cluster TOML (pipeline across processes/hosts)"
     )

@@ -275,6 +275,26 @@ class BenchStagesSettings(BenchPipelineSettings):
     streams: int = Field(8, ge=1, le=256, description="concurrent streams of the aggregate run")
 
 
+class BenchPipelineRunSettings(BenchPipelineSettings):
+    """``bench pipeline``: every mode at each stream count, beside plain mlx-lm's split."""
+
+    streams: str = Field("1,8,32", description="comma-separated concurrent stream counts")
+    pp_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="sequences per micro-batch in both pipelines (default: as serve picks)",
+    )
+    reference: bool = Field(
+        True, description="time plain mlx-lm's loop and two-halves split (the reference rows)"
+    )
+
+    @field_validator("streams")
+    @classmethod
+    def _streams(cls, v: str) -> str:
+        return BenchBatchingSettings._streams(v)
+
+
 class BenchTpSettings(BenchStagesSettings):
     """Same knobs as the pipeline benchmark: model (default small), tokens, streams, --json."""
 

@@ -128,7 +128,10 @@ def test_help_lists_every_flag_readably() -> None:
     ck = run_cli("checkpoint", "--help").stdout
     flat = " ".join(ck.split())
     assert "required: --out OUT output folder [required" in flat
-    for choices in ("--shape {tiny,small,qwen3-0.6b,qwen3-8b,qwen3-14b}", "--family {qwen3,qwen2,llama}"):
+    for choices in (
+        "--shape {tiny,small,qwen3-0.6b,qwen3-8b,qwen3-14b}",
+        "--family {qwen3,qwen2,llama}",
+    ):
         assert choices in flat
     assert "--quantize {4,8}" in flat
     # Each benchmark documents the default model it actually uses.

@@ -752,22 +752,34 @@ async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path)
         assert c.decode_overhead_ms() < compute_ms  # the sleeps did not land in the overhead
 
 
-def test_bench_pipeline_reports_direct_overhead(tiny: Path) -> None:
+def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "mlxcel", "bench", "pipeline", "--json", "-m", str(tiny)]
-        + ["--tokens", "8"],
+        + ["--tokens", "8", "--streams", "1,3"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
-    rows = {row["mode"]: row for row in map(json.loads, r.stdout.splitlines())}
-    assert set(rows) == {"single", "inproc-2", "remote-2"}
-    for mode in ("inproc-2", "remote-2"):
-        assert rows[mode]["overhead_ms_per_token"] >= 0
-        assert rows[mode]["stage_compute_ms_per_token"] > 0
-    assert rows["remote-2"]["wire_bytes_per_token"] > 0
+    rows = {(row["mode"], row["streams"]): row for row in map(json.loads, r.stdout.splitlines())}
+    modes = ("mlx-lm loop", "mlx-lm split", "mlx-lm split_host", "single", "inproc-2", "remote-2")
+    assert set(rows) == {(m, n) for m in modes for n in (1, 3)}
+    for n in (1, 3):
+        assert rows[("single", n)]["ratio_vs_single"] == 1.0
+        for mode in ("inproc-2", "remote-2"):
+            row = rows[(mode, n)]
+            assert row["tok_per_s"] > 0 and row["overhead_ms_per_step"] >= 0
+            assert row["stage_compute_ms_per_step"] > 0
+            # Each stage ran jobs; its compute splits into build, eval and copy.
+            for st in row["stages"]:
+                assert st["jobs"] > 0 and st["compute_ms"] > 0 and 0 < st["busy"] <= 1
+                assert st["build_ms"] + st["eval_ms"] + st["copy_ms"] <= st["compute_ms"] * 1.01
+        assert rows[("mlx-lm split", n)]["ms_per_step"] > 0
+    # In one process activations stay on the device: no host copy between the stages.
+    assert rows[("inproc-2", 1)]["stages"][0]["copy_ms"] == 0
+    assert rows[("remote-2", 1)]["stages"][0]["copy_ms"] > 0
+    assert rows[("remote-2", 1)]["wire_bytes_per_token"] > 0
 
 
 async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -> None:

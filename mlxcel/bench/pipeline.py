@@ -79,7 +79,9 @@ def per_step_ms(
 
 
 @asynccontextmanager
-async def loopback_pipeline(model: Path, streams: int) -> AsyncIterator[tuple[Any, Any]]:
+async def loopback_pipeline(
+    model: Path, streams: int, micro_batch_size: int | None = None
+) -> AsyncIterator[tuple[Any, Any]]:
     """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 over
     the full transport and a coordinator in this process, all batching up to ``streams`` rows
     like the one-process engine they are compared with."""
@@ -97,109 +99,176 @@ async def loopback_pipeline(model: Path, streams: int) -> AsyncIterator[tuple[An
             secret = load_cluster_secret(None, {}, cl.config)
             assert secret is not None
             async with remote_coordinator(
-                cfg, cfg.coordinator, model, secret, parallel=streams, max_batch_size=streams
+                cfg,
+                cfg.coordinator,
+                model,
+                secret,
+                parallel=streams,
+                max_batch_size=streams,
+                micro_batch_size=micro_batch_size,
             ) as rc:
                 yield cl, rc
 
 
+def _stage_rows(
+    before: list[tuple[int, int, int, int, int]],
+    after: list[tuple[int, int, int, int, int]],
+    wall: float,
+) -> list[dict[str, float]]:
+    """Per stage, between two (compute, build, eval, copy, jobs) snapshots in microseconds:
+    ms per job of each part, and the fraction of the wall time the stage computed."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        jobs = max(1, a[4] - b[4])
+        d = [(x - y) / 1e3 for x, y in zip(a[:4], b[:4], strict=True)]
+        out.append(
+            {
+                "compute_ms": round(d[0] / jobs, 3),
+                "build_ms": round(d[1] / jobs, 3),
+                "eval_ms": round(d[2] / jobs, 3),
+                "copy_ms": round(d[3] / jobs, 3),
+                "jobs": a[4] - b[4],
+                "busy": round(d[0] / 1e3 / wall, 3) if wall > 0 else 0.0,
+            }
+        )
+    return out
+
+
 async def run_bench(
-    model: Path, tokens: int, json_lines: bool, repeats: int = 2, streams: int = 8
+    model: Path,
+    tokens: int,
+    json_lines: bool,
+    streams: list[int] | None = None,
+    micro_batch_size: int | None = None,
+    repeats: int = 2,
+    reference: bool = True,
 ) -> int:
+    """Every mode at every stream count in one run, with plain mlx-lm's split as reference."""
+    import time
+
     from mlxcel.pipeline.inproc import pipeline_stack
     from mlxcel.runtime.blas import blas_name
+    from mlxcel.runtime.compute import ComputeThread
     from mlxcel.server.run import local_stack
 
-    rows = []
+    counts = sorted(set(streams or [1, 8]))
+    most = max(counts)
+    rows: list[dict[str, Any]] = []
 
-    async def measure(fe: Frontend) -> float:
-        await decode_rate(fe, 8)  # warm-up
-        return max([(await decode_rate(fe, tokens))[0] for _ in range(repeats)])
+    async def rate(fe: Frontend, n: int) -> float:
+        """Decode tok/s of one stream (best of ``repeats``), or aggregate tok/s of ``n``."""
+        if n == 1:
+            await decode_rate(fe, 8)  # warm-up
+            return max([(await decode_rate(fe, tokens))[0] for _ in range(repeats)])
+        await aggregate_rate(fe, 8, n)
+        return await aggregate_rate(fe, tokens, n)
 
-    concurrent: dict[str, float] = {}
-    async with local_stack(model, max_batch_size=1, parallel=1, name="bench-single") as st:
-        single = await measure(st.frontend)
-    async with local_stack(
-        model, max_batch_size=streams, parallel=streams, name="bench-batch"
-    ) as st:
-        await aggregate_rate(st.frontend, 8, streams)  # warm-up
-        concurrent["single"] = await aggregate_rate(st.frontend, tokens, streams)
-    rows.append(
-        {
-            "mode": "single",
-            "tok_per_s": single,
-            "overhead_ms_per_token": 0.0,
-            "wire_bytes_per_token": 0,
-        }
-    )
+    def add(mode: str, n: int, tok_s: float, **extra: Any) -> None:
+        rows.append({"mode": mode, "streams": n, "tok_per_s": round(tok_s, 2), **extra})
 
-    async with pipeline_stack(model, 2, parallel=streams, max_batch_size=streams) as ps:
-        before = step_totals(ps.coordinator)
-        inproc = await measure(ps.frontend)
-        overhead, compute_ms = per_step_ms(before, step_totals(ps.coordinator))
-        concurrent["inproc-2"] = await aggregate_rate(ps.frontend, tokens, streams)
-    rows.append(
-        {
-            "mode": "inproc-2",
-            "tok_per_s": inproc,
-            "overhead_ms_per_token": overhead,
-            "wire_bytes_per_token": 0,
-            "stage_compute_ms_per_token": round(compute_ms, 3),
-            "vs_single_ms_per_token": round(1e3 / inproc - 1e3 / single, 3),
-        }
-    )
+    if reference:
+        from mlxcel.bench.reference import split_reference
 
-    async with loopback_pipeline(model, streams) as (_cluster, rc):
+        compute = ComputeThread("mlxcel-reference")
+        try:
+            ref = await compute.run(split_reference, model, counts, max(16, tokens))
+        finally:
+            compute.close()
+        for n in counts:
+            for kind in ("loop", "split", "split_host"):
+                add(f"mlx-lm {kind}", n, n * 1e3 / ref[n][kind], ms_per_step=round(ref[n][kind], 3))
+
+    for n in counts:
+        async with local_stack(model, max_batch_size=n, parallel=n, name="bench-single") as st:
+            add("single", n, await rate(st.frontend, n))
+
+    async with pipeline_stack(
+        model, 2, parallel=most, max_batch_size=most, micro_batch_size=micro_batch_size
+    ) as ps:
+
+        def snap() -> list[tuple[int, int, int, int, int]]:
+            return [(int(s.stats.compute_s * 1e6), *s.runtime.timing.as_state()) for s in ps.stages]
+
+        for n in counts:
+            before, t0, steps0 = snap(), time.perf_counter(), step_totals(ps.coordinator)
+            tok_s = await rate(ps.frontend, n)
+            wall = time.perf_counter() - t0
+            overhead, compute_ms = per_step_ms(steps0, step_totals(ps.coordinator))
+            add(
+                "inproc-2",
+                n,
+                tok_s,
+                overhead_ms_per_step=round(overhead, 3),
+                stage_compute_ms_per_step=round(compute_ms, 3),
+                stages=_stage_rows(before, snap(), wall),
+                micro_batch_size=ps.coordinator.coord.micro_batch_size,
+            )
+
+    async with loopback_pipeline(model, most, micro_batch_size) as (_cluster, rc):
         await decode_rate(rc.frontend, 8)
+
+        async def rsnap() -> list[tuple[int, int, int, int, int]]:
+            states = await rc.coordinator.query_states()
+            return [(s.compute_us, s.build_us, s.eval_us, s.copy_us, s.jobs) for s in states]
 
         async def wire_total() -> int:
             states = await rc.coordinator.query_states()
             return rc.endpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
 
-        rates = []
-        for _ in range(repeats):
-            before = step_totals(rc.coordinator)
-            rate, _n = await decode_rate(rc.frontend, tokens)
-            rates.append((rate, *per_step_ms(before, step_totals(rc.coordinator))))
-        # Bytes per *decoded* token: the marginal cost of a longer run of the same prompt
-        # (the prompt's prefill activation is paid once per request, not per token).
-        half = tokens // 2
-        w0 = await wire_total()
-        await decode_rate(rc.frontend, half)
-        w1 = await wire_total()
-        await decode_rate(rc.frontend, tokens)
-        w2 = await wire_total()
-        per_token_wire = ((w2 - w1) - (w1 - w0)) / (tokens - half)
-        concurrent["remote-2"] = await aggregate_rate(rc.frontend, tokens, streams)
-    remote, overhead, compute_ms = max(rates)
-    rows.append(
-        {
-            "mode": "remote-2",
-            "tok_per_s": remote,
-            "overhead_ms_per_token": overhead,
-            "wire_bytes_per_token": round(per_token_wire),
-            "stage_compute_ms_per_token": round(compute_ms, 3),
-            "vs_single_ms_per_token": round(1e3 / remote - 1e3 / single, 3),
-        }
-    )
+        for n in counts:
+            before, t0, steps0 = await rsnap(), time.perf_counter(), step_totals(rc.coordinator)
+            tok_s = await rate(rc.frontend, n)
+            wall = time.perf_counter() - t0
+            after = await rsnap()
+            overhead, compute_ms = per_step_ms(steps0, step_totals(rc.coordinator))
+            extra: dict[str, Any] = {}
+            if n == 1:
+                # Bytes per *decoded* token: the marginal cost of a longer run of the same
+                # prompt (the prompt's activation is paid once per request, not per token).
+                half = tokens // 2
+                w0 = await wire_total()
+                await decode_rate(rc.frontend, half)
+                w1 = await wire_total()
+                await decode_rate(rc.frontend, tokens)
+                w2 = await wire_total()
+                extra["wire_bytes_per_token"] = round(((w2 - w1) - (w1 - w0)) / (tokens - half))
+            add(
+                "remote-2",
+                n,
+                tok_s,
+                overhead_ms_per_step=round(overhead, 3),
+                stage_compute_ms_per_step=round(compute_ms, 3),
+                stages=_stage_rows(before, after, wall),
+                micro_batch_size=rc.coordinator.coord.micro_batch_size,
+                **extra,
+            )
+
+    single = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "single"}
     for r in rows:
-        r[f"tok_per_s_{streams}_streams"] = round(concurrent[str(r["mode"])], 2)
-        r["tok_per_s"] = round(float(r["tok_per_s"]), 2)
-        r["overhead_ms_per_token"] = round(float(r["overhead_ms_per_token"]), 3)
-        r["ratio_vs_single"] = round(float(r["tok_per_s"]) / single, 3)
+        r["ratio_vs_single"] = round(r["tok_per_s"] / single[r["streams"]], 3)
         r["tokens"] = tokens
         r["blas"] = blas_name()
         if json_lines:
             print(json.dumps(r), flush=True)
     if not json_lines:
-        print(f"model {model} | {tokens} greedy tokens per run, best of {repeats}")
-        col = f"tok/s x{streams} streams"
-        print(
-            f"{'mode':<10}{'tok/s':>9}{'x single':>10}{'overhead ms/tok':>17}{'wire B/tok':>12}{col:>22}"
-        )
-        for r in rows:
-            print(
-                f"{r['mode']:<10}{r['tok_per_s']:>9}{r['ratio_vs_single']:>10}"
-                f"{r['overhead_ms_per_token']:>17}{r['wire_bytes_per_token']:>12}"
-                f"{r[f'tok_per_s_{streams}_streams']:>22}"
-            )
+        _print_table(model, tokens, repeats, rows)
     return 0
+
+
+def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, Any]]) -> None:
+    print(f"model {model} | {tokens} greedy tokens per stream; one stream: best of {repeats}")
+    print(
+        f"{'mode':<18}{'streams':>8}{'tok/s':>10}{'x single':>10}{'protocol ms':>13}"
+        f"  per stage ms/job: compute (build+eval+copy) busy"
+    )
+    for r in rows:
+        stages = "  ".join(
+            f"{s['compute_ms']:.2f} ({s['build_ms']:.2f}+{s['eval_ms']:.2f}+{s['copy_ms']:.2f})"
+            f" {s['busy']:.2f}"
+            for s in r.get("stages", ())
+        )
+        proto = r.get("overhead_ms_per_step")
+        print(
+            f"{r['mode']:<18}{r['streams']:>8}{r['tok_per_s']:>10}{r['ratio_vs_single']:>10}"
+            f"{'' if proto is None else proto:>13}  {stages}"
+        )

@@ -23,7 +23,9 @@ PROMPT_TOKENS = 32
 WARM_STEPS = 8
 
 
-def split_reference(model_path: Path, batches: list[int], steps: int) -> dict[int, dict[str, float]]:
+def split_reference(
+    model_path: Path, batches: list[int], steps: int
+) -> dict[int, dict[str, float]]:
     """{batch: {"loop": ms, "split": ms, "split_host": ms}} per decode step."""
     import mlx.core as mx
     import numpy as np
@@ -95,6 +97,5 @@ def split_reference(model_path: Path, batches: list[int], steps: int) -> dict[in
             "split": timed_split(b, False),
             "split_host": timed_split(b, True),
         }
-    del model
     mx.clear_cache()
     return out

@@ -156,6 +156,7 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
             parallel=1,
             return_logits=s.pp_return_logits,
             prefill_chunk=s.prefill_step_size,
+            micro_batch_size=s.pp_micro_batch_size,
         )
     from mlxcel.server.run import local_stack
 

@@ -22,8 +22,8 @@ from mlxcel.config_tools import (
     BenchDisaggSettings,
     BenchEngineSettings,
     BenchFramesSettings,
+    BenchPipelineRunSettings,
     BenchPromptCacheSettings,
-    BenchStagesSettings,
     BenchTpSettings,
     CheckpointSettings,
     ClusterCheckSettings,
@@ -62,8 +62,8 @@ BENCHES: dict[str, tuple[type, str]] = {
     "frames": (BenchFramesSettings, "frame protection latency and bandwidth over loopback"),
     "tp": (BenchTpSettings, "decode tok/s at tensor-parallel sizes 1 and 2"),
     "pipeline": (
-        BenchStagesSettings,
-        "decode tok/s: one process vs 2 stages in-process vs 2 stage processes",
+        BenchPipelineRunSettings,
+        "decode tok/s: one process vs 2 stages in-process vs 2 stage processes, beside mlx-lm",
     ),
     "disagg": (
         BenchDisaggSettings,
@@ -217,7 +217,9 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 commands.resolve_model(settings.model, settings.shape),
                 settings.tokens,
                 settings.json_lines,
-                streams=settings.streams,
+                streams=[int(x) for x in settings.streams.split(",") if x.strip()],
+                micro_batch_size=settings.pp_micro_batch_size,
+                reference=settings.reference,
             )
         )
     if args.command == "bench" and args.bench == "engine":

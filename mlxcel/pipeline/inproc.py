@@ -56,14 +56,22 @@ async def pipeline_stack(
     max_batch_size: int = 8,
     prefill_chunk: int = 512,
     micro_batch_size: int | None = None,
+    stage_threads: bool = False,
 ) -> AsyncIterator[PipelineStack]:
+    """N stages and a coordinator in this process. By default the stages share one compute
+    thread -- one device, fed in order: a stage hands its activation to the next as a device
+    array still being computed, so the next stage's graph is built meanwhile. With
+    ``stage_threads`` each stage has a compute thread of its own (activations are evaluated
+    and copied between them), so micro-batches overlap on the host as they do across
+    processes: stage k computes micro-batch m while stage k+1 computes m-1."""
     stage_batch = max(1, min(parallel, max_batch_size))  # a stage never sees more rows
     if micro_batch_size is None:
-        # The stages of one process share one compute thread, so micro-batches cannot overlap
-        # here: splitting the batch would only cost batching (8 streams on `small`: 75 tok/s
-        # in two micro-batches of 4, 110-120 in one of 8).
-        micro_batch_size = stage_batch
+        # With one compute thread micro-batches cannot overlap: splitting the batch would only
+        # cost batching (8 streams on `small`: 75 tok/s in two micro-batches of 4, 110-120 in
+        # one of 8). With a thread per stage, one micro-batch per stage.
+        micro_batch_size = -(-stage_batch // pp_size) if stage_threads else stage_batch
     compute = ComputeThread()
+    threads = [compute]
     try:
         loaded = await compute.run(load_model, model_path)
         stages_plan = make_plan(model_path, loaded.n_layers, pp_size, pp_layers)
@@ -84,13 +92,15 @@ async def pipeline_stack(
                     max_batch=stage_batch,
                     warm_up_tokens=prefill_chunk,
                     progress_interval=keep_alive_interval(STEP_TIMEOUT, len(names)),
-                    device_handoff=i + 1 < len(names),  # every stage shares `compute`
+                    device_handoff=not stage_threads and i + 1 < len(names),
                 )
+                if stage_threads and i:
+                    threads.append(ComputeThread(f"mlxcel-stage{i}"))
                 svc = StageService(
                     node,
                     fabric.endpoint(names[i], node),
                     LayerRange(loaded, sp.start, sp.end),
-                    compute,
+                    threads[-1],
                     cfg,
                 )
                 svc.attach()
@@ -122,4 +132,5 @@ async def pipeline_stack(
             fe.attach()
             yield PipelineStack(coord_node, loaded, fe, coordinator, services, stages_plan, fabric)
     finally:
-        compute.close()
+        for thread in threads:
+            thread.close()

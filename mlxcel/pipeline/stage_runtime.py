@@ -9,9 +9,10 @@ caches under that key until the core frees it.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway pro
 # GPU: it takes fewer than 8 rows as vectors and tiles 8 or more by the next power of two,
 # 16 to 64 (a 21-token prompt compiled the 32-row kernel for 32 s on a fresh H200).
 TILE_CLASS_ROWS = (16, 32, 64)
+SPANS_KEPT = 1024  # job timestamps a stage keeps for its timeline
 WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
 
 
@@ -51,6 +53,10 @@ class StageTiming:
     build_s: float = 0.0
     eval_s: float = 0.0
     copy_s: float = 0.0
+    # The last jobs' (start, end) perf_counter readings: a timeline of when the stage computed.
+    spans: collections.deque[tuple[float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=SPANS_KEPT)
+    )
 
     def as_state(self) -> tuple[int, int, int, int]:
         """(build, eval, copy) in microseconds and jobs, as a State message carries them."""
@@ -98,9 +104,10 @@ class StageRuntime:
         reactor, so the hand-offs to and from the thread count as protocol overhead."""
         t0 = time.perf_counter()
         outs = self._run(job)
-        took = time.perf_counter() - t0
+        t1 = time.perf_counter()
         self.timing.jobs += 1
-        return outs, took
+        self.timing.spans.append((t0, t1))
+        return outs, t1 - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
         """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
