@@ -469,3 +469,59 @@ async def test_over_the_in_memory_fabric_no_core_runs_inside_another_nodes_feed(
     assert b_core.seen == ["p", "q", "s"]
     assert a_core.seen == ["go", "r"]
     assert not any(a_core.inside[1:] + b_core.inside)  # ("go" is fed from outside)
+
+
+async def test_results_for_the_frontend_are_never_dropped_and_keep_their_order() -> None:
+    """The local outbox hands results to the bus at once; when the frontend's inbox is full
+    they wait, in order, however many there are -- none is dropped (a dropped token would
+    leave its stream waiting for its deadline)."""
+    from mlxcel.adapter import LocalOutbox
+    from mlxcel.messages import RunResult
+
+    async with Node("n") as node:
+        gate = asyncio.Event()
+        got: list[int] = []
+
+        async def slow(env: Any) -> None:
+            await gate.wait()
+            got.append(env.msg.nonce)
+
+        node.bus.subscribe(RunResult, slow, maxsize=4, origin=Origin.LOCAL)
+        outbox = LocalOutbox(node, "coordinator")
+        outbox.start()
+        n = 6000  # more than any fixed bound a drop-on-full queue could have had
+        for i in range(n):
+            outbox.put(RunResult("r", 0, (i,), None, i))
+        assert outbox.waited >= n - 5  # all but what fit in the inbox waited in the outbox
+        gate.set()
+        for _ in range(2000):
+            if len(got) == n:
+                break
+            await asyncio.sleep(0.01)
+        assert got == list(range(n))
+
+
+async def test_a_leaf_subscriber_is_called_inside_a_feed_and_others_are_queued() -> None:
+    """A leaf (a sync handler that publishes nothing) takes a message inside the publish even
+    while a feed is on the stack; an ordinary sync handler then gets it from its queue."""
+    from mlxcel.bus import handling
+    from mlxcel.errors import BusError
+    from mlxcel.messages import Error, RunResult
+
+    async with Node("n") as node:
+        leaf_calls: list[int] = []
+        plain_calls: list[int] = []
+        leaf = node.bus.subscribe(
+            RunResult, lambda env: leaf_calls.append(env.msg.nonce), sync=True, leaf=True
+        )
+        plain = node.bus.subscribe(Error, lambda env: plain_calls.append(env.msg.nonce), sync=True)
+        with handling():
+            assert node.bus.publish_now(RunResult("r", 0, (1,), None, 7))
+            assert node.bus.publish_now(Error("c", "m", "r", 8))
+            assert leaf_calls == [7] and leaf.inline == 1  # inside the publish
+            assert plain_calls == [] and plain.depth == 1  # queued behind the feed
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert plain_calls == [8] and plain.inline == 0
+        with pytest.raises(BusError, match="leaf"):
+            node.bus.subscribe(RunResult, lambda env: None, leaf=True)

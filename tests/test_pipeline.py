@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -862,3 +863,57 @@ async def test_the_coordinators_drop_counter_cannot_be_grown_by_peers(tiny: Path
             )
         await until_true(lambda: sum(st.coordinator.dropped.values()) == 200)
         assert set(st.coordinator.dropped) == {"unmatched error"}
+
+
+async def test_stages_on_their_own_threads_compute_two_micro_batches_at_once(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """With a compute thread per stage and two micro-batches in flight, stage 0 computes one
+    micro-batch while stage 1 computes the other: shown from the stages' own job timestamps
+    on a slowed model (each job also sleeps 30 ms, as a device would keep it busy). Greedy
+    tokens stay the single-process ones."""
+    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=2, stage_threads=True) as st:
+        assert st.stages[0].compute is not st.stages[1].compute
+        assert not any(s.config.device_handoff for s in st.stages)
+        for svc in st.stages:
+            real = svc.runtime._run
+
+            def slow(job, real=real):  # type: ignore[no-untyped-def]
+                out = real(job)
+                time.sleep(0.03)
+                return out
+
+            svc.runtime._run = slow  # type: ignore[method-assign]
+            svc.runtime.timing.spans.clear()
+        got = await asyncio.gather(*(collect(st.frontend, p, 8) for p in PROMPTS[:4]))
+        assert got == [ref[:8] for ref in reference[:4]]
+        first, second = (list(s.runtime.timing.spans) for s in st.stages)
+        both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in first for b0, b1 in second)
+        busy = sum(b - a for a, b in second)
+        # Stage 1 spent a good part of its time computing while stage 0 computed too.
+        assert both > 0.25 * busy, (both, busy)
+
+
+async def test_in_process_stages_hand_activations_over_on_the_device(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """Stages sharing a compute thread pass device arrays (no host copy, no bytes); such a
+    tensor can never be encoded for a socket."""
+    from mlxcel.bus import Origin
+    from mlxcel.messages import Activation, Bundle, DeviceTensor
+    from mlxcel.wire.codec import encode
+
+    async with pipeline_stack(tiny, 2, parallel=2) as st:
+        seen: list[Activation] = []
+
+        def spy(env):  # type: ignore[no-untyped-def]
+            items = env.msg.items if isinstance(env.msg, Bundle) else (env.msg,)
+            seen.extend(m for m in items if isinstance(m, Activation))
+
+        st.stages[1].node.bus.subscribe((Activation, Bundle), spy, origin=Origin.ANY, sync=True)
+        got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:2]))
+        assert got == reference[:2]
+        assert seen and all(isinstance(m.hidden, DeviceTensor) for m in seen)
+        assert st.stages[0].runtime.timing.copy_s == 0.0  # nothing went to the host
+        with pytest.raises(TypeError, match="device tensor"):
+            encode(seen[0])

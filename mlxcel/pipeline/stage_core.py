@@ -416,7 +416,8 @@ class StageCore(StageGate):
             return
         chosen = pick_job(queued, self.config.max_batch, self._last_was_decode)
         self._last_was_decode = bool(chosen[0].step and chosen[0].step.decode)
-        self._queue.extend(s for s in queued if s not in chosen)
+        taken = {id(s) for s in chosen}  # by identity: a Seq compares by value, field by field
+        self._queue.extend(s for s in queued if id(s) not in taken)
         for seq in chosen:
             seq.state = SEQ_TABLE.next(seq.state, SeqEvent.START)
         self._job_ids += 1
