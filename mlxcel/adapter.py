@@ -21,7 +21,7 @@ from mlxcel.bus import Envelope, Node, Origin, handling
 from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Effect, ResetPeer, Send, Warn
 from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import MlxcelError, QueueFull
+from mlxcel.errors import BusError, MlxcelError, QueueFull
 from mlxcel.messages import BUNDLED, MAX_BUNDLE, Bundle, Message
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.wire.codec import tensor_bytes
@@ -391,6 +391,8 @@ class LocalOutbox:
         self.node.spawn(self._run(), name=f"{self.name}.local", critical=True)
 
     def put(self, msg: Message) -> None:
+        if self.node.bus.closed:  # the node is closing: nobody is left to read it
+            return
         if not self._queue and self.node.bus.publish_now(msg):
             return
         self.waited += 1
@@ -405,6 +407,8 @@ class LocalOutbox:
                 msg = self._queue[0]
                 try:
                     await self.node.bus.publish(msg, deadline=deadline_in(LOCAL_WAIT))
+                except BusError:  # closed meanwhile: nobody is left to read what waits
+                    return
                 except QueueFull:
                     # The frontend took nothing for that long: a bug, said loudly; the
                     # result still waits its turn (the request's own deadline ends it).

@@ -1,19 +1,20 @@
 """``python -m mlxcel bench pipeline``: what pipelining costs, one process vs two stages.
 
-Greedy decode of one stream, in one run: (a) ``single`` -- one process, the local engine;
-(b) ``inproc-2`` -- two stage nodes and a coordinator in one process (no sockets);
-(c) ``remote-2`` -- two stage processes on 127.0.0.2/127.0.0.3 and a coordinator here, over the
-authenticated, encrypted transport.
+Greedy decode at each ``--streams`` count, in one run: (a) ``single`` -- one process, the
+local engine; (b) ``inproc-2`` -- two stage nodes and a coordinator in one process (no
+sockets); (c) ``remote-2`` -- two stage processes on 127.0.0.2/127.0.0.3 and a coordinator
+here, over the authenticated, encrypted transport; beside (d) plain mlx-lm's own loop and its
+two-halves split of the same checkpoint (:mod:`mlxcel.bench.reference`). Pipeline rows carry
+per-stage figures (graph build, evaluation, host copy, busy fraction) from the stages' own
+timing.
 
-``overhead_ms_per_token`` is measured at the hand-offs of each decode step: the coordinator
+``overhead_ms_per_step`` is measured at the hand-offs of each decode step: the coordinator
 times every step from sending its RunEntry to receiving its RunResult, and every stage adds
 the time it spent computing that same step to the message it passes on (``compute_us``), so
 the final RunResult carries the step's total compute. Overhead = step time - compute, summed
 over the measured steps and divided by their number: framing, encryption, the sockets, the
 reactors and the hand-offs to and from the compute threads -- never negative, because the
-compute happens inside the step. ``vs_single_ms_per_token`` is the whole difference to the
-one-process step (it also holds per-stage work the one-process engine does not have).
-``wire_bytes_per_token`` counts every byte the coordinator and both stages wrote to cluster
+compute happens inside the step. ``wire_bytes_per_token`` (one stream, remote) counts every byte the coordinator and both stages wrote to cluster
 connections per additional decoded token.
 """
 
@@ -187,7 +188,10 @@ async def run_bench(
     ) as ps:
 
         def snap() -> list[tuple[int, int, int, int, int]]:
-            return [(int(s.stats.compute_s * 1e6), *s.runtime.timing.as_state()) for s in ps.stages]
+            return [
+                (int(s.stats.compute_s * 1e6), *s.runtime.timing.fields().values())
+                for s in ps.stages
+            ]
 
         for n in counts:
             before, t0, steps0 = snap(), time.perf_counter(), step_totals(ps.coordinator)

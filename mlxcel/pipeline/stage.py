@@ -58,8 +58,10 @@ class StageService(CoreAdapter):
             width=self.runtime.width,
             vocab=self.runtime.vocab,
             layers=(layers.start, layers.end),
-            wire_bytes=lambda: endpoint.wire_bytes,
-            timing=self.runtime.timing.as_state,
+            counters=lambda: {
+                "wire_bytes_out": endpoint.wire_bytes,
+                **self.runtime.timing.fields(),
+            },
             inject=inject,
         )
         super().__init__(node, endpoint, core, f"stage{config.index}", config.reply_deadline)

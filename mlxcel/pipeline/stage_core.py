@@ -84,16 +84,14 @@ class StageCore(StageGate):
         width: int,
         vocab: int,
         layers: tuple[int, int],
-        wire_bytes: Callable[[], int] = lambda: 0,
-        timing: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
+        counters: Callable[[], dict[str, int]] = dict,
         inject: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.width = width
         self.vocab = vocab
         self.layers = layers
-        self.wire_bytes = wire_bytes
-        self.timing = timing  # (build, eval, copy) microseconds and jobs, from the runtime
+        self.counters = counters  # State fields the node keeps: wire bytes, compute timing
         self.inject = inject
         self.state = StageState.SERVING
         self.seqs: dict[str, Seq] = {}
@@ -309,10 +307,9 @@ class StageCore(StageGate):
             len(self.seqs),
             self.state is not StageState.SERVING,
             m.nonce,
-            self.wire_bytes(),
-            int(self.stats.compute_s * 1e6),
-            self.stats.largest_batch,
-            *self.timing(),
+            compute_us=int(self.stats.compute_s * 1e6),
+            largest_batch=self.stats.largest_batch,
+            **self.counters(),
         )
         self._send(out, source, state)
 
@@ -416,8 +413,7 @@ class StageCore(StageGate):
             return
         chosen = pick_job(queued, self.config.max_batch, self._last_was_decode)
         self._last_was_decode = bool(chosen[0].step and chosen[0].step.decode)
-        taken = {id(s) for s in chosen}  # by identity: a Seq compares by value, field by field
-        self._queue.extend(s for s in queued if id(s) not in taken)
+        self._queue.extend(s for s in queued if s not in chosen)
         for seq in chosen:
             seq.state = SEQ_TABLE.next(seq.state, SeqEvent.START)
         self._job_ids += 1

@@ -232,7 +232,7 @@ class StepFailed:
 StepOutput = Tensor | Sampled | StepFailed | None
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: identity, not a field-by-field comparison
 class Seq:
     key: SeqKey
     owner: str

@@ -58,10 +58,14 @@ class StageTiming:
         default_factory=lambda: collections.deque(maxlen=SPANS_KEPT)
     )
 
-    def as_state(self) -> tuple[int, int, int, int]:
-        """(build, eval, copy) in microseconds and jobs, as a State message carries them."""
-        us = (int(x * 1e6) for x in (self.build_s, self.eval_s, self.copy_s))
-        return (*us, self.jobs)
+    def fields(self) -> dict[str, int]:
+        """As a State message carries them: microseconds, and jobs."""
+        return {
+            "build_us": int(self.build_s * 1e6),
+            "eval_us": int(self.eval_s * 1e6),
+            "copy_us": int(self.copy_s * 1e6),
+            "jobs": self.jobs,
+        }
 
 
 class StageRuntime:
@@ -268,10 +272,11 @@ class StageRuntime:
             timing.eval_s += time.perf_counter() - t1
             return [None] * len(steps)
         if job.return_logits:
+            logits = h.astype(mx.float32)
             t1 = time.perf_counter()
-            mx.eval(h)
+            mx.eval(logits)
             t2 = time.perf_counter()
-            outs = [*row_tensors(h.astype(mx.float32), rows)]
+            outs = [*row_tensors(logits, rows)]
             timing.build_s += t1 - t0
             timing.eval_s += t2 - t1
             timing.copy_s += time.perf_counter() - t2

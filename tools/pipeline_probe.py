@@ -1,0 +1,62 @@
+"""Probe the in-process pipeline's knobs on one checkpoint: the GIL switch interval and a
+compute thread per stage, at a few stream counts, with each stage's build/eval split.
+
+    python tools/pipeline_probe.py CHECKPOINT [STREAMS,...] [TOKENS]
+
+A measurement aid for the people tuning the pipeline (GPU runs); ``bench pipeline`` is the
+benchmark users run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from mlxcel.bench.pipeline import aggregate_rate, decode_rate
+from mlxcel.pipeline.inproc import pipeline_stack
+
+
+async def one(model: Path, streams: list[int], tokens: int, interval: float, threads: bool) -> None:
+    sys.setswitchinterval(interval)
+    most = max(streams)
+    async with pipeline_stack(
+        model, 2, parallel=most, max_batch_size=most, stage_threads=threads
+    ) as ps:
+        for n in streams:
+            await aggregate_rate(ps.frontend, 8, n)
+            before = [
+                (s.runtime.timing.build_s, s.runtime.timing.eval_s, s.runtime.timing.jobs)
+                for s in ps.stages
+            ]
+            t0 = time.perf_counter()
+            if n == 1:
+                rate = (await decode_rate(ps.frontend, tokens))[0]
+            else:
+                rate = await aggregate_rate(ps.frontend, tokens, n)
+            wall = time.perf_counter() - t0
+            parts = []
+            for s, (b, e, j) in zip(ps.stages, before, strict=True):
+                t = s.runtime.timing
+                jobs = max(1, t.jobs - j)
+                parts.append(
+                    f"build {1e3 * (t.build_s - b) / jobs:.2f} eval {1e3 * (t.eval_s - e) / jobs:.2f}"
+                )
+            print(
+                f"interval {interval * 1e3:.1f}ms threads={threads} streams {n}: {rate:.1f} tok/s "
+                f"({wall:.1f}s) | " + " | ".join(parts),
+                flush=True,
+            )
+
+
+def main() -> None:
+    model = Path(sys.argv[1])
+    streams = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
+    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    for interval, threads in ((0.005, False), (0.0005, False), (0.005, True)):
+        asyncio.run(one(model, streams, tokens, interval, threads))
+
+
+if __name__ == "__main__":
+    main()
