@@ -11,78 +11,15 @@ and from MLX arrays.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from mlxcel.error_codes import ErrorCode as ErrorCode  # part of the Error contract
-
-# dtype name -> bytes per element. The names match MLX's dtype names.
-DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "uint16": 2,
-    "int16": 2,
-    "uint32": 4,
-    "int32": 4,
-    "uint64": 8,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-}
+from mlxcel.tensor import DTYPE_SIZES as DTYPE_SIZES  # re-exported: part of the codec contract
+from mlxcel.tensor import DeviceTensor as DeviceTensor
+from mlxcel.tensor import Tensor as Tensor
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-@dataclass(frozen=True, slots=True)
-class Tensor:
-    """A dense array as raw little-endian bytes. Validated on construction."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes = field(repr=False)
-
-    def __post_init__(self) -> None:
-        # Imported lazily to keep this module free of import cycles.
-        from mlxcel.errors import TensorSizeError
-
-        if self.dtype not in DTYPE_SIZES:
-            raise TensorSizeError(f"unknown tensor dtype {self.dtype!r}")
-        if any(d < 0 for d in self.shape):
-            raise TensorSizeError(f"negative dimension in shape {self.shape}")
-        want = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
-        if len(self.data) != want:
-            raise TensorSizeError(
-                f"tensor {self.dtype}{list(self.shape)} needs {want} bytes, got {len(self.data)}"
-            )
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceTensor(Tensor):
-    """Hidden states that stay on the device: row ``row`` of ``array``, an MLX array that may
-    still be evaluating. Only stages of one process that share a compute thread pass these (the
-    next stage's graph is then built on the array while the device still computes it: no
-    synchronisation, no host copy). ``data`` is empty; the codec refuses to encode one, so a
-    device tensor can never reach a socket."""
-
-    array: object = field(default=None, repr=False, compare=False)
-    row: int = 0
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_SIZES or any(d < 0 for d in self.shape):
-            from mlxcel.errors import TensorSizeError
-
-            raise TensorSizeError(f"bad device tensor {self.dtype}{list(self.shape)}")
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)
