@@ -262,6 +262,12 @@ class BenchEngineSettings(BenchPipelineSettings):
     streams: str = Field("1,8,32", description="comma-separated concurrent stream counts")
     prompt_tokens: int = Field(64, ge=1, le=65536, description="tokens in each random prompt")
     tokens: int = Field(128, ge=2, le=4096, description="greedy tokens per stream (at most)")
+    repeats: int = Field(
+        3,
+        ge=1,
+        le=50,
+        description="rounds per stream count (the median is reported, and the spread)",
+    )
 
     @field_validator("streams")
     @classmethod

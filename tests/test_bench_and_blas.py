@@ -187,7 +187,7 @@ def test_bench_disagg_reports_latency_percentiles_for_both_modes(tiny: Path) -> 
 
 def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
     argv = ["bench", "engine", "--json", "-m", str(tiny), "--streams", "1,3"]
-    argv += ["--prompt-tokens", "12", "--tokens", "6"]
+    argv += ["--prompt-tokens", "12", "--tokens", "6", "--repeats", "3"]
     r = _bench(argv)
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     engines = [(row.get("engine"), row["streams"]) for row in rows]
@@ -203,8 +203,9 @@ def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
         if "engine" in row:
             assert row["prompt_tokens"] == 12 and row["decode_tok_per_s"] > 0
             assert row["ttft_ms"] > 0 and 1 <= row["tokens"] <= 6 * row["streams"]
-        else:
-            assert row["ratio"] > 0
+        else:  # the median of three rounds, with their spread
+            assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+            assert row["rounds"] == 3
     # The same greedy work on both sides: the same number of tokens per stream count.
     by = {(row["engine"], row["streams"]): row["tokens"] for row in rows if "engine" in row}
     assert by[("mlx-lm", 1)] == by[("mlxcel", 1)] and by[("mlx-lm", 3)] == by[("mlxcel", 3)]

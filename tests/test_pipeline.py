@@ -917,3 +917,57 @@ async def test_in_process_stages_hand_activations_over_on_the_device(
         assert st.stages[0].runtime.timing.copy_s == 0.0  # nothing went to the host
         with pytest.raises(TypeError, match="device tensor"):
             encode(seen[0])
+
+
+async def test_the_entry_stage_starts_the_next_step_while_the_last_samples(
+    tiny: Path, reference: list[list[int]]
+) -> None:
+    """In one process the last stage starts the entry stage's next decode step on the tokens
+    it is still sampling; the entry stage serves the coordinator's step from it, and undoes it
+    (one cache position per row) when the step asked for differs -- here, whenever a member
+    of the micro-batch finishes. Tokens stay the single-process ones."""
+    lengths = [3, 16, 7, 12]
+    async with pipeline_stack(tiny, 2, parallel=4) as st:
+        got = await asyncio.gather(
+            *(collect(st.frontend, p, n) for p, n in zip(PROMPTS[:4], lengths, strict=True))
+        )
+        assert got == [ref[:n] for ref, n in zip(reference[:4], lengths, strict=True)]
+        first = st.stages[0].runtime
+        assert first.ahead_used >= 10 and first.ahead_undone >= 1
+        await until_true(lambda: all(not s.seqs for s in st.stages))
+        await st.stages[0].compute.run(lambda: None)  # the frees queued before it have run
+        assert first._ahead is None and not first.batches and not first.caches
+
+
+def test_a_step_started_ahead_on_other_tokens_is_undone_exactly(tiny: Path) -> None:
+    """The entry stage runs a step ahead only if the coordinator asks for exactly that step:
+    asked for another token, it trims the step off its caches and computes the real one,
+    with the same numbers as a stage that never ran ahead."""
+    import mlx.core as mx
+
+    from mlxcel.messages import DeviceTensor
+    from mlxcel.pipeline.stage_protocol import ComputeJob, Step
+    from mlxcel.pipeline.stage_runtime import StageRuntime
+    from mlxcel.runtime.model import LayerRange, load_model
+
+    loaded = load_model(tiny)
+    greedy = SamplingParams()
+
+    def run(rt: StageRuntime, tokens: tuple[int, ...], pos: int) -> mx.array:
+        step = Step(("a", 1), 0, tokens, None, len(tokens), pos, greedy, 0, len(tokens) == 1)
+        (out,) = rt.run(ComputeJob(0, (step,), True, False, False))[0]
+        assert isinstance(out, DeviceTensor)
+        return out.array[out.row]
+
+    results = []
+    for ahead in (None, 5, 6):
+        rt = StageRuntime(LayerRange(loaded, 0, 2), device_handoff=True)
+        run(rt, (5, 6, 7, 8), 0)
+        run(rt, (9,), 4)
+        if ahead is not None:
+            rt.start_ahead(["a"], mx.array([ahead]))
+        results.append((run(rt, (6,), 5), run(rt, (4,), 6), rt.ahead_used, rt.ahead_undone))
+    plain, wrong, right = results
+    assert (wrong[2:], right[2:]) == ((0, 1), (1, 0))
+    for got in (wrong, right):
+        assert mx.array_equal(got[0], plain[0]) and mx.array_equal(got[1], plain[1])

@@ -1,7 +1,10 @@
-"""Probe the in-process pipeline's knobs on one checkpoint: the GIL switch interval and a
-compute thread per stage, at a few stream counts, with each stage's build/eval split.
+"""Probe the in-process pipeline's knobs on one checkpoint: the GIL switch interval, a
+compute thread per stage and the entry stage's step started ahead, at a few stream counts,
+with each stage's build/eval split.
 
-    python tools/pipeline_probe.py CHECKPOINT [STREAMS,...] [TOKENS]
+    python tools/pipeline_probe.py CHECKPOINT [STREAMS,...] [TOKENS] [CONFIG,...]
+
+CONFIG is one of default, no-ahead, switch-0.5ms, stage-threads (all, by default).
 
 A measurement aid for the people tuning the pipeline (GPU runs); ``bench pipeline`` is the
 benchmark users run.
@@ -18,12 +21,16 @@ from mlxcel.bench.pipeline import aggregate_rate, decode_rate
 from mlxcel.pipeline.inproc import pipeline_stack
 
 
-async def one(model: Path, streams: list[int], tokens: int, interval: float, threads: bool) -> None:
+async def one(
+    model: Path, streams: list[int], tokens: int, interval: float, threads: bool, ahead: bool
+) -> None:
     sys.setswitchinterval(interval)
     most = max(streams)
     async with pipeline_stack(
         model, 2, parallel=most, max_batch_size=most, stage_threads=threads
     ) as ps:
+        if not ahead:
+            ps.stages[-1].runtime.ahead_to = None
         for n in streams:
             await aggregate_rate(ps.frontend, 8, n)
             before = [
@@ -44,7 +51,7 @@ async def one(model: Path, streams: list[int], tokens: int, interval: float, thr
                     f"build {1e3 * (t.build_s - b) / jobs:.2f} eval {1e3 * (t.eval_s - e) / jobs:.2f}"
                 )
             print(
-                f"interval {interval * 1e3:.1f}ms threads={threads} streams {n}: {rate:.1f} tok/s "
+                f"interval {interval * 1e3:.1f}ms threads={threads} ahead={ahead} streams {n}: {rate:.1f} tok/s "
                 f"({wall:.1f}s) | " + " | ".join(parts),
                 flush=True,
             )
@@ -54,8 +61,15 @@ def main() -> None:
     model = Path(sys.argv[1])
     streams = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    for interval, threads in ((0.005, False), (0.0005, False), (0.005, True)):
-        asyncio.run(one(model, streams, tokens, interval, threads))
+    configs = {
+        "default": (0.005, False, True),
+        "no-ahead": (0.005, False, False),
+        "switch-0.5ms": (0.0005, False, True),
+        "stage-threads": (0.005, True, False),
+    }
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 else list(configs)
+    for name in names:
+        asyncio.run(one(model, streams, tokens, *configs[name]))
 
 
 if __name__ == "__main__":

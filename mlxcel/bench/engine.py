@@ -116,8 +116,18 @@ async def _mlxcel_row(fe: Any, prompts: list[list[int]], tokens: int) -> dict:
 
 
 async def run_bench(
-    model: Path, streams: list[int], prompt_tokens: int, tokens: int, json_lines: bool
+    model: Path,
+    streams: list[int],
+    prompt_tokens: int,
+    tokens: int,
+    json_lines: bool,
+    repeats: int = 3,
 ) -> int:
+    """At each stream count, ``repeats`` rounds, each mlx-lm then mlxcel on the same prompts:
+    rows hold the median round's rates and the ratio row the median, least and greatest of
+    the rounds' ratios (the spread says how far one run can be trusted on a shared machine)."""
+    import statistics
+
     from mlx_lm.utils import load
 
     from mlxcel.runtime.blas import blas_name
@@ -136,8 +146,15 @@ async def run_bench(
             # mlx-lm runs on this thread, as a user's script would (mlxcel is idle meanwhile).
             _mlx_lm_row(ref_model, ref_tok, prompts, 8)
             await _mlxcel_row(st.frontend, prompts, 8)
-            ref = _mlx_lm_row(ref_model, ref_tok, prompts, tokens)
-            ours = await _mlxcel_row(st.frontend, prompts, tokens)
+            rounds = []
+            for _ in range(repeats):
+                ref = _mlx_lm_row(ref_model, ref_tok, prompts, tokens)
+                ours = await _mlxcel_row(st.frontend, prompts, tokens)
+                rate = ref["decode_tok_per_s"]
+                rounds.append((ours["decode_tok_per_s"] / rate if rate else 0.0, ref, ours))
+            rounds.sort(key=lambda r: r[0])
+            ratios = [r[0] for r in rounds]
+            _, ref, ours = rounds[len(rounds) // 2]  # the median round
             for engine, r in (("mlx-lm", ref), ("mlxcel", ours)):
                 rows.append(
                     {
@@ -151,18 +168,30 @@ async def run_bench(
                         "blas": blas_name(),
                     }
                 )
-            ratio = (
-                ours["decode_tok_per_s"] / ref["decode_tok_per_s"] if ref["decode_tok_per_s"] else 0
+            rows.append(
+                {
+                    "bench": "engine",
+                    "streams": n,
+                    "ratio": round(statistics.median(ratios), 3),
+                    "ratio_min": round(ratios[0], 3),
+                    "ratio_max": round(ratios[-1], 3),
+                    "rounds": repeats,
+                }
             )
-            rows.append({"bench": "engine", "ratio": round(ratio, 3), "streams": n})
     if json_lines:
         for r in rows:
             print(json.dumps(r), flush=True)
         return 0
-    print(f"model {model} | {prompt_tokens}-token random prompts, up to {tokens} greedy tokens")
+    print(
+        f"model {model} | {prompt_tokens}-token random prompts, up to {tokens} greedy tokens, "
+        f"median of {repeats} rounds"
+    )
     for r in rows:
         if "ratio" in r:
-            print(f"  streams {r['streams']:>3}: mlxcel / mlx-lm decode = x{r['ratio']}")
+            print(
+                f"  streams {r['streams']:>3}: mlxcel / mlx-lm decode = x{r['ratio']} "
+                f"(rounds from x{r['ratio_min']} to x{r['ratio_max']})"
+            )
         else:
             print(
                 f"{r['engine']:>7} streams {r['streams']:>3}: {r['decode_tok_per_s']:>9.1f} "

@@ -232,6 +232,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 settings.prompt_tokens,
                 settings.tokens,
                 settings.json_lines,
+                repeats=settings.repeats,
             )
         )
     if args.command == "bench" and args.bench == "prompt-cache":

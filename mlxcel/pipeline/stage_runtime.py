@@ -11,26 +11,19 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from loguru import logger
 
-from mlxcel.messages import DeviceTensor, ErrorCode, SamplingParams, Tensor
+from mlxcel.messages import DeviceTensor, ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
+from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
 from mlxcel.runtime.model import LayerRange, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors, to_tensor
+from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
 
-WARM_UP_ROWS = 32  # the largest batch warm-up runs: each row is a throwaway prompt to fill
-# Prompt chunks of these many tokens meet every tile class of MLX's quantized matmul on a
-# GPU: it takes fewer than 8 rows as vectors and tiles 8 or more by the next power of two,
-# 16 to 64 (a 21-token prompt compiled the 32-row kernel for 32 s on a fresh H200).
-TILE_CLASS_ROWS = (16, 32, 64)
 SPANS_KEPT = 1024  # job timestamps a stage keeps for its timeline
-WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
 
 
 @dataclass
@@ -68,6 +61,19 @@ class StageTiming:
         }
 
 
+@dataclass
+class Ahead:
+    """An entry stage's decode step started before it was asked for (see
+    :meth:`StageRuntime.start_ahead`): its batch, rows, their positions, the lazy tokens it was
+    built on and its submitted output."""
+
+    bid: int
+    keys: tuple[SeqKey, ...]  # the batch's rows, in order
+    starts: tuple[int, ...]  # each row's position
+    tokens: mx.array
+    hidden: mx.array
+
+
 class StageRuntime:
     """A layer range plus the per-sequence caches and samplers. Call only on one thread.
 
@@ -81,6 +87,11 @@ class StageRuntime:
     compute thread) an activation is not evaluated here: the job submits it and returns a
     :class:`~mlxcel.messages.DeviceTensor`, and the next stage builds its graph on it while the
     device computes it. Otherwise a step is evaluated once and copied to the host once.
+
+    ``ahead_to`` (the last stage of an in-process pipeline, pointing at the entry stage's
+    runtime) starts the next decode step on the entry stage while this step's tokens are still
+    being sampled, as mlx-lm's loop does; the entry stage uses it when the coordinator asks
+    for exactly that step, and undoes it otherwise (see :meth:`start_ahead`).
     """
 
     def __init__(self, layers: LayerRange, device_handoff: bool = False) -> None:
@@ -95,8 +106,16 @@ class StageRuntime:
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
         self.timing = StageTiming()
+        self.ahead_to: StageRuntime | None = None
+        self._ahead: Ahead | None = None
+        self._pos: dict[SeqKey, int] = {}  # positions each sequence's cache holds
+        self.ahead_used = 0  # decode steps served from a step started ahead
+        self.ahead_undone = 0
 
     def free(self, key: SeqKey) -> None:
+        if self._ahead is not None and key in self._ahead.keys:
+            self._undo_ahead()
+        self._pos.pop(key, None)
         self.caches.pop(key, None)
         self.samplers.pop(key, None)
         bid = self.batch_of.pop(key, None)
@@ -114,54 +133,8 @@ class StageRuntime:
         return outs, t1 - t0
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
-        """Serve throwaway sequences through :meth:`run`, as the coordinator would, then free
-        them: one ``tokens``-long prompt and its first decode step alone (sampled with top-p,
-        top-k and min-p filters); then up to ``WARM_UP_ROWS`` short prompts whose decode steps
-        run as batches of 2, 4, ... ``batch`` rows (gathered into a batch cache, regrouped as
-        the size changes; greedy); and prompts of ``TILE_CLASS_ROWS`` tokens, alone.
-
-        A GPU compiles a kernel the first time it meets a shape class (on a fresh H200, about
-        30 s for each of MLX's quantized matmul kernels); this compiles the serving path's
-        (prompt chunks of every tile class, batched decode with padded masks, batch caches that
-        grow and shrink, batched greedy and filtered sampling) before the stage reports ready.
-        MLX keeps what it compiled on disk, so a later start on the same machine is quick."""
-        most = max(1, min(batch, WARM_UP_ROWS))
-        sizes = sorted({1 << k for k in range(1, most.bit_length())} | {most}) if most > 1 else []
-        lengths = [tokens + 1] + [3 + i % 5 for i in range(most if sizes else 0)]
-        lengths += [n + 1 for n in TILE_CLASS_ROWS if n < tokens]  # prompt-only sequences
-        keys = [("warm-up", -1 - i) for i in range(len(lengths))]
-        groups = [keys[:1]] + [keys[1 : 1 + b] for b in sizes for _ in range(2)]
-
-        def forwards() -> Iterator[list[Step]]:
-            for key, n in zip(keys, lengths, strict=True):
-                yield [self._warm_step(key, n - 1, 0, first, False)]
-            pos = {key: n - 1 for key, n in zip(keys, lengths, strict=True)}
-            for group in groups:
-                steps = [self._warm_step(k, 1, pos[k], first, True) for k in group]
-                if group[0] == keys[0]:  # the long prompt samples: filters, categorical draw
-                    steps = [replace(steps[0], sampling=WARM_UP_SAMPLING)]
-                yield steps
-                pos.update({k: pos[k] + 1 for k in group})
-
-        total, t0 = len(keys) + len(groups), time.monotonic()
-        said = t0
-        for i, steps in enumerate(forwards(), 1):
-            self.run(self._warm_job(steps, first, last))
-            if time.monotonic() - said > 5.0:  # compiling: say so, for whoever waits on us
-                said = time.monotonic()
-                logger.info("warm-up: {} of {} forwards in {:.0f}s", i, total, said - t0)
-        for key in keys:
-            self.free(key)
-        self.regroups = 0  # counts serving only
-
-    def _warm_step(self, key: SeqKey, n: int, start: int, first: bool, sample: bool) -> Step:
-        tokens = (0,) * n if first else None
-        hidden = None if first else to_tensor(mx.zeros((1, n, self.width), self.layers.dtype))
-        return Step(key, 0, tokens, hidden, n, start, SamplingParams(), 0, sample)
-
-    @staticmethod
-    def _warm_job(steps: list[Step], first: bool, last: bool) -> ComputeJob:
-        return ComputeJob(0, tuple(steps), first, last, False)
+        """Serve throwaway sequences before serving (see :mod:`.stage_warmup`)."""
+        stage_warm_up(self, tokens, first, last, batch)
 
     # --- persistent batches -----------------------------------------------------------------------
     def _drop_row(self, bid: int, key: SeqKey) -> None:
@@ -180,6 +153,8 @@ class StageRuntime:
 
     def _take_out(self, key: SeqKey) -> list[Any]:
         """``key``'s own caches, out of the batch it was in (if any)."""
+        if self._ahead is not None and key in self._ahead.keys:
+            self._undo_ahead()
         bid = self.batch_of.pop(key, None)
         if bid is not None:
             batch = self.batches[bid]
@@ -235,10 +210,18 @@ class StageRuntime:
         """A prompt chunk runs on its sequence's own cache; decode steps (one micro-batch) run
         as one batch on the micro-batch's persistent cache, inputs in its row order."""
         t0 = time.perf_counter()
-        steps = job.steps
+        steps, timing = job.steps, self.timing
         head = "none" if not any(s.sample for s in steps) else "all"
         if job.last and not job.return_logits and head != "none":
             head = "last"  # sampling needs the last position's logits only
+        ahead = self._ahead
+        if ahead is not None and job.first and any(s.key in ahead.keys for s in steps):
+            hit = self._take_ahead(steps)
+            if hit is not None:
+                timing.build_s += time.perf_counter() - t0
+                return hit
+        for s in steps:
+            self._pos[s.key] = s.start_pos + s.n
         if all(s.decode for s in steps):
             batch = self._batch_for([s.key for s in steps])
             where = {k: i for i, k in enumerate(batch.keys)}
@@ -250,7 +233,6 @@ class StageRuntime:
             (step,) = steps  # prompt chunks run one at a time
             cache, rows, x = self._take_out(step.key), [0], _inputs([step])
         h = self.layers(x, cache, head=head)
-        timing = self.timing
         if not job.last:
             if self.device_handoff:
                 mx.async_eval(h)  # the next stage's job, next on this thread, builds on it
@@ -299,6 +281,7 @@ class StageRuntime:
         if all(sm is None for sm in samplers):
             toks = mx.argmax(logprobs, axis=-1)
             picks = [toks, mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]]
+            self._pass_ahead(steps, picks, toks)
             try:
                 t1 = time.perf_counter()
                 mx.eval(picks)
@@ -317,6 +300,10 @@ class StageRuntime:
             self._pick(sm, logprobs[i : i + 1]) if s.sample else None
             for i, (s, sm) in enumerate(zip(steps, samplers, strict=True))
         ]
+        if all(isinstance(p, tuple) for p in each):
+            picked = [p for p in each if isinstance(p, tuple)]
+            toks = mx.concatenate([tok.reshape(-1) for tok, _ in picked])
+            self._pass_ahead(steps, [a for p in picked for a in p], toks)
         t1 = time.perf_counter()
         try:
             mx.eval([p for p in each if isinstance(p, tuple)])
@@ -333,6 +320,72 @@ class StageRuntime:
         timing.eval_s += t2 - t1
         timing.copy_s += time.perf_counter() - t2
         return outs
+
+    # --- steps started ahead (in-process pipelines) --------------------------------------------
+    def _pass_ahead(self, steps: tuple[Step, ...], picks: list[mx.array], toks: mx.array) -> None:
+        """Last stage: once this step's sampling is submitted, start the next decode step of the
+        same sequences on the entry stage, built on the lazy ``toks`` (one per step)."""
+        if self.ahead_to is None or not all(s.decode and s.sample for s in steps):
+            return
+        mx.async_eval(picks)
+        self.ahead_to.start_ahead([s.request_id for s in steps], toks)
+
+    def start_ahead(self, request_ids: list[str], tokens: mx.array) -> None:
+        """Entry stage: if ``request_ids`` are exactly the rows of one of its persistent batches,
+        run their next decode step on ``tokens`` (lazy, one per id, in that order) and submit
+        it, as mlx-lm's loop builds step t+1 while step t evaluates. Only the caches of that
+        batch change (one position each), undone unless the coordinator asks for that step."""
+        self._undo_ahead()
+        if self.layers.is_last:  # its outputs are tokens: nothing to pass on early
+            return
+        where = {k[0]: k for k in self.batch_of}
+        keys = [where.get(r) for r in request_ids]
+        bids = {self.batch_of[k] for k in keys if k is not None}
+        if None in keys or len(bids) != 1 or len(set(request_ids)) != len(request_ids):
+            return
+        bid = bids.pop()
+        batch = self.batches[bid]
+        if len(batch.keys) != len(keys):
+            return
+        order = {k: i for i, k in enumerate(keys)}
+        perm = [order[k] for k in batch.keys]
+        if perm != list(range(len(perm))):
+            tokens = tokens[mx.array(perm)]
+        x = tokens.reshape(-1, 1).astype(mx.int32)
+        h = self.layers(x, batch.cache, head="none")
+        mx.async_eval(h)
+        starts = tuple(self._pos[k] for k in batch.keys)
+        self._ahead = Ahead(bid, tuple(batch.keys), starts, tokens, h)
+
+    def _take_ahead(self, steps: tuple[Step, ...]) -> list[StepOutput] | None:
+        """The outputs of the step started ahead if ``steps`` are exactly it (same rows, same
+        positions, same tokens); otherwise it is undone and None returned."""
+        a = self._ahead
+        assert a is not None
+        row = {k: i for i, k in enumerate(a.keys)}
+        tokens = a.tokens.tolist()  # evaluated: the last stage has read them
+        same = len(steps) == len(a.keys) and all(
+            s.key in row
+            and s.start_pos == a.starts[row[s.key]]
+            and s.tokens == (tokens[row[s.key]],)
+            for s in steps
+        )
+        if not same:
+            self._undo_ahead()
+            return None
+        self._ahead = None
+        self.ahead_used += 1
+        for s in steps:
+            self._pos[s.key] = s.start_pos + 1
+        name, shape = dtype_name(a.hidden.dtype), (1, *a.hidden.shape[1:])
+        return [DeviceTensor(name, shape, b"", a.hidden, row[s.key]) for s in steps]
+
+    def _undo_ahead(self) -> None:
+        a, self._ahead = self._ahead, None
+        if a is not None:
+            self.ahead_undone += 1
+            for c in self.batches[a.bid].cache:
+                c.trim(1)
 
     def _sampler(self, step: Step) -> Sampler | None | StepFailed:
         """``step``'s sequence's sampler (None: greedy), made on its first sampled step."""
