@@ -525,3 +525,52 @@ async def test_a_leaf_subscriber_is_called_inside_a_feed_and_others_are_queued()
         assert plain_calls == [8] and plain.inline == 0
         with pytest.raises(BusError, match="leaf"):
             node.bus.subscribe(RunResult, lambda env: None, leaf=True)
+
+
+class Refusals(TimerCore):
+    """Counts the sends the adapter reports undeliverable."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.lost: list[str] = []
+
+    def undeliverable(self, send: object, reason: str, now: float) -> list:
+        self.lost.append(reason)
+        return []
+
+
+async def test_refusals_to_strangers_wait_in_one_bounded_outbox() -> None:
+    """Refusals to identities that are not peers share one outbox of STRANGER_OUTBOX sends: a
+    flood of strangers cannot queue more; the rest are reported undeliverable at once (and
+    each refusal's connection is reset after it went out)."""
+    from mlxcel.adapter import STRANGER_OUTBOX, CoreAdapter
+    from mlxcel.effects import Send
+
+    class Slow(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.resets: list[str] = []
+
+        async def send(self, dest: str, msg: Message, deadline: float) -> None:
+            await self.gate.wait()
+            await super().send(dest, msg, deadline)
+
+        def reset(self, dest: str) -> None:
+            self.resets.append(dest)
+
+    async with Node("n") as node:
+        ep, core = Slow(), Refusals()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        n = STRANGER_OUTBOX + 36
+        adapter.feed([Send(f"10.0.0.{i}:1", _entry(i), peer=False) for i in range(n)])
+        assert len(core.lost) == 36 and all("is full" in why for why in core.lost)
+        assert adapter.dropped_sends == 36
+        ep.gate.set()
+        for _ in range(500):
+            if len(ep.sent) == STRANGER_OUTBOX:
+                break
+            await asyncio.sleep(0.01)
+        assert [m.nonce for _, m in ep.sent] == list(range(STRANGER_OUTBOX))
+        assert ep.resets == [d for d, _ in ep.sent]  # one-off connections, closed after use

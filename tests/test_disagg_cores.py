@@ -117,19 +117,21 @@ def test_router_drops_results_from_unconfigured_and_wrong_senders() -> None:
     n, w = s.msg.nonce, s.msg.request_id
     out = r.handle(TokenResult(w, 0, (66,), "stop", n), STRANGER, 0.1)
     assert delivered(out) == []
-    (w,) = [e for e in out if isinstance(e, Warn)]
-    assert w.kind == "router-drop" and STRANGER in w.text
-    # A configured peer this request was not given to, a decode node claiming index 0, a
-    # wrong nonce: all dropped, the request still waits.
-    # Each gets a cancel back: if that node is generating for it, it stops.
+    (warn,) = [e for e in out if isinstance(e, Warn)]
+    assert warn.kind == "router-drop" and STRANGER in warn.text
+    # A configured peer this request was not given to, and the right node with a wrong
+    # nonce: dropped, and each gets a cancel back (if that node is generating for this id, it
+    # stops). The request's own decode node claiming index 0 (the prefill node's token):
+    # dropped without a cancel -- it is the node this request still needs.
     other = P1 if s.dest == P0 else P0
     for msg, src in (
         (TokenResult(w, 0, (66,), None, n), other),
-        (TokenResult(w, 0, (66,), None, n), s.msg.decode_target),
         (TokenResult(w, 0, (66,), None, n + 1), s.dest),
     ):
         (c,) = r.handle(msg, src, 0.1)
         assert isinstance(c, Send) and c.dest == src and isinstance(c.msg, CancelRequest)
+        assert c.msg.request_id == w  # the forged frames named the live request
+    assert r.handle(TokenResult(w, 0, (66,), None, n), s.msg.decode_target, 0.1) == []
     assert r.counts["stale"] == 3 and r.counts["router_drop"] == 1
     # ... and the forged frames end it only through the timeout.
     out = r.on_timer(1e6)
@@ -321,6 +323,18 @@ def test_an_ack_from_another_node_changes_nothing() -> None:
     (v,) = sends(core.handle(HandoffAck("r1", lease, True), D0, 1.0))
     assert v.dest == D0 and not v.msg.commit
     assert core.leases[lease].state is LeaseState.LEASED
+
+
+def test_an_ack_naming_another_request_changes_nothing() -> None:
+    """The right node and lease, but another request id: not an ack of this lease (a decode
+    node that mixed two handoffs up must not commit either)."""
+    core = prefill()
+    lease, _ = start(core)
+    (v,) = sends(core.handle(HandoffAck("r2", lease, True), D1, 1.0))
+    assert v.dest == D1 and not v.msg.commit and v.msg.reason == "no such lease"
+    assert core.leases[lease].state is LeaseState.LEASED and core.counts["late_acks"] == 1
+    (v,) = sends(core.handle(HandoffAck("r1", lease, True), D1, 1.1), HandoffVerdict)
+    assert v.msg.commit  # the real ack still commits
 
 
 def test_cancel_while_leased_aborts_at_decode_and_frees() -> None:
@@ -528,3 +542,40 @@ def test_parts_are_checked_against_the_model_on_arrival() -> None:
     assert core.active == 0
     # ... and a late part of that handoff opens nothing.
     assert core.handle(dataclasses.replace(h, part=1), P0, 0.2) == [] and core.active == 0
+
+
+def test_router_bookkeeping_of_a_completed_a_failed_and_a_cancelled_request() -> None:
+    """What the router counts and hands on, exactly: per request and per node, the
+    logprobs and the client's nonce on what it delivers, the prefill node freed at the first
+    token, and the handoff deadline moved forward by every token."""
+    r = online_router(handoff_timeout=10.0)
+    (s,) = sends(r.handle(entry("ok"), "local", 0.0), PrefillRequest)
+    n, w, p, d = s.msg.nonce, s.msg.request_id, s.dest, s.msg.decode_target
+    assert (r.nodes[p].active, r.nodes[d].active) == (1, 1)
+    (first,) = delivered(r.handle(TokenResult(w, 0, (10,), None, n, (-0.5,)), p, 1.0))
+    assert (first.micro_batch, first.nonce, first.logprobs) == (0, 7, (-0.5,))
+    assert (r.nodes[p].active, r.nodes[d].active) == (1 - 1, 1)  # the prefill part is done
+    assert r.on_timer(10.9) == []  # the deadline moved to 1.0 + 10 s with the first token
+    r.handle(TokenResult(w, 1, (11,), None, n), d, 10.5)
+    assert r.on_timer(20.4) == []  # ... and again with the next one
+    r.handle(TokenResult(w, 2, (12,), "length", n), d, 20.5)
+    assert r.counts["completed"] == 1 and r.nodes[p].completed == r.nodes[d].completed == 1
+    assert (r.nodes[p].active, r.nodes[d].active) == (0, 0)
+    # A failure: counted once, on both nodes, the client's nonce on the error.
+    (s,) = sends(r.handle(entry("bad"), "local", 30.0), PrefillRequest)
+    out = r.handle(
+        Error(ErrorCode.FORWARD_FAILED, "boom", s.msg.request_id, s.msg.nonce), s.dest, 30.1
+    )
+    (err,) = delivered(out)
+    assert err.nonce == 7 and err.code == ErrorCode.FORWARD_FAILED
+    assert r.counts["failed"] == 1 and r.nodes[s.dest].failed == 1
+    assert r.nodes[s.msg.decode_target].failed == 1
+    assert [w.kind for w in out if isinstance(w, Warn)] == ["warning"]
+    # A cancel: counted once, and both nodes told, with the reason.
+    (s,) = sends(r.handle(entry("gone"), "local", 40.0), PrefillRequest)
+    out = r.handle(CancelRequest("gone", "client went away"), "local", 40.1)
+    assert r.counts["cancelled"] == 1 and r.active == 0
+    assert {(c.dest, c.msg.reason) for c in sends(out, CancelRequest)} == {
+        (s.dest, "cancelled"),
+        (s.msg.decode_target, "cancelled"),
+    }

@@ -299,3 +299,26 @@ def test_preamble_parser(data: bytes) -> None:
         assert not s.finished
     else:
         assert s.error is not None
+
+
+def test_the_replay_guard_is_bounded_and_forgets_what_left_the_window() -> None:
+    """At most ``max_entries`` message 1s are remembered (oldest first out), an expired entry
+    is forgotten on the next check, and a duplicate inside the window is a replay."""
+    from mlxcel.wire.handshake_fields import Failure
+
+    guard = ReplayGuard(max_skew=10.0, max_entries=4, hold=1.0)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    for i, k in enumerate(keys):
+        assert guard.check(k, 100.0 + i * 0.1, 100.0 + i * 0.1) is None
+        assert len(guard._seen) <= 4
+    assert list(guard._seen) == keys[2:]  # the two oldest made room
+    assert guard.check(keys[5], 100.5, 100.6) is Failure.REPLAYED and guard.replays == 1
+    assert guard.check(keys[0], 200.0, 100.6) is Failure.CLOCK_SKEW and guard.stale == 1
+    assert guard.check(keys[4], 100.4, 100.7) is Failure.REPLAYED and guard.replays == 2
+    assert guard.check(keys[1], 300.0, 100.7) is Failure.CLOCK_SKEW and guard.stale == 2
+    # Past the window plus the hold, every entry expires: the timestamp check refuses those.
+    assert guard.check(bytes(32), 112.0, 112.0) is None and list(guard._seen) == [bytes(32)]
+    # A stamp exactly max_skew away is still inside the window; an entry outlives the window
+    # by the hold, so a late replay just inside it is still caught.
+    assert guard.check(b"e" * 32, 122.0, 112.0) is None
+    assert guard.check(b"e" * 32, 122.0, 131.5) is Failure.REPLAYED

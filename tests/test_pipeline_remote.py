@@ -613,7 +613,7 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
                 await long
             assert info.value.code == "stage_unreachable" and stages[1] in str(info.value)
             out.append(f"results connection lost: request failed after {loop.time() - t0:.2f}s")
-            assert loop.time() - t0 < 1.0
+            assert loop.time() - t0 < 2.5  # at once: well before the 3 s step deadline
             assert await ask() == 4
             tap.close()
         return out

@@ -188,10 +188,10 @@ async def test_reactor_keeps_ticking_during_a_long_prefill(tiny: Path) -> None:
         done = True
         await ticker
         during = [t for t in ticks if t_start <= t <= t_end]
-        gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
         assert took > 0.1, "prefill too short to prove anything"
-        # While the compute thread ran, the reactor kept ticking (at least every ~50 ms).
-        assert len(during) >= int(took / 0.05), (len(during), took)
-        assert max(gaps) < max(0.25, took / 4), max(gaps)
+        # While the compute thread ran, the reactor kept running: a reactor blocked by the
+        # compute (an evaluation holding the GIL) would tick once or not at all. How evenly it
+        # ticks is a performance figure, for the benchmarks, not asserted here.
+        assert len(during) >= 5, (len(during), took)
     finally:
         compute.close()

@@ -381,3 +381,42 @@ def test_top_k_beyond_64_bits_is_clamped_before_it_reaches_the_wire() -> None:
     )
     entry = RunEntry("r", 0, (1, 2), 0, p, 1)
     assert decode(encode(entry)) == entry and p.top_k == 2**31 - 1
+
+
+async def test_drain_keeps_its_deadline_with_a_request_in_flight() -> None:
+    """A request that never finishes (its engine is gone) cannot hold a drain past its
+    deadline: drain returns then, with the request still counted in flight, and new requests
+    are refused meanwhile."""
+    from contextlib import aclosing
+
+    from mlxcel.bus import Node
+    from mlxcel.errors import AdmissionRejected
+    from mlxcel.frontend import Frontend
+    from mlxcel.messages import SamplingParams
+
+    class Tok:
+        detokenizer = None
+
+    async with Node("drain") as node:
+        fe = Frontend(node, Tok(), parallel=2, request_timeout=60.0)
+        fe.attach()
+
+        async def stuck() -> None:
+            async with aclosing(fe.stream([1, 2, 3], SamplingParams(max_tokens=4))) as it:
+                async for _ in it:
+                    pass
+
+        task = asyncio.create_task(stuck())
+        while fe.in_flight == 0:
+            await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 0.3
+        await asyncio.wait_for(fe.drain(deadline), timeout=10.0)
+        assert loop.time() >= deadline and fe.in_flight == 1 and fe.draining
+        with pytest.raises(AdmissionRejected):
+            async with aclosing(fe.stream([1], SamplingParams(max_tokens=1))) as it:
+                async for _ in it:
+                    pass
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert fe.in_flight == 0
