@@ -272,7 +272,7 @@ def test_a_sampling_evaluation_that_fails_fails_its_rows_instead_of_returning_ga
 
     runtime.samplers[keys[1]] = fails_when_evaluated
     out = decode([greedy, hot, greedy], 5)
-    assert all(isinstance(o, StepFailed) for o in out), out
+    assert all(isinstance(o, StepFailed) and o.why.startswith("sampling failed") for o in out)
     runtime.samplers[keys[1]] = fails_when_called
     out = decode([greedy, hot, greedy], 6)
     assert isinstance(out[1], StepFailed) and "boom" in out[1].why
@@ -972,3 +972,49 @@ def test_a_step_started_ahead_on_other_tokens_is_undone_exactly(tiny: Path) -> N
     assert (wrong[2:], right[2:]) == ((0, 1), (1, 0))
     for got in (wrong, right):
         assert mx.array_equal(got[0], plain[0]) and mx.array_equal(got[1], plain[1])
+
+
+def test_a_failed_sampling_evaluation_fails_rows_also_when_the_next_step_starts_ahead(
+    tiny: Path,
+) -> None:
+    """In one process the last stage submits its sampling and starts the entry stage's next
+    step before reading the tokens: an evaluation that fails there still fails the sampled
+    rows as sampling failures (it used to escape as a failed forward)."""
+    import mlx.core as mx
+
+    from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, Step, StepFailed
+    from mlxcel.pipeline.stage_runtime import StageRuntime
+    from mlxcel.runtime.model import LayerRange, load_model
+
+    loaded = load_model(tiny)
+    n = loaded.n_layers
+    first = StageRuntime(LayerRange(loaded, 0, n // 2), device_handoff=True)
+    last = StageRuntime(LayerRange(loaded, n // 2, n))
+    last.ahead_to = first
+    keys = [("a", 1), ("b", 1), ("c", 1)]
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.9, seed=3)
+
+    def both(steps: list[Step]) -> list:
+        hidden = first.run(ComputeJob(0, tuple(steps), True, False, False))[0]
+        second = [
+            Step(s.key, 0, None, h, s.n, s.start_pos, s.sampling, 0, s.sample)
+            for s, h in zip(steps, hidden, strict=True)
+        ]
+        return last.run(ComputeJob(0, tuple(second), False, True, False))[0]
+
+    for k in keys:
+        both([Step(k, 0, (5, 6, 7, 8), None, 4, 0, greedy, 0, sample=False)])
+    params = [greedy, hot, greedy]
+    ok = both([Step(k, 0, (7,), None, 1, 4, p, 0) for k, p in zip(keys, params, strict=True)])
+    assert all(isinstance(o, Sampled) for o in ok) and first._ahead is not None
+
+    def fails_when_evaluated(logprobs: mx.array) -> mx.array:
+        singular = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu)[0, 0]
+        return mx.argmax(logprobs, -1) + (singular * 0).astype(mx.uint32)
+
+    last.samplers[keys[1]] = fails_when_evaluated
+    steps = [
+        Step(k, 0, (o.token,), None, 1, 5, p, 0) for k, o, p in zip(keys, ok, params, strict=True)
+    ]
+    out = both(steps)
+    assert all(isinstance(o, StepFailed) and o.why.startswith("sampling failed") for o in out)

@@ -106,9 +106,10 @@ async def pipeline_stack(
                 svc.attach()
                 await svc.warm_up()
                 services.append(svc)
-            if not stage_threads and not return_logits:
-                # One compute thread: the last stage starts the entry stage's next step while
-                # it samples this one (what mlx-lm's loop does within one model).
+            if not stage_threads and not return_logits and micro_batch_size >= stage_batch:
+                # One compute thread and one micro-batch: the last stage starts the entry
+                # stage's next step while it samples this one (what mlx-lm's loop does within
+                # one model). With several micro-batches each would undo the other's.
                 services[-1].runtime.ahead_to = services[0].runtime
             coord_node = await stack.enter_async_context(Node("coordinator"))
             coordinator = PipelineCoordinator(

@@ -286,8 +286,8 @@ class StageRuntime:
         if all(sm is None for sm in samplers):
             toks = mx.argmax(logprobs, axis=-1)
             picks = [toks, mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]]
-            self._pass_ahead(steps, picks, toks)
             try:
+                self._pass_ahead(steps, picks, toks)
                 t1 = time.perf_counter()
                 mx.eval(picks)
                 t2 = time.perf_counter()
@@ -305,12 +305,12 @@ class StageRuntime:
             self._pick(sm, logprobs[i : i + 1]) if s.sample else None
             for i, (s, sm) in enumerate(zip(steps, samplers, strict=True))
         ]
-        if all(isinstance(p, tuple) for p in each):
-            picked = [p for p in each if isinstance(p, tuple)]
-            toks = mx.concatenate([tok.reshape(-1) for tok, _ in picked])
-            self._pass_ahead(steps, [a for p in picked for a in p], toks)
         t1 = time.perf_counter()
         try:
+            if all(isinstance(p, tuple) for p in each):
+                picked = [p for p in each if isinstance(p, tuple)]
+                toks = mx.concatenate([tok.reshape(-1) for tok, _ in picked])
+                self._pass_ahead(steps, [a for p in picked for a in p], toks)
             mx.eval([p for p in each if isinstance(p, tuple)])
         except Exception as exc:
             # MLX marks the arrays of a failed evaluation as evaluated and hands back garbage
@@ -334,6 +334,9 @@ class StageRuntime:
             return
         if not all(s.decode and s.sample for s in steps):
             return
+        # An evaluation that fails raises here (on a CPU at once): the caller fails the rows
+        # as sampling failures. Their sequences are then released, caches and all, so a step
+        # started ahead that broke half-way is freed with them.
         mx.async_eval(picks)
         self.ahead_to.start_ahead([s.request_id for s in steps], toks)
 
