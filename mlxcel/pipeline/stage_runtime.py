@@ -56,6 +56,16 @@ class StageTiming:
         default_factory=lambda: collections.deque(maxlen=SPANS_KEPT)
     )
 
+    def add(self, t0: float, t1: float | None = None, t2: float | None = None) -> None:
+        """A job's parts from its ``perf_counter`` readings: started at ``t0``, built by
+        ``t1``, evaluated by ``t2``, copied by now (a reading left out: that part ended now)."""
+        now = time.perf_counter()
+        t1 = now if t1 is None else t1
+        t2 = now if t2 is None else t2
+        self.build_s += t1 - t0
+        self.eval_s += t2 - t1
+        self.copy_s += now - t2
+
     def fields(self) -> dict[str, int]:
         """As a State message carries them: microseconds, and jobs."""
         return {
@@ -223,7 +233,7 @@ class StageRuntime:
         if ahead is not None and job.first and any(s.key in ahead.keys for s in steps):
             hit = self._take_ahead(steps)
             if hit is not None:
-                timing.build_s += time.perf_counter() - t0
+                timing.add(t0)
                 return hit
         for s in steps:
             self._pos[s.key] = s.start_pos + s.n
@@ -241,22 +251,19 @@ class StageRuntime:
         if not job.last:
             if self.device_handoff:
                 mx.async_eval(h)  # the next stage's job, next on this thread, builds on it
-                timing.build_s += time.perf_counter() - t0
+                timing.add(t0)
                 name, shape = dtype_name(h.dtype), (1, *h.shape[1:])
                 return [DeviceTensor(name, shape, b"", h, r) for r in rows]
             t1 = time.perf_counter()
             mx.eval(h)
             t2 = time.perf_counter()
             outs: list[StepOutput] = [*row_tensors(h, rows)]
-            timing.build_s += t1 - t0
-            timing.eval_s += t2 - t1
-            timing.copy_s += time.perf_counter() - t2
+            timing.add(t0, t1, t2)
             return outs
         if head == "none":
             t1 = time.perf_counter()
             mx.eval([c.state for c in cache])
-            timing.build_s += t1 - t0
-            timing.eval_s += time.perf_counter() - t1
+            timing.add(t0, t1)
             return [None] * len(steps)
         if job.return_logits:
             logits = h.astype(mx.float32)
@@ -264,9 +271,7 @@ class StageRuntime:
             mx.eval(logits)
             t2 = time.perf_counter()
             outs = [*row_tensors(logits, rows)]
-            timing.build_s += t1 - t0
-            timing.eval_s += t2 - t1
-            timing.copy_s += time.perf_counter() - t2
+            timing.add(t0, t1, t2)
             return outs
         last = h[:, -1, :]
         if rows != sorted(rows):  # the batch's rows in step order
@@ -292,9 +297,7 @@ class StageRuntime:
                 mx.eval(picks)
                 t2 = time.perf_counter()
                 tokens, lps = picks[0].tolist(), picks[1].tolist()
-                timing.build_s += t1 - t0
-                timing.eval_s += t2 - t1
-                timing.copy_s += time.perf_counter() - t2
+                timing.add(t0, t1, t2)
                 return [
                     Sampled(t, lp) if s.sample else None
                     for s, t, lp in zip(steps, tokens, lps, strict=True)
@@ -321,9 +324,7 @@ class StageRuntime:
             Sampled(int(p[0].item()), float(p[1].item())) if isinstance(p, tuple) else p
             for p in each
         ]
-        timing.build_s += t1 - t0
-        timing.eval_s += t2 - t1
-        timing.copy_s += time.perf_counter() - t2
+        timing.add(t0, t1, t2)
         return outs
 
     # --- steps started ahead (in-process pipelines) --------------------------------------------
@@ -430,14 +431,9 @@ def _inputs(steps: list[Step]) -> mx.array:
     hs = [s.hidden for s in steps]
     first = hs[0]
     assert first is not None
-    if isinstance(first, DeviceTensor):
-        whole = first.array
-        assert isinstance(whole, mx.array)
-        if all(isinstance(h, DeviceTensor) and h.array is whole for h in hs) and [
-            h.row
-            for h in hs  # type: ignore[union-attr]
-        ] == list(range(whole.shape[0])):
-            return whole
+    whole = _whole_array(hs)  # type: ignore[arg-type]
+    if whole is not None:
+        return whole
     if len(hs) == 1 or any(
         h is None or isinstance(h, DeviceTensor) or (h.dtype, h.shape) != (first.dtype, first.shape)
         for h in hs
@@ -446,6 +442,13 @@ def _inputs(steps: list[Step]) -> mx.array:
         return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
     joined = b"".join(h.data for h in hs)  # type: ignore[union-attr]
     return from_tensor(Tensor(first.dtype, (len(hs) * first.shape[0], *first.shape[1:]), joined))
+
+
+def _whole_array(hs: list[Tensor]) -> mx.array | None:
+    """The device array ``hs`` are all the rows of, in its order; None otherwise."""
+    whole = getattr(hs[0], "array", None)
+    rows = [h.row if isinstance(h, DeviceTensor) and h.array is whole else -1 for h in hs]
+    return whole if whole is not None and rows == list(range(whole.shape[0])) else None
 
 
 def _array_of(t: Tensor) -> mx.array:
