@@ -1,0 +1,318 @@
+"""Every refusal, deadline, ending and bound of the decode node's core, compared exactly.
+
+The whole effect list is compared: the ack the prefill node gets (and its reason), what the
+router gets, what the compute side starts or frees, and the counters. See
+tests/test_router_refusals.py for why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.handoff import digest_of, tensor_digest
+from mlxcel.disagg.protocol import MAX_PARTS, MAX_TOMBSTONES, ResumeJob, VerifyJob
+from mlxcel.effects import FreeCache, Send, StartCompute, Warn
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+    TokenResult,
+)
+
+P0, P1 = "127.0.0.2:9000", "127.0.0.3:9000"  # prefill nodes
+R = "127.0.0.6:9000"  # the router the handoffs name
+STRANGER = "127.0.0.9:9000"
+NONCE = 42
+K = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
+
+
+def core(**kw: object) -> DecodeCore:
+    base: dict = dict(vocab=100, max_len=64, max_sequences=2, verdict_wait=15.0)
+    return DecodeCore(DecodeConfig(**{**base, **kw}))
+
+
+def handoff(
+    rid: str = "r1",
+    lease: int = 5,
+    first: int = 9,
+    max_tokens: int = 3,
+    prompt_len: int = 3,
+    layers: int = 1,
+) -> KvHandoff:
+    keys = (K,) * layers
+    h = KvHandoff(
+        rid, lease, R, NONCE, first, SamplingParams(max_tokens=max_tokens), (), prompt_len,
+        keys, keys, b"",
+    )
+    return dataclasses.replace(h, digest=digest_of(h, tensor_digest(keys, keys)))
+
+
+def no(h: KvHandoff, why: str, dest: str = P0) -> list:
+    return [Send(dest, HandoffAck(h.request_id, h.lease, False, why))]
+
+
+def staged(c: DecodeCore, h: KvHandoff, src: str = P0, now: float = 0.0) -> int:
+    (e,) = c.handle(h, src, now)
+    assert isinstance(e, StartCompute) and isinstance(e.job, VerifyJob)
+    assert c.verified(e.job.slot, None, now) == [
+        Send(src, HandoffAck(h.request_id, h.lease, True))
+    ]
+    return e.job.slot
+
+
+def decoding(c: DecodeCore, h: KvHandoff, src: str = P0, now: float = 0.0) -> int:
+    slot = staged(c, h, src, now)
+    (e,) = c.handle(HandoffVerdict(h.request_id, h.lease, True), src, now)
+    assert isinstance(e, StartCompute) and isinstance(e.job, ResumeJob)
+    return slot
+
+
+def test_handoffs_outside_the_model_or_the_nodes_limits_are_refused_with_the_reason() -> None:
+    c = core()
+    ctx = "prompt and max_tokens exceed the model's context of 64"
+    rng = "first token or max_tokens out of range"
+    cases = [
+        (handoff(lease=1, first=-1), rng),
+        (handoff(lease=2, first=100), rng),
+        (handoff(lease=3, max_tokens=0), rng),
+        (handoff(lease=4, prompt_len=0), ctx),
+        (handoff(lease=6, prompt_len=60, max_tokens=4), ctx),  # 60 + 1 + 4 > 64
+    ]
+    for h, why in cases:
+        assert c.handle(h, P0, 0.0) == no(h, why)
+        assert c.handle(h, P0, 0.1) == []  # a repeat of a refused handoff opens nothing
+    assert c.counts == {"refused": len(cases)} and c.active == 0
+    # The edges pass: first token 0 and 99, max_tokens 1, prompt_len 1, exactly the context.
+    ok = [
+        handoff("a", 10, first=0, max_tokens=1, prompt_len=1),
+        handoff("b", 11, first=99, prompt_len=60),
+    ]
+    for slot, h in enumerate(ok, start=1):
+        assert c.handle(h, P0, 0.0) == [StartCompute(VerifyJob(slot, h))]
+    # Full at max_sequences; one request at a time per router and id.
+    h = handoff("c", 12)
+    assert c.handle(h, P0, 0.0) == no(h, "decode node full (2 sequences)")
+    c.handle(CancelRequest("a", "x"), R, 0.0)
+    h = handoff("b", 13)
+    assert c.handle(h, P1, 0.0) == no(h, "this node already decodes that request", P1)
+
+
+def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
+    c = core(max_sequences=8)
+    k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
+    base = handoff()
+    cases = [
+        (dataclasses.replace(base, lease=1, part=1, parts=1), "part 1 of 1 (at most one part per layer)"),
+        (dataclasses.replace(base, lease=2, part=-1, parts=2), "part -1 of 2 (at most one part per layer)"),
+        (dataclasses.replace(base, lease=3, parts=MAX_PARTS + 1),
+         f"part 0 of {MAX_PARTS + 1} (at most one part per layer)"),
+        (dataclasses.replace(base, lease=4, keys=(), values=()), "a part of 0 key and 0 value layers"),
+        (dataclasses.replace(base, lease=6, values=(K, K)), "a part of 1 key and 2 value layers"),
+    ]
+    for h, why in cases:
+        assert c.handle(h, P0, 0.0) == no(h, why)
+    assert c.counts == {"refused": len(cases)}
+    # Against the model's dims: more parts or layers than it has, or another tensor shape.
+    m = core(dims=(2, 1, 2))
+    cases = [
+        (dataclasses.replace(base, lease=1, parts=3), "part 0 of 3 (at most one part per layer)"),
+        (dataclasses.replace(base, lease=2, keys=(K,) * 3, values=(K,) * 3),
+         "a part of 3 key and 3 value layers"),
+        (dataclasses.replace(base, lease=3, keys=(k2,)),
+         "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]"),
+    ]
+    for h, why in cases:
+        assert m.handle(h, P0, 0.0) == no(h, why)
+    whole = handoff(layers=2)
+    assert m.handle(whole, P0, 0.0) == [StartCompute(VerifyJob(1, whole))]
+
+
+def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
+    c = core(dims=(2, 1, 2))
+    whole = handoff(layers=2)
+    p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
+    p1 = dataclasses.replace(p0, part=1)
+    assert c.handle(p1, P0, 1.0) == [] and c.next_timer() == 16.0
+    assert c.handle(p1, P0, 2.0) == []  # a repeat changes nothing...
+    assert c.counts == {"parts": 1} and c.next_timer() == 16.0  # ...not even the deadline
+    assert c.handle(p0, P0, 10.0) == [StartCompute(VerifyJob(1, whole))]
+    assert c.counts == {"parts": 2} and c.next_timer() == 25.0  # progress moved it
+    assert c.handle(p0, P0, 11.0) == []  # the slot is verifying: parts are over
+    # A second part with a bad shape, or that disagrees, ends the handoff unread.
+    k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
+    q0 = dataclasses.replace(p0, lease=7)
+    for bad, why in (
+        (dataclasses.replace(q0, part=1, keys=(k2,)), "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]"),
+        (dataclasses.replace(q0, part=1, first_token=8), "the parts of the handoff disagree"),
+    ):
+        fresh = core(dims=(2, 1, 2))
+        assert fresh.handle(q0, P0, 0.0) == []
+        assert fresh.handle(bad, P0, 0.1) == no(bad, why) + [FreeCache(1)]
+        assert fresh.counts == {"parts": 1, "corrupt": 1} and fresh.active == 0
+
+
+def test_verification_results_and_verdicts_exactly() -> None:
+    c = core()
+    h = handoff()
+    (e,) = c.handle(h, P0, 0.0)
+    slot = e.job.slot
+    assert c.verified(slot, "handoff digest mismatch", 0.1) == no(h, "handoff digest mismatch") + [
+        FreeCache(slot)
+    ]
+    assert c.verified(slot, None, 0.2) == [FreeCache(slot)]  # gone: the compute side frees
+    assert c.counts == {"corrupt": 1}
+    # Verified: acked, deadline renewed, the payload dropped; then committed and resumed.
+    h = handoff("r2", 6)
+    (e,) = c.handle(h, P0, 1.0)
+    slot = e.job.slot
+    assert c.verified(slot, None, 2.0) == [Send(P0, HandoffAck("r2", 6, True))]
+    assert c.next_timer() == 17.0
+    assert c.handle(HandoffVerdict("r2", 6, True), P1, 2.1) == []  # not its prefill node
+    light = dataclasses.replace(h, keys=(), values=())
+    assert c.handle(HandoffVerdict("r2", 6, True), P0, 2.2) == [
+        StartCompute(ResumeJob(slot, light))
+    ]
+    assert c.next_timer() is None and list(c.reads) == [(P0, 6)]
+    assert c.handle(HandoffVerdict("r2", 6, True), P0, 2.3) == []  # a repeat
+    assert c.handle(HandoffVerdict("r2", 6, False), P0, 2.3) == []  # too late to abort
+    assert c.counts == {"corrupt": 1, "committed": 1}
+    assert c.reads.maxlen == 100_000
+
+
+def test_a_commit_before_the_ack_is_refused_with_a_warning_and_an_abort_frees() -> None:
+    c = core()
+    h = handoff()
+    (e,) = c.handle(h, P0, 0.0)
+    want = "decode handoff: COMMIT is not allowed in state VERIFYING"
+    assert c.handle(HandoffVerdict("r1", 5, True), P0, 0.1) == [
+        Warn("warning", f"decode: {want} (from {P0})")
+    ]
+    assert c.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 0.2) == [
+        FreeCache(e.job.slot)
+    ]
+    assert c.counts == {"aborted": 1} and not c.reads and c.active == 0
+
+
+def test_tokens_errors_and_finish_go_to_the_router_the_handoff_names() -> None:
+    c = core()
+    slot = decoding(c, handoff())
+    assert c.token(slot, RunResult("x", 0, (21,), None, 0, (-0.1,)), 1.0) == [
+        Send(R, TokenResult("r1", 1, (21,), None, NONCE, (-0.1,)))
+    ]
+    assert c.token(slot, RunResult("x", 0, (22,), "length", 0), 1.1) == [
+        Send(R, TokenResult("r1", 2, (22,), "length", NONCE)),
+        FreeCache(slot),
+    ]
+    assert c.token(slot, RunResult("x", 0, (23,), None, 0), 1.2) == []  # ended
+    slot = decoding(c, handoff("r2", 6))
+    assert c.token(slot, Error(ErrorCode.FORWARD_FAILED, "boom"), 2.0) == [
+        Send(R, Error(ErrorCode.FORWARD_FAILED, "decode failed: boom", "r2", NONCE)),
+        FreeCache(slot),
+    ]
+    s3 = staged(c, handoff("r3", 7))
+    assert c.token(s3, RunResult("x", 0, (1,), None, 0), 3.0) == []  # not committed: no tokens
+    assert c.counts == {"committed": 2, "completed": 1}
+
+
+def test_verdicts_and_parts_that_never_come_time_out_at_their_deadline() -> None:
+    c = core(max_sequences=8)
+    a = staged(c, handoff("a", 1), now=0.0)
+    b = staged(c, handoff("b", 2), now=0.0)
+    p = dataclasses.replace(handoff("c", 3), part=0, parts=3)
+    assert c.handle(p, P0, 0.0) == []
+    decoding(c, handoff("d", 4), now=0.0)
+    assert c.on_timer(14.999) == []
+    never = "the prefill node never committed the handoff within 15s; it was not read"
+    parts = "only 1 of 3 handoff parts came in 15s; it was not read"
+    assert c.on_timer(15.0) == [
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, never, "a", NONCE)),
+        FreeCache(a),
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, never, "b", NONCE)),
+        FreeCache(b),
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, parts, "c", NONCE)),
+        FreeCache(3),
+    ]
+    assert c.counts["verdict_timeouts"] == 3 and c.active == 1  # the decoding one stays
+    assert c.on_timer(1e9) == []
+
+
+def test_a_lost_prefill_node_ends_only_its_uncommitted_handoffs() -> None:
+    c = core(max_sequences=8)
+    a = staged(c, handoff("a", 1))
+    (e,) = c.handle(handoff("b", 2), P0, 0.0)  # still verifying
+    decoding(c, handoff("c", 3))
+    staged(c, handoff("d", 4), src=P1)
+    assert c.peer_lost(R, 1.0) == []  # a lost router changes nothing here
+    why = "the prefill node was lost before it committed the handoff; not read"
+    assert c.peer_lost(P0, 1.0) == [
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "a", NONCE)),
+        FreeCache(a),
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "b", NONCE)),
+        FreeCache(e.job.slot),
+    ]
+    assert c.active == 2
+
+
+def test_an_unreachable_router_ends_the_slot_it_was_decoding_for() -> None:
+    c = core()
+    slot = decoding(c, handoff())
+    t = Send(R, TokenResult("r1", 1, (5,), None, NONCE))
+    assert c.undeliverable(Send(STRANGER, t.msg), "refused", 1.0) == []  # not its router
+    assert c.undeliverable(Send(R, HandoffAck("r1", 5, True)), "refused", 1.0) == []
+    assert c.undeliverable(t, "connection refused", 1.0) == [FreeCache(slot)]
+    assert c.undeliverable(t, "connection refused", 1.1) == [] and c.active == 0
+    slot = decoding(c, handoff("r2", 6))
+    err = Send(R, Error(ErrorCode.FORWARD_FAILED, "x", "r2", NONCE))
+    assert c.undeliverable(err, "refused", 2.0) == [FreeCache(slot)]
+
+
+def test_cancels_free_the_slot_and_refuse_the_handoff_until_the_tombstone_expires() -> None:
+    c = core()
+    slot = decoding(c, handoff())
+    assert c.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == []  # not its router
+    assert c.handle(CancelRequest("r1", "gone"), R, 1.0) == [FreeCache(slot)]
+    assert c.counts == {"committed": 1, "cancelled": 1}
+    # The request id stays refused for a minute: a late handoff of it is not read.
+    h = handoff("r1", 9)
+    assert c.handle(h, P1, 2.0) == no(h, "the router cancelled this request", P1)
+    assert c.handle(CancelRequest("r7", "early"), R, 3.0) == []
+    assert c.next_timer() == 61.0
+    assert c.on_timer(62.9) == []
+    h7 = handoff("r7", 10)
+    assert c.handle(h7, P0, 62.95) == no(h7, "the router cancelled this request")
+    c.on_timer(63.0)  # the early cancel's tombstone is gone at 3 + 60 s
+    h7 = handoff("r7", 11)
+    assert c.handle(h7, P0, 63.1) == [StartCompute(VerifyJob(2, h7))]
+
+
+def test_other_messages_are_ignored_with_a_debug_line() -> None:
+    c = core()
+    assert c.handle(RunEntry("r", 0, (1,), 0, SamplingParams(), 1), P0, 0.0) == [
+        Warn("debug", f"decode: ignoring RunEntry from {P0}")
+    ]
+    assert c.handle(HandoffVerdict("r", 1, True), P0, 0.0) == [] and c.counts == {}
+
+
+def test_the_memories_of_cancels_and_ended_handoffs_are_bounded() -> None:
+    c = core()
+    for i in range(MAX_TOMBSTONES + 1):
+        c.handle(CancelRequest(f"q{i}", "x"), R, 0.0)
+    assert len(c._tombstones) == MAX_TOMBSTONES
+    h1, h0 = handoff("q1", 1), handoff("q0", 2)
+    assert c.handle(h1, P0, 1.0) == no(h1, "the router cancelled this request")
+    assert c.handle(h0, P0, 1.0) == [StartCompute(VerifyJob(1, h0))]  # forgotten
+    d = core()
+    for i in range(MAX_TOMBSTONES + 1):
+        d.handle(handoff(f"e{i}", lease=1000 + i, first=-1), P0, 0.0)
+    assert len(d._ended) == MAX_TOMBSTONES
+    assert d.handle(handoff("e1", 1001, first=-1), P0, 1.0) == []  # still remembered
+    again = handoff("e0", 1000, first=-1)
+    assert d.handle(again, P0, 1.0) == no(again, "first token or max_tokens out of range")

@@ -1,0 +1,302 @@
+"""Every refusal, lease ending and bound of the prefill node's core, compared exactly.
+
+The whole effect list is compared: what the router is told (code, text, id, nonce), what the
+decode node is told (the verdict and its reason), what the compute side frees, and the
+counters. See tests/test_router_refusals.py for why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import MAX_TOMBSTONES, PrefillJob
+from mlxcel.effects import FreeCache, Send, StartCompute, Warn
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    ErrorCode,
+    HandoffAck,
+    HandoffVerdict,
+    KvHandoff,
+    PrefillRequest,
+    RunEntry,
+    SamplingParams,
+    Tensor,
+    TokenResult,
+)
+
+R = "127.0.0.6:9000"  # the router
+D0, D1 = "127.0.0.4:9000", "127.0.0.5:9000"
+STRANGER = "127.0.0.9:9000"
+NONCE = 42
+K = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
+PACKED = Packed(3, 9, (K,), (K,), tensor_digest((K,), (K,)))
+
+
+def core(**kw: object) -> PrefillCore:
+    base: dict = dict(decode_peers=(D0,), vocab=100, max_len=64, lease=5.0, max_sequences=2)
+    return PrefillCore(PrefillConfig(**{**base, **kw}))
+
+
+def request(
+    rid: str = "r1",
+    target: str = D1,
+    tokens: tuple[int, ...] = (1, 2, 3),
+    max_tokens: int = 4,
+    nonce: int = NONCE,
+) -> PrefillRequest:
+    return PrefillRequest(rid, tokens, SamplingParams(max_tokens=max_tokens), target, nonce)
+
+
+def admit(c: PrefillCore, m: PrefillRequest, now: float = 0.0) -> int:
+    (e,) = c.handle(m, R, now)
+    assert isinstance(e, StartCompute) and isinstance(e.job, PrefillJob)
+    return e.job.lease
+
+
+def handoff_of(m: PrefillRequest, lease: int, target_sampling: int, key_state=()) -> KvHandoff:
+    h = KvHandoff(
+        m.request_id,
+        lease,
+        R,
+        m.nonce,
+        9,
+        SamplingParams(max_tokens=target_sampling),
+        key_state,
+        3,
+        (K,),
+        (K,),
+        b"",
+    )
+    return dataclasses.replace(h, digest=digest_of(h, PACKED.tensors))
+
+
+def leased(c: PrefillCore, m: PrefillRequest, now: float = 0.0) -> int:
+    lease = admit(c, m, now)
+    c.compute_done(lease, (9,), "length", None, PACKED, (), now)
+    return lease
+
+
+def refused(m: PrefillRequest, code: str, why: str) -> list:
+    return [Send(R, Error(code, why, m.request_id, m.nonce))]
+
+
+def test_each_refusal_comes_before_any_work_with_its_own_code_and_reason() -> None:
+    c = core(decode_peers=())
+    ctx = "must fit the model's context of 64"
+    cases = [
+        (request(target=""), ErrorCode.HANDOFF_FAILED,
+         "no decode target: the request names none and this node has no --decode-peers"),
+        (request("e", tokens=()), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
+        (request("n", tokens=(0, -1)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
+        (request("v", tokens=(100,)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
+        (request("z", max_tokens=0), ErrorCode.BAD_REQUEST,
+         f"prompt (3) + max_tokens (0) {ctx}"),
+        (request("l", tokens=(1,) * 60, max_tokens=5), ErrorCode.BAD_REQUEST,
+         f"prompt (60) + max_tokens (5) {ctx}"),
+    ]
+    for m, code, why in cases:
+        assert c.handle(m, R, 0.0) == refused(m, code, why)
+    assert c.counts == {"refused": len(cases)} and c.active == 0
+    # The edges pass: token 0 and 99, max_tokens 1, prompt + max_tokens == the context.
+    for m in (request("lo", tokens=(0, 99), max_tokens=1), request("fit", tokens=(1,) * 60)):
+        lease = len(c.leases) + 1
+        one = SamplingParams(max_tokens=1)
+        assert c.handle(m, R, 0.0) == [StartCompute(PrefillJob(lease, m.token_ids, one))]
+    # Full at max_sequences (2): refused, and the next after one ends is accepted.
+    assert c.handle(request("x"), R, 0.0) == refused(
+        request("x"), ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full"
+    )
+    assert c.counts == {"refused": len(cases) + 1, "accepted": 2}
+
+
+def test_an_unsupported_model_and_an_allowlist_refuse_with_their_reasons() -> None:
+    why = "model family 'gemma3' keeps RotatingKVCache state"
+    c = core(unsupported=why)
+    assert c.handle(request(), R, 0.0) == refused(request(), ErrorCode.UNSUPPORTED_MODEL, why)
+    c = core(allowlist=frozenset({D0}))
+    assert c.handle(request(target=D1), R, 0.0) == refused(
+        request(),
+        ErrorCode.DECODE_TARGET_REFUSED,
+        f"decode target {D1} is not in MLXCEL_DECODE_ALLOWLIST; the KV cache was not sent",
+    )
+
+
+def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -> None:
+    c = core()
+    lease = admit(c, request())
+    assert c.handle(request(), R, 0.1) == []  # the same request again: it runs already
+    assert c.handle(request(nonce=NONCE + 1), R, 0.1) == refused(
+        request(nonce=NONCE + 1), ErrorCode.BAD_REQUEST, "request 'r1' is already running"
+    )
+    assert list(c.leases) == [lease]
+    # The same id from another router is another request.
+    (e,) = c.handle(request(), STRANGER, 0.2)
+    assert isinstance(e, StartCompute)
+    c.compute_done(lease, (5,), "stop", None, PACKED, (), 0.3)
+    assert c.handle(request(), R, 0.4) == []  # ran already: never again
+    lease2 = admit(c, request(nonce=NONCE + 1), 0.5)  # a new nonce is a new request
+    assert lease2 == lease + 2
+
+
+def test_the_first_token_ends_the_request_on_stop_or_a_one_token_budget() -> None:
+    c = core()
+    for rid, finish, budget in (("a", "stop", 4), ("b", "length", 1)):
+        m = request(rid, max_tokens=budget)
+        lease = admit(c, m)
+        out = c.compute_done(lease, (7,), finish, (-0.25,), PACKED, (), 0.1)
+        first = TokenResult(rid, 0, (7,), finish, NONCE, (-0.25,))
+        assert out == [Send(R, first), FreeCache(lease)]
+    assert c.counts == {"accepted": 2, "finished": 2} and c.active == 0
+
+
+def test_the_handoff_carries_the_rest_of_the_request_under_a_lease_deadline() -> None:
+    c = core()
+    m = request()
+    lease = admit(c, m)
+    out = c.compute_done(lease, (9,), "length", (-0.5,), PACKED, (1, 2), 2.0)
+    expires = 2.0 + 5.0 + PACKED.nbytes / 100e6
+    assert out == [
+        Send(R, TokenResult("r1", 0, (9,), None, NONCE, (-0.5,))),
+        Send(D1, handoff_of(m, lease, 3, (1, 2)), deadline=expires),
+    ]
+    assert c.next_timer() == expires and c.counts == {"accepted": 1, "handed_off": 1}
+
+
+def test_a_prompt_that_left_no_cache_or_no_token_fails_without_a_handoff() -> None:
+    c = core(max_sequences=4)
+    for rid, tokens, packed in (("a", (9,), None), ("b", (), PACKED)):
+        m = request(rid)
+        lease = admit(c, m)
+        out = c.compute_done(lease, tokens, "length", None, packed, (), 0.1)
+        assert out == [
+            Send(R, TokenResult(rid, 0, tokens, None, NONCE)),
+            Send(R, Error(ErrorCode.FORWARD_FAILED, "the prompt left no KV cache", rid, NONCE)),
+            FreeCache(lease),
+        ]
+    assert c.active == 0
+
+
+def test_compute_that_fails_or_ends_after_a_cancel_frees_the_cache() -> None:
+    c = core()
+    lease = admit(c, request())
+    assert c.compute_failed(lease, "out of memory", 0.1) == [
+        Send(R, Error(ErrorCode.FORWARD_FAILED, "prefill failed: out of memory", "r1", NONCE)),
+        FreeCache(lease),
+    ]
+    assert c.compute_failed(lease, "again", 0.2) == [FreeCache(lease)]
+    lease = admit(c, request("r2"))
+    assert c.handle(CancelRequest("r2", "x"), STRANGER, 0.3) == []  # not its router
+    assert c.handle(CancelRequest("r2", "client went away"), R, 0.3) == [FreeCache(lease)]
+    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.4) == [FreeCache(lease)]
+    lease = leased(c, request("r3"))
+    assert c.handle(CancelRequest("r3", "client went away"), R, 0.5) == [
+        FreeCache(lease),
+        Send(D1, HandoffVerdict("r3", lease, False, "cancelled")),
+    ]
+    assert c.counts["cancelled"] == 2 and c.active == 0
+
+
+def test_acks_commit_only_the_lease_they_name_from_its_decode_node() -> None:
+    c = core()
+    lease = leased(c, request())
+    no = Send(D0, HandoffVerdict("r1", lease, False, "no such lease"))
+    assert c.handle(HandoffAck("r1", lease, True), D0, 0.1) == [no]  # another node
+    assert c.handle(HandoffAck("r1", lease + 9, True), D1, 0.1) == [
+        Send(D1, HandoffVerdict("r1", lease + 9, False, "no such lease"))
+    ]
+    computing = admit(c, request("r2"))
+    assert c.handle(HandoffAck("r2", computing, True), D1, 0.1) == [
+        Send(D1, HandoffVerdict("r2", computing, False, "no such lease"))  # not handed off yet
+    ]
+    assert c.counts["late_acks"] == 3
+    assert c.handle(HandoffAck("r1", lease, True), D1, 0.2) == [
+        Send(D1, HandoffVerdict("r1", lease, True)),
+        FreeCache(lease),
+    ]
+    assert c.counts["committed"] == 1 and list(c.leases) == [computing]
+
+
+def test_a_refused_ack_fails_the_request_and_aborts_with_a_bounded_reason() -> None:
+    c = core()
+    lease = leased(c, request())
+    reason = "digest mismatch " + "x" * 300
+    why = f"decode node {D1} refused the handoff: {reason}"
+    assert c.handle(HandoffAck("r1", lease, False, reason), D1, 0.1) == [
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "r1", NONCE)),
+        FreeCache(lease),
+        Send(D1, HandoffVerdict("r1", lease, False, why[:200])),
+    ]
+
+
+def test_leases_expire_at_their_deadline_each_with_an_error_and_an_abort() -> None:
+    c = core()
+    a, b = leased(c, request("a")), leased(c, request("b"))
+    when = c.next_timer()
+    assert when is not None and c.on_timer(when - 1e-6) == []
+    why = f"handoff lease expired after 5s: decode node {D1} never acknowledged the KV cache"
+    assert c.on_timer(when) == [
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "a", NONCE)),
+        FreeCache(a),
+        Send(D1, HandoffVerdict("a", a, False, why[:200])),
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "b", NONCE)),
+        FreeCache(b),
+        Send(D1, HandoffVerdict("b", b, False, why[:200])),
+    ]
+    assert c.counts["expired"] == 2 and c.next_timer() is None
+    admit(c, request("c"))
+    assert c.next_timer() is None and c.on_timer(1e9) == []  # a computing lease has no timer
+
+
+def test_a_handoff_that_cannot_be_delivered_fails_its_lease_only() -> None:
+    c = core()
+    m = request()
+    lease = leased(c, m)
+    h = Send(D1, handoff_of(m, lease, 3))
+    why = f"handoff to decode node {D1}: connection refused"
+    assert c.undeliverable(h, "connection refused", 1.0) == [
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "r1", NONCE)),
+        FreeCache(lease),
+        Send(D1, HandoffVerdict("r1", lease, False, why)),
+    ]
+    assert c.undeliverable(h, "again", 1.1) == []  # that lease is gone
+    assert c.undeliverable(Send(R, TokenResult("r1", 0, (9,), None, NONCE)), "x", 1.2) == []
+
+
+def test_a_lost_decode_node_fails_every_lease_waiting_on_it_and_only_those() -> None:
+    c = core(max_sequences=8)
+    a = leased(c, request("a"))
+    b = leased(c, request("b"))
+    other = leased(c, request("o", target=D0))
+    running = admit(c, request("c"))
+    assert c.peer_lost(R, 1.0) == []  # a lost router changes nothing
+    why = f"decode node {D1} was lost before it acknowledged the handoff"
+    assert c.peer_lost(D1, 1.0) == [
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "a", NONCE)),
+        FreeCache(a),
+        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "b", NONCE)),
+        FreeCache(b),
+    ]
+    assert sorted(c.leases) == sorted([other, running])
+
+
+def test_other_messages_are_ignored_with_a_debug_line() -> None:
+    c = core()
+    entry = RunEntry("r", 0, (1,), 0, SamplingParams(), 1)
+    assert c.handle(entry, STRANGER, 0.0) == [
+        Warn("debug", f"prefill: ignoring RunEntry from {STRANGER}")
+    ]
+    assert c.handle(CancelRequest("nothing", "x"), R, 0.0) == [] and c.counts == {}
+
+
+def test_the_memory_of_finished_requests_is_bounded_and_forgets_the_oldest() -> None:
+    c = core(max_sequences=1)
+    for i in range(MAX_TOMBSTONES + 1):
+        lease = admit(c, request(f"q{i}", max_tokens=1))
+        c.compute_done(lease, (1,), "length", None, PACKED, (), 0.0)
+    assert len(c._finished) == MAX_TOMBSTONES
+    assert c.handle(request("q1", max_tokens=1), R, 1.0) == []  # still remembered
+    (e,) = c.handle(request("q0", max_tokens=1), R, 1.0)  # forgotten: runs again
+    assert isinstance(e, StartCompute)
