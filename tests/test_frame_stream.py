@@ -352,3 +352,83 @@ def test_handshake_bytes_needed_is_positive_until_it_finishes(data: bytes) -> No
     rest = _exact(s, data)
     assert s.finished or (not rest and s.bytes_needed > 0)
     assert s.error is None or isinstance(s.error, HandshakeError)
+
+
+# --- bounds at their edges, and what a failure leaves --------------------------------------------
+def test_the_budget_is_a_hard_limit_that_a_request_may_fill_exactly() -> None:
+    b = MemoryBudget(100)
+    assert (b.used, b.peak, b.refusals) == (0, 0, 0)
+    assert b.take(60) and b.take(40) and (b.used, b.peak) == (100, 100)
+    assert not b.take(1) and not b.take(1) and b.refusals == 2 and b.used == 100
+    b.give(70)
+    assert b.take(10) and (b.used, b.peak) == (40, 100)
+
+
+def test_a_frame_of_max_frame_and_a_message_of_max_message_pass_through_a_stream() -> None:
+    tx, rx = ends()
+    budget = MemoryBudget(100)
+    s = FrameStream(rx, max_frame=64, max_message=100, budget=budget)
+    s.receive_data(bytes(tx.seal(KIND_MESSAGE, bytes(64))))
+    s.receive_data(bytes(tx.seal(KIND_PART, bytes(60)) + tx.seal(KIND_END, bytes(40))))
+    assert payloads(drain(s)) == [bytes(64), bytes(100)]
+    assert s.frames_in == 3 and s.bytes_in == 3 * (HEADER_LEN + 16) + 64 + 100
+    assert budget.used == 0 and budget.peak == 100
+    tx, rx = ends()
+    s = FrameStream(rx, budget=MemoryBudget(50))
+    s.receive_data(bytes(tx.seal(KIND_PART, bytes(51))))
+    with pytest.raises(
+        BudgetExceeded,
+        match="^reassembling a message would pass this node's 50-byte budget for messages in flight$",
+    ):
+        s.next_event()
+    tx, rx = ends()
+    s = FrameStream(rx, max_message=100)
+    s.receive_data(bytes(tx.seal(KIND_PART, bytes(60)) + tx.seal(KIND_END, bytes(41))))
+    with pytest.raises(FrameTooLarge, match="^message exceeds the 100-byte cap$"):
+        s.next_event()
+
+
+def test_a_failed_stream_keeps_its_first_error_and_holds_nothing() -> None:
+    tx, rx = ends()
+    budget = MemoryBudget()
+    s = FrameStream(rx, max_frame=64, budget=budget)
+    s.receive_data(bytes(tx.seal(KIND_PART, bytes(10))))
+    s.receive_data(HEADER.pack(KIND_MESSAGE, 65))
+    s.receive_data(bytes(tx.seal(KIND_MESSAGE, b"after")))  # ignored: the stream failed
+    with pytest.raises(FrameTooLarge, match="^frame announces 65 bytes, cap is 64$"):
+        s.next_event()
+    assert not s.in_frame and s.bytes_needed == HEADER_LEN and budget.used == 0
+    s.close()  # closing a failed stream keeps the first error
+    with pytest.raises(FrameTooLarge):
+        s.next_event()
+    s = FrameStream(rx)
+    s.receive_data(bytes(tx.seal(KIND_MESSAGE, b"x"))[:3])
+    s.close()
+    assert not s.in_frame and s.bytes_needed == HEADER_LEN
+    with pytest.raises(FrameError, match="^frame stream closed$"):
+        s.next_event()
+
+
+def test_a_bytearray_fed_and_then_reused_never_changes_a_delivered_payload() -> None:
+    """An I/O layer reuses its read buffer: payloads that are views into it must be copied."""
+    for mode in ("unprotected", "hmac-sha256"):
+        tx, rx = ends(mode)
+        s = FrameStream(rx)
+        buf = bytearray(tx.seal(KIND_MESSAGE, b"first") + tx.seal(KIND_MESSAGE, b"second"))
+        s.receive_data(buf)
+        events = drain(s)
+        buf[:] = bytes(len(buf))
+        assert payloads(events) == [b"first", b"second"]
+
+
+def test_message_frames_bounds_are_inclusive_and_named() -> None:
+    from mlxcel.wire.frames import DEFAULT_MAX_FRAME
+
+    tx, rx = ends()
+    assert len(list(message_frames(tx, bytes(10), max_message=10))) == 1
+    with pytest.raises(FrameTooLarge, match="^message of 11 bytes exceeds the 10-byte cap$"):
+        message_frames(tx, bytes(11), max_message=10)
+    assert len(list(message_frames(tx, b"x", record_size=DEFAULT_MAX_FRAME))) == 1
+    for bad in (0, DEFAULT_MAX_FRAME + 1):
+        with pytest.raises(ValueError, match=f"^record_size must be 1..{DEFAULT_MAX_FRAME}$"):
+            message_frames(tx, b"x", record_size=bad)

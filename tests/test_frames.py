@@ -13,12 +13,16 @@ from mlxcel.wire.frames import (
     KIND_MESSAGE,
     LAST_COUNTER,
     TAG_LEN,
+    AeadProtection,
+    ChaChaSuite,
     CounterExhausted,
     FrameAuthFailed,
     FrameError,
     FrameOpener,
     FrameSealer,
     FrameTooLarge,
+    HmacSha256,
+    Unprotected,
     parse_header,
 )
 
@@ -127,3 +131,91 @@ def test_arbitrary_frames_are_refused_with_a_frame_error(header: bytes, body: by
     o = FrameOpener(KEY, max_frame=64)
     with pytest.raises(FrameError):
         o.open(header, body)
+
+
+# --- each refusal names its reason; each bound holds at its edge ------------------------------
+def test_each_refusal_names_what_was_wrong() -> None:
+    with pytest.raises(ValueError, match="^frame keys are 32 bytes$"):
+        FrameSealer(bytes(31))
+    f = FrameSealer(KEY).seal(KIND_MESSAGE, b"abc")
+    header, body = split(f)
+    o = FrameOpener(KEY)
+    with pytest.raises(FrameAuthFailed, match="^frame body is 18 bytes, header says 19$"):
+        o.open(header, body[:-1])
+    with pytest.raises(FrameAuthFailed, match="^connection already failed$"):
+        o.open(header, body)
+    o = FrameOpener(KEY)
+    with pytest.raises(FrameAuthFailed, match="^frame failed authentication$"):
+        o.open(header, bytes(len(body)))
+    with pytest.raises(FrameAuthFailed, match="^connection already failed$"):
+        o.header(header)
+    s = FrameSealer(KEY)
+    s._d.n = LAST_COUNTER
+    with pytest.raises(CounterExhausted, match="^frame counter exhausted; reconnect$"):
+        s.seal(KIND_MESSAGE, b"")
+    assert FrameSealer(KEY)._d.key == KEY and not FrameOpener(KEY).failed
+
+
+def test_a_frame_of_exactly_max_frame_is_accepted() -> None:
+    s, o = FrameSealer(KEY), FrameOpener(KEY, max_frame=64)
+    assert o.open(*split(s.seal(KIND_MESSAGE, bytes(64)))) == bytes(64)
+    with pytest.raises(FrameTooLarge, match="^frame announces 65 bytes, cap is 64$"):
+        o.open(*split(s.seal(KIND_MESSAGE, bytes(65))))
+
+
+def test_rekeying_happens_exactly_at_the_volume_and_follows_the_noise_rule() -> None:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    s = FrameSealer(KEY, rekey_bytes=100)
+    s.seal(KIND_MESSAGE, bytes(60))
+    s.seal(KIND_MESSAGE, bytes(39))
+    assert s.rekeys == 0  # 99 bytes
+    s.seal(KIND_MESSAGE, bytes(1))
+    assert s.rekeys == 1  # 100 bytes: the limit itself rekeys
+    # REKEY(k) = ENCRYPT(k, 2^64-1, "", 32 zero bytes)[:32] (Noise spec, section 4.2)
+    want = AESGCM(KEY).encrypt(b"\x00" * 4 + LAST_COUNTER.to_bytes(8, "big"), bytes(32), b"")
+    assert s._d.key == want[:32]
+    s.seal(KIND_MESSAGE, bytes(99))
+    assert s.rekeys == 1  # the volume counts again from zero
+    s.seal(KIND_MESSAGE, bytes(1))
+    assert s.rekeys == 2
+    a = AeadProtection(KEY, KEY, rekey_bytes=10, max_frame=16)
+    b = AeadProtection(KEY, KEY, rekey_bytes=10, max_frame=16)
+    for _ in range(3):
+        assert b.open(*split(a.seal(KIND_MESSAGE, bytes(10)))) == bytes(10)
+    assert a.sealer.rekeys == b.opener._d.rekeys == 3
+    with pytest.raises(FrameTooLarge, match="cap is 16"):
+        b.open(*split(a.seal(KIND_MESSAGE, bytes(17))))
+    c = AeadProtection(KEY, KEY, rekey_frames=2)
+    for _ in range(4):
+        c.seal(KIND_MESSAGE, b"x")
+    assert c.sealer.rekeys == 2 and c.opener._d.rekey_frames == 2
+
+
+def test_the_benchmark_suites_authenticate_too() -> None:
+    """HMAC-only and ChaCha20-Poly1305: what `bench frames` compares AES-GCM with."""
+    other = bytes(range(1, 33))
+    for suite in (HmacSha256, ChaChaSuite):
+        a, b = suite(KEY, other), suite(other, KEY)
+        for payload in (b"", b"one", bytes(range(200))):
+            frame = a.seal(KIND_MESSAGE, payload)
+            assert len(frame) == HEADER_LEN + len(payload) + TAG_LEN
+            assert frame[:HEADER_LEN] == bytes([KIND_MESSAGE]) + len(payload).to_bytes(4, "big")
+            assert bytes(b.open(*split(frame))) == payload
+        frame = a.seal(KIND_MESSAGE, b"four")
+        header, body = split(frame)
+        with pytest.raises(FrameAuthFailed, match="^(HMAC does not verify|frame failed authentication)$"):
+            b.open(header, bytes(body[:-1]) + bytes([body[-1] ^ 1]))
+        with pytest.raises(FrameAuthFailed):
+            suite(other, KEY).open(*split(a.seal(KIND_MESSAGE, b"replayed counter")))
+    # The HMAC tag covers the counter, the header and the payload, HMAC-SHA256 truncated.
+    import hashlib
+    import hmac as hmac_
+
+    h = HmacSha256(KEY, KEY)
+    h.seal(KIND_MESSAGE, b"first")
+    frame = h.seal(KIND_MESSAGE, b"second")
+    tag = hmac_.new(KEY, (1).to_bytes(8, "big") + bytes(frame[:HEADER_LEN]) + b"second", hashlib.sha256)
+    assert bytes(frame[HEADER_LEN:]) == b"second" + tag.digest()[:TAG_LEN]
+    u = Unprotected()
+    assert u.seal(KIND_MESSAGE, b"plain") == bytes([KIND_MESSAGE, 0, 0, 0, 5]) + b"plain"
