@@ -61,3 +61,73 @@ def test_prologue_mismatch_fails() -> None:
     b = HandshakeState("NNpsk0", False, b"v6", psk=b"a" * 32, ephemeral=b"\x02" * 32)
     with pytest.raises(DecryptFailed):
         b.read_message(a.write_message(b""))
+
+
+# --- each refusal of the Noise layer, by name ------------------------------------------------
+def test_each_misuse_and_malformed_message_is_refused_with_its_reason() -> None:
+    from mlxcel.wire.noise import MAX_NONCE, CipherState, NoiseError
+
+    with pytest.raises(ValueError, match="^unsupported pattern XX$"):
+        HandshakeState("XX", True, b"", ephemeral=b"\x01" * 32)
+    for psk in (None, b"a" * 31):
+        with pytest.raises(ValueError, match="^a psk pattern needs a 32-byte psk$"):
+            HandshakeState("NNpsk0", True, b"", psk=psk, ephemeral=b"\x01" * 32)
+    with pytest.raises(ValueError, match="^inject either an ephemeral key or a random source$"):
+        HandshakeState("NN", True, b"")
+    a = HandshakeState("NNpsk0", True, b"p", psk=b"a" * 32, ephemeral=b"\x01" * 32)
+    b = HandshakeState("NNpsk0", False, b"p", psk=b"a" * 32, ephemeral=b"\x02" * 32)
+    assert a.re is None and not a.done
+    with pytest.raises(NoiseError, match="^not this side's turn to read$"):
+        a.read_message(b"")
+    with pytest.raises(NoiseError, match="^not this side's turn to write$"):
+        b.write_message(b"")
+    with pytest.raises(NoiseError, match="^handshake not finished$"):
+        a.split()
+    msg1 = a.write_message(b"hi")
+    with pytest.raises(NoiseError, match="^not this side's turn to write$"):
+        a.write_message(b"")
+    short = HandshakeState("NNpsk0", False, b"p", psk=b"a" * 32, ephemeral=b"\x02" * 32)
+    with pytest.raises(NoiseError, match="^handshake message too short$"):
+        short.read_message(msg1[:31])
+    short = HandshakeState("NNpsk0", False, b"p", psk=b"a" * 32, ephemeral=b"\x02" * 32)
+    with pytest.raises(NoiseError, match="^handshake message too short$"):
+        short.read_message(msg1[:32 + 15])  # the key, and less than a tag
+    low = HandshakeState("NN", False, b"", ephemeral=b"\x02" * 32)
+    low.read_message(bytes(32))  # NN's first message has no key yet: the DH comes next
+    with pytest.raises(NoiseError, match="^peer ephemeral key is a low-order point$"):
+        low.write_message(b"")
+    assert b.read_message(msg1) == b"hi" and b.re == msg1[:32]
+    a.read_message(b.write_message(b""))
+    assert a.done and b.done
+    with pytest.raises(NoiseError, match="^not this side's turn to write$"):
+        a.write_message(b"")
+    with pytest.raises(NoiseError, match="^not this side's turn to read$"):
+        b.read_message(b"")
+    # Cipher states: the nonce counts every message and stops one short of the reserved one.
+    (i_send, _), (r_recv, _) = a.split(), b.split()
+    assert i_send.has_key() and not CipherState().has_key()
+    for n in range(3):
+        assert r_recv.decrypt_with_ad(b"", i_send.encrypt_with_ad(b"", b"x")) == b"x"
+    assert i_send.n == r_recv.n == 3
+    tampered = bytearray(i_send.encrypt_with_ad(b"", b"x"))
+    tampered[0] ^= 1
+    with pytest.raises(DecryptFailed, match="^authentication tag does not verify$"):
+        r_recv.decrypt_with_ad(b"", bytes(tampered))
+    for side in (CipherState(b"k" * 32, MAX_NONCE - 1), CipherState(b"k" * 32, MAX_NONCE)):
+        if side.n == MAX_NONCE - 1:
+            ct = side.encrypt_with_ad(b"", b"last")
+            assert CipherState(b"k" * 32, MAX_NONCE - 1).decrypt_with_ad(b"", ct) == b"last"
+        with pytest.raises(NoiseError, match="^nonce space exhausted$"):
+            side.encrypt_with_ad(b"", b"")
+        with pytest.raises(NoiseError, match="^nonce space exhausted$"):
+            CipherState(b"k" * 32, MAX_NONCE).decrypt_with_ad(b"", bytes(16))
+
+
+def test_a_protocol_name_longer_than_the_hash_is_hashed() -> None:
+    import hashlib
+
+    from mlxcel.wire.noise import SymmetricState
+
+    name = b"Noise_NNpsk0_25519_AESGCM_SHA256+a-longer-name"
+    assert SymmetricState(name).h == hashlib.sha256(name).digest()
+    assert SymmetricState(b"short").h == b"short" + bytes(27)
