@@ -62,3 +62,25 @@ def test_unknown_class() -> None:
     lim, _, _ = make()
     with pytest.raises(ValueError):
         lim.warn("chatter", "x")
+
+
+def test_long_messages_are_cut_at_the_limit_and_say_how_much_was_cut() -> None:
+    lim, _, lines = make()
+    exact = "x" * 500
+    lim.warn("noise", exact)
+    lim.warn("noise", "y" * 600)
+    assert lines == [("WARNING", exact), ("WARNING", "y" * 500 + "... (100 more chars)")]
+    with pytest.raises(ValueError, match="^unknown warning class 'loud'$"):
+        lim.warn("loud", "x")
+
+
+def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
+    lim, _, lines = make()
+    for i in range(7):
+        lim.warn("router-drop", f"r{i}")
+    assert lines[5:] == [("DEBUG", "r5"), ("DEBUG", "r6")]
+    assert lim.debugged == {"noise": 0, "diagnostic": 0, "router-drop": 2, "at-capacity": 0}
+    assert lim.warned["router-drop"] == 5
+    lines.clear()
+    lim.debug("plain")
+    assert lines == [("DEBUG", "plain")]

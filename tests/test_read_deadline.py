@@ -114,3 +114,19 @@ def test_cancel_disarms() -> None:
     d.cancel()
     loop.advance(1.0)
     assert expired == [] and loop.pending == 0
+
+
+def test_a_read_started_after_a_cancel_is_bounded_again() -> None:
+    """A connection cancels its deadline when it closes a read loop and may start another:
+    the new read must arm a timer of its own, even one later than the cancelled one."""
+    loop, d, expired = deadline()
+    d.start(5.0, "first")
+    d.cancel()
+    d.start(10.0, "second")
+    loop.advance(9.999)
+    assert expired == []
+    loop.advance(0.002)
+    assert [w for w, _ in expired] == ["second"] and abs(expired[0][1] - 10.0) < 1e-9
+    d.start(3.0, "third")  # after an expiry the next read arms again
+    loop.advance(3.0)
+    assert [w for w, _ in expired] == ["second", "third"]
