@@ -136,6 +136,7 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def stop(self) -> int:
+        self._family = descendants(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -144,6 +145,43 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+    def left_behind(self) -> list[str]:
+        """What a stopped server left: a port still accepting, a child process still alive."""
+        assert self.proc.poll() is not None, "stop() it first"
+        left = [f"pid {p} still alive" for p in getattr(self, "_family", []) if alive(p)]
+        with socket.socket() as s:
+            if s.connect_ex((self.host, self.port)) == 0:
+                left.append(f"{self.host}:{self.port} still accepts connections")
+        return left
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), from /proc."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    # the command name may hold spaces: the fields after its ')' are fixed
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture

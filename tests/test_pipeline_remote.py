@@ -310,7 +310,9 @@ def two_stage_cluster(
             p.stop()
 
 
-def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, secret: Path) -> None:
+def test_killed_stage_fails_the_request_then_the_cluster_recovers(
+    tiny: Path, secret: Path, reference: dict[str, str]
+) -> None:
     with two_stage_cluster(tiny, secret) as (procs, cfg, port):
         c = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
@@ -338,8 +340,12 @@ def test_killed_stage_fails_the_request_then_the_cluster_recovers(tiny: Path, se
         assert down["pipeline"]["stages"][1]["id"] == "stage-1"  # last known, still named
         assert health(port, "/health/live")["status"] == "alive"
         procs[1] = start_stage(tiny, cfg, 1)
-        ok = c.completions.create(model=MODEL, prompt="after restart", max_tokens=5, temperature=0)
-        assert ok.usage is not None and ok.usage.completion_tokens == 5
+        ok = c.completions.create(
+            model=MODEL, prompt="Concurrent 0 prompt", max_tokens=12, temperature=0
+        )
+        # The restarted stage answers like one process, token for token.
+        assert ok.choices[0].text == reference["p0"]
+        assert ok.usage is not None and ok.usage.completion_tokens == 12
         h = health(port)
         assert h["status"] == "ok"
         assert [s["sequences"] for s in h["pipeline"]["stages"]] == [0, 0]

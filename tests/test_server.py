@@ -25,6 +25,7 @@ def server(tiny: Path) -> ServerProcess:
     )
     yield srv  # type: ignore[misc]
     assert srv.stop() == 0, "".join(srv.lines)
+    assert srv.left_behind() == []
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +300,8 @@ def test_full_admission_queue_gets_503_with_retry_after(
 def test_sigterm_exits_cleanly(tiny: Path, start_server: type[ServerProcess]) -> None:
     srv = start_server(["-m", str(tiny)])
     assert srv.stop() == 0
+    assert srv.left_behind() == []  # no port still open, no process still running
+    assert "Traceback" not in srv.output, srv.output[-2000:]
 
 
 async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:

@@ -183,6 +183,7 @@ def test_serve_tp2_through_the_openai_client(
     assert u.usage is not None and 1 <= u.usage.completion_tokens <= 8
     assert u.choices[0].finish_reason in ("stop", "length")
     assert srv.stop() == 0
+    assert srv.left_behind() == []  # the follower rank exited with the server
 
 
 def _followers(pid: int) -> list[int]:
