@@ -49,8 +49,17 @@ def handoff(
 ) -> KvHandoff:
     keys = (K,) * layers
     h = KvHandoff(
-        rid, lease, R, NONCE, first, SamplingParams(max_tokens=max_tokens), (), prompt_len,
-        keys, keys, b"",
+        rid,
+        lease,
+        R,
+        NONCE,
+        first,
+        SamplingParams(max_tokens=max_tokens),
+        (),
+        prompt_len,
+        keys,
+        keys,
+        b"",
     )
     return dataclasses.replace(h, digest=digest_of(h, tensor_digest(keys, keys)))
 
@@ -62,9 +71,7 @@ def no(h: KvHandoff, why: str, dest: str = P0) -> list:
 def staged(c: DecodeCore, h: KvHandoff, src: str = P0, now: float = 0.0) -> int:
     (e,) = c.handle(h, src, now)
     assert isinstance(e, StartCompute) and isinstance(e.job, VerifyJob)
-    assert c.verified(e.job.slot, None, now) == [
-        Send(src, HandoffAck(h.request_id, h.lease, True))
-    ]
+    assert c.verified(e.job.slot, None, now) == [Send(src, HandoffAck(h.request_id, h.lease, True))]
     return e.job.slot
 
 
@@ -110,11 +117,22 @@ def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
     k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
     base = handoff()
     cases = [
-        (dataclasses.replace(base, lease=1, part=1, parts=1), "part 1 of 1 (at most one part per layer)"),
-        (dataclasses.replace(base, lease=2, part=-1, parts=2), "part -1 of 2 (at most one part per layer)"),
-        (dataclasses.replace(base, lease=3, parts=MAX_PARTS + 1),
-         f"part 0 of {MAX_PARTS + 1} (at most one part per layer)"),
-        (dataclasses.replace(base, lease=4, keys=(), values=()), "a part of 0 key and 0 value layers"),
+        (
+            dataclasses.replace(base, lease=1, part=1, parts=1),
+            "part 1 of 1 (at most one part per layer)",
+        ),
+        (
+            dataclasses.replace(base, lease=2, part=-1, parts=2),
+            "part -1 of 2 (at most one part per layer)",
+        ),
+        (
+            dataclasses.replace(base, lease=3, parts=MAX_PARTS + 1),
+            f"part 0 of {MAX_PARTS + 1} (at most one part per layer)",
+        ),
+        (
+            dataclasses.replace(base, lease=4, keys=(), values=()),
+            "a part of 0 key and 0 value layers",
+        ),
         (dataclasses.replace(base, lease=6, values=(K, K)), "a part of 1 key and 2 value layers"),
     ]
     for h, why in cases:
@@ -124,10 +142,14 @@ def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
     m = core(dims=(2, 1, 2))
     cases = [
         (dataclasses.replace(base, lease=1, parts=3), "part 0 of 3 (at most one part per layer)"),
-        (dataclasses.replace(base, lease=2, keys=(K,) * 3, values=(K,) * 3),
-         "a part of 3 key and 3 value layers"),
-        (dataclasses.replace(base, lease=3, keys=(k2,)),
-         "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]"),
+        (
+            dataclasses.replace(base, lease=2, keys=(K,) * 3, values=(K,) * 3),
+            "a part of 3 key and 3 value layers",
+        ),
+        (
+            dataclasses.replace(base, lease=3, keys=(k2,)),
+            "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]",
+        ),
     ]
     for h, why in cases:
         assert m.handle(h, P0, 0.0) == no(h, why)
@@ -150,7 +172,10 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
     q0 = dataclasses.replace(p0, lease=7)
     for bad, why in (
-        (dataclasses.replace(q0, part=1, keys=(k2,)), "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]"),
+        (
+            dataclasses.replace(q0, part=1, keys=(k2,)),
+            "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]",
+        ),
         (dataclasses.replace(q0, part=1, first_token=8), "the parts of the handoff disagree"),
     ):
         fresh = core(dims=(2, 1, 2))

@@ -204,7 +204,9 @@ def test_the_benchmark_suites_authenticate_too() -> None:
             assert bytes(b.open(*split(frame))) == payload
         frame = a.seal(KIND_MESSAGE, b"four")
         header, body = split(frame)
-        with pytest.raises(FrameAuthFailed, match="^(HMAC does not verify|frame failed authentication)$"):
+        with pytest.raises(
+            FrameAuthFailed, match="^(HMAC does not verify|frame failed authentication)$"
+        ):
             b.open(header, bytes(body[:-1]) + bytes([body[-1] ^ 1]))
         with pytest.raises(FrameAuthFailed):
             suite(other, KEY).open(*split(a.seal(KIND_MESSAGE, b"replayed counter")))
@@ -215,7 +217,9 @@ def test_the_benchmark_suites_authenticate_too() -> None:
     h = HmacSha256(KEY, KEY)
     h.seal(KIND_MESSAGE, b"first")
     frame = h.seal(KIND_MESSAGE, b"second")
-    tag = hmac_.new(KEY, (1).to_bytes(8, "big") + bytes(frame[:HEADER_LEN]) + b"second", hashlib.sha256)
+    tag = hmac_.new(
+        KEY, (1).to_bytes(8, "big") + bytes(frame[:HEADER_LEN]) + b"second", hashlib.sha256
+    )
     assert bytes(frame[HEADER_LEN:]) == b"second" + tag.digest()[:TAG_LEN]
     u = Unprotected()
     assert u.seal(KIND_MESSAGE, b"plain") == bytes([KIND_MESSAGE, 0, 0, 0, 5]) + b"plain"

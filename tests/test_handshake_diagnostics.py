@@ -60,7 +60,13 @@ def server(
     secret = kw.pop("secret", SECRET)
     channel = kw.pop("channel", Channel.TRANSPORT)
     return ServerHandshake(
-        secret, channel, source, 0.0, os.urandom, lambda i: verdict, **{**base, **kw}  # type: ignore[arg-type]
+        secret,
+        channel,
+        source,
+        0.0,
+        os.urandom,
+        lambda i: verdict,
+        **{**base, **kw},  # type: ignore[arg-type]
     )
 
 
@@ -221,16 +227,17 @@ def test_malformed_input_is_named_precisely() -> None:
     assert failed(s) == (Failure.BAD_MAGIC, "bad magic")
     c = client()
     c.receive_data(b"HTTP/1.1")
-    assert failed(c) == (
-        Failure.BAD_MAGIC, "server is not an mlxcel cluster endpoint (bad magic)"
-    )
+    assert failed(c) == (Failure.BAD_MAGIC, "server is not an mlxcel cluster endpoint (bad magic)")
     # The largest message 1 the server waits for, and one byte more.
     s = server()
     s.receive_data(preamble(Channel.TRANSPORT) + LEN.pack(MAX_HANDSHAKE_MESSAGE))
     assert s.error is None and s.bytes_needed == MAX_HANDSHAKE_MESSAGE
     s = server()
     s.receive_data(preamble(Channel.TRANSPORT) + LEN.pack(MAX_HANDSHAKE_MESSAGE + 1))
-    assert failed(s) == (Failure.MALFORMED, f"handshake message of {MAX_HANDSHAKE_MESSAGE + 1} bytes")
+    assert failed(s) == (
+        Failure.MALFORMED,
+        f"handshake message of {MAX_HANDSHAKE_MESSAGE + 1} bytes",
+    )
     s = server()
     s.receive_data(client().data_to_send() + b"x")
     assert failed(s) == (Failure.MALFORMED, "bytes after the client's handshake message")

@@ -91,7 +91,7 @@ def test_each_misuse_and_malformed_message_is_refused_with_its_reason() -> None:
         short.read_message(msg1[:31])
     short = HandshakeState("NNpsk0", False, b"p", psk=b"a" * 32, ephemeral=b"\x02" * 32)
     with pytest.raises(NoiseError, match="^handshake message too short$"):
-        short.read_message(msg1[:32 + 15])  # the key, and less than a tag
+        short.read_message(msg1[: 32 + 15])  # the key, and less than a tag
     low = HandshakeState("NN", False, b"", ephemeral=b"\x02" * 32)
     low.read_message(bytes(32))  # NN's first message has no key yet: the DH comes next
     with pytest.raises(NoiseError, match="^peer ephemeral key is a low-order point$"):
@@ -106,7 +106,7 @@ def test_each_misuse_and_malformed_message_is_refused_with_its_reason() -> None:
     # Cipher states: the nonce counts every message and stops one short of the reserved one.
     (i_send, _), (r_recv, _) = a.split(), b.split()
     assert i_send.has_key() and not CipherState().has_key()
-    for n in range(3):
+    for _ in range(3):
         assert r_recv.decrypt_with_ad(b"", i_send.encrypt_with_ad(b"", b"x")) == b"x"
     assert i_send.n == r_recv.n == 3
     tampered = bytearray(i_send.encrypt_with_ad(b"", b"x"))

@@ -87,15 +87,20 @@ def test_each_refusal_comes_before_any_work_with_its_own_code_and_reason() -> No
     c = core(decode_peers=())
     ctx = "must fit the model's context of 64"
     cases = [
-        (request(target=""), ErrorCode.HANDOFF_FAILED,
-         "no decode target: the request names none and this node has no --decode-peers"),
+        (
+            request(target=""),
+            ErrorCode.HANDOFF_FAILED,
+            "no decode target: the request names none and this node has no --decode-peers",
+        ),
         (request("e", tokens=()), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
         (request("n", tokens=(0, -1)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
         (request("v", tokens=(100,)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
-        (request("z", max_tokens=0), ErrorCode.BAD_REQUEST,
-         f"prompt (3) + max_tokens (0) {ctx}"),
-        (request("l", tokens=(1,) * 60, max_tokens=5), ErrorCode.BAD_REQUEST,
-         f"prompt (60) + max_tokens (5) {ctx}"),
+        (request("z", max_tokens=0), ErrorCode.BAD_REQUEST, f"prompt (3) + max_tokens (0) {ctx}"),
+        (
+            request("l", tokens=(1,) * 60, max_tokens=5),
+            ErrorCode.BAD_REQUEST,
+            f"prompt (60) + max_tokens (5) {ctx}",
+        ),
     ]
     for m, code, why in cases:
         assert c.handle(m, R, 0.0) == refused(m, code, why)

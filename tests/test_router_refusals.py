@@ -99,7 +99,10 @@ def test_admission_refuses_each_bad_request_with_its_reason_and_accepts_the_edge
         (entry("neg", tokens=(1, -1)), "token ids must be in [0, 100)"),
         (entry("big", tokens=(100,)), "token ids must be in [0, 100)"),
         (entry("zero", max_tokens=0), f"prompt (3 tokens) + max_tokens (0) {ctx}"),
-        (entry("long", tokens=(1,) * 60, max_tokens=5), f"prompt (60 tokens) + max_tokens (5) {ctx}"),
+        (
+            entry("long", tokens=(1,) * 60, max_tokens=5),
+            f"prompt (60 tokens) + max_tokens (5) {ctx}",
+        ),
     ]
     for e, why in bad:
         assert r.handle(e, "local", 0.0) == [
@@ -124,7 +127,10 @@ def test_admission_refuses_each_bad_request_with_its_reason_and_accepts_the_edge
     assert r.handle(entry("lo"), "local", 2.5) == [
         Deliver(Error(ErrorCode.BAD_REQUEST, "duplicate request id", "lo", NONCE))
     ]
-    assert node_stats(r) == {"prefill-0": (True, 2, 2, 0, 0, ""), "decode-0": (True, 2, 2, 0, 0, "")}
+    assert node_stats(r) == {
+        "prefill-0": (True, 2, 2, 0, 0, ""),
+        "decode-0": (True, 2, 2, 0, 0, ""),
+    }
     assert list(r.dispatch_log) == [(w, P0, "dispatch") for w in wires]
 
 
@@ -221,7 +227,10 @@ def test_an_error_from_either_node_fails_the_request_and_cancels_the_other() -> 
         assert out == failed(rid, ErrorCode.FORWARD_FAILED, why) + [cancel(other, w, why)]
         assert len(out[-1].msg.reason) == 200  # a cancel's reason is cut to 200 characters
     assert r.counts == {"routed": 2, "failed": 2}
-    assert node_stats(r) == {"prefill-0": (True, 2, 0, 0, 2, ""), "decode-0": (True, 2, 0, 0, 2, "")}
+    assert node_stats(r) == {
+        "prefill-0": (True, 2, 0, 0, 2, ""),
+        "decode-0": (True, 2, 0, 0, 2, ""),
+    }
     assert r.routes == {} and r._wire == {}
 
 
@@ -395,7 +404,10 @@ def test_completions_free_both_nodes_and_count_once_per_request() -> None:
         out = r.handle(TokenResult(w, 2, (3,), "length", n, (-1.0,)), D0, 0.3)
         assert out == [Deliver(RunResult(rid, 0, (3,), "length", NONCE, (-1.0,)))]
     assert r.counts == {"routed": 2, "completed": 2}
-    assert node_stats(r) == {"prefill-0": (True, 2, 0, 2, 0, ""), "decode-0": (True, 2, 0, 2, 0, "")}
+    assert node_stats(r) == {
+        "prefill-0": (True, 2, 0, 2, 0, ""),
+        "decode-0": (True, 2, 0, 2, 0, ""),
+    }
     assert r.routes == {} and r._wire == {}
 
 
@@ -404,7 +416,10 @@ def test_a_prompt_that_ends_at_its_first_token_frees_both_nodes() -> None:
     (s,) = r.handle(entry("r", max_tokens=1), "local", 0.0)
     out = r.handle(TokenResult(s.msg.request_id, 0, (4,), "length", s.msg.nonce), P0, 0.1)
     assert out == [Deliver(RunResult("r", 0, (4,), "length", NONCE))]
-    assert node_stats(r) == {"prefill-0": (True, 1, 0, 1, 0, ""), "decode-0": (True, 1, 0, 1, 0, "")}
+    assert node_stats(r) == {
+        "prefill-0": (True, 1, 0, 1, 0, ""),
+        "decode-0": (True, 1, 0, 1, 0, ""),
+    }
 
 
 def test_cancels_free_what_the_request_held_in_every_phase() -> None:

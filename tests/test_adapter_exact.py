@@ -1,0 +1,278 @@
+"""CoreAdapter, path by path: bundles in and out, lost peers, expiry at its exact time, the
+send budget and deadlines each send is given, discarding and flushing outboxes, where each
+kind of log line goes, and the codec's count of tensor bytes that bundling relies on.
+
+Every wait is on an event or a bounded poll of a condition, never a timed margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from loguru import logger
+
+from mlxcel.adapter import BUNDLE_TENSOR_BYTES, CoreAdapter, LocalOutbox
+from mlxcel.bus import Node, Origin
+from mlxcel.effects import Effect, Send, Warn
+from mlxcel.messages import (
+    MAX_BUNDLE,
+    Activation,
+    Bundle,
+    KvHandoff,
+    Message,
+    RunEntry,
+    SamplingParams,
+    Tensor,
+)
+from mlxcel.wire.codec import tensor_bytes
+
+
+def entry(i: int) -> RunEntry:
+    return RunEntry(f"r{i}", 0, (1,), 0, SamplingParams(), i)
+
+
+def act(i: int, nbytes: int) -> Activation:
+    return Activation(f"a{i}", 0, Tensor("uint8", (nbytes,), bytes(nbytes)), 0, SamplingParams(), i)
+
+
+class Core:
+    """Records what the adapter hands it; answers with ``reply`` effects."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.reply: list[Effect] = []
+        self.lost_sends: list[tuple[Send, str]] = []
+
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        self.calls.append(("handle", msg, source, now))
+        return list(self.reply)
+
+    def on_timer(self, now: float) -> list[Effect]:
+        return []
+
+    def next_timer(self) -> float | None:
+        return None
+
+    def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+        self.lost_sends.append((send, reason))
+        return []
+
+    def peer_lost(self, identity: str, now: float) -> list[Effect]:
+        self.calls.append(("peer_lost", identity, now))
+        return list(self.reply)
+
+
+class BatchingCore(Core):
+    def handle_bundle(self, items: tuple[Message, ...], source: str, now: float) -> list[Effect]:
+        self.calls.append(("bundle", items, source, now))
+        return []
+
+
+class Endpoint:
+    """Records sends with the deadline each was given and the loop time it started; ``gate``
+    holds every send until set; ``send_now`` writes at once while ``open``."""
+
+    identity = "me"
+    wire_bytes = 0
+
+    def __init__(self, open_now: bool = False) -> None:
+        self.sent: list[tuple[str, Message, float, float]] = []
+        self.now: list[tuple[str, Message]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.open = open_now
+        self.lost_callback: Callable[[str], None] | None = None
+        self.resets: list[str] = []
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        self.sent.append((dest, msg, deadline, asyncio.get_running_loop().time()))
+        await self.gate.wait()
+
+    def send_now(self, dest: str, msg: Message) -> bool:
+        if self.open:
+            self.now.append((dest, msg))
+        return self.open
+
+    def reset(self, dest: str) -> None:
+        self.resets.append(dest)
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        self.lost_callback = callback
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+async def test_a_bundle_reaches_a_batching_core_once_and_other_cores_item_by_item() -> None:
+    items = (entry(1), entry(2), entry(3))
+    for core in (BatchingCore(), Core()):
+        async with Node("n") as node:
+            adapter = CoreAdapter(node, Endpoint(), core, "n", 1.0)  # type: ignore[arg-type]
+            adapter.subscribe([Bundle], origin=Origin.ANY, maxsize=8)
+            adapter.start()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await node.bus.publish(Bundle(items), source="10.0.0.1:9", deadline=t0 + 5)
+            await until(lambda c=core: bool(c.calls))
+            kinds = [(c[0], c[1], c[2]) for c in core.calls]
+            if isinstance(core, BatchingCore):
+                assert kinds == [("bundle", items, "10.0.0.1:9")]
+            else:
+                assert kinds == [("handle", m, "10.0.0.1:9") for m in items]
+            assert all(t0 <= c[3] <= loop.time() for c in core.calls)
+
+
+async def test_a_lost_peer_reaches_the_core_and_its_answer_is_carried_out() -> None:
+    async with Node("n") as node:
+        ep, core = Endpoint(open_now=True), Core()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        assert ep.lost_callback is not None
+        core.reply = [Send("s2", entry(7))]
+        t0 = adapter.now()
+        ep.lost_callback("s1")
+        ((kind, who, when),) = core.calls
+        assert (kind, who) == ("peer_lost", "s1") and t0 <= when <= adapter.now()
+        assert ep.now == [("s2", entry(7))]
+
+
+async def test_a_send_whose_deadline_is_now_is_dropped_unsent_and_counted() -> None:
+    async with Node("n") as node:
+        ep = Endpoint(open_now=True)
+        adapter = CoreAdapter(node, ep, Core(), "n", 1.0)  # type: ignore[arg-type]
+        adapter.now = lambda: 100.0  # type: ignore[method-assign]
+        adapter.feed([Send("s0", entry(1), deadline=100.0), Send("s0", entry(2), deadline=100.0)])
+        adapter.feed([Send("s0", entry(3), deadline=100.001)])
+        assert adapter.expired_sends == 2 and ep.now == [("s0", entry(3))]
+
+
+async def test_a_run_of_sends_bundles_up_to_max_bundle_items_and_the_tensor_budget() -> None:
+    async with Node("n") as node:
+        ep = Endpoint(open_now=True)
+        adapter = CoreAdapter(node, ep, Core(), "n", 1.0)  # type: ignore[arg-type]
+        adapter.bundles = True
+        adapter.feed([Send("s0", entry(i)) for i in range(MAX_BUNDLE + 1)])
+        (d0, first), (d1, second) = ep.now
+        assert isinstance(first, Bundle) and len(first.items) == MAX_BUNDLE
+        assert second == entry(MAX_BUNDLE) and d0 == d1 == "s0"
+        # Two activations that fill the tensor budget exactly travel together; a third byte
+        # does not fit and starts the next message.
+        ep.now.clear()
+        half = BUNDLE_TENSOR_BYTES // 2
+        a, b, c = act(1, half), act(2, BUNDLE_TENSOR_BYTES - half), act(3, 1)
+        adapter.feed([Send("s0", a), Send("s0", b), Send("s0", c)])
+        assert ep.now == [("s0", Bundle((a, b))), ("s0", c)]
+        # What does not travel in Bundles goes alone, and so does a send to a stranger.
+        ep.now.clear()
+        h = KvHandoff("k", 1, "r", 1, 1, SamplingParams(), (), 1, (), (), b"")
+        adapter.feed([Send("s0", entry(1)), Send("s0", h), Send("s0", entry(2))])
+        assert ep.now == [("s0", entry(1)), ("s0", h), ("s0", entry(2))]
+
+
+async def test_each_send_gets_the_budget_or_its_own_deadline() -> None:
+    async with Node("n") as node:
+        ep = Endpoint()
+        adapter = CoreAdapter(node, ep, Core(), "n", 7.0)  # type: ignore[arg-type]
+        t = adapter.now()
+        adapter.feed([Send("s0", entry(1))])  # no deadline: the 7 s budget
+        adapter.feed([Send("s1", entry(2), deadline=t + 100)])  # a later deadline: the budget
+        adapter.feed([Send("s2", entry(3), deadline=t + 3)])  # an earlier one: its own
+        adapter.feed([Send("10.0.0.9:1", entry(4), peer=False)])  # a stranger: 1 s
+        await until(lambda: len(ep.sent) == 4)
+        given = {dest: round(deadline - started, 1) for dest, _, deadline, started in ep.sent}
+        assert given["s0"] == given["s1"] == 7.0 and given["10.0.0.9:1"] == 1.0
+        assert ep.sent[2][2] == t + 3
+        assert ep.resets == ["10.0.0.9:1"]  # the stranger's one-off connection is closed
+        adapter.deadline_overrides_budget = True  # a lease longer than the budget wins
+        adapter.feed([Send("s3", entry(5), deadline=t + 100)])
+        await until(lambda: len(ep.sent) == 5)
+        assert ep.sent[4][2] == t + 100
+
+
+async def test_discard_and_flush_act_on_what_is_queued_and_in_flight() -> None:
+    async with Node("n") as node:
+        ep = Endpoint()
+        ep.gate.clear()  # every send hangs until released
+        adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
+        assert await adapter.flush(adapter.now()) is True  # nothing queued: done at once
+        adapter.feed([Send("s0", entry(i)) for i in range(1, 6)])
+        await until(lambda: len(ep.sent) == 1)  # entry 1 is on its way; 2..5 wait behind it
+        assert await adapter.flush(adapter.now() + 0.02) is False
+        dropped = adapter.discard_queued(lambda s: s.msg.nonce % 2 == 0)
+        assert dropped == 2
+        assert adapter.discard_queued(lambda s: False) == 0
+        ep.gate.set()
+        assert await adapter.flush(adapter.now() + 30) is True
+        assert [m.nonce for _, m, _, _ in ep.sent] == [1, 3, 5]
+
+
+async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limiter() -> None:
+    lines: list[tuple[str, str]] = []
+    sink = logger.add(lambda m: lines.append((m.record["level"].name, m.record["message"])))
+    try:
+        async with Node("n") as node:
+            adapter = CoreAdapter(node, Endpoint(), Core(), "n", 1.0)  # type: ignore[arg-type]
+            adapter.feed(
+                [
+                    Warn("debug", "a"),
+                    Warn("info", "b"),
+                    Warn("warning", "c"),
+                    Warn("noise", "d"),
+                    Warn("router-drop", "e"),
+                ]
+            )
+            assert adapter.limiter.warned == {
+                "noise": 1,
+                "diagnostic": 0,
+                "router-drop": 1,
+                "at-capacity": 0,
+            }
+
+            class Bogus:
+                pass
+
+            with pytest.raises(NotImplementedError, match="^n: no handler for Bogus$"):
+                adapter.feed([Bogus()])  # type: ignore[list-item]
+    finally:
+        logger.remove(sink)
+    mine = [x for x in lines if x[1] in "abcde"]
+    assert mine == [
+        ("DEBUG", "a"),
+        ("INFO", "b"),
+        ("WARNING", "c"),
+        ("WARNING", "d"),
+        ("WARNING", "e"),
+    ]
+
+
+async def test_the_frontend_outbox_counts_exactly_what_had_to_wait() -> None:
+    async with Node("fe") as node:
+        got: list[int] = []
+
+        async def take(env: object) -> None:
+            got.append(env.msg.nonce)  # type: ignore[attr-defined]
+
+        node.bus.subscribe(RunEntry, take, maxsize=1, name="fe")
+        out = LocalOutbox(node, "fe")
+        out.start()
+        for i in (1, 2, 3):  # no loop turn between: the inbox of one holds the first
+            out.put(entry(i))
+        assert out.waited == 2
+        await until(lambda: len(got) == 3)
+        assert got == [1, 2, 3]
+
+
+def test_tensor_bytes_counts_every_tensor_a_message_or_bundle_carries() -> None:
+    t3, t5 = Tensor("uint8", (3,), bytes(3)), Tensor("uint8", (5,), bytes(5))
+    assert tensor_bytes(entry(1)) == 0
+    assert tensor_bytes(act(1, 7)) == 7
+    h = KvHandoff("k", 1, "r", 1, 1, SamplingParams(), (), 1, (t3, t5), (t5,), b"")
+    assert tensor_bytes(h) == 13
+    assert tensor_bytes(Bundle((act(1, 7), entry(2), act(3, 4)))) == 11
