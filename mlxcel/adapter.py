@@ -407,9 +407,7 @@ class LocalOutbox:
                 msg = self._queue[0]
                 try:
                     await self.node.bus.publish(msg, deadline=deadline_in(LOCAL_WAIT))
-                except BusError:  # closed meanwhile: nobody is left to read what waits
-                    return
-                except QueueFull:
+                except QueueFull:  # (a BusError too: caught first, or the outbox would end)
                     # The frontend took nothing for that long: a bug, said loudly; the
                     # result still waits its turn (the request's own deadline ends it).
                     logger.error(
@@ -419,4 +417,6 @@ class LocalOutbox:
                         len(self._queue),
                     )
                     continue
+                except BusError:  # closed meanwhile: nobody is left to read what waits
+                    return
                 self._queue.popleft()

@@ -276,3 +276,37 @@ def test_tensor_bytes_counts_every_tensor_a_message_or_bundle_carries() -> None:
     h = KvHandoff("k", 1, "r", 1, 1, SamplingParams(), (), 1, (t3, t5), (t5,), b"")
     assert tensor_bytes(h) == 13
     assert tensor_bytes(Bundle((act(1, 7), entry(2), act(3, 4)))) == 11
+
+
+async def test_a_frontend_that_takes_nothing_is_reported_and_its_results_still_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QueueFull is a BusError: caught after BusError, it ended the outbox for good, and
+    every later result of every request waited out its deadline."""
+    import mlxcel.adapter
+
+    monkeypatch.setattr(mlxcel.adapter, "LOCAL_WAIT", 0.05)
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="ERROR")
+    try:
+        async with Node("fe") as node:
+            gate = asyncio.Event()
+            got: list[int] = []
+
+            async def stuck(env: object) -> None:
+                await gate.wait()
+                got.append(env.msg.nonce)  # type: ignore[attr-defined]
+
+            node.bus.subscribe(RunEntry, stuck, maxsize=1, name="fe")
+            out = LocalOutbox(node, "fe")
+            out.start()
+            for i in (1, 2, 3):
+                out.put(entry(i))
+            await until(lambda: bool(lines))
+            # r1 is with the stuck handler, r2 in its inbox of one, r3 waits here.
+            assert lines[0] == "fe: the frontend took nothing for 0.05s; 1 result(s) wait"
+            gate.set()
+            await until(lambda: len(got) == 3)
+            assert got == [1, 2, 3]
+    finally:
+        logger.remove(sink)

@@ -371,3 +371,47 @@ def test_bfloat16_round_trips_bit_exactly() -> None:
     back = from_tensor(decode(encode(Activation("r", 0, t, 0, SamplingParams(), 1))).hidden)  # type: ignore[attr-defined]
     assert back.dtype == mx.bfloat16
     assert mx.array_equal(back.view(mx.uint16), a.view(mx.uint16)).item()
+
+
+# --- bounds at their edges; what is salvaged from a message that does not decode -------------
+def test_a_bundle_of_exactly_max_bundle_items_and_nesting_up_to_max_depth_decode() -> None:
+    from mlxcel.wire.codec import MAX_DEPTH
+
+    full = decode(_raw_bundle([_item(ReleaseSequence(f"r{i}")) for i in range(MAX_BUNDLE)]))
+    assert isinstance(full, Bundle) and len(full.items) == MAX_BUNDLE
+    deep: object = 1
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    with pytest.raises(DecodeError, match="^malformed CBOR: "):
+        decode(cbor2.dumps({"kind": ReleaseSequence.KIND, "request_id": deep}))
+    with pytest.raises(DecodeError, match=r"^Bundle\.items\[0\]: expected a map, got int$"):
+        decode(_raw_bundle([7]))
+    with pytest.raises(DecodeError, match="^1 trailing bytes after the message$"):
+        decode(encode(ReleaseSequence("r")) + b"\x00")
+
+
+def test_an_item_that_cannot_travel_in_a_bundle_is_named_with_what_was_salvaged() -> None:
+    from mlxcel.wire.codec import salvage
+
+    long_id = "x" * 257
+    items = [
+        {"kind": 99, "request_id": "a", "nonce": 5},
+        {"kind": "x", "request_id": "b", "nonce": 2**64},
+        {"kind": RunEntry.KIND, "request_id": long_id, "nonce": -(2**63)},
+        {"kind": RunEntry.KIND, "request_id": "y" * 256, "nonce": 2**64 - 1},
+    ]
+    b = decode(_raw_bundle(items))
+    assert isinstance(b, Bundle)
+    got = [(u.kind, u.request_id, u.nonce) for u in b.items]  # type: ignore[attr-defined]
+    assert got == [
+        (99, "a", 5),
+        (None, "b", None),  # a kind that is not an integer, a nonce out of range
+        (RunEntry.KIND, None, -(2**63)),  # an id longer than 256 is not echoed
+        (RunEntry.KIND, "y" * 256, 2**64 - 1),
+    ]
+    assert b.items[0].reason == "kind 99 cannot travel in a Bundle"  # type: ignore[attr-defined]
+    assert b.items[1].reason == "kind 'x' cannot travel in a Bundle"  # type: ignore[attr-defined]
+    assert b.items[2].reason.startswith("Bundle.items[2].RunEntry")  # type: ignore[attr-defined]
+    assert salvage(cbor2.dumps({"kind": 3, "request_id": "r", "nonce": 1})) == (3, "r", 1)
+    assert salvage(cbor2.dumps([1, 2])) == (None, None, None)
+    assert salvage(b"\xff\xff") == (None, None, None)
