@@ -172,6 +172,7 @@ class PushCore:
             peer.step = STEP_TABLE.next(peer.step, answer)
         except IllegalTransition as ill:
             return [Warn("diagnostic", f"assignment: {source}: {ill}")]
+        peer.why = ""  # it answered: an earlier failed send is no "last attempt" any more
         return self._advance(now)
 
     def next_timer(self) -> float | None:
