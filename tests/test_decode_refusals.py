@@ -341,3 +341,52 @@ def test_the_memories_of_cancels_and_ended_handoffs_are_bounded() -> None:
     assert d.handle(handoff("e1", 1001, first=-1), P0, 1.0) == []  # still remembered
     again = handoff("e0", 1000, first=-1)
     assert d.handle(again, P0, 1.0) == no(again, "first token or max_tokens out of range")
+
+
+def test_a_handoff_whose_verification_never_returns_still_times_out() -> None:
+    c = core()
+    h = handoff()
+    (e,) = c.handle(h, P0, 2.0)
+    assert c.next_timer() == 17.0  # verifying counts against the verdict wait too
+    why = "the prefill node never committed the handoff within 15s; it was not read"
+    assert c.on_timer(17.0) == [
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "r1", NONCE)),
+        FreeCache(e.job.slot),
+    ]
+
+
+def test_a_reassembled_handoff_is_acked_and_read_like_a_whole_one() -> None:
+    c = core(dims=(2, 1, 2))
+    whole = handoff(layers=2)
+    p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
+    c.handle(p0, P0, 0.0)
+    (e,) = c.handle(dataclasses.replace(p0, part=1), P0, 0.1)
+    assert c.verified(e.job.slot, None, 0.2) == [Send(P0, HandoffAck("r1", 5, True))]
+    light = dataclasses.replace(whole, keys=(), values=())
+    assert c.handle(HandoffVerdict("r1", 5, True), P0, 0.3) == [
+        StartCompute(ResumeJob(e.job.slot, light))
+    ]
+
+
+def test_every_ending_is_counted_one_by_one() -> None:
+    c = core(max_sequences=8)
+    for i in (1, 2):
+        decoding(c, handoff(f"c{i}", i))
+        c.handle(CancelRequest(f"c{i}", "x"), R, 1.0)
+        (e,) = c.handle(handoff(f"v{i}", 10 + i), P0, 1.0)
+        c.verified(e.job.slot, "digest mismatch", 1.1)
+        staged(c, handoff(f"a{i}", 20 + i))
+        c.handle(HandoffVerdict(f"a{i}", 20 + i, False), P0, 1.2)
+        slot = decoding(c, handoff(f"d{i}", 30 + i))
+        c.token(slot, RunResult("x", 0, (1,), "stop", 0), 1.3)
+        bad = dataclasses.replace(handoff(f"p{i}", 40 + i), part=0, parts=2)
+        c.handle(bad, P0, 1.4)
+        c.handle(dataclasses.replace(bad, part=1, first_token=1), P0, 1.5)
+    assert c.counts == {
+        "committed": 4,
+        "cancelled": 2,
+        "corrupt": 4,
+        "aborted": 2,
+        "completed": 2,
+        "parts": 2,
+    }

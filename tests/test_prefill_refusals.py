@@ -305,3 +305,11 @@ def test_the_memory_of_finished_requests_is_bounded_and_forgets_the_oldest() -> 
     assert c.handle(request("q1", max_tokens=1), R, 1.0) == []  # still remembered
     (e,) = c.handle(request("q0", max_tokens=1), R, 1.0)  # forgotten: runs again
     assert isinstance(e, StartCompute)
+
+
+def test_handoffs_and_commits_are_counted_one_by_one() -> None:
+    c = core()
+    a, b = leased(c, request("a")), leased(c, request("b"))
+    c.handle(HandoffAck("a", a, True), D1, 0.1)
+    c.handle(HandoffAck("b", b, True), D1, 0.1)
+    assert c.counts == {"accepted": 2, "handed_off": 2, "committed": 2}

@@ -434,3 +434,24 @@ def test_cancels_free_what_the_request_held_in_every_phase() -> None:
         assert node_stats(r)["prefill-0"][2] == node_stats(r)["decode-0"][2] == 0
     assert r.counts == {"routed": 3, "cancelled": 3}
     assert r.routes == {} and r._wire == {}
+
+
+def test_stats_name_the_metrics_and_count_every_failover() -> None:
+    r = router([P0, P1], [D0])
+    (s,) = r.handle(entry("r"), "local", 0.0)
+    moved = r.undeliverable(s, "refused", 0.1, unsent=True)[-1]
+    r.probe_result(P0, True, "", 0.2)
+    r.handle(TokenResult(s.msg.request_id, 0, (1,), "stop", s.msg.nonce), P1, 0.3)
+    assert isinstance(moved, Send) and moved.dest == P1
+    (s,) = r.handle(entry("q"), "local", 1.0)
+    r.undeliverable(s, "refused", 1.1, unsent=True)
+    assert r.stats()["metrics"] == {
+        "in_flight": 1,
+        "routed": 2,
+        "failovers": 2,
+        "completed": 1,
+    }
+    # A token naming no request id at all is still answered with a cancel of that id.
+    assert r.handle(TokenResult("", 1, (1,), None, 5), D0, 2.0) == [
+        Send(D0, CancelRequest("", "no such request"))
+    ]
