@@ -372,3 +372,64 @@ def test_the_replay_guard_forgets_an_entry_exactly_when_it_expires() -> None:
     assert g.check(b"k" * 32, 106.0, 114.9) is Failure.REPLAYED
     assert g.check(b"k" * 32, 106.0, 115.0) is None  # expired: only the window judges now
     assert (g.replays, g.stale) == (1, 0)
+
+
+def test_a_forged_verdict_and_a_malformed_reply_are_named() -> None:
+    c0, s0 = client(), server()
+    s0.receive_data(c0.data_to_send())
+    reply = s0.data_to_send()
+    c = client()
+    c.receive_data(reply)  # a recorded reply: another handshake's keys
+    assert failed(c) == (
+        Failure.VERDICT_FORGED,
+        "server's handshake verdict does not verify under the cluster secret",
+    )
+    for side in (client(), server()):
+        side.receive_data(preamble(Channel.TRANSPORT) + LEN.pack(3) + b"abc")
+        assert failed(side) is not None and failed(side)[0] is Failure.MALFORMED  # type: ignore[index]
+    with pytest.raises(HandshakeError, match="message 1 payload has no timestamp") as info:
+        decode_hello(bytes(3))
+    assert info.value.failure is Failure.MALFORMED
+    over = encode_identity(ME) + (5).to_bytes(8, "big") + (10**9).to_bytes(4, "big")
+    with pytest.raises(HandshakeError) as info:
+        decode_hello(over)
+    assert info.value.failure is Failure.MALFORMED
+
+
+def test_the_server_admits_the_bound_identity_and_answers_with_its_own_settings() -> None:
+    seen: list[Identity] = []
+
+    def admit(i: Identity) -> Verdict:
+        seen.append(i)
+        return Verdict.ACCEPT
+
+    s = ServerHandshake(
+        SECRET,
+        Channel.ASSIGNMENT,
+        "127.0.0.2",
+        0.0,
+        os.urandom,
+        admit,
+        wall=WALL,
+        replay=ReplayGuard(),
+        suite=9,
+    )
+    c = client(channel=Channel.ASSIGNMENT, suite=9)
+    run(c, s)
+    assert seen == [ME] and s.channel is Channel.ASSIGNMENT
+    assert c.result is not None and c.result.peer == Identity("", 0, "")  # no node id set
+
+
+def test_one_replay_guard_lets_every_fresh_handshake_through() -> None:
+    guard = ReplayGuard()
+    for _ in range(3):
+        c, s = client(), server(replay=guard)
+        run(c, s)
+        assert s.result is not None
+    assert guard.replays == 0
+
+
+def test_the_hello_time_is_rounded_to_the_nanosecond() -> None:
+    raw = encode_hello(ME, 10.6)
+    assert raw[-4:] == (600_000_000).to_bytes(4, "big")
+    assert encode_verdict(Verdict.ACCEPT) == b"\x00\x00"
