@@ -16,6 +16,7 @@ from loguru import logger
 from mlxcel.adapter import BUNDLE_TENSOR_BYTES, CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, Send, Warn
+from mlxcel.endpoint import SendFailed
 from mlxcel.messages import (
     MAX_BUNDLE,
     Activation,
@@ -310,3 +311,160 @@ async def test_a_frontend_that_takes_nothing_is_reported_and_its_results_still_w
             assert got == [1, 2, 3]
     finally:
         logger.remove(sink)
+
+
+class Failing(Endpoint):
+    """``send_now`` and ``send`` to ``dead`` fail with a reason naming the message."""
+
+    def send_now(self, dest: str, msg: Message) -> bool:
+        if dest == "dead" and self.open:
+            raise SendFailed(f"now: {msg.nonce}")  # type: ignore[attr-defined]
+        return super().send_now(dest, msg)
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        await super().send(dest, msg, deadline)
+        if dest == "dead":
+            raise SendFailed(f"later: {msg.nonce}")  # type: ignore[attr-defined]
+
+
+async def test_every_failed_send_reaches_the_core_with_its_own_reason() -> None:
+    async with Node("n") as node:
+        ep, core = Failing(open_now=True), Core()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        a, b, c = Send("dead", entry(1)), Send("dead", entry(2)), Send("s0", entry(3))
+        adapter.feed([a, b, c])  # written at once: each refusal is told, none is skipped
+        assert core.lost_sends == [(a, "now: 1"), (b, "now: 2")]
+        assert ep.now == [("s0", entry(3))]
+        core.lost_sends.clear()
+        ep.open = False  # now they queue, and fail from the outbox, outside any feed
+        adapter.feed([a])
+        await until(lambda: bool(core.lost_sends))
+        assert core.lost_sends == [(a, "later: 1")] and adapter.dropped_sends == 3
+
+
+async def test_a_reset_closes_that_peer_and_failures_that_never_end_are_dropped_loudly() -> None:
+    from mlxcel.adapter import OUTBOX_SIZE
+    from mlxcel.effects import ResetPeer
+
+    class Stubborn(Core):
+        def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
+            self.lost_sends.append((send, reason))
+            return [send]  # sends it again, and again
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="ERROR")
+    try:
+        async with Node("n") as node:
+            ep, core = Failing(open_now=True), Stubborn()
+            adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+            adapter.feed([ResetPeer("s1")])
+            assert ep.resets == ["s1"]
+            adapter.feed([Send("dead", entry(1))])
+            assert len(core.lost_sends) == OUTBOX_SIZE
+    finally:
+        logger.remove(sink)
+    assert lines == ["n: failed sends keep failing; dropped"]
+
+
+async def test_sends_to_two_peers_in_one_run_never_share_a_bundle_and_expired_ones_drop_out() -> (
+    None
+):
+    async with Node("n") as node:
+        ep = Endpoint(open_now=True)
+        adapter = CoreAdapter(node, ep, Core(), "n", 1.0)  # type: ignore[arg-type]
+        adapter.bundles = True
+        adapter.feed([Send("s0", entry(1)), Send("s1", entry(2)), Send("s0", entry(3))])
+        assert ep.now == [("s0", Bundle((entry(1), entry(3)))), ("s1", entry(2))]
+        ep.now.clear()
+        gone = Send("s0", entry(5), deadline=0.0)  # long past
+        adapter.feed([Send("s0", entry(4)), gone, Send("s0", entry(6)), Send("s0", entry(7))])
+        assert ep.now == [("s0", Bundle((entry(4), entry(6), entry(7))))]
+        assert adapter.expired_sends == 1
+
+
+async def test_what_waits_in_an_outbox_leaves_as_bundles_of_at_most_max_bundle() -> None:
+    async with Node("n") as node:
+        ep = Endpoint()
+        ep.gate.clear()
+        adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
+        adapter.bundles = True
+        adapter.feed([Send("s0", entry(0))])
+        await until(lambda: len(ep.sent) == 1)  # on its way, held at the gate
+        gone = Send("s0", entry(1), deadline=0.0)
+        adapter.feed([gone] + [Send("s0", entry(i)) for i in range(2, MAX_BUNDLE + 3)])
+        ep.gate.set()
+        await until(lambda: len(ep.sent) == 3)
+        first, second = ep.sent[1][1], ep.sent[2][1]
+        assert isinstance(first, Bundle) and len(first.items) == MAX_BUNDLE
+        assert [m.nonce for m in first.items] == list(range(2, MAX_BUNDLE + 2))
+        assert second == entry(MAX_BUNDLE + 2) and adapter.expired_sends == 1
+
+
+async def test_nothing_passes_a_send_that_is_on_its_way_and_flush_waits_for_it() -> None:
+    async with Node("n") as node:
+        ep = Endpoint(open_now=False)
+        ep.gate.clear()
+        adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
+        adapter.feed([Send("s0", entry(1))])  # the socket is busy: queued, then taken out
+        await until(lambda: len(ep.sent) == 1)
+        ep.open = True  # the socket could take more now, but entry 1 is still on its way
+        adapter.feed([Send("s0", entry(2))])
+        assert ep.now == []
+        assert await adapter.flush(adapter.now() + 0.02) is False  # nothing queued but 2
+        ep.gate.set()
+        assert await adapter.flush(adapter.now() + 30) is True
+        assert [m.nonce for _, m, _, _ in ep.sent] == [1, 2]
+
+
+async def test_a_subscription_keeps_its_origin_and_size() -> None:
+    from mlxcel.bus import LOCAL
+
+    async with Node("n") as node:
+        core = Core()
+        adapter = CoreAdapter(node, Endpoint(), core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.subscribe([RunEntry], origin=Origin.LOCAL, maxsize=3)
+        (sub,) = node.bus._subs[RunEntry]
+        assert sub.queue.maxsize == 3
+        t = adapter.now()
+        assert await node.bus.publish(entry(1), source="10.0.0.1:9", deadline=t + 1) == 0
+        assert await node.bus.publish(entry(2), source=LOCAL, deadline=t + 1) == 1
+        await until(lambda: bool(core.calls))
+        assert [c[1] for c in core.calls] == [entry(2)]
+
+
+async def test_a_timer_withdrawn_by_a_message_is_disarmed_and_closing_clears_it() -> None:
+    class Timed(Core):
+        def __init__(self) -> None:
+            super().__init__()
+            self.due: float | None = None
+            self.fired = 0
+
+        def next_timer(self) -> float | None:
+            return self.due
+
+        def on_timer(self, now: float) -> list[Effect]:
+            self.fired += 1
+            return []
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="ERROR")
+    try:
+        node = Node("n")
+        await node.__aenter__()
+        core = Timed()
+        adapter = CoreAdapter(node, Endpoint(), core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        core.due = adapter.now() + 0.05
+        adapter.feed([])
+        assert adapter._timer_handle is not None
+        core.due = None  # a message withdrew it
+        adapter.feed([])
+        assert adapter._timer_handle is None and adapter._timer_at is None
+        core.due = adapter.now() + 60
+        adapter.feed([])
+        await node.__aexit__(None, None, None)
+        assert adapter._timer_handle is None and adapter._timer_at is None
+        assert not adapter.running and core.fired == 0
+    finally:
+        logger.remove(sink)
+    assert lines == []
