@@ -18,16 +18,6 @@ import mlxcel  # noqa: F401  (chooses the BLAS before any test module imports ml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """The codec builds each class's decoding plan on first use and keeps it. A session
-    forked from one that already decoded (mutation testing forks one per mutant) would
-    otherwise test the parent's plans, never the code under test."""
-    from mlxcel.wire import codec
-
-    codec._plan.cache_clear()
-    codec._tensor_fields.cache_clear()
-
-
 @pytest.fixture(scope="session")
 def mlxcel_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("mlxcel-home")

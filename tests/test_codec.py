@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import cbor2
 import hypothesis.strategies as st
 import numpy as np
@@ -46,6 +48,7 @@ from mlxcel.messages import (
     TpStep,
     Undecodable,
 )
+from mlxcel.wire import codec
 from mlxcel.wire.codec import decode, encode
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -176,6 +179,16 @@ bundles = st.lists(messages.filter(lambda m: type(m) in BUNDLED), min_size=1, ma
 @given(messages | bundles)
 def test_round_trip(msg: object) -> None:
     assert decode(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans() -> Iterator[None]:
+    """The codec builds each class's decoding plan on first use and keeps it. Each test here
+    builds its own, so the code that builds plans is exercised (and mutation testing maps it)
+    by every test, not only by the first one that happened to decode."""
+    codec._plan.cache_clear()
+    codec._tensor_fields.cache_clear()
+    yield
 
 
 def test_every_message_class_is_covered_by_the_strategy() -> None:
