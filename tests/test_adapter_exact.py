@@ -327,10 +327,19 @@ class Failing(Endpoint):
             raise SendFailed(f"later: {msg.nonce}")  # type: ignore[attr-defined]
 
 
+class Told(CoreAdapter):
+    """Keeps the exception each failed send came with (a role like the router's reads it)."""
+
+    def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
+        self.excs.append(exc)
+        return super().undeliverable(send, reason, exc)
+
+
 async def test_every_failed_send_reaches_the_core_with_its_own_reason() -> None:
     async with Node("n") as node:
         ep, core = Failing(open_now=True), Core()
-        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter = Told(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.excs: list[BaseException | None] = []
         a, b, c = Send("dead", entry(1)), Send("dead", entry(2)), Send("s0", entry(3))
         adapter.feed([a, b, c])  # written at once: each refusal is told, none is skipped
         assert core.lost_sends == [(a, "now: 1"), (b, "now: 2")]
@@ -340,6 +349,8 @@ async def test_every_failed_send_reaches_the_core_with_its_own_reason() -> None:
         adapter.feed([a])
         await until(lambda: bool(core.lost_sends))
         assert core.lost_sends == [(a, "later: 1")] and adapter.dropped_sends == 3
+        assert [str(e) for e in adapter.excs] == ["now: 1", "now: 2", "later: 1"]
+        assert all(isinstance(e, SendFailed) for e in adapter.excs)
 
 
 async def test_a_reset_closes_that_peer_and_failures_that_never_end_are_dropped_loudly() -> None:
@@ -468,3 +479,29 @@ async def test_a_timer_withdrawn_by_a_message_is_disarmed_and_closing_clears_it(
     finally:
         logger.remove(sink)
     assert lines == []
+
+
+async def test_a_failing_timer_is_reported_by_name() -> None:
+    class Broken(Core):
+        def __init__(self, due: float) -> None:
+            super().__init__()
+            self.due: float | None = due
+
+        def next_timer(self) -> float | None:
+            return self.due
+
+        def on_timer(self, now: float) -> list[Effect]:
+            self.due = None
+            raise RuntimeError("core bug")
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="ERROR")
+    try:
+        async with Node("n") as node:
+            core = Broken(asyncio.get_running_loop().time())
+            adapter = CoreAdapter(node, Endpoint(), core, "timer-node", 1.0)  # type: ignore[arg-type]
+            adapter.start()
+            await until(lambda: bool(lines))
+    finally:
+        logger.remove(sink)
+    assert lines[0] == "timer-node: timer handling failed"
