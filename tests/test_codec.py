@@ -428,3 +428,24 @@ def test_an_item_that_cannot_travel_in_a_bundle_is_named_with_what_was_salvaged(
     assert salvage(cbor2.dumps({"kind": 3, "request_id": "r", "nonce": 1})) == (3, "r", 1)
     assert salvage(cbor2.dumps([1, 2])) == (None, None, None)
     assert salvage(b"\xff\xff") == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("token_ids", "x", "RunEntry.token_ids: expected an array, got str"),
+        ("token_ids", [1, "a"], r"RunEntry.token_ids\[1\]: expected an integer, got str"),
+        ("sampling", 5, "RunEntry.sampling: expected a map, got int"),
+        ("temperature", "x", "RunEntry.sampling.temperature: expected float, got str"),
+        ("request_id", 3, "RunEntry.request_id: expected str, got int"),
+        ("micro_batch", True, "RunEntry.micro_batch: expected an integer, got bool"),
+    ],
+)
+def test_a_mistyped_field_is_named_by_its_whole_path(field: str, value: object, why: str) -> None:
+    raw = cbor2.loads(encode(RunEntry("r", 0, (1, 2), 0, SamplingParams(), 1)))
+    if field == "temperature":
+        raw["sampling"] = {**raw["sampling"], "temperature": value}
+    else:
+        raw[field] = value
+    with pytest.raises(FieldError, match=f"^{why}$"):
+        decode(cbor2.dumps(raw))
