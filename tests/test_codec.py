@@ -449,3 +449,25 @@ def test_a_mistyped_field_is_named_by_its_whole_path(field: str, value: object, 
         raw[field] = value
     with pytest.raises(FieldError, match=f"^{why}$"):
         decode(cbor2.dumps(raw))
+
+
+def test_odd_bundle_items_and_old_encoders_are_handled_without_a_crash() -> None:
+    from mlxcel.wire.codec import salvage
+
+    with pytest.raises(FieldError, match="items must be an array of 1 to 256 messages"):
+        decode(cbor2.dumps({"kind": Bundle.KIND}))
+    long_name = "f" * 400
+    b = decode(_raw_bundle([{"kind": [1]}, {**_item(ReleaseSequence("r")), long_name: 1}]))
+    assert isinstance(b, Bundle)
+    assert b.items[0].reason == "kind [1] cannot travel in a Bundle"  # type: ignore[attr-defined]
+    assert len(b.items[1].reason) == 300  # type: ignore[attr-defined]
+    # An encoder that omits an optional field in the middle: the later ones still count.
+    raw = _item(Activation("a", 0, Tensor("uint8", (1,), b"x"), 0, SamplingParams(), 1, owner="o"))
+    del raw["compute_us"]
+    got = decode(cbor2.dumps(raw))
+    assert isinstance(got, Activation) and got.owner == "o" and got.compute_us == 0
+    # What is salvaged is parsed with the same depth limit as a message.
+    deep: object = 1
+    for _ in range(40):
+        deep = [deep]
+    assert salvage(cbor2.dumps({"kind": 3, "x": deep})) == (None, None, None)
