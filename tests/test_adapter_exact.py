@@ -187,8 +187,11 @@ async def test_each_send_gets_the_budget_or_its_own_deadline() -> None:
         adapter.feed([Send("s2", entry(3), deadline=t + 3)])  # an earlier one: its own
         adapter.feed([Send("10.0.0.9:1", entry(4), peer=False)])  # a stranger: 1 s
         await until(lambda: len(ep.sent) == 4)
-        given = {dest: round(deadline - started, 1) for dest, _, deadline, started in ep.sent}
-        assert given["s0"] == given["s1"] == 7.0 and given["10.0.0.9:1"] == 1.0
+        # (the deadline is taken just before the send starts: what is left of it is the budget,
+        # give or take a scheduling hiccup, far below the 1 s and 7 s told apart here)
+        given = {dest: deadline - started for dest, _, deadline, started in ep.sent}
+        assert all(abs(given[d] - 7.0) < 0.5 for d in ("s0", "s1"))
+        assert abs(given["10.0.0.9:1"] - 1.0) < 0.5
         assert ep.sent[2][2] == t + 3
         assert ep.resets == ["10.0.0.9:1"]  # the stranger's one-off connection is closed
         adapter.deadline_overrides_budget = True  # a lease longer than the budget wins
