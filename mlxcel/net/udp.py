@@ -15,7 +15,7 @@ from loguru import logger
 
 from mlxcel.errors import ListenError
 
-MAX_DATAGRAM = 2048  # larger datagrams are truncated by the kernel, then refused as malformed
+MAX_DATAGRAM = 2048  # a beacon is far smaller: a larger datagram is dropped unread (and counted)
 
 
 class BeaconSender:
@@ -55,6 +55,9 @@ class _Protocol(asyncio.DatagramProtocol):
         self.counter = counter
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:  # type: ignore[override]
+        if len(data) > MAX_DATAGRAM:  # nothing this large is a beacon; do not hold it
+            self.counter()
+            return
         try:
             self.queue.put_nowait((data, addr[0]))
         except asyncio.QueueFull:
