@@ -108,6 +108,7 @@ class ServerProcess:
             cwd=ROOT,
         )
         self.lines: list[str] = []
+        self._family: list[int] = []  # its processes, taken at stop(): what must end with it
         deadline = time.monotonic() + 120
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
@@ -136,8 +137,8 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def stop(self) -> int:
-        self._family = descendants(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
+            self._family = descendants(self.proc.pid)
             self.proc.terminate()
             try:
                 self.proc.wait(30)
@@ -149,11 +150,17 @@ class ServerProcess:
     def left_behind(self) -> list[str]:
         """What a stopped server left: a port still accepting, a child process still alive."""
         assert self.proc.poll() is not None, "stop() it first"
-        left = [f"pid {p} still alive" for p in getattr(self, "_family", []) if alive(p)]
+        left = [f"pid {p} still alive" for p in self._family if alive(p)]
         with socket.socket() as s:
             if s.connect_ex((self.host, self.port)) == 0:
                 left.append(f"{self.host}:{self.port} still accepts connections")
         return left
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def descendants(pid: int) -> list[int]:

@@ -28,6 +28,7 @@ from mlxcel.messages import (
     Tensor,
 )
 from mlxcel.wire.codec import tensor_bytes
+from tests.conftest import until_true
 
 
 def entry(i: int) -> RunEntry:
@@ -103,14 +104,6 @@ class Endpoint:
         self.lost_callback = callback
 
 
-async def until(cond: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if cond():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never held")
-
-
 async def test_a_bundle_reaches_a_batching_core_once_and_other_cores_item_by_item() -> None:
     items = (entry(1), entry(2), entry(3))
     for core in (BatchingCore(), Core()):
@@ -121,7 +114,7 @@ async def test_a_bundle_reaches_a_batching_core_once_and_other_cores_item_by_ite
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             await node.bus.publish(Bundle(items), source="10.0.0.1:9", deadline=t0 + 5)
-            await until(lambda c=core: bool(c.calls))
+            await until_true(lambda c=core: bool(c.calls))
             kinds = [(c[0], c[1], c[2]) for c in core.calls]
             if isinstance(core, BatchingCore):
                 assert kinds == [("bundle", items, "10.0.0.1:9")]
@@ -186,7 +179,7 @@ async def test_each_send_gets_the_budget_or_its_own_deadline() -> None:
         adapter.feed([Send("s1", entry(2), deadline=t + 100)])  # a later deadline: the budget
         adapter.feed([Send("s2", entry(3), deadline=t + 3)])  # an earlier one: its own
         adapter.feed([Send("10.0.0.9:1", entry(4), peer=False)])  # a stranger: 1 s
-        await until(lambda: len(ep.sent) == 4)
+        await until_true(lambda: len(ep.sent) == 4)
         # (the deadline is taken just before the send starts: what is left of it is the budget,
         # give or take a scheduling hiccup, far below the 1 s and 7 s told apart here)
         given = {dest: deadline - started for dest, _, deadline, started in ep.sent}
@@ -196,7 +189,7 @@ async def test_each_send_gets_the_budget_or_its_own_deadline() -> None:
         assert ep.resets == ["10.0.0.9:1"]  # the stranger's one-off connection is closed
         adapter.deadline_overrides_budget = True  # a lease longer than the budget wins
         adapter.feed([Send("s3", entry(5), deadline=t + 100)])
-        await until(lambda: len(ep.sent) == 5)
+        await until_true(lambda: len(ep.sent) == 5)
         assert ep.sent[4][2] == t + 100
 
 
@@ -207,7 +200,7 @@ async def test_discard_and_flush_act_on_what_is_queued_and_in_flight() -> None:
         adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
         assert await adapter.flush(adapter.now()) is True  # nothing queued: done at once
         adapter.feed([Send("s0", entry(i)) for i in range(1, 6)])
-        await until(lambda: len(ep.sent) == 1)  # entry 1 is on its way; 2..5 wait behind it
+        await until_true(lambda: len(ep.sent) == 1)  # entry 1 is on its way; 2..5 wait behind it
         assert await adapter.flush(adapter.now() + 0.02) is False
         dropped = adapter.discard_queued(lambda s: s.msg.nonce % 2 == 0)
         assert dropped == 2
@@ -269,7 +262,7 @@ async def test_the_frontend_outbox_counts_exactly_what_had_to_wait() -> None:
         for i in (1, 2, 3):  # no loop turn between: the inbox of one holds the first
             out.put(entry(i))
         assert out.waited == 2
-        await until(lambda: len(got) == 3)
+        await until_true(lambda: len(got) == 3)
         assert got == [1, 2, 3]
 
 
@@ -306,11 +299,11 @@ async def test_a_frontend_that_takes_nothing_is_reported_and_its_results_still_w
             out.start()
             for i in (1, 2, 3):
                 out.put(entry(i))
-            await until(lambda: bool(lines))
+            await until_true(lambda: bool(lines))
             # r1 is with the stuck handler, r2 in its inbox of one, r3 waits here.
             assert lines[0] == "fe: the frontend took nothing for 0.05s; 1 result(s) wait"
             gate.set()
-            await until(lambda: len(got) == 3)
+            await until_true(lambda: len(got) == 3)
             assert got == [1, 2, 3]
     finally:
         logger.remove(sink)
@@ -350,7 +343,7 @@ async def test_every_failed_send_reaches_the_core_with_its_own_reason() -> None:
         core.lost_sends.clear()
         ep.open = False  # now they queue, and fail from the outbox, outside any feed
         adapter.feed([a])
-        await until(lambda: bool(core.lost_sends))
+        await until_true(lambda: bool(core.lost_sends))
         assert core.lost_sends == [(a, "later: 1")] and adapter.dropped_sends == 3
         assert [str(e) for e in adapter.excs] == ["now: 1", "now: 2", "later: 1"]
         assert all(isinstance(e, SendFailed) for e in adapter.excs)
@@ -403,11 +396,11 @@ async def test_what_waits_in_an_outbox_leaves_as_bundles_of_at_most_max_bundle()
         adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
         adapter.bundles = True
         adapter.feed([Send("s0", entry(0))])
-        await until(lambda: len(ep.sent) == 1)  # on its way, held at the gate
+        await until_true(lambda: len(ep.sent) == 1)  # on its way, held at the gate
         gone = Send("s0", entry(1), deadline=0.0)
         adapter.feed([gone] + [Send("s0", entry(i)) for i in range(2, MAX_BUNDLE + 3)])
         ep.gate.set()
-        await until(lambda: len(ep.sent) == 3)
+        await until_true(lambda: len(ep.sent) == 3)
         first, second = ep.sent[1][1], ep.sent[2][1]
         assert isinstance(first, Bundle) and len(first.items) == MAX_BUNDLE
         assert [m.nonce for m in first.items] == list(range(2, MAX_BUNDLE + 2))
@@ -420,7 +413,7 @@ async def test_nothing_passes_a_send_that_is_on_its_way_and_flush_waits_for_it()
         ep.gate.clear()
         adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
         adapter.feed([Send("s0", entry(1))])  # the socket is busy: queued, then taken out
-        await until(lambda: len(ep.sent) == 1)
+        await until_true(lambda: len(ep.sent) == 1)
         ep.open = True  # the socket could take more now, but entry 1 is still on its way
         adapter.feed([Send("s0", entry(2))])
         assert ep.now == []
@@ -442,7 +435,7 @@ async def test_a_subscription_keeps_its_origin_and_size() -> None:
         t = adapter.now()
         assert await node.bus.publish(entry(1), source="10.0.0.1:9", deadline=t + 1) == 0
         assert await node.bus.publish(entry(2), source=LOCAL, deadline=t + 1) == 1
-        await until(lambda: bool(core.calls))
+        await until_true(lambda: bool(core.calls))
         assert [c[1] for c in core.calls] == [entry(2)]
 
 
@@ -504,7 +497,7 @@ async def test_a_failing_timer_is_reported_by_name() -> None:
             core = Broken(asyncio.get_running_loop().time())
             adapter = CoreAdapter(node, Endpoint(), core, "timer-node", 1.0)  # type: ignore[arg-type]
             adapter.start()
-            await until(lambda: bool(lines))
+            await until_true(lambda: bool(lines))
     finally:
         logger.remove(sink)
     assert lines[0] == "timer-node: timer handling failed"

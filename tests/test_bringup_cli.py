@@ -26,19 +26,11 @@ from mlxcel.net.pool import ConnectionPool
 from mlxcel.net.secret import load_cluster_secret
 from mlxcel.pipeline.cluster_config import load_cluster_config
 from mlxcel.wire.handshake import Channel, Identity
-from tests.conftest import free_port
+from tests.conftest import free_port, free_udp_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3"
 MESSAGES = [{"role": "user", "content": "Tell me about zero-config clusters"}]
-
-
-def free_udp_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

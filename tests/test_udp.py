@@ -4,15 +4,9 @@ datagrams wait, none larger than MAX_DATAGRAM is kept, and every drop is counted
 from __future__ import annotations
 
 import asyncio
-import socket
 
 from mlxcel.net.udp import MAX_DATAGRAM, BeaconReceiver, BeaconSender
-
-
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import free_udp_port
 
 
 async def test_the_receiver_keeps_at_most_maxsize_datagrams_and_none_too_large() -> None:
