@@ -91,6 +91,8 @@ class DisaggSpec:
     decode_peers: tuple[str, ...] = ()
     interface: str | None = None
     startup_timeout: float = 60.0
+    peer_timeout: float = 3.0  # a peer unheard this long is down
+    prefill_timeout: float = 300.0  # router: dispatch to first token
 
 
 StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec | DisaggSpec
@@ -216,9 +218,19 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             max_batch_size=g.max_batch_size,
             **limits,
         ) as rc:
+            from mlxcel.disagg.service import stats_verbose
+
             c = rc.coordinator
+            # Stage addresses in /health only when asked for (as /router/stats).
+            verbose = stats_verbose(os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE"))
             yield Assembled(
-                Serving(rc.node, rc.frontend, lambda: c.active, c.health, mode="pipeline"),
+                Serving(
+                    rc.node,
+                    rc.frontend,
+                    lambda: c.active,
+                    lambda: c.health(verbose),
+                    mode="pipeline",
+                ),
                 spec.model.name,
                 f"pipeline coordinator of {len(rc.plan)} stages",
             )
@@ -265,6 +277,8 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
             request_timeout=g.request_timeout,
             startup_timeout=spec.startup_timeout,
             interface=spec.interface,
+            peer_timeout=spec.peer_timeout,
+            prefill_timeout=spec.prefill_timeout,
         ) as rs:
             svc = rs.service
             serving = Serving(
@@ -299,6 +313,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
         prefill_step_size=g.prefill_step_size,
         max_sequences=NODE_CAPACITY,  # what the router lets a node hold
         interface=spec.interface,
+        peer_timeout=spec.peer_timeout,
     ) as ws:
         yield Assembled(
             Serving(ws.node, listener=ws.listener),

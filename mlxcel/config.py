@@ -307,6 +307,17 @@ class ServeSettings(ModelSettings, PipelineSettings):
         "the coordinator, .mlxcel/cluster-<node-id>.toml on a peer)",
     )
 
+    peer_timeout: float | None = Field(
+        None,
+        ge=0.3,
+        le=600,
+        description="seconds a cluster peer may go unheard before it counts as down "
+        "(default: the cluster TOML's, else 3)",
+    )
+    prefill_timeout: float = Field(
+        300.0, gt=0, description="router: seconds from dispatch to a prompt's first token"
+    )
+
     # --- disaggregated serving (docs/disaggregated.md) ---
     node_role: Literal["hybrid", "prefill", "decode", "router"] = Field(
         "hybrid",

@@ -99,6 +99,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
         (
             "cluster_secret_file",
             "cluster_interface",
+            "peer_timeout",
         ),
     ),
     (
@@ -122,6 +123,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "serving_bind",
             "prefill_peers",
             "decode_peers",
+            "prefill_timeout",
         ),
     ),
     (

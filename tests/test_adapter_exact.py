@@ -230,6 +230,8 @@ async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limi
                 "diagnostic": 0,
                 "router-drop": 1,
                 "at-capacity": 0,
+                "coordinator-drop": 0,
+                "stage-drop": 0,
             }
 
             class Bogus:

@@ -82,7 +82,7 @@ def fails(rid: str, code: str, why: str, nonce: int = 77) -> list[Effect]:
 
 def drop(msg: str, source: str, why: str, detail: str = "") -> Warn:
     text = f"coordinator: dropping {msg} from {source}: {why}"
-    return Warn("router-drop", text + (f" ({detail})" if detail else ""))
+    return Warn("coordinator-drop", text + (f" ({detail})" if detail else ""))
 
 
 def step(rid: str, tokens: tuple[int, ...], pos: int, nonce: int, deadline: float) -> Send:

@@ -188,11 +188,22 @@ def test_router_fails_requests_on_a_lost_decode_node_and_uses_it_again_after_a_p
     # ... a failed probe right after a lost connection means it is gone.
     assert r.peer_lost(D0, 1.0) == []
     out = r.probe_result(D0, False, "connection refused", 1.0)
-    errs = delivered(out)
-    assert sorted(e.request_id for e in errs) == ["r0", "r2"]
-    assert all(e.code == ErrorCode.NODE_UNREACHABLE and "decode-0" in e.message for e in errs)
-    # Their prefill nodes are told to free what they hold.
-    assert {s.dest for s in sends(out, CancelRequest)} == {P0}
+    # Its requests had no token out yet: they start over on the other decode node, and the
+    # nodes that held them are told to free what they hold. The clients see nothing.
+    assert delivered(out) == []
+    moved = sends(out, PrefillRequest)
+    assert {s.msg.decode_target for s in moved} == {D1} and len(moved) == 2
+    assert sorted(r._wire[s.msg.request_id] for s in moved) == ["r0", "r2"]
+    assert {s.dest for s in sends(out, CancelRequest)} == {P0, D0}
+    # Once a request streams, losing its decode node ends it with an error.
+    for s in moved:
+        r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), s.dest, 1.5)
+    r.peer_lost(D1, 1.6)
+    errs = delivered(r.probe_result(D1, False, "connection refused", 1.6))
+    codes = sorted((e.request_id, e.code) for e in errs if isinstance(e, Error))
+    streaming, waiting = ErrorCode.NODE_UNREACHABLE, ErrorCode.NO_NODE_AVAILABLE  # D0 is down
+    assert codes == [("r0", streaming), ("r1", waiting), ("r2", streaming), ("r3", waiting)]
+    r.probe_result(D1, True, "", 1.7)
     (s,) = sends(r.handle(entry("r9"), "local", 2.0), PrefillRequest)
     assert s.msg.decode_target == D1
     r.probe_result(D0, True, "", 3.0)

@@ -79,7 +79,14 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
     for i in range(7):
         lim.warn("router-drop", f"r{i}")
     assert lines[5:] == [("DEBUG", "r5"), ("DEBUG", "r6")]
-    assert lim.debugged == {"noise": 0, "diagnostic": 0, "router-drop": 2, "at-capacity": 0}
+    assert lim.debugged == {
+        "noise": 0,
+        "diagnostic": 0,
+        "router-drop": 2,
+        "at-capacity": 0,
+        "coordinator-drop": 0,
+        "stage-drop": 0,
+    }
     assert lim.warned["router-drop"] == 5
     lines.clear()
     lim.debug("plain")

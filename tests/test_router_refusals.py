@@ -307,10 +307,13 @@ def test_a_lost_prefill_node_fails_only_the_requests_still_waiting_for_it() -> N
     r.handle(TokenResult(b.msg.request_id, 0, (1,), None, b.msg.nonce), P0, 0.5)
     assert r.peer_lost(P0, 1.0) == [] and r.peer_lost(STRANGER, 1.0) == []
     out = r.probe_result(P0, False, "connection refused", 1.0)
-    why = "prefill node prefill-0 was lost while serving this request"
+    why = (
+        "prefill node prefill-0 was lost before this request's first token and no other "
+        "prefill node can take it"
+    )
     assert out == [
         Warn("warning", "router: prefill-0 marked down: connection refused"),
-        *failed("a", ErrorCode.NODE_UNREACHABLE, why),
+        *failed("a", ErrorCode.NO_NODE_AVAILABLE, why),
         cancel(D0, a.msg.request_id, why),
     ]
     assert list(r.routes) == ["b"]  # its prefill part was done: the decode node carries on
@@ -328,6 +331,75 @@ def test_a_lost_prefill_node_fails_only_the_requests_still_waiting_for_it() -> N
         *failed("b", ErrorCode.NODE_UNREACHABLE, why),
         cancel(P0, b.msg.request_id, why),
     ]
+
+
+def test_a_request_with_no_token_out_starts_over_when_its_node_is_lost() -> None:
+    r = router([P0, P1], [D0, D1])
+    (a,) = r.handle(entry("a"), "local", 0.0)  # P0 + D0
+    (b,) = r.handle(entry("b"), "local", 0.0)  # P1 + D1
+    r.handle(TokenResult(b.msg.request_id, 0, (1,), None, b.msg.nonce), P1, 0.5)
+    r.peer_lost(P0, 1.0)
+    out = r.probe_result(P0, False, "timed out", 1.0)
+    old = a.msg.request_id
+    new = r.routes["a"]
+    assert new.wire != old and new.nonce != a.msg.nonce
+    why = "prefill-0 was lost; restarted"
+    assert out == [
+        Warn("warning", "router: prefill-0 marked down: timed out"),
+        cancel(P0, old, why),
+        cancel(D0, old, why),
+        Warn(
+            "info",
+            "router: request a restarted on prefill-1 and decode-0: prefill-0 was lost "
+            "before its first token",
+        ),
+        Send(
+            P1,
+            PrefillRequest(new.wire, a.msg.token_ids, a.msg.sampling, D0, new.nonce),
+            deadline=6.0,
+        ),
+    ]
+    assert r.counts["restarted"] == 1 and r.counts["failed"] == 0
+    # Nothing the old nodes send about the old wire id reaches the client.
+    late = TokenResult(old, 0, (9,), None, a.msg.nonce)
+    assert r.handle(late, P0, 1.5) == [Send(P0, CancelRequest(old, "no such request"))]
+    # Counts follow the move: P0 holds nothing of it, P1 does (b's prefill part is done).
+    assert [node_stats(r)[n][2] for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")] == [
+        0,
+        1,
+        1,
+        1,
+    ]
+    # Its first token comes from the new prefill node and reaches the client.
+    first = TokenResult(new.wire, 0, (5,), None, new.nonce)
+    assert r.handle(first, P1, 2.0) == [Deliver(RunResult("a", 0, (5,), None, NONCE, None))]
+    # A stream already under way is not restarted: losing its decode node ends it.
+    r.peer_lost(D0, 3.0)
+    out = r.probe_result(D0, False, "timed out", 3.0)
+    lost = "decode node decode-0 was lost while serving this request"
+    assert out == [
+        Warn("warning", "router: decode-0 marked down: timed out"),
+        *failed("a", ErrorCode.NODE_UNREACHABLE, lost),
+        cancel(P1, new.wire, lost),
+    ]
+    assert list(r.routes) == ["b"]
+
+
+def test_a_request_restarts_at_most_max_restarts_times() -> None:
+    r = router([P0, P1], [D0])
+    r.handle(entry("a"), "local", 0.0)
+    for i in range(2):
+        lost = r.routes["a"].prefill
+        r.peer_lost(lost, 1.0 + i)
+        r.probe_result(lost, False, "timed out", 1.0 + i)
+        r.probe_result(lost, True, "", 1.0 + i)  # it comes back, and is lost again
+    assert r.routes["a"].restarts == 2
+    lost = r.routes["a"].prefill
+    r.peer_lost(lost, 5.0)
+    out = r.probe_result(lost, False, "timed out", 5.0)
+    why = f"prefill node {r.nodes[lost].id} was lost while serving this request"
+    assert out[1:3] == failed("a", ErrorCode.NODE_UNREACHABLE, why)
+    assert "a" not in r.routes and r.counts["restarted"] == 2
 
 
 # --- sends that fail -----------------------------------------------------------------------

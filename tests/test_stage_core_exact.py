@@ -98,7 +98,7 @@ def job(job_id: int, *steps: Step, first: bool = True, last: bool = True) -> Sta
 
 
 def refusal(c: StageCore, kind: str, source: str, why: str) -> Warn:
-    return Warn("router-drop", f"stage {c.config.index}: refusing {kind} from {source}: {why}")
+    return Warn("stage-drop", f"stage {c.config.index}: refusing {kind} from {source}: {why}")
 
 
 def run_one(c: StageCore, rid: str, tokens: tuple[int, ...], start: int, nonce: int) -> int:
@@ -243,7 +243,7 @@ def test_skip_owner_check_lets_another_owners_activation_run() -> None:
 def test_an_activation_for_an_unprepared_request_is_dropped_with_a_truncated_name() -> None:
     c = make(1, 2)
     rid = "x" * 70
-    warn = Warn("router-drop", f"stage 1: activation for unprepared request {'x' * 64!r}; dropped")
+    warn = Warn("stage-drop", f"stage 1: activation for unprepared request {'x' * 64!r}; dropped")
     for _ in range(2):
         assert c.handle(Activation(rid, 0, hidden(), 0, SP, 5, owner=C), UP, 1.0) == [warn]
     assert c.stats.dropped == 2
@@ -254,7 +254,7 @@ def test_an_activation_of_another_owner_is_dropped_with_a_truncated_name() -> No
     rid = "y" * 70
     prepare(c, rid)
     assert c.handle(Activation(rid, 0, hidden(), 0, SP, 5, owner=EVE), UP, 1.0) == [
-        Warn("router-drop", f"stage 1: activation for {'y' * 64!r} of another owner; dropped")
+        Warn("stage-drop", f"stage 1: activation for {'y' * 64!r} of another owner; dropped")
     ]
     assert c.stats.by_code == {ErrorCode.NOT_OWNER: 1} and c.stats.refused == 1
 
@@ -543,17 +543,17 @@ def test_an_undeliverable_activation_fails_its_request_word_for_word() -> None:
     prepare(c)
     act = Activation("r", 0, hidden(), 0, SP, 5, owner=C)
     assert c.undeliverable(Send(DOWN, act), "refused", 1.0) == [
-        Warn("router-drop", f"stage 1: could not send to {DOWN}: refused"),
+        Warn("stage-drop", f"stage 1: could not send to {DOWN}: refused"),
         Send(C, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, f"stage 1 cannot reach {DOWN}", "r", 5)),
     ]
     assert c.stats.dropped == 1
     # Anything else, or an activation of a request no longer held: only the log line.
     assert c.undeliverable(Send(C, Ack("r", 1)), "reset", 2.0) == [
-        Warn("router-drop", f"stage 1: could not send to {C}: reset")
+        Warn("stage-drop", f"stage 1: could not send to {C}: reset")
     ]
     gone = Activation("gone", 0, hidden(), 0, SP, 5, owner=C)
     assert c.undeliverable(Send(DOWN, gone), "closed", 3.0) == [
-        Warn("router-drop", f"stage 1: could not send to {DOWN}: closed")
+        Warn("stage-drop", f"stage 1: could not send to {DOWN}: closed")
     ]
     assert c.stats.dropped == 3
 

@@ -17,6 +17,9 @@ def cluster_node_spec(
     s: ServeSettings, cfg: ClusterConfig, me: NodeSpec, path: Path, secret: ClusterSecret
 ) -> StackSpec:
     """The stage or the coordinator ``me`` of ``cfg`` (written by hand or by a bring-up)."""
+    if s.peer_timeout is not None:  # the flag (or MLXCEL_PEER_TIMEOUT) wins over the TOML
+        cluster = cfg.cluster.model_copy(update={"peer_timeout": s.peer_timeout})
+        cfg = cfg.model_copy(update={"cluster": cluster})
     if me.role == "stage":
         return StageSpec(cfg, me, path, secret, s.pp_return_logits, s.cluster_interface)
     return CoordinatorSpec(

@@ -23,6 +23,7 @@ from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
 from mlxcel.config import ServeSettings
 from mlxcel.loop import signals
+from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
 
 
 async def serve(s: ServeSettings) -> int:
@@ -87,6 +88,8 @@ def _disagg_spec(s: ServeSettings) -> DisaggSpec:
         tuple(s.peer_list("decode_peers")),
         s.cluster_interface,
         s.startup_timeout,
+        s.peer_timeout if s.peer_timeout is not None else DEFAULT_PEER_TIMEOUT,
+        s.prefill_timeout,
     )
 
 

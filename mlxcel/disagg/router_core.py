@@ -17,6 +17,7 @@ from typing import Any
 from mlxcel.disagg.protocol import (
     HANDOFF_TIMEOUT,
     MAX_EARLY,
+    MAX_RESTARTS,
     NODE_CAPACITY,
     PREFILL_TIMEOUT,
     ROUTE_TABLE,
@@ -67,6 +68,7 @@ class Route:
     next_index: int = 0
     early: dict[int, TokenResult] = field(default_factory=dict)
     tried: set[str] = field(default_factory=set)
+    restarts: int = 0  # times it started over on other nodes after losing one
 
 
 class RouterCore:
@@ -163,7 +165,7 @@ class RouterCore:
             node.last_error = ""
             return [Warn("info", f"router: {node.id} is online")]
         out = self._mark_down(node, reason)
-        return out + self._fail_requests_on(node) if suspect else out
+        return out + self._requests_lost_with(node, now) if suspect else out
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         """A connection with ``identity`` dropped. Anyone on that IP holding the secret can
@@ -174,22 +176,66 @@ class RouterCore:
             node.suspect = True
         return []
 
-    def _fail_requests_on(self, node: PeerNode) -> list[Effect]:
+    def _requests_lost_with(self, node: PeerNode, now: float) -> list[Effect]:
+        """The requests ``node`` was serving, now that it is gone. One whose client has seen
+        no token yet starts over on other nodes (invisible to the client); one already
+        streaming ends with an error (its tokens cannot be taken back)."""
         identity = node.address
         out: list[Effect] = []
         for r in list(self.routes.values()):
             # A lost prefill matters until its first token is in (the decode node may already
             # hold the committed cache after that); a lost decode node matters throughout.
             lost_prefill = r.prefill == identity and r.state is RouteState.PREFILLING
-            if lost_prefill or r.decode == identity:
-                other = r.decode if lost_prefill else r.prefill
-                out += self._fail(
-                    r,
-                    ErrorCode.NODE_UNREACHABLE,
-                    f"{node.role} node {node.id} was lost while serving this request",
-                    cancel=(other,),
-                )
+            if not (lost_prefill or r.decode == identity):
+                continue
+            if r.state is RouteState.PREFILLING and r.restarts < MAX_RESTARTS:
+                out += self._restart(r, node, now)
+                continue
+            other = r.decode if lost_prefill else r.prefill
+            out += self._fail(
+                r,
+                ErrorCode.NODE_UNREACHABLE,
+                f"{node.role} node {node.id} was lost while serving this request",
+                cancel=(other,),
+            )
         return out
+
+    def _restart(self, r: Route, lost: PeerNode, now: float) -> list[Effect]:
+        """Start ``r`` again under a new wire id on nodes other than ``lost``; what the old
+        nodes hold of it is cancelled (their late results no longer match anything)."""
+        p = self._pick("prefill", exclude={lost.address})
+        d = self._pick("decode", exclude={lost.address})
+        if p is None or d is None:
+            role = "prefill" if p is None else "decode"
+            return self._fail(
+                r,
+                ErrorCode.NO_NODE_AVAILABLE,
+                f"{lost.role} node {lost.id} was lost before this request's first token and "
+                f"no other {role} node can take it",
+                cancel=tuple(a for a in (r.prefill, r.decode) if a != lost.address),
+            )
+        out = self._cancels(r, (r.prefill, r.decode), f"{lost.id} was lost; restarted")
+        self._end(r)  # frees the old nodes' counts and the old wire id
+        nonce = next(self._nonces)
+        r.nonce, r.wire = nonce, f"{r.request_id}@{nonce:x}"
+        r.prefill, r.decode, r.prefill_busy = p, d, True
+        r.deadline = now + self.prefill_timeout
+        r.early.clear()
+        r.tried = {p}
+        r.restarts += 1
+        self.routes[r.request_id] = r
+        self._wire[r.wire] = r.request_id
+        self.nodes[d].active += 1
+        self.nodes[d].dispatched += 1
+        self.counts["restarted"] += 1
+        out.append(
+            Warn(
+                "info",
+                f"router: request {r.request_id} restarted on {self.nodes[p].id} and "
+                f"{self.nodes[d].id}: {lost.id} was lost before its first token",
+            )
+        )
+        return out + self._dispatch(r, now, "restart")
 
     def undeliverable(
         self, send: Send, reason: str, now: float, unsent: bool = False

@@ -21,10 +21,11 @@ from loguru import logger
 from mlxcel.bus import Node
 from mlxcel.disagg.decode_core import DecodeConfig
 from mlxcel.disagg.prefill_core import PrefillConfig
-from mlxcel.disagg.protocol import parse_allowlist
+from mlxcel.disagg.protocol import PREFILL_TIMEOUT, parse_allowlist
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
 from mlxcel.frontend import Frontend
+from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.network import split_hostport
 from mlxcel.net.secret import ClusterSecret
@@ -57,26 +58,31 @@ async def router_stack(
     request_timeout: float = 600.0,
     startup_timeout: float = 60.0,
     interface: str | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+    prefill_timeout: float = PREFILL_TIMEOUT,
 ) -> AsyncIterator[RoleStack]:
     """A router that has seen one prefill and one decode node answer; bind ``listener``
     (results come back there) before serving HTTP."""
     tokenizer, config = load_tokenizer_only(model_path)
     async with Node("router") as node:
         listener, pool, endpoint = cluster_net(
-            node, ClusterSection(), bind, "router", secret, interface
+            node, ClusterSection(peer_timeout=peer_timeout), bind, "router", secret, interface
         )
 
         async def probe(address: str, deadline: float, fresh: bool) -> None:
             host, port = split_hostport(address)
             if fresh:
                 pool.drop(host, port)  # the handshake must succeed again, with that very node
-            await pool.get(host, port, deadline)
+            # A round trip on the open connection: an open socket to a partitioned or stopped
+            # node says nothing (no reset ever comes); an answer does.
+            conn = await pool.get(host, port, deadline)
+            await conn.ping(deadline)
 
         core = RouterCore(
             prefill,
             decode,
             first_nonce=secrets.randbits(48) + 1,
-            prefill_timeout=request_timeout,  # a long prompt may take the request's whole time
+            prefill_timeout=prefill_timeout,
             vocab=int(config["vocab_size"]),
             max_len=int(config.get("max_position_embeddings", 1 << 30)),
         )
@@ -120,6 +126,7 @@ async def worker_stack(
     prefill_step_size: int = 512,
     max_sequences: int = 64,
     interface: str | None = None,
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
 ) -> AsyncIterator[RoleStack]:
     """A prefill or decode node with its model loaded and warmed up; bind ``listener``."""
     from mlxcel.runtime.kv_handoff import unsupported_reason
@@ -129,7 +136,7 @@ async def worker_stack(
         loaded = await compute.run(load_model, model_path)
         async with Node(role) as node:
             listener, _pool, endpoint = cluster_net(
-                node, ClusterSection(), bind, role, secret, interface
+                node, ClusterSection(peer_timeout=peer_timeout), bind, role, secret, interface
             )
             engine = LocalEngine(
                 loaded,

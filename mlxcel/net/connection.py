@@ -35,6 +35,7 @@ from mlxcel.wire.frames import (
     DEFAULT_MAX_MESSAGE,
     KIND_CONFIRM,
     KIND_KEEPALIVE,
+    KIND_PING,
     FrameError,
     FrameTimeout,
     Protection,
@@ -47,6 +48,7 @@ from mlxcel.wire.stream import (
     FrameStream,
     MemoryBudget,
     MessageReceived,
+    PingReceived,
     StreamEvent,
     message_frames,
 )
@@ -63,6 +65,9 @@ __all__ = [
 
 DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
 DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
+# A peer heard from not at all for this long is dead (a partition, a stopped process: no reset
+# ever comes). Each side sends a KEEPALIVE after a third of it without writing.
+DEFAULT_PEER_TIMEOUT = 3.0
 DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
 ENCODE_INLINE = 4 << 20  # messages carrying more tensor bytes are encoded on a worker thread
 _ids = itertools.count(1)
@@ -87,6 +92,7 @@ class SecureConnection:
         budget: MemoryBudget | None = None,
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         idle_timeout: float | None = None,
+        peer_timeout: float | None = None,
     ) -> None:
         self.reader = reader
         self.writer = writer
@@ -99,9 +105,15 @@ class SecureConnection:
         self.outbound = outbound
         self.budget = budget or MemoryBudget()
         self.frame_timeout = frame_timeout
-        self.idle_timeout = idle_timeout
+        # The read deadline between frames: a peer must be heard within ``peer_timeout`` (its
+        # heartbeat keeps a live one heard); ``idle_timeout`` alone where there is none.
+        waits = [t for t in (idle_timeout, peer_timeout) if t is not None]
+        self.idle_timeout = min(waits) if waits else None
+        self.peer_timeout = peer_timeout
         self.bus_drops = 0
         self._last_write = asyncio.get_running_loop().time()
+        self.heard_at = self._last_write  # when a frame (or part of one) last arrived
+        self._waiting: list[asyncio.Future[None]] = []  # pings waiting to hear the peer
         self.id = next(_ids)
         self.closed = False
         self.frames_out = 0
@@ -222,8 +234,10 @@ class SecureConnection:
         self._last_write = asyncio.get_running_loop().time()
 
     async def keep_alive(self, interval: float) -> None:
-        """Dialing side: an empty KEEPALIVE frame whenever ``interval`` passed without a
-        write, so the listener's idle timeout only ever closes peers that are gone."""
+        """An empty KEEPALIVE whenever ``interval`` passed without a write, so the peer's read
+        deadline only ever closes connections whose other end is gone. Both sides run it
+        where a ``peer_timeout`` is set; a dialer without one keeps a listener's idle
+        timeout at bay."""
         loop = asyncio.get_running_loop()
         while not self.closed:
             wait = max(0.01, self._last_write + interval - loop.time())
@@ -234,19 +248,48 @@ class SecureConnection:
                 pass
             if self.closed or loop.time() - self._last_write < interval:
                 continue
-            try:
-                await self._send_empty(KIND_KEEPALIVE)
-            except (ConnectionError, OSError, FrameError):
-                self.close()
+            self._send_empty(KIND_KEEPALIVE)
+
+    async def ping(self, deadline: float) -> float:
+        """A round trip on this connection: ask the peer for a frame (PING) and wait until one
+        arrives -- its answer, or anything else it sends meanwhile (a peer busy writing a long
+        message answers with that). Returns the seconds it took; raises
+        :class:`DeadlineExceeded` when nothing came by ``deadline`` (the connection is then
+        closed: the peer is not answering) and :class:`ConnectionClosed` if it closes."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        self._send_empty(KIND_PING)
+        try:
+            async with until(deadline, f"an answer from {self.source}"):
+                while self.heard_at <= sent:
+                    if self.closed:
+                        raise ConnectionClosed(f"{self!r} closed")
+                    heard = loop.create_future()
+                    self._waiting.append(heard)
+                    await heard
+        except DeadlineExceeded:
+            self.close()
+            raise
+        return loop.time() - sent
 
     async def confirm(self) -> None:
         """The dialing side's first frame: proof that it holds the session keys."""
-        await self._send_empty(KIND_CONFIRM)
+        if not self._send_empty(KIND_CONFIRM):
+            raise ConnectionClosed(f"{self!r} closed before confirming")
 
-    async def _send_empty(self, kind: int) -> None:
-        async with self._send_lock:
+    def _send_empty(self, kind: int) -> bool:
+        """Write an empty control frame now, never waiting: not while a message is being
+        written (it could land between that message's records -- and the records flowing
+        already tell the peer this side is alive), not onto a closed stream. Nothing awaits
+        the drain, so a peer that stops reading cannot hang a heartbeat."""
+        if self.closed or self._send_lock.locked() or self.writer.transport.is_closing():
+            return False
+        try:
             self._write(self.protection.seal(kind, b""))
-            await self.writer.drain()
+        except FrameError:  # the counter ran out: only a new connection helps
+            self.close()
+            return False
+        return True
 
     async def expect_confirm(self, deadline: float) -> None:
         """Listening side: the first frame must be a CONFIRM that opens, before ``deadline``."""
@@ -278,6 +321,8 @@ class SecureConnection:
                 raise ConnectionClosed(f"{self.source}: {exc}") from None
             finally:
                 deadline.done()
+            self.heard_at = asyncio.get_running_loop().time()
+            self._wake_pings()
             if self.closed:  # closed on this side while reading: no frame error to report
                 raise ConnectionClosed(f"{self!r} is closed")
             stream.receive_data(data)
@@ -306,6 +351,8 @@ class SecureConnection:
                         f"cluster: dropping an authenticated frame of unknown kind "
                         f"{event.kind} from {self.source}",
                     )
+                elif isinstance(event, PingReceived):
+                    self._send_empty(KIND_KEEPALIVE)  # (a message being written answers too)
                 # KeepaliveReceived: it has done its job by arriving (the idle wait restarts).
         except BaseException:
             self._stream.close()
@@ -353,10 +400,17 @@ class SecureConnection:
         finally:
             self.close()
 
+    def _wake_pings(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for heard in waiting:
+            if not heard.done():
+                heard.set_result(None)
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self._wake_pings()
         self._read_deadline.cancel()
         self._stream.close()  # gives back what a half-received message holds of the budget
         try:

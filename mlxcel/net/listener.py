@@ -7,8 +7,11 @@ not an authenticated one -- until the peer's CONFIRM frame opens under the sessi
 within one absolute handshake deadline; a replayed message 1 (refused by the replay guard) or
 a peer that cannot confirm never counts as authenticated. Authenticated connections are
 capped at ``max_connections`` (pending confirmations included); a peer that authenticates
-beyond it gets the authenticated at-capacity verdict. An authenticated connection that sends
-nothing for ``idle_timeout`` seconds is closed (its peer reconnects when it next needs to).
+beyond it gets the authenticated at-capacity verdict. Both ends of an authenticated connection
+send a KEEPALIVE after a third of ``peer_timeout`` without writing, and close it when the other
+has not been heard for ``peer_timeout`` (a partition or a stopped process sends no reset); with
+no ``peer_timeout``, a peer silent for ``idle_timeout`` is closed. Either way its peer
+reconnects when it next needs to.
 Every accepted connection's messages reach the node's bus with the peer's bound identity.
 """
 
@@ -27,6 +30,7 @@ from mlxcel.bus import Node
 from mlxcel.errors import DeadlineExceeded, ListenError
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_PEER_TIMEOUT,
     DEFAULT_RECORD_SIZE,
     ConnectionClosed,
     MemoryBudget,
@@ -63,6 +67,9 @@ class Limits:
     record_size: int = DEFAULT_RECORD_SIZE
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     frame_timeout: float = DEFAULT_FRAME_TIMEOUT
+    # A peer heard from not at all for this long is gone (both sides send keepalives at a
+    # third of it); None: only ``idle_timeout`` applies and this side sends no keepalives.
+    peer_timeout: float | None = DEFAULT_PEER_TIMEOUT
     max_clock_skew: float = MAX_CLOCK_SKEW
     bus_deadline: float = 30.0  # how long a received message may wait for a full handler queue
 
@@ -209,6 +216,7 @@ class ClusterListener:
                 budget=self.budget,
                 frame_timeout=self.limits.frame_timeout,
                 idle_timeout=self.limits.idle_timeout,
+                peer_timeout=self.limits.peer_timeout,
             )
             # Authenticated only once the peer proves it holds the session keys.
             self.confirming += 1
@@ -234,6 +242,10 @@ class ClusterListener:
         self._by_source[conn.source] = conn
         logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)
         try:
+            if self.limits.peer_timeout is not None:
+                self.node.spawn(
+                    conn.keep_alive(self.limits.peer_timeout / 3), name=f"keepalive:{conn.source}"
+                )
             if self.on_connection is not None:
                 self.on_connection(conn)
             if self.publish:

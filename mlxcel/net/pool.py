@@ -21,7 +21,9 @@ from mlxcel.deadlines import until
 from mlxcel.errors import DeadlineExceeded, MlxcelError
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_PEER_TIMEOUT,
     DEFAULT_RECORD_SIZE,
+    ConnectionClosed,
     MemoryBudget,
     SecureConnection,
 )
@@ -39,6 +41,7 @@ from mlxcel.wire.handshake import (
 )
 
 DEFAULT_KEEPALIVE = 60.0  # seconds of silence before a dialer sends a KEEPALIVE frame
+MAX_DIALS = 64  # dials in progress at once; more wait for a slot (within their deadline)
 
 
 class ConnectFailed(MlxcelError):
@@ -81,6 +84,8 @@ class ConnectionPool:
         frame_timeout: float = DEFAULT_FRAME_TIMEOUT,
         wall_clock: Callable[[], float] = time.time,
         keepalive: float = DEFAULT_KEEPALIVE,
+        peer_timeout: float | None = DEFAULT_PEER_TIMEOUT,
+        max_dials: int = MAX_DIALS,
     ) -> None:
         self.node = node
         self.secret = secret
@@ -96,7 +101,13 @@ class ConnectionPool:
         self._protection = protection or (lambda send, recv: AeadProtection(send, recv))
         self.budget = budget or MemoryBudget()
         self.frame_timeout = frame_timeout
-        self.keepalive = keepalive
+        self.peer_timeout = peer_timeout
+        # Both sides keep the link heard: a third of the peer timeout without writing sends one.
+        self.keepalive = keepalive if peer_timeout is None else min(keepalive, peer_timeout / 3)
+        # A dial that hears nothing (SYN lost to a partition) is given up after the handshake
+        # timeout, not the kernel's minutes; dials beyond ``max_dials`` wait for a slot.
+        self._dials = asyncio.Semaphore(max_dials)
+        self.dials_waited = 0
         self.wall_clock = wall_clock  # handshake timestamps (injectable for simulation)
         # Where to dial a peer whose identity is not directly reachable (a port forward, a
         # relay): identity "host:port" -> the address to connect to. The handshake still
@@ -182,7 +193,10 @@ class ConnectionPool:
             self.attempts_made += 1
             try:
                 async with until(deadline, f"connect to {target}"):
-                    return await self._connect_once(host, port)
+                    if self._dials.locked():
+                        self.dials_waited += 1
+                    async with self._dials:
+                        return await self._connect_once(host, port)
             except HandshakeError as exc:
                 if not exc.failure.retryable:
                     self.limiter.warn(
@@ -210,9 +224,13 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         local = (self.bind_ip, 0) if self.bind_ip else None
         dial_host, dial_port = self.routes.get(Identity(host, port).address, (host, port))
-        reader, writer = await asyncio.open_connection(
-            dial_host, dial_port, local_addr=local, limit=1 << 20
-        )
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                reader, writer = await asyncio.open_connection(
+                    dial_host, dial_port, local_addr=local, limit=1 << 20
+                )
+        except TimeoutError:
+            raise OSError(f"no answer within {self.handshake_timeout:g}s") from None
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -243,10 +261,11 @@ class ConnectionPool:
             outbound=True,
             budget=self.budget,
             frame_timeout=self.frame_timeout,
+            peer_timeout=self.peer_timeout,
         )
         try:
             await conn.confirm()  # the listener counts us as authenticated only after this
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, ConnectionClosed) as exc:
             conn.close()
             raise OSError(f"connection lost while confirming the handshake: {exc}") from None
         return conn

@@ -1,8 +1,8 @@
 """Rate-limited cluster warnings, in classes that cannot starve each other.
 
-Four classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
-mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop`` and
-``at-capacity`` -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
+Six classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
+mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop``,
+``at-capacity``, and the pipeline's own drops (``coordinator-drop``, ``stage-drop``) -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
 debug. The first warning of a class after a window that suppressed some reports how many and
 when that window ended. The clock is injected (the loop's clock in production).
 """
@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-CLASSES = ("noise", "diagnostic", "router-drop", "at-capacity")
+CLASSES = (
+    "noise",
+    "diagnostic",
+    "router-drop",
+    "at-capacity",
+    "coordinator-drop",
+    "stage-drop",
+)
 MAX_MESSAGE = 500
 
 

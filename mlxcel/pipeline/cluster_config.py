@@ -43,7 +43,11 @@ from pydantic import (
 )
 
 from mlxcel.errors import ConfigError
-from mlxcel.net.connection import DEFAULT_FRAME_TIMEOUT, DEFAULT_MEMORY_BUDGET
+from mlxcel.net.connection import (
+    DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_PEER_TIMEOUT,
+)
 from mlxcel.net.listener import DEFAULT_IDLE_TIMEOUT
 from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE
 from mlxcel.wire.handshake import MAX_CLOCK_SKEW
@@ -99,11 +103,16 @@ class ClusterSection(_Strict):
     memory_budget_bytes: int = Field(DEFAULT_MEMORY_BUDGET, ge=1 << 20)
     idle_timeout: float = Field(DEFAULT_IDLE_TIMEOUT, gt=0)
     frame_timeout: float = Field(DEFAULT_FRAME_TIMEOUT, gt=0)
+    # A peer not heard from for this long is dead: its connections close, it is marked down.
+    peer_timeout: float = Field(DEFAULT_PEER_TIMEOUT, ge=0.3, le=600)
     max_clock_skew: float = Field(MAX_CLOCK_SKEW, gt=0)
     sequence_lease: float = Field(300.0, gt=0)
     max_sequences_per_stage: int = Field(256, ge=1)
     forward_timeout: float = Field(120.0, gt=0)
-    reconnect_attempts: int = Field(5, ge=1)
+    # Operators of the original engine write max_reconnect_attempts: both are accepted.
+    reconnect_attempts: int = Field(
+        5, ge=1, validation_alias=AliasChoices("reconnect_attempts", "max_reconnect_attempts")
+    )
     reconnect_base_delay: float = Field(0.2, gt=0)
     step_timeout: float = Field(30.0, gt=0)
 

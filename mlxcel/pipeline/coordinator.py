@@ -10,6 +10,7 @@ between the bus, the network and the core, and answers state queries for ``/heal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections import Counter
 from typing import Any
@@ -18,7 +19,7 @@ from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Answer, Deliver, Effect
 from mlxcel.endpoint import Endpoint
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import BusError, MlxcelError
 from mlxcel.messages import (
     Ack,
     Bundle,
@@ -35,6 +36,9 @@ from mlxcel.messages import (
 from mlxcel.pipeline.coordinator_core import CoordinatorCore, PipelineError
 
 __all__ = ["PipelineCoordinator", "PipelineError"]
+
+PROBE_INTERVAL = 1.0  # seconds between liveness probes of each stage
+PROBE_TIMEOUT = 2.0  # a stage that does not answer a probe within this is down
 
 
 def pick_token(logits: Tensor, sampling: SamplingParams, sampler: Any) -> tuple[int, Any]:
@@ -90,6 +94,11 @@ class PipelineCoordinator(CoreAdapter):
         self.max_sequences = max_sequences
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._last_seen: dict[str, dict[str, Any]] = {}  # stage -> id and layers it reported
+        # What the background probe last learned of each stage: /health answers from this,
+        # never by waiting on a stage.
+        self._view: dict[str, dict[str, Any]] = {}
+        self.probe_interval = PROBE_INTERVAL
+        self._probing = False
         self._local = LocalOutbox(node, "coordinator")
 
     # What /health, the CLI and tests read.
@@ -122,9 +131,69 @@ class PipelineCoordinator(CoreAdapter):
         self._local.start()
         self.start()
 
+    def start_probing(self) -> None:
+        """Ask every stage for its state once per ``probe_interval`` (a round trip through its
+        core); a stage that does not answer within PROBE_TIMEOUT is down: its requests fail
+        and new ones are refused at once until it answers again."""
+        self._probing = True
+        self.node.spawn(self._probe_loop(), name="coordinator.probe")
+
+    def _peer_lost(self, identity: str) -> None:
+        super()._peer_lost(identity)
+        if self._probing and identity in self.stages:  # gone, or a glitch? ask now
+            try:
+                self.node.spawn(self._probe(identity), name="coordinator.probe-now")
+            except BusError:
+                pass  # shutting down: its connections close, nothing to probe
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(s) for s in self.stages))
+            await asyncio.sleep(self.probe_interval)
+
+    async def _probe(self, stage: str) -> None:
+        """Down only when the stage answers nothing for all of PROBE_TIMEOUT: a query that
+        fails early (a connection that just dropped, redialled) is asked again."""
+        end = self.now() + PROBE_TIMEOUT
+        st: State | None = None
+        why = ""
+        while st is None and self.now() < end:
+            try:
+                st = await self.query(stage, timeout=max(0.05, end - self.now()), reset=False)
+            except (PipelineError, MlxcelError) as exc:
+                why = str(exc)
+                await asyncio.sleep(min(0.1, max(0.0, end - self.now())))
+        if st is None:
+            known = self._last_seen.get(stage, {})
+            self._view[stage] = {"address": stage, **known, "error": why}
+            self.feed(self.coord.stage_health(stage, False, why, self.now()))
+            return
+        self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
+        self._view[stage] = {
+            "address": stage,
+            "id": st.node_id,
+            "layers": list(st.layers),  # [start, end): end exclusive
+            "sequences": st.sequences,
+            "draining": st.draining,
+            "wire_bytes_out": st.wire_bytes_out,
+            "largest_batch": st.largest_batch,
+        }
+        self.feed(self.coord.stage_health(stage, True, "", self.now()))
+
+    def redact(self, text: str) -> str:
+        """``text`` with every stage address replaced by the stage's name (what an HTTP client
+        may see; the log keeps the addresses)."""
+        for i, stage in enumerate(self.stages):
+            name = self._last_seen.get(stage, {}).get("id") or f"stage-{i}"
+            text = text.replace(f"stage {stage}", name).replace(stage, name)
+        return text
+
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, Deliver):
-            self._local.put(effect.msg)
+            msg = effect.msg
+            if isinstance(msg, Error):  # the client learns which stage, never its address
+                msg = dataclasses.replace(msg, message=self.redact(msg.message))
+            self._local.put(msg)
         elif isinstance(effect, Answer):
             fut = self._answers.pop(effect.token, None)
             if fut is not None and not fut.done():
@@ -153,30 +222,29 @@ class PipelineCoordinator(CoreAdapter):
             self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
         return states
 
-    async def health(self) -> dict[str, Any]:
-        """Per-stage state for /health: reachability, layers, sequences held, draining."""
-
-        async def one(stage: str) -> dict[str, Any]:
-            try:
-                st = await self.query(stage, timeout=1.0, reset=False)
-            except (PipelineError, MlxcelError) as exc:
-                # What it last said about itself, so a dashboard still knows which one it is.
-                known = self._last_seen.get(stage, {})
-                return {"address": stage, **known, "error": str(exc)}
-            self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
-            return {
-                "address": stage,
-                "id": st.node_id,
-                "layers": list(st.layers),  # [start, end): end exclusive
-                "sequences": st.sequences,
-                "draining": st.draining,
-                "wire_bytes_out": st.wire_bytes_out,
-                "largest_batch": st.largest_batch,
-            }
-
-        # All stages at once, each bounded: a load balancer gets its answer within ~1 s.
-        out = list(await asyncio.gather(*(one(s) for s in self.stages)))
-        ready = all("error" not in st and not st["draining"] for st in out)
+    async def health(self, verbose: bool = False) -> dict[str, Any]:
+        """Per-stage state for /health, from the background probe (answered at once, never
+        by waiting on a stage): reachability, layers, sequences held, draining. Stage
+        addresses only when ``verbose``. In one process (nothing probes: no network lies
+        between the stages) it asks them now."""
+        if not self._probing:
+            await asyncio.gather(*(self._probe(s) for s in self.stages))
+        out = []
+        for i, stage in enumerate(self.stages):
+            view = dict(
+                self._view.get(stage) or {"address": stage, **self._last_seen.get(stage, {})}
+            )
+            if stage in self.coord.down:
+                view["error"] = self.coord.down[stage]
+            if not verbose:
+                view.pop("address", None)
+                view.setdefault("id", f"stage-{i}")
+                if "error" in view:
+                    view["error"] = self.redact(view["error"])
+            out.append(view)
+        ready = not self.coord.down and all(
+            "error" not in st and not st.get("draining") for st in out
+        )
         c = self.coord
         return {
             "ready": ready,

@@ -92,6 +92,9 @@ class CoordinatorCore:
         self.stages = list(stages)
         self._stage_set = frozenset(stages)
         self._heard: dict[str, float] = {}  # stage -> when it last sent us anything
+        # Stages the adapter's probe found unreachable, and why: no request is admitted while
+        # any is (it would only wait out a deadline); cleared when the stage answers again.
+        self.down: dict[str, str] = {}
         self.eos = eos
         self.vocab = vocab
         self.max_len = max_len
@@ -199,8 +202,39 @@ class CoordinatorCore:
         in the stages fails now (and every query to that stage)."""
         out: list[Effect] = []
         if identity in self.stages:
+            # Not down yet: a reconnect may well work (the adapter probes at once and
+            # ``stage_health`` decides).
             self._lose(identity, f"lost the connection to stage {identity}", now, out, None)
         return out
+
+    def stage_health(self, stage: str, ok: bool, why: str, now: float) -> list[Effect]:
+        """The liveness probe's verdict on ``stage`` (a round trip, run by the adapter). Going
+        down fails every request now -- in the stages and waiting -- and refuses new ones
+        until it answers again."""
+        out: list[Effect] = []
+        if stage not in self._stage_set:
+            return out
+        if ok:
+            if self.down.pop(stage, None) is not None:
+                out.append(Warn("info", f"coordinator: stage {stage} is reachable again"))
+            return out
+        if stage not in self.down:
+            self._lose(stage, f"stage {stage} is unreachable: {why}", now, out, None)
+        self._mark_down(stage, why, now, out)
+        return out
+
+    def _mark_down(self, stage: str, why: str, now: float, out: list[Effect]) -> None:
+        """Record ``stage`` as down; the first time, say so and fail what waits for a slot."""
+        known = stage in self.down
+        self.down[stage] = why
+        if known:
+            return
+        out.append(Warn("warning", f"coordinator: stage {stage} is down: {why}"))
+        text = f"stage {stage} is unreachable: {why}"
+        for rid in list(self._waiting):
+            req = self.reqs.get(rid)
+            if req is not None and not req.admitted:
+                self._fail(req, out, ErrorCode.STAGE_UNREACHABLE, text, now)
 
     def _in_stages(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.admitted]
@@ -271,6 +305,12 @@ class CoordinatorCore:
         if problem is not None:
             self.failed += 1
             out.append(Deliver(Error(ErrorCode.BAD_REQUEST, problem, rid, m.nonce)))
+            return
+        if self.down:  # refused now (the client may retry), not after a step deadline
+            self.failed += 1
+            stage, why = next(iter(self.down.items()))
+            text = f"stage {stage} is unreachable: {why}"
+            out.append(Deliver(Error(ErrorCode.STAGE_UNREACHABLE, text, rid, m.nonce)))
             return
         # As mlx-lm's batch generator does: every prompt token but the last fills caches in
         # chunks; the last one runs as the first decode step. Same shapes, same numerics.
@@ -392,7 +432,7 @@ class CoordinatorCore:
     ) -> None:
         self.dropped[why] += 1
         text = f"coordinator: dropping {type(msg).__name__} from {source}: {why}"
-        out.append(Warn("router-drop", text + (f" ({detail})" if detail else "")))
+        out.append(Warn("coordinator-drop", text + (f" ({detail})" if detail else "")))
 
     # --- replies ------------------------------------------------------------------------------
     def _match_result(

@@ -69,6 +69,7 @@ def cluster_net(
         max_message=c.max_message_bytes,
         idle_timeout=c.idle_timeout,
         frame_timeout=c.frame_timeout,
+        peer_timeout=c.peer_timeout,
         max_clock_skew=c.max_clock_skew,
     )
     budget = MemoryBudget(c.memory_budget_bytes)  # one for every connection of this node
@@ -87,6 +88,7 @@ def cluster_net(
         budget=budget,
         frame_timeout=c.frame_timeout,
         keepalive=min(60.0, c.idle_timeout / 3),  # peers never look idle while alive
+        peer_timeout=c.peer_timeout,
     )
     return listener, pool, TcpEndpoint(address, pool, listener)
 
@@ -189,6 +191,7 @@ async def remote_coordinator(
         coordinator.attach()
         await listener.start()
         await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout)
+        coordinator.start_probing()
         fe = Frontend(
             node,
             tokenizer,

@@ -227,7 +227,7 @@ class StageCore(StageGate):
         """The adapter could not deliver ``send``: a lost activation fails its request."""
         out: list[Effect] = []
         self.stats.dropped += 1
-        out.append(Warn("router-drop", f"{self._me}: could not send to {send.dest}: {reason}"))
+        out.append(Warn("stage-drop", f"{self._me}: could not send to {send.dest}: {reason}"))
         msg = send.msg
         if isinstance(msg, Activation):
             seq = self.seqs.get(msg.request_id)

@@ -82,7 +82,7 @@ class StageGate:
         out.append(Send(dest, msg, self.is_peer(dest)))
 
     def _warn(self, out: list[Effect], text: str) -> None:
-        out.append(Warn("router-drop", f"{self._me}: {text}"))
+        out.append(Warn("stage-drop", f"{self._me}: {text}"))
 
     def _count_refusal(self, code: str) -> None:
         self.stats.refused += 1

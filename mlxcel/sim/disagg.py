@@ -248,10 +248,12 @@ def check_disagg(run: DisaggRun) -> list[str]:
         committed = run.ledger.commits.get((prefill, lease))
         if committed is None or committed > at:
             bad.append(f"{decode} read handoff {lease} of {prefill} before it was committed")
-    # No recomputation: a request's prompt runs once at most, anywhere in the cluster; a
-    # second dispatch happens only as the failover of a request that never left the router.
+    # No recomputation: a wire id's prompt runs once at most, anywhere in the cluster; a
+    # second dispatch of one happens only as the failover of a request that never left the
+    # router. (A request whose node was lost before its first token starts over under a new
+    # wire id -- "restart" -- and its old one is cancelled.)
     for rid, _node, why in run.router.router.dispatch_log:
-        if why not in ("dispatch", "failover"):
+        if why not in ("dispatch", "failover", "restart"):
             bad.append(f"{rid} was dispatched for {why}")
     computed: dict[str, int] = {}
     for _p, rid, _n in run.ledger.computed:

@@ -51,8 +51,11 @@ KIND_MESSAGE = 0x01
 KIND_PART = 0x02
 KIND_END = 0x03
 KIND_CONFIRM = 0x04
-KIND_KEEPALIVE = 0x05  # empty; a dialer with nothing to say sends one so it is not "idle"
-KNOWN_KINDS = frozenset({KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM, KIND_KEEPALIVE})
+KIND_KEEPALIVE = 0x05  # empty; a side with nothing to say sends one so it is heard
+KIND_PING = 0x06  # empty; asks the peer for a frame now (it answers with a KEEPALIVE)
+KNOWN_KINDS = frozenset(
+    {KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM, KIND_KEEPALIVE, KIND_PING}
+)
 
 
 class FrameError(MlxcelError):

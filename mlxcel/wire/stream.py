@@ -5,6 +5,7 @@ the socket gave (``receive_data``) and takes events (``next_event`` / ``events``
 
     MessageReceived(payload)  a whole message: one MESSAGE frame, or PART... END reassembled
     KeepaliveReceived         an empty KEEPALIVE (the peer is alive; nothing to deliver)
+    PingReceived              an empty PING (the peer asks for a frame back at once)
     ConfirmReceived           the dialer's CONFIRM, when the stream was told to expect it first
     FrameDropped(kind, ...)   an authenticated frame this build does not handle (dropped)
 
@@ -42,6 +43,7 @@ from mlxcel.wire.frames import (
     KIND_KEEPALIVE,
     KIND_MESSAGE,
     KIND_PART,
+    KIND_PING,
     BudgetExceeded,
     FrameError,
     FrameTooLarge,
@@ -87,6 +89,11 @@ class KeepaliveReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class PingReceived:
+    """An empty PING outside a multi-record message: the peer wants a frame back now."""
+
+
+@dataclass(frozen=True, slots=True)
 class ConfirmReceived:
     """The listener side's first frame: an empty CONFIRM that opened under the session keys."""
 
@@ -101,8 +108,9 @@ class FrameDropped:
     discarded: int
 
 
-StreamEvent = MessageReceived | KeepaliveReceived | ConfirmReceived | FrameDropped
+StreamEvent = MessageReceived | KeepaliveReceived | PingReceived | ConfirmReceived | FrameDropped
 _KEEPALIVE = KeepaliveReceived()
+_PING = PingReceived()
 _CONFIRM = ConfirmReceived()
 
 
@@ -258,6 +266,8 @@ class FrameStream:
             self._events.append(MessageReceived(plain))
         elif kind == KIND_KEEPALIVE and not self._parts and not plain:
             self._events.append(_KEEPALIVE)
+        elif kind == KIND_PING and not self._parts and not plain:
+            self._events.append(_PING)
         elif kind == KIND_PART or kind == KIND_END:
             n = len(plain)
             if self._total + n > self.max_message:
