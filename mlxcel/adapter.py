@@ -29,6 +29,8 @@ from mlxcel.wire.codec import tensor_bytes
 BUNDLE_TENSOR_BYTES = 1 << 20  # larger tensors (prompt chunks) travel alone
 OUTBOX_SIZE = 1024  # messages queued for one peer before they are dropped
 STRANGER_OUTBOX = 64  # refusals to non-peers, all together
+MAX_OUTBOXES = 4096  # destinations with an outbox at once; a send to one more fails
+OUTBOX_IDLE = 30.0  # an outbox empty this long is removed, its task ends
 LOCAL_WAIT = 30.0  # a frontend inbox full this long is reported (its results keep waiting)
 
 
@@ -257,6 +259,14 @@ class CoreAdapter:
         key = send.dest if send.peer else "*"
         box = self._outboxes.get(key)
         if box is None:
+            if len(self._outboxes) >= MAX_OUTBOXES:
+                self.limiter.warn(
+                    "noise",
+                    f"{self.name}: {MAX_OUTBOXES} destinations have sends queued; "
+                    f"not queueing for {send.dest}",
+                )
+                self._failed(send, f"{MAX_OUTBOXES} destinations already have sends queued")
+                return
             box = self._outboxes[key] = asyncio.Queue(OUTBOX_SIZE if send.peer else STRANGER_OUTBOX)
             self.node.spawn(self._drain(key, box, send.peer), name=f"{self.name}.out:{key}")
         try:
@@ -339,7 +349,17 @@ class CoreAdapter:
         while True:
             if held is None:
                 self._busy.discard(key)
-                first = await box.get()
+                if box.empty():
+                    try:
+                        first = await asyncio.wait_for(box.get(), OUTBOX_IDLE)
+                    except TimeoutError:
+                        if box.empty():  # idle: a destination nobody sends to costs nothing
+                            if self._outboxes.get(key) is box:
+                                del self._outboxes[key]
+                            return
+                        first = box.get_nowait()
+                else:
+                    first = box.get_nowait()
                 self._busy.add(key)  # until it waits again: nothing may pass it meanwhile
             else:  # it waited outside the box: counted as sending, so flush() waits for it
                 first, held = held, None

@@ -275,6 +275,13 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None, description="model id in the API (default: folder name)"
     )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+    max_http_connections: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="open HTTP connections at most (default: the file-descriptor limit less "
+        "256, at most 16384); more are closed at once",
+    )
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for requests in flight"
     )

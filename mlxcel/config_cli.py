@@ -60,6 +60,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "request_timeout",
             "default_max_tokens",
             "max_body_bytes",
+            "max_http_connections",
             "drain_timeout",
         ),
     ),

@@ -33,6 +33,8 @@ class HttpOptions:
     model_name: str = "mlxcel"
     default_max_tokens: int = 512
     max_body_bytes: int = 4 << 20
+    header_timeout: float = 10.0  # seconds to send a request's headers (slow-loris)
+    max_connections: int | None = None  # open HTTP connections (None: below the fd limit)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class NodeRunner:
         self._stop = asyncio.Event()
         self._serving = False
         self._app_runner: web.AppRunner | None = None
+        self.guard: Any = None  # the HttpGuard in front of the HTTP site
 
     async def setup(self) -> None:
         """Build the HTTP application (nothing is bound yet). A failure here also resolves
@@ -85,12 +88,16 @@ class NodeRunner:
     async def _setup(self) -> None:
         if self.http is None:
             return
+        from mlxcel.server.http_guard import HttpGuard
         from mlxcel.server.metrics import Metrics
         from mlxcel.server.openai_api import build_app
 
         fe, node = self.serving.frontend, self.serving.node
         assert fe is not None
         metrics = Metrics()
+        self.guard = HttpGuard(
+            max_connections=self.http.max_connections, header_timeout=self.http.header_timeout
+        )
         metrics.bind(
             queue_depth=lambda: fe.waiting,
             inflight=self.serving.inflight,
@@ -108,6 +115,7 @@ class NodeRunner:
             health_extra=self.serving.health,
             sampling=self.serving.sampling,
             mode=self.serving.mode,
+            guard=self.guard,
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))
@@ -121,7 +129,10 @@ class NodeRunner:
                 await self.serving.listener.start()
                 self.addresses["cluster"] = self.serving.listener.address
             if self._app_runner is not None and self.http is not None:
-                site = web.TCPSite(self._app_runner, self.http.host, self.http.port)
+                from mlxcel.server.http_guard import GuardedSite
+
+                assert self.guard is not None
+                site = GuardedSite(self._app_runner, self.http.host, self.http.port, self.guard)
                 try:
                     await site.start()
                 except OSError as exc:

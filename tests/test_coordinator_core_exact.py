@@ -626,6 +626,36 @@ def test_a_lost_stage_fails_requests_and_its_queries_at_once() -> None:
     assert c.reqs == {} and c.next_timer() == 10.0  # the query to S0 still waits
 
 
+def test_a_stage_found_down_fails_everything_and_refuses_new_requests_until_it_answers() -> None:
+    c = core(max_in_flight=1)
+    c.handle(entry("a", nonce=71), LOCAL, 0.0)
+    ack_all(c, "a", 1, 0.25)  # a's step (4) in the stages
+    c.handle(entry("w", nonce=72), LOCAL, 0.3)  # waits for a slot
+    assert c.stage_health(STRANGER, False, "x", 0.4) == [] and len(c.reqs) == 2
+    assert c.stage_health(S1, True, "", 0.4) == []  # up and known up: nothing to say
+    why = "no State for a query within 2s"
+    text = f"stage {S1} is unreachable: {why}"
+    assert c.stage_health(S1, False, why, 0.5) == [
+        Warn("warning", f"coordinator: stage {S1} is down: {why}"),
+        *fails("a", UNREACHABLE, text, 71),
+        *releases("a", 0.5),
+        *fails("w", UNREACHABLE, text, 72),
+    ]
+    assert c.reqs == {} and c.down == {S1: why} and c.failed == 2
+    # Refused at once while it is down (the client gets 503 and may retry), not queued.
+    assert c.handle(entry("n", nonce=73), LOCAL, 0.6) == [
+        Deliver(Error(UNREACHABLE, text, "n", 73))
+    ]
+    assert c.reqs == {} and c.failed == 3
+    # Still down: the reason is updated, nothing is said twice.
+    assert c.stage_health(S1, False, "refused", 0.7) == [] and c.down == {S1: "refused"}
+    # Back: said once, and requests are admitted again.
+    assert c.stage_health(S1, True, "", 0.8) == [
+        Warn("info", f"coordinator: stage {S1} is reachable again")
+    ]
+    assert c.down == {} and c.handle(entry("n2"), LOCAL, 0.9) == preps("n2", 4, 5, 2.9)
+
+
 def test_a_request_parked_after_its_result_holds_no_exchange_and_fails_with_its_stage() -> None:
     c = core(max_in_flight=2, micro_batch_size=2)
     c.handle(entry("a", nonce=71), LOCAL, 0.0)

@@ -385,6 +385,29 @@ def test_a_request_with_no_token_out_starts_over_when_its_node_is_lost() -> None
     assert list(r.routes) == ["b"]
 
 
+def test_a_silent_open_connection_loses_the_node_at_once_a_failed_probe_only_marks_it() -> None:
+    r = router([P0], [D0])
+    (a,) = r.handle(entry("a"), "local", 0.0)
+    # A routine probe that could not connect: down, its requests keep their chance.
+    assert r.probe_result(D0, False, "no answer to a probe within 2s", 1.0) == [
+        Warn("warning", "router: decode-0 marked down: no answer to a probe within 2s")
+    ]
+    assert list(r.routes) == ["a"]
+    r.probe_result(D0, True, "", 1.5)
+    # A ping on its open connection that went unanswered: the node is lost, now.
+    out = r.probe_result(D0, False, "no answer to a ping within 2.0s", 2.0, lost=True)
+    why = (
+        "decode node decode-0 was lost before this request's first token and no other "
+        "decode node can take it"
+    )
+    assert out == [
+        Warn("warning", "router: decode-0 marked down: no answer to a ping within 2.0s"),
+        *failed("a", ErrorCode.NO_NODE_AVAILABLE, why),
+        cancel(P0, a.msg.request_id, why),
+    ]
+    assert r.routes == {}
+
+
 def test_a_request_restarts_at_most_max_restarts_times() -> None:
     r = router([P0, P1], [D0])
     r.handle(entry("a"), "local", 0.0)

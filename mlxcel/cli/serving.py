@@ -124,7 +124,17 @@ async def _serve_http(s: ServeSettings, node: Assembled) -> None:
     # A Hub model is served under its id, not its snapshot folder's hash.
     hub = s.model if s.model is not None and is_hub_id(s.model) else None
     name = s.served_model_name or hub or node.model_name
-    http = HttpOptions(s.host, s.port, name, s.default_max_tokens, s.max_body_bytes)
+    from mlxcel.server.http_guard import raise_fd_limit
+
+    raise_fd_limit()  # the HTTP connection cap is set below it
+    http = HttpOptions(
+        s.host,
+        s.port,
+        name,
+        s.default_max_tokens,
+        s.max_body_bytes,
+        max_connections=s.max_http_connections,
+    )
     runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)
     await runner.setup()
     await runner.start()

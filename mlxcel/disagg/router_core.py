@@ -150,10 +150,13 @@ class RouterCore:
             out += self._fail(r, ErrorCode.HANDOFF_TIMEOUT, why, cancel=(r.prefill, r.decode))
         return out
 
-    def probe_result(self, address: str, ok: bool, reason: str, now: float) -> list[Effect]:
-        """The liveness probe's verdict on one node (the adapter connects and handshakes).
-        A failed probe right after a lost connection means the node is gone: its requests fail
-        at once. A failed routine probe only marks it down."""
+    def probe_result(
+        self, address: str, ok: bool, reason: str, now: float, lost: bool = False
+    ) -> list[Effect]:
+        """The liveness probe's verdict on one node (a round trip on its connection, or a
+        fresh connect and handshake). A failed probe right after a lost connection, or one
+        whose open connection went silent (``lost``), means the node is gone: its requests
+        end or start over at once. Any other failed probe only marks it down."""
         node = self.nodes.get(address)
         if node is None:
             return []
@@ -165,7 +168,7 @@ class RouterCore:
             node.last_error = ""
             return [Warn("info", f"router: {node.id} is online")]
         out = self._mark_down(node, reason)
-        return out + self._requests_lost_with(node, now) if suspect else out
+        return out + self._requests_lost_with(node, now) if suspect or lost else out
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         """A connection with ``identity`` dropped. Anyone on that IP holding the secret can

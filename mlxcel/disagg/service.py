@@ -36,6 +36,7 @@ from mlxcel.messages import (
     RunResult,
     TokenResult,
 )
+from mlxcel.net.connection import PeerSilent
 from mlxcel.runtime.engine import LocalEngine
 
 # (address, deadline, fresh): raises if unreachable; ``fresh`` dials anew instead of trusting
@@ -101,12 +102,16 @@ class RouterService(_DisaggAdapter):
                 pass  # the router is shutting down: its connections close, nothing to probe
 
     async def _probe_one(self, address: str, fresh: bool = False) -> None:
-        deadline = deadline_in(min(2.0, self.probe_interval * 2))
+        wait = min(2.0, self.probe_interval * 2)
+        deadline = deadline_in(wait)
         try:
             async with asyncio.timeout_at(deadline):
                 await self.probe(address, deadline, fresh)
+        except PeerSilent as exc:  # an open connection went silent: the node is lost
+            self.feed(self.router.probe_result(address, False, str(exc), self.now(), lost=True))
         except (MlxcelError, OSError, TimeoutError) as exc:
-            self.feed(self.router.probe_result(address, False, str(exc), self.now()))
+            why = str(exc) or f"no answer to a probe within {wait:g}s"
+            self.feed(self.router.probe_result(address, False, why, self.now()))
         else:
             self.feed(self.router.probe_result(address, True, "", self.now()))
 

@@ -77,6 +77,10 @@ class ConnectionClosed(MlxcelError):
     """The connection is closed (by either side, or after a failure)."""
 
 
+class PeerSilent(MlxcelError):
+    """A round trip (``ping``) got no answer in time: the peer is gone or stopped."""
+
+
 class SecureConnection:
     def __init__(
         self,
@@ -254,8 +258,8 @@ class SecureConnection:
         """A round trip on this connection: ask the peer for a frame (PING) and wait until one
         arrives -- its answer, or anything else it sends meanwhile (a peer busy writing a long
         message answers with that). Returns the seconds it took; raises
-        :class:`DeadlineExceeded` when nothing came by ``deadline`` (the connection is then
-        closed: the peer is not answering) and :class:`ConnectionClosed` if it closes."""
+        :class:`PeerSilent` when nothing came by ``deadline`` (the connection is then closed:
+        the peer is not answering) and :class:`ConnectionClosed` if it closes."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
         self._send_empty(KIND_PING)
@@ -263,13 +267,14 @@ class SecureConnection:
             async with until(deadline, f"an answer from {self.source}"):
                 while self.heard_at <= sent:
                     if self.closed:
-                        raise ConnectionClosed(f"{self!r} closed")
+                        raise ConnectionClosed(f"the connection to {self.source} closed")
                     heard = loop.create_future()
                     self._waiting.append(heard)
                     await heard
         except DeadlineExceeded:
             self.close()
-            raise
+            waited = loop.time() - sent
+            raise PeerSilent(f"no answer to a ping within {waited:.1f}s") from None
         return loop.time() - sent
 
     async def confirm(self) -> None:

@@ -53,10 +53,9 @@ from mlxcel.pipeline.coordinator_protocol import (
     Req,
     ReqEvent,
     ReqState,
-    entry_problem,
+    admission_problem,
+    match_result,
     missed_text,
-    result_problem,
-    stale_exchange,
 )
 
 Missed = tuple[int, str] | None  # a timed-out exchange: its nonce, and why
@@ -209,32 +208,22 @@ class CoordinatorCore:
 
     def stage_health(self, stage: str, ok: bool, why: str, now: float) -> list[Effect]:
         """The liveness probe's verdict on ``stage`` (a round trip, run by the adapter). Going
-        down fails every request now -- in the stages and waiting -- and refuses new ones
-        until it answers again."""
+        down fails every request now (in the stages and waiting) and refuses new ones until
+        it answers again."""
         out: list[Effect] = []
-        if stage not in self._stage_set:
+        if stage not in self._stage_set or (ok and stage not in self.down):
             return out
         if ok:
-            if self.down.pop(stage, None) is not None:
-                out.append(Warn("info", f"coordinator: stage {stage} is reachable again"))
-            return out
-        if stage not in self.down:
-            self._lose(stage, f"stage {stage} is unreachable: {why}", now, out, None)
-        self._mark_down(stage, why, now, out)
-        return out
-
-    def _mark_down(self, stage: str, why: str, now: float, out: list[Effect]) -> None:
-        """Record ``stage`` as down; the first time, say so and fail what waits for a slot."""
-        known = stage in self.down
-        self.down[stage] = why
-        if known:
-            return
-        out.append(Warn("warning", f"coordinator: stage {stage} is down: {why}"))
-        text = f"stage {stage} is unreachable: {why}"
-        for rid in list(self._waiting):
-            req = self.reqs.get(rid)
-            if req is not None and not req.admitted:
+            del self.down[stage]
+            return [Warn("info", f"coordinator: stage {stage} is reachable again")]
+        first, self.down[stage] = stage not in self.down, why
+        if first:
+            out.append(Warn("warning", f"coordinator: stage {stage} is down: {why}"))
+            text = f"stage {stage} is unreachable: {why}"
+            self._lose(stage, text, now, out, None)
+            for req in [r for r in map(self.reqs.get, self._waiting) if r and not r.admitted]:
                 self._fail(req, out, ErrorCode.STAGE_UNREACHABLE, text, now)
+        return out
 
     def _in_stages(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.admitted]
@@ -292,25 +281,11 @@ class CoordinatorCore:
     # --- the local side -----------------------------------------------------------------------
     def _on_entry(self, m: RunEntry, now: float, out: list[Effect]) -> None:
         rid = m.request_id
-        if not rid:
-            self.failed += 1
-            out.append(Deliver(Error(ErrorCode.BAD_REQUEST, "empty request id", rid, m.nonce)))
-            return
-        if rid in self.reqs:
-            out.append(
-                Deliver(Error(ErrorCode.BAD_REQUEST, "request id already running", rid, m.nonce))
-            )
-            return
-        problem = entry_problem(m, self.vocab, self.max_len)
-        if problem is not None:
-            self.failed += 1
-            out.append(Deliver(Error(ErrorCode.BAD_REQUEST, problem, rid, m.nonce)))
-            return
-        if self.down:  # refused now (the client may retry), not after a step deadline
-            self.failed += 1
-            stage, why = next(iter(self.down.items()))
-            text = f"stage {stage} is unreachable: {why}"
-            out.append(Deliver(Error(ErrorCode.STAGE_UNREACHABLE, text, rid, m.nonce)))
+        refused = admission_problem(m, rid in self.reqs, self.down, self.vocab, self.max_len)
+        if refused is not None:
+            code, text = refused
+            self.failed += text != "request id already running"  # (that one is not counted)
+            out.append(Deliver(Error(code, text, rid, m.nonce)))
             return
         # As mlx-lm's batch generator does: every prompt token but the last fills caches in
         # chunks; the last one runs as the first decode step. Same shapes, same numerics.
@@ -319,7 +294,7 @@ class CoordinatorCore:
         self._admit(now, out)
 
     def _admit(self, now: float, out: list[Effect]) -> None:
-        while self._waiting and self.held < self.max_in_flight:
+        while self._waiting and self.held < self.max_in_flight and not self.down:
             rid = self._waiting.popleft()
             req = self.reqs.get(rid)
             if req is None or req.state is not ReqState.WAITING:
@@ -435,29 +410,14 @@ class CoordinatorCore:
         out.append(Warn("coordinator-drop", text + (f" ({detail})" if detail else "")))
 
     # --- replies ------------------------------------------------------------------------------
-    def _match_result(
-        self, m: RunResult, source: str, out: list[Effect]
-    ) -> tuple[int, Exchange] | None:
-        if source != self.final:
-            self._drop(out, "not from the final stage", m, source)
-            return None
-        ex = self._exchanges.get(m.nonce)
-        if ex is None and "accept-stale-nonce" in self.inject:
-            if (stale := stale_exchange(self._exchanges, m.request_id)) is not None:
-                return stale
-        if ex is None or ex.kind is not RunResult:
-            self._drop(out, "stale or unknown nonce", m, source)
-            return None
-        problem = result_problem(m, ex, self.return_logits, self.vocab)
-        if problem is not None:
-            self._drop(out, problem[0], m, source, problem[1])
-            return None
-        return m.nonce, ex
-
     def _on_result(self, m: RunResult, source: str, now: float, out: list[Effect]) -> None:
-        matched = self._match_result(m, source, out)
+        stale = "accept-stale-nonce" in self.inject
+        matched, problem = match_result(
+            m, source == self.final, self._exchanges, self.return_logits, self.vocab, stale
+        )
         if matched is None:
-            return
+            assert problem is not None
+            return self._drop(out, problem[0], m, source, problem[1])
         nonce, ex = matched
         del self._exchanges[nonce]
         req = self.reqs[ex.request_id]

@@ -165,6 +165,24 @@ def result_problem(
     return None
 
 
+def admission_problem(
+    m: RunEntry, running: bool, down: dict[str, str], vocab: int, max_len: int
+) -> tuple[str, str] | None:
+    """(error code, why) a local RunEntry is refused at once, or None: a bad entry; or, while
+    a stage is ``down``, any entry (it could only wait out a deadline; the client may retry)."""
+    if not m.request_id:
+        return ErrorCode.BAD_REQUEST, "empty request id"
+    if running:
+        return ErrorCode.BAD_REQUEST, "request id already running"
+    problem = entry_problem(m, vocab, max_len)
+    if problem is not None:
+        return ErrorCode.BAD_REQUEST, problem
+    if down:
+        stage, why = next(iter(down.items()))
+        return ErrorCode.STAGE_UNREACHABLE, f"stage {stage} is unreachable: {why}"
+    return None
+
+
 def entry_problem(m: RunEntry, vocab: int, max_len: int) -> str | None:
     """Why a local RunEntry cannot run on this pipeline, or None."""
     if not m.token_ids or any(not 0 <= t < vocab for t in m.token_ids):
@@ -176,6 +194,29 @@ def entry_problem(m: RunEntry, vocab: int, max_len: int) -> str | None:
             f"exceeds the model's context of {max_len}"
         )
     return None
+
+
+def match_result(
+    m: RunResult,
+    from_final: bool,
+    exchanges: dict[int, Exchange],
+    return_logits: bool,
+    vocab: int,
+    accept_stale: bool = False,
+) -> tuple[tuple[int, Exchange] | None, tuple[str, str] | None]:
+    """The waiting exchange a RunResult answers, or why it is dropped (reason, detail)."""
+    if not from_final:
+        return None, ("not from the final stage", "")
+    ex = exchanges.get(m.nonce)
+    if ex is None and accept_stale:
+        if (stale := stale_exchange(exchanges, m.request_id)) is not None:
+            return stale, None
+    if ex is None or ex.kind is not RunResult:
+        return None, ("stale or unknown nonce", "")
+    problem = result_problem(m, ex, return_logits, vocab)
+    if problem is not None:
+        return None, problem
+    return (m.nonce, ex), None
 
 
 def stale_exchange(exchanges: dict[int, Exchange], rid: str) -> tuple[int, Exchange] | None:

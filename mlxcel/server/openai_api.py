@@ -79,8 +79,17 @@ def _validation_error(exc: ValidationError) -> web.Response:
     )
 
 
+BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers did
+
+
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # aiohttp enforces client_max_size (413)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT):  # a trickled body cannot hold a slot forever
+            raw = await request.read()  # aiohttp enforces client_max_size (413)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(
+            reason=f"the request body did not arrive within {BODY_TIMEOUT:g}s"
+        ) from None
     try:
         body = json.loads(raw)
     except UnicodeDecodeError as exc:
@@ -389,7 +398,12 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "body_timeout",
+            413: "request_too_large",
+        }
         return error_response(
             exc.status,
             exc.reason or "error",
@@ -411,8 +425,13 @@ def build_app(
     health_extra: Any = None,
     sampling: frozenset[str] = EXTENDED_SAMPLING,
     mode: str = "one process",
+    guard: Any = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[access_log, json_errors])
+    # The guard first: a request whose headers arrived is busy, not slow (http_guard).
+    first = [guard.middleware] if guard is not None else []
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[*first, access_log, json_errors]
+    )
     app[FRONTEND] = fe
     app[METRICS] = metrics
     if health_extra is not None:

@@ -1,0 +1,467 @@
+"""``bench faults``: what a silent or stopped peer costs, measured on real network stacks.
+
+Clusters run as processes on hosts built from network namespaces (:mod:`mlxcel.bench.netns`)
+while a client sends a steady trickle of requests from the router's (or coordinator's) host.
+Each fault is applied at ``t = 0``:
+
+- ``silent decode``: a decode node's cable is pulled (no reset is ever sent);
+- ``silent prefill``: the only prefill node's cable is pulled;
+- ``silent stage``: a pipeline stage's cable is pulled;
+- ``stopped decode``: a decode node's process is stopped (SIGSTOP).
+
+and undone (heal / SIGCONT) once the cluster has noticed. Measured, per fault: when the
+cluster marked the peer down (``detect_s``), when a client first got a 503 for a request sent
+after the fault (``first_503_s``; none where another node can serve), how many requests
+failed after being admitted (``lost``: an in-band error, a 5xx other than a 503 refusal, a
+timeout) and how many were refused with 503 (``refused``), the longest any request waited
+(``longest_s``), and how long after the heal it served again (``recover_s``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcel.bench.netns import Hosts
+
+CLONE_NEWNET = 0x40000000
+HTTP_PORT = 8080
+CLUSTER_PORT = 7000
+READY_WAIT = 180.0
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling *thread* into network namespace ``name`` (its sockets live there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class NodeProc:
+    """One ``python -m mlxcel serve`` inside a host, started and read until it says ready."""
+
+    def __init__(self, hosts: Hosts, i: int, args: list[str], ready: str) -> None:
+        argv = [sys.executable, "-m", "mlxcel", "serve", *args]
+        self.p = hosts.spawn(i, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        assert self.p.stdout is not None
+        end = time.monotonic() + READY_WAIT
+        while time.monotonic() < end:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if ready in line:
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.stop()
+        raise RuntimeError(f"node on host {i} did not start:\n" + "".join(self.lines[-30:]))
+
+    def _drain(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def signal(self, sig: int) -> None:
+        # ``ip netns exec`` execs the command: the pid is the server's own.
+        self.p.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGCONT)
+            self.p.terminate()
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+
+
+@dataclass
+class Outcome:
+    sent: float
+    done: float
+    status: int  # HTTP status; 0: no answer (timeout or connection error)
+    retry_after: bool = False
+
+
+@dataclass
+class Client:
+    """HTTP from inside host ``host`` (a thread pool whose threads entered its namespace)."""
+
+    hosts: Hosts
+    host: int
+    base: str
+    pool: ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        name = self.hosts.names[self.host]
+        # Requests and polls on separate threads: hanging requests must not delay a poll.
+        self.pool = ThreadPoolExecutor(128, initializer=enter_netns, initargs=(name,))
+        self._polls = ThreadPoolExecutor(4, initializer=enter_netns, initargs=(name,))
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+        return self._polls.submit(_get, self.base + path, timeout).result()
+
+    def complete(self, max_tokens: int = 4, timeout: float = 60.0) -> Outcome:
+        return self.pool.submit(_complete, self.base, max_tokens, timeout).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._polls.shutdown(wait=True, cancel_futures=True)
+
+
+def _get(url: str, timeout: float) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def _complete(base: str, max_tokens: int, timeout: float) -> Outcome:
+    body = json.dumps(
+        {"model": "m", "prompt": "fault bench", "max_tokens": max_tokens, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        base + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    sent = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return Outcome(sent, time.monotonic(), r.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        retry = exc.headers.get("Retry-After") is not None
+        return Outcome(sent, time.monotonic(), exc.code, retry)
+    except OSError:
+        return Outcome(sent, time.monotonic(), 0)
+
+
+class Load:
+    """A request every ``every`` seconds, each on its own thread; outcomes kept in order."""
+
+    def __init__(self, client: Client, every: float = 0.1, max_tokens: int = 4) -> None:
+        self.client, self.every, self.max_tokens = client, every, max_tokens
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        futures = []
+        while not self._stop.wait(self.every):
+            futures.append(
+                self.client.pool.submit(_complete, self.client.base, self.max_tokens, 60)
+            )
+        for f in futures:
+            self.outcomes.append(f.result())
+
+
+def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.05) -> float | None:
+    """Seconds until ``check()`` held (None: it did not within ``timeout``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if check():
+            return time.monotonic() - t0
+        time.sleep(step)
+    return None
+
+
+def keygen(path: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+@dataclass
+class Cluster:
+    hosts: Hosts
+    procs: dict[str, NodeProc]
+    client: Client
+
+    def close(self) -> None:
+        self.client.close()
+        for p in reversed(list(self.procs.values())):
+            p.stop()
+
+
+@contextmanager
+def disagg_cluster(model: Path, secret: Path, n_decode: int = 2) -> Iterator[Cluster]:
+    """Router on host 0 (HTTP on its 127.0.0.1), one prefill on host 1, decode nodes after."""
+    with Hosts(2 + n_decode, net=77) as hosts:
+        addr = [f"{hosts.ip(i)}:{CLUSTER_PORT}" for i in range(hosts.n)]
+        procs: dict[str, NodeProc] = {}
+        common = ["-m", str(model), "--cluster-secret-file", str(secret)]
+        try:
+            for i, role in [(1, "prefill"), *((2 + d, "decode") for d in range(n_decode))]:
+                name = role if role == "prefill" else f"decode-{i - 2}"
+                procs[name] = NodeProc(
+                    hosts,
+                    i,
+                    [*common, "--node-role", role, "--serving-bind", addr[i]],
+                    f"mlxcel {role} node",
+                )
+            procs["router"] = NodeProc(
+                hosts,
+                0,
+                [
+                    *common,
+                    "--node-role",
+                    "router",
+                    "--serving-bind",
+                    addr[0],
+                    "--prefill-peers",
+                    addr[1],
+                    "--decode-peers",
+                    ",".join(addr[2:]),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(HTTP_PORT),
+                    "--served-model-name",
+                    "m",
+                    "--parallel",
+                    "64",
+                ],  # fmt: skip
+                "mlxcel serving",
+            )
+            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
+        except BaseException:
+            for p in procs.values():
+                p.stop()
+            raise
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+
+@contextmanager
+def pipeline_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
+    """A 2-stage pipeline from a cluster TOML: coordinator on host 0, stage-i on host i+1."""
+    with Hosts(3, net=78) as hosts:
+        lines = [
+            'name = "faults"',
+            "pipeline_parallel_size = 2",
+            "[cluster]",
+            f'secret_file = "{secret}"',
+            "",
+            "[[nodes]]",
+            'id = "coordinator"',
+            'role = "coordinator"',
+            f'address = "{hosts.ip(0)}:{CLUSTER_PORT}"',
+        ]
+        for s in range(2):
+            lines += ["", "[[nodes]]", f'id = "stage-{s}"', 'role = "stage"']
+            lines.append(f'address = "{hosts.ip(s + 1)}:{CLUSTER_PORT}"')
+        cfg = tmp / "faults-cluster.toml"
+        cfg.write_text("\n".join(lines) + "\n")
+        common = ["-m", str(model), "--distributed-config", str(cfg)]
+        procs: dict[str, NodeProc] = {}
+        try:
+            for s in range(2):
+                procs[f"stage-{s}"] = NodeProc(
+                    hosts, s + 1, [*common, "--node-id", f"stage-{s}"], "mlxcel stage"
+                )
+            procs["coordinator"] = NodeProc(
+                hosts,
+                0,
+                [
+                    *common,
+                    "--node-id",
+                    "coordinator",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(HTTP_PORT),
+                    "--served-model-name",
+                    "m",
+                ],  # fmt: skip
+                "mlxcel serving",
+            )
+            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
+        except BaseException:
+            for p in procs.values():
+                p.stop()
+            raise
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+
+def node_healthy(c: Cluster, node_id: str) -> bool | None:
+    status, body = c.client.get("/router/stats")
+    for n in body.get("nodes", []):
+        if n.get("id") == node_id:
+            return bool(n.get("healthy"))
+    return None
+
+
+def pipeline_ready(c: Cluster) -> bool:
+    return c.client.get("/health")[0] == 200
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    detect_s: float | None
+    first_503_s: float | None
+    lost: int
+    refused: int
+    served: int
+    longest_s: float
+    recover_s: float | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> str:
+        def f(v: float | None) -> str:
+            return "never" if v is None else f"{v:.2f}"
+
+        return (
+            f"{self.fault:<16} {f(self.detect_s):>9} {f(self.first_503_s):>10} {self.lost:>5} "
+            f"{self.refused:>8} {self.served:>7} {self.longest_s:>9.2f} {f(self.recover_s):>10}"
+        )
+
+
+HEADER = (
+    f"{'fault':<16} {'detect_s':>9} {'first_503':>10} {'lost':>5} {'refused':>8} "
+    f"{'served':>7} {'longest_s':>9} {'recover_s':>10}"
+)
+
+
+def run_fault(
+    c: Cluster,
+    name: str,
+    apply: Callable[[], None],
+    undo: Callable[[], None],
+    down: Callable[[], bool],
+    up: Callable[[], bool],
+    *,
+    detect_within: float = 20.0,
+    hold: float = 1.0,
+) -> FaultResult:
+    """Apply a fault under load, time its detection, undo it, time the recovery."""
+    with Load(c.client) as load:
+        time.sleep(1.0)  # steady state first
+        t0 = time.monotonic()
+        apply()
+        detect = wait_for(down, detect_within)
+        time.sleep(hold)  # requests meet the known-down state
+        undo()
+        t_heal = time.monotonic()
+        recover = wait_for(lambda: up() and c.client.complete().status == 200, 30.0)
+        time.sleep(0.5)
+    after = [o for o in load.outcomes if o.sent >= t0 - 0.5]  # in flight at the fault, or later
+    first_503 = next(
+        (o.done - t0 for o in after if o.sent >= t0 and o.status == 503 and o.retry_after), None
+    )
+    # Lost: admitted before the cluster knew, and not served. Refused: a 503 with Retry-After
+    # for a request that came once it knew (what a client should get then).
+    known = t0 + (detect if detect is not None else float("inf"))
+    lost = sum(1 for o in after if o.sent < known and o.status != 200)
+    refused = sum(1 for o in after if o.sent >= known and o.status == 503 and o.retry_after)
+    served = sum(1 for o in after if o.status == 200)
+    longest = max((o.done - o.sent for o in after), default=0.0)
+    statuses: dict[int, int] = {}
+    for o in after:
+        statuses[o.status] = statuses.get(o.status, 0) + 1
+    slow = [(round(o.sent - t0, 2), round(o.done - o.sent, 2), o.status) for o in after]
+    slow = [x for x in slow if x[1] > 5.0]
+    return FaultResult(
+        name,
+        detect,
+        first_503,
+        lost,
+        refused,
+        served,
+        longest,
+        recover,
+        {"heal_at_s": round(t_heal - t0, 2), "statuses": statuses, "slow": slow[:5]},
+    )
+
+
+def disagg_faults(model: Path, secret: Path) -> list[FaultResult]:
+    out = []
+    with disagg_cluster(model, secret) as c:
+        h = c.hosts
+        out.append(
+            run_fault(
+                c,
+                "silent decode",
+                lambda: h.partition(3),
+                lambda: h.heal(3),
+                lambda: node_healthy(c, "decode-1") is False,
+                lambda: node_healthy(c, "decode-1") is True,
+            )
+        )
+        dec = c.procs["decode-1"]
+        out.append(
+            run_fault(
+                c,
+                "stopped decode",
+                lambda: dec.signal(signal.SIGSTOP),
+                lambda: dec.signal(signal.SIGCONT),
+                lambda: node_healthy(c, "decode-1") is False,
+                lambda: node_healthy(c, "decode-1") is True,
+            )
+        )
+        out.append(
+            run_fault(
+                c,
+                "silent prefill",
+                lambda: h.partition(1),
+                lambda: h.heal(1),
+                lambda: node_healthy(c, "prefill-0") is False,
+                lambda: node_healthy(c, "prefill-0") is True,
+            )
+        )
+    return out
+
+
+def pipeline_faults(model: Path, secret: Path, tmp: Path) -> list[FaultResult]:
+    with pipeline_cluster(model, secret, tmp) as c:
+        h = c.hosts
+        return [
+            run_fault(
+                c,
+                "silent stage",
+                lambda: h.partition(2),
+                lambda: h.heal(2),
+                lambda: not pipeline_ready(c),
+                lambda: pipeline_ready(c),
+            )
+        ]

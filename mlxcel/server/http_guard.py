@@ -1,0 +1,215 @@
+"""Keep the HTTP port answering when clients are slow on purpose (slow-loris).
+
+aiohttp bounds what a request may *contain* but not how long a client may take to *send* it:
+a client trickling one header byte every few seconds holds a socket (a file descriptor)
+forever, and a few thousand of them leave nothing for ``/health``. :class:`HttpGuard` wraps
+each connection's protocol:
+
+- a connection must complete a request's header block within ``header_timeout`` of opening,
+  and the next one within ``header_timeout`` of the previous response (an idle keep-alive
+  connection is closed then too; clients reconnect); time spent inside a request -- reading
+  its body, streaming its answer -- is not counted here (the body has its own deadline in
+  the API, the answer the request's own);
+- at most ``max_connections`` are open, at most ``max_per_source`` from one IP; a connection
+  beyond either is closed at once, before aiohttp sees it.
+
+Every refusal is counted and logged through a rate limiter, so a flood cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from loguru import logger
+
+from mlxcel.net.ratelimit import WarningLimiter
+
+HEADER_TIMEOUT = 10.0  # seconds to send a complete request header block
+MAX_PER_SOURCE = 512  # connections from one IP
+FD_RESERVE = 256  # descriptors kept free for the cluster, models and logs
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft file-descriptor limit to its hard limit (where allowed);
+    returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def default_max_connections() -> int:
+    """Open HTTP connections allowed: below the descriptor limit, with room to spare."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 16384
+    return max(64, min(16384, soft - FD_RESERVE))
+
+
+class HttpGuard:
+    def __init__(
+        self,
+        *,
+        max_connections: int | None = None,
+        max_per_source: int = MAX_PER_SOURCE,
+        header_timeout: float = HEADER_TIMEOUT,
+    ) -> None:
+        self.max_connections = max_connections or default_max_connections()
+        self.max_per_source = max_per_source
+        self.header_timeout = header_timeout
+        self.limiter = WarningLimiter(asyncio.get_running_loop().time)
+        self.by_source: Counter[str] = Counter()
+        self.open: dict[Any, _Guarded] = {}  # transport -> its guard
+        self.refused = 0  # connections closed at once: a cap was reached
+        self.timed_out = 0  # connections closed: no complete header in time
+
+    def factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory to give ``create_server``: ``inner``'s, guarded."""
+        return lambda: _Guarded(self, inner)
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A request whose headers arrived: its connection is busy, not slow, until it ends."""
+        conn = self.open.get(request.transport)
+        if conn is None:
+            return await handler(request)
+        conn.begin()
+        try:
+            return await handler(request)
+        finally:
+            conn.end()
+
+    def _refuse(self, source: str, why: str) -> None:
+        self.refused += 1
+        self.limiter.warn("noise", f"http: refused a connection from {source}: {why}")
+
+
+class _Guarded(asyncio.Protocol):
+    """One connection: counts it, bounds its header time, then hands everything to aiohttp."""
+
+    def __init__(self, guard: HttpGuard, inner: Callable[[], asyncio.Protocol]) -> None:
+        self.guard = guard
+        self._make_inner = inner
+        self.inner: asyncio.Protocol | None = None
+        self.transport: Any = None
+        self.source = "?"
+        self.busy = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        g = self.guard
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if len(g.open) >= g.max_connections:
+            g._refuse(self.source, f"{g.max_connections} connections are open (the cap)")
+            transport.abort()
+            return
+        if g.by_source[self.source] >= g.max_per_source:
+            g._refuse(self.source, f"it holds {g.max_per_source} connections (the per-IP cap)")
+            transport.abort()
+            return
+        self.transport = transport  # (uvloop's transports are not asyncio.Transport)
+        g.open[transport] = self
+        g.by_source[self.source] += 1
+        self._arm()
+        self.inner = self._make_inner()
+        self.inner.connection_made(transport)
+
+    def begin(self) -> None:
+        self.busy += 1
+        self._cancel()
+
+    def end(self) -> None:
+        self.busy -= 1
+        if not self.busy:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.guard.header_timeout, self._late)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self) -> None:
+        self._timer = None
+        if self.busy or self.transport is None:
+            return
+        g = self.guard
+        g.timed_out += 1
+        g.limiter.warn(
+            "noise",
+            f"http: closed a connection from {self.source}: no complete request header "
+            f"within {g.header_timeout:g}s",
+        )
+        self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        if self.transport is not None:
+            g = self.guard
+            g.open.pop(self.transport, None)
+            g.by_source[self.source] -= 1
+            if g.by_source[self.source] <= 0:
+                del g.by_source[self.source]
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+
+class GuardedSite(web.TCPSite):
+    """aiohttp's TCP site, each connection behind ``guard``."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, guard: HttpGuard) -> None:
+        super().__init__(runner, host, port)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(
+            self.guard.factory(server),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+        )
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        logger.debug(
+            "http: at most {} connections ({} per IP); {:g}s for a request header",
+            self.guard.max_connections,
+            self.guard.max_per_source,
+            self.guard.header_timeout,
+        )
