@@ -362,7 +362,7 @@ def test_undeliverable_handoff_and_lost_decode_are_errors() -> None:
     lease, out = start(core)
     (h,) = sends(out, KvHandoff)
     (err,) = sends(core.undeliverable(h, "connection refused", 1.0), Error)
-    assert err.msg.code == ErrorCode.HANDOFF_FAILED and "connection refused" in err.msg.message
+    assert err.msg.code == ErrorCode.NODE_UNREACHABLE and "connection refused" in err.msg.message
     lease, _ = start(core, rid="r2")
     (err,) = sends(core.peer_lost(D1, 2.0), Error)
     assert "lost" in err.msg.message

@@ -122,11 +122,12 @@ def test_an_unsupported_model_and_an_allowlist_refuse_with_their_reasons() -> No
     c = core(unsupported=why)
     assert c.handle(request(), R, 0.0) == refused(request(), ErrorCode.UNSUPPORTED_MODEL, why)
     c = core(allowlist=frozenset({D0}))
-    assert c.handle(request(target=D1), R, 0.0) == refused(
-        request(),
-        ErrorCode.DECODE_TARGET_REFUSED,
-        f"decode target {D1} is not in MLXCEL_DECODE_ALLOWLIST; the KV cache was not sent",
-    )
+    why = f"decode target {D1} is not in MLXCEL_DECODE_ALLOWLIST; the KV cache was not sent"
+    # The operator hears of it too (rate limited), not only the router.
+    assert c.handle(request(target=D1), R, 0.0) == [
+        Warn("diagnostic", f"prefill: refused request 'r1' from {R}: {why}"),
+        *refused(request(), ErrorCode.DECODE_TARGET_REFUSED, why),
+    ]
 
 
 def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -> None:
@@ -261,8 +262,9 @@ def test_a_handoff_that_cannot_be_delivered_fails_its_lease_only() -> None:
     lease = leased(c, m)
     h = Send(D1, handoff_of(m, lease, 3))
     why = f"handoff to decode node {D1}: connection refused"
+    # An unreachable decode node is retryable (503 at the client), not a broken handoff.
     assert c.undeliverable(h, "connection refused", 1.0) == [
-        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "r1", NONCE)),
+        Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "r1", NONCE)),
         FreeCache(lease),
         Send(D1, HandoffVerdict("r1", lease, False, why)),
     ]
@@ -279,9 +281,9 @@ def test_a_lost_decode_node_fails_every_lease_waiting_on_it_and_only_those() -> 
     assert c.peer_lost(R, 1.0) == []  # a lost router changes nothing
     why = f"decode node {D1} was lost before it acknowledged the handoff"
     assert c.peer_lost(D1, 1.0) == [
-        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "a", NONCE)),
+        Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "a", NONCE)),
         FreeCache(a),
-        Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "b", NONCE)),
+        Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "b", NONCE)),
         FreeCache(b),
     ]
     assert sorted(c.leases) == sorted([other, running])

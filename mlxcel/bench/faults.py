@@ -102,6 +102,7 @@ class Outcome:
     done: float
     status: int  # HTTP status; 0: no answer (timeout or connection error)
     retry_after: bool = False
+    body: str = ""  # an error's body (what the client was told)
 
 
 @dataclass
@@ -153,9 +154,9 @@ def _complete(base: str, max_tokens: int, timeout: float) -> Outcome:
             r.read()
             return Outcome(sent, time.monotonic(), r.status)
     except urllib.error.HTTPError as exc:
-        exc.read()
+        text = exc.read()[:2000].decode(errors="replace")
         retry = exc.headers.get("Retry-After") is not None
-        return Outcome(sent, time.monotonic(), exc.code, retry)
+        return Outcome(sent, time.monotonic(), exc.code, retry, text)
     except OSError:
         return Outcome(sent, time.monotonic(), 0)
 

@@ -119,11 +119,14 @@ class PrefillCore:
                 "no decode target: the request names none and this node has no --decode-peers",
             )
         if m.decode_target and c.allowlist is not None and m.decode_target not in c.allowlist:
-            return refuse(
-                ErrorCode.DECODE_TARGET_REFUSED,
+            why = (
                 f"decode target {m.decode_target} is not in MLXCEL_DECODE_ALLOWLIST; the KV "
-                "cache was not sent",
+                "cache was not sent"
             )
+            log = Warn(
+                "diagnostic", f"prefill: refused request {m.request_id!r} from {source}: {why}"
+            )
+            return [log, *refuse(ErrorCode.DECODE_TARGET_REFUSED, why)]
         if not m.token_ids or any(not 0 <= t < c.vocab for t in m.token_ids):
             return refuse(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {c.vocab})")
         if m.sampling.max_tokens < 1 or len(m.token_ids) + m.sampling.max_tokens > c.max_len:
@@ -243,8 +246,9 @@ class PrefillCore:
         if isinstance(m, KvHandoff):
             x = self.leases.get(m.lease)
             if x is not None and x.state is LeaseState.LEASED:
+                # The decode node cannot be reached: retryable (503), not a broken handoff.
                 return self._fail(
-                    x, ErrorCode.HANDOFF_FAILED, f"handoff to decode node {x.target}: {reason}"
+                    x, ErrorCode.NODE_UNREACHABLE, f"handoff to decode node {x.target}: {reason}"
                 )
         return []
 
@@ -256,7 +260,7 @@ class PrefillCore:
             if x.target == identity and x.state is LeaseState.LEASED:
                 why = f"decode node {x.target} was lost before it acknowledged the handoff"
                 m = x.request
-                err = Error(ErrorCode.HANDOFF_FAILED, why, m.request_id, m.nonce)
+                err = Error(ErrorCode.NODE_UNREACHABLE, why, m.request_id, m.nonce)
                 # No abort verdict: the node is gone, and a send to it would only wait.
                 out += [Send(x.router, err)] + self._end(x, LeaseEvent.FAILED)
         return out
