@@ -275,12 +275,18 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None, description="model id in the API (default: folder name)"
     )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+    http_header_timeout: float = Field(
+        10.0, ge=0.1, le=600, description="seconds a client has to send a request's headers"
+    )
+    http_body_timeout: float = Field(
+        30.0, ge=0.1, le=3600, description="seconds a client has to send a request's body"
+    )
     max_http_connections: int | None = Field(
         None,
         ge=1,
         le=1 << 20,
-        description="open HTTP connections at most (default: the file-descriptor limit less "
-        "256, at most 16384); more are closed at once",
+        description="open HTTP connections at most, a quarter of them from one IP (default: "
+        "the file-descriptor limit less 256, at most 16384); more are closed at once",
     )
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds SIGTERM waits for requests in flight"

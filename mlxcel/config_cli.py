@@ -61,6 +61,8 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "default_max_tokens",
             "max_body_bytes",
             "max_http_connections",
+            "http_header_timeout",
+            "http_body_timeout",
             "drain_timeout",
         ),
     ),

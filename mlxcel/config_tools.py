@@ -321,6 +321,10 @@ class BenchBringupSettings(_HasModel):
     )
 
 
+class BenchFaultsSettings(BenchBringupSettings):
+    """Silent and stopped peers on network namespaces (root): detection, 503s, recovery."""
+
+
 class BenchPromptCacheSettings(BenchPipelineSettings):
     """Time to first token of a chat's second turn, with the history cached and without."""
 

@@ -34,6 +34,7 @@ class HttpOptions:
     default_max_tokens: int = 512
     max_body_bytes: int = 4 << 20
     header_timeout: float = 10.0  # seconds to send a request's headers (slow-loris)
+    body_timeout: float = 30.0  # seconds to send its body once the headers are in
     max_connections: int | None = None  # open HTTP connections (None: below the fd limit)
 
 
@@ -116,6 +117,7 @@ class NodeRunner:
             sampling=self.serving.sampling,
             mode=self.serving.mode,
             guard=self.guard,
+            body_timeout=self.http.body_timeout,
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))

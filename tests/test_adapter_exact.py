@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 from loguru import logger
 
+import mlxcel.adapter as adapter_mod
 from mlxcel.adapter import BUNDLE_TENSOR_BYTES, CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, Send, Warn
@@ -232,6 +233,8 @@ async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limi
                 "at-capacity": 0,
                 "coordinator-drop": 0,
                 "stage-drop": 0,
+                "http-cap": 0,
+                "http-slow": 0,
             }
 
             class Bogus:
@@ -503,3 +506,30 @@ async def test_a_failing_timer_is_reported_by_name() -> None:
     finally:
         logger.remove(sink)
     assert lines[0] == "timer-node: timer handling failed"
+
+
+async def test_an_idle_outbox_is_removed_with_its_task_and_their_number_is_capped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4,000 destinations named once must not stay (a queue and a task each, forever); past
+    the cap a send to one more fails at once, with a warning, instead of growing the node."""
+    monkeypatch.setattr(adapter_mod, "OUTBOX_IDLE", 0.2)
+    monkeypatch.setattr(adapter_mod, "MAX_OUTBOXES", 3)
+    async with Node("n") as node:
+        ep, core = Endpoint(), Core()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        tasks = len(node._tasks)
+        adapter.feed([Send(f"d{i}", entry(i)) for i in range(4)])
+        assert sorted(adapter._outboxes) == ["d0", "d1", "d2"]
+        (lost,) = core.lost_sends
+        assert lost == (Send("d3", entry(3)), "3 destinations already have sends queued")
+        assert adapter.limiter.warned["noise"] == 1
+        await until_true(lambda: len(ep.sent) == 3)
+        # Idle for OUTBOX_IDLE: every outbox and its task is gone.
+        await until_true(lambda: not adapter._outboxes, timeout=2.0)
+        await until_true(lambda: len(node._tasks) == tasks, timeout=2.0)
+        # And a destination used again gets a fresh one.
+        ep.open = False
+        adapter.feed([Send("d3", entry(9))])
+        await until_true(lambda: len(ep.sent) == 4)
+        assert ep.sent[-1][:2] == ("d3", entry(9))

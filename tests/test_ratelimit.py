@@ -86,6 +86,8 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
         "at-capacity": 0,
         "coordinator-drop": 0,
         "stage-drop": 0,
+        "http-cap": 0,
+        "http-slow": 0,
     }
     assert lim.warned["router-drop"] == 5
     lines.clear()

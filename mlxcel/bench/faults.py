@@ -466,3 +466,30 @@ def pipeline_faults(model: Path, secret: Path, tmp: Path) -> list[FaultResult]:
                 lambda: pipeline_ready(c),
             )
         ]
+
+
+def run_bench(model: Path, json_lines: bool = False) -> int:
+    """``bench faults``: every fault above, one line each (or one JSON object each)."""
+    import dataclasses
+    import tempfile
+
+    from mlxcel.bench.netns import unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"bench faults: {why}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        secret = keygen(Path(tmp) / "cluster.secret")
+        rows = disagg_faults(model, secret) + pipeline_faults(model, secret, Path(tmp))
+    if json_lines:
+        for r in rows:
+            print(json.dumps(dataclasses.asdict(r)))
+        return 0
+    print(
+        f"faults on network namespaces, model {model.name}; a request every 0.1 s; seconds from the fault"
+    )
+    print(HEADER)
+    for r in rows:
+        print(r.row())
+    return 0

@@ -21,6 +21,7 @@ from mlxcel.config_tools import (
     BenchBringupSettings,
     BenchDisaggSettings,
     BenchEngineSettings,
+    BenchFaultsSettings,
     BenchFramesSettings,
     BenchPipelineRunSettings,
     BenchPromptCacheSettings,
@@ -68,6 +69,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "disagg": (
         BenchDisaggSettings,
         "TTFT and inter-token latency p50/p99: one hybrid node vs 1 prefill + 1 decode",
+    ),
+    "faults": (
+        BenchFaultsSettings,
+        "silent/stopped decode, prefill and stage on network namespaces: detect, 503, recover",
     ),
     "bringup": (
         BenchBringupSettings,
@@ -255,6 +260,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from mlxcel.bench.bringup import run_bench as run_bringup_bench
 
         return run_bringup_bench(commands.resolve_model(settings.model), settings.json_lines)
+    if args.command == "bench" and args.bench == "faults":
+        from mlxcel.bench.faults import run_bench as run_faults_bench
+
+        return run_faults_bench(commands.resolve_model(settings.model), settings.json_lines)
     if args.command == "bench" and args.bench == "disagg":
         from mlxcel.bench.disagg import run_bench as run_disagg_bench
 

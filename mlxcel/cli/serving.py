@@ -133,6 +133,8 @@ async def _serve_http(s: ServeSettings, node: Assembled) -> None:
         name,
         s.default_max_tokens,
         s.max_body_bytes,
+        header_timeout=s.http_header_timeout,
+        body_timeout=s.http_body_timeout,
         max_connections=s.max_http_connections,
     )
     runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)

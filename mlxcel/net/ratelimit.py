@@ -1,8 +1,9 @@
 """Rate-limited cluster warnings, in classes that cannot starve each other.
 
-Six classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
+Eight classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
 mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop``,
-``at-capacity``, and the pipeline's own drops (``coordinator-drop``, ``stage-drop``) -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
+``at-capacity``, the pipeline's own drops (``coordinator-drop``, ``stage-drop``) and the HTTP
+port's refusals (``http-cap``: a connection cap; ``http-slow``: a header deadline) -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
 debug. The first warning of a class after a window that suppressed some reports how many and
 when that window ended. The clock is injected (the loop's clock in production).
 """
@@ -21,6 +22,8 @@ CLASSES = (
     "at-capacity",
     "coordinator-drop",
     "stage-drop",
+    "http-cap",
+    "http-slow",
 )
 MAX_MESSAGE = 500
 

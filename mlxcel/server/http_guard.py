@@ -10,8 +10,8 @@ each connection's protocol:
   connection is closed then too; clients reconnect); time spent inside a request -- reading
   its body, streaming its answer -- is not counted here (the body has its own deadline in
   the API, the answer the request's own);
-- at most ``max_connections`` are open, at most ``max_per_source`` from one IP; a connection
-  beyond either is closed at once, before aiohttp sees it.
+- at most ``max_connections`` are open, at most ``max_per_source`` (a quarter of them, by
+  default) from one IP; a connection beyond either is closed at once, before aiohttp sees it.
 
 Every refusal is counted and logged through a rate limiter, so a flood cannot flood the log.
 """
@@ -30,7 +30,6 @@ from loguru import logger
 from mlxcel.net.ratelimit import WarningLimiter
 
 HEADER_TIMEOUT = 10.0  # seconds to send a complete request header block
-MAX_PER_SOURCE = 512  # connections from one IP
 FD_RESERVE = 256  # descriptors kept free for the cluster, models and logs
 
 
@@ -61,11 +60,12 @@ class HttpGuard:
         self,
         *,
         max_connections: int | None = None,
-        max_per_source: int = MAX_PER_SOURCE,
+        max_per_source: int | None = None,
         header_timeout: float = HEADER_TIMEOUT,
     ) -> None:
         self.max_connections = max_connections or default_max_connections()
-        self.max_per_source = max_per_source
+        # One IP may hold a quarter of them: a single slow client cannot take the port.
+        self.max_per_source = max_per_source or max(4, self.max_connections // 4)
         self.header_timeout = header_timeout
         self.limiter = WarningLimiter(asyncio.get_running_loop().time)
         self.by_source: Counter[str] = Counter()
@@ -93,7 +93,7 @@ class HttpGuard:
 
     def _refuse(self, source: str, why: str) -> None:
         self.refused += 1
-        self.limiter.warn("noise", f"http: refused a connection from {source}: {why}")
+        self.limiter.warn("http-cap", f"http: refused a connection from {source}: {why}")
 
 
 class _Guarded(asyncio.Protocol):
@@ -153,7 +153,7 @@ class _Guarded(asyncio.Protocol):
         g = self.guard
         g.timed_out += 1
         g.limiter.warn(
-            "noise",
+            "http-slow",
             f"http: closed a connection from {self.source}: no complete request header "
             f"within {g.header_timeout:g}s",
         )

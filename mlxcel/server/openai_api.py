@@ -79,16 +79,14 @@ def _validation_error(exc: ValidationError) -> web.Response:
     )
 
 
-BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers did
-
-
 async def _read_json(request: web.Request) -> Any:
+    wait = request.app[SETTINGS]["body_timeout"]
     try:
-        async with asyncio.timeout(BODY_TIMEOUT):  # a trickled body cannot hold a slot forever
+        async with asyncio.timeout(wait):  # a trickled body cannot hold a slot forever
             raw = await request.read()  # aiohttp enforces client_max_size (413)
     except TimeoutError:
         raise web.HTTPRequestTimeout(
-            reason=f"the request body did not arrive within {BODY_TIMEOUT:g}s"
+            reason=f"the request body did not arrive within {wait:g}s"
         ) from None
     try:
         body = json.loads(raw)
@@ -426,6 +424,7 @@ def build_app(
     sampling: frozenset[str] = EXTENDED_SAMPLING,
     mode: str = "one process",
     guard: Any = None,
+    body_timeout: float = 30.0,
 ) -> web.Application:
     # The guard first: a request whose headers arrived is busy, not slow (http_guard).
     first = [guard.middleware] if guard is not None else []
@@ -442,6 +441,7 @@ def build_app(
         "created": int(time.time()),
         "sampling": sampling,
         "mode": mode,
+        "body_timeout": body_timeout,
     }
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

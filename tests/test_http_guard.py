@@ -1,0 +1,105 @@
+"""Slow-loris against the real server: clients that trickle headers or a body, and floods.
+
+A server process with a small connection cap and short header/body deadlines; attackers on
+127.0.0.2 trickle one header byte at a time. ``/health`` from 127.0.0.1 must keep answering
+at once, the trickling connections must be closed at the header deadline, the ones over the
+per-IP cap at once, a trickled body must get 408, and every refusal must be logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+from tests.conftest import ServerProcess
+
+ATTACKER = "127.0.0.2"
+CAP = 40  # --max-http-connections: 10 per IP
+
+
+def health_seconds(base: str) -> float:
+    t0 = time.monotonic()
+    with urllib.request.urlopen(base + "/health", timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    return time.monotonic() - t0
+
+
+async def trickler(port: int, closed_after: list[float], t0: float) -> None:
+    """Open a connection from the attacker's IP and send one header byte every 0.3 s until
+    the server closes it; record when (seconds after ``t0``)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    try:
+        for byte in head:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            try:
+                if await asyncio.wait_for(reader.read(1), 0.3) == b"":
+                    break  # closed by the server
+            except TimeoutError:
+                continue
+    except ConnectionError:
+        pass
+    closed_after.append(time.monotonic() - t0)
+    writer.close()
+
+
+def test_trickled_headers_are_cut_at_the_deadline_and_health_keeps_answering(tiny) -> None:  # type: ignore[no-untyped-def]
+    server = ServerProcess(
+        [
+            "-m",
+            str(tiny),
+            "--max-http-connections",
+            str(CAP),
+            "--http-header-timeout",
+            "2",
+            "--http-body-timeout",
+            "1",
+        ]
+    )
+    try:
+        closed: list[float] = []
+
+        async def attack() -> list[float]:
+            t0 = time.monotonic()
+            tasks = [asyncio.create_task(trickler(server.port, closed, t0)) for _ in range(30)]
+            await asyncio.sleep(0.5)
+            # While 30 connections trickle, /health from another IP answers at once.
+            waits = [await asyncio.to_thread(health_seconds, server.base_url) for _ in range(5)]
+            await asyncio.gather(*tasks)
+            return waits
+
+        waits = asyncio.run(attack())
+        assert max(waits) < 1.0, waits
+        closed.sort()
+        # 10 held (the per-IP cap), 20 closed at once; the held ones at the 2 s deadline.
+        assert len(closed) == 30
+        assert all(t < 1.0 for t in closed[:20]), closed
+        assert all(1.9 <= t < 3.5 for t in closed[20:]), closed
+
+        # A body trickled after complete headers: 408 with the deadline named.
+        async def slow_body() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{"
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4096), 5)
+            writer.close()
+            return answer
+
+        answer = asyncio.run(slow_body())
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"the request body did not arrive within 1s" in answer
+        assert b'"code": "body_timeout"' in answer
+        assert health_seconds(server.base_url) < 1.0  # still serving
+        log = "".join(server.lines)
+        assert "http: refused a connection from 127.0.0.2: it holds 10 connections" in log
+        assert (
+            "http: closed a connection from 127.0.0.2: no complete request header within 2s" in log
+        )
+    finally:
+        server.stop()
