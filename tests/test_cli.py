@@ -319,7 +319,25 @@ def test_windows_refuses_distributed_flags_before_resolving_the_model(
     with pytest.raises(SystemExit):
         cli_main.main(["serve"])
     assert "--node-role" in capsys.readouterr().err
+    monkeypatch.delenv("MLXCEL_NODE_ROLE")
     assert resolved == [] and not any(tmp_path.iterdir())
+    # The same from a config file, given by flag or by MLXCEL_CONFIG.
+    conf = tmp_path.parent / f"{tmp_path.name}-windows.toml"
+    conf.write_text(
+        '[serve]\nnode_role = "router"\nserving_bind = "127.0.0.2:1"\n'
+        'prefill_peers = "127.0.0.3:1"\ndecode_peers = "127.0.0.4:1"\n'
+    )
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["serve", "--config", str(conf)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--node-role" in err and "Windows" in err, err
+    conf.write_text("[serve]\ntp_size = 2\n")
+    monkeypatch.setenv("MLXCEL_CONFIG", str(conf))
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["serve"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--tp-size" in err and "Windows" in err, err
+    assert resolved == []
 
 
 def test_embedding_example_runs() -> None:

@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
             section=section,
             sections=SECTIONS,
         )
+        if args.command in ("generate", "serve"):
+            # Again on the final values: a --config / MLXCEL_CONFIG file may ask for a mode.
+            refuse_distributed_on_windows(args.command, settings.model_dump())
         if hasattr(settings, "tp_size"):
             from mlxcel.tp.group import check_modes
 

@@ -27,7 +27,7 @@ from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
 from mlxcel.server import logprobs as lp
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.params import refuse_unimplemented, sampling_params, template_tools
-from mlxcel.server.responses import Output, account, sse, usage_body
+from mlxcel.server.responses import STREAM_ERROR, Output, account, sse, usage_body
 from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxcel.server.tools import tool_text_for
 
@@ -366,6 +366,8 @@ async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
         raise
     finally:
         usage = request.get(USAGE)
+        failed = request.get(STREAM_ERROR)  # a 200 whose stream then ended in an error
+        shown = f"{status} stream-error={failed}" if failed else str(status)
         prompt = usage.prompt_tokens if usage is not None else 0
         completion = usage.completion_tokens if usage is not None else 0
         ms = (time.perf_counter() - started) * 1000
@@ -373,6 +375,7 @@ async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
             method=request.method,
             path=request.path,
             status=status,
+            stream_error=failed,
             prompt_tokens=prompt,
             completion_tokens=completion,
             latency_ms=round(ms, 1),
@@ -381,7 +384,7 @@ async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
             "{} {} {} prompt={} completion={} {:.1f}ms",
             request.method,
             request.path,
-            status,
+            shown,
             prompt,
             completion,
             ms,

@@ -15,6 +15,9 @@ from mlxcel.server import logprobs as lp
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.tools import ToolCallText
 
+# The error code a stream ended with after its 200 went out (for the access log).
+STREAM_ERROR: Any = web.RequestKey("stream_error", str) if hasattr(web, "RequestKey") else "se"
+
 
 class Output:
     """What one response needs to shape its body or its chunks."""
@@ -137,6 +140,7 @@ async def sse(
             raise
         # The status line is gone; report the failure in-band, as OpenAI's API does.
         code = exc.code if isinstance(exc, EngineError) else ErrorCode.DEADLINE_EXCEEDED
+        request[STREAM_ERROR] = code  # the access log shows what really happened
         await send(
             {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
         )
