@@ -351,7 +351,11 @@ class CoreAdapter:
                 self._busy.discard(key)
                 if box.empty():
                     try:
-                        first = await asyncio.wait_for(box.get(), OUTBOX_IDLE)
+                        # Awaited inline (not wait_for, which on 3.11 takes the item in a task
+                        # of its own: the box would look idle while the item is on its way,
+                        # and a later send could overtake it, or flush() return before it).
+                        async with asyncio.timeout(OUTBOX_IDLE):
+                            first = await box.get()
                     except TimeoutError:
                         if box.empty():  # idle: a destination nobody sends to costs nothing
                             if self._outboxes.get(key) is box:

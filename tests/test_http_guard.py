@@ -103,3 +103,38 @@ def test_trickled_headers_are_cut_at_the_deadline_and_health_keeps_answering(tin
         )
     finally:
         server.stop()
+
+
+def test_an_idle_keep_alive_connection_is_closed_politely_and_a_partial_header_is_not(
+    tiny,  # type: ignore[no-untyped-def]
+) -> None:
+    """After a response, a keep-alive connection that sends nothing is closed with a FIN (no
+    reset, nothing logged); one that sends part of the next header is cut and logged."""
+    server = ServerProcess(["-m", str(tiny), "--http-header-timeout", "1"])
+    try:
+
+        async def run() -> tuple[bytes, bytes]:
+            async def one(tail: bytes) -> bytes:
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                await writer.drain()
+                got = await reader.read(4096)  # the answer; then the next request starts
+                writer.write(tail)
+                await writer.drain()
+                try:
+                    while chunk := await asyncio.wait_for(reader.read(4096), 5):
+                        got += chunk
+                except ConnectionResetError:
+                    got += b"<reset>"
+                writer.close()
+                return got
+
+            return await asyncio.gather(one(b""), one(b"GET /hea"))
+
+        idle, partial = asyncio.run(run())
+        assert idle.startswith(b"HTTP/1.1 200") and idle.endswith(b"}"), idle  # then EOF
+        assert partial.startswith(b"HTTP/1.1 200"), partial
+        log = "".join(server.lines)
+        assert log.count("no complete request header within 1s") == 1, log[-2000:]
+    finally:
+        server.stop()

@@ -408,6 +408,39 @@ def test_a_silent_open_connection_loses_the_node_at_once_a_failed_probe_only_mar
     assert r.routes == {}
 
 
+def test_a_node_that_answers_after_its_connection_dropped_restarts_what_had_no_token() -> None:
+    """Marked down by a probe, then its connection dropped, then it answers again (a short
+    partition): what it was sent may be lost with that connection, so requests with no token
+    out start over (here on the same nodes: the only ones), streaming ones carry on."""
+    r = router([P0], [D0])
+    (a,) = r.handle(entry("a"), "local", 0.0)
+    (b,) = r.handle(entry("b"), "local", 0.0)
+    r.handle(TokenResult(b.msg.request_id, 0, (1,), None, b.msg.nonce), P0, 0.5)
+    r.probe_result(P0, False, "no answer to a probe within 2s", 1.0)
+    assert list(r.routes) == ["a", "b"]  # a failed probe alone ends nothing
+    r.peer_lost(P0, 2.0)
+    out = r.probe_result(P0, True, "", 3.0)
+    new = r.routes["a"]
+    why = "prefill-0 dropped its connection; restarted"
+    assert out == [
+        Warn("info", "router: prefill-0 is online"),
+        cancel(P0, a.msg.request_id, why),
+        cancel(D0, a.msg.request_id, why),
+        Warn(
+            "info",
+            "router: request a restarted on prefill-0 and decode-0: prefill-0 dropped its "
+            "connection before its first token",
+        ),
+        Send(
+            P0,
+            PrefillRequest(new.wire, a.msg.token_ids, a.msg.sampling, D0, new.nonce),
+            deadline=8.0,
+        ),
+    ]
+    assert r.routes["b"].wire == b.msg.request_id  # already streaming: untouched
+    assert r.probe_result(P0, True, "", 4.0) == []  # the suspicion is used up
+
+
 def test_a_request_restarts_at_most_max_restarts_times() -> None:
     r = router([P0, P1], [D0])
     r.handle(entry("a"), "local", 0.0)

@@ -54,6 +54,9 @@ PEER_LIMITS = Limits(
     max_pending_per_source=4,
     handshake_timeout=HANDSHAKE_BOUND,
     frame_timeout=FRAME_BOUND,
+    # The assignment protocol bounds every phase itself, and a peer loading its stage on
+    # Activate may be too busy for keepalives: no liveness deadline on this channel.
+    peer_timeout=None,
 )
 
 
@@ -162,6 +165,7 @@ async def push_assignments(
             bind_ip=host,
             handshake_timeout=HANDSHAKE_BOUND,
             frame_timeout=FRAME_BOUND,
+            peer_timeout=None,  # the push bounds its phases itself (see PEER_LIMITS)
         )
         receiver = None
         if discovery.mode == "mdns":

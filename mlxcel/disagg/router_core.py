@@ -162,11 +162,22 @@ class RouterCore:
             return []
         suspect, node.suspect = node.suspect, False
         if ok:
-            if node.online:
-                return []
-            node.online = True
-            node.last_error = ""
-            return [Warn("info", f"router: {node.id} is online")]
+            out: list[Effect] = []
+            was_down = not node.online
+            if was_down:
+                node.online = True
+                node.last_error = ""
+                out.append(Warn("info", f"router: {node.id} is online"))
+            if suspect and was_down:
+                # It answers again, but it was down and a connection with it dropped: what
+                # was sent on that one may be gone. A request with no token out yet starts
+                # over (cancelled there first, so nothing runs twice under one wire id). (A
+                # connection dropped while the node stayed up -- anyone on its IP holding the
+                # secret can do that -- restarts nothing.)
+                for r in [r for r in self.routes.values() if r.state is RouteState.PREFILLING]:
+                    if address in (r.prefill, r.decode) and r.restarts < MAX_RESTARTS:
+                        out += self._restart(r, node, now, avoid=False)
+            return out
         out = self._mark_down(node, reason)
         return out + self._requests_lost_with(node, now) if suspect or lost else out
 
@@ -203,21 +214,24 @@ class RouterCore:
             )
         return out
 
-    def _restart(self, r: Route, lost: PeerNode, now: float) -> list[Effect]:
-        """Start ``r`` again under a new wire id on nodes other than ``lost``; what the old
-        nodes hold of it is cancelled (their late results no longer match anything)."""
-        p = self._pick("prefill", exclude={lost.address})
-        d = self._pick("decode", exclude={lost.address})
+    def _restart(self, r: Route, lost: PeerNode, now: float, avoid: bool = True) -> list[Effect]:
+        """Start ``r`` again under a new wire id, on nodes other than ``lost`` (``avoid``) or
+        on any; what the old nodes hold of it is cancelled (their late results no longer
+        match anything)."""
+        skip = {lost.address} if avoid else set()
+        why = "was lost" if avoid else "dropped its connection"
+        p = self._pick("prefill", exclude=skip)
+        d = self._pick("decode", exclude=skip)
         if p is None or d is None:
             role = "prefill" if p is None else "decode"
             return self._fail(
                 r,
                 ErrorCode.NO_NODE_AVAILABLE,
-                f"{lost.role} node {lost.id} was lost before this request's first token and "
+                f"{lost.role} node {lost.id} {why} before this request's first token and "
                 f"no other {role} node can take it",
                 cancel=tuple(a for a in (r.prefill, r.decode) if a != lost.address),
             )
-        out = self._cancels(r, (r.prefill, r.decode), f"{lost.id} was lost; restarted")
+        out = self._cancels(r, (r.prefill, r.decode), f"{lost.id} {why}; restarted")
         self._end(r)  # frees the old nodes' counts and the old wire id
         nonce = next(self._nonces)
         r.nonce, r.wire = nonce, f"{r.request_id}@{nonce:x}"
@@ -235,7 +249,7 @@ class RouterCore:
             Warn(
                 "info",
                 f"router: request {r.request_id} restarted on {self.nodes[p].id} and "
-                f"{self.nodes[d].id}: {lost.id} was lost before its first token",
+                f"{self.nodes[d].id}: {lost.id} {why} before its first token",
             )
         )
         return out + self._dispatch(r, now, "restart")

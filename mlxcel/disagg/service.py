@@ -105,9 +105,9 @@ class RouterService(_DisaggAdapter):
         wait = min(2.0, self.probe_interval * 2)
         deadline = deadline_in(wait)
         try:
-            # A little past the probe's own deadline, so a ping's verdict (PeerSilent: the
-            # node is lost) is not pre-empted by this outer bound.
-            async with asyncio.timeout_at(deadline + 0.25):
+            # Well past the probe's own deadline (a ping may take PING_BUDGET after a slow
+            # dial), so a ping's verdict (PeerSilent: the node is lost) is never pre-empted.
+            async with asyncio.timeout_at(deadline + 2.0):
                 await self.probe(address, deadline, fresh)
         except PeerSilent as exc:  # an open connection went silent: the node is lost
             self.feed(self.router.probe_result(address, False, str(exc), self.now(), lost=True))

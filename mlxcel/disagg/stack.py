@@ -8,6 +8,7 @@ cluster port.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterator
@@ -34,6 +35,8 @@ from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.model import LoadedModel, load_model, load_tokenizer_only
+
+PING_BUDGET = 1.0  # at least this long for a probe's ping to be answered
 
 
 @dataclass
@@ -76,7 +79,9 @@ async def router_stack(
             # A round trip on the open connection: an open socket to a partitioned or stopped
             # node says nothing (no reset ever comes); an answer does.
             conn = await pool.get(host, port, deadline)
-            await conn.ping(deadline)
+            # The ping's own budget: a dial that took most of the probe's time says nothing
+            # about whether the node answers.
+            await conn.ping(max(deadline, asyncio.get_running_loop().time() + PING_BUDGET))
 
         core = RouterCore(
             prefill,

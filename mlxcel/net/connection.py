@@ -118,6 +118,7 @@ class SecureConnection:
         self._last_write = asyncio.get_running_loop().time()
         self.heard_at = self._last_write  # when a frame (or part of one) last arrived
         self._waiting: list[asyncio.Future[None]] = []  # pings waiting to hear the peer
+        self._gone = False  # the peer stopped answering: close by abort, not by a flush
         self.id = next(_ids)
         self.closed = False
         self.frames_out = 0
@@ -272,6 +273,7 @@ class SecureConnection:
                     self._waiting.append(heard)
                     await heard
         except DeadlineExceeded:
+            self._gone = True
             self.close()
             waited = loop.time() - sent
             raise PeerSilent(f"no answer to a ping within {waited:.1f}s") from None
@@ -335,6 +337,7 @@ class SecureConnection:
 
     def _read_late(self, why: str) -> None:
         """A read overran its deadline: the read in progress raises :class:`FrameTimeout`."""
+        self._gone = True  # whatever waits in the write buffer will never be read
         self.reader.set_exception(FrameTimeout(why))
 
     async def recv_payload(self) -> bytes | bytearray | memoryview:
@@ -419,9 +422,15 @@ class SecureConnection:
         self._read_deadline.cancel()
         self._stream.close()  # gives back what a half-received message holds of the budget
         try:
-            self.writer.close()
+            if self._gone:
+                # A graceful close would wait to flush to a peer that reads nothing: the
+                # socket (and the reader waiting on it) would linger for TCP's minutes.
+                self.writer.transport.abort()
+            else:
+                self.writer.close()
         except Exception:  # pragma: no cover - closing a broken transport
             pass
+        self.reader.feed_eof()  # the read in progress ends now, not when the socket does
         if not self.done.done():
             self.done.set_result(None)
 

@@ -15,6 +15,8 @@ import secrets
 from collections import Counter
 from typing import Any
 
+from loguru import logger
+
 from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Answer, Deliver, Effect
@@ -148,12 +150,16 @@ class PipelineCoordinator(CoreAdapter):
 
     async def _probe_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._probe(s) for s in self.stages))
+            try:
+                await asyncio.gather(*(self._probe(s) for s in self.stages))
+            except Exception:  # a bug must not end the probing: nothing would clear `down`
+                logger.exception("coordinator: stage probe failed")
             await asyncio.sleep(self.probe_interval)
 
-    async def _probe(self, stage: str) -> None:
+    async def _probe(self, stage: str, judge: bool = True) -> None:
         """Down only when the stage answers nothing for all of PROBE_TIMEOUT: a query that
-        fails early (a connection that just dropped, redialled) is asked again."""
+        fails early (a connection that just dropped, redialled) is asked again. ``judge``
+        False: only refresh what /health shows (stages in this process are never down)."""
         end = self.now() + PROBE_TIMEOUT
         st: State | None = None
         why = ""
@@ -166,7 +172,8 @@ class PipelineCoordinator(CoreAdapter):
         if st is None:
             known = self._last_seen.get(stage, {})
             self._view[stage] = {"address": stage, **known, "error": why}
-            self.feed(self.coord.stage_health(stage, False, why, self.now()))
+            if judge:
+                self.feed(self.coord.stage_health(stage, False, why, self.now()))
             return
         self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
         self._view[stage] = {
@@ -178,7 +185,8 @@ class PipelineCoordinator(CoreAdapter):
             "wire_bytes_out": st.wire_bytes_out,
             "largest_batch": st.largest_batch,
         }
-        self.feed(self.coord.stage_health(stage, True, "", self.now()))
+        if judge:
+            self.feed(self.coord.stage_health(stage, True, "", self.now()))
 
     def redact(self, text: str) -> str:
         """``text`` with every stage address replaced by the stage's name (what an HTTP client
@@ -228,7 +236,7 @@ class PipelineCoordinator(CoreAdapter):
         addresses only when ``verbose``. In one process (nothing probes: no network lies
         between the stages) it asks them now."""
         if not self._probing:
-            await asyncio.gather(*(self._probe(s) for s in self.stages))
+            await asyncio.gather(*(self._probe(s, judge=False) for s in self.stages))
         out = []
         for i, stage in enumerate(self.stages):
             view = dict(

@@ -6,10 +6,11 @@ forever, and a few thousand of them leave nothing for ``/health``. :class:`HttpG
 each connection's protocol:
 
 - a connection must complete a request's header block within ``header_timeout`` of opening,
-  and the next one within ``header_timeout`` of the previous response (an idle keep-alive
-  connection is closed then too; clients reconnect); time spent inside a request -- reading
-  its body, streaming its answer -- is not counted here (the body has its own deadline in
-  the API, the answer the request's own);
+  and the next one within ``header_timeout`` of the previous response (one that sent part of
+  a header is aborted and logged; an idle keep-alive connection is closed politely, and its
+  client reconnects); time spent inside a request -- reading its body, streaming its answer,
+  flushing it to a slow reader -- is not counted here (the body has its own deadline in the
+  API, the answer the request's own);
 - at most ``max_connections`` are open, at most ``max_per_source`` (a quarter of them, by
   default) from one IP; a connection beyond either is closed at once, before aiohttp sees it.
 
@@ -106,6 +107,8 @@ class _Guarded(asyncio.Protocol):
         self.transport: Any = None
         self.source = "?"
         self.busy = 0
+        self.closed = False
+        self.heard = False  # bytes arrived since the last request began (or the connection)
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -133,7 +136,8 @@ class _Guarded(asyncio.Protocol):
 
     def end(self) -> None:
         self.busy -= 1
-        if not self.busy:
+        if not self.busy and not self.closed:
+            self.heard = False  # what arrives from now on is the next request's
             self._arm()
 
     def _arm(self) -> None:
@@ -148,7 +152,13 @@ class _Guarded(asyncio.Protocol):
 
     def _late(self) -> None:
         self._timer = None
-        if self.busy or self.transport is None:
+        if self.busy or self.closed or self.transport is None:
+            return
+        if self.transport.get_write_buffer_size():
+            self._arm()  # still writing its last answer to a slow reader: not idle
+            return
+        if not self.heard:
+            self.transport.close()  # an idle keep-alive connection: closed politely
             return
         g = self.guard
         g.timed_out += 1
@@ -160,6 +170,7 @@ class _Guarded(asyncio.Protocol):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         if self.inner is not None:
             self.inner.data_received(data)
 
@@ -175,6 +186,7 @@ class _Guarded(asyncio.Protocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
         self._cancel()
         if self.transport is not None:
             g = self.guard
