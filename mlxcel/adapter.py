@@ -74,6 +74,10 @@ class CoreAdapter:
         # Roles that speak Bundle (the pipeline) set this: what piled up in one peer's outbox
         # while the reactor was busy goes out as one Bundle.
         self.bundles = False
+        # A role whose sends may expire before the exchange they belong to does (the router:
+        # a prompt's send waits 5 s, its request minutes) sets this: an expired send is then
+        # told to the core as undeliverable (never sent), not only counted.
+        self.report_expired = False
 
     def now(self) -> float:
         return self.loop.time()
@@ -311,7 +315,11 @@ class CoreAdapter:
 
     def _expired(self, send: Send) -> bool:
         if send.deadline is not None and send.deadline <= self.now():
-            self.expired_sends += 1  # its exchange is over: do not hold the line
+            self.expired_sends += 1  # do not hold the line for it
+            if self.report_expired:
+                self._failed(
+                    send, f"not sent before its deadline: the queue for {send.dest} did not move"
+                )
             return True
         return False
 

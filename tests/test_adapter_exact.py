@@ -148,6 +148,26 @@ async def test_a_send_whose_deadline_is_now_is_dropped_unsent_and_counted() -> N
         assert adapter.expired_sends == 2 and ep.now == [("s0", entry(3))]
 
 
+async def test_a_role_that_asks_is_told_of_each_expired_send_as_never_sent() -> None:
+    """The router's prompt send waits 5 s, its request minutes: a prompt that expired in its
+    queue must fail over (or fail) now, not leave its request waiting for minutes."""
+    async with Node("n") as node:
+        ep, core = Endpoint(), Core()
+        ep.gate.clear()  # the first send hangs: what queues behind it expires there
+        adapter = Told(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.excs = []
+        adapter.report_expired = True
+        now = adapter.now()
+        first, late = Send("s0", entry(1)), Send("s0", entry(2), deadline=now + 0.05)
+        adapter.feed([first, late])
+        await until_true(lambda: len(ep.sent) == 1)
+        await asyncio.sleep(0.1)
+        ep.gate.set()  # the line moves again: the late one's deadline has passed
+        why = "not sent before its deadline: the queue for s0 did not move"
+        await until_true(lambda: core.lost_sends == [(late, why)])
+        assert adapter.excs == [None] and adapter.expired_sends == 1 and len(ep.sent) == 1
+
+
 async def test_a_run_of_sends_bundles_up_to_max_bundle_items_and_the_tensor_budget() -> None:
     async with Node("n") as node:
         ep = Endpoint(open_now=True)

@@ -1018,3 +1018,22 @@ def test_a_failed_sampling_evaluation_fails_rows_also_when_the_next_step_starts_
     ]
     out = both(steps)
     assert all(isinstance(o, StepFailed) and o.why.startswith("sampling failed") for o in out)
+
+
+def test_cluster_toml_accepts_the_original_engines_names_and_bounds_peer_timeout(
+    tmp_path: Path,
+) -> None:
+    base = (
+        'pipeline_parallel_size = 1\n[cluster]\n{extra}\n[[nodes]]\nid = "c"\n'
+        'role = "coordinator"\naddress = "127.0.0.1:7000"\n[[nodes]]\nid = "s"\n'
+        'role = "stage"\naddress = "127.0.0.2:7000"\n'
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(base.format(extra="max_reconnect_attempts = 9\npeer_timeout = 1.5"))
+    c = load_cluster_config(path).cluster
+    assert (c.reconnect_attempts, c.peer_timeout) == (9, 1.5)
+    path.write_text(base.format(extra=""))
+    assert load_cluster_config(path).cluster.peer_timeout == 3.0  # the default
+    path.write_text(base.format(extra="peer_timeout = 0.1"))
+    with pytest.raises(ConfigError, match="peer_timeout"):
+        load_cluster_config(path)

@@ -72,6 +72,7 @@ class RouterService(_DisaggAdapter):
         super().__init__(node, endpoint, core, "router")
         self.router = core
         self.probe = probe
+        self.report_expired = True  # a prompt that never left fails over (or fails) at once
         self.probe_interval = probe_interval
         self._local = LocalOutbox(node, "router")
 

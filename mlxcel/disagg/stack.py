@@ -78,7 +78,9 @@ async def router_stack(
                 pool.drop(host, port)  # the handshake must succeed again, with that very node
             # A round trip on the open connection: an open socket to a partitioned or stopped
             # node says nothing (no reset ever comes); an answer does.
-            conn = await pool.get(host, port, deadline)
+            # After a lost connection, a refused dial is the answer (a killed node): two tries,
+            # not the backoff's five over 3 s.
+            conn = await pool.get(host, port, deadline, attempts=2 if fresh else None)
             # The ping's own budget: a dial that took most of the probe's time says nothing
             # about whether the node answers.
             await conn.ping(max(deadline, asyncio.get_running_loop().time() + PING_BUDGET))

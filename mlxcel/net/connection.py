@@ -434,9 +434,14 @@ class SecureConnection:
         if not self.done.done():
             self.done.set_result(None)
 
-    async def wait_closed(self) -> None:
+    async def wait_closed(self, timeout: float = 5.0) -> None:
+        """Close, and wait (at most ``timeout``) until the socket is gone; a peer that does
+        not take the rest of what was written gets its connection aborted then."""
         self.close()
         try:
-            await self.writer.wait_closed()
+            async with asyncio.timeout(timeout):
+                await self.writer.wait_closed()
+        except TimeoutError:
+            self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass

@@ -25,7 +25,16 @@ async def drive(
             out = hs.data_to_send()
             if out:
                 writer.write(out)
-                await writer.drain()
+                try:
+                    # Within the handshake's one deadline, the last message included: a peer
+                    # that stops reading cannot hold this side here.
+                    async with asyncio.timeout_at(hs.deadline):
+                        await writer.drain()
+                except TimeoutError:
+                    hs.handle_timer(loop.time())  # the handshake's own timeout failure
+                    if hs.finished:
+                        break
+                    continue
             if hs.finished:
                 break
             timer = hs.get_timer()

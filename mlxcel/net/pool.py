@@ -131,7 +131,11 @@ class ConnectionPool:
         """Bytes written to the pool's current connections (frames, headers and tags)."""
         return self._bytes_of_closed + sum(c.bytes_out for c in self._conns.values())
 
-    async def get(self, host: str, port: int, deadline: float | None = None) -> SecureConnection:
+    async def get(
+        self, host: str, port: int, deadline: float | None = None, attempts: int | None = None
+    ) -> SecureConnection:
+        """The open connection to ``host:port``, or a new one (``attempts`` dials at most:
+        the backoff's by default; a probe that runs again in a second wants one)."""
         key = (host, port)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
@@ -139,7 +143,7 @@ class ConnectionPool:
                 conn = self._conns.get(key)
                 if conn is not None and not conn.closed:
                     return conn
-                conn = await self.connect(host, port, deadline)
+                conn = await self.connect(host, port, deadline, attempts)
                 self._conns[key] = conn
                 if self.publish:
                     self.node.spawn(self._read(conn, key), name=f"conn:{host}:{port}")
@@ -184,12 +188,13 @@ class ConnectionPool:
                     cb(Identity(conn.peer.host, conn.peer.port).address)
 
     async def connect(
-        self, host: str, port: int, deadline: float | None = None
+        self, host: str, port: int, deadline: float | None = None, attempts: int | None = None
     ) -> SecureConnection:
         """Dial and authenticate, retrying refusals and at-capacity with backoff."""
         target = Identity(host, port).address
         last: Exception | None = None
-        for attempt in range(self.backoff.attempts):
+        attempts = attempts or self.backoff.attempts
+        for attempt in range(attempts):
             self.attempts_made += 1
             try:
                 async with until(deadline, f"connect to {target}"):
@@ -213,12 +218,10 @@ class ConnectionPool:
             except OSError as exc:
                 logger.debug("cluster: connect to {} failed: {}", target, exc)
                 last = exc
-            if attempt + 1 < self.backoff.attempts:
+            if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff.delay(attempt))
         failure = last.failure if isinstance(last, HandshakeError) else None
-        raise ConnectFailed(
-            f"{target}: gave up after {self.backoff.attempts} attempts: {last}", failure
-        )
+        raise ConnectFailed(f"{target}: gave up after {attempts} attempts: {last}", failure)
 
     async def _connect_once(self, host: str, port: int) -> SecureConnection:
         loop = asyncio.get_running_loop()
