@@ -138,3 +138,28 @@ def test_an_idle_keep_alive_connection_is_closed_politely_and_a_partial_header_i
         assert log.count("no complete request header within 1s") == 1, log[-2000:]
     finally:
         server.stop()
+
+
+def test_the_fd_limit_is_raised_and_the_connection_cap_stays_below_it() -> None:
+    import resource
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from mlxcel.server.http_guard import default_max_connections, raise_fd_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))\n"
+        "assert default_max_connections() == 256\n"  # 512 less the 256 kept in reserve
+        "now = raise_fd_limit()\n"
+        "assert now == resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 512, now\n"
+        "assert default_max_connections() == max(64, min(16384, now - 256))\n"
+        "print('ok')\n"
+    )
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        import pytest
+
+        pytest.skip(f"the hard descriptor limit here is {hard}: nothing to raise")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
