@@ -138,3 +138,56 @@ def test_a_pipeline_refuses_at_once_while_a_stage_is_silent_and_serves_after_the
         assert wait_for(lambda: not pipeline_ready(c), DETECT) is not None
         refusal = c.client.complete()
         assert (refusal.status, refusal.retry_after) == (503, True), refusal
+
+
+def test_dials_to_silent_hosts_give_up_at_the_handshake_timeout_and_are_capped() -> None:
+    """200 silent destinations once left 200 dials in SYN-SENT for minutes and held up a real
+    request 13 s: a dial that hears nothing now gives up after the handshake timeout, and at
+    most ``max_dials`` run at once (the rest wait their turn within their deadline)."""
+    import asyncio
+    import threading
+
+    from mlxcel.bench.faults import enter_netns
+    from mlxcel.bench.netns import Hosts
+    from mlxcel.bus import Node
+    from mlxcel.net.pool import Backoff, ConnectionPool
+    from mlxcel.net.secret import ClusterSecret
+    from mlxcel.wire.handshake import Identity
+
+    secret = ClusterSecret(b"netns-dial-tests-cluster-secret-1", "test")
+    out: dict[str, object] = {}
+    with Hosts(2, net=79) as h:
+        h.partition(1)  # host 1 exists on the subnet, but nothing reaches it
+
+        async def dial() -> None:
+            async with Node("dialer") as node:
+                pool = ConnectionPool(
+                    node,
+                    secret,
+                    Identity(h.ip(0), 7000, "d"),
+                    backoff=Backoff(attempts=1),
+                    handshake_timeout=0.5,
+                    max_dials=2,
+                )
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                got = await asyncio.gather(
+                    *(pool.get(h.ip(1), 7000 + i, loop.time() + 10) for i in range(4)),
+                    return_exceptions=True,
+                )
+                out["took"] = loop.time() - t0
+                out["errors"] = [str(e) for e in got]
+                out["waited"] = pool.dials_waited
+
+        def in_host() -> None:
+            enter_netns(h.names[0])
+            asyncio.run(dial())
+
+        t = threading.Thread(target=in_host)
+        t.start()
+        t.join(30)
+    errors = out["errors"]
+    assert isinstance(errors, list) and len(errors) == 4
+    assert all("no answer within 0.5s" in e for e in errors), errors
+    assert out["waited"] == 2  # two dials waited for a slot
+    assert 0.9 <= float(out["took"]) < 3.0, out  # two rounds of 0.5 s, never the kernel's minutes
