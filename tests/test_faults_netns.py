@@ -19,6 +19,7 @@ import pytest
 
 from mlxcel.bench.faults import (
     FaultResult,
+    bringup_cluster,
     disagg_cluster,
     keygen,
     node_healthy,
@@ -28,6 +29,7 @@ from mlxcel.bench.faults import (
     wait_for,
 )
 from mlxcel.bench.netns import unavailable
+from mlxcel.pipeline.cluster_config import load_cluster_config
 
 why = unavailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
@@ -138,6 +140,28 @@ def test_a_pipeline_refuses_at_once_while_a_stage_is_silent_and_serves_after_the
         assert wait_for(lambda: not pipeline_ready(c), DETECT) is not None
         refusal = c.client.complete()
         assert (refusal.status, refusal.retry_after) == (503, True), refusal
+
+
+def test_a_pipeline_brought_up_by_beacons_across_the_bridge_notices_a_silent_stage(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    """``--pp-auto`` discovery on real network stacks (beacons broadcast on the bridge), then
+    the pipeline it brought up loses a stage's cable and gets it back."""
+    with bringup_cluster(tiny, secret, tmp_path) as c:
+        assert c.client.complete().status == 200
+        # Which peer became stage-1 is the coordinator's choice: partition that host.
+        stage1 = load_cluster_config(tmp_path / "cluster.toml").node("stage-1").host
+        host = [c.hosts.ip(i) for i in range(3)].index(stage1)
+        assert host in (1, 2)
+        r = run_fault(
+            c,
+            "silent stage (bring-up)",
+            lambda: c.hosts.partition(host),
+            lambda: c.hosts.heal(host),
+            lambda: not pipeline_ready(c),
+            lambda: pipeline_ready(c),
+        )
+        check_silent(r, refused=True)
 
 
 def test_dials_to_silent_hosts_give_up_at_the_handshake_timeout_and_are_capped() -> None:

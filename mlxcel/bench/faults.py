@@ -324,6 +324,64 @@ def pipeline_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
             cluster.close()
 
 
+@contextmanager
+def bringup_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
+    """Zero-config bring-up across the bridge: two ``--pp-peer`` hosts announce themselves
+    with beacons to the subnet's broadcast address; ``--pp-auto 2`` on host 0 finds them,
+    assigns the stages and serves HTTP on its 127.0.0.1."""
+    with Hosts(3, net=80) as hosts:
+        broadcast = f"10.{hosts.net}.0.255"
+        common = ["-m", str(model), "--cluster-secret-file", str(secret)]
+        beacons = ["--cluster-discovery", "mdns", "--cluster-discovery-target", broadcast]
+        procs: dict[str, NodeProc] = {}
+        try:
+            for i in (1, 2):
+                procs[f"peer-{i}"] = NodeProc(
+                    hosts,
+                    i,
+                    [
+                        *common,
+                        "--pp-peer",
+                        *beacons,
+                        "--cluster-control-addr",
+                        f"{hosts.ip(i)}:19001",
+                        "--cluster-config-out",
+                        str(tmp / f"peer-{i}.toml"),
+                    ],  # fmt: skip
+                    "mlxcel peer waiting",
+                )
+            procs["coordinator"] = NodeProc(
+                hosts,
+                0,
+                [
+                    *common,
+                    "--pp-auto",
+                    "2",
+                    *beacons,
+                    "--cluster-control-addr",
+                    f"{hosts.ip(0)}:19000",
+                    "--cluster-config-out",
+                    str(tmp / "cluster.toml"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(HTTP_PORT),
+                    "--served-model-name",
+                    "m",
+                ],  # fmt: skip
+                "mlxcel serving",
+            )
+            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
+        except BaseException:
+            for p in procs.values():
+                p.stop()
+            raise
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+
 def node_healthy(c: Cluster, node_id: str) -> bool | None:
     status, body = c.client.get("/router/stats")
     for n in body.get("nodes", []):
