@@ -441,6 +441,40 @@ def test_a_node_that_answers_after_its_connection_dropped_restarts_what_had_no_t
     assert r.probe_result(P0, True, "", 4.0) == []  # the suspicion is used up
 
 
+def test_a_stream_whose_node_dropped_a_connection_must_go_on_within_the_grace() -> None:
+    """A partition shorter than detection: the node answers probes again, but the tokens it
+    sent on the connection that dropped are gone. The stream must not wait 30 s for them."""
+    r = router([P0], [D0, D1])
+    (a,) = r.handle(entry("a", max_tokens=8), "local", 0.0)  # P0 + D0
+    (b,) = r.handle(entry("b", max_tokens=8), "local", 0.0)  # P0 + D1
+    for s in (a, b):
+        r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), P0, 0.5)
+        r.handle(
+            TokenResult(s.msg.request_id, 1, (2,), None, s.msg.nonce), s.msg.decode_target, 0.6
+        )
+    assert r.peer_lost(D0, 1.0) == []  # nothing fails at once...
+    assert r.next_timer() == 6.0  # ...but a's stream must go on by 1.0 + 5 s
+    # b (another node) is untouched; a token from D1 changes nothing for a.
+    r.handle(TokenResult(b.msg.request_id, 2, (3,), None, b.msg.nonce), D1, 2.0)
+    # A token lost with the connection: index 3 arrives, 2 never does.
+    r.handle(TokenResult(a.msg.request_id, 3, (4,), None, a.msg.nonce), D0, 2.5)
+    assert r.on_timer(6.0 - 1e-6) == []
+    why = (
+        "decode node decode-0 dropped its connection and sent no token in the 5s since "
+        "(tokens may have been lost with it)"
+    )
+    assert r.on_timer(6.0) == [
+        *failed("a", ErrorCode.NODE_UNREACHABLE, why),
+        cancel(P0, a.msg.request_id, why),
+        cancel(D0, a.msg.request_id, why),
+    ]
+    assert list(r.routes) == ["b"]
+    # A stream that goes on (its next token arrives in order) keeps its usual deadline.
+    r.peer_lost(D1, 7.0)
+    r.handle(TokenResult(b.msg.request_id, 3, (4,), None, b.msg.nonce), D1, 7.5)
+    assert r.routes["b"].quiet_by is None and r.next_timer() == 7.5 + 30.0
+
+
 def test_a_request_restarts_at_most_max_restarts_times() -> None:
     r = router([P0, P1], [D0])
     r.handle(entry("a"), "local", 0.0)

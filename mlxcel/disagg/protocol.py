@@ -35,6 +35,7 @@ MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
 MAX_PARTS = 1024  # decode: messages one handoff may be split into
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
+DROP_GRACE = 5.0  # router: a stream whose decode node dropped a connection must go on within
 MAX_RESTARTS = 2  # router: times a request with no token out yet starts over on other nodes
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.disagg.protocol import (
+    DROP_GRACE,
     HANDOFF_TIMEOUT,
     MAX_EARLY,
     MAX_RESTARTS,
@@ -69,6 +70,9 @@ class Route:
     early: dict[int, TokenResult] = field(default_factory=dict)
     tried: set[str] = field(default_factory=set)
     restarts: int = 0  # times it started over on other nodes after losing one
+    # Its decode node dropped a connection: tokens sent on it may be lost, so the stream must
+    # go on by this time (a live node's next token comes on a new connection at once).
+    quiet_by: float | None = None
 
 
 class RouterCore:
@@ -114,7 +118,9 @@ class RouterCore:
         return [a for a in self._by_role[role] if self.nodes[a].online]
 
     def next_timer(self) -> float | None:
-        return min((r.deadline for r in self.routes.values()), default=None)
+        times = [r.deadline for r in self.routes.values()]
+        times += [r.quiet_by for r in self.routes.values() if r.quiet_by is not None]
+        return min(times, default=None)
 
     # --- inputs -----------------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
@@ -131,6 +137,12 @@ class RouterCore:
 
     def on_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = []
+        for r in [r for r in self.routes.values() if r.quiet_by is not None and r.quiet_by <= now]:
+            why = (
+                f"decode node {self.nodes[r.decode].id} dropped its connection and sent no "
+                f"token in the {DROP_GRACE:g}s since (tokens may have been lost with it)"
+            )
+            out += self._fail(r, ErrorCode.NODE_UNREACHABLE, why, cancel=(r.prefill, r.decode))
         for r in [r for r in self.routes.values() if r.deadline <= now]:
             if r.state is RouteState.PREFILLING:
                 why = (
@@ -183,11 +195,16 @@ class RouterCore:
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         """A connection with ``identity`` dropped. Anyone on that IP holding the secret can
-        open and drop a connection under a node's address, so this alone fails nothing: the
-        adapter probes the node now, and :meth:`probe_result` decides."""
+        open and drop a connection under a node's address, so this alone fails nothing at
+        once: the adapter probes the node now, and :meth:`probe_result` decides. But tokens
+        it sent on that connection may be lost (a short partition), so a stream it decodes
+        must go on within DROP_GRACE, or end with a clear error instead of a 30 s wait."""
         node = self.nodes.get(identity)
         if node is not None:
             node.suspect = True
+            for r in self.routes.values():  # streams on it must go on soon (see Route)
+                if r.decode == identity and r.state is RouteState.DECODING and r.quiet_by is None:
+                    r.quiet_by = now + DROP_GRACE
         return []
 
     def _requests_lost_with(self, node: PeerNode, now: float) -> list[Effect]:
@@ -397,6 +414,7 @@ class RouterCore:
             event = RouteEvent.FINISH
         r.state = ROUTE_TABLE.next(r.state, event)
         r.next_index += 1
+        r.quiet_by = None  # it goes on
         if t.index == 0 and r.prefill_busy:  # the prefill node's part is done
             r.prefill_busy = False
             self.nodes[r.prefill].active -= 1

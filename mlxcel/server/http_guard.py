@@ -32,6 +32,7 @@ from mlxcel.net.ratelimit import WarningLimiter
 
 HEADER_TIMEOUT = 10.0  # seconds to send a complete request header block
 FD_RESERVE = 256  # descriptors kept free for the cluster, models and logs
+BACKLOG = 1024  # accept queue: a burst of connects is queued, not dropped for a SYN retry
 
 
 def raise_fd_limit() -> int:
@@ -214,7 +215,7 @@ class GuardedSite(web.TCPSite):
             self.guard.factory(server),
             self._host,
             self._port,
-            backlog=self._backlog,
+            backlog=max(self._backlog, BACKLOG),
             reuse_address=self._reuse_address,
         )
         sockets = self._server.sockets
