@@ -33,6 +33,7 @@ from mlxcel.net.ratelimit import WarningLimiter
 HEADER_TIMEOUT = 10.0  # seconds to send a complete request header block
 FD_RESERVE = 256  # descriptors kept free for the cluster, models and logs
 BACKLOG = 1024  # accept queue: a burst of connects is queued, not dropped for a SYN retry
+SLOW_READ_WAITS = 6  # header timeouts a client may take to read an answer, then it is cut
 
 
 def raise_fd_limit() -> int:
@@ -110,6 +111,7 @@ class _Guarded(asyncio.Protocol):
         self.busy = 0
         self.closed = False
         self.heard = False  # bytes arrived since the last request began (or the connection)
+        self.read_waits = 0  # header timeouts spent waiting for it to read its last answer
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -133,6 +135,7 @@ class _Guarded(asyncio.Protocol):
 
     def begin(self) -> None:
         self.busy += 1
+        self.read_waits = 0
         self._cancel()
 
     def end(self) -> None:
@@ -155,8 +158,9 @@ class _Guarded(asyncio.Protocol):
         self._timer = None
         if self.busy or self.closed or self.transport is None:
             return
-        if self.transport.get_write_buffer_size():
-            self._arm()  # still writing its last answer to a slow reader: not idle
+        if self.transport.get_write_buffer_size() and self.read_waits < SLOW_READ_WAITS:
+            self.read_waits += 1
+            self._arm()  # still writing its last answer to a slow reader: not idle (a while)
             return
         if not self.heard:
             self.transport.close()  # an idle keep-alive connection: closed politely
