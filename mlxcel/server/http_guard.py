@@ -162,7 +162,7 @@ class _Guarded(asyncio.Protocol):
             self.read_waits += 1
             self._arm()  # still writing its last answer to a slow reader: not idle (a while)
             return
-        if not self.heard:
+        if not self.heard and not self.transport.get_write_buffer_size():
             self.transport.close()  # an idle keep-alive connection: closed politely
             return
         g = self.guard
@@ -170,7 +170,8 @@ class _Guarded(asyncio.Protocol):
         g.limiter.warn(
             "http-slow",
             f"http: closed a connection from {self.source}: no complete request header "
-            f"within {g.header_timeout:g}s",
+            f"within {g.header_timeout:g}s"
+            + (", nor its last answer read" if self.transport.get_write_buffer_size() else ""),
         )
         self.transport.abort()
 
