@@ -49,6 +49,7 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 # it for that address (a restarted node comes back at the same one). A send with a deadline
 # of its own (a handoff: its lease) uses that instead.
 SEND_BUDGET = 5.0
+STARTUP_SETTLE = 5.0  # seconds the router waits for its other nodes once one of each answers
 
 
 class _DisaggAdapter(CoreAdapter):
@@ -124,7 +125,8 @@ class RouterService(_DisaggAdapter):
             await asyncio.sleep(self.probe_interval)
 
     async def wait_ready(self, timeout: float) -> None:
-        """Until one prefill and one decode node answer (or ``timeout``: raise, naming them)."""
+        """Until one prefill and one decode node answer (or ``timeout``: raise, naming them),
+        then up to STARTUP_SETTLE more for the other nodes."""
         deadline = self.now() + timeout
         while not (self.router.online("prefill") and self.router.online("decode")):
             if self.now() >= deadline:
@@ -137,6 +139,11 @@ class RouterService(_DisaggAdapter):
                     f"router: no prefill and decode node online within {timeout:g}s "
                     f"(--startup-timeout): {'; '.join(down)}"
                 )
+            await asyncio.sleep(0.1)
+        # The rest get a few seconds more (a node still busy starting misses its first
+        # probe): serving before they answer would send all the first requests to one node.
+        settle = min(deadline, self.now() + STARTUP_SETTLE)
+        while any(not n.online for n in self.router.nodes.values()) and self.now() < settle:
             await asyncio.sleep(0.1)
 
     def stats(self, verbose: bool) -> dict[str, Any]:
