@@ -91,8 +91,7 @@ class CoordinatorCore:
         self.stages = list(stages)
         self._stage_set = frozenset(stages)
         self._heard: dict[str, float] = {}  # stage -> when it last sent us anything
-        # Stages the adapter's probe found unreachable, and why: no request is admitted while
-        # any is (it would only wait out a deadline); cleared when the stage answers again.
+        # Stages the probe found unreachable, and why: nothing is admitted while any is.
         self.down: dict[str, str] = {}
         self.eos = eos
         self.vocab = vocab
@@ -201,8 +200,7 @@ class CoordinatorCore:
         in the stages fails now (and every query to that stage)."""
         out: list[Effect] = []
         if identity in self.stages:
-            # Not down yet: a reconnect may well work (the adapter probes at once and
-            # ``stage_health`` decides).
+            # Not down yet: a reconnect may work (the probe that follows decides).
             self._lose(identity, f"lost the connection to stage {identity}", now, out, None)
         return out
 
@@ -281,11 +279,14 @@ class CoordinatorCore:
     # --- the local side -----------------------------------------------------------------------
     def _on_entry(self, m: RunEntry, now: float, out: list[Effect]) -> None:
         rid = m.request_id
-        refused = admission_problem(m, rid in self.reqs, self.down, self.vocab, self.max_len)
+        if rid and rid in self.reqs:  # refused, not counted: that id's request runs on
+            why = "request id already running"
+            out.append(Deliver(Error(ErrorCode.BAD_REQUEST, why, rid, m.nonce)))
+            return
+        refused = admission_problem(m, self.down, self.vocab, self.max_len)
         if refused is not None:
-            code, text = refused
-            self.failed += text != "request id already running"  # (that one is not counted)
-            out.append(Deliver(Error(code, text, rid, m.nonce)))
+            self.failed += 1
+            out.append(Deliver(Error(*refused, rid, m.nonce)))
             return
         # As mlx-lm's batch generator does: every prompt token but the last fills caches in
         # chunks; the last one runs as the first decode step. Same shapes, same numerics.

@@ -166,14 +166,12 @@ def result_problem(
 
 
 def admission_problem(
-    m: RunEntry, running: bool, down: dict[str, str], vocab: int, max_len: int
+    m: RunEntry, down: dict[str, str], vocab: int, max_len: int
 ) -> tuple[str, str] | None:
     """(error code, why) a local RunEntry is refused at once, or None: a bad entry; or, while
     a stage is ``down``, any entry (it could only wait out a deadline; the client may retry)."""
     if not m.request_id:
         return ErrorCode.BAD_REQUEST, "empty request id"
-    if running:
-        return ErrorCode.BAD_REQUEST, "request id already running"
     problem = entry_problem(m, vocab, max_len)
     if problem is not None:
         return ErrorCode.BAD_REQUEST, problem
