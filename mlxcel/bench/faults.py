@@ -70,55 +70,53 @@ class Cluster:
             p.stop()
 
 
+# The HTTP side of the node that serves it, on its host's 127.0.0.1.
+SERVE_HTTP = ["--host", "127.0.0.1", "--port", str(HTTP_PORT), "--served-model-name", "m"]
+# (name, host, serve arguments, the log line that says it is ready), in start order.
+Start = tuple[str, int, list[str], str]
+
+
+@contextmanager
+def running(hosts: Hosts, starts: list[Start]) -> Iterator[Cluster]:
+    """Start each node in order (the HTTP one last, on host 0); stop them all at the end, or
+    at once if one fails to start."""
+    procs: dict[str, NodeProc] = {}
+    try:
+        for name, host, args, ready in starts:
+            procs[name] = NodeProc(hosts, host, args, ready)
+        cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
+    except BaseException:
+        for p in procs.values():
+            p.stop()
+        raise
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
 @contextmanager
 def disagg_cluster(model: Path, secret: Path, n_decode: int = 2) -> Iterator[Cluster]:
     """Router on host 0 (HTTP on its 127.0.0.1), one prefill on host 1, decode nodes after."""
     with Hosts(2 + n_decode, net=77) as hosts:
         addr = [f"{hosts.ip(i)}:{CLUSTER_PORT}" for i in range(hosts.n)]
-        procs: dict[str, NodeProc] = {}
         common = ["-m", str(model), "--cluster-secret-file", str(secret)]
-        try:
-            for i, role in [(1, "prefill"), *((2 + d, "decode") for d in range(n_decode))]:
-                name = role if role == "prefill" else f"decode-{i - 2}"
-                procs[name] = NodeProc(
-                    hosts,
-                    i,
-                    [*common, "--node-role", role, "--serving-bind", addr[i]],
-                    f"mlxcel {role} node",
-                )
-            procs["router"] = NodeProc(
-                hosts,
-                0,
-                [
-                    *common,
-                    "--node-role",
-                    "router",
-                    "--serving-bind",
-                    addr[0],
-                    "--prefill-peers",
-                    addr[1],
-                    "--decode-peers",
-                    ",".join(addr[2:]),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(HTTP_PORT),
-                    "--served-model-name",
-                    "m",
-                    "--parallel",
-                    "64",
-                ],  # fmt: skip
-                "mlxcel serving",
+
+        def worker(name: str, i: int, role: str) -> Start:
+            return (
+                name,
+                i,
+                [*common, "--node-role", role, "--serving-bind", addr[i]],
+                f"mlxcel {role} node",
             )
-            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
-        except BaseException:
-            for p in procs.values():
-                p.stop()
-            raise
-        try:
+
+        router = [*common, "--node-role", "router", "--serving-bind", addr[0],
+                  "--prefill-peers", addr[1], "--decode-peers", ",".join(addr[2:]),
+                  *SERVE_HTTP, "--parallel", "64"]  # fmt: skip
+        starts = [worker("prefill", 1, "prefill")]
+        starts += [worker(f"decode-{d}", 2 + d, "decode") for d in range(n_decode)]
+        with running(hosts, [*starts, ("router", 0, router, "mlxcel serving")]) as cluster:
             yield cluster
-        finally:
-            cluster.close()
 
 
 @contextmanager
@@ -142,37 +140,13 @@ def pipeline_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
         cfg = tmp / "faults-cluster.toml"
         cfg.write_text("\n".join(lines) + "\n")
         common = ["-m", str(model), "--distributed-config", str(cfg)]
-        procs: dict[str, NodeProc] = {}
-        try:
-            for s in range(2):
-                procs[f"stage-{s}"] = NodeProc(
-                    hosts, s + 1, [*common, "--node-id", f"stage-{s}"], "mlxcel stage"
-                )
-            procs["coordinator"] = NodeProc(
-                hosts,
-                0,
-                [
-                    *common,
-                    "--node-id",
-                    "coordinator",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(HTTP_PORT),
-                    "--served-model-name",
-                    "m",
-                ],  # fmt: skip
-                "mlxcel serving",
-            )
-            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
-        except BaseException:
-            for p in procs.values():
-                p.stop()
-            raise
-        try:
-            yield cluster
-        finally:
-            cluster.close()
+        starts: list[Start] = [
+            (f"stage-{s}", s + 1, [*common, "--node-id", f"stage-{s}"], "mlxcel stage")
+            for s in range(2)
+        ]
+        coordinator = [*common, "--node-id", "coordinator", *SERVE_HTTP]
+        with running(hosts, [*starts, ("coordinator", 0, coordinator, "mlxcel serving")]) as c:
+            yield c
 
 
 @contextmanager
@@ -181,56 +155,31 @@ def bringup_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
     with beacons to the subnet's broadcast address; ``--pp-auto 2`` on host 0 finds them,
     assigns the stages and serves HTTP on its 127.0.0.1."""
     with Hosts(3, net=80) as hosts:
-        broadcast = f"10.{hosts.net}.0.255"
         common = ["-m", str(model), "--cluster-secret-file", str(secret)]
-        beacons = ["--cluster-discovery", "mdns", "--cluster-discovery-target", broadcast]
-        procs: dict[str, NodeProc] = {}
-        try:
-            for i in (1, 2):
-                procs[f"peer-{i}"] = NodeProc(
-                    hosts,
-                    i,
-                    [
-                        *common,
-                        "--pp-peer",
-                        *beacons,
-                        "--cluster-control-addr",
-                        f"{hosts.ip(i)}:19001",
-                        "--cluster-config-out",
-                        str(tmp / f"peer-{i}.toml"),
-                    ],  # fmt: skip
-                    "mlxcel peer waiting",
-                )
-            procs["coordinator"] = NodeProc(
-                hosts,
-                0,
+        beacons = ["--cluster-discovery", "mdns",
+                   "--cluster-discovery-target", f"10.{hosts.net}.0.255"]  # fmt: skip
+        starts: list[Start] = [
+            (
+                f"peer-{i}",
+                i,
                 [
                     *common,
-                    "--pp-auto",
-                    "2",
+                    "--pp-peer",
                     *beacons,
                     "--cluster-control-addr",
-                    f"{hosts.ip(0)}:19000",
+                    f"{hosts.ip(i)}:19001",
                     "--cluster-config-out",
-                    str(tmp / "cluster.toml"),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(HTTP_PORT),
-                    "--served-model-name",
-                    "m",
-                ],  # fmt: skip
-                "mlxcel serving",
+                    str(tmp / f"peer-{i}.toml"),
+                ],
+                "mlxcel peer waiting",
             )
-            cluster = Cluster(hosts, procs, Client(hosts, 0, f"http://127.0.0.1:{HTTP_PORT}"))
-        except BaseException:
-            for p in procs.values():
-                p.stop()
-            raise
-        try:
-            yield cluster
-        finally:
-            cluster.close()
+            for i in (1, 2)
+        ]
+        coordinator = [*common, "--pp-auto", "2", *beacons,
+                       "--cluster-control-addr", f"{hosts.ip(0)}:19000",
+                       "--cluster-config-out", str(tmp / "cluster.toml"), *SERVE_HTTP]  # fmt: skip
+        with running(hosts, [*starts, ("coordinator", 0, coordinator, "mlxcel serving")]) as c:
+            yield c
 
 
 def node_healthy(c: Cluster, node_id: str) -> bool | None:
