@@ -66,6 +66,7 @@ class _ClusterNodeSpec:
     secret: Any
     return_logits: bool = False
     interface: str | None = None
+    trust_weights: bool = False  # skip the weight digest (see mlxcel.bringup.identity)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             prefill_chunk=g.prefill_step_size,
             micro_batch_size=spec.micro_batch_size,
             max_batch_size=g.max_batch_size,
+            trust_weights=spec.trust_weights,
             **limits,
         ) as rc:
             from mlxcel.disagg.service import stats_verbose
@@ -249,6 +251,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             max_batch=g.max_batch_size,
             prefill_chunk=g.prefill_step_size,
             interface=spec.interface,
+            trust_weights=spec.trust_weights,
         ) as (service, listener, layers):
             yield Assembled(
                 Serving(service.node, listener=listener, done=service.stopped),

@@ -263,6 +263,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
     cluster_interface: str | None = Field(
         None, description="bind and connect cluster traffic through this interface"
     )
+    trust_weights: bool = Field(
+        False,
+        description="skip hashing the weight files: this host's copy is vouched to match the "
+        "other nodes' (their shapes are still compared)",
+    )
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
     parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")

@@ -207,6 +207,10 @@ class State(Message):
     eval_us: int = 0
     copy_us: int = 0
     jobs: int = 0
+    # The node's model identity (mlxcel.bringup.identity): its shape and its weight digest
+    # ("": not computed -- the operator trusts the copies).
+    model: str = ""
+    weights: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +291,7 @@ class AssignOffer(Message):
     node_id: str
     coordinator: str  # the coordinator's control address (stages reply there)
     cluster_toml: str
+    weights: str = ""  # the coordinator's weight digest ("": not computed, not compared)
 
 
 @dataclass(frozen=True, slots=True)

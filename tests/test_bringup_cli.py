@@ -268,18 +268,32 @@ def test_a_peer_with_another_secret_fails_the_bring_up_and_starts_nothing(
     assert not (tmp_path / "good" / ".mlxcel").exists()
 
 
-def test_a_peer_with_another_checkpoint_is_refused_and_ends(
-    tiny: Path, secret: Path, tmp_path: Path
-) -> None:
+def other_checkpoint(tiny: Path, where: Path, differs: str) -> Path:
+    """Another checkpoint of ``tiny``'s shape: another config (its RoPE base), or the same
+    config, file names and sizes with other weights (another seed)."""
     import json
     import shutil
 
-    # Another checkpoint of the same shape: a different config (here its RoPE base).
-    other = tmp_path / "other-model"
-    shutil.copytree(tiny, other)
-    cfg = json.loads((other / "config.json").read_text())
+    from mlxcel.runtime.checkpoint import write_checkpoint
+
+    if differs == "weights":
+        other = write_checkpoint(where, "tiny", "qwen3", seed=7)
+        for f in tiny.glob("*.safetensors"):
+            assert (other / f.name).stat().st_size == f.stat().st_size
+        assert (other / "config.json").read_bytes() == (tiny / "config.json").read_bytes()
+        return other
+    shutil.copytree(tiny, where)
+    cfg = json.loads((where / "config.json").read_text())
     cfg["rope_theta"] = float(cfg.get("rope_theta", 10000.0)) * 2
-    (other / "config.json").write_text(json.dumps(cfg))
+    (where / "config.json").write_text(json.dumps(cfg))
+    return where
+
+
+@pytest.mark.parametrize("differs", ["config", "weights"])
+def test_a_peer_with_another_checkpoint_is_refused_and_ends(
+    tiny: Path, secret: Path, tmp_path: Path, differs: str
+) -> None:
+    other = other_checkpoint(tiny, tmp_path / "other-model", differs)
     good, odd = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3))
     p_good = peer(tiny, secret, tmp_path / "good", "--cluster-control-addr", good)
     p_odd = peer(other, secret, tmp_path / "odd", "--cluster-control-addr", odd)
@@ -300,6 +314,13 @@ def test_a_peer_with_another_checkpoint_is_refused_and_ends(
         assert "stage assignment refused: model identity mismatch" in p_odd.text
         assert coord.finish() == 1
         assert "model identity mismatch" in coord.text and "stage-1" in coord.text
+        if differs == "weights":  # both digests named, on both sides
+            from mlxcel.bringup.identity import model_identity
+
+            ours, theirs = model_identity(tiny).weights, model_identity(other).weights
+            assert ours != theirs
+            for text in (p_odd.text, coord.text):
+                assert f"weights have digest {ours[:16]}, this node's {theirs[:16]}" in text
         assert p_good.p.poll() is None  # back to waiting, not gone
     finally:
         p_good.stop()

@@ -37,7 +37,7 @@ from mlxcel.pipeline.partition import LayerCosts, PartitionError
 
 # 8 layers of equal cost in 3 stages: (0, 3), (3, 6), (6, 8).
 COSTS = LayerCosts((100,) * 8, 50, 50, 0)
-MODEL = ModelIdentity("ab" * 32, 8)
+MODEL = ModelIdentity("ab" * 32, 8, "cd" * 32)
 VERSION = "1.2.3"  # the peer's and the coordinator's mlxcel version (not the package's own)
 COORD = "127.0.0.1:19000"
 ME = "127.0.0.2:19001"
@@ -114,6 +114,7 @@ def offer(**kw: object) -> AssignOffer:
         node_id="stage-0",
         coordinator=COORD,
         cluster_toml=TOML,
+        weights=MODEL.weights,
     )
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
@@ -425,6 +426,16 @@ BAD_SCHEMA = 'name = "x"\n[[nodes]]\nid = "c"\nrole = "coordinator"\naddress = "
             "model identity mismatch: the coordinator's checkpoint is abababababab (9 layers), "
             "this peer's abababababab (8 layers): the same model folder on every host?",
             id="model-layers",
+        ),
+        pytest.param(
+            {"weights": "ef" * 32},
+            COORD,
+            Refusal.MODEL,
+            "model identity mismatch: model weights differ: the coordinator's weights have "
+            "digest efefefefefefefef, this node's cdcdcdcdcdcdcdcd (same config and file sizes, "
+            "other values: copy the same checkpoint to every host; --trust-weights skips this "
+            "check)",
+            id="model-weights",
         ),
         # the stage index at its edges: n_stages is one past the last stage, -1 before the first
         pytest.param(

@@ -285,6 +285,43 @@ def test_stage_with_another_secret_fails_the_coordinator_at_startup(
         s1.stop()
 
 
+def test_a_stage_with_other_weights_of_the_same_shape_fails_the_coordinator_at_startup(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    """Same config, file names and sizes, other values (another seed): refused with both
+    weight digests named; a stage started with --trust-weights is not compared."""
+    from mlxcel.bringup.identity import model_identity
+    from mlxcel.runtime.checkpoint import write_checkpoint
+
+    other = write_checkpoint(tmp_path / "seed7", "tiny", "qwen3", seed=7)
+    ours, theirs = model_identity(tiny).weights, model_identity(other).weights
+    assert ours != theirs
+    cfg, _ = write_cluster(secret.parent, 2, secret)
+    s0 = start_stage(tiny, cfg, 0)
+    s1 = start_stage(other, cfg, 1)
+    try:
+        argv = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny),
+                "--distributed-config", str(cfg), "--node-id", "coordinator"]  # fmt: skip
+        r = subprocess.run(
+            [*argv, "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert r.returncode == 1
+        assert f"stage stage-1's weights have digest {theirs[:16]}" in r.stderr
+        assert f"this node's {ours[:16]}" in r.stderr
+        s1.stop()
+        s1 = start_stage(other, cfg, 1, "--trust-weights")
+        c = start_coordinator(tiny, cfg, free_port())
+        c.stop()
+        assert "stage stage-1: weights not compared" in "".join(c.lines)
+    finally:
+        s0.stop()
+        s1.stop()
+
+
 def test_missing_secret_is_refused_naming_every_source(tiny: Path, tmp_path: Path) -> None:
     cfg, _ = write_cluster(tmp_path, 2, tmp_path / "absent.secret")
     cfg.write_text(cfg.read_text().replace('secret_file = "absent.secret"\n', ""))

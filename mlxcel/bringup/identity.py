@@ -1,25 +1,46 @@
-"""What "the same model" means between a coordinator and its peers.
+"""What "the same model" means between nodes of one cluster.
 
-A SHA-256 over config.json's own SHA-256, the name and size of every ``*.safetensors`` file,
-and the layer count. It does not read the weights themselves (tens of gigabytes on the models
-that need a pipeline): the same config and the same file sizes name the same checkpoint for
-every practical purpose, and a peer with another checkpoint is refused before any stage runs.
+Two parts, compared separately so that a mismatch says which one differs:
+
+- the *shape*: a SHA-256 over config.json's own SHA-256, the name and size of every
+  ``*.safetensors`` file, and the layer count (cheap: no weight is read);
+- the *weights*: a SHA-256 over the content digest of every ``*.safetensors`` file. Two
+  copies of one architecture with other values (another fine-tune, another seed) have the
+  same shape and different weights, and would serve wrong text without it.
+
+Hashing reads every byte once (about 1-2 s per GB on one core; files are hashed in parallel),
+so each file's digest is cached under ``$MLXCEL_HOME/weight-digests.json``, keyed by its
+resolved path, size and modification time: a restart rehashes nothing, and a file rewritten in
+place is hashed again. An operator who knows every copy matches may skip the weights
+(``--trust-weights``); the digest is then empty and not compared.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from loguru import logger
+
 from mlxcel.errors import ModelLoadError
+
+CHUNK = 8 << 20  # bytes read per update: large enough that hashlib releases the GIL
+CACHE_NAME = "weight-digests.json"
+MAX_CACHED = 4096  # cache entries kept (the newest); a cache is never a growing log
 
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    sha256: str
+    sha256: str  # the shape: config.json, weight file names and sizes, layer count
     n_layers: int
+    weights: str = ""  # content digest of the weight files; "" when not computed (trusted)
 
     @property
     def short(self) -> str:
@@ -32,18 +53,140 @@ def n_layers_of(config: dict[str, object]) -> int:
     return int(source["num_hidden_layers"])  # type: ignore[call-overload]
 
 
-def model_identity(path: Path) -> ModelIdentity:
-    """Hash ``path``'s identity (reads config.json and file sizes only: run it off the reactor
-    anyway, a network filesystem can be slow)."""
+def weights_mismatch(theirs: str, ours: str, whose: str) -> str | None:
+    """Why two weight digests do not name the same weights (None: they do, or one side did
+    not compute its digest and so vouches for its copy)."""
+    if not theirs or not ours or theirs == ours:
+        return None
+    return (
+        f"model weights differ: {whose} weights have digest {theirs[:16]}, this node's "
+        f"{ours[:16]} (same config and file sizes, other values: copy the same checkpoint to "
+        "every host; --trust-weights skips this check)"
+    )
+
+
+def model_identity(path: Path, weights: bool = True, cache: Path | None = None) -> ModelIdentity:
+    """``path``'s identity; with ``weights``, its weight digest too (reads every weight file
+    not in the cache: run it off the reactor)."""
     try:
         raw = (path / "config.json").read_bytes()
         n_layers = n_layers_of(json.loads(raw))
-        files = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
+        files = sorted(path.glob("*.safetensors"))
+        sized = [(f.name, f.stat().st_size) for f in files]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{path}: cannot read the model identity: {exc}") from None
     h = hashlib.sha256()
     h.update(b"config.json\0" + hashlib.sha256(raw).digest())
-    for name, size in files:
+    for name, size in sized:
         h.update(f"{name}\0{size}\0".encode())
     h.update(f"layers\0{n_layers}".encode())
-    return ModelIdentity(h.hexdigest(), n_layers)
+    digest = weights_digest(files, cache) if weights and files else ""
+    return ModelIdentity(h.hexdigest(), n_layers, digest)
+
+
+def default_cache() -> Path:
+    from mlxcel.home import home
+
+    return home() / CACHE_NAME
+
+
+def weights_digest(files: list[Path], cache: Path | None = None) -> str:
+    """One SHA-256 over every file's content digest (by name, in name order)."""
+    cache = cache or default_cache()
+    known = _load(cache)
+    keys = {f: _key(f) for f in files}
+    todo = [f for f in files if known.get(keys[f][0], {}).get("stat") != keys[f][1]]
+    if todo:
+        digests = _hash_files(todo)
+        for f, d in digests.items():
+            path, stat = keys[f]
+            known.pop(path, None)  # re-inserted last: the newest entries survive trimming
+            known[path] = {"stat": stat, "sha256": d}
+        _store(cache, known)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{known[keys[f][0]]['sha256']}\n".encode())
+    return h.hexdigest()
+
+
+def _key(f: Path) -> tuple[str, list[int]]:
+    try:
+        st = f.stat()
+        return str(f.resolve()), [st.st_size, st.st_mtime_ns]
+    except OSError as exc:
+        raise ModelLoadError(f"{f}: cannot read the weights: {exc}") from None
+
+
+def _hash_files(files: list[Path]) -> dict[Path, str]:
+    total = sum(f.stat().st_size for f in files)
+    report = _reporter(total, f"hashing {len(files)} weight file(s), {total / 1e9:.2f} GB")
+    started = time.monotonic()
+
+    def one(f: Path) -> str:
+        h = hashlib.sha256()
+        try:
+            with f.open("rb") as fh:
+                while chunk := fh.read(CHUNK):
+                    h.update(chunk)
+                    report(len(chunk))
+        except OSError as exc:
+            raise ModelLoadError(f"{f}: cannot read the weights: {exc}") from None
+        return h.hexdigest()
+
+    workers = max(1, min(len(files), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(workers, thread_name_prefix="weight-digest") as ex:
+        out = dict(zip(files, ex.map(one, files), strict=True))
+    report(0, done=True)
+    took = time.monotonic() - started
+    if took > 1.0:
+        logger.info(
+            "weights hashed in {:.1f} s ({:.2f} s per GB); cached until the files change",
+            took,
+            took / max(total / 1e9, 1e-9),
+        )
+    return out
+
+
+def _reporter(total: int, desc: str) -> Callable[..., None]:
+    """Progress for a hash that takes over a second: a bar at a terminal, else a log line
+    every 10 s."""
+    from mlxcel.progress import DELAY, bars_wanted
+
+    if bars_wanted():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=DELAY, file=sys.stderr)
+
+        def tick(n: int, done: bool = False) -> None:
+            bar.update(n) if not done else bar.close()
+
+        return tick
+    state = {"seen": 0, "next": time.monotonic() + DELAY}
+
+    def line(n: int, done: bool = False) -> None:
+        state["seen"] += n
+        now = time.monotonic()
+        if not done and now >= state["next"]:
+            state["next"] = now + 10.0
+            logger.info("{}: {:.0%}", desc, state["seen"] / max(total, 1))
+
+    return line
+
+
+def _load(cache: Path) -> dict[str, dict[str, object]]:
+    try:
+        data = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or damaged: everything is hashed again
+    return data if isinstance(data, dict) else {}
+
+
+def _store(cache: Path, known: dict[str, dict[str, object]]) -> None:
+    items = list(known.items())[-MAX_CACHED:]
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(items)))
+        os.replace(tmp, cache)
+    except OSError as exc:  # a read-only home: hash again next time, still correct
+        logger.debug("weight digests not cached at {}: {}", cache, exc)

@@ -121,8 +121,8 @@ def control_address(explicit: str | None, http_host: str, discovery: Discovery) 
     return f"{route_ip(towards.strip('[]'))}:{CONTROL_PORT}"
 
 
-async def _model_facts(path: Path) -> tuple[ModelIdentity, LayerCosts]:
-    ident = await asyncio.to_thread(model_identity, path)
+async def _model_facts(path: Path, trust_weights: bool) -> tuple[ModelIdentity, LayerCosts]:
+    ident = await asyncio.to_thread(model_identity, path, not trust_weights)
     costs = await asyncio.to_thread(layer_costs, path, ident.n_layers)
     return ident, costs
 
@@ -137,10 +137,11 @@ async def push_assignments(
     cluster_name: str = "mlxcel-cluster",
     secret_file: str | None = None,
     dry_run: bool = False,
+    trust_weights: bool = False,
 ) -> BringupPlan:
     """Resolve ``n_peers`` peers, plan, and (unless ``dry_run``) push every stage. Returns the
     plan once every peer activated; raises :class:`BringupFailed` naming what went wrong."""
-    ident, costs = await _model_facts(model)
+    ident, costs = await _model_facts(model, trust_weights)
     host, port = split_hostport(control)
     cfg = PushConfig(
         attempt=secrets.randbits(63),
@@ -208,10 +209,11 @@ async def await_assignment(
     discovery: Discovery,
     *,
     cluster_name: str = "mlxcel-cluster",
+    trust_weights: bool = False,
 ) -> Received:
     """Listen for an assignment until one is activated; raise :class:`AssignmentRefused` when
     the peer must end (an offer it can never accept, or none within 600 s)."""
-    ident, costs = await _model_facts(model)
+    ident, costs = await _model_facts(model, trust_weights)
     host, port = split_hostport(listen) if listen else ("0.0.0.0", 0)
     async with Node("bringup-peer") as node:
         listener = ClusterListener(

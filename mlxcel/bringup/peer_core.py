@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from mlxcel.bringup.identity import ModelIdentity
+from mlxcel.bringup.identity import ModelIdentity, weights_mismatch
 from mlxcel.bringup.protocol import (
     ASSIGNMENT_WAIT,
     BEACON_EVERY,
@@ -252,6 +252,9 @@ class PeerCore:
                 f"is {o.model_sha256[:12]} ({o.n_layers} layers), this peer's "
                 f"{f.model.short}: the same model folder on every host?",
             )
+        differ = weights_mismatch(o.weights, f.model.weights, "the coordinator's")
+        if differ is not None:
+            raise OfferRefused(Refusal.MODEL, f"{Refusal.MODEL}: {differ}")
         if not 0 <= o.stage < o.n_stages or len(o.layers) != 2:
             raise OfferRefused(
                 Refusal.LAYER_RANGE,

@@ -287,6 +287,7 @@ class PushCore:
             st.node_id,
             c.coordinator,
             self.plan.body(),
+            c.model.weights,
         )
 
     def _advance(self, now: float) -> list[Effect]:

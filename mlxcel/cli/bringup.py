@@ -56,7 +56,12 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         # within a second, and did, under load, with SIGABRT).
         _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
         got = await await_assignment(
-            path, secret, s.cluster_control_addr, discovery, cluster_name=s.cluster_name
+            path,
+            secret,
+            s.cluster_control_addr,
+            discovery,
+            cluster_name=s.cluster_name,
+            trust_weights=s.trust_weights,
         )
         out = s.cluster_config_out or Path(f".mlxcel/cluster-{got.node_id}.toml")
         write_config(out, got.text)
@@ -77,6 +82,7 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         cluster_name=s.cluster_name,
         secret_file=_secret_file(s),
         dry_run=s.dry_run,
+        trust_weights=s.trust_weights,
     )
     out = s.cluster_config_out or COORDINATOR_OUT
     text = plan.coordinator_file(f"serve --pp-auto {s.pp_auto}")

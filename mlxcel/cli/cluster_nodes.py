@@ -21,7 +21,9 @@ def cluster_node_spec(
         cluster = cfg.cluster.model_copy(update={"peer_timeout": s.peer_timeout})
         cfg = cfg.model_copy(update={"cluster": cluster})
     if me.role == "stage":
-        return StageSpec(cfg, me, path, secret, s.pp_return_logits, s.cluster_interface)
+        return StageSpec(
+            cfg, me, path, secret, s.pp_return_logits, s.cluster_interface, s.trust_weights
+        )
     return CoordinatorSpec(
         cfg,
         me,
@@ -29,6 +31,7 @@ def cluster_node_spec(
         secret,
         s.pp_return_logits,
         s.cluster_interface,
+        s.trust_weights,
         s.startup_timeout,
         s.pp_micro_batch_size,
     )

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from loguru import logger
 
+from mlxcel.bringup.identity import ModelIdentity, model_identity, weights_mismatch
 from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.frontend import Frontend
+from mlxcel.messages import State
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
@@ -104,6 +106,7 @@ async def stage_node(
     max_batch: int = 8,
     prefill_chunk: int = 512,
     interface: str | None = None,
+    trust_weights: bool = False,
 ) -> AsyncIterator[tuple[StageService, ClusterListener, str]]:
     """A stage node of ``cfg``, warmed up: its service, its (not yet bound) cluster listener,
     and its layer range as text. Bind the listener (a NodeRunner site) to start serving."""
@@ -111,6 +114,7 @@ async def stage_node(
     index = [s.id for s in stages].index(me.id)
     compute = ComputeThread()
     try:
+        ident = await asyncio.to_thread(model_identity, model_path, not trust_weights)
         loaded = await compute.run(load_model, model_path, True)
         stage_plan = cluster_plan(cfg, model_path, loaded.n_layers)[index]
         async with Node(me.id) as node:
@@ -134,6 +138,8 @@ async def stage_node(
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
                     progress_interval=keep_alive_interval(cfg.cluster.step_timeout, len(stages)),
+                    model=ident.sha256,
+                    weights=ident.weights,
                 ),
             )
             service.attach()
@@ -168,8 +174,10 @@ async def remote_coordinator(
     prefill_chunk: int = 512,
     micro_batch_size: int | None = None,
     max_batch_size: int | None = None,
+    trust_weights: bool = False,
 ) -> AsyncIterator[RemoteCoordinator]:
     """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
+    ident = await asyncio.to_thread(model_identity, model_path, not trust_weights)
     tokenizer, config = load_tokenizer_only(model_path)
     stages_plan = cluster_plan(cfg, model_path, int(config["num_hidden_layers"]))
     async with Node(me.id) as node:
@@ -190,7 +198,7 @@ async def remote_coordinator(
         )
         coordinator.attach()
         await listener.start()
-        await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout)
+        await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout, ident)
         coordinator.start_probing()
         fe = Frontend(
             node,
@@ -214,8 +222,10 @@ async def connect_stages(
     cfg: ClusterConfig,
     stages_plan: list[StagePlan],
     timeout: float,
+    model: ModelIdentity | None = None,
 ) -> None:
-    """Reach every stage (retrying while they start) and check its layers; fail fast on refusals."""
+    """Reach every stage (retrying while they start) and check its layers and model; fail fast
+    on refusals."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + timeout
@@ -260,3 +270,20 @@ async def connect_stages(
                 "--distributed-config",
                 f"{spec.address} answers as {st.node_id!r}, expected {spec.id!r}",
             )
+        if model is not None:
+            check_model(spec.id, st, model)
+
+
+def check_model(stage: str, st: State, ours: ModelIdentity) -> None:
+    """A stage must hold this coordinator's checkpoint: the same shape and, where both sides
+    hashed them, the same weights (one with other values serves wrong text, silently)."""
+    if st.model and st.model != ours.sha256:
+        raise MlxcelError(
+            f"stage {stage} holds another checkpoint: model identity {st.model[:12]}, this "
+            f"coordinator's {ours.short}: the same model folder on every host?"
+        )
+    differ = weights_mismatch(st.weights, ours.weights, f"stage {stage}'s")
+    if differ is not None:
+        raise MlxcelError(differ)
+    if not (st.weights and ours.weights):
+        logger.info("stage {}: weights not compared (--trust-weights on one side)", stage)

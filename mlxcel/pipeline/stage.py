@@ -61,6 +61,8 @@ class StageService(CoreAdapter):
             counters=lambda: {
                 "wire_bytes_out": endpoint.wire_bytes,
                 **self.runtime.timing.fields(),
+                "model": config.model,
+                "weights": config.weights,
             },
             inject=inject,
         )

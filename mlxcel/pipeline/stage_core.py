@@ -84,14 +84,14 @@ class StageCore(StageGate):
         width: int,
         vocab: int,
         layers: tuple[int, int],
-        counters: Callable[[], dict[str, int]] = dict,
+        counters: Callable[[], dict[str, int | str]] = dict,
         inject: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.width = width
         self.vocab = vocab
         self.layers = layers
-        self.counters = counters  # State fields the node keeps: wire bytes, compute timing
+        self.counters = counters  # State fields the node keeps: wire bytes, timing, model
         self.inject = inject
         self.state = StageState.SERVING
         self.seqs: dict[str, Seq] = {}

@@ -145,6 +145,10 @@ class StageConfig:
     # The downstream stage runs in this process, on the same compute thread: activations are
     # handed over as device arrays still being evaluated (no synchronisation, no bytes).
     device_handoff: bool = False
+    # This node's model identity (shape, weight digest), reported in State so that the
+    # coordinator refuses a stage holding other weights.
+    model: str = ""
+    weights: str = ""
 
 
 SeqKey = tuple[str, int]  # (request id, generation): a re-prepared id gets a fresh key
