@@ -388,13 +388,15 @@ def test_discovery_uses_only_beacons_that_pass(tmp_path) -> None:  # type: ignor
         0.2,
         0.0,
     )
+    core.verified("127.0.0.3:7", None, 0.2)
     assert core.phase is Phase.DISCOVERING and core.found == ["127.0.0.3:7"]
-    effects = core.beacon(
+    core.beacon(
         make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.2:7", 0.0, b"c" * 16),
         "127.0.0.2",
         0.3,
         0.0,
     )
+    effects = core.verified("127.0.0.2:7", None, 0.3)
     assert core.phase is Phase.OFFERING
     assert {e.dest for e in effects if isinstance(e, Send)} == {"127.0.0.2:7", "127.0.0.3:7"}
     # too few peers in the window: fails, saying how many were found
@@ -518,6 +520,7 @@ def test_discovery_sets_aside_another_clusters_beacons() -> None:
     assert core.phase is Phase.DISCOVERING and core.found == []
     ours = make_beacon(KEY, __version__, "mlxcel-cluster", "127.0.0.6:1", 0.0, b"o" * 16)
     core.beacon(ours, "127.0.0.6", 0.2, 0.0)
+    core.verified("127.0.0.6:1", None, 0.2)
     assert core.found == ["127.0.0.6:1"] and core.phase is Phase.OFFERING
 
 

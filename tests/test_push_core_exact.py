@@ -17,7 +17,7 @@ from mlxcel import __version__
 from mlxcel.bringup.beacon import beacon_key, make_beacon
 from mlxcel.bringup.identity import ModelIdentity
 from mlxcel.bringup.plan import make_plan
-from mlxcel.bringup.protocol import PeerStep, Phase, PushDone
+from mlxcel.bringup.protocol import HANDSHAKE_BOUND, PeerStep, Phase, PushDone, Verify
 from mlxcel.bringup.push_core import Outcome, PushConfig, PushCore, is_loopback
 from mlxcel.effects import Effect, Send, Warn
 from mlxcel.messages import (
@@ -204,17 +204,24 @@ def test_a_short_push_window_caps_the_offer_frame_at_the_offer_deadline() -> Non
 
 
 # --- discovery by beacons ----------------------------------------------------------------------
-def test_beacons_resolve_the_peers_then_offers_go_out() -> None:
+def test_beacons_resolve_the_peers_once_each_answers_a_handshake_then_offers_go_out() -> None:
     core = PushCore(config(peers=(), beacon_key=KEY, n_peers=2, cluster_name="lab-a"), 0.0)
     core.start(0.0)
     a, b = "127.0.0.3:7", "127.0.0.2:7"
+    # A genuine beacon is only a claim: the peer counts once its address answers a handshake.
     assert core.beacon(beacon(a, b"a", "lab-a"), "127.0.0.3", 0.1, 1000.0) == [
-        Warn("info", "discovery: peer 127.0.0.3:7 (1 of 2)")
+        Warn("debug", "discovery: beacon from 127.0.0.3:7; checking that it answers"),
+        Verify(a, 0.1 + HANDSHAKE_BOUND),
     ]
-    # the same peer again (a fresh beacon): nothing new
+    assert core.found == [] and core.checking == {a}
+    # the same peer again while its check runs (a fresh beacon): nothing new
     assert core.beacon(beacon(a, b"b", "lab-a"), "127.0.0.3", 0.2, 1000.0) == []
+    assert core.verified(a, None, 0.25) == [Warn("info", "discovery: peer 127.0.0.3:7 (1 of 2)")]
+    assert core.beacon(beacon(a, b"e", "lab-a"), "127.0.0.3", 0.26, 1000.0) == []  # found
+    assert core.verified(a, None, 0.27) == []  # an answer nobody waits for
     want = expected_offers([a, b], cluster="lab-a")
-    assert core.beacon(beacon(b, b"c", "lab-a"), "127.0.0.2", 0.3, 1000.0) == [
+    assert core.beacon(beacon(b, b"c", "lab-a"), "127.0.0.2", 0.3, 1000.0)[1] == Verify(b, 5.3)
+    assert core.verified(b, None, 0.3) == [
         Warn("info", "discovery: peer 127.0.0.2:7 (2 of 2)"),
         Send("127.0.0.2:7", want["127.0.0.2:7"], deadline=10.3),
         Send("127.0.0.3:7", want["127.0.0.3:7"], deadline=10.3),
@@ -223,6 +230,42 @@ def test_beacons_resolve_the_peers_then_offers_go_out() -> None:
     # once resolved, a further good beacon changes nothing
     assert core.beacon(beacon("127.0.0.5:7", b"d", "lab-a"), "127.0.0.5", 0.4, 1000.0) == []
     assert core.found == [a, b]
+
+
+def test_a_beaconed_address_that_does_not_answer_is_dropped_and_checked_again_later() -> None:
+    """A captured beacon replayed from the address of a peer that left: genuine, but nothing
+    answers there. Dropped with a line, not counted, checked again only after 2 s."""
+    core = PushCore(config(peers=(), beacon_key=KEY, n_peers=2), 0.0)
+    core.start(0.0)
+    gone, live = "127.0.0.3:7", "127.0.0.2:7"
+    core.beacon(beacon(gone, b"a"), "127.0.0.3", 1.0, 1000.0)
+    assert core.verified(gone, "connect deadline passed", 6.0) == [
+        Warn(
+            "diagnostic",
+            "discovery: dropping 127.0.0.3:7: its beacon is genuine but nothing holding the "
+            "secret answers there (connect deadline passed); a peer that left, or a replayed "
+            "beacon",
+        )
+    ]
+    assert core.found == [] and core.dropped == {gone: "connect deadline passed"}
+    assert core.beacon(beacon(gone, b"b"), "127.0.0.3", 8.0 - EPS, 1000.0) == []  # not yet
+    assert core.beacon(beacon(gone, b"c"), "127.0.0.3", 8.0, 1000.0)[1] == Verify(gone, 13.0)
+    assert core.verified(gone, "connection refused", 8.1)[0].kind == "diagnostic"
+    core.beacon(beacon(live, b"d"), "127.0.0.2", 9.0, 1000.0)
+    assert core.verified(live, None, 9.1) == [Warn("info", "discovery: peer 127.0.0.2:7 (1 of 2)")]
+    text = (
+        "bring-up failed: discovered 1 of 2 peers within 30 s (127.0.0.2:7); dropped "
+        "127.0.0.3:7: connection refused; are they beaconing to this host's discovery port "
+        "with the same secret? No stage was started"
+    )
+    assert core.on_timer(30.0) == [PushDone(False, text)]
+    # A peer that answers after all counts (a slow start), and leaves the dropped list.
+    core = PushCore(config(peers=(), beacon_key=KEY, n_peers=2), 0.0)
+    core.beacon(beacon(gone, b"e"), "127.0.0.3", 1.0, 1000.0)
+    core.verified(gone, "connection refused", 1.1)
+    core.beacon(beacon(gone, b"f"), "127.0.0.3", 3.1, 1000.0)
+    core.verified(gone, None, 3.2)
+    assert core.found == [gone] and core.dropped == {}
 
 
 def test_beacon_rejections_are_logged_by_kind() -> None:
@@ -258,7 +301,9 @@ def test_the_discovery_deadline_fires_at_its_time_naming_what_was_found() -> Non
     core = PushCore(config(peers=(), beacon_key=KEY), 2.0)
     core.start(2.0)
     core.beacon(beacon("127.0.0.3:7", b"i"), "127.0.0.3", 3.0, 1000.0)
+    core.verified("127.0.0.3:7", None, 3.0)
     core.beacon(beacon("127.0.0.2:7", b"j"), "127.0.0.2", 4.0, 1000.0)
+    core.verified("127.0.0.2:7", None, 4.0)
     assert core.next_timer() == 32.0
     assert core.on_timer(32.0 - EPS) == [] and core.outcome is None
     text = (

@@ -173,7 +173,14 @@ async def push_assignments(
             receiver = BeaconReceiver("0.0.0.0", discovery.port)
             await receiver.start()
             node.on_close(_closer(receiver.close))
-        service = PushService(node, TcpEndpoint(control, pool), PushCore(cfg, node_now()), receiver)
+
+        async def verify(address: str, deadline: float) -> None:
+            # The handshake proves the secret at that very address; the connection stays
+            # pooled for the offer.
+            await pool.get(*split_hostport(address), deadline, attempts=1)
+
+        core = PushCore(cfg, node_now())
+        service = PushService(node, TcpEndpoint(control, pool), core, receiver, verify)
         service.attach()
         done = await service.result
         await service.flush(service.now() + FRAME_BOUND)  # Abort frames, if any, leave first

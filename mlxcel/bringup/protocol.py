@@ -32,6 +32,7 @@ DISCOVERY_WINDOW = 30.0  # how long a coordinator listens for beacons
 OFFER_RETRY = 0.5  # connect + handshake + offer again, while a peer is unanswered
 PHASE_RETRY = 1.0  # Commit / Activate again, while a peer has not answered
 BEACON_EVERY = 1.0  # a waiting peer announces itself this often (mdns discovery)
+VERIFY_AGAIN = 2.0  # an address whose check failed is not checked again for this long
 
 
 class Refusal(enum.StrEnum):
@@ -230,6 +231,16 @@ class PeerEnded:
     """Peer: the process ends (``reason`` is the operator's line)."""
 
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Coordinator: complete an authenticated handshake with ``address`` (a beacon named it)
+    by ``deadline``; answer with ``PushCore.verified``. A beacon proves the secret, not that
+    the peer is alive: a captured one can be replayed from its address after it left."""
+
+    address: str
+    deadline: float
 
 
 @dataclass(frozen=True, slots=True)

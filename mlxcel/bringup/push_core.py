@@ -1,7 +1,8 @@
 """The ``--pp-auto N`` side of the assignment protocol, as a pure core.
 
-It resolves N peers (a static list, or beacons judged by :class:`BeaconGate` for up to 30 s),
-plans the cluster, then drives every peer through Offer -> Commit -> Activate: it commits
+It resolves N peers (a static list, or beacons judged by :class:`BeaconGate` for up to 30 s;
+a beaconing peer counts only once an authenticated handshake with its advertised address
+succeeded, so a replayed beacon cannot stand in for a peer that left), plans the cluster, then drives every peer through Offer -> Commit -> Activate: it commits
 only once every peer accepted and activates only once every peer committed. Any refusal, a
 peer that cannot be reached for good (another secret, an identity it does not own), or a
 phase deadline fails the bring-up: every peer that accepted or committed gets Abort with the
@@ -28,11 +29,13 @@ from mlxcel.bringup.protocol import (
     PROTOCOL,
     PUSH_WINDOW,
     STEP_TABLE,
+    VERIFY_AGAIN,
     Answer,
     PeerStep,
     Phase,
     PhaseEvent,
     PushDone,
+    Verify,
 )
 from mlxcel.effects import Effect, Send, Warn
 from mlxcel.fsm import IllegalTransition
@@ -101,6 +104,9 @@ class PushCore:
         self.phase = Phase.DISCOVERING
         self.started = now
         self.found: list[str] = []
+        self.checking: set[str] = set()  # beaconed addresses whose handshake is under way
+        self.dropped: dict[str, str] = {}  # address -> why its check failed (for the summary)
+        self._check_again: dict[str, float] = {}  # address -> when it may be checked again
         self.gate = (
             BeaconGate(cfg.beacon_key, cfg.version, cfg.cluster_name)
             if cfg.beacon_key is not None
@@ -137,8 +143,34 @@ class PushCore:
             # another cluster on the same network is not an anomaly: note it quietly
             kind = "debug" if exc.why is Rejection.CLUSTER else "diagnostic"
             return [Warn(kind, f"discovery: {exc}")]
-        if address in self.found:
+        if address in self.found or address in self.checking:
             return []
+        if now < self._check_again.get(address, now):
+            return []
+        self.checking.add(address)
+        return [
+            Warn("debug", f"discovery: beacon from {address}; checking that it answers"),
+            Verify(address, now + HANDSHAKE_BOUND),
+        ]
+
+    def verified(self, address: str, why: str | None, now: float) -> list[Effect]:
+        """The handshake with a beaconed ``address`` succeeded (``why`` None) or failed."""
+        if address not in self.checking:
+            return []
+        self.checking.discard(address)
+        if self.phase is not Phase.DISCOVERING:
+            return []
+        if why is not None:
+            self.dropped[address] = why
+            self._check_again[address] = now + VERIFY_AGAIN
+            return [
+                Warn(
+                    "diagnostic",
+                    f"discovery: dropping {address}: its beacon is genuine but nothing holding "
+                    f"the secret answers there ({why}); a peer that left, or a replayed beacon",
+                )
+            ]
+        self.dropped.pop(address, None)
         self.found.append(address)
         out: list[Effect] = [
             Warn("info", f"discovery: peer {address} ({len(self.found)} of {self.cfg.n_peers})")
@@ -365,6 +397,7 @@ class PushCore:
                 f"bring-up failed: discovered {len(self.found)} of {self.cfg.n_peers} peers "
                 f"within {self.cfg.discovery_window:g} s"
                 + (f" ({', '.join(self.found)})" if self.found else "")
+                + "".join(f"; dropped {a}: {why}" for a, why in self.dropped.items())
                 + "; are they beaconing to this host's discovery port with the same secret? "
                 "No stage was started"
             )

@@ -11,12 +11,19 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from mlxcel.adapter import CoreAdapter
 from mlxcel.bringup.beacon import make_beacon
 from mlxcel.bringup.peer_core import PeerCore
-from mlxcel.bringup.protocol import FRAME_BOUND, Activated, Announce, PeerEnded, PushDone
+from mlxcel.bringup.protocol import (
+    FRAME_BOUND,
+    Activated,
+    Announce,
+    PeerEnded,
+    PushDone,
+    Verify,
+)
 from mlxcel.bringup.push_core import PushCore
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, Send
@@ -103,6 +110,11 @@ def beacon_announcer(
     return announce
 
 
+# Completes an authenticated handshake with an address by a deadline (the loop's clock), or
+# raises saying why not.
+Verifier = Callable[[str, float], Awaitable[None]]
+
+
 class PushService(CoreAdapter):
     def __init__(
         self,
@@ -110,10 +122,12 @@ class PushService(CoreAdapter):
         endpoint: Endpoint,
         core: PushCore,
         receiver: BeaconReceiver | None = None,
+        verify: Verifier | None = None,
     ) -> None:
         super().__init__(node, endpoint, core, "assignment-push", send_budget=FRAME_BOUND)
         self.push = core
         self.receiver = receiver
+        self.verify = verify
         self.result: asyncio.Future[PushDone] = self.loop.create_future()
 
     def attach(self) -> None:
@@ -132,8 +146,20 @@ class PushService(CoreAdapter):
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
         return self.push.undeliverable(send, reason, self.now(), is_final(exc))
 
+    async def _verify(self, v: Verify) -> None:
+        why: str | None = None
+        try:
+            if self.verify is None:
+                raise MlxcelError("no way to reach peers here")
+            await self.verify(v.address, v.deadline)
+        except (MlxcelError, OSError) as exc:
+            why = str(exc) or type(exc).__name__
+        self.feed(self.push.verified(v.address, why, self.now()))
+
     def apply(self, effect: Effect) -> None:
-        if isinstance(effect, PushDone):
+        if isinstance(effect, Verify):
+            self.node.spawn(self._verify(effect), name=f"assignment-push.verify:{effect.address}")
+        elif isinstance(effect, PushDone):
             if not effect.ok:
                 # Offers still queued for a peer must not hold up the Abort behind them.
                 self.discard_queued(lambda s: not isinstance(s.msg, AssignAbort))

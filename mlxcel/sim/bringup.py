@@ -30,6 +30,7 @@ from mlxcel.bringup.protocol import (
     PeerState,
     Phase,
     PushDone,
+    Verify,
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.effects import Effect, Send
@@ -161,11 +162,30 @@ class PushHost(SimHost):
             self.call(core.undeliverable, Send(dest, msg), reason, self.now(), final)
 
     def apply(self, effect: Effect) -> None:
-        if isinstance(effect, PushDone):
+        if isinstance(effect, Verify):
+            # A handshake: answered after a round trip by a live secret holder, refused
+            # after one by a dead port or another secret, unanswered across a partition.
+            peer, lat = self.net.hosts.get(effect.address), self.net.link.latency
+            if peer is None or not peer.up:
+                self.sched.after(2 * lat, self._verified, effect.address, "connection refused")
+            elif not peer.has_secret:
+                self.sched.after(2 * lat, self._verified, effect.address, "secret mismatch")
+            elif self.net.parted(self.identity, effect.address):
+                wait = max(0.0, effect.deadline - self.now())
+                self.sched.after(wait, self._verified, effect.address, "no answer")
+            else:
+                self.sched.after(3 * lat, self._verified, effect.address, None)
+        elif isinstance(effect, PushDone):
             self.done, self.done_at = effect, self.sched.now
             self.sched.trace("push-done", effect.ok)
         else:
             raise NotImplementedError(type(effect).__name__)
+
+    def _verified(self, address: str, why: str | None) -> None:
+        core = self.core
+        assert isinstance(core, PushCore)
+        if self.up:
+            self.call(core.verified, address, why, self.now())
 
     def crash(self) -> None:
         core = self.core

@@ -107,7 +107,7 @@ class RouterHost(SimHost):
 
     def _probe(self, address: str) -> None:
         peer = self.net.hosts.get(address)
-        ok = bool(peer and peer.up and peer.has_secret and not self.net._parted(ROUTER, address))
+        ok = bool(peer and peer.up and peer.has_secret and not self.net.parted(ROUTER, address))
         self.sched.after(2 * self.net.link.latency, self._probe_done, address, ok)
 
     def peer_lost(self, identity: str) -> None:

@@ -92,7 +92,7 @@ class SimNetwork:
         self.partitions.clear()
         self.sched.trace("heal")
 
-    def _parted(self, src: str, dst: str) -> bool:
+    def parted(self, src: str, dst: str) -> bool:
         return any((src in a and dst in b) or (src in b and dst in a) for a, b in self.partitions)
 
     def send(self, src: str, dst: str, msg: Message) -> None:
@@ -115,7 +115,7 @@ class SimNetwork:
             )
             return
         rng, f = self.rng, self.faults
-        if self._parted(src, dst) or rng.random() < self.link.loss or rng.random() < f.drop:
+        if self.parted(src, dst) or rng.random() < self.link.loss or rng.random() < f.drop:
             self.lost += 1
             self.sched.trace("lost", src, dst, type(msg).__name__)
             return
@@ -144,7 +144,7 @@ class SimNetwork:
         self.in_flight -= 1
         host = self.hosts[dst]
         now_conn = (getattr(host, "incarnation", 0), self._epochs.get(_pair(src, dst), 0))
-        if not host.up or now_conn != conn or self._parted(src, dst):
+        if not host.up or now_conn != conn or self.parted(src, dst):
             self.lost += 1  # the connection it travelled on died (a crash or a reset)
             return
         self.delivered += 1
