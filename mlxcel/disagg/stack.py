@@ -68,8 +68,9 @@ async def router_stack(
     (results come back there) before serving HTTP."""
     tokenizer, config = load_tokenizer_only(model_path)
     async with Node("router") as node:
+        section = ClusterSection(peer_timeout=peer_timeout)
         listener, pool, endpoint = cluster_net(
-            node, ClusterSection(peer_timeout=peer_timeout), bind, "router", secret, interface
+            node, section, bind, "router", secret, interface, [*prefill, *decode]
         )
 
         async def probe(address: str, deadline: float, fresh: bool) -> None:
@@ -142,8 +143,11 @@ async def worker_stack(
     try:
         loaded = await compute.run(load_model, model_path)
         async with Node(role) as node:
+            # It is not told the router's address: the router's first dial gets a slot by the
+            # listener's fair share, every later one from the members' pool.
+            section = ClusterSection(peer_timeout=peer_timeout)
             listener, _pool, endpoint = cluster_net(
-                node, ClusterSection(peer_timeout=peer_timeout), bind, role, secret, interface
+                node, section, bind, role, secret, interface, list(decode_peers or ())
             )
             engine = LocalEngine(
                 loaded,

@@ -1,27 +1,37 @@
-"""Accepting side of the cluster transport: pending pool, handshake, connection cap.
+"""Accepting side of the cluster transport: pending pools, handshake, connection cap.
 
-Unfinished handshakes draw from a pending pool (``max_pending`` in flight, at most
-``max_pending_per_source`` per source -- an IPv4 address or an IPv6 /64); a socket beyond
-either bound is closed at accept. A connection stays *pending* -- holding its pending slot,
-not an authenticated one -- until the peer's CONFIRM frame opens under the session keys, all
-within one absolute handshake deadline; a replayed message 1 (refused by the replay guard) or
-a peer that cannot confirm never counts as authenticated. Authenticated connections are
-capped at ``max_connections`` (pending confirmations included); a peer that authenticates
-beyond it gets the authenticated at-capacity verdict. Both ends of an authenticated connection
-send a KEEPALIVE after a third of ``peer_timeout`` without writing, and close it when the other
-has not been heard for ``peer_timeout`` (a partition or a stopped process sends no reset); with
-no ``peer_timeout``, a peer silent for ``idle_timeout`` is closed. Either way its peer
-reconnects when it next needs to.
-Every accepted connection's messages reach the node's bus with the peer's bound identity.
+Unfinished handshakes hold a *pending* slot, at most ``max_pending_per_source`` per source (an
+IPv4 address or an IPv6 /64), each until the peer's CONFIRM opens under the session keys or
+the one absolute handshake deadline passes. Slots come from two pools of ``max_pending``:
+
+- *members* -- the configured member addresses, and every source that completed an
+  authenticated handshake here before (the newest 1,024): outsiders cannot take these slots,
+  so a flood from addresses that are not members never delays a member's dial;
+- *everyone else*. When it is full, a source holding no slot takes the oldest slot of the
+  source holding the most (when that is two or more): a few flooding addresses cannot keep a
+  new source -- a member this node was not told of -- out. Only an outsider with as many
+  addresses as the pool has slots can fill it.
+
+A socket beyond these bounds is closed at accept, after a preamble that says "busy" (a
+member retries). A replayed message 1 (refused by the replay guard) or a peer that cannot
+confirm never counts as authenticated. Authenticated connections are capped at
+``max_connections`` (pending confirmations included); a peer that authenticates beyond it gets
+the authenticated at-capacity verdict. Both ends of an authenticated connection send a
+KEEPALIVE after a third of ``peer_timeout`` without writing, and close it when the other has
+not been heard for ``peer_timeout`` (a partition or a stopped process sends no reset); with no
+``peer_timeout``, a peer silent for ``idle_timeout`` is closed. Either way its peer reconnects
+when it next needs to. Every accepted connection's messages reach the node's bus with the
+peer's bound identity.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from loguru import logger
@@ -55,6 +65,7 @@ from mlxcel.wire.handshake import (
 )
 
 DEFAULT_IDLE_TIMEOUT = 600.0  # seconds an authenticated peer may stay silent
+MAX_PROVEN = 1024  # sources remembered as having authenticated here (members' pool)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,32 @@ class Limits:
     bus_deadline: float = 30.0  # how long a received message may wait for a full handler queue
 
 
+@dataclass(eq=False)
+class _Pending:
+    """One socket holding a pending slot (released exactly once)."""
+
+    key: str
+    writer: asyncio.StreamWriter
+    member: bool
+    released: bool = False
+
+
+def member_sources(addresses: Iterable[str]) -> set[str]:
+    """The source keys of member addresses ("IP:port" or an IP); unspecified and unparsable
+    ones name no source and are skipped."""
+    keys: set[str] = set()
+    for a in addresses:
+        host = a.rpartition(":")[0] if a.count(":") == 1 or a.startswith("[") else a
+        host = host.strip("[]") or a
+        try:
+            if ipaddress.ip_address(host).is_unspecified:
+                continue
+        except ValueError:
+            continue
+        keys.add(source_key(host))
+    return keys
+
+
 class ClusterListener:
     def __init__(
         self,
@@ -91,6 +128,7 @@ class ClusterListener:
         protection: Callable[[bytes, bytes], Protection] | None = None,
         budget: MemoryBudget | None = None,
         wall_clock: Callable[[], float] = time.time,
+        members: Iterable[str] = (),
     ) -> None:
         self.node = node
         self.secret = secret
@@ -112,10 +150,15 @@ class ClusterListener:
         self.confirming = 0
         self.connections: set[SecureConnection] = set()
         self._by_source: dict[str, SecureConnection] = {}
-        self.pending = 0
+        self.members = member_sources(members)
+        self._proven: OrderedDict[str, None] = OrderedDict()  # sources that authenticated
+        self.pending = 0  # slots held, both pools
+        self.member_pending = 0
         self.pending_by_source: Counter[str] = Counter()
+        self._slots: dict[str, list[_Pending]] = {}  # source -> its slots, oldest first
         self.failures: Counter[Failure] = Counter()
         self.refused_at_accept = 0
+        self.evicted = 0  # outsiders' slots given to a source that held none
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -154,26 +197,74 @@ class ClusterListener:
         conn = self._by_source.get(source)
         return conn if conn is not None and not conn.closed else None
 
+    def is_member(self, key: str) -> bool:
+        return key in self.members or key in self._proven
+
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         ip = peer[0] if peer else "?"
         key = source_key(ip) if peer else "?"
-        if (
-            self.pending >= self.limits.max_pending
-            or self.pending_by_source[key] >= self.limits.max_pending_per_source
-        ):
+        member = self.is_member(key)
+        why = self._no_slot(key, member)
+        if why is not None:
             self.refused_at_accept += 1
-            self.limiter.warn(
-                "noise", f"cluster: pending-handshake pool full, closing connection from {ip}"
-            )
+            self.limiter.warn("noise", f"cluster: {why}, closing connection from {ip}")
             # Say so before closing: a member then retries with backoff instead of taking the
             # close for a secret mismatch (final, and the wrong diagnosis).
             writer.write(busy_preamble(self.channel))
             writer.close()
             return
+        slot = _Pending(key, writer, member)
+        self._slots.setdefault(key, []).append(slot)
         self.pending += 1
+        self.member_pending += member
         self.pending_by_source[key] += 1
-        self.node.spawn(self._handshake(reader, writer, ip, key), name=f"handshake:{ip}")
+        self.node.spawn(self._handshake(reader, writer, ip, slot), name=f"handshake:{ip}")
+
+    def _no_slot(self, key: str, member: bool) -> str | None:
+        """Why a socket from ``key`` gets no pending slot (None: it gets one, perhaps by
+        taking an outsider's)."""
+        lim = self.limits
+        if self.pending_by_source[key] >= lim.max_pending_per_source:
+            return f"{lim.max_pending_per_source} unfinished handshakes from this source"
+        if member:
+            if self.member_pending >= lim.max_pending:
+                return "members' pending-handshake pool full"
+            return None
+        if self.pending - self.member_pending < lim.max_pending:
+            return None
+        # The pool is full: a source holding nothing takes the oldest slot of the largest
+        # holder, so that a few flooding addresses cannot keep every newcomer out.
+        outsiders = [k for k, slots in self._slots.items() if slots and not slots[0].member]
+        biggest = max(outsiders, key=lambda k: len(self._slots[k]), default=None)
+        if self.pending_by_source[key] == 0 and biggest and len(self._slots[biggest]) >= 2:
+            victim = self._slots[biggest][0]
+            self._release(victim)
+            victim.writer.transport.abort()
+            self.evicted += 1
+            return None
+        return "pending-handshake pool full"
+
+    def _release(self, slot: _Pending) -> None:
+        if slot.released:
+            return
+        slot.released = True
+        self.pending -= 1
+        self.member_pending -= slot.member
+        self.pending_by_source[slot.key] -= 1
+        if self.pending_by_source[slot.key] <= 0:
+            del self.pending_by_source[slot.key]
+        slots = self._slots.get(slot.key, [])
+        if slot in slots:
+            slots.remove(slot)
+        if not slots:
+            self._slots.pop(slot.key, None)
+
+    def _proved(self, key: str) -> None:
+        self._proven[key] = None
+        self._proven.move_to_end(key)
+        while len(self._proven) > MAX_PROVEN:
+            self._proven.popitem(last=False)
 
     def _admit(self, ident: Identity) -> Verdict:
         if len(self.connections) + self.confirming >= self.limits.max_connections:
@@ -181,7 +272,7 @@ class ClusterListener:
         return Verdict.ACCEPT
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, key: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, slot: _Pending
     ) -> None:
         loop = asyncio.get_running_loop()
         hs = ServerHandshake(
@@ -234,10 +325,8 @@ class ClusterListener:
             finally:
                 self.confirming -= 1
         finally:
-            self.pending -= 1
-            self.pending_by_source[key] -= 1
-            if self.pending_by_source[key] <= 0:
-                del self.pending_by_source[key]
+            self._release(slot)
+        self._proved(slot.key)
         self.connections.add(conn)
         self._by_source[conn.source] = conn
         logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)

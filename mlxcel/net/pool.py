@@ -1,8 +1,11 @@
 """Connecting side: dial, handshake, reconnect with exponential backoff.
 
-A refused or reset connect and an at-capacity verdict are retried ``attempts`` times from
-``base_delay`` (doubling); every other handshake failure (secret mismatch, identity not owned,
-version or suite mismatch, forged verdict) is final at once, because retrying cannot fix it.
+A refused or reset connect is retried ``attempts`` times from ``base_delay`` (doubling). A busy
+peer -- its pending-handshake pool full, or its authenticated connections at their cap -- is
+retried the same way, and then on, at most a second apart, for as long as the caller's own
+deadline allows: a flood at the peer delays a member, it does not fail it after a fixed few
+seconds. Every other handshake failure (secret mismatch, identity not owned, version or suite
+mismatch, forged verdict) is final at once, because retrying cannot fix it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from mlxcel.wire.handshake import (
 
 DEFAULT_KEEPALIVE = 60.0  # seconds of silence before a dialer sends a KEEPALIVE frame
 MAX_DIALS = 64  # dials in progress at once; more wait for a slot (within their deadline)
+BUSY_RETRY = 1.0  # seconds between dials to a busy peer once the backoff's attempts are spent
 
 
 class ConnectFailed(MlxcelError):
@@ -190,11 +194,14 @@ class ConnectionPool:
     async def connect(
         self, host: str, port: int, deadline: float | None = None, attempts: int | None = None
     ) -> SecureConnection:
-        """Dial and authenticate, retrying refusals and at-capacity with backoff."""
+        """Dial and authenticate, retrying refusals with backoff, and a busy peer until
+        ``deadline`` (unless ``attempts`` is given: then that many dials at most)."""
         target = Identity(host, port).address
         last: Exception | None = None
+        bounded = attempts is not None
         attempts = attempts or self.backoff.attempts
-        for attempt in range(attempts):
+        attempt = 0
+        while True:
             self.attempts_made += 1
             try:
                 async with until(deadline, f"connect to {target}"):
@@ -208,20 +215,34 @@ class ConnectionPool:
                         exc.failure.rate_class, f"cluster: connection to {target} refused: {exc}"
                     )
                     raise ConnectFailed(f"{target}: {exc}", exc.failure) from None
+                what = (
+                    "its pending-handshake pool is full"
+                    if exc.failure is Failure.BUSY
+                    else "it holds its maximum of authenticated connections"
+                )
                 self.limiter.warn(
                     "at-capacity",
-                    f"cluster: {target} is at capacity; retrying (attempt {attempt + 1})",
+                    f"cluster: {target} is busy ({what}); retrying (attempt {attempt + 1})",
                 )
                 last = exc
             except DeadlineExceeded:
-                raise ConnectFailed(f"{target}: connect deadline passed") from None
+                why = f"connect deadline passed (last attempt: {last})" if last else ""
+                raise ConnectFailed(f"{target}: {why or 'connect deadline passed'}") from None
             except OSError as exc:
                 logger.debug("cluster: connect to {} failed: {}", target, exc)
                 last = exc
-            if attempt + 1 < attempts:
-                await asyncio.sleep(self.backoff.delay(attempt))
+            attempt += 1
+            busy = isinstance(last, HandshakeError)
+            if attempt >= attempts and not (busy and deadline is not None and not bounded):
+                break
+            delay = self.backoff.delay(attempt - 1)
+            if attempt >= attempts:
+                delay = min(delay, BUSY_RETRY)
+            if deadline is not None and asyncio.get_running_loop().time() + delay >= deadline:
+                break
+            await asyncio.sleep(delay)
         failure = last.failure if isinstance(last, HandshakeError) else None
-        raise ConnectFailed(f"{target}: gave up after {attempts} attempts: {last}", failure)
+        raise ConnectFailed(f"{target}: gave up after {attempt} attempts: {last}", failure)
 
     async def _connect_once(self, host: str, port: int) -> SecureConnection:
         loop = asyncio.get_running_loop()

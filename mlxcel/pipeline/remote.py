@@ -48,7 +48,8 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[St
 def _net(
     node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
 ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
-    return cluster_net(node, cfg.cluster, me.address, me.id, secret, interface)
+    members = [n.address for n in cfg.nodes if n.id != me.id]
+    return cluster_net(node, cfg.cluster, me.address, me.id, secret, interface, members)
 
 
 def cluster_net(
@@ -58,9 +59,11 @@ def cluster_net(
     node_id: str,
     secret: ClusterSecret,
     interface: str | None = None,
+    members: list[str] | None = None,
 ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
     """A node's cluster listener on ``address``, its pool of outbound connections (bound to
-    the same IP, so peers see the identity it claims) and the endpoint over both."""
+    the same IP, so peers see the identity it claims) and the endpoint over both. ``members``:
+    the addresses of the other nodes it knows of (their dials never wait behind outsiders')."""
     host, port = split_hostport(address)
     bind = interface_ipv4(interface) if interface else host
     limits = Limits(
@@ -76,7 +79,14 @@ def cluster_net(
     )
     budget = MemoryBudget(c.memory_budget_bytes)  # one for every connection of this node
     listener = ClusterListener(
-        node, secret, bind, port, node_id=node_id, limits=limits, budget=budget
+        node,
+        secret,
+        bind,
+        port,
+        node_id=node_id,
+        limits=limits,
+        budget=budget,
+        members=members or (),
     )
     src = None if host in ("0.0.0.0", "::") else bind
     pool = ConnectionPool(
