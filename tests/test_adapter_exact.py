@@ -255,6 +255,7 @@ async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limi
                 "stage-drop": 0,
                 "http-cap": 0,
                 "http-slow": 0,
+                "discovery-drop": 0,
             }
 
             class Bogus:

@@ -241,7 +241,7 @@ def test_a_beaconed_address_that_does_not_answer_is_dropped_and_checked_again_la
     core.beacon(beacon(gone, b"a"), "127.0.0.3", 1.0, 1000.0)
     assert core.verified(gone, "connect deadline passed", 6.0) == [
         Warn(
-            "diagnostic",
+            "discovery-drop",
             "discovery: dropping 127.0.0.3:7: its beacon is genuine but nothing holding the "
             "secret answers there (connect deadline passed); a peer that left, or a replayed "
             "beacon",
@@ -250,7 +250,7 @@ def test_a_beaconed_address_that_does_not_answer_is_dropped_and_checked_again_la
     assert core.found == [] and core.dropped == {gone: "connect deadline passed"}
     assert core.beacon(beacon(gone, b"b"), "127.0.0.3", 8.0 - EPS, 1000.0) == []  # not yet
     assert core.beacon(beacon(gone, b"c"), "127.0.0.3", 8.0, 1000.0)[1] == Verify(gone, 13.0)
-    assert core.verified(gone, "connection refused", 8.1)[0].kind == "diagnostic"
+    assert core.verified(gone, "connection refused", 8.1)[0].kind == "discovery-drop"
     core.beacon(beacon(live, b"d"), "127.0.0.2", 9.0, 1000.0)
     assert core.verified(live, None, 9.1) == [Warn("info", "discovery: peer 127.0.0.2:7 (1 of 2)")]
     text = (

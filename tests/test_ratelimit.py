@@ -88,6 +88,7 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
         "stage-drop": 0,
         "http-cap": 0,
         "http-slow": 0,
+        "discovery-drop": 0,
     }
     assert lim.warned["router-drop"] == 5
     lines.clear()

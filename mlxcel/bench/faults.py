@@ -120,9 +120,12 @@ def disagg_cluster(model: Path, secret: Path, n_decode: int = 2) -> Iterator[Clu
 
 
 @contextmanager
-def pipeline_cluster(model: Path, secret: Path, tmp: Path) -> Iterator[Cluster]:
-    """A 2-stage pipeline from a cluster TOML: coordinator on host 0, stage-i on host i+1."""
-    with Hosts(3, net=78) as hosts:
+def pipeline_cluster(
+    model: Path, secret: Path, tmp: Path, extra_hosts: int = 0, net: int = 78
+) -> Iterator[Cluster]:
+    """A 2-stage pipeline from a cluster TOML: coordinator on host 0, stage-i on host i+1
+    (and ``extra_hosts`` hosts after them that run no node)."""
+    with Hosts(3 + extra_hosts, net=net) as hosts:
         lines = [
             'name = "faults"',
             "pipeline_parallel_size = 2",

@@ -87,6 +87,14 @@ class Hosts:
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
 
+    def add_addresses(self, i: int, count: int, first: int = 100) -> list[str]:
+        """Give host ``i`` ``count`` more addresses (10.<net>.0.<first>...): one attacker that
+        looks like many sources."""
+        extra = [f"10.{self.net}.0.{first + k}" for k in range(count)]
+        for a in extra:
+            _ip("-n", self.names[i], "addr", "add", f"{a}/24", "dev", "eth0")
+        return extra
+
     def partition(self, i: int) -> None:
         """Unplug host ``i``: everything it sends is lost and nothing reaches it (no reset)."""
         _ip("-n", self.hub, "link", "set", f"p{i}", "nomaster")

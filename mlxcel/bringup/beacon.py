@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections import Counter
 from dataclasses import replace
 
 from cryptography.exceptions import InvalidSignature
@@ -65,6 +66,19 @@ def _mac(key: bytes, unsigned: Beacon) -> bytes:
     return h.finalize()
 
 
+def _prefix() -> bytes:
+    sample = encode(Beacon("v", "c", "a", 0.0, b""))
+    return sample[: sample.index(b"gversion")]  # the map header and the kind: always the same
+
+
+BEACON_PREFIX = _prefix()
+
+
+def looks_like_beacon(datagram: bytes) -> bool:
+    """A test that costs nothing next to a MAC: the size and the first bytes of a beacon."""
+    return len(datagram) <= MAX_BEACON_BYTES and datagram.startswith(BEACON_PREFIX)
+
+
 def make_beacon(
     key: bytes, version: str, cluster: str, address: str, wall: float, nonce: bytes
 ) -> bytes:
@@ -91,12 +105,15 @@ class BeaconGate:
         self.remember = remember
         self._seen: dict[bytes, float] = {}  # nonce -> when (our wall clock) it may be forgotten
         self.rejected: dict[Rejection, int] = dict.fromkeys(Rejection, 0)
+        self.rejected_from: Counter[str] = Counter()  # by source IP (the first 4,096 sources)
 
     def check(self, datagram: bytes, source_ip: str, wall: float) -> str:
         try:
             return self._check(datagram, source_ip, wall)
         except BeaconRejected as exc:
             self.rejected[exc.why] += 1
+            if source_ip in self.rejected_from or len(self.rejected_from) < self.remember:
+                self.rejected_from[source_ip] += 1
             raise
 
     def _check(self, datagram: bytes, source_ip: str, wall: float) -> str:

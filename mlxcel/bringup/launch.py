@@ -22,7 +22,7 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel import __version__
-from mlxcel.bringup.beacon import BEACON_PORT, beacon_key
+from mlxcel.bringup.beacon import BEACON_PORT, beacon_key, looks_like_beacon
 from mlxcel.bringup.identity import ModelIdentity, model_identity
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.plan import BringupPlan, derived_range, peer_file
@@ -170,7 +170,7 @@ async def push_assignments(
         )
         receiver = None
         if discovery.mode == "mdns":
-            receiver = BeaconReceiver("0.0.0.0", discovery.port)
+            receiver = BeaconReceiver("0.0.0.0", discovery.port, shaped=looks_like_beacon)
             await receiver.start()
             node.on_close(_closer(receiver.close))
 

@@ -165,7 +165,7 @@ class PushCore:
             self._check_again[address] = now + VERIFY_AGAIN
             return [
                 Warn(
-                    "diagnostic",
+                    "discovery-drop",
                     f"discovery: dropping {address}: its beacon is genuine but nothing holding "
                     f"the secret answers there ({why}); a peer that left, or a replayed beacon",
                 )

@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from loguru import logger
+
 from mlxcel.adapter import CoreAdapter
-from mlxcel.bringup.beacon import make_beacon
+from mlxcel.bringup.beacon import BeaconGate, Rejection, make_beacon
 from mlxcel.bringup.peer_core import PeerCore
 from mlxcel.bringup.protocol import (
     FRAME_BOUND,
     Activated,
     Announce,
     PeerEnded,
+    Phase,
     PushDone,
     Verify,
 )
@@ -40,8 +44,10 @@ from mlxcel.messages import (
     AssignRefused,
 )
 from mlxcel.net.pool import ConnectFailed
-from mlxcel.net.udp import BeaconReceiver, BeaconSender
+from mlxcel.net.udp import SOURCE_RATE, BeaconReceiver, BeaconSender
 from mlxcel.wire.handshake import Failure
+
+FLOOD_REPORT_EVERY = 5.0  # seconds between summaries of what discovery refused, while it does
 
 
 class AssignmentRefused(MlxcelError):
@@ -110,6 +116,35 @@ def beacon_announcer(
     return announce
 
 
+def flood_note(receiver: BeaconReceiver, gate: BeaconGate | None) -> str | None:
+    """What discovery refused so far, for the operator (None: nothing). Another cluster's
+    beacons (same network, other name) are not counted: they are no anomaly."""
+    st = receiver.stats
+    rejected = {
+        why: n
+        for why, n in (gate.rejected if gate else {}).items()
+        if n and why is not Rejection.CLUSTER
+    }
+    total = st.dropped + sum(rejected.values())
+    if not total:
+        return None
+    sources: Counter[str] = Counter(st.by_source)
+    if gate is not None:
+        sources.update(gate.rejected_from)
+    parts = [
+        f"{st.throttled:,} over a source's budget ({SOURCE_RATE:g}/s)" if st.throttled else "",
+        f"{st.not_beacon:,} not shaped like a beacon" if st.not_beacon else "",
+        f"{st.queue_full:,} beyond the receive queue" if st.queue_full else "",
+    ]
+    if rejected:
+        parts.append("rejected: " + ", ".join(f"{why.value} {n:,}" for why, n in rejected.items()))
+    busiest = ", ".join(f"{ip} ({n:,})" for ip, n in sources.most_common(3))
+    return (
+        f"{len(sources)} source(s) sent {total:,} datagrams that are not valid beacons of this "
+        f"cluster ({'; '.join(p for p in parts if p)}); busiest: {busiest}"
+    )
+
+
 # Completes an authenticated handshake with an address by a deadline (the loop's clock), or
 # raises saying why not.
 Verifier = Callable[[str, float], Awaitable[None]]
@@ -128,6 +163,7 @@ class PushService(CoreAdapter):
         self.push = core
         self.receiver = receiver
         self.verify = verify
+        self._ended = False  # discovery's end was reported
         self.result: asyncio.Future[PushDone] = self.loop.create_future()
 
     def attach(self) -> None:
@@ -136,6 +172,7 @@ class PushService(CoreAdapter):
         self.start()
         if self.receiver is not None:
             self.node.spawn(self._beacons(self.receiver), name="assignment-push.beacons")
+            self.node.spawn(self._report_floods(self.receiver), name="assignment-push.floods")
         self.feed(self.push.start(self.now()))
 
     async def _beacons(self, receiver: BeaconReceiver) -> None:
@@ -145,6 +182,29 @@ class PushService(CoreAdapter):
 
     def undeliverable(self, send: Send, reason: str, exc: BaseException | None) -> list[Effect]:
         return self.push.undeliverable(send, reason, self.now(), is_final(exc))
+
+    async def _report_floods(self, receiver: BeaconReceiver) -> None:
+        """While discovery refuses datagrams, say how many and from whom every few seconds
+        (the per-beacon warnings are rate limited: these counts are what the operator has)."""
+        said = None
+        while self.push.phase is Phase.DISCOVERING:
+            await asyncio.sleep(FLOOD_REPORT_EVERY)
+            note = flood_note(receiver, self.push.gate)
+            if note is not None and note != said and self.push.phase is Phase.DISCOVERING:
+                logger.warning("discovery: so far {}", note)
+                said = note
+
+    def feed(self, effects: list[Effect]) -> None:
+        super().feed(effects)
+        if (
+            self.receiver is not None
+            and not self._ended
+            and self.push.phase is not Phase.DISCOVERING
+        ):
+            self._ended = True  # and once more as it ends, however it ends
+            note = flood_note(self.receiver, self.push.gate)
+            if note is not None:
+                logger.warning("discovery: ended; meanwhile {}", note)
 
     async def _verify(self, v: Verify) -> None:
         why: str | None = None
@@ -160,6 +220,10 @@ class PushService(CoreAdapter):
         if isinstance(effect, Verify):
             self.node.spawn(self._verify(effect), name=f"assignment-push.verify:{effect.address}")
         elif isinstance(effect, PushDone):
+            note = flood_note(self.receiver, self.push.gate) if self.receiver else None
+            if not effect.ok and note is not None and self.push.plan is None:
+                # A discovery that failed under a flood: the real beacons may have drowned.
+                effect = PushDone(False, f"{effect.summary}; meanwhile {note}")
             if not effect.ok:
                 # Offers still queued for a peer must not hold up the Abort behind them.
                 self.discard_queued(lambda s: not isinstance(s.msg, AssignAbort))

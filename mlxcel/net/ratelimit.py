@@ -24,6 +24,7 @@ CLASSES = (
     "stage-drop",
     "http-cap",
     "http-slow",
+    "discovery-drop",
 )
 MAX_MESSAGE = 500
 

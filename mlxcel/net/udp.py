@@ -1,21 +1,34 @@
 """UDP for discovery beacons: a sender a peer uses once a second, and a bounded receiver.
 
-Beacons are droppable traffic: the receiver keeps at most ``maxsize`` datagrams waiting for
-its consumer and drops (and counts) the rest, so a flood cannot grow memory or stall the
-reactor. Judging a beacon is the bring-up core's business, not this module's.
+Beacons are droppable traffic, and anyone on the network can send datagrams. The receiver
+spends as little as it can on each before anything is queued:
+
+1. a budget per source IP (a token bucket: 10 a second, bursts of 10; a peer sends one a
+   second): a flooding source is throttled and every other source keeps its share;
+2. a cheap shape test supplied by the caller (the first bytes of a beacon) before any MAC;
+3. at most ``maxsize`` datagrams wait for the consumer.
+
+Everything dropped is counted, by reason and by source, for the operator (``stats``). Judging
+a beacon (its MAC, clock, nonce, address) is the bring-up core's business, not this module's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from loguru import logger
 
 from mlxcel.errors import ListenError
 
 MAX_DATAGRAM = 2048  # a beacon is far smaller: a larger datagram is dropped unread (and counted)
+SOURCE_RATE = 10.0  # datagrams a second one source may have judged ...
+SOURCE_BURST = 10.0  # ... after a burst of this many
+MAX_SOURCES = 4096  # sources with a budget of their own; beyond, newcomers share one
+SHARED = "(other sources)"
 
 
 class BeaconSender:
@@ -47,40 +60,112 @@ class BeaconSender:
         self.sock.close()
 
 
-class _Protocol(asyncio.DatagramProtocol):
+class SourceBudget:
+    """A token bucket per source: ``allow(ip, now)`` spends one token or says no."""
+
     def __init__(
-        self, queue: asyncio.Queue[tuple[bytes, str]], counter: Callable[[], None]
+        self, rate: float = SOURCE_RATE, burst: float = SOURCE_BURST, limit: int = MAX_SOURCES
     ) -> None:
-        self.queue = queue
-        self.counter = counter
+        self.rate, self.burst, self.limit = rate, burst, limit
+        self._buckets: dict[str, list[float]] = {}  # ip -> [tokens, when last filled]
+
+    def allow(self, ip: str, now: float) -> bool:
+        b = self._buckets.get(ip)
+        if b is None:
+            if len(self._buckets) >= self.limit:
+                self._prune(now)
+                if len(self._buckets) >= self.limit:
+                    ip = SHARED  # the table is full of active sources: newcomers share one
+                    b = self._buckets.get(ip)
+            if b is None:
+                b = self._buckets[ip] = [self.burst, now]
+        tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
+        b[1] = now
+        if tokens < 1.0:
+            b[0] = tokens
+            return False
+        b[0] = tokens - 1.0
+        return True
+
+    def _prune(self, now: float) -> None:
+        """Forget sources whose bucket is full again (they have been quiet)."""
+        refill = self.burst / self.rate
+        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < refill}
+
+
+@dataclass
+class ReceiverStats:
+    """What the receiver dropped, and from whom (the busiest ``MAX_SOURCES`` sources)."""
+
+    received: int = 0
+    throttled: int = 0  # over a source's budget
+    not_beacon: int = 0  # too large, or not shaped like a beacon
+    queue_full: int = 0
+    by_source: Counter[str] = field(default_factory=Counter)  # dropped, per source
+
+    @property
+    def dropped(self) -> int:
+        return self.throttled + self.not_beacon + self.queue_full
+
+    def drop(self, ip: str) -> None:
+        if ip in self.by_source or len(self.by_source) < MAX_SOURCES:
+            self.by_source[ip] += 1
+        else:
+            self.by_source[SHARED] += 1
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, rx: BeaconReceiver) -> None:
+        self.rx = rx
+        self.time = asyncio.get_running_loop().time
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:  # type: ignore[override]
-        if len(data) > MAX_DATAGRAM:  # nothing this large is a beacon; do not hold it
-            self.counter()
+        rx, ip = self.rx, addr[0]
+        st = rx.stats
+        st.received += 1
+        if not rx.budget.allow(ip, self.time()):
+            st.throttled += 1
+            st.drop(ip)
+            return
+        if len(data) > MAX_DATAGRAM or not rx.shaped(data):
+            st.not_beacon += 1
+            st.drop(ip)
             return
         try:
-            self.queue.put_nowait((data, addr[0]))
+            rx.queue.put_nowait((data, ip))
         except asyncio.QueueFull:
-            self.counter()
+            st.queue_full += 1
+            st.drop(ip)
 
 
 class BeaconReceiver:
-    """Listens on ``host:port``; ``queue`` yields ``(datagram, source_ip)``."""
+    """Listens on ``host:port``; ``queue`` yields ``(datagram, source_ip)``. ``shaped``: a
+    cheap test that a datagram could be a beacon at all (no cryptography)."""
 
-    def __init__(self, host: str, port: int, maxsize: int = 256) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        maxsize: int = 256,
+        shaped: Callable[[bytes], bool] = lambda _d: True,
+        budget: SourceBudget | None = None,
+    ) -> None:
         self.host, self.port = host, port
         self.queue: asyncio.Queue[tuple[bytes, str]] = asyncio.Queue(maxsize)
-        self.dropped = 0
+        self.shaped = shaped
+        self.budget = budget or SourceBudget()
+        self.stats = ReceiverStats()
         self._transport: asyncio.DatagramTransport | None = None
 
-    def _drop(self) -> None:
-        self.dropped += 1
+    @property
+    def dropped(self) -> int:
+        return self.stats.dropped
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             transport, _ = await loop.create_datagram_endpoint(
-                lambda: _Protocol(self.queue, self._drop),
+                lambda: _Protocol(self),
                 local_addr=(self.host, self.port),
                 reuse_port=False,
             )
