@@ -538,3 +538,35 @@ def test_one_peer_offered_two_stages_in_one_bring_up_refuses_the_second() -> Non
     effects = core.handle(send.msg, "127.0.0.3:19001", 0.3)
     (done,) = [e for e in effects if isinstance(e, PushDone)]
     assert not done.ok and "two addresses" in done.summary
+
+
+def test_the_flood_note_counts_what_discovery_refused_by_reason_and_source() -> None:
+    from mlxcel.bringup.service import flood_note
+    from mlxcel.net.udp import BeaconReceiver
+
+    rx = BeaconReceiver("127.0.0.1", 0)
+    g = gate()
+    assert flood_note(rx, g) is None  # nothing refused: nothing to say
+    # Another cluster's beacons are no anomaly: still nothing.
+    with pytest.raises(BeaconRejected):
+        g.check(
+            make_beacon(KEY, __version__, "lab-b", "127.0.0.5:1", 1000.0, b"x" * 16),
+            "127.0.0.5",
+            1000.0,
+        )
+    assert flood_note(rx, g) is None
+    forged = make_beacon(
+        beacon_key(b"o" * 32), __version__, "mlxcel-cluster", "127.0.0.7:1", 1000.0, b"f" * 16
+    )
+    for _ in range(2):
+        with pytest.raises(BeaconRejected):
+            g.check(forged, "127.0.0.7", 1000.0)
+    st = rx.stats
+    st.throttled, st.not_beacon = 1_500_000, 3
+    st.by_source.update({"10.0.0.4": 1_000_000, "10.0.0.5": 500_000, "10.0.0.6": 3})
+    assert flood_note(rx, g) == (
+        "4 source(s) sent 1,500,005 datagrams that are not valid beacons of this cluster "
+        "(1,500,000 over a source's budget (10/s); 3 not shaped like a beacon; rejected: "
+        "invalid MAC (another cluster secret?) 2); busiest: 10.0.0.4 (1,000,000), "
+        "10.0.0.5 (500,000), 10.0.0.6 (3)"
+    )

@@ -30,3 +30,51 @@ async def test_the_receiver_keeps_at_most_maxsize_datagrams_and_none_too_large()
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_source_budget_throttles_a_flooder_and_leaves_others_their_share() -> None:
+    from mlxcel.net.udp import SHARED, SourceBudget
+
+    b = SourceBudget(rate=10.0, burst=10.0, limit=3)
+    assert all(b.allow("10.0.0.9", 0.0) for _ in range(10))  # a burst of 10 ...
+    assert not b.allow("10.0.0.9", 0.0)  # ... then nothing ...
+    assert not b.allow("10.0.0.9", 0.09)
+    assert b.allow("10.0.0.9", 0.1)  # ... until a token comes back: 10 a second
+    assert b.allow("10.0.0.2", 0.1)  # another source is untouched
+    # The table is bounded: beyond ``limit`` active sources, newcomers share one bucket ...
+    assert b.allow("10.0.0.3", 0.1)
+    assert b.allow("10.0.0.4", 0.1) and SHARED in b._buckets
+    # ... and sources that went quiet (their bucket full again) are forgotten first.
+    assert b.allow("10.0.0.5", 5.0) and "10.0.0.5" in b._buckets and SHARED not in b._buckets
+
+
+async def test_the_receiver_throttles_per_source_tests_the_shape_and_counts_by_source() -> None:
+    from mlxcel.net.udp import SourceBudget
+
+    port = free_udp_port()
+    rx = BeaconReceiver(
+        "127.0.0.1", port, shaped=lambda d: d.startswith(b"B"), budget=SourceBudget(10.0, 3.0)
+    )
+    await rx.start()
+    flood = BeaconSender("127.0.0.1", port, "127.0.0.1")
+    peer = BeaconSender("127.0.0.1", port, "127.0.0.2")
+    try:
+        for _ in range(50):
+            flood.send(b"B-flood")
+        flood.send(b"junk")
+        peer.send(b"junk")  # not shaped like a beacon
+        peer.send(b"B-peer")  # its own budget: it gets through the flood
+        for _ in range(500):
+            if rx.stats.received == 53:
+                break
+            await asyncio.sleep(0.01)
+        got = [rx.queue.get_nowait() for _ in range(rx.queue.qsize())]
+        assert (b"B-peer", "127.0.0.2") in got
+        assert [d for d, ip in got if ip == "127.0.0.1"] == [b"B-flood"] * 3  # the burst
+        st = rx.stats
+        assert (st.throttled, st.not_beacon, st.queue_full) == (48, 1, 0)
+        assert st.by_source == {"127.0.0.1": 48, "127.0.0.2": 1} and rx.dropped == 49
+    finally:
+        flood.close()
+        peer.close()
+        rx.close()

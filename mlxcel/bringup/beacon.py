@@ -112,7 +112,8 @@ class BeaconGate:
             return self._check(datagram, source_ip, wall)
         except BeaconRejected as exc:
             self.rejected[exc.why] += 1
-            if source_ip in self.rejected_from or len(self.rejected_from) < self.remember:
+            counted = source_ip in self.rejected_from or len(self.rejected_from) < self.remember
+            if counted and exc.why is not Rejection.CLUSTER:  # another cluster is no anomaly
                 self.rejected_from[source_ip] += 1
             raise
 
