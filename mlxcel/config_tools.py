@@ -325,6 +325,11 @@ class BenchFaultsSettings(BenchBringupSettings):
     """Silent and stopped peers on network namespaces (root): detection, 503s, recovery."""
 
 
+class BenchFloodsSettings(BenchBringupSettings):
+    """Outsiders without the secret on network namespaces (root): discovery under a beacon
+    flood, a pipeline's first requests under a pending-handshake flood."""
+
+
 class BenchPromptCacheSettings(BenchPipelineSettings):
     """Time to first token of a chat's second turn, with the history cached and without."""
 

@@ -249,8 +249,8 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
         print(f"discovery of 2 peers, {r.flooders} flooding hosts ({r.sent:,} forged beacons "
               f"sent): {took}")  # fmt: skip
         for line in r.log:
-            if "discovery:" in line and ("dropped" in line or "rejected" in line):
-                print("   ", line.rstrip()[-200:])
+            if "discovery: ended; meanwhile" in line or "discovery failed" in line:
+                print("   ", line.rstrip().split("discovery: ", 1)[-1])
     first = "failed" if pend.first_s is None else f"{pend.first_s:.2f} s"
     print(f"pipeline under a pending-pool flood (10 addresses x 8): {pend.ok}/{pend.requests} "
           f"requests ok, first {first}; attacker {pend.attacker}")  # fmt: skip

@@ -22,6 +22,7 @@ from mlxcel.config_tools import (
     BenchDisaggSettings,
     BenchEngineSettings,
     BenchFaultsSettings,
+    BenchFloodsSettings,
     BenchFramesSettings,
     BenchPipelineRunSettings,
     BenchPromptCacheSettings,
@@ -73,6 +74,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "faults": (
         BenchFaultsSettings,
         "silent/stopped decode, prefill and stage on network namespaces: detect, 503, recover",
+    ),
+    "floods": (
+        BenchFloodsSettings,
+        "discovery under a beacon flood, first dials under a pending-pool flood (namespaces)",
     ),
     "bringup": (
         BenchBringupSettings,
@@ -267,6 +272,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from mlxcel.bench.faults import run_bench as run_faults_bench
 
         return run_faults_bench(commands.resolve_model(settings.model), settings.json_lines)
+    if args.command == "bench" and args.bench == "floods":
+        from mlxcel.bench.floods import run_bench as run_floods_bench
+
+        return run_floods_bench(commands.resolve_model(settings.model), settings.json_lines)
     if args.command == "bench" and args.bench == "disagg":
         from mlxcel.bench.disagg import run_bench as run_disagg_bench
 
