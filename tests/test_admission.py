@@ -14,7 +14,7 @@ import pytest
 from mlxcel.bus import Node
 from mlxcel.deadlines import deadline_in
 from mlxcel.messages import Ack
-from mlxcel.net.listener import ClusterListener, Limits, member_sources
+from mlxcel.net.listener import ClusterListener, Limits, member_ips
 from mlxcel.net.pool import ConnectFailed
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.wire.handshake import Failure
@@ -50,8 +50,8 @@ def hold(port: int, sources: list[str], each: int) -> list[socket.socket]:
 
 
 def test_member_addresses_name_their_sources() -> None:
-    got = member_sources(["10.0.0.1:19000", "[fd00::1]:5", "fd00:0:0:1::7", "0.0.0.0:1", "x:1"])
-    assert got == {"10.0.0.1", "fd00::/64", "fd00:0:0:1::/64"}
+    got = member_ips(["10.0.0.1:19000", "[fd00::1]:5", "fd00:0:0:1::7", "0.0.0.0:1", "x:1"])
+    assert got == {"10.0.0.1", "fd00::1", "fd00:0:0:1::7"}  # exact IPs, not their /64s
 
 
 async def test_an_outsider_flood_fills_its_pool_and_members_still_get_in() -> None:
@@ -82,9 +82,11 @@ async def test_an_outsider_flood_fills_its_pool_and_members_still_get_in() -> No
         conn.close()
         for s in held:
             s.close()
+        await until_true(lambda: lst.pending == 0)
+        assert lst.member_pending == 0 and not lst.pending_by_source and not lst._slots
 
 
-async def test_outsiders_cannot_take_the_members_pool_and_members_share_it_fairly() -> None:
+async def test_outsiders_cannot_take_the_members_pool_and_every_slot_comes_back() -> None:
     limits = Limits(max_pending=4, max_pending_per_source=2, handshake_timeout=5.0)
     members = [f"127.0.0.{i}:1" for i in (2, 6, 7)]
     async with listening(limits, members) as lst, Node("client") as client:
@@ -92,21 +94,26 @@ async def test_outsiders_cannot_take_the_members_pool_and_members_share_it_fairl
         await until_true(lambda: lst.pending == 4)
         idle_members = hold(lst.port, ["127.0.0.6", "127.0.0.7"], 2)
         await until_true(lambda: lst.member_pending == 4)
-        assert lst.pending == 8  # two pools of 4
-        # Members too have one pool: a fifth member socket waits for a slot like anyone.
-        extra = socket.create_connection(
-            (SERVER_IP, lst.port), source_address=("127.0.0.2", 0), timeout=2
-        )
+        assert lst.pending == 8 and lst.refused_at_accept == 0  # two pools of 4
+        # The members' pool is full: a member tries everyone else's, and there, holding
+        # nothing, takes the largest holder's oldest slot.
+        extra = hold(lst.port, ["127.0.0.2"], 1)
+        await until_true(lambda: lst.evicted == 1)
+        assert lst.pending == 8 and lst.member_pending == 4 and lst.refused_at_accept == 0
+        # A second one from that member now holds a slot there: refused, and said why.
+        extra += hold(lst.port, ["127.0.0.2"], 1)
         await until_true(lambda: lst.refused_at_accept == 1)
-        assert any("members' pending-handshake pool full" in m for m in lst.lines)
-        extra.close()
-        for s in idle_members:
+        assert any("pending-handshake pool full" in m for m in lst.lines)
+        for s in idle_members + extra:
             s.close()
         await until_true(lambda: lst.member_pending == 0)
         conn = await client_pool(client, "127.0.0.2").connect(SERVER_IP, lst.port)
         conn.close()
         for s in outsiders:
             s.close()
+        # Every slot is given back, whichever way its socket ended (evicted, closed, served).
+        await until_true(lambda: lst.pending == 0)
+        assert lst.member_pending == 0 and not lst.pending_by_source and not lst._slots
 
 
 async def test_a_dial_to_a_busy_peer_retries_until_its_deadline_not_five_times() -> None:
@@ -134,5 +141,13 @@ async def test_a_dial_to_a_busy_peer_retries_until_its_deadline_not_five_times()
         with pytest.raises(ConnectFailed) as exc:
             await pool.connect(SERVER_IP, lst.port, deadline_in(1.0))
         assert "pending-handshake pool is full" in str(exc.value)
+        # A caller queued behind a long dial to the same peer keeps its own deadline.
+        long = asyncio.ensure_future(pool.get(SERVER_IP, lst.port, deadline_in(10.0)))
+        await asyncio.sleep(0.1)
+        started = loop.time()
+        with pytest.raises(ConnectFailed) as exc:
+            await pool.get(SERVER_IP, lst.port, deadline_in(0.5))
+        assert loop.time() - started < 1.5 and "another dial to it" in str(exc.value)
+        (await long).close()  # the long one still gets in once the stalled ones time out
         for s in held:
             s.close()

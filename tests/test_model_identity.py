@@ -59,18 +59,21 @@ def test_digests_are_cached_by_path_size_and_mtime_and_a_rewrite_is_hashed_again
     hashed.clear()
     assert model_identity(path, cache=cache).weights == first  # a restart rehashes nothing
     assert hashed == []
-    # The same file rewritten in place with other bytes of the same size: a new mtime.
+    # The same file rewritten in place with other bytes of the same size, its mtime set back
+    # (as `cp -p` or `rsync -a` do): its change time still moved, so it is hashed again.
     weights = sorted(path.glob("*.safetensors"))[0]
     other = sorted(seeds[1].glob("*.safetensors"))[0]
-    weights.write_bytes(other.read_bytes())
     st = weights.stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    weights.write_bytes(other.read_bytes())
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns and weights.stat().st_size == st.st_size
     changed = model_identity(path, cache=cache).weights
     assert hashed == [weights.name] and changed != first
     # A damaged cache is not trusted: everything is hashed again, with the same answer.
-    cache.write_text("{not json")
-    hashed.clear()
-    assert model_identity(path, cache=cache).weights == changed and hashed
+    for damage in ("{not json", "[1, 2]", json.dumps({str(weights.resolve()): [1]})):
+        cache.write_text(damage)
+        hashed.clear()
+        assert model_identity(path, cache=cache).weights == changed and hashed
 
 
 def test_a_checkpoint_without_weight_files_has_no_digest(tmp_path: Path) -> None:

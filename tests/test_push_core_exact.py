@@ -227,6 +227,18 @@ def test_beacons_resolve_the_peers_once_each_answers_a_handshake_then_offers_go_
         Send("127.0.0.3:7", want["127.0.0.3:7"], deadline=10.3),
     ]
     assert core.phase is Phase.OFFERING and core.found == [a, b]
+    # a check that ends after discovery did changes nothing either
+    c = "127.0.0.4:7"
+    core2 = PushCore(config(peers=(), beacon_key=KEY, n_peers=1, cluster_name="lab-a"), 0.0)
+    core2.beacon(beacon(a, b"x", "lab-a"), "127.0.0.3", 0.1, 1000.0)
+    core2.beacon(beacon(c, b"y", "lab-a"), "127.0.0.4", 0.1, 1000.0)
+    core2.verified(a, None, 0.2)
+    assert core2.phase is Phase.OFFERING
+    assert core2.verified(c, None, 0.3) == [] and core2.found == [a]
+    assert core2.verified(c, "refused", 0.3) == [] and core2.dropped == {}
+    # the check's deadline never runs past discovery's
+    core3 = PushCore(config(peers=(), beacon_key=KEY, discovery_window=3.0), 0.0)
+    assert core3.beacon(beacon(a, b"z"), "127.0.0.3", 1.0, 1000.0)[1] == Verify(a, 3.0)
     # once resolved, a further good beacon changes nothing
     assert core.beacon(beacon("127.0.0.5:7", b"d", "lab-a"), "127.0.0.5", 0.4, 1000.0) == []
     assert core.found == [a, b]

@@ -33,19 +33,28 @@ async def test_the_receiver_keeps_at_most_maxsize_datagrams_and_none_too_large()
 
 
 def test_a_source_budget_throttles_a_flooder_and_leaves_others_their_share() -> None:
-    from mlxcel.net.udp import SHARED, SourceBudget
+    from mlxcel.net.udp import SourceBudget
 
-    b = SourceBudget(rate=10.0, burst=10.0, limit=3)
+    b = SourceBudget(rate=10.0, burst=10.0, limit=3, idle=10.0)
     assert all(b.allow("10.0.0.9", 0.0) for _ in range(10))  # a burst of 10 ...
     assert not b.allow("10.0.0.9", 0.0)  # ... then nothing ...
     assert not b.allow("10.0.0.9", 0.09)
     assert b.allow("10.0.0.9", 0.1)  # ... until a token comes back: 10 a second
     assert b.allow("10.0.0.2", 0.1)  # another source is untouched
-    # The table is bounded: beyond ``limit`` active sources, newcomers share one bucket ...
-    assert b.allow("10.0.0.3", 0.1)
-    assert b.allow("10.0.0.4", 0.1) and SHARED in b._buckets
-    # ... and sources that went quiet (their bucket full again) are forgotten first.
-    assert b.allow("10.0.0.5", 5.0) and "10.0.0.5" in b._buckets and SHARED not in b._buckets
+    assert b.allow("10.0.0.3", 0.1)  # the table is now full (3)
+    # Beyond it, while every source was heard within 10 s, newcomers share one bucket ...
+    assert all(b.allow(f"10.1.0.{i}", 0.2) for i in range(10))
+    assert not b.allow("10.1.0.99", 0.2)
+    assert list(b._buckets) == ["10.0.0.9", "10.0.0.2", "10.0.0.3"]
+    # ... a peer that keeps its once-a-second beacon keeps its bucket through all of it ...
+    for t in range(1, 10):
+        for ip in ("10.0.0.2", "10.0.0.3"):
+            assert b.allow(ip, float(t))
+        b.allow("10.1.0.7", t + 0.5)
+        assert "10.1.0.7" not in b._buckets  # a newcomer still shares while all are in use
+    # ... and the one unheard for 10 s gives its bucket to the next newcomer.
+    assert b.allow("10.0.0.5", 10.1)
+    assert list(b._buckets) == ["10.0.0.2", "10.0.0.3", "10.0.0.5"]
 
 
 async def test_the_receiver_throttles_per_source_tests_the_shape_and_counts_by_source() -> None:

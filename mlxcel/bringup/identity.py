@@ -10,8 +10,8 @@ Two parts, compared separately so that a mismatch says which one differs:
 
 Hashing reads every byte once (about 1-2 s per GB on one core; files are hashed in parallel),
 so each file's digest is cached under ``$MLXCEL_HOME/weight-digests.json``, keyed by its
-resolved path, size and modification time: a restart rehashes nothing, and a file rewritten in
-place is hashed again. An operator who knows every copy matches may skip the weights
+resolved path, size, modification time, inode and change time: a restart rehashes nothing,
+and a file rewritten or replaced is hashed again. An operator who knows every copy matches may skip the weights
 (``--trust-weights``); the digest is then empty and not compared.
 """
 
@@ -21,9 +21,11 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,32 +95,46 @@ def default_cache() -> Path:
 def weights_digest(files: list[Path], cache: Path | None = None) -> str:
     """One SHA-256 over every file's content digest (by name, in name order)."""
     cache = cache or default_cache()
-    known = _load(cache)
     keys = {f: _key(f) for f in files}
-    todo = [f for f in files if known.get(keys[f][0], {}).get("stat") != keys[f][1]]
-    if todo:
-        digests = _hash_files(todo)
-        for f, d in digests.items():
-            path, stat = keys[f]
-            known.pop(path, None)  # re-inserted last: the newest entries survive trimming
-            known[path] = {"stat": stat, "sha256": d}
-        _store(cache, known)
+    known = _load(cache)
+    todo = [f for f in files if _cached(known, *keys[f]) is None]
+    digests = _hash_files(todo) if todo else {}
+    if digests:
+        with _locked(cache):  # merged under a lock: concurrent nodes keep each other's
+            known = _load(cache)
+            for f, d in digests.items():
+                path, stat = keys[f]
+                known.pop(path, None)  # re-inserted last: the newest entries survive trimming
+                known[path] = {"stat": stat, "sha256": d}
+            _store(cache, known)
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.name}\0{known[keys[f][0]]['sha256']}\n".encode())
+        d = digests.get(f) or _cached(known, *keys[f])
+        h.update(f"{f.name}\0{d}\n".encode())
     return h.hexdigest()
 
 
 def _key(f: Path) -> tuple[str, list[int]]:
+    """Where the file is and what would change if it were rewritten: its size and mtime, and
+    its inode and ctime (which no copy tool can set back), so a same-size rewrite that kept
+    the mtime is hashed again."""
     try:
         st = f.stat()
-        return str(f.resolve()), [st.st_size, st.st_mtime_ns]
+        return str(f.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns]
     except OSError as exc:
         raise ModelLoadError(f"{f}: cannot read the weights: {exc}") from None
 
 
+def _cached(known: dict[str, object], path: str, stat: list[int]) -> str | None:
+    entry = known.get(path)
+    if not isinstance(entry, dict) or entry.get("stat") != stat:
+        return None
+    digest = entry.get("sha256")
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
 def _hash_files(files: list[Path]) -> dict[Path, str]:
-    total = sum(f.stat().st_size for f in files)
+    total = sum(_key(f)[1][0] for f in files)
     report = _reporter(total, f"hashing {len(files)} weight file(s), {total / 1e9:.2f} GB")
     started = time.monotonic()
 
@@ -173,7 +189,7 @@ def _reporter(total: int, desc: str) -> Callable[..., None]:
     return line
 
 
-def _load(cache: Path) -> dict[str, dict[str, object]]:
+def _load(cache: Path) -> dict[str, object]:
     try:
         data = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -181,12 +197,31 @@ def _load(cache: Path) -> dict[str, dict[str, object]]:
     return data if isinstance(data, dict) else {}
 
 
-def _store(cache: Path, known: dict[str, dict[str, object]]) -> None:
-    items = list(known.items())[-MAX_CACHED:]
+@contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """An exclusive lock beside the cache (best effort: without one, a lost entry is only
+    hashed again)."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dict(items)))
+        fd = os.open(cache.with_name(cache.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _store(cache: Path, known: dict[str, object]) -> None:
+    items = list(known.items())[-MAX_CACHED:]
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dict(items), fh)
         os.replace(tmp, cache)
     except OSError as exc:  # a read-only home: hash again next time, still correct
         logger.debug("weight digests not cached at {}: {}", cache, exc)

@@ -175,9 +175,9 @@ async def push_assignments(
             node.on_close(_closer(receiver.close))
 
         async def verify(address: str, deadline: float) -> None:
-            # The handshake proves the secret at that very address; the connection stays
-            # pooled for the offer.
-            await pool.get(*split_hostport(address), deadline, attempts=1)
+            # The handshake proves the secret at that very address (a busy peer is dialed
+            # again until the deadline); the connection stays pooled for the offer.
+            await pool.get(*split_hostport(address), deadline)
 
         core = PushCore(cfg, node_now())
         service = PushService(node, TcpEndpoint(control, pool), core, receiver, verify)
@@ -223,8 +223,18 @@ async def await_assignment(
     ident, costs = await _model_facts(model, trust_weights)
     host, port = split_hostport(listen) if listen else ("0.0.0.0", 0)
     async with Node("bringup-peer") as node:
+        # A beacon target that is the coordinator's own IP names the one member this
+        # listener expects: its dials then never wait behind an outsider's.
+        members = [discovery.target] if discovery.mode == "mdns" else []
         listener = ClusterListener(
-            node, secret, host, port, node_id="peer", channel=Channel.ASSIGNMENT, limits=PEER_LIMITS
+            node,
+            secret,
+            host,
+            port,
+            node_id="peer",
+            channel=Channel.ASSIGNMENT,
+            limits=PEER_LIMITS,
+            members=members,
         )
         port = await listener.start()
         sender = None

@@ -150,7 +150,7 @@ class PushCore:
         self.checking.add(address)
         return [
             Warn("debug", f"discovery: beacon from {address}; checking that it answers"),
-            Verify(address, now + HANDSHAKE_BOUND),
+            Verify(address, min(now + HANDSHAKE_BOUND, self._deadline)),
         ]
 
     def verified(self, address: str, why: str | None, now: float) -> list[Effect]:

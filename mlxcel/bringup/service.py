@@ -212,7 +212,7 @@ class PushService(CoreAdapter):
             if self.verify is None:
                 raise MlxcelError("no way to reach peers here")
             await self.verify(v.address, v.deadline)
-        except (MlxcelError, OSError) as exc:
+        except Exception as exc:  # whatever it was, the core hears of it: nothing waits forever
             why = str(exc) or type(exc).__name__
         self.feed(self.push.verified(v.address, why, self.now()))
 

@@ -1,16 +1,17 @@
 """Accepting side of the cluster transport: pending pools, handshake, connection cap.
 
-Unfinished handshakes hold a *pending* slot, at most ``max_pending_per_source`` per source (an
-IPv4 address or an IPv6 /64), each until the peer's CONFIRM opens under the session keys or
-the one absolute handshake deadline passes. Slots come from two pools of ``max_pending``:
+Unfinished handshakes hold a *pending* slot, each until the peer's CONFIRM opens under the
+session keys or the one absolute handshake deadline passes. Slots come from two pools of
+``max_pending``, at most ``max_pending_per_source`` per source:
 
-- *members* -- the configured member addresses, and every source that completed an
-  authenticated handshake here before (the newest 1,024): outsiders cannot take these slots,
-  so a flood from addresses that are not members never delays a member's dial;
-- *everyone else*. When it is full, a source holding no slot takes the oldest slot of the
-  source holding the most (when that is two or more): a few flooding addresses cannot keep a
-  new source -- a member this node was not told of -- out. Only an outsider with as many
-  addresses as the pool has slots can fill it.
+- *members* -- the configured member IPs, and every IP that completed an authenticated
+  handshake here before (the newest 1,024), each counted by its exact IP: outsiders cannot
+  take these slots, so a flood from addresses that are not members never delays a member's
+  dial (when this pool is full, a member tries the other);
+- *everyone else*, a source being an IPv4 address or an IPv6 /64. When it is full, a source
+  holding no slot takes the oldest slot of the source holding the most (when that is two or
+  more): a few flooding addresses cannot keep a new source -- a member this node was not
+  told of -- out. Only an outsider with as many addresses as the pool has slots can fill it.
 
 A socket beyond these bounds is closed at accept, after a preamble that says "busy" (a
 member retries). A replayed message 1 (refused by the replay guard) or a peer that cannot
@@ -65,7 +66,7 @@ from mlxcel.wire.handshake import (
 )
 
 DEFAULT_IDLE_TIMEOUT = 600.0  # seconds an authenticated peer may stay silent
-MAX_PROVEN = 1024  # sources remembered as having authenticated here (members' pool)
+MAX_PROVEN = 1024  # IPs remembered as having authenticated here (the members' pool)
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,21 @@ class _Pending:
     released: bool = False
 
 
-def member_sources(addresses: Iterable[str]) -> set[str]:
-    """The source keys of member addresses ("IP:port" or an IP); unspecified and unparsable
-    ones name no source and are skipped."""
-    keys: set[str] = set()
+def exact_ip(text: str) -> str:
+    """One spelling per address (IPv6 compressed, an IPv4-mapped one as IPv4)."""
+    try:
+        addr = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return text
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+def member_ips(addresses: Iterable[str]) -> set[str]:
+    """The IPs of member addresses ("IP:port", "[IPv6]:port" or an IP); unspecified and
+    unparsable ones name no member and are skipped."""
+    ips: set[str] = set()
     for a in addresses:
         host = a.rpartition(":")[0] if a.count(":") == 1 or a.startswith("[") else a
         host = host.strip("[]") or a
@@ -107,8 +119,8 @@ def member_sources(addresses: Iterable[str]) -> set[str]:
                 continue
         except ValueError:
             continue
-        keys.add(source_key(host))
-    return keys
+        ips.add(exact_ip(host))
+    return ips
 
 
 class ClusterListener:
@@ -150,8 +162,8 @@ class ClusterListener:
         self.confirming = 0
         self.connections: set[SecureConnection] = set()
         self._by_source: dict[str, SecureConnection] = {}
-        self.members = member_sources(members)
-        self._proven: OrderedDict[str, None] = OrderedDict()  # sources that authenticated
+        self.members = member_ips(members)
+        self._proven: OrderedDict[str, None] = OrderedDict()  # IPs that authenticated here
         self.pending = 0  # slots held, both pools
         self.member_pending = 0
         self.pending_by_source: Counter[str] = Counter()
@@ -197,14 +209,18 @@ class ClusterListener:
         conn = self._by_source.get(source)
         return conn if conn is not None and not conn.closed else None
 
-    def is_member(self, key: str) -> bool:
-        return key in self.members or key in self._proven
+    def is_member(self, ip: str) -> bool:
+        return ip in self.members or ip in self._proven
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        ip = peer[0] if peer else "?"
-        key = source_key(ip) if peer else "?"
-        member = self.is_member(key)
+        ip = exact_ip(peer[0]) if peer else "?"
+        member = self.is_member(ip)
+        # A member's slots are its own IP's: an outsider in its IPv6 /64 (or behind its NAT
+        # on another address) cannot use them up. An outsider's are its source's.
+        key = f"member:{ip}" if member else (source_key(ip) if peer else "?")
+        if member and self.member_pending >= self.limits.max_pending:
+            member, key = False, source_key(ip)  # a full members' pool: try everyone else's
         why = self._no_slot(key, member)
         if why is not None:
             self.refused_at_accept += 1
@@ -227,15 +243,11 @@ class ClusterListener:
         lim = self.limits
         if self.pending_by_source[key] >= lim.max_pending_per_source:
             return f"{lim.max_pending_per_source} unfinished handshakes from this source"
-        if member:
-            if self.member_pending >= lim.max_pending:
-                return "members' pending-handshake pool full"
-            return None
-        if self.pending - self.member_pending < lim.max_pending:
+        if member or self.pending - self.member_pending < lim.max_pending:
             return None
         # The pool is full: a source holding nothing takes the oldest slot of the largest
         # holder, so that a few flooding addresses cannot keep every newcomer out.
-        outsiders = [k for k, slots in self._slots.items() if slots and not slots[0].member]
+        outsiders = [k for k, slots in self._slots.items() if not slots[0].member]
         biggest = max(outsiders, key=lambda k: len(self._slots[k]), default=None)
         if self.pending_by_source[key] == 0 and biggest and len(self._slots[biggest]) >= 2:
             victim = self._slots[biggest][0]
@@ -260,9 +272,9 @@ class ClusterListener:
         if not slots:
             self._slots.pop(slot.key, None)
 
-    def _proved(self, key: str) -> None:
-        self._proven[key] = None
-        self._proven.move_to_end(key)
+    def _proved(self, ip: str) -> None:
+        self._proven[ip] = None
+        self._proven.move_to_end(ip)
         while len(self._proven) > MAX_PROVEN:
             self._proven.popitem(last=False)
 
@@ -326,7 +338,7 @@ class ClusterListener:
                 self.confirming -= 1
         finally:
             self._release(slot)
-        self._proved(slot.key)
+        self._proved(ip)
         self.connections.add(conn)
         self._by_source[conn.source] = conn
         logger.debug("cluster: accepted {} (node {!r})", est.peer.address, est.peer.node_id)

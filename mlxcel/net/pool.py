@@ -143,19 +143,29 @@ class ConnectionPool:
         key = (host, port)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
-            async with lock:
-                conn = self._conns.get(key)
-                if conn is not None and not conn.closed:
-                    return conn
-                conn = await self.connect(host, port, deadline, attempts)
-                self._conns[key] = conn
-                if self.publish:
-                    self.node.spawn(self._read(conn, key), name=f"conn:{host}:{port}")
-                    self.node.spawn(
-                        conn.keep_alive(self.keepalive), name=f"keepalive:{host}:{port}"
-                    )
+            # Another caller may be dialing this peer (a busy one: until its own deadline):
+            # waiting for it is bounded by this caller's deadline, not by that one's.
+            async with until(deadline, f"connect to {Identity(host, port).address}"):
+                await lock.acquire()
+        except DeadlineExceeded:
+            if key not in self._conns and not lock.locked():
+                self._locks.pop(key, None)
+            raise ConnectFailed(
+                f"{Identity(host, port).address}: connect deadline passed while another "
+                "dial to it was under way"
+            ) from None
+        try:
+            conn = self._conns.get(key)
+            if conn is not None and not conn.closed:
                 return conn
+            conn = await self.connect(host, port, deadline, attempts)
+            self._conns[key] = conn
+            if self.publish:
+                self.node.spawn(self._read(conn, key), name=f"conn:{host}:{port}")
+                self.node.spawn(conn.keep_alive(self.keepalive), name=f"keepalive:{host}:{port}")
+            return conn
         finally:
+            lock.release()
             # No entry outlives its connection: destinations named by peers cannot pile up.
             if key not in self._conns and not lock.locked():
                 self._locks.pop(key, None)

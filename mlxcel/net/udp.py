@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +28,7 @@ MAX_DATAGRAM = 2048  # a beacon is far smaller: a larger datagram is dropped unr
 SOURCE_RATE = 10.0  # datagrams a second one source may have judged ...
 SOURCE_BURST = 10.0  # ... after a burst of this many
 MAX_SOURCES = 4096  # sources with a budget of their own; beyond, newcomers share one
+SOURCE_IDLE = 10.0  # seconds unheard before a source's bucket may go to a newcomer
 SHARED = "(other sources)"
 
 
@@ -61,24 +62,40 @@ class BeaconSender:
 
 
 class SourceBudget:
-    """A token bucket per source: ``allow(ip, now)`` spends one token or says no."""
+    """A token bucket per source: ``allow(ip, now)`` spends one token or says no.
+
+    At most ``limit`` sources have a bucket of their own. A source unheard for ``idle``
+    seconds may give its bucket up (the least recently heard first, in constant time) to a
+    newcomer; while every bucket is in use -- thousands of sources, forged ones -- newcomers
+    share one. A peer beaconing once a second is never idle that long, so it keeps its own.
+    """
 
     def __init__(
-        self, rate: float = SOURCE_RATE, burst: float = SOURCE_BURST, limit: int = MAX_SOURCES
+        self,
+        rate: float = SOURCE_RATE,
+        burst: float = SOURCE_BURST,
+        limit: int = MAX_SOURCES,
+        idle: float = SOURCE_IDLE,
     ) -> None:
-        self.rate, self.burst, self.limit = rate, burst, limit
-        self._buckets: dict[str, list[float]] = {}  # ip -> [tokens, when last filled]
+        self.rate, self.burst, self.limit, self.idle = rate, burst, limit, idle
+        # ip -> [tokens, when last heard], least recently heard first
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
+        self.shared = [burst, 0.0]  # the newcomers' bucket while every other one is in use
 
     def allow(self, ip: str, now: float) -> bool:
         b = self._buckets.get(ip)
-        if b is None:
+        if b is not None:
+            self._buckets.move_to_end(ip)
+        else:
             if len(self._buckets) >= self.limit:
-                self._prune(now)
-                if len(self._buckets) >= self.limit:
-                    ip = SHARED  # the table is full of active sources: newcomers share one
-                    b = self._buckets.get(ip)
-            if b is None:
-                b = self._buckets[ip] = [self.burst, now]
+                oldest, ob = next(iter(self._buckets.items()))
+                if now - ob[1] < self.idle:
+                    return self._spend(self.shared, now)
+                del self._buckets[oldest]
+            b = self._buckets[ip] = [self.burst, now]
+        return self._spend(b, now)
+
+    def _spend(self, b: list[float], now: float) -> bool:
         tokens = min(self.burst, b[0] + (now - b[1]) * self.rate)
         b[1] = now
         if tokens < 1.0:
@@ -86,11 +103,6 @@ class SourceBudget:
             return False
         b[0] = tokens - 1.0
         return True
-
-    def _prune(self, now: float) -> None:
-        """Forget sources whose bucket is full again (they have been quiet)."""
-        refill = self.burst / self.rate
-        self._buckets = {k: b for k, b in self._buckets.items() if now - b[1] < refill}
 
 
 @dataclass

@@ -124,8 +124,14 @@ async def stage_node(
     index = [s.id for s in stages].index(me.id)
     compute = ComputeThread()
     try:
-        ident = await asyncio.to_thread(model_identity, model_path, not trust_weights)
-        loaded = await compute.run(load_model, model_path, True)
+        # Hashing the weights (the first time: seconds per GB) overlaps loading them.
+        hashing = asyncio.ensure_future(
+            asyncio.to_thread(model_identity, model_path, not trust_weights)
+        )
+        try:
+            loaded = await compute.run(load_model, model_path, True)
+        finally:
+            ident = await hashing
         stage_plan = cluster_plan(cfg, model_path, loaded.n_layers)[index]
         async with Node(me.id) as node:
             listener, _pool, endpoint = _net(node, cfg, me, secret, interface)
@@ -187,7 +193,10 @@ async def remote_coordinator(
     trust_weights: bool = False,
 ) -> AsyncIterator[RemoteCoordinator]:
     """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
-    ident = await asyncio.to_thread(model_identity, model_path, not trust_weights)
+    # Hashing the weights overlaps reaching the stages (which hash theirs meanwhile).
+    hashing = asyncio.ensure_future(
+        asyncio.to_thread(model_identity, model_path, not trust_weights)
+    )
     tokenizer, config = load_tokenizer_only(model_path)
     stages_plan = cluster_plan(cfg, model_path, int(config["num_hidden_layers"]))
     async with Node(me.id) as node:
@@ -208,7 +217,14 @@ async def remote_coordinator(
         )
         coordinator.attach()
         await listener.start()
-        await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout, ident)
+        try:
+            states = await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout)
+        except BaseException:
+            hashing.cancel()  # the error is what matters now, not the digest
+            raise
+        ident = await hashing
+        for spec, st in zip(cfg.stages, states, strict=True):
+            check_model(spec.id, st, ident)
         coordinator.start_probing()
         fe = Frontend(
             node,
@@ -232,10 +248,9 @@ async def connect_stages(
     cfg: ClusterConfig,
     stages_plan: list[StagePlan],
     timeout: float,
-    model: ModelIdentity | None = None,
-) -> None:
-    """Reach every stage (retrying while they start) and check its layers and model; fail fast
-    on refusals."""
+) -> list[State]:
+    """Reach every stage (retrying while they start) and check its layers; fail fast on
+    refusals. Returns what each stage said of itself."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + timeout
@@ -280,8 +295,7 @@ async def connect_stages(
                 "--distributed-config",
                 f"{spec.address} answers as {st.node_id!r}, expected {spec.id!r}",
             )
-        if model is not None:
-            check_model(spec.id, st, model)
+    return states
 
 
 def check_model(stage: str, st: State, ours: ModelIdentity) -> None:
