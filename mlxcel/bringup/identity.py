@@ -8,12 +8,12 @@ Two parts, compared separately so that a mismatch says which one differs:
   copies of one architecture with other values (another fine-tune, another seed) have the
   same shape and different weights, and would serve wrong text without it.
 
-Hashing reads every byte once (0.4 s per GB from the page cache on two cores, else the disk's
-read speed; files are hashed in parallel),
-so each file's digest is cached under ``$MLXCEL_HOME/weight-digests.json``, keyed by its
-resolved path, size, modification time, inode and change time: a restart rehashes nothing,
-and a file rewritten or replaced is hashed again. An operator who knows every copy matches may skip the weights
-(``--trust-weights``); the digest is then empty and not compared.
+Hashing reads every byte once (0.4 s per GB from the page cache on two cores, else the
+disk's read speed; files are hashed in parallel), so each file's digest is cached under
+``$MLXCEL_HOME/weight-digests.json``, keyed by its resolved path, size, modification time,
+inode and change time: a restart rehashes nothing, and a file rewritten or replaced is hashed
+again. An operator who knows every copy matches may skip the weights (``--trust-weights``);
+the digest is then empty and not compared.
 """
 
 from __future__ import annotations
