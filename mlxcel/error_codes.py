@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     STAGE_UNREACHABLE = "stage_unreachable"  # the coordinator lost or cannot reach a stage
     DEADLINE_EXCEEDED = "deadline_exceeded"  # an exchange passed its deadline
     QUEUE_FULL = "queue_full"  # admission queue full
+    SERVER_SHUTTING_DOWN = "server_shutting_down"  # still running when the drain ran out
     # disaggregated serving
     NO_NODE_AVAILABLE = "no_node_available"  # the router has no online node for a role
     NODE_UNREACHABLE = "node_unreachable"  # a prefill or decode node was lost mid-request

@@ -42,6 +42,8 @@ from mlxcel.messages import (
 )
 from mlxcel.runtime.sampling import StopStrings
 
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was still running when its drain ended"
+
 
 @dataclass(frozen=True, slots=True)
 class Delta:
@@ -127,6 +129,7 @@ class Frontend:
         self.unmatched = 0
         self.in_flight = 0
         self.draining = False
+        self.shutting_down = False  # the drain ran out: what still runs is ended
 
     @property
     def vocab_size(self) -> int:
@@ -231,6 +234,9 @@ class Frontend:
                 await self._slots.acquire()
         finally:
             self._waiting -= 1
+        if self.shutting_down:
+            self._slots.release()
+            raise EngineError(ErrorCode.SERVER_SHUTTING_DOWN, SHUTDOWN_MESSAGE)
         request_id = f"req-{next(self._ids)}"
         q: asyncio.Queue[RunResult | Error] = asyncio.Queue(params.max_tokens + 2)
         self._streams[request_id] = q
@@ -287,6 +293,17 @@ class Frontend:
         loop = asyncio.get_running_loop()
         while (self.in_flight or self._waiting) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+
+    def end_all(self) -> int:
+        """The drain ran out: end every request still running (a stream gets a final in-band
+        ``server_shutting_down`` error, anything else a 503) and every one still waiting for
+        a slot. Returns how many were running."""
+        self.draining = self.shutting_down = True
+        for rid, q in self._streams.items():
+            if q.full():  # a consumer far behind: the error must still get in, last
+                q.get_nowait()
+            q.put_nowait(Error(ErrorCode.SERVER_SHUTTING_DOWN, SHUTDOWN_MESSAGE, rid))
+        return len(self._streams)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:

@@ -8,11 +8,14 @@ that); ``python -m mlxcel`` and the benchmark's echo peer start theirs here.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from loguru import logger
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -31,13 +34,28 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
 
 @contextmanager
 def signals(on_signal: Callable[[], None]) -> Iterator[None]:
-    """Call ``on_signal`` on SIGINT/SIGTERM while the block runs (not on Windows)."""
+    """Call ``on_signal`` on the first SIGINT/SIGTERM while the block runs; a second one exits
+    the process at once (not on Windows)."""
     if sys.platform == "win32":
         yield
         return
     loop = asyncio.get_running_loop()
+    seen: list[int] = []
+
+    def handle(sig: int) -> None:
+        if not seen:
+            seen.append(sig)
+            on_signal()
+            return
+        # A second signal: the operator will not wait for the drain. Exit now, saying so.
+        logger.warning(
+            "{}: a second signal; exiting now without draining", signal.Signals(sig).name
+        )
+        logger.complete()
+        os._exit(128 + sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, handle, sig)
     try:
         yield
     finally:

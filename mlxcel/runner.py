@@ -25,6 +25,10 @@ from mlxcel.bus import Node
 from mlxcel.errors import ListenError
 from mlxcel.frontend import Frontend
 
+# Seconds the handlers of requests ended at the drain's end get to write their final error
+# (and aiohttp, to close the connections) before the sites close anyway.
+END_GRACE = 2.0
+
 
 @dataclass
 class HttpOptions:
@@ -121,7 +125,9 @@ class NodeRunner:
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))
-        self._app_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._app_runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE
+        )
         await self._app_runner.setup()
 
     async def start(self) -> dict[str, str]:
@@ -176,7 +182,18 @@ class NodeRunner:
         fe = self.serving.frontend
         if fe is not None:
             logger.info("draining: admitting no new requests, finishing {} in flight", fe.in_flight)
-            await fe.drain(asyncio.get_running_loop().time() + self.drain_timeout)
+            loop = asyncio.get_running_loop()
+            await fe.drain(loop.time() + self.drain_timeout)
+            if fe.in_flight or fe.waiting:
+                ended = fe.end_all()
+                logger.warning(
+                    "drain timeout ({:g} s): ending {} request(s) still running with "
+                    "server_shutting_down",
+                    self.drain_timeout,
+                    ended,
+                )
+                # Their handlers write the final error and return: a moment, not a drain.
+                await fe.drain(loop.time() + END_GRACE)
         logger.info("shutting down")
         await self._close_sites()
 

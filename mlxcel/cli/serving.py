@@ -165,7 +165,7 @@ async def _run_stage(s: ServeSettings, node: Assembled) -> None:
                 await asyncio.wait_for(service.stopped.wait(), s.drain_timeout)
             except TimeoutError:
                 logger.warning("{}: drain timed out with {} sequences", me, len(service.seqs))
-    await runner.stop()
+        await runner.stop()
     logger.info("{} stopped", me)
 
 
@@ -178,7 +178,7 @@ async def _run_worker(node: Assembled) -> None:
     with signals(runner.request_stop):
         logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])
         await runner.wait()
-    await runner.stop()
+        await runner.stop()
     logger.info("{} stopped", node.summary)
 
 

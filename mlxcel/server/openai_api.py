@@ -140,6 +140,7 @@ def _model_check(app: web.Application, name: str) -> None:
 # Codes the generating side reports that mean "not now", not "broken": a load balancer may retry.
 UNAVAILABLE_CODES = frozenset(
     {
+        ErrorCode.SERVER_SHUTTING_DOWN,
         ErrorCode.STAGE_UNREACHABLE,
         ErrorCode.DOWNSTREAM_UNREACHABLE,
         ErrorCode.DRAINING,

@@ -1,0 +1,151 @@
+"""A shutdown that keeps its word, with real processes: after ``--drain-timeout`` a stream
+still running ends with an in-band ``server_shutting_down`` error and the process exits; a
+second SIGINT exits at once. And the same for an embedder's ``NodeRunner.stop()``."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from mlxcel.messages import EXTENDED_SAMPLING
+from mlxcel.runner import HttpOptions, NodeRunner, Serving
+from mlxcel.server.run import local_stack
+from tests.conftest import ServerProcess
+
+# A stream that would run for minutes on the small checkpoint (about 60 tokens a second on
+# CPU): end-of-text tokens are never sampled.
+ENDLESS = {
+    "model": "tiny",
+    "prompt": "a story that never ends",
+    "max_tokens": 8000,
+    "temperature": 0,
+    "stream": True,
+    "logit_bias": {"0": -100, "1": -100, "2": -100},
+}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxcel.runtime.checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("small") / "small", "small", "qwen3")
+
+
+class Stream:
+    """One streaming completion on a thread: its data lines, and when it ended."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.events: list[str] = []
+        self.ended: float | None = None
+        self.first = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(host, port), daemon=True)
+        self._t.start()
+
+    def _run(self, host: str, port: int) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(ENDLESS),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            assert resp.status == 200
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.first.set()
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            self.ended = time.monotonic()
+            self.first.set()
+            conn.close()
+
+    def join(self, timeout: float) -> None:
+        self._t.join(timeout)
+
+
+def test_after_the_drain_timeout_a_running_stream_ends_in_band_and_the_process_exits(
+    small: Path,
+) -> None:
+    srv = ServerProcess(["-m", str(small), "--served-model-name", "tiny", "--drain-timeout", "1"])
+    try:
+        s = Stream(srv.host, srv.port)
+        assert s.first.wait(60) and s.events, srv.output
+        time.sleep(0.5)
+        sent = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.wait(30)
+        exited = time.monotonic() - sent
+        s.join(10)
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.output
+    # The drain (1 s) and a grace to write the final error, not the stream's minutes.
+    assert exited < 1.0 + 2.0 + 3.0, exited
+    last = json.loads(s.events[-2] if s.events[-1] == "[DONE]" else s.events[-1])
+    assert last["error"]["code"] == "server_shutting_down", s.events[-3:]
+    assert len(s.events) > 5  # it was streaming, not refused
+    assert "drain timeout (1 s): ending 1 request(s) still running" in srv.output
+    assert "stream-error=server_shutting_down" in srv.output  # the access line says how it ended
+    assert srv.left_behind() == []
+
+
+def test_a_second_sigint_exits_at_once_without_draining(small: Path) -> None:
+    srv = ServerProcess(["-m", str(small), "--served-model-name", "tiny", "--drain-timeout", "60"])
+    try:
+        s = Stream(srv.host, srv.port)
+        assert s.first.wait(60), srv.output
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None  # draining: the stream runs on
+        sent = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.wait(10)
+        exited = time.monotonic() - sent
+        s.join(10)
+    finally:
+        srv.stop()
+    assert exited < 1.0, exited
+    assert srv.proc.returncode == 128 + signal.SIGINT
+    assert "SIGINT: a second signal; exiting now without draining" in srv.output
+    assert srv.left_behind() == []
+
+
+async def test_an_embedders_stop_keeps_its_drain_timeout_with_a_stream_running(
+    small: Path,
+) -> None:
+    async with local_stack(small, parallel=2) as st:
+        serving = Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING)  # logit_bias
+        runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"), drain_timeout=0.5)
+        await runner.setup()
+        url = (await runner.start())["http"]
+        events: list[str] = []
+        got_some = asyncio.Event()
+
+        async def stream() -> None:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/completions", json=ENDLESS) as resp:
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            got_some.set()
+
+        task = asyncio.create_task(stream())
+        await asyncio.wait_for(got_some.wait(), 30)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(runner.stop(), 10)
+        assert loop.time() - t0 < 0.5 + 2.5
+        await asyncio.wait_for(task, 5)
+        errors = [json.loads(e) for e in events if e.startswith('{"error"')]
+        assert errors and errors[-1]["error"]["code"] == "server_shutting_down"
+        assert st.frontend.in_flight == 0
