@@ -13,7 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import ByteSize, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -294,7 +302,29 @@ class ServeSettings(ModelSettings, PipelineSettings):
         "the file-descriptor limit less 256, at most 16384); more are closed at once",
     )
     drain_timeout: float = Field(
-        30.0, ge=0, description="seconds SIGTERM waits for requests in flight"
+        30.0,
+        ge=0,
+        description="seconds SIGINT/SIGTERM waits for requests in flight; then they end with "
+        "server_shutting_down (a second signal exits at once)",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="require Authorization: Bearer KEY on every request but /health/live "
+        "(prefer the environment variable: a flag shows in the process list)",
+    )
+    allowed_origins: str | None = Field(
+        None,
+        description="CORS: browser origins allowed to call the API, comma-separated "
+        "(https://app.example), or * for any; none by default",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="longest prompt + max_tokens a request may ask for (default and upper "
+        "bound: the model's context)",
+    )
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file, used instead of the tokenizer's"
     )
     # --- zero-config bring-up (docs/bringup.md) ---
     pp_auto: int | None = Field(

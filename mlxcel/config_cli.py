@@ -64,6 +64,10 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "http_header_timeout",
             "http_body_timeout",
             "drain_timeout",
+            "api_key",
+            "allowed_origins",
+            "max_model_len",
+            "chat_template",
         ),
     ),
     (

@@ -130,6 +130,9 @@ class Frontend:
         self.in_flight = 0
         self.draining = False
         self.shutting_down = False  # the drain ran out: what still runs is ended
+        # Set by the operator (--max-model-len, --chat-template); None: the model's own.
+        self.max_model_len: int | None = None
+        self.chat_template: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -182,6 +185,8 @@ class Frontend:
         kwargs: dict[str, Any] = {"add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:
@@ -218,6 +223,14 @@ class Frontend:
         """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
+        limit = self.max_model_len
+        if limit is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"this server's context of {limit} (--max-model-len)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if self.draining:
             raise AdmissionRejected("server is draining and admits no new requests")
         if self._waiting >= self.queue_size and self._slots.locked():

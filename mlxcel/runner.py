@@ -40,6 +40,8 @@ class HttpOptions:
     header_timeout: float = 10.0  # seconds to send a request's headers (slow-loris)
     body_timeout: float = 30.0  # seconds to send its body once the headers are in
     max_connections: int | None = None  # open HTTP connections (None: below the fd limit)
+    api_key: str | None = None  # every request but /health/live needs it (Bearer)
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins, or ("*",); () sends no CORS header
 
 
 @dataclass
@@ -122,6 +124,8 @@ class NodeRunner:
             mode=self.serving.mode,
             guard=self.guard,
             body_timeout=self.http.body_timeout,
+            api_key=self.http.api_key,
+            allowed_origins=self.http.allowed_origins,
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))

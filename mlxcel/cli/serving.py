@@ -21,15 +21,20 @@ from mlxcel.assembly import (
 )
 from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
+from mlxcel.cli.http_checks import ApiOptions, api_options, check_context, check_port
 from mlxcel.config import ServeSettings
 from mlxcel.loop import signals
 from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
 
 
 async def serve(s: ServeSettings) -> int:
+    api = api_options(s)  # a bad template or origin fails before anything starts
     spec = await _spec(s)
     if spec is None:
         return 0  # a dry run, or a tensor-parallel follower that has finished
+    if _serves_http(spec):
+        check_context(api, spec.model)
+        check_port(s.host, s.port)  # before the model loads, not after
     gen = Generation(
         s.parallel,
         s.queue_size,
@@ -45,7 +50,7 @@ async def serve(s: ServeSettings) -> int:
         elif isinstance(spec, DisaggSpec) and spec.role != "router":
             await _run_worker(node)
         else:
-            await _serve_http(s, node)
+            await _serve_http(s, node, api)
         failure = node.failure()
     if failure:
         from mlxcel.tp.launch import TpGroupFailed
@@ -116,7 +121,13 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
     return cluster_node_spec(s, cfg, me, path, cluster_secret(s, s.distributed_config))
 
 
-async def _serve_http(s: ServeSettings, node: Assembled) -> None:
+def _serves_http(spec: StackSpec) -> bool:
+    if isinstance(spec, StageSpec):
+        return False
+    return not (isinstance(spec, DisaggSpec) and spec.role != "router")
+
+
+async def _serve_http(s: ServeSettings, node: Assembled, api: ApiOptions) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
     from mlxcel.runner import HttpOptions, NodeRunner
     from mlxcel.runtime.hub import is_hub_id
@@ -136,7 +147,13 @@ async def _serve_http(s: ServeSettings, node: Assembled) -> None:
         header_timeout=s.http_header_timeout,
         body_timeout=s.http_body_timeout,
         max_connections=s.max_http_connections,
+        api_key=api.api_key,
+        allowed_origins=api.origins,
     )
+    fe = node.serving.frontend
+    if fe is not None:
+        fe.max_model_len = api.max_model_len
+        fe.chat_template = api.chat_template
     runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)
     await runner.setup()
     await runner.start()

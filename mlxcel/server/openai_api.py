@@ -25,6 +25,7 @@ from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import EngineError, Frontend, Usage
 from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
 from mlxcel.server import logprobs as lp
+from mlxcel.server.access import Cors, api_key_middleware
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.params import refuse_unimplemented, sampling_params, template_tools
 from mlxcel.server.responses import STREAM_ERROR, Output, account, sse, usage_body
@@ -429,12 +430,21 @@ def build_app(
     mode: str = "one process",
     guard: Any = None,
     body_timeout: float = 30.0,
+    api_key: str | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> web.Application:
-    # The guard first: a request whose headers arrived is busy, not slow (http_guard).
-    first = [guard.middleware] if guard is not None else []
-    app = web.Application(
-        client_max_size=max_body_bytes, middlewares=[*first, access_log, json_errors]
-    )
+    # The guard first: a request whose headers arrived is busy, not slow (http_guard). Then
+    # the access log (it sees 401s and 403s too), CORS (a 401 carries its headers), the key.
+    middlewares = [guard.middleware] if guard is not None else []
+    middlewares.append(access_log)
+    cors = Cors(allowed_origins) if allowed_origins else None
+    if cors is not None:
+        middlewares.append(cors.middleware)
+    if api_key:
+        middlewares.append(api_key_middleware(api_key))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[*middlewares, json_errors])
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_prepare)
     app[FRONTEND] = fe
     app[METRICS] = metrics
     if health_extra is not None:

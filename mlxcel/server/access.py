@@ -1,0 +1,124 @@
+"""Who may call the HTTP API: an API key, and the browser origins allowed to (CORS).
+
+- ``--api-key``: every request but ``GET /health/live`` (a liveness probe carries no
+  credentials) and a CORS preflight must send ``Authorization: Bearer KEY``; the key is
+  compared in constant time, and a missing or wrong one gets 401 in the OpenAI error shape
+  with ``WWW-Authenticate: Bearer``. The key is never logged.
+- ``--allowed-origins``: a comma-separated list of origins (``https://app.example``), or
+  ``*`` for any. A request from an allowed origin gets ``Access-Control-Allow-Origin`` (on
+  streams too: the header is added as the response is prepared); a preflight (``OPTIONS``
+  with ``Access-Control-Request-Method``) from one gets 204 with the methods and headers it
+  may use, from any other origin 403. Without the option no CORS header is ever sent, so a
+  browser on another origin cannot read an answer.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from typing import Any
+
+from aiohttp import web
+
+from mlxcel.errors import ConfigError
+
+EXEMPT = frozenset({"/health/live"})
+ALLOWED_METHODS = "GET, POST, OPTIONS"
+ALLOWED_HEADERS = "Authorization, Content-Type"
+PREFLIGHT_MAX_AGE = "600"
+
+
+def parse_origins(text: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: ``*``, or origins as a browser sends them (scheme://host[:port],
+    no path). Raises ConfigError naming a malformed one."""
+    if not text or not text.strip():
+        return ()
+    items = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if "*" in items:
+        return ("*",)
+    for o in items:
+        scheme, sep, rest = o.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+            raise ConfigError(
+                "--allowed-origins",
+                f"{o!r} is not an origin: give scheme://host[:port] (e.g. https://app.example), "
+                "or * for any",
+            )
+    return items
+
+
+def _error(
+    status: int, message: str, code: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """The OpenAI error shape (as ``openai_api.error_response``, which imports this module)."""
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    }
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _unauthorized(message: str) -> web.Response:
+    return _error(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+
+def api_key_middleware(key: str) -> Any:
+    expected = key.encode()
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path in EXEMPT or _is_preflight(request):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return _unauthorized(
+                "this server needs an API key: send the header Authorization: Bearer <key>"
+            )
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            return _unauthorized("incorrect API key provided")
+        return await handler(request)
+
+    return require_api_key
+
+
+def _is_preflight(request: web.Request) -> bool:
+    return (
+        request.method == "OPTIONS"
+        and "Origin" in request.headers
+        and "Access-Control-Request-Method" in request.headers
+    )
+
+
+class Cors:
+    """The allowed origins, as a middleware (preflights) and a response-prepare hook."""
+
+    def __init__(self, origins: Iterable[str]) -> None:
+        self.origins = frozenset(origins)
+        self.any = "*" in self.origins
+
+    def allows(self, origin: str) -> bool:
+        return self.any or origin.rstrip("/") in self.origins
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not _is_preflight(request):
+            return await handler(request)
+        origin = request.headers["Origin"]
+        if not self.allows(origin):
+            return _error(403, f"origin {origin!r} is not allowed", "origin_not_allowed")
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": ALLOWED_METHODS,
+                "Access-Control-Allow-Headers": ALLOWED_HEADERS,
+                "Access-Control-Max-Age": PREFLIGHT_MAX_AGE,
+            },
+        )
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is None or not self.allows(origin):
+            return
+        response.headers["Access-Control-Allow-Origin"] = "*" if self.any else origin
+        if not self.any:
+            response.headers.add("Vary", "Origin")

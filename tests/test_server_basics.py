@@ -1,0 +1,162 @@
+"""What users of other inference servers reach for, against a real server process and the
+official ``openai`` client: an API key, CORS, a context cap and a chat template of one's own;
+and options that are wrong fail at start in one line, before the model loads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import ROOT, ServerProcess, error_line
+
+KEY = "sk-test-0123456789abcdef"
+ORIGIN = "https://app.example"
+# Renders only the contents: a conversation of "hello" is the tokens of "hello" and nothing else.
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tpl = tmp_path_factory.mktemp("tpl") / "plain.jinja"
+    tpl.write_text(TEMPLATE)
+    srv = ServerProcess(
+        [
+            "-m",
+            str(tiny),
+            "--served-model-name",
+            "tiny",
+            "--allowed-origins",
+            ORIGIN,
+            "--max-model-len",
+            "64",
+            "--chat-template",
+            str(tpl),
+        ],  # fmt: skip
+        env={"MLXCEL_API_KEY": KEY},  # from the environment: not in the process list
+    )
+    yield srv
+    srv.stop()
+
+
+def raw(srv: ServerProcess, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(srv.base_url + path, data, method=method, headers=headers)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def client(srv: ServerProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_the_api_key_is_required_everywhere_but_liveness(server: ServerProcess) -> None:
+    r = client(server).completions.create(model="tiny", prompt="hi", max_tokens=4)
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError) as exc:
+        client(server, "sk-wrong").completions.create(model="tiny", prompt="hi", max_tokens=4)
+    assert exc.value.status_code == 401 and exc.value.code == "invalid_api_key"
+    for path in ("/v1/models", "/health", "/metrics"):
+        status, headers, body = raw(server, "GET", path)
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer", path
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    status, _, _ = raw(server, "GET", "/v1/models", Authorization="Basic " + KEY)
+    assert status == 401  # only Bearer
+    assert raw(server, "GET", "/health/live")[0] == 200
+    assert raw(server, "GET", "/health", Authorization=f"Bearer {KEY}")[0] == 200
+    assert KEY not in server.output  # never logged
+    assert "/v1/models 401" in server.output  # the refusals are in the access log
+
+
+def test_cors_allows_the_given_origin_only_and_preflights_need_no_key(
+    server: ServerProcess,
+) -> None:
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    status, headers, _ = raw(server, "OPTIONS", "/v1/chat/completions", **pre)
+    assert status == 204
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    assert headers["Access-Control-Allow-Origin"] == ORIGIN
+    status, headers, _ = raw(server, "OPTIONS", "/v1/chat/completions",
+                             **{**pre, "Origin": "https://evil.example"})  # fmt: skip
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, headers, text = raw(server, "POST", "/v1/completions", body, Origin=ORIGIN, **auth)
+    assert status == 200 and text.endswith(b"data: [DONE]\n\n")
+    assert headers["Access-Control-Allow-Origin"] == ORIGIN and "Origin" in headers["Vary"]
+    status, headers, _ = raw(server, "GET", "/v1/models", Origin="https://evil.example", **auth)
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    # A refusal carries the header too, so the page can read why.
+    status, headers, _ = raw(server, "GET", "/v1/models", Origin=ORIGIN)
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == ORIGIN
+
+
+def test_max_model_len_caps_prompt_plus_max_tokens(server: ServerProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(server).completions.create(model="tiny", prompt="hi", max_tokens=64)
+    assert exc.value.code == "context_length_exceeded"
+    assert "exceeds this server's context of 64 (--max-model-len)" in str(exc.value)
+    r = client(server).completions.create(model="tiny", prompt="hi", max_tokens=8)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_chat_template_file_is_used_instead_of_the_tokenizers(
+    server: ServerProcess, tiny: Path
+) -> None:
+    from mlx_lm import load
+
+    _, tok = load(str(tiny))
+    r = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2
+    )
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(tok.encode("hello", add_special_tokens=False))
+    # the tokenizer's own ChatML template would have wrapped it in several more tokens
+    assert len(tok.apply_chat_template([{"role": "user", "content": "hello"}],
+                                       add_generation_prompt=True)) > r.usage.prompt_tokens  # fmt: skip
+
+
+def serve_fails(tiny: Path, *args: str) -> tuple[int, str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), *args],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    return r.returncode, r.stderr
+
+
+def test_bad_options_fail_at_start_in_one_line_before_the_model_loads(
+    tiny: Path, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    code, err = serve_fails(tiny, "--chat-template", str(bad))
+    assert code == 2 and "--chat-template" in error_line(err) and "line 1" in error_line(err)
+    code, err = serve_fails(tiny, "--chat-template", str(tmp_path / "absent.jinja"))
+    assert code == 2 and "cannot read" in error_line(err)
+    code, err = serve_fails(tiny, "--allowed-origins", "app.example")
+    assert code == 2 and "is not an origin" in error_line(err)
+    code, err = serve_fails(tiny, "--max-model-len", "99999")
+    assert code == 2 and "exceeds the model's context of 4096" in error_line(err)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = serve_fails(tiny, "--port", str(port))
+    assert code == 1 and f"cannot serve HTTP on 127.0.0.1:{port}" in error_line(err)
+    assert "loaded model" not in err  # found before the model loaded
