@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -47,9 +48,16 @@ def test_text_access_line_per_request(tiny: Path, start_server: type[ServerProce
     chunks = list(r)
     assert chunks
     c.models.list()
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=5)
+    for path in ("/health", "/health/live", "/metrics"):
+        urllib.request.urlopen(srv.base_url + path, timeout=10).read()
     srv.stop()
     lines = srv.output.splitlines()
-    (line,) = [ln for ln in lines if "POST /v1/completions" in ln]
+    # A refusal's line says which error it was; probes are polled, so they stay at DEBUG.
+    assert any(" INFO    POST /v1/completions 400 invalid_value " in ln for ln in lines), lines
+    assert not any(f"GET {p} " in ln for p in ("/health", "/metrics") for ln in lines)
+    (line,) = [ln for ln in lines if "POST /v1/completions 200" in ln]
     assert " INFO    POST /v1/completions 200 prompt=" in line and "completion=4 " in line
     assert line.endswith("ms")
     assert any(" INFO    GET /v1/models 200 prompt=0 completion=0 " in ln for ln in lines)

@@ -26,20 +26,17 @@ from mlxcel.frontend import EngineError, Frontend, Usage
 from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
+from mlxcel.server.access_log import USAGE, access_log
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.params import refuse_unimplemented, sampling_params, template_tools
-from mlxcel.server.responses import STREAM_ERROR, Output, account, sse, usage_body
+from mlxcel.server.responses import Output, account, sse, usage_body
 from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxcel.server.tools import tool_text_for
 
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
 SETTINGS = web.AppKey("settings", dict)
-HEALTH = web.AppKey("health", object)
-# What a generation request used, for its access line (a typed key where aiohttp has them).
-USAGE: Any = (
-    web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"
-)  # optional async callable adding role details to /health
+HEALTH = web.AppKey("health", object)  # optional async callable adding role details to /health
 
 
 def error_response(
@@ -349,48 +346,6 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
-
-
-@web.middleware
-async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
-    """One INFO line per request: method, path, status, tokens, latency (fields in JSON)."""
-    started = time.perf_counter()
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except BaseException:
-        status = 499 if request.transport is None or request.transport.is_closing() else 500
-        raise
-    finally:
-        usage = request.get(USAGE)
-        failed = request.get(STREAM_ERROR)  # a 200 whose stream then ended in an error
-        shown = f"{status} stream-error={failed}" if failed else str(status)
-        prompt = usage.prompt_tokens if usage is not None else 0
-        completion = usage.completion_tokens if usage is not None else 0
-        ms = (time.perf_counter() - started) * 1000
-        logger.bind(
-            method=request.method,
-            path=request.path,
-            status=status,
-            stream_error=failed,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            latency_ms=round(ms, 1),
-            remote=request.remote,
-        ).info(
-            "{} {} {} prompt={} completion={} {:.1f}ms",
-            request.method,
-            request.path,
-            shown,
-            prompt,
-            completion,
-            ms,
-        )
 
 
 @web.middleware
