@@ -1,8 +1,9 @@
 """Progress for the slow one-off steps a user waits on: model loads, checkpoint writing.
 
 Bars are tqdm's (installed with the Hub client) on stderr when it is a terminal and the log
-format is text, and appear only for a step that takes more than a second. Messages go
-through loguru like every other line.
+format is text, and appear only for a step that takes more than a second; without a terminal,
+a step still running says so in a log line every 10 s. Messages go through loguru like every
+other line.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from loguru import logger
 
 DELAY = 1.0  # seconds before a bar appears
+LINE_EVERY = 10.0  # seconds between progress lines when there is no terminal for a bar
 
 
 def bars_wanted() -> bool:
@@ -41,10 +44,18 @@ def slow_task(desc: str) -> Iterator[None]:
         disable=not bars_wanted(),
     )
     done = threading.Event()
+    started = time.monotonic()
+    quiet = not bars_wanted()
+    next_line = started + LINE_EVERY
 
     def tick() -> None:
+        nonlocal next_line
         while not done.wait(0.25):
-            bar.update(0)  # redraws the elapsed time, once the delay has passed
+            if not quiet:
+                bar.update(0)  # redraws the elapsed time, once the delay has passed
+            elif time.monotonic() >= next_line:  # a log file: a line now and then instead
+                next_line += LINE_EVERY
+                logger.info("{}: still running ({:.0f} s)", desc, time.monotonic() - started)
 
     ticker = threading.Thread(target=tick, name="progress", daemon=True)
     ticker.start()

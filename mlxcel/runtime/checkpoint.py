@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxcel.progress import step_bar
+from mlxcel.progress import slow_task, step_bar
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -146,6 +147,24 @@ def model_config(shape: Shape, family: str) -> dict[str, Any]:
     return cfg
 
 
+def _random_model(model_cls: Any, args_cls: Any, config: dict[str, Any], dtype: str) -> Any:
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    model = model_cls(args_cls.from_dict(config))
+    # mlx's default init leaves a random model collapsing onto one repeated token; wider
+    # projections make greedy output depend on the prompt, which makes equality tests bite.
+    model.update(
+        tree_map_with_path(
+            lambda path, a: a * PROJ_SCALE if path.endswith("proj.weight") else a,
+            model.parameters(),
+        )
+    )
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model
+
+
 def write_checkpoint(
     out: Path,
     shape_name: str,
@@ -192,19 +211,8 @@ def write_checkpoint(
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     say(f"initialising {shape.layers} layers ({family}, hidden {shape.hidden}) with seed {seed}")
-    model = model_cls(args_cls.from_dict(config))
-    # mlx's default init leaves a random model collapsing onto one repeated token; wider
-    # projections make greedy output depend on the prompt, which makes equality tests bite.
-    from mlx.utils import tree_map_with_path
-
-    model.update(
-        tree_map_with_path(
-            lambda path, a: a * PROJ_SCALE if path.endswith("proj.weight") else a,
-            model.parameters(),
-        )
-    )
-    model.set_dtype(getattr(mx, shape.dtype))
-    mx.eval(model.parameters())
+    with slow_task("initialising weights") if progress is not None else nullcontext():
+        model = _random_model(model_cls, args_cls, config, shape.dtype)
     if quantize:
         model, config = quantize_model(model, config, group_size=64, bits=quantize)
     weights = dict(tree_flatten(model.parameters()))
