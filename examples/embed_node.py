@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+import mlxcel
 from mlxcel.bus import Envelope, Overflow
 from mlxcel.messages import RunResult, SamplingParams
 from mlxcel.runner import HttpOptions, NodeRunner, Serving
@@ -24,6 +25,7 @@ from mlxcel.server.run import local_stack
 
 
 async def main() -> None:
+    mlxcel.setup_logging("INFO")  # mlxcel's one log format, for this program's lines too
     with tempfile.TemporaryDirectory() as tmp:
         model = write_checkpoint(Path(tmp) / "tiny", "tiny", "qwen3")
         async with local_stack(model, max_batch_size=4, parallel=4) as stack:
@@ -34,6 +36,7 @@ async def main() -> None:
             async def audit(env: Envelope[RunResult]) -> None:
                 if not seen:
                     seen.append(-1)
+                    # A deliberate failure: one labelled ERROR line, and the node goes on.
                     raise RuntimeError("handlers may fail; the node logs and counts it")
                 seen.extend(env.msg.token_ids)
 

@@ -10,3 +10,12 @@ from mlxcel.runtime.blas import ensure_blas as _ensure_blas
 __version__ = "0.1.0"
 
 _ensure_blas()
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """mlxcel's log format for a program that embeds it, in one call: every line (mlxcel's,
+    its libraries', Python warnings) as ``HH:MM:SS.mmm LEVEL message`` on stderr, or one JSON
+    object per line with ``fmt="json"``. It replaces loguru's default sink."""
+    from mlxcel.logs import setup_logging as setup
+
+    setup(level.upper(), fmt)

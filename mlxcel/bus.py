@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -168,9 +169,19 @@ class Subscription:
             self._running = False
 
     def _failed(self, env: Envelope[Any]) -> None:
+        """One labelled line (the node keeps serving; ``handler_errors`` counts it); the
+        traceback goes to DEBUG, for whoever debugs the handler."""
         self.failed += 1
         self.bus.handler_errors[self.name] += 1
-        logger.exception("handler {} failed on {}", self.name, type(env.msg).__name__)
+        exc = sys.exc_info()[1]
+        logger.error(
+            "handler {} failed on {}: {}: {}",
+            self.name,
+            type(env.msg).__name__,
+            type(exc).__name__,
+            exc,
+        )
+        logger.opt(exception=True).debug("handler {}: traceback", self.name)
 
     def _offer_now(self, env: Envelope[Any], alone: bool) -> bool:
         """Deliver (``alone``: the message's only subscriber) or queue ``env`` without

@@ -81,13 +81,25 @@ async def test_handler_exception_is_logged_counted_and_not_fatal() -> None:
             raise RuntimeError("boom")
         seen.append(env.msg.nonce)
 
-    async with Node("t") as node:
-        sub = node.bus.subscribe(Ack, flaky, name="flaky")
-        for i in range(3):
-            await node.bus.publish(Ack("r", i), deadline=deadline_in(1))
-        await asyncio.sleep(0.01)
+    from loguru import logger
+
+    lines: list[tuple[str, str]] = []
+    sink = logger.add(lambda m: lines.append((m.record["level"].name, str(m))), level="DEBUG")
+    try:
+        async with Node("t") as node:
+            sub = node.bus.subscribe(Ack, flaky, name="flaky")
+            for i in range(3):
+                await node.bus.publish(Ack("r", i), deadline=deadline_in(1))
+            await asyncio.sleep(0.01)
+    finally:
+        logger.remove(sink)
     assert seen == [0, 2]
     assert sub.failed == 1 and node.bus.handler_errors["flaky"] == 1
+    # One labelled line at ERROR; the traceback only at DEBUG.
+    errors = [text for level, text in lines if level == "ERROR"]
+    assert len(errors) == 1 and errors[0].count("\n") == 1  # the line and its newline
+    assert "handler flaky failed on Ack: RuntimeError: boom" in errors[0]
+    assert any(lvl == "DEBUG" and "Traceback" in text for lvl, text in lines)
 
 
 async def test_non_critical_task_failure_is_counted_critical_failure_surfaces() -> None:

@@ -87,6 +87,5 @@ def check_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise ListenError(
-                f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}"
-            ) from None
+            why = (exc.strerror or str(exc)).lower()  # as the event loop words it later
+            raise ListenError(f"cannot serve HTTP on {host}:{port}: {why}") from None
