@@ -241,6 +241,9 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
         assert len(got) == 8 and all(isinstance(t, str) for t in got)
     h = settled_health(port)
     assert len(h["pipeline"]["stages"]) == len(stages)
+    # One notation for layer ranges: /health says what the stages' log lines say.
+    for st, proc in zip(h["pipeline"]["stages"], stages, strict=True):
+        assert f"(layers {st['layers']})" in "".join(proc.lines), st
     # Every process says at start which BLAS it computes on (the stages too).
     for proc in [*stages, cluster[2]]:
         assert "BLAS: " in "".join(proc.lines), "".join(proc.lines)[-2000:]

@@ -57,6 +57,12 @@ def pick_token(logits: Tensor, sampling: SamplingParams, sampler: Any) -> tuple[
     return int(sampler(logprobs).item()), sampler
 
 
+def layer_text(layers: tuple[int, ...]) -> str:
+    """A stage's (start, end) range as the one notation of logs, plans and /health: the
+    first and the last layer, ``0-4`` (the TOML's ``layers`` and ``--pp-layers`` too)."""
+    return f"{layers[0]}-{layers[1] - 1}" if len(layers) == 2 else str(list(layers))
+
+
 class PipelineCoordinator(CoreAdapter):
     def __init__(
         self,
@@ -175,11 +181,11 @@ class PipelineCoordinator(CoreAdapter):
             if judge:
                 self.feed(self.coord.stage_health(stage, False, why, self.now()))
             return
-        self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
+        self._last_seen[stage] = {"id": st.node_id, "layers": layer_text(st.layers)}
         self._view[stage] = {
             "address": stage,
             "id": st.node_id,
-            "layers": list(st.layers),  # [start, end): end exclusive
+            "layers": layer_text(st.layers),  # "0-4": first and last, as everywhere
             "sequences": st.sequences,
             "draining": st.draining,
             "wire_bytes_out": st.wire_bytes_out,
@@ -227,7 +233,7 @@ class PipelineCoordinator(CoreAdapter):
         """Ask every stage for its State (also proves each connection authenticates)."""
         states = list(await asyncio.gather(*(self.query(s, timeout) for s in self.stages)))
         for stage, st in zip(self.stages, states, strict=True):
-            self._last_seen[stage] = {"id": st.node_id, "layers": list(st.layers)}
+            self._last_seen[stage] = {"id": st.node_id, "layers": layer_text(st.layers)}
         return states
 
     async def health(self, verbose: bool = False) -> dict[str, Any]:
