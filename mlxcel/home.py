@@ -44,3 +44,17 @@ def embedded_model(shape: str = DEFAULT_SHAPE, family: str = DEFAULT_FAMILY, see
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+RANDOM_WEIGHTS_NOTE = (
+    "the embedded model has random weights: its text is meaningless by design "
+    "(it exists so that everything runs without a download); -m DIR uses a real checkpoint"
+)
+
+
+def is_embedded(path: Path) -> bool:
+    """Whether ``path`` is one of the embedded random-weight checkpoints."""
+    try:
+        return path.resolve().parent == (home() / "models").resolve()
+    except OSError:
+        return False

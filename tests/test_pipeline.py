@@ -635,6 +635,7 @@ def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cluster up: stages on 127.0.0.2 and 127.0.0.3" in r.stdout
+    assert "note: the embedded model has random weights" in r.stdout  # the gibberish explained
     import platform
 
     if sys.platform == "linux" and platform.machine() == "x86_64":

@@ -286,6 +286,7 @@ async def demo(s: DemoSettings) -> int:
 
     import aiohttp
 
+    from mlxcel.home import RANDOM_WEIGHTS_NOTE, is_embedded
     from mlxcel.pipeline.launch import LoopbackCluster
     from mlxcel.runtime.blas import ensure_blas
 
@@ -301,6 +302,8 @@ async def demo(s: DemoSettings) -> int:
             async with aiohttp.ClientSession() as http:
                 before = await _wire_bytes(http, base)
                 print(f"cluster up: stages on 127.0.0.2 and 127.0.0.3, API on {base}", flush=True)
+                if is_embedded(model):
+                    print(f"note: {RANDOM_WEIGHTS_NOTE}", flush=True)
                 print(f"> {s.prompt}", flush=True)
                 body = {
                     "model": model.name,

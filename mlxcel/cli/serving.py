@@ -23,6 +23,7 @@ from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
 from mlxcel.cli.http_checks import ApiOptions, api_options, check_context, check_port
 from mlxcel.config import ServeSettings
+from mlxcel.home import RANDOM_WEIGHTS_NOTE, is_embedded
 from mlxcel.loop import signals
 from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
 
@@ -35,6 +36,8 @@ async def serve(s: ServeSettings) -> int:
     if _serves_http(spec):
         check_context(api, spec.model)
         check_port(s.host, s.port)  # before the model loads, not after
+        if is_embedded(spec.model):
+            logger.info("note: {}", RANDOM_WEIGHTS_NOTE)
     gen = Generation(
         s.parallel,
         s.queue_size,
