@@ -29,6 +29,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from mlxcel.addresses import check_address
+
 ENV_PREFIX = "MLXCEL_"
 # Read by their own loaders, which know the precedence among them (mlxcel.net.secret): mapped
 # onto a setting, MLXCEL_CLUSTER_SECRET_FILE would pose as --cluster-secret-file.
@@ -215,32 +217,6 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
         return self
 
 
-def _check_address(address: str, flag: str, port_zero: bool) -> None:
-    """IP:PORT with a literal IP (identities are bound to source IPs, so no host names), in
-    the one form identities are compared in: no leading zeros, IPv6 in brackets."""
-    import ipaddress
-
-    host, sep, port = address.rpartition(":")
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-        canonical = f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
-        ok = (
-            bool(sep)
-            and port.isdigit()
-            and (port_zero or int(port) > 0)
-            and int(port) < 65536
-            and address == canonical
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        zero = " (port 0: any free port)" if port_zero else ""
-        raise ValueError(
-            f"{flag}: expected IP:PORT with a literal IP{zero} (IPv6 as [IP]:PORT, no leading "
-            f"zeros), got {address!r}"
-        )
-
-
 class ServeSettings(ModelSettings, PipelineSettings):
     max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
     prompt_cache_bytes: ByteSize = Field(
@@ -399,7 +375,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
             return self
         if self.serving_bind is None:
             raise ValueError(f"--node-role {role} needs --serving-bind IP:PORT")
-        _check_address(self.serving_bind, "--serving-bind", port_zero=False)
+        check_address(self.serving_bind, "--serving-bind", port_zero=False)
         if self.serving_bind.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::"):
             raise ValueError(
                 "--serving-bind is this node's identity: give the IP the other nodes see it "
@@ -415,7 +391,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
         ):
             peers = self.peer_list(field)
             for p in peers:
-                _check_address(p, flag, port_zero=False)
+                check_address(p, flag, port_zero=False)
             if len(set(peers)) != len(peers):
                 raise ValueError(f"{flag} lists an address twice")
         if role == "router" and not (
@@ -475,11 +451,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--dry-run is for the --pp-auto coordinator; a --pp-peer has no plan")
         peers = [p.strip() for p in (self.cluster_peers or "").split(",") if p.strip()]
         for p in peers:
-            _check_address(p, "--cluster-peers", port_zero=False)
+            check_address(p, "--cluster-peers", port_zero=False)
         if len(set(peers)) != len(peers):
             raise ValueError(f"--cluster-peers lists an address twice: {self.cluster_peers}")
         if self.cluster_control_addr is not None:
-            _check_address(
+            check_address(
                 self.cluster_control_addr, "--cluster-control-addr", port_zero=self.pp_peer
             )
         if self.pp_auto is not None and self.cluster_discovery == "static":
