@@ -222,3 +222,24 @@ async def until_true(cond, timeout: float = 5.0) -> None:  # type: ignore[no-unt
     while not cond():
         assert asyncio.get_running_loop().time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+# The edit loop's tier (``pytest -m quick``, under a minute on 2 cores): the pure cores, the
+# wire formats, the bus and the limits -- no model processes, no namespaces, no servers.
+QUICK_MODULES = frozenset(
+    {
+        "test_adapter", "test_adapter_exact", "test_bringup_cores", "test_bus", "test_codec",
+        "test_coordinator_core", "test_coordinator_core_exact", "test_decode_refusals",
+        "test_disagg_cores", "test_frame_stream", "test_frames", "test_handshake",
+        "test_handshake_diagnostics", "test_layering", "test_model_identity",
+        "test_noise_vectors", "test_peer_core_exact", "test_prefill_refusals",
+        "test_push_core_exact", "test_ratelimit", "test_read_deadline", "test_router_refusals",
+        "test_secret", "test_stage_core", "test_stage_core_exact", "test_udp", "test_wire_doc",
+    }
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
