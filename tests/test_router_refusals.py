@@ -295,9 +295,19 @@ def test_probe_results_mark_nodes_up_and_down_with_the_reason_kept() -> None:
     assert r.probe_result(P0, False, "r" * 400, 3.0) == []
     assert node_stats(r)["prefill-0"][5] == "r" * 300
     assert r.probe_result(P0, False, "", 4.0) == []
-    assert node_stats(r)["prefill-0"][5] == "unreachable"
-    assert r.probe_result(P0, True, "", 5.0) == [Warn("info", "router: prefill-0 is online")]
+    assert node_stats(r)["prefill-0"][5] == "unreachable (no reason given)"  # never blank
+    # Back: how long it was down, and the last reason it was down for.
+    assert r.probe_result(P0, True, "", 5.0) == [
+        Warn(
+            "info",
+            "router: prefill-0 is back online after 3.0s down (unreachable (no reason given))",
+        )
+    ]
     assert node_stats(r)["prefill-0"] == (True, 0, 0, 0, 0, "")
+    # A node never seen up is "online" the first time (it was never down).
+    r2 = RouterCore([P0], [D0])
+    assert r2.probe_result(P0, False, "", 0.0) == []
+    assert r2.probe_result(P0, True, "", 1.0) == [Warn("info", "router: prefill-0 is online")]
 
 
 def test_a_lost_prefill_node_fails_only_the_requests_still_waiting_for_it() -> None:
@@ -423,7 +433,10 @@ def test_a_node_that_answers_after_its_connection_dropped_restarts_what_had_no_t
     new = r.routes["a"]
     why = "prefill-0 dropped its connection; restarted"
     assert out == [
-        Warn("info", "router: prefill-0 is online"),
+        Warn(
+            "info",
+            "router: prefill-0 is back online after 2.0s down (no answer to a probe within 2s)",
+        ),
         cancel(P0, a.msg.request_id, why),
         cancel(D0, a.msg.request_id, why),
         Warn(

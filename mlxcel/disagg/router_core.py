@@ -53,6 +53,7 @@ class PeerNode:
     completed: int = 0
     failed: int = 0
     last_error: str = ""
+    down_since: float | None = None  # when it was marked down (for the "back" line)
 
 
 @dataclass
@@ -178,8 +179,17 @@ class RouterCore:
             was_down = not node.online
             if was_down:
                 node.online = True
-                node.last_error = ""
-                out.append(Warn("info", f"router: {node.id} is online"))
+                if node.down_since is None:
+                    out.append(Warn("info", f"router: {node.id} is online"))
+                else:
+                    out.append(
+                        Warn(
+                            "info",
+                            f"router: {node.id} is back online after "
+                            f"{now - node.down_since:.1f}s down ({node.last_error})",
+                        )
+                    )
+                node.last_error, node.down_since = "", None
             if suspect and was_down:
                 # It answers again, but it was down and a connection with it dropped: what
                 # was sent on that one may be gone. A request with no token out yet starts
@@ -190,7 +200,7 @@ class RouterCore:
                     if address in (r.prefill, r.decode) and r.restarts < MAX_RESTARTS:
                         out += self._restart(r, node, now, avoid=False)
             return out
-        out = self._mark_down(node, reason)
+        out = self._mark_down(node, reason, now)
         return out + self._requests_lost_with(node, now) if suspect or lost else out
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
@@ -277,7 +287,7 @@ class RouterCore:
         """``unsent``: the message certainly never left (the connection could not be made);
         otherwise the node may have it, and nothing is sent again."""
         node = self.nodes.get(send.dest)
-        out = self._mark_down(node, reason) if node is not None else []
+        out = self._mark_down(node, reason, now) if node is not None else []
         msg = send.msg
         if not isinstance(msg, PrefillRequest):
             return out  # a cancel that could not be sent: the node is gone anyway
@@ -464,12 +474,12 @@ class RouterCore:
         # missed a probe.
         return [Send(d, CancelRequest(r.wire, why[:200])) for d in dict.fromkeys(dests)]
 
-    def _mark_down(self, node: PeerNode, reason: str) -> list[Effect]:
-        node.last_error = reason[:300] or "unreachable"
+    def _mark_down(self, node: PeerNode, reason: str, now: float) -> list[Effect]:
+        node.last_error = reason[:300] or "unreachable (no reason given)"
         if not node.online:
             return []
-        node.online = False
-        return [Warn("warning", f"router: {node.id} marked down: {reason}")]
+        node.online, node.down_since = False, now
+        return [Warn("warning", f"router: {node.id} marked down: {node.last_error}")]
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -112,9 +112,14 @@ class RouterService(_DisaggAdapter):
             async with asyncio.timeout_at(deadline + 2.0):
                 await self.probe(address, deadline, fresh)
         except PeerSilent as exc:  # an open connection went silent: the node is lost
-            self.feed(self.router.probe_result(address, False, str(exc), self.now(), lost=True))
+            why = str(exc) or "its connection went silent"
+            self.feed(self.router.probe_result(address, False, why, self.now(), lost=True))
         except (MlxcelError, OSError, TimeoutError) as exc:
-            why = str(exc) or f"no answer to a probe within {wait:g}s"
+            why = str(exc) or (
+                f"no answer to a probe within {wait:g}s"
+                if isinstance(exc, TimeoutError)
+                else f"probe failed ({type(exc).__name__})"
+            )
             self.feed(self.router.probe_result(address, False, why, self.now()))
         else:
             self.feed(self.router.probe_result(address, True, "", self.now()))
