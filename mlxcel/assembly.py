@@ -263,6 +263,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
 
 @asynccontextmanager
 async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
+    from mlxcel.messages import EXTENDED_SAMPLING
     from mlxcel.runner import Serving
 
     if spec.role == "router":
@@ -290,6 +291,9 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
                 lambda: svc.router.active,
                 svc.health,
                 rs.listener,
+                # The prefill and decode nodes sample with the one-process engine, and the
+                # handoff carries what its penalties and PRNG need: every parameter.
+                sampling=EXTENDED_SAMPLING,
                 mode="disaggregated router",
             )
             # Read per request: an operator may flip it without a restart of the probe state.

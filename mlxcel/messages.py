@@ -402,6 +402,9 @@ class KvHandoff(Message):
     digest: bytes  # SHA-256 over the whole handoff but ``lease`` and the split (see disagg.handoff)
     part: int = 0
     parts: int = 1
+    # The prompt's last tokens (as many as a penalty looks back): the decode node's
+    # penalties see the same context the prefill node's did.
+    context: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +440,9 @@ class TokenResult(Message):
     finish_reason: str | None
     nonce: int
     logprobs: tuple[float, ...] | None = None
+    # top_logprobs alternatives, as in RunResult: per token, sampling.top_logprobs (id, logprob)
+    top_ids: tuple[int, ...] | None = None
+    top_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

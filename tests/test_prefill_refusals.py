@@ -69,6 +69,7 @@ def handoff_of(m: PrefillRequest, lease: int, target_sampling: int, key_state=()
         (K,),
         (K,),
         b"",
+        context=m.token_ids[-20:],  # the prompt's tail: what the decode node's penalties see
     )
     return dataclasses.replace(h, digest=digest_of(h, PACKED.tensors))
 
@@ -145,6 +146,18 @@ def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -
     assert c.handle(request(), R, 0.4) == []  # ran already: never again
     lease2 = admit(c, request(nonce=NONCE + 1), 0.5)  # a new nonce is a new request
     assert lease2 == lease + 2
+
+
+def test_the_first_tokens_alternatives_go_back_with_it_and_the_context_is_the_prompts_tail() -> (
+    None
+):
+    c = core()
+    m = request(tokens=tuple(range(30)))
+    lease = admit(c, m)
+    out = c.compute_done(lease, (9,), "length", (-0.5,), PACKED, (), 1.0, ((9, 4), (-0.5, -1.5)))
+    assert out[0] == Send(R, TokenResult("r1", 0, (9,), None, NONCE, (-0.5,), (9, 4), (-0.5, -1.5)))
+    handoff = out[1].msg  # type: ignore[union-attr]
+    assert handoff.context == tuple(range(10, 30))  # the last 20: mlx-lm's penalty window
 
 
 def test_the_first_token_ends_the_request_on_stop_or_a_one_token_budget() -> None:

@@ -231,7 +231,16 @@ class DecodeCore:
         if isinstance(r, Error):
             err = Error(r.code, f"decode failed: {r.message}", h.request_id, h.nonce)
             return [Send(s.router, err)] + self._end(s, SlotEvent.FAIL)
-        t = TokenResult(h.request_id, s.index, r.token_ids, r.finish_reason, h.nonce, r.logprobs)
+        t = TokenResult(
+            h.request_id,
+            s.index,
+            r.token_ids,
+            r.finish_reason,
+            h.nonce,
+            r.logprobs,
+            r.top_ids,
+            r.top_logprobs,
+        )
         s.index += 1
         out: list[Effect] = [Send(s.router, t)]
         if r.finish_reason is not None:

@@ -35,6 +35,7 @@ def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
         astuple(h.sampling),
         tuple(h.rng_key),
         h.prompt_len,
+        tuple(h.context),
     )
     d = hashlib.sha256(b"mlxcel-kv-handoff-1|")
     d.update(repr(fields).encode())

@@ -23,6 +23,7 @@ from mlxcel.disagg.protocol import (
     LEASE_BYTES_PER_S,
     LEASE_TABLE,
     MAX_TOMBSTONES,
+    PENALTY_CONTEXT,
     LeaseEvent,
     LeaseState,
     PrefillJob,
@@ -153,15 +154,23 @@ class PrefillCore:
         packed: Packed | None,
         key_state: tuple[int, ...],
         now: float,
+        top: tuple[tuple[int, ...], tuple[float, ...]] | None = None,
     ) -> list[Effect]:
-        """The prompt ran: ``token_ids`` is the first token (empty at end of sequence)."""
+        """The prompt ran: ``token_ids`` is the first token (empty at end of sequence);
+        ``top``: its top_logprobs alternatives (ids, logprobs), when asked for."""
         x = self.leases.get(lease_id)
         if x is None:
             return [FreeCache(lease_id)]  # cancelled while it ran
         m = x.request
         final = finish == "stop" or m.sampling.max_tokens == 1
         first = TokenResult(
-            m.request_id, 0, token_ids, finish if final else None, m.nonce, logprobs
+            m.request_id,
+            0,
+            token_ids,
+            finish if final else None,
+            m.nonce,
+            logprobs,
+            *(top or (None, None)),
         )
         out: list[Effect] = [Send(x.router, first)]
         if final:
@@ -182,6 +191,7 @@ class PrefillCore:
             packed.keys,
             packed.values,
             b"",
+            context=m.token_ids[-PENALTY_CONTEXT:],
         )
         h = dataclasses.replace(h, digest=digest_of(h, packed.tensors))
         parts = split(h, self.config.part_bytes)

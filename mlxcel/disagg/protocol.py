@@ -33,6 +33,7 @@ PROBE_INTERVAL = 1.0  # router: liveness probe period per node
 TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long
 MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
+PENALTY_CONTEXT = 20  # prompt tokens a handoff carries: what mlx-lm's penalties look back on
 MAX_PARTS = 1024  # decode: messages one handoff may be split into
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
 DROP_GRACE = 5.0  # router: a stream whose decode node dropped a connection must go on within

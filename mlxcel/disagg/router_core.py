@@ -431,7 +431,16 @@ class RouterCore:
         r.deadline = now + self.handoff_timeout
         out: list[Effect] = [
             Deliver(
-                RunResult(r.request_id, 0, t.token_ids, t.finish_reason, r.entry.nonce, t.logprobs)
+                RunResult(
+                    r.request_id,
+                    0,
+                    t.token_ids,
+                    t.finish_reason,
+                    r.entry.nonce,
+                    t.logprobs,
+                    top_ids=t.top_ids,
+                    top_logprobs=t.top_logprobs,
+                )
             )
         ]
         if r.state is RouteState.DONE:

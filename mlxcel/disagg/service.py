@@ -211,9 +211,10 @@ class PrefillService(_DisaggAdapter):
             self.feed(self.prefill.compute_failed(lease, m.message, self.now()))
             return
         packed, key = self.engine.kept.pop(rid, (None, ()))
+        top = (m.top_ids, m.top_logprobs) if m.top_ids and m.top_logprobs else None
         self.feed(
             self.prefill.compute_done(
-                lease, m.token_ids, m.finish_reason, m.logprobs, packed, key, self.now()
+                lease, m.token_ids, m.finish_reason, m.logprobs, packed, key, self.now(), top
             )
         )
 
@@ -277,6 +278,7 @@ class DecodeService(_DisaggAdapter):
                 sink=lambda m: self.feed(self.decode.token(slot, m, self.now())),
                 cache=caches,
                 key_state=h.rng_key,
+                context=h.context,
             )
         if problem is not None:
             err = Error(ErrorCode.ENGINE_FAILED, problem, rid)

@@ -183,10 +183,12 @@ class LocalEngine(SoloSteps):
         cache: list[Any] | None = None,
         key_state: tuple[int, ...] = (),
         keep_cache: bool = False,
+        context: tuple[int, ...] = (),
     ) -> str | None:
         """Start a sequence; returns why not (None: started). With ``cache`` it resumes after
-        the cached tokens; with ``keep_cache`` its packed cache lands in :attr:`kept` before
-        its last result; with ``sink`` its results go there instead of onto the bus."""
+        the cached tokens (``context``: the last of them, which its penalties see); with
+        ``keep_cache`` its packed cache lands in :attr:`kept` before its last result; with
+        ``sink`` its results go there instead of onto the bus."""
         problem = entry_problem(e, self.loaded.config)
         if problem is None and e.request_id in self._seqs:
             problem = f"request {e.request_id!r} is already running"
@@ -195,8 +197,9 @@ class LocalEngine(SoloSteps):
         if problem is not None:
             return problem
         self._seqs[e.request_id] = Seq(
-            e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink
-        )
+            e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink,
+            context=context,
+        )  # fmt: skip
         self._interrupt.set()
         self._wake.set()
         return None
@@ -251,7 +254,10 @@ class LocalEngine(SoloSteps):
                 async with asyncio.timeout(self.step_timeout):
                     out = await self.compute.run(
                         self._step,
-                        [Insert(s.entry, s.cache, s.key_state, s.keep_cache) for s in inserts],
+                        [
+                            Insert(s.entry, s.cache, s.key_state, s.keep_cache, s.context)
+                            for s in inserts
+                        ],
                         removals,
                         dict(self._by_uid),
                         want_lp,
@@ -360,8 +366,8 @@ class LocalEngine(SoloSteps):
             for i in inserts:
                 cache, n = self._start(i)
                 caches.append(cache)
-                # A cached prefix is context already in the cache (penalties see it).
-                seen.append(list(i.entry.token_ids[:n]))
+                # A cached prefix (or a handed-off cache's context) is what penalties see.
+                seen.append([*i.context, *i.entry.token_ids[:n]])
                 prompts.append(list(i.entry.token_ids[n:]))
             uids = gen.insert(
                 prompts,

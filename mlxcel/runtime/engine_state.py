@@ -38,6 +38,7 @@ class Seq:
     keep_cache: bool = False
     sink: Sink | None = None
     cached: int = 0  # prompt tokens the prompt cache supplied (reported with the first token)
+    context: tuple[int, ...] = ()  # tokens before a handed-off cache's, for the penalties
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class Insert:
     cache: list[Any] | None
     key_state: tuple[int, ...]
     keep_cache: bool
+    context: tuple[int, ...] = ()
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""One client script, the official ``openai`` client, run unchanged against every serving mode:
+each request uses parameters a one-process node serves, and the answers are compared with one
+node's (text exactly, logprobs within float tolerance)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CHAT = [{"role": "user", "content": "Tell me about clusters that span machines"}]
+
+
+def requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, endpoint, arguments) of every request the script sends."""
+    chat: dict[str, Any] = {"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    comp: dict[str, Any] = {"model": model, "prompt": "A pipeline of stages", "max_tokens": 10,
+                            "temperature": 0}  # fmt: skip
+    return [
+        ("greedy", "chat", chat),
+        ("logprobs", "chat", {**chat, "logprobs": True, "top_logprobs": 3}),
+        ("completion logprobs", "completions", {**comp, "logprobs": 2}),
+        (
+            "seeded min_p",
+            "chat",
+            {**chat, "temperature": 0.8, "seed": 7, "extra_body": {"min_p": 0.05}},
+        ),  # fmt: skip
+        ("logit_bias", "completions", {**comp, "logit_bias": {"5": -100, "9": 5}}),
+        (
+            "penalties",
+            "completions",
+            {
+                **comp,
+                "presence_penalty": 1.5,
+                "frequency_penalty": 0.5,
+                "extra_body": {"repetition_penalty": 1.3},
+            },
+        ),  # fmt: skip
+        ("stop", "completions", {**comp, "max_tokens": 24, "stop": ["e", "a"]}),
+        ("tools", "chat", {**chat, "tools": TOOLS}),
+    ]
+
+
+async def run(client: openai.AsyncOpenAI, model: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, endpoint, args in requests(model):
+        if endpoint == "chat":
+            r = await client.chat.completions.create(**args)
+            c = r.choices[0]
+            lps = c.logprobs.content if c.logprobs and c.logprobs.content else []
+            out[name] = {
+                "text": c.message.content,
+                "finish": c.finish_reason,
+                "logprobs": [t.logprob for t in lps],
+                "top": [[(a.token, a.logprob) for a in t.top_logprobs] for t in lps],
+            }
+        else:
+            r = await client.completions.create(**args)
+            c = r.choices[0]
+            lp = c.logprobs
+            out[name] = {
+                "text": c.text,
+                "finish": c.finish_reason,
+                "logprobs": list(lp.token_logprobs or []) if lp else [],
+                "top": [sorted(d.items()) for d in (lp.top_logprobs or [])] if lp else [],
+            }
+    return out
+
+
+def assert_same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        g, w = got[name], want[name]
+        assert (g["text"], g["finish"]) == (w["text"], w["finish"]), name
+        assert len(g["logprobs"]) == len(w["logprobs"]), name
+        for a, b in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert abs(a - b) < 1e-4, (name, a, b)
+        assert [[t for t, _ in row] for row in g["top"]] == [
+            [t for t, _ in row] for row in w["top"]
+        ], name
+        for grow, wrow in zip(g["top"], w["top"], strict=True):
+            for (_, a), (_, b) in zip(grow, wrow, strict=True):
+                assert abs(a - b) < 1e-4, (name, a, b)
+    assert any(v["logprobs"] for v in want.values())  # the script asked for some: it compared
