@@ -46,6 +46,19 @@ def requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
                 "extra_body": {"repetition_penalty": 1.3},
             },
         ),  # fmt: skip
+        # A penalty that must see the prompt: token 5 is pushed up by the bias and down by
+        # the repetition penalty only while the prompt (which holds it) is in view.
+        (
+            "penalised prompt",
+            "completions",
+            {
+                **comp,
+                "prompt": [5, 6, 7, 8],
+                "max_tokens": 6,
+                "logit_bias": {"5": 10},
+                "extra_body": {"repetition_penalty": 10.0},
+            },
+        ),  # fmt: skip
         ("stop", "completions", {**comp, "max_tokens": 24, "stop": ["e", "a"]}),
         ("tools", "chat", {**chat, "tools": TOOLS}),
     ]
