@@ -199,7 +199,14 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             c = ps.coordinator
             plan = ", ".join(p.spec for p in ps.plan)
             yield Assembled(
-                Serving(ps.node, ps.frontend, lambda: c.active, c.health, mode="pipeline"),
+                Serving(
+                    ps.node,
+                    ps.frontend,
+                    lambda: c.active,
+                    c.health,
+                    sampling=_pipeline_sampling(spec.return_logits),
+                    mode="pipeline",
+                ),
                 ps.loaded.name,
                 f"in-process pipeline of {len(ps.plan)} stages: {plan}",
             )
@@ -231,6 +238,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                     rc.frontend,
                     lambda: c.active,
                     lambda: c.health(verbose),
+                    sampling=_pipeline_sampling(spec.return_logits),
                     mode="pipeline",
                 ),
                 spec.model.name,
@@ -259,6 +267,14 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                 f"stage {spec.me.id} (layers {layers})",
                 stage=service,
             )
+
+
+def _pipeline_sampling(return_logits: bool) -> frozenset[str]:
+    """The final stage samples with every parameter (processors, top_logprobs); with
+    --pp-return-logits the coordinator samples the returned logits itself, plainly."""
+    from mlxcel.messages import EXTENDED_SAMPLING
+
+    return frozenset() if return_logits else EXTENDED_SAMPLING
 
 
 @asynccontextmanager

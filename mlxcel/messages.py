@@ -83,6 +83,9 @@ class PrepareSequence(Message):
     request_id: str
     max_len: int
     nonce: int = 0
+    # The prompt's last tokens (as many as a penalty looks back on): the final stage's
+    # logits processors see what a one-process engine's would.
+    context: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

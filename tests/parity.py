@@ -105,3 +105,35 @@ def assert_same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]])
             for (_, a), (_, b) in zip(grow, wrow, strict=True):
                 assert abs(a - b) < 1e-4, (name, a, b)
     assert any(v["logprobs"] for v in want.values())  # the script asked for some: it compared
+
+
+async def against(url: str, model: str = "tiny") -> dict[str, dict[str, Any]]:
+    """The script against the server at ``url`` (http://host:port)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        return await run(client, model)
+    finally:
+        await client.close()
+
+
+async def served(serving: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
+    """The script against ``serving`` behind a NodeRunner on a free port of this loop."""
+    from mlxcel.runner import HttpOptions, NodeRunner
+
+    runner = NodeRunner(serving, HttpOptions(port=0, model_name=model))
+    await runner.setup()
+    url = (await runner.start())["http"]
+    try:
+        return await against(url, model)
+    finally:
+        await runner.stop()
+
+
+async def one_node(path: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
+    """What one process answers: the reference every mode is held to."""
+    from mlxcel.messages import EXTENDED_SAMPLING
+    from mlxcel.runner import Serving
+    from mlxcel.server.run import local_stack
+
+    async with local_stack(path) as st:
+        return await served(Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING), model)

@@ -61,10 +61,13 @@ def entry(rid: str = "r", prompt: tuple[int, ...] = (1,), nonce: int = 77) -> Ru
     return RunEntry(rid, 0, prompt, 0, SP, nonce)
 
 
-def preps(rid: str, total: int, first: int, deadline: float) -> list[Effect]:
-    """The PrepareSequence sends of one admission: one nonce per stage, in stage order."""
+def preps(
+    rid: str, total: int, first: int, deadline: float, prompt: tuple[int, ...] = (1,)
+) -> list[Effect]:
+    """The PrepareSequence sends of one admission: one nonce per stage, in stage order, each
+    with the prompt's last 20 tokens (what the final stage's penalties look back on)."""
     return [
-        Send(s, PrepareSequence(rid, total, first + i), deadline=deadline)
+        Send(s, PrepareSequence(rid, total, first + i, prompt[-20:]), deadline=deadline)
         for i, s in enumerate(STAGES)
     ]
 
@@ -198,7 +201,7 @@ def test_an_entry_that_cannot_run_is_refused_and_counted(prompt: tuple[int, ...]
 def test_the_context_and_vocabulary_bounds_are_inclusive() -> None:
     c = core()
     # 61 prompt tokens + 3 = 64 = max_len exactly, the largest id 15 = vocab - 1: accepted.
-    assert c.handle(entry(prompt=(15,) * 61), LOCAL, 0.25) == preps("r", 64, 1, 2.25)
+    assert c.handle(entry(prompt=(15,) * 61), LOCAL, 0.25) == preps("r", 64, 1, 2.25, (15,) * 61)
     assert c.failed == 0
 
 
@@ -223,7 +226,8 @@ def test_a_request_fills_caches_in_chunks_then_decodes_word_for_word() -> None:
     c = core()
     e = RunEntry("r", 0, tuple(range(1, 11)), 0, SamplingParams(max_tokens=2), 77)
     sp = e.sampling
-    assert c.handle(e, LOCAL, 0.5) == preps("r", 12, 1, 2.5)  # 10 prompt + 2 new tokens
+    # 10 prompt + 2 new tokens; the whole prompt is the final stage's context
+    assert c.handle(e, LOCAL, 0.5) == preps("r", 12, 1, 2.5, e.token_ids)
     req = c.reqs["r"]
     assert (req.state, c.held, c.peak_in_flight) == (ReqState.PREPARING, 1, 1)
     assert c.handle(Ack("r", 1), S0, 0.75) == []

@@ -316,28 +316,14 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
     """logprobs and top_logprobs (carried back from the prefill and decode nodes), min_p,
     logit_bias, the penalties (the handoff carries the prompt's tail they look back on),
     seed, stop and tools: the same script, the same answers as one node."""
-    import openai
-
     from mlxcel.messages import EXTENDED_SAMPLING
-    from mlxcel.runner import HttpOptions, Serving
+    from mlxcel.runner import Serving
     from tests import parity
 
-    async def serve_and_run(serving: Serving) -> dict[str, dict[str, object]]:
-        runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"))
-        await runner.setup()
-        url = (await runner.start())["http"]
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        try:
-            return await parity.run(client, "tiny")
-        finally:
-            await client.close()
-            await runner.stop()
-
-    async with local_stack(tiny) as st:
-        want = await serve_and_run(Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING))
+    want = await parity.one_node(tiny)
     async with trio(tiny) as t:
         r = t.router
-        got = await serve_and_run(
+        got = await parity.served(
             Serving(r.node, r.frontend, sampling=EXTENDED_SAMPLING, mode="disaggregated router")
         )
     parity.assert_same(got, want)

@@ -1038,3 +1038,22 @@ def test_cluster_toml_accepts_the_original_engines_names_and_bounds_peer_timeout
     path.write_text(base.format(extra="peer_timeout = 0.1"))
     with pytest.raises(ConfigError, match="peer_timeout"):
         load_cluster_config(path)
+
+
+async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter(
+    tiny: Path,
+) -> None:
+    """The final stage applies logit_bias and the penalties over the prompt's tail its claim
+    carried, min_p, seeds, and returns top_logprobs: the one client script, one node's
+    answers."""
+    from mlxcel.assembly import _pipeline_sampling
+    from mlxcel.runner import Serving
+    from tests import parity
+
+    want = await parity.one_node(tiny)
+    async with pipeline_stack(tiny, 2) as st:
+        c = st.coordinator
+        got = await parity.served(
+            Serving(st.node, st.frontend, lambda: c.active, sampling=_pipeline_sampling(False))
+        )
+    parity.assert_same(got, want)

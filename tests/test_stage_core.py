@@ -189,6 +189,19 @@ def test_an_activation_of_another_owner_never_joins_this_owners_cache() -> None:
 # --- the data path -----------------------------------------------------------------------------
 
 
+def test_every_sampling_parameter_runs_and_the_claims_context_rides_with_each_step() -> None:
+    """A pipeline applies what one process does (the final stage runs the processors, over the
+    prompt's tail the claim carried): nothing is refused, nothing is dropped."""
+    c = core(index=0)
+    c.handle(PrepareSequence("r", 64, 1, context=(7, 8, 9)), C, 0.5)
+    sp = SamplingParams(min_p=0.1, logit_bias_ids=(3,), logit_bias_values=(1.0,),
+                        repetition_penalty=1.2, top_logprobs=2)  # fmt: skip
+    out = c.handle(RunEntry("r", 0, (1,), 0, sp, 5), C, 1.0)
+    assert errors(out) == []
+    step = c.seqs["r"].step
+    assert step is not None and step.sampling == sp and step.context == (7, 8, 9)
+
+
 @pytest.mark.parametrize(
     "entry, code",
     [
@@ -198,14 +211,6 @@ def test_an_activation_of_another_owner_never_joins_this_owners_cache() -> None:
         (RunEntry("r", 0, (-1,), 0, SP, 5), ErrorCode.BAD_REQUEST),
         (RunEntry("r", 0, (1,), 3, SP, 5), ErrorCode.BAD_REQUEST),  # cache holds 0 positions
         (RunEntry("r", 0, (1,) * 65, 0, SP, 5), ErrorCode.BAD_REQUEST),  # beyond max_len 64
-        # Sampling a pipeline does not apply is refused, never ignored.
-        (RunEntry("r", 0, (1,), 0, SamplingParams(min_p=0.1), 5), ErrorCode.BAD_REQUEST),
-        (
-            RunEntry(
-                "r", 0, (1,), 0, SamplingParams(logit_bias_ids=(3,), logit_bias_values=(1.0,)), 5
-            ),
-            ErrorCode.BAD_REQUEST,
-        ),
     ],
 )
 def test_bad_run_entries_are_refused_with_their_nonce(entry: RunEntry, code: str) -> None:

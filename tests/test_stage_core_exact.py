@@ -148,18 +148,13 @@ def test_a_run_entry_for_an_unknown_sequence_names_it() -> None:
     [
         (RunEntry("r", 0, (), 0, SP, 5), "token ids empty or outside the vocabulary [0, 16)"),
         (RunEntry("r", 0, (16,), 0, SP, 5), "token ids empty or outside the vocabulary [0, 16)"),
-        # Every unsupported parameter is named, comma-separated.
-        (
-            RunEntry("r", 0, (1,), 0, SamplingParams(min_p=0.1, presence_penalty=0.5), 5),
-            "a pipeline does not apply min_p, presence_penalty",
-        ),
         (
             RunEntry("r", 0, (1,), 3, SP, 5),
             "start_pos 3 does not follow the 0 positions cached for 'r'",
         ),
         (RunEntry("r", 0, (1, 2, 3), 0, SP, 5), "token ids beyond the prepared length"),
     ],
-    ids=["empty", "vocab", "extended", "start_pos", "max_len"],
+    ids=["empty", "vocab", "start_pos", "max_len"],
 )
 def test_bad_run_entries_are_refused_word_for_word(entry: RunEntry, why: str) -> None:
     c = make()

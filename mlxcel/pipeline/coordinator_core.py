@@ -54,6 +54,8 @@ from mlxcel.pipeline.coordinator_protocol import (
     ReqEvent,
     ReqState,
     admission_problem,
+    claim,
+    for_client,
     match_result,
     missed_text,
 )
@@ -304,11 +306,10 @@ class CoordinatorCore:
             req.admitted = True
             self.micro.join(req)
             self.peak_in_flight = max(self.peak_in_flight, self.held)
-            total = len(req.entry.token_ids) + req.entry.sampling.max_tokens
             for stage in self.stages:
                 nonce = self._open(Ack, stage, rid, 0, now)
                 req.pending.add(nonce)
-                out.append(self._send(stage, PrepareSequence(rid, total, nonce)))
+                out.append(self._send(stage, claim(req.entry, nonce)))
 
     def _cancel(self, rid: str, now: float, out: list[Effect]) -> None:
         req = self.reqs.get(rid)
@@ -447,9 +448,7 @@ class CoordinatorCore:
             out.append(Deliver(RunResult(rid, e.micro_batch, (), "stop", e.nonce)))
         else:
             finish = "length" if req.generated >= e.sampling.max_tokens else None
-            out.append(
-                Deliver(RunResult(rid, e.micro_batch, (token,), finish, e.nonce, logprobs=lp))
-            )
+            out.append(Deliver(for_client(e, token, finish, lp, m)))
             if finish is None:
                 req.next_tokens = (token,)
                 self._next_step(req, now, out)

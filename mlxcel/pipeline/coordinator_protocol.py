@@ -15,7 +15,17 @@ from typing import Any
 
 from mlxcel.errors import MlxcelError
 from mlxcel.fsm import Table
-from mlxcel.messages import ErrorCode, Message, RunEntry, RunResult, SamplingParams, Tensor
+from mlxcel.messages import (
+    ErrorCode,
+    Message,
+    PrepareSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    Tensor,
+)
+
+PENALTY_CONTEXT = 20  # prompt tokens the final stage's penalties look back on (mlx-lm's)
 
 
 class PipelineError(MlxcelError):
@@ -234,3 +244,25 @@ def missed_text(ex: Exchange, final: str, step_timeout: float, now: float) -> st
         waited = now - ex.sent_at
         return f"{what} within {step_timeout:g}s of the last progress report ({waited:.1f}s in all)"
     return f"{what} within {ex.deadline - ex.sent_at:g}s"
+
+
+def claim(e: RunEntry, nonce: int) -> PrepareSequence:
+    """A stage's claim on ``e``: its whole length, and the prompt's tail that the final
+    stage's logits processors look back on (as the one-process engine's would)."""
+    total = len(e.token_ids) + e.sampling.max_tokens
+    return PrepareSequence(e.request_id, total, nonce, tuple(e.token_ids[-PENALTY_CONTEXT:]))
+
+
+def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, m: RunResult) -> RunResult:
+    """What the frontend gets for one decoded token: the final stage's logprob and its
+    top_logprobs alternatives travel on."""
+    return RunResult(
+        e.request_id,
+        e.micro_batch,
+        (token,),
+        finish,
+        e.nonce,
+        logprobs=lp,
+        top_ids=m.top_ids,
+        top_logprobs=m.top_logprobs,
+    )

@@ -282,7 +282,7 @@ class StageCore(StageGate):
             self._free(out, [m.request_id], quiet=True)
         self._generation += 1
         key = (m.request_id, self._generation)
-        self.seqs[m.request_id] = Seq(key, source, m.max_len, now, nonce=m.nonce)
+        self.seqs[m.request_id] = Seq(key, source, m.max_len, now, nonce=m.nonce, context=m.context)
         self._send(out, source, Ack(m.request_id, m.nonce))
 
     def _on_ReleaseSequence(
@@ -318,12 +318,8 @@ class StageCore(StageGate):
         seq = self._owned(m, source)
         if seq is None:
             raise ProtocolError(ErrorCode.NOT_PREPARED, f"no sequence {m.request_id!r} here")
-        problem = ""
         if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
             problem = f"token ids empty or outside the vocabulary [0, {self.vocab})"
-        elif m.sampling.extended():  # the final stage samples without mlx-lm's processors
-            problem = f"a pipeline does not apply {', '.join(m.sampling.extended())}"
-        if problem:
             raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
         n = len(m.token_ids)
         step = Step(
@@ -337,6 +333,7 @@ class StageCore(StageGate):
             m.nonce,
             m.sample,
             owner=seq.owner,
+            context=seq.context,
         )
         self._accept_step(seq, step, now)
 
@@ -372,6 +369,7 @@ class StageCore(StageGate):
             m.sample,
             m.compute_us,
             seq.owner,
+            seq.context,
         )
         try:
             self._accept_step(seq, step, now)
@@ -459,8 +457,7 @@ class StageCore(StageGate):
             self._send(out, self.config.downstream, act)
             return
         tokens: tuple[int, ...] = ()
-        logprobs = None
-        logits = None
+        logprobs = logits = None
         if not step.sample:
             pass  # a cache-filling prompt chunk: progress, no token
         elif isinstance(result, Tensor):
@@ -468,11 +465,11 @@ class StageCore(StageGate):
         elif isinstance(result, Sampled):
             tokens = (result.token,)
             logprobs = (result.logprob,) if step.sampling.logprobs else None
-        self._send(
-            out,
-            seq.owner,
-            RunResult(rid, step.micro_batch, tokens, None, step.nonce, logprobs, logits, spent),
+        top = result.top if isinstance(result, Sampled) and result.top else (None, None)
+        res = RunResult(
+            rid, step.micro_batch, tokens, None, step.nonce, logprobs, logits, spent, *top
         )
+        self._send(out, seq.owner, res)
 
     # --- helpers ------------------------------------------------------------------------------
     def _live(self, key: SeqKey) -> Seq | None:

@@ -169,6 +169,7 @@ class Step:
     sample: bool = True
     compute_us: int = 0  # spent upstream on this step
     owner: str = ""  # who prepared the sequence on the entry stage
+    context: tuple[int, ...] = ()  # the prompt's tail (final stage: what penalties look back on)
 
     @property
     def request_id(self) -> str:
@@ -223,6 +224,7 @@ class KeepAlive:
 class Sampled:
     token: int
     logprob: float
+    top: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # top_logprobs (ids, values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +249,7 @@ class Seq:
     step: Step | None = None  # the queued or running step
     nonce: int = 0  # of the PrepareSequence that claimed it: a copy of that claim is a no-op
     step_nonce: int | None = None  # of the last step accepted: a copy of it is a no-op
+    context: tuple[int, ...] = ()  # the prompt's tail, from PrepareSequence
 
 
 @dataclass

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from mlxcel.messages import DeviceTensor, ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
+from mlxcel.pipeline.stage_sampling import SamplingExtras
 from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
 from mlxcel.runtime.model import LayerRange, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
@@ -120,6 +121,7 @@ class StageRuntime:
         self.regroups = 0  # rows moved into or out of a batch
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
+        self.extras = SamplingExtras()  # logits processors and top_logprobs (final stage)
         self.timing = StageTiming()
         self.ahead_to: StageRuntime | None = None
         self._ahead: Ahead | None = None
@@ -133,6 +135,7 @@ class StageRuntime:
         self._pos.pop(key, None)
         self.caches.pop(key, None)
         self.samplers.pop(key, None)
+        self.extras.free(key)
         bid = self.batch_of.pop(key, None)
         if bid is not None:
             self._drop_row(bid, key)
@@ -286,6 +289,7 @@ class StageRuntime:
         # Normalise in the model's dtype, like the one-process engine: in bf16 it rounds, and
         # skipping it would break near-ties differently.
         timing = self.timing
+        logits = self.extras.process(steps, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers: list[Sampler | None | StepFailed] = [self._sampler(s) for s in steps]
         if all(sm is None for sm in samplers):
@@ -299,8 +303,8 @@ class StageRuntime:
                 tokens, lps = picks[0].tolist(), picks[1].tolist()
                 timing.add(t0, t1, t2)
                 return [
-                    Sampled(t, lp) if s.sample else None
-                    for s, t, lp in zip(steps, tokens, lps, strict=True)
+                    self._sampled(s, t, lp, logprobs[i]) if s.sample else None
+                    for i, (s, t, lp) in enumerate(zip(steps, tokens, lps, strict=True))
                 ]
             except Exception as exc:
                 return [_failed(exc) if s.sample else None for s in steps]
@@ -321,8 +325,10 @@ class StageRuntime:
             return [_failed(exc) if isinstance(p, tuple) else p for p in each]
         t2 = time.perf_counter()
         outs = [
-            Sampled(int(p[0].item()), float(p[1].item())) if isinstance(p, tuple) else p
-            for p in each
+            self._sampled(s, int(p[0].item()), float(p[1].item()), logprobs[i])
+            if isinstance(p, tuple)
+            else p
+            for i, (s, p) in enumerate(zip(steps, each, strict=True))
         ]
         timing.add(t0, t1, t2)
         return outs
@@ -397,6 +403,10 @@ class StageRuntime:
             self.ahead_undone += 1
             for c in self.batches[a.bid].cache:
                 c.trim(1)
+
+    def _sampled(self, step: Step, token: int, logprob: float, row: mx.array) -> Sampled:
+        self.extras.record(step, token)
+        return Sampled(token, logprob, self.extras.top(step, row))
 
     def _sampler(self, step: Step) -> Sampler | None | StepFailed:
         """``step``'s sequence's sampler (None: greedy), made on its first sampled step."""
