@@ -249,6 +249,19 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
         assert "BLAS: " in "".join(proc.lines), "".join(proc.lines)[-2000:]
 
 
+def test_the_openai_client_script_gets_what_one_node_gives_every_parameter(
+    cluster, tiny: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Stage processes on 127.0.0.x: logprobs and top_logprobs, min_p, logit_bias, penalties,
+    seed, stop and tools answer as one node does."""
+    from tests import parity
+
+    port = cluster[0]
+    want = asyncio.run(parity.one_node(tiny, MODEL))
+    got = asyncio.run(parity.against(f"http://127.0.0.1:{port}", MODEL))
+    parity.assert_same(got, want)
+
+
 def test_stage_with_another_secret_fails_the_coordinator_at_startup(
     tiny: Path, secret: Path, tmp_path: Path
 ) -> None:
