@@ -175,6 +175,11 @@ def test_static_bring_up_serves_like_one_process(
         for p in peers:
             p.wait_for("mlxcel stage")
         assert chat(port) == reference
+        # The one client script: every parameter, one node's answers.
+        from tests import parity
+
+        want = asyncio.run(parity.one_node(tiny, MODEL))
+        parity.assert_same(asyncio.run(parity.against(f"http://127.0.0.1:{port}", MODEL)), want)
         # byte for byte what the dry run wrote: the rerun reproduces the coordinator's file
         assert (tmp_path / ".mlxcel" / "cluster.toml").read_bytes() == planned
         cfg = load_cluster_config(tmp_path / ".mlxcel" / "cluster.toml")

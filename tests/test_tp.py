@@ -182,6 +182,11 @@ def test_serve_tp2_through_the_openai_client(
     # (an unseeded draw may hit the end-of-sequence token early; it must still finish)
     assert u.usage is not None and 1 <= u.usage.completion_tokens <= 8
     assert u.choices[0].finish_reason in ("stop", "length")
+    # The one client script: every parameter, one node's answers (logprobs within tolerance).
+    from tests import parity
+
+    want = asyncio.run(parity.one_node(checkpoints[family], MODEL))
+    parity.assert_same(asyncio.run(parity.against(srv.base_url, MODEL)), want)
     assert srv.stop() == 0
     assert srv.left_behind() == []  # the follower rank exited with the server
 
