@@ -32,8 +32,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     logprobs: bool = False
-    # The rest are what the OpenAI API calls them; see docs/http-api.md. Only the one-process
-    # engine applies them today; the server refuses them for other modes.
+    # The rest are what the OpenAI API calls them; see docs/http-api.md. Every sampling node
+    # applies them (the engine, a pipeline's final stage, a decode node).
     top_logprobs: int = 0  # also return this many most likely tokens per step
     min_p: float = 0.0
     logit_bias_ids: tuple[int, ...] = ()  # parallel to logit_bias_values
