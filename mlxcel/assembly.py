@@ -206,6 +206,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                     c.health,
                     sampling=_pipeline_sampling(spec.return_logits),
                     mode="pipeline",
+                    topology=_pipeline_topology(c),
                 ),
                 ps.loaded.name,
                 f"in-process pipeline of {len(ps.plan)} stages: {plan}",
@@ -240,6 +241,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                     lambda: c.health(verbose),
                     sampling=_pipeline_sampling(spec.return_logits),
                     mode="pipeline",
+                    topology=_pipeline_topology(c),
                 ),
                 spec.model.name,
                 f"pipeline coordinator of {len(rc.plan)} stages",
@@ -267,6 +269,15 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                 f"stage {spec.me.id} (layers {layers})",
                 stage=service,
             )
+
+
+def _pipeline_topology(coordinator: Any) -> Any:
+    async def topology() -> Any:
+        from mlxcel.server.cluster_view import pipeline_topology
+
+        return pipeline_topology(await coordinator.health(verbose=False))
+
+    return topology
 
 
 def _pipeline_sampling(return_logits: bool) -> frozenset[str]:
@@ -312,6 +323,13 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
                 sampling=EXTENDED_SAMPLING,
                 mode="disaggregated router",
             )
+
+            async def topology() -> Any:
+                from mlxcel.server.cluster_view import router_topology
+
+                return router_topology(svc.stats(verbose=False))
+
+            serving.topology = topology
             # Read per request: an operator may flip it without a restart of the probe state.
             serving.extra_get["/router/stats"] = lambda: svc.stats(
                 stats_verbose(os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from mlxcel.config import LogLevel, _Base, _short, check_model
 
@@ -113,6 +113,17 @@ class BenchFramesSettings(_Base):
 class KeygenSettings(_Base):
     out: Path = Field(..., description="file to write the secret to (mode 0600)")
     force: bool = Field(False, description="overwrite an existing file")
+
+
+class StatusSettings(_Base):
+    url: str = Field(
+        "http://127.0.0.1:8080",
+        description="the serving node (a router, a pipeline coordinator, any server); also "
+        "the first argument: status URL",
+    )
+    watch: bool = Field(False, description="redraw every --interval seconds until Ctrl-C")
+    interval: float = Field(2.0, ge=0.2, le=3600, description="seconds between redraws")
+    api_key: SecretStr | None = Field(None, description="the server's --api-key, if it has one")
 
 
 class SimSettings(_HasModel):

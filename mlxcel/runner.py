@@ -61,6 +61,9 @@ class Serving:
     # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
     sampling: frozenset[str] = frozenset()
     mode: str = "one process"  # how this node generates, as a refusal names it
+    # The nodes behind this one and their links, for /cluster, /dashboard and the per-node
+    # metrics (None: this node alone).
+    topology: Callable[[], Awaitable[tuple[list[dict[str, Any]], list[list[str]]]]] | None = None
     prompt_cache: Callable[[], dict[str, int]] | None = None  # its counters, for /metrics
 
 
@@ -129,10 +132,35 @@ class NodeRunner:
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))
+        add_cluster_routes(app, self._cluster_view(metrics), metrics)
         self._app_runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE
         )
         await self._app_runner.setup()
+
+    def _cluster_view(self, metrics: Any) -> Any:
+        from mlxcel.server.cluster_view import ClusterView, single_topology, ttft_p50_ms
+
+        fe, serving = self.serving.frontend, self.serving
+        assert fe is not None and self.http is not None
+
+        async def alone() -> Any:
+            return single_topology(serving.mode, fe.in_flight)
+
+        def totals() -> dict[str, Any]:
+            return {
+                "generated_tokens": metrics.generated_total,
+                "prompt_tokens": metrics.prompt_total,
+                "requests": metrics.requests_done,
+                "running": fe.in_flight,
+                "waiting": fe.waiting,
+                "ttft_ms_p50": ttft_p50_ms(list(metrics.recent_ttft)),
+            }
+
+        view = ClusterView(self.http.model_name, serving.mode, serving.topology or alone, totals)
+        metrics.bind_cluster(lambda: view.last, self.http.model_name)
+        metrics.refresh = view.snapshot
+        return view
 
     async def start(self) -> dict[str, str]:
         """Bind every site; ``started`` (and the return value) name what is listening."""
@@ -207,6 +235,20 @@ class NodeRunner:
             await runner.cleanup()
         if "cluster" in self.addresses and self.serving.listener is not None:
             await self.serving.listener.close()  # stops accepting and closes its connections
+
+
+def add_cluster_routes(app: web.Application, view: Any, metrics: Any) -> None:
+    """GET /cluster (the view as JSON) and /dashboard (the page that draws it)."""
+    from mlxcel.server.dashboard import PAGE
+
+    async def cluster(_request: web.Request) -> web.Response:
+        return web.json_response(await view.snapshot())
+
+    async def dashboard(_request: web.Request) -> web.Response:
+        return web.Response(text=PAGE, content_type="text/html", charset="utf-8")
+
+    app.router.add_get("/cluster", cluster)
+    app.router.add_get("/dashboard", dashboard)
 
 
 def _json_route(answer: Callable[[], Any]) -> Callable[[web.Request], Any]:

@@ -32,6 +32,7 @@ from mlxcel.config_tools import (
     DemoSettings,
     KeygenSettings,
     SimSettings,
+    StatusSettings,
 )
 from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
 from mlxcel.logs import setup_logging
@@ -49,6 +50,7 @@ COMMANDS: dict[str, tuple[type, str]] = {
         "check the cluster handshake between two hosts (secret, address, interface)",
     ),
     "keygen": (KeygenSettings, "write a new random cluster secret (32 bytes, hex, mode 0600)"),
+    "status": (StatusSettings, "a table of the cluster behind a serving node (--watch: live)"),
     "sim": (SimSettings, "simulate pipeline clusters with seeded faults on a virtual clock"),
 }
 BENCHES: dict[str, tuple[type, str]] = {
@@ -129,6 +131,9 @@ def _guard(command: str, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0] == "status" and not argv[1].startswith("-"):
+        argv[1:2] = ["--url", argv[1]]  # `status URL`, as one would type it
     try:
         args = parser.parse_args(argv)
         if args.command is None:
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in settings._notes:
         logger.info("note: {}", note)
     _enable_stack_dumps()
-    if args.command not in ("keygen", "cluster-check"):
+    if args.command not in ("keygen", "cluster-check", "status"):
         from mlxcel.runtime.blas import blas_problem, ensure_blas
 
         logger.info("BLAS: {}", ensure_blas())  # every process that computes says which
@@ -212,6 +217,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         return commands.checkpoint(settings)
     if args.command == "keygen":
         return commands.keygen(settings)
+    if args.command == "status":
+        from mlxcel.cli.status import status
+
+        return status(settings)
     if args.command == "sim":
         from mlxcel.cli.sim import run_sim
 

@@ -26,6 +26,7 @@ from mlxcel.disagg.protocol import (
     RouteEvent,
     RouteState,
 )
+from mlxcel.disagg.router_nodes import PeerNode, node_stats
 from mlxcel.effects import Deliver, Effect, Send, Warn
 from mlxcel.messages import (
     CancelRequest,
@@ -39,21 +40,6 @@ from mlxcel.messages import (
 )
 
 LOCAL = "local"
-
-
-@dataclass
-class PeerNode:
-    id: str  # prefill-<i> / decode-<i>: what /router/stats shows instead of the address
-    role: str
-    address: str
-    online: bool = False  # unknown until the first probe answers
-    suspect: bool = False  # a connection with it dropped: the next probe decides
-    dispatched: int = 0
-    active: int = 0
-    completed: int = 0
-    failed: int = 0
-    last_error: str = ""
-    down_since: float | None = None  # when it was marked down (for the "back" line)
 
 
 @dataclass
@@ -175,6 +161,7 @@ class RouterCore:
             return []
         suspect, node.suspect = node.suspect, False
         if ok:
+            node.seen_at = now
             out: list[Effect] = []
             was_down = not node.online
             if was_down:
@@ -491,20 +478,4 @@ class RouterCore:
         return [Warn("warning", f"router: {node.id} marked down: {node.last_error}")]
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "nodes": [
-                {
-                    "id": n.id,
-                    "role": n.role,
-                    "address": n.address,
-                    "healthy": n.online,
-                    "dispatched": n.dispatched,
-                    "active": n.active,
-                    "completed": n.completed,
-                    "failed": n.failed,
-                    "last_error": n.last_error,
-                }
-                for n in self.nodes.values()
-            ],
-            "metrics": {"in_flight": self.active, **dict(self.counts)},
-        }
+        return node_stats(self.nodes.values(), self.active, self.counts)

@@ -154,6 +154,9 @@ class RouterService(_DisaggAdapter):
     def stats(self, verbose: bool) -> dict[str, Any]:
         """GET /router/stats: addresses only when ``verbose`` (MLXCEL_ROUTER_STATS_VERBOSE)."""
         body = self.router.stats()
+        for n in body["nodes"]:
+            seen = n.pop("seen_at", None)
+            n["last_seen_s"] = None if seen is None else round(self.now() - seen, 2)
         if not verbose:
             for n in body["nodes"]:
                 n.pop("address", None)

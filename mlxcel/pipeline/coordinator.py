@@ -105,6 +105,7 @@ class PipelineCoordinator(CoreAdapter):
         # What the background probe last learned of each stage: /health answers from this,
         # never by waiting on a stage.
         self._view: dict[str, dict[str, Any]] = {}
+        self._seen_at: dict[str, float] = {}  # when each stage last answered a probe
         self.probe_interval = PROBE_INTERVAL
         self._probing = False
         self._local = LocalOutbox(node, "coordinator")
@@ -182,6 +183,7 @@ class PipelineCoordinator(CoreAdapter):
                 self.feed(self.coord.stage_health(stage, False, why, self.now()))
             return
         self._last_seen[stage] = {"id": st.node_id, "layers": layer_text(st.layers)}
+        self._seen_at[stage] = self.now()
         self._view[stage] = {
             "address": stage,
             "id": st.node_id,
@@ -250,6 +252,8 @@ class PipelineCoordinator(CoreAdapter):
             )
             if stage in self.coord.down:
                 view["error"] = self.coord.down[stage]
+            if stage in self._seen_at:
+                view["last_seen_s"] = round(self.now() - self._seen_at[stage], 2)
             if not verbose:
                 view.pop("address", None)
                 view.setdefault("id", f"stage-{i}")

@@ -22,7 +22,9 @@ from aiohttp import web
 
 from mlxcel.errors import ConfigError
 
-EXEMPT = frozenset({"/health/live"})
+# Liveness carries no credentials; the dashboard page holds no data (its polls of /cluster
+# send the key).
+EXEMPT = frozenset({"/health/live", "/dashboard"})
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type"
 PREFLIGHT_MAX_AGE = "600"

@@ -19,7 +19,7 @@ from mlxcel.server.responses import STREAM_ERROR
 USAGE: Any = web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"
 
 
-PROBES = frozenset({"/health", "/health/live", "/metrics"})  # polled: logged at DEBUG
+PROBES = frozenset({"/health", "/health/live", "/metrics", "/cluster"})  # polled: at DEBUG
 
 
 def _error_code(resp: web.StreamResponse) -> str | None:

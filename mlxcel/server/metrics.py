@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,6 +47,11 @@ class Metrics:
             "mlxcel_inflight_requests", "requests generating", registry=r
         )
         self.handler_errors = Gauge("mlxcel_bus_handler_errors", "bus handler failures", registry=r)
+        self.recent_ttft: deque[float] = deque(maxlen=200)  # the cluster view's TTFT p50
+        self.requests_done = 0  # generation requests answered (the cluster view's count)
+        self.prompt_total = self.generated_total = 0  # the counters' values, for the view
+        # Called before each scrape (the cluster view, refreshed from its nodes).
+        self.refresh: Callable[[], Awaitable[Any]] | None = None
 
     def bind(
         self,
@@ -61,6 +68,10 @@ class Metrics:
     def bind_prompt_cache(self, stats: Callable[[], dict[str, int]]) -> None:
         """Expose the engine's prompt cache (its counters live on the engine)."""
         self.registry.register(_PromptCacheCollector(stats))
+
+    def bind_cluster(self, view: Callable[[], dict[str, Any]], model: str) -> None:
+        """Per-node gauges from the latest cluster view (refreshed before each scrape)."""
+        self.registry.register(_ClusterCollector(view, model))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -89,3 +100,40 @@ class _PromptCacheCollector:
         yield GaugeMetricFamily(
             "mlxcel_prompt_cache_entries", "cached token sequences", s["entries"]
         )
+
+
+class _ClusterCollector:
+    """One series per node of the cluster view, labelled by node id and role (never by
+    address), plus the requests running and waiting per model."""
+
+    GAUGES = (
+        ("up", "mlxcel_node_up", "1 while the node answers its probes"),
+        ("last_seen_s", "mlxcel_node_last_seen_seconds", "seconds since the node last answered"),
+        ("in_flight", "mlxcel_node_in_flight", "requests the node is working on"),
+        ("sequences", "mlxcel_node_sequences", "sequences (KV caches) the node holds"),
+        ("wire_bytes_out", "mlxcel_node_wire_bytes_out", "bytes the node wrote to the cluster"),
+        ("completed", "mlxcel_node_completed", "requests the node completed"),
+        ("failed", "mlxcel_node_failed", "requests that failed on the node"),
+    )
+
+    def __init__(self, view: Callable[[], dict[str, Any]], model: str) -> None:
+        self._view = view
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        v = self._view()
+        for key, name, doc in self.GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["node", "role"])
+            for n in v.get("nodes", []):
+                value = n.get(key)
+                if value is not None:
+                    g.add_metric([str(n["id"]), str(n["role"])], float(value))
+            yield g
+        totals = v.get("totals", {})
+        for key, name, doc in (
+            ("running", "mlxcel_requests_running", "requests generating, per model"),
+            ("waiting", "mlxcel_requests_waiting", "requests waiting for a slot, per model"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric([self._model], float(totals.get(key, 0)))
+            yield g

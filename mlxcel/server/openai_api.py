@@ -342,7 +342,10 @@ async def liveness(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
+    metrics = request.app[METRICS]
+    if metrics.refresh is not None:
+        await metrics.refresh()  # the per-node gauges read the cluster view as it is now
+    body = metrics.render()
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )

@@ -76,8 +76,12 @@ def usage_body(u: Usage) -> dict[str, Any]:
 def account(metrics: Metrics, u: Usage) -> None:
     metrics.prompt_tokens.inc(u.prompt_tokens)
     metrics.generated_tokens.inc(u.completion_tokens)
+    metrics.requests_done += 1
+    metrics.prompt_total += u.prompt_tokens
+    metrics.generated_total += u.completion_tokens
     if u.first_token_at is not None:
         metrics.ttft.observe(u.first_token_at - u.submitted_at)
+        metrics.recent_ttft.append(u.first_token_at - u.submitted_at)
 
 
 async def sse(

@@ -1,0 +1,122 @@
+"""One view of the cluster behind a serving node, whatever its mode: ``GET /cluster`` (JSON),
+what ``python -m mlxcel status`` prints, what ``/dashboard`` draws, and the per-node gauges of
+``/metrics``.
+
+::
+
+    {"model": "...", "mode": "pipeline", "time": 1796330000.1,
+     "totals": {"generated_tokens": 812, "prompt_tokens": 96, "requests": 12,
+                "running": 2, "waiting": 0, "ttft_ms_p50": 41.3},
+     "nodes": [{"id": "coordinator", "role": "coordinator", "up": true, ...},
+               {"id": "stage-0", "role": "stage", "layers": "0-1", "up": true,
+                "sequences": 2, "last_seen_s": 0.4, ...}],
+     "links": [["coordinator", "stage-0"], ["stage-0", "stage-1"], ...]}
+
+Nodes are named by id and role, never by address (the same rule as /health and
+/router/stats). Rates (tokens a second) are left to the reader: it has two snapshots and
+their times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Node = dict[str, Any]
+Topology = tuple[list[Node], list[list[str]]]
+
+
+def pipeline_topology(health: dict[str, Any]) -> Topology:
+    """A pipeline coordinator's stages (from its /health details): coordinator -> stage-0 ->
+    ... -> stage-N -> coordinator (the results come back)."""
+    p = health.get("pipeline", {})
+    nodes: list[Node] = [
+        {"id": "coordinator", "role": "coordinator", "up": True, "in_flight": p.get("active", 0)}
+    ]
+    for st in p.get("stages", []):
+        node: Node = {
+            "id": st.get("id", "?"),
+            "role": "stage",
+            "up": "error" not in st,
+            "layers": st.get("layers"),
+            "sequences": st.get("sequences"),
+            "draining": st.get("draining", False),
+            "wire_bytes_out": st.get("wire_bytes_out"),
+            "last_seen_s": st.get("last_seen_s"),
+        }
+        if "error" in st:
+            node["error"] = st["error"]
+        nodes.append(node)
+    ids = [n["id"] for n in nodes]
+    links = [[a, b] for a, b in zip(ids, ids[1:], strict=False)]
+    if len(ids) > 1:
+        links.append([ids[-1], ids[0]])
+    return nodes, links
+
+
+def router_topology(stats: dict[str, Any]) -> Topology:
+    """A disaggregated router's nodes (from /router/stats): router -> prefill -> decode ->
+    router."""
+    m = stats.get("metrics", {})
+    nodes: list[Node] = [
+        {"id": "router", "role": "router", "up": True, "in_flight": m.get("in_flight", 0)}
+    ]
+    for n in stats.get("nodes", []):
+        nodes.append(
+            {
+                "id": n["id"],
+                "role": n["role"],
+                "up": bool(n.get("healthy")),
+                "in_flight": n.get("active"),
+                "completed": n.get("completed"),
+                "failed": n.get("failed"),
+                "last_seen_s": n.get("last_seen_s"),
+            }
+        )
+    prefill = [n["id"] for n in nodes if n["role"] == "prefill"]
+    decode = [n["id"] for n in nodes if n["role"] == "decode"]
+    links = [["router", p] for p in prefill]
+    links += [[p, d] for p in prefill for d in decode]
+    links += [[d, "router"] for d in decode]
+    return nodes, links
+
+
+def single_topology(mode: str, in_flight: int) -> Topology:
+    return [{"id": "this node", "role": mode, "up": True, "in_flight": in_flight}], []
+
+
+class ClusterView:
+    """Builds the view from the serving node's parts; ``last`` keeps the latest for the
+    Prometheus collector (scrapes are synchronous)."""
+
+    def __init__(
+        self,
+        model: str,
+        mode: str,
+        topology: Callable[[], Awaitable[Topology]],
+        totals: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.model, self.mode = model, mode
+        self.topology = topology
+        self.totals = totals
+        self.last: dict[str, Any] = {"nodes": []}
+
+    async def snapshot(self) -> dict[str, Any]:
+        nodes, links = await self.topology()
+        self.last = {
+            "model": self.model,
+            "mode": self.mode,
+            "time": time.time(),
+            "totals": self.totals(),
+            "nodes": nodes,
+            "links": links,
+        }
+        return self.last
+
+
+def ttft_p50_ms(recent: list[float]) -> float | None:
+    if not recent:
+        return None
+    ordered = sorted(recent)
+    return round(ordered[len(ordered) // 2] * 1000, 1)
