@@ -100,6 +100,12 @@ function draw(view) {
   for (const [a, b] of view.links) {
     if (!at[a] || !at[b]) continue;
     const dx = at[b].x - at[a].x, sx = Math.sign(dx) || 1;
+    if (dx < 0) {  // a link back (results to the coordinator or router): a curve below
+      const y = Math.max(at[a].y, at[b].y) + h / 2, mid = (at[a].x + at[b].x) / 2;
+      links.append(el("path", {class: "link", fill: "none",
+        d: `M${at[a].x},${at[a].y + h / 2} Q${mid},${y + 70} ${at[b].x},${at[b].y + h / 2}`}));
+      continue;
+    }
     links.append(el("line", {class: "link", x1: at[a].x + sx * w / 2, y1: at[a].y,
       x2: at[b].x - sx * w / 2, y2: at[b].y}));
   }
