@@ -72,10 +72,13 @@ class Stream:
         self._t.join(timeout)
 
 
+@pytest.mark.parametrize("mode", [[], ["--pp-size", "2"]], ids=["one-process", "pipeline"])
 def test_after_the_drain_timeout_a_running_stream_ends_in_band_and_the_process_exits(
-    small: Path,
+    small: Path, mode: list[str]
 ) -> None:
-    srv = ServerProcess(["-m", str(small), "--served-model-name", "tiny", "--drain-timeout", "1"])
+    srv = ServerProcess(
+        ["-m", str(small), "--served-model-name", "tiny", "--drain-timeout", "1", *mode]
+    )
     try:
         s = Stream(srv.host, srv.port)
         assert s.first.wait(60) and s.events, srv.output
