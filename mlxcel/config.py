@@ -296,8 +296,8 @@ class ServeSettings(ModelSettings, PipelineSettings):
     max_model_len: int | None = Field(
         None,
         ge=1,
-        description="longest prompt + max_tokens a request may ask for (default and upper "
-        "bound: the model's context)",
+        description="longest prompt + max_tokens a request may ask for (at most the model's "
+        "context, which always applies); a request over it gets 400 context_length_exceeded",
     )
     chat_template: Path | None = Field(
         None, description="a Jinja chat template file, used instead of the tokenizer's"

@@ -264,7 +264,8 @@ class Frontend:
                 async with until(deadline, f"request {request_id}"):
                     msg = await q.get()
                 if isinstance(msg, Error):
-                    finished = True
+                    # Ended here at shutdown, the sequence still runs there: cancel it.
+                    finished = msg.code != ErrorCode.SERVER_SHUTTING_DOWN
                     if msg.code == ErrorCode.BAD_REQUEST:
                         raise RequestError(msg.message)
                     raise EngineError(msg.code, msg.message)

@@ -4,6 +4,7 @@ node's (text exactly, logprobs within float tolerance)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -59,14 +60,40 @@ def requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
                 "extra_body": {"repetition_penalty": 10.0},
             },
         ),  # fmt: skip
+        # Longer than the penalties' 20-token window on both sides: the prompt's tail and the
+        # window sliding over what was generated must match too.
+        (
+            "long penalised",
+            "completions",
+            {
+                **comp,
+                "prompt": list(range(3, 43)),
+                "max_tokens": 30,
+                "presence_penalty": 1.0,
+                "frequency_penalty": 0.7,
+                "extra_body": {"repetition_penalty": 1.8},
+            },
+        ),  # fmt: skip
         ("stop", "completions", {**comp, "max_tokens": 24, "stop": ["e", "a"]}),
         ("tools", "chat", {**chat, "tools": TOOLS}),
     ]
 
 
 async def run(client: openai.AsyncOpenAI, model: str) -> dict[str, dict[str, Any]]:
+    out = await _each(client, requests(model))
+    # The same requests at once: rows with and without processors share a batch.
+    together = [(f"{name} (together)", e, a) for name, e, a in requests(model)]
+    parts = await asyncio.gather(*(_each(client, [r]) for r in together))
+    for part in parts:
+        out.update(part)
+    return out
+
+
+async def _each(
+    client: openai.AsyncOpenAI, reqs: list[tuple[str, str, dict[str, Any]]]
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for name, endpoint, args in requests(model):
+    for name, endpoint, args in reqs:
         if endpoint == "chat":
             r = await client.chat.completions.create(**args)
             c = r.choices[0]

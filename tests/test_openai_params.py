@@ -408,10 +408,15 @@ def test_tools_for_a_template_without_tool_support_are_refused(
     assert "tool calling" in err.value.body["message"]  # type: ignore[index]
 
 
-def test_a_pipeline_refuses_what_it_cannot_apply(
+def test_a_pipeline_that_samples_returned_logits_refuses_what_it_cannot_apply(
     tiny: Path, start_server: type[ServerProcess]
 ) -> None:
-    srv = start_server(["-m", str(tiny), "--pp-size", "2", "--served-model-name", MODEL])
+    """With --pp-return-logits the coordinator samples the logits itself, without mlx-lm's
+    processors: those parameters are refused by name, never ignored. (A pipeline whose final
+    stage samples applies them all: tests/parity.py.)"""
+    srv = start_server(
+        ["-m", str(tiny), "--pp-size", "2", "--pp-return-logits", "--served-model-name", MODEL]
+    )
     c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
     for kw in (
         {"logit_bias": {"5": 3}},

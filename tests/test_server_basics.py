@@ -79,18 +79,22 @@ def test_the_api_key_is_required_everywhere_but_liveness(server: ServerProcess) 
     assert raw(server, "GET", "/health/live")[0] == 200
     assert raw(server, "GET", "/health", Authorization=f"Bearer {KEY}")[0] == 200
     assert KEY not in server.output  # never logged
-    assert "/v1/models 401" in server.output  # the refusals are in the access log
+    assert "/v1/models 401 invalid_api_key" in server.output  # refusals are in the access log
+    assert "GET /health 401 invalid_api_key" in server.output  # a probe's too: guessing is seen
 
 
 def test_cors_allows_the_given_origin_only_and_preflights_need_no_key(
     server: ServerProcess,
 ) -> None:
+    # What the openai JS client asks to send: its x-stainless-* headers too.
+    asked = "authorization, content-type, x-stainless-lang, x-stainless-retry-count"
     pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+           "Access-Control-Request-Headers": asked}  # fmt: skip
     status, headers, _ = raw(server, "OPTIONS", "/v1/chat/completions", **pre)
     assert status == 204
     assert "POST" in headers["Access-Control-Allow-Methods"]
-    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    assert headers["Access-Control-Allow-Headers"] == asked.replace(", ", ", ")
+    assert "Origin" in headers["Vary"]
     assert headers["Access-Control-Allow-Origin"] == ORIGIN
     status, headers, _ = raw(server, "OPTIONS", "/v1/chat/completions",
                              **{**pre, "Origin": "https://evil.example"})  # fmt: skip
@@ -102,6 +106,7 @@ def test_cors_allows_the_given_origin_only_and_preflights_need_no_key(
     assert headers["Access-Control-Allow-Origin"] == ORIGIN and "Origin" in headers["Vary"]
     status, headers, _ = raw(server, "GET", "/v1/models", Origin="https://evil.example", **auth)
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    assert "Origin" in headers["Vary"]  # the answer depends on the Origin: caches are told
     # A refusal carries the header too, so the page can read why.
     status, headers, _ = raw(server, "GET", "/v1/models", Origin=ORIGIN)
     assert status == 401 and headers["Access-Control-Allow-Origin"] == ORIGIN
@@ -160,3 +165,16 @@ def test_bad_options_fail_at_start_in_one_line_before_the_model_loads(
         code, err = serve_fails(tiny, "--port", str(port))
     assert code == 1 and f"cannot serve HTTP on 127.0.0.1:{port}" in error_line(err)
     assert "loaded model" not in err  # found before the model loaded
+
+
+def test_status_takes_its_url_wherever_it_is_typed() -> None:
+    from mlxcel.cli.main import _status_url
+
+    assert _status_url(["status", "http://h:1"]) == ["status", "--url", "http://h:1"]
+    assert _status_url(["status", "--watch", "http://h:1"]) == [
+        "status", "--watch", "--url", "http://h:1"
+    ]  # fmt: skip
+    assert _status_url(["status", "--interval", "5", "--watch"]) == [
+        "status", "--interval", "5", "--watch"
+    ]  # fmt: skip
+    assert _status_url(["serve", "x"]) == ["serve", "x"]

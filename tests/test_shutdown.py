@@ -152,3 +152,9 @@ async def test_an_embedders_stop_keeps_its_drain_timeout_with_a_stream_running(
         errors = [json.loads(e) for e in events if e.startswith('{"error"')]
         assert errors and errors[-1]["error"]["code"] == "server_shutting_down"
         assert st.frontend.in_flight == 0
+        # Its sequence was cancelled on the engine, not left generating 8,000 tokens.
+        for _ in range(100):
+            if st.engine.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert st.engine.active == 0

@@ -129,11 +129,20 @@ def _guard(command: str, args: argparse.Namespace) -> None:
     refuse_distributed_on_windows(command, raw)
 
 
+def _status_url(argv: list[str]) -> list[str]:
+    """`status URL [--watch]` as one would type it: the one bare argument is the URL."""
+    if not argv or argv[0] != "status":
+        return argv
+    valued = {"--url", "--interval", "--api-key", "--config", "--log-level", "--log-format"}
+    for i in range(1, len(argv)):
+        if not argv[i].startswith("-") and argv[i - 1] not in valued:
+            return [*argv[:i], "--url", *argv[i:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) > 1 and argv[0] == "status" and not argv[1].startswith("-"):
-        argv[1:2] = ["--url", argv[1]]  # `status URL`, as one would type it
+    argv = _status_url(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
         if args.command is None:

@@ -32,11 +32,26 @@ def fetch(url: str, key: str | None) -> dict[str, Any]:
         if exc.code == 404:
             raise MlxcelError(f"{url} has no /cluster view: is it an mlxcel server?") from None
         raise MlxcelError(f"{url}/cluster answered HTTP {exc.code}") from None
+    except json.JSONDecodeError:
+        raise MlxcelError(f"{url}/cluster is not JSON: is it an mlxcel server?") from None
     except (OSError, ValueError) as exc:
         raise MlxcelError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
 
 
+def _clean(value: Any) -> str:
+    """A node's id or error as text without control characters (no escape sequences reach
+    the operator's terminal from a view)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in str(value))
+
+
 def render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
+    try:
+        return _render(view, before)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MlxcelError(f"the /cluster view is not one this version reads ({exc!r})") from None
+
+
+def _render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
     t = view["totals"]
     rate = "-"
     if before is not None and view["time"] > before["time"]:
@@ -45,7 +60,7 @@ def render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
     ttft = "-" if t.get("ttft_ms_p50") is None else f"{t['ttft_ms_p50']:g} ms"
     up = sum(1 for n in view["nodes"] if n["up"])
     head = (
-        f"{view['model']} ({view['mode']}): {up}/{len(view['nodes'])} nodes up, "
+        f"{_clean(view['model'])} ({_clean(view['mode'])}): {up}/{len(view['nodes'])} nodes up, "
         f"{rate} tok/s, {t['running']} running, {t['waiting']} waiting, TTFT p50 {ttft}, "
         f"{t['requests']} requests served"
     )
@@ -54,9 +69,9 @@ def render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
         seen = n.get("last_seen_s")
         rows.append(
             (
-                str(n["id"]),
-                str(n["role"]),
-                str(n.get("layers") or "-"),
+                _clean(n["id"]),
+                _clean(n["role"]),
+                _clean(n.get("layers") or "-"),
                 "up" if n["up"] else "DOWN",
                 "-" if n.get("in_flight") is None else str(n["in_flight"]),
                 "-" if n.get("sequences") is None else str(n["sequences"]),
@@ -65,7 +80,11 @@ def render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    down = [f"  {n['id']}: {n['error']}" for n in view["nodes"] if not n["up"] and n.get("error")]
+    down = [
+        f"  {_clean(n['id'])}: {_clean(n['error'])}"
+        for n in view["nodes"]
+        if not n["up"] and n.get("error")
+    ]
     return "\n".join([head, "", *lines, *down])
 
 
@@ -79,7 +98,11 @@ def status(s: StatusSettings) -> int:
     try:
         while True:
             time.sleep(s.interval)
-            now = fetch(s.url, key)
+            try:
+                now = fetch(s.url, key)
+            except MlxcelError as exc:  # a restart, a blip: say so and keep watching
+                print(f"unreachable: {exc}", flush=True)
+                continue
             if sys.stdout.isatty():
                 sys.stdout.write("\033[2J\033[H")  # clear, home
             print(render(now, before), flush=True)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ EXEMPT = frozenset({"/health/live", "/dashboard"})
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type"
 PREFLIGHT_MAX_AGE = "600"
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP token
 
 
 def parse_origins(text: str | None) -> tuple[str, ...]:
@@ -108,19 +110,25 @@ class Cors:
         origin = request.headers["Origin"]
         if not self.allows(origin):
             return _error(403, f"origin {origin!r} is not allowed", "origin_not_allowed")
+        # Clients send more than Authorization and Content-Type (the openai JS client adds
+        # x-stainless-*): the headers asked for are allowed, if they are header names.
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        names = [h.strip() for h in asked.split(",") if h.strip()]
+        allowed = ", ".join(h for h in names if _HEADER_NAME.fullmatch(h)) or ALLOWED_HEADERS
         return web.Response(
             status=204,
             headers={
                 "Access-Control-Allow-Methods": ALLOWED_METHODS,
-                "Access-Control-Allow-Headers": ALLOWED_HEADERS,
+                "Access-Control-Allow-Headers": allowed,
                 "Access-Control-Max-Age": PREFLIGHT_MAX_AGE,
+                "Vary": "Origin, Access-Control-Request-Headers",
             },
         )
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        if not self.any:  # the answer depends on the Origin: caches must know it
+            response.headers.add("Vary", "Origin")
         origin = request.headers.get("Origin")
         if origin is None or not self.allows(origin):
             return
         response.headers["Access-Control-Allow-Origin"] = "*" if self.any else origin
-        if not self.any:
-            response.headers.add("Vary", "Origin")

@@ -72,7 +72,8 @@ async def access_log(request: web.Request, handler: Any) -> web.StreamResponse:
             remote=request.remote,
             error_code=code,
         ).log(
-            "DEBUG" if request.path in PROBES and status < 500 else "INFO",
+            # A probe's refusals stay at INFO: someone guessing keys there is seen.
+            "DEBUG" if request.path in PROBES and status < 400 else "INFO",
             "{} {} {} prompt={} completion={} {:.1f}ms",
             request.method,
             request.path,

@@ -344,7 +344,10 @@ async def liveness(request: web.Request) -> web.Response:
 async def metrics_endpoint(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     if metrics.refresh is not None:
-        await metrics.refresh()  # the per-node gauges read the cluster view as it is now
+        try:
+            await metrics.refresh()  # the per-node gauges read the cluster view as it is now
+        except Exception as exc:  # the last view stands; the scrape still answers
+            logger.warning("metrics: cluster view not refreshed: {}", exc)
     body = metrics.render()
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
