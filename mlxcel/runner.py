@@ -132,7 +132,7 @@ class NodeRunner:
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))
-        add_cluster_routes(app, self._cluster_view(metrics), metrics)
+        add_cluster_routes(app, self._cluster_view(metrics))
         self._app_runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE
         )
@@ -237,7 +237,7 @@ class NodeRunner:
             await self.serving.listener.close()  # stops accepting and closes its connections
 
 
-def add_cluster_routes(app: web.Application, view: Any, metrics: Any) -> None:
+def add_cluster_routes(app: web.Application, view: Any) -> None:
     """GET /cluster (the view as JSON) and /dashboard (the page that draws it)."""
     from mlxcel.server.dashboard import PAGE
 
