@@ -156,11 +156,19 @@ async def served(serving: Any, model: str = "tiny") -> dict[str, dict[str, Any]]
         await runner.stop()
 
 
+_REFERENCE: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+
+
 async def one_node(path: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
-    """What one process answers: the reference every mode is held to."""
+    """What one process answers: the reference every mode is held to (computed once per
+    checkpoint in a test session: it never changes)."""
     from mlxcel.messages import EXTENDED_SAMPLING
     from mlxcel.runner import Serving
     from mlxcel.server.run import local_stack
 
-    async with local_stack(path) as st:
-        return await served(Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING), model)
+    key = (str(path), model)
+    if key not in _REFERENCE:
+        async with local_stack(path) as st:
+            serving = Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING)
+            _REFERENCE[key] = await served(serving, model)
+    return _REFERENCE[key]
