@@ -1,14 +1,15 @@
 """Who may call the HTTP API: an API key, and the browser origins allowed to (CORS).
 
 - ``--api-key``: every request but ``GET /health/live`` (a liveness probe carries no
-  credentials) and a CORS preflight must send ``Authorization: Bearer KEY``; the key is
+  credentials), ``GET /dashboard`` (a page without data; its polls send the key) and a CORS
+  preflight must send ``Authorization: Bearer KEY``; the key is
   compared in constant time, and a missing or wrong one gets 401 in the OpenAI error shape
   with ``WWW-Authenticate: Bearer``. The key is never logged.
 - ``--allowed-origins``: a comma-separated list of origins (``https://app.example``), or
   ``*`` for any. A request from an allowed origin gets ``Access-Control-Allow-Origin`` (on
   streams too: the header is added as the response is prepared); a preflight (``OPTIONS``
-  with ``Access-Control-Request-Method``) from one gets 204 with the methods and headers it
-  may use, from any other origin 403. Without the option no CORS header is ever sent, so a
+  with ``Access-Control-Request-Method``) from one gets 204 with the methods and the headers
+  it asked for, from any other origin 403. Without the option no CORS header is ever sent, so a
   browser on another origin cannot read an answer.
 """
 
