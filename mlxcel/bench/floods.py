@@ -91,29 +91,22 @@ def discover(hosts: Hosts, model: Path, secret: Path, flooders: list[int]) -> Di
     )
 
 
+def beacon_flags(hosts: Hosts) -> list[str]:
+    """Beacon discovery to the bridge's broadcast address."""
+    return ["--cluster-discovery", "mdns", "--cluster-discovery-target", f"10.{hosts.net}.0.255"]
+
+
+def beaconing_peer(hosts: Hosts, i: int, model: Path, secret: Path) -> NodeProc:
+    """A ``--pp-peer`` on host ``i`` (port 19001), beaconing, started and waiting."""
+    args = ["-m", str(model), "--pp-peer", "--cluster-secret-file", str(secret),
+            *beacon_flags(hosts), "--cluster-control-addr", f"{hosts.ip(i)}:19001"]  # fmt: skip
+    return NodeProc(hosts, i, args, "mlxcel peer waiting")
+
+
 def discovery_runs(model: Path, secret: Path, n_flooders: int = 3) -> list[Discovery]:
     """Peers on hosts 1-2, flooders on hosts 3..; no flood, then the flood."""
     with Hosts(3 + n_flooders, net=81) as hosts:
-        beacons = ["--cluster-discovery", "mdns",
-                   "--cluster-discovery-target", f"10.{hosts.net}.0.255"]  # fmt: skip
-        peers = [
-            NodeProc(
-                hosts,
-                i,
-                [
-                    "-m",
-                    str(model),
-                    "--pp-peer",
-                    "--cluster-secret-file",
-                    str(secret),
-                    *beacons,
-                    "--cluster-control-addr",
-                    f"{hosts.ip(i)}:19001",
-                ],  # fmt: skip
-                "mlxcel peer waiting",
-            )
-            for i in (1, 2)
-        ]
+        peers = [beaconing_peer(hosts, i, model, secret) for i in (1, 2)]
         try:
             quiet = discover(hosts, model, secret, [])
             flood = discover(hosts, model, secret, list(range(3, 3 + n_flooders)))
@@ -166,25 +159,10 @@ def replayed_departed_peer(model: Path, secret: Path, tmp: Path) -> Replay:
     attacker replays its beacons forged from its address while a ``--dry-run`` coordinator
     discovers; peers 2 and 3 are alive (3 starts late). The plan must be 2 and 3."""
     with Hosts(5, net=83) as hosts:
-        beacons = ["--cluster-discovery", "mdns",
-                   "--cluster-discovery-target", f"10.{hosts.net}.0.255"]  # fmt: skip
+        beacons = beacon_flags(hosts)
 
         def peer(i: int) -> NodeProc:
-            return NodeProc(
-                hosts,
-                i,
-                [
-                    "-m",
-                    str(model),
-                    "--pp-peer",
-                    "--cluster-secret-file",
-                    str(secret),
-                    *beacons,
-                    "--cluster-control-addr",
-                    f"{hosts.ip(i)}:19001",
-                ],  # fmt: skip
-                "mlxcel peer waiting",
-            )
+            return beaconing_peer(hosts, i, model, secret)
 
         victim, live = peer(1), [peer(2)]
         captured = tmp / "captured.hex"
