@@ -19,7 +19,7 @@ import aiohttp
 import mlxcel
 from mlxcel.bus import Envelope, Overflow
 from mlxcel.messages import RunResult, SamplingParams
-from mlxcel.runner import HttpOptions, NodeRunner, Serving
+from mlxcel.runner import HttpOptions, NodeRunner
 from mlxcel.runtime.checkpoint import write_checkpoint
 from mlxcel.server.run import local_stack
 
@@ -68,17 +68,28 @@ async def main() -> None:
             print("tokens seen by the audit handler:", len(seen) - 1)
             print("handler errors counted:", stack.node.bus.handler_errors["audit"])
 
-            # The same stack behind HTTP, on a free port, inside this loop.
-            serving = Serving(stack.node, stack.frontend, lambda: stack.engine.active)
-            runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"))
+            # The same stack behind HTTP, on a free port, inside this loop: every parameter
+            # `python -m mlxcel serve` serves (min_p, penalties, logit_bias, top_logprobs...).
+            runner = NodeRunner(stack.serving(), HttpOptions(port=0, model_name="tiny"))
             await runner.setup()
             sites = await runner.start()  # a port in use raises here (and in runner.started)
-            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+            body = {
+                "model": "tiny",
+                "prompt": "Hi",
+                "max_tokens": 4,
+                "min_p": 0.05,
+                "logprobs": 2,
+                "presence_penalty": 0.5,
+            }
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{sites['http']}/v1/completions", json=body) as resp:
                     answer = await resp.json()
             await runner.stop()
-            print("served over HTTP:", answer["usage"]["completion_tokens"], "tokens")
+            if "error" in answer:
+                raise SystemExit(f"the HTTP request failed: {answer['error']['message']}")
+            top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+            print("served over HTTP:", answer["usage"]["completion_tokens"], "tokens;",
+                  "first token's alternatives:", len(top))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ class Assembled:
 async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncIterator[Assembled]:
     from mlxcel.messages import EXTENDED_SAMPLING
     from mlxcel.runner import Serving
+    from mlxcel.runtime.kv_usage import figures as kv_figures
 
     g = gen or Generation()
     limits: dict[str, Any] = {
@@ -135,13 +136,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             m = st.loaded
             pc = st.engine.prompt_cache
             yield Assembled(
-                Serving(
-                    st.node,
-                    st.frontend,
-                    lambda: st.engine.active,
-                    sampling=EXTENDED_SAMPLING,
-                    prompt_cache=pc.stats if pc is not None else None,
-                ),
+                st.serving(),
                 m.name,
                 f"model {m.name} ({m.family}, {m.n_layers} layers); decode path: batched "
                 f"forward, up to {g.max_batch_size} sequences per step; prompt cache: "
@@ -176,6 +171,9 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
                 done=tp.engine.fatal,
                 sampling=EXTENDED_SAMPLING,
                 mode="tensor parallel",
+                kv=lambda: kv_figures(
+                    tp.engine.kv_tokens(), tp.loaded.config, tp.loaded.n_layers, tp.size
+                ),
             )
             yield Assembled(
                 serving,
@@ -357,7 +355,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
         peer_timeout=spec.peer_timeout,
     ) as ws:
         yield Assembled(
-            Serving(ws.node, listener=ws.listener),
+            Serving(ws.node, listener=ws.listener, drain=ws.service.drain),
             spec.model.name,
             f"{spec.role} node on {spec.bind}",
         )

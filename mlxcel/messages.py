@@ -214,6 +214,12 @@ class State(Message):
     # ("": not computed -- the operator trusts the copies).
     model: str = ""
     weights: str = ""
+    # KV-cache positions held, and held plus what still fits (mlxcel.runtime.kv_usage).
+    kv_tokens: int = 0
+    kv_capacity: int = 0
+    # A prefill node's KV handoffs acknowledged, and their time from send to ack.
+    handoffs: int = 0
+    handoff_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,10 @@ class Serving:
     # metrics (None: this node alone).
     topology: Callable[[], Awaitable[tuple[list[dict[str, Any]], list[list[str]]]]] | None = None
     prompt_cache: Callable[[], dict[str, int]] | None = None  # its counters, for /metrics
+    kv: Callable[[], dict[str, int]] | None = None  # this node's kv_tokens and kv_capacity
+    # A worker's drain (no frontend): take no new work, wait for what is in flight until the
+    # deadline (the loop's clock), return how much is left.
+    drain: Callable[[float], Awaitable[int]] | None = None
 
 
 class NodeRunner:
@@ -145,7 +149,7 @@ class NodeRunner:
         assert fe is not None and self.http is not None
 
         async def alone() -> Any:
-            return single_topology(serving.mode, fe.in_flight)
+            return single_topology(serving.mode, fe.in_flight, serving.kv and serving.kv())
 
         def totals() -> dict[str, Any]:
             return {
@@ -226,6 +230,16 @@ class NodeRunner:
                 )
                 # Their handlers write the final error and return: a moment, not a drain.
                 await fe.drain(loop.time() + END_GRACE)
+        elif self.serving.drain is not None:
+            logger.info("draining: taking no new work, finishing what is in flight")
+            left = await self.serving.drain(asyncio.get_running_loop().time() + self.drain_timeout)
+            if left:
+                logger.warning(
+                    "drain timeout ({:g} s): closing with {} sequence(s) still in flight (their "
+                    "requests end with an error where they came from)",
+                    self.drain_timeout,
+                    left,
+                )
         logger.info("shutting down")
         await self._close_sites()
 

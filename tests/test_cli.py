@@ -351,7 +351,7 @@ def test_embedding_example_runs() -> None:
     assert r.returncode == 0, r.stderr
     assert "ticks while generating:" in r.stdout
     assert "handler errors counted: 1" in r.stdout
-    assert "served over HTTP: 4 tokens" in r.stdout
+    assert "served over HTTP: 4 tokens; first token's alternatives: 2" in r.stdout
 
 
 def _literal_choices(annotation: object) -> tuple[object, ...]:

@@ -85,7 +85,10 @@ def test_the_cluster_view_status_and_metrics_show_every_node_and_a_stage_that_di
     lines = table.stdout.splitlines()
     assert lines[0].startswith("tiny-qwen3 (pipeline): 3/3 nodes up")
     assert lines[2].split() == ["node", "role", "layers", "health", "in", "flight", "sequences",
-                                "last", "seen"]  # fmt: skip
+                                "KV", "tokens", "last", "seen"]  # fmt: skip
+    # Each stage's KV cache: nothing held once the request is done, room for more.
+    assert node(view, "stage-0")["kv_tokens"] == 0 and node(view, "stage-0")["kv_capacity"] > 0
+    assert 'mlxcel_node_kv_capacity_tokens{node="stage-0",role="stage"}' in metrics
     assert lines[4].split()[:4] == ["stage-0", "stage", "0-1", "up"]
     stages[1].p.kill()
     took = wait_until(lambda: not node(get(port, "/cluster"), "stage-1")["up"], 10.0)

@@ -636,11 +636,14 @@ def test_a_stage_found_down_fails_everything_and_refuses_new_requests_until_it_a
     ack_all(c, "a", 1, 0.25)  # a's step (4) in the stages
     c.handle(entry("w", nonce=72), LOCAL, 0.3)  # waits for a slot
     assert c.stage_health(STRANGER, False, "x", 0.4) == [] and len(c.reqs) == 2
-    assert c.stage_health(S1, True, "", 0.4) == []  # up and known up: nothing to say
+    # First answer: it joined (said once); up and known up: nothing more to say.
+    joined = Warn("info", f"coordinator: stage {S1} joined (s1, layers 2-3)")
+    assert c.stage_health(S1, True, "", 0.4, "s1, layers 2-3") == [joined]
+    assert c.stage_health(S1, True, "", 0.45, "s1, layers 2-3") == []
     why = "no State for a query within 2s"
     text = f"stage {S1} is unreachable: {why}"
     assert c.stage_health(S1, False, why, 0.5) == [
-        Warn("warning", f"coordinator: stage {S1} is down: {why}"),
+        Warn("warning", f"coordinator: stage {S1} lost: {why}"),
         *fails("a", UNREACHABLE, text, 71),
         *releases("a", 0.5),
         *fails("w", UNREACHABLE, text, 72),
@@ -655,7 +658,7 @@ def test_a_stage_found_down_fails_everything_and_refuses_new_requests_until_it_a
     assert c.stage_health(S1, False, "refused", 0.7) == [] and c.down == {S1: "refused"}
     # Back: said once, and requests are admitted again.
     assert c.stage_health(S1, True, "", 0.8) == [
-        Warn("info", f"coordinator: stage {S1} is reachable again")
+        Warn("info", f"coordinator: stage {S1} is back after 0.3s down (refused)")
     ]
     assert c.down == {} and c.handle(entry("n2"), LOCAL, 0.9) == preps("n2", 4, 5, 2.9)
 

@@ -85,6 +85,17 @@ async def test_handoff_decodes_exactly_what_one_node_decodes(
         assert all(n["dispatched"] == 2 * len(PROMPTS) for n in stats["nodes"])
         assert t.prefill.service.prefill.counts["committed"] == 2 * len(PROMPTS)
 
+        # The nodes' figures reach the router with its probes: every handoff and its time,
+        # each node's KV cache (nothing held now, room for more).
+        def figures() -> dict[str, dict[str, float]]:
+            return {n["id"]: n for n in t.router.service.stats(verbose=False)["nodes"]}
+
+        await until_true(lambda: figures()["prefill-0"].get("handoffs") == 2 * len(PROMPTS))
+        pre, dec = figures()["prefill-0"], figures()["decode-0"]
+        assert 0 < pre["handoff_s"] < 2 * len(PROMPTS) * 10
+        assert pre["kv_tokens"] == dec["kv_tokens"] == 0
+        assert pre["kv_capacity"] > 0 and dec["kv_capacity"] > 0
+
 
 async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
     async with trio(tiny) as t:
@@ -96,6 +107,9 @@ async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
             async for d in it:
                 got += len(d.token_ids)
                 if got >= 3:
+                    # The decode node holds the prompt's cache and what it generated.
+                    held = t.decode.service.decode.counters()["kv_tokens"]
+                    assert held >= len(fe.encode_prompt(PROMPTS[0])) + 1
                     break  # the client goes away mid-stream
         dec, pre = t.decode, t.prefill
         await until_true(

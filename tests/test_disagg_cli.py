@@ -65,6 +65,7 @@ def router(
     bind: str,
     prefill: list[str],
     decode: list[str],
+    *extra: str,
     env: dict | None = None,
 ) -> ServerProcess:
     host = bind.rpartition(":")[0]
@@ -86,6 +87,7 @@ def router(
             "64",
             "--served-model-name",
             "m",
+            *extra,
         ],
         env=env,
         host=host,

@@ -38,9 +38,11 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     PrefillRequest,
+    QueryState,
     RunEntry,
     RunResult,
     SamplingParams,
+    State,
     Tensor,
     TokenResult,
 )
@@ -300,6 +302,70 @@ def test_prefill_sends_token_zero_then_the_handoff_and_commits_on_ack() -> None:
     (v,) = sends(out, HandoffVerdict)
     assert v.dest == D1 and v.msg.commit
     assert FreeCache(lease) in out and core.active == 0
+
+
+def test_prefill_reports_its_handoffs_their_time_and_its_kv_cache_in_state() -> None:
+    core = PrefillCore(
+        PrefillConfig(decode_peers=(D0,), vocab=100, max_len=64),
+        counters=lambda: {"kv_tokens": 3, "kv_capacity": 1000},
+    )
+    lease, _ = start(core, now=10.0)
+    core.handle(HandoffAck("r1", lease, True), D1, 10.25)
+    (s,) = sends(core.handle(QueryState(5), R, 11.0))
+    assert s.dest == R and s.msg == State(
+        "prefill", (), 0, False, 5, kv_tokens=3, kv_capacity=1000, handoffs=1, handoff_us=250000
+    )
+    # A refused handoff is not one: the count and the time stay.
+    lease, _ = start(core, now=12.0, rid="r2")
+    core.handle(HandoffAck("r2", lease, False, "full"), D1, 19.0)
+    (s,) = sends(core.handle(QueryState(6), R, 20.0))
+    assert s.msg.handoffs == 1 and s.msg.handoff_us == 250000
+
+
+def test_draining_prefill_and_decode_nodes_refuse_new_work_and_say_so() -> None:
+    core = prefill()
+    core.draining = True
+    out = core.handle(request(), R, 0.0)
+    (s,) = sends(out)
+    assert s.msg.code == ErrorCode.DRAINING and "shutting down" in s.msg.message
+    assert not [e for e in out if isinstance(e, StartCompute)] and core.active == 0
+    assert sends(core.handle(QueryState(1), R, 0.0))[0].msg.draining
+    dec = DecodeCore(DecodeConfig(vocab=100, max_len=64))
+    dec.draining = True
+    k = Tensor("float32", (1, 1, 3, 2), bytes(24))
+    h = KvHandoff("r1", 7, R, 42, 9, SamplingParams(max_tokens=3), (), 3, (k,), (k,), b"")
+    (ack,) = sends(dec.handle(h, P0, 0.0))
+    assert ack.msg == HandoffAck("r1", 7, False, "this decode node is shutting down")
+    assert dec.active == 0 and sends(dec.handle(QueryState(2), R, 0.0))[0].msg.draining
+
+
+def test_router_moves_a_prompt_a_draining_prefill_node_refused_and_sends_it_no_more() -> None:
+    r = online_router()
+    (s,) = sends(r.handle(entry("r1"), "local", 0.0), PrefillRequest)
+    assert s.dest == P0
+    refused = Error(ErrorCode.DRAINING, "this prefill node is shutting down", s.msg.request_id,
+                    s.msg.nonce)  # fmt: skip
+    (moved,) = sends(r.handle(refused, P0, 0.1), PrefillRequest)
+    assert moved.dest == P1 and moved.msg.request_id == s.msg.request_id
+    assert r.counts["failovers"] == 1 and r.nodes[P0].draining and r.nodes[P0].active == 0
+    # New requests avoid it until a State says it is no longer draining.
+    picks = [
+        sends(r.handle(entry(f"n{i}"), "local", 0.2), PrefillRequest)[0].dest for i in range(2)
+    ]
+    assert picks == [P1, P1]
+    r.handle(State("prefill", (), 0, False, 0, kv_tokens=0, kv_capacity=9), P0, 0.3)
+    assert not r.nodes[P0].draining
+    stats = {n["id"]: n for n in r.stats()["nodes"]}
+    assert stats["prefill-0"]["kv_capacity"] == 9 and "handoffs" not in stats["prefill-0"]
+    # Another node's State, or a stranger's, changes nothing.
+    assert r.handle(State("x", (), 0, True, 0), STRANGER, 0.4) == [
+        Warn("debug", f"router: ignoring State from {STRANGER}")
+    ]
+    assert not any(n.draining for n in r.nodes.values())
+    # After a successful probe the router asks an online node for its figures.
+    (q,) = r.ask_figures(D1, 1.0)
+    assert q.dest == D1 and isinstance(q.msg, QueryState)
+    assert r.ask_figures(STRANGER, 1.0) == []
 
 
 def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None:

@@ -71,3 +71,42 @@ async def test_a_failed_setup_resolves_started(tiny: Path) -> None:
         with pytest.raises(RuntimeError):
             await runner.setup()
         assert isinstance(runner.started.exception(), RuntimeError)
+
+
+async def test_an_embedded_stack_serves_every_parameter_serve_serves(tiny: Path) -> None:
+    """``LocalStack.serving()``: what an embedder puts behind HTTP takes min_p, penalties,
+    logit_bias and top_logprobs as ``serve`` does, asked by the official openai client."""
+    import openai
+
+    async with local_stack(tiny, parallel=2) as st:
+        runner = NodeRunner(st.serving(), HttpOptions(port=0, model_name="tiny"))
+        await runner.setup()
+        url = (await runner.start())["http"]
+        try:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            r = await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                logprobs=True,
+                top_logprobs=2,
+                frequency_penalty=0.5,
+                logit_bias={"5": -100},
+                extra_body={"min_p": 0.05},
+            )
+            (choice,) = r.choices
+            assert choice.logprobs is not None and len(choice.logprobs.content) == 3
+            assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+            cluster = await asyncio.to_thread(_get_json, f"{url}/cluster")
+            (me,) = cluster["nodes"]
+            assert me["kv_tokens"] == 0 and me["kv_capacity"] > 0
+        finally:
+            await runner.stop()
+
+
+def _get_json(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())

@@ -119,6 +119,10 @@ def test_max_model_len_caps_prompt_plus_max_tokens(server: ServerProcess) -> Non
     assert "exceeds this server's context of 64 (--max-model-len)" in str(exc.value)
     r = client(server).completions.create(model="tiny", prompt="hi", max_tokens=8)
     assert r.choices[0].finish_reason in ("length", "stop")
+    # No max_tokens: the default (256) would not fit, so the rest of the context is used.
+    r = client(server).completions.create(model="tiny", prompt="hi", temperature=0)
+    total = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert total == 64 if r.choices[0].finish_reason == "length" else total < 64
 
 
 def test_the_chat_template_file_is_used_instead_of_the_tokenizers(

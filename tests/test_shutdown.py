@@ -42,17 +42,18 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Stream:
     """One streaming completion on a thread: its data lines, and when it ended."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, model: str = "tiny") -> None:
         self.events: list[str] = []
         self.ended: float | None = None
         self.first = threading.Event()
+        self.body = {**ENDLESS, "model": model}
         self._t = threading.Thread(target=self._run, args=(host, port), daemon=True)
         self._t.start()
 
     def _run(self, host: str, port: int) -> None:
         conn = http.client.HTTPConnection(host, port, timeout=120)
         try:
-            conn.request("POST", "/v1/completions", json.dumps(ENDLESS),
+            conn.request("POST", "/v1/completions", json.dumps(self.body),
                          {"Content-Type": "application/json"})  # fmt: skip
             resp = conn.getresponse()
             assert resp.status == 200
@@ -158,3 +159,63 @@ async def test_an_embedders_stop_keeps_its_drain_timeout_with_a_stream_running(
                 break
             await asyncio.sleep(0.05)
         assert st.engine.active == 0
+
+
+def test_every_disaggregated_role_keeps_its_drain_with_a_stream_running(
+    small: Path, tmp_path: Path
+) -> None:
+    """A decode node told to stop finishes what it streams for --drain-timeout while the
+    router sends it nothing new, then exits and the stream ends in-band; the router does the
+    same for its clients; an idle prefill or decode node exits at once."""
+    from tests.test_disagg_cli import addr, keygen, router, worker
+
+    secret = keygen(tmp_path / "cluster.secret")
+    pa, d0a, d1a, ra = addr(31), addr(32), addr(33), addr(34)
+    drain = ("--drain-timeout", "1")
+    procs = [
+        worker("prefill", small, secret, pa, "--decode-peers", f"{d0a},{d1a}", *drain),
+        worker("decode", small, secret, d0a, *drain),
+        worker("decode", small, secret, d1a, *drain),
+    ]
+    try:
+        procs.append(router(small, secret, ra, [pa], [d0a, d1a], *drain))
+        pre, d0, d1, rt = procs
+        first = Stream(rt.host, rt.port, "m")  # round robin: decode-0 takes the first request
+        assert first.first.wait(60) and first.events, rt.output
+        time.sleep(0.5)
+        sent = time.monotonic()
+        d0.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert d0.proc.poll() is None and first.ended is None  # draining: it streams on
+        d0.proc.wait(30)
+        d0_exit = time.monotonic() - sent
+        first.join(10)
+        assert first.ended is not None
+        assert d0_exit < 1.0 + 3.0, d0_exit  # the drain and a moment, not the stream's minutes
+        assert first.ended - sent < 1.0 + 5.0
+        end = json.loads(first.events[-2] if first.events[-1] == "[DONE]" else first.events[-1])
+        assert end["error"]["code"] == "node_unreachable", first.events[-3:]
+        assert "draining: taking no new work" in d0.output
+
+        second = Stream(rt.host, rt.port, "m")  # decode-1 takes it: decode-0 is gone
+        assert second.first.wait(60) and second.events, rt.output
+        sent = time.monotonic()
+        rt.proc.send_signal(signal.SIGINT)
+        rt.proc.wait(30)
+        rt_exit = time.monotonic() - sent
+        second.join(10)
+        assert rt_exit < 1.0 + 2.0 + 3.0, rt_exit
+        end = json.loads(second.events[-2] if second.events[-1] == "[DONE]" else second.events[-1])
+        assert end["error"]["code"] == "server_shutting_down", second.events[-3:]
+        assert len(second.events) > 5
+
+        for idle in (pre, d1):  # nothing in flight: no drain to wait for
+            sent = time.monotonic()
+            idle.proc.send_signal(signal.SIGTERM)
+            idle.proc.wait(30)
+            assert time.monotonic() - sent < 3.0
+            assert idle.proc.returncode == 0, idle.output
+        assert all(p.proc.returncode == 0 for p in procs), [p.output[-500:] for p in procs]
+    finally:
+        for p in procs:
+            p.stop()

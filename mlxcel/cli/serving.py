@@ -51,7 +51,7 @@ async def serve(s: ServeSettings) -> int:
         if isinstance(spec, StageSpec):
             await _run_stage(s, node)
         elif isinstance(spec, DisaggSpec) and spec.role != "router":
-            await _run_worker(node)
+            await _run_worker(node, s.drain_timeout)
         else:
             await _serve_http(s, node, api)
         failure = node.failure()
@@ -189,11 +189,12 @@ async def _run_stage(s: ServeSettings, node: Assembled) -> None:
     logger.info("{} stopped", me)
 
 
-async def _run_worker(node: Assembled) -> None:
-    """A prefill or decode node: its cluster port only, until a signal."""
+async def _run_worker(node: Assembled, drain_timeout: float) -> None:
+    """A prefill or decode node: its cluster port only, until a signal; then what it holds
+    runs to its end (up to ``drain_timeout``) while the router sends it nothing new."""
     from mlxcel.runner import NodeRunner
 
-    runner = NodeRunner(node.serving)
+    runner = NodeRunner(node.serving, drain_timeout=drain_timeout)
     await runner.start()
     with signals(runner.request_stop):
         logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])

@@ -14,7 +14,7 @@ from typing import Any
 from mlxcel.config_tools import StatusSettings
 from mlxcel.errors import MlxcelError
 
-COLUMNS = ("node", "role", "layers", "health", "in flight", "sequences", "last seen")
+COLUMNS = ("node", "role", "layers", "health", "in flight", "sequences", "KV tokens", "last seen")
 
 
 def fetch(url: str, key: str | None) -> dict[str, Any]:
@@ -51,6 +51,21 @@ def render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
         raise MlxcelError(f"the /cluster view is not one this version reads ({exc!r})") from None
 
 
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def _kv(n: dict[str, Any]) -> str:
+    """KV-cache positions held / held plus what still fits ("-": the node does not say)."""
+    used, cap = n.get("kv_tokens"), n.get("kv_capacity")
+    if used is None:
+        return "-"
+    return _count(float(used)) + (f" / {_count(float(cap))}" if cap else "")
+
+
 def _render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
     t = view["totals"]
     rate = "-"
@@ -75,6 +90,7 @@ def _render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
                 "up" if n["up"] else "DOWN",
                 "-" if n.get("in_flight") is None else str(n["in_flight"]),
                 "-" if n.get("sequences") is None else str(n["sequences"]),
+                _kv(n),
                 "-" if seen is None else f"{seen:.1f} s ago",
             )
         )

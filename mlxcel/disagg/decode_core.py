@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxcel.disagg.handoff import header, join
@@ -38,7 +39,9 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     Message,
+    QueryState,
     RunResult,
+    State,
     TokenResult,
 )
 
@@ -70,8 +73,10 @@ class DecodeConfig:
 
 
 class DecodeCore:
-    def __init__(self, config: DecodeConfig) -> None:
+    def __init__(self, config: DecodeConfig, counters: Callable[[], dict[str, int]] = dict) -> None:
         self.config = config
+        self.counters = counters  # State fields the node keeps: its KV cache
+        self.draining = False  # shutting down: no new handoffs (the router stops sending)
         self.slots: dict[int, Slot] = {}
         self._by_lease: dict[tuple[str, int], int] = {}
         self._by_request: dict[tuple[str, str], int] = {}
@@ -100,6 +105,9 @@ class DecodeCore:
             return self._handoff(msg, source, now)
         if isinstance(msg, HandoffVerdict):
             return self._verdict(msg, source)
+        if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
+            st = State("decode", (), self.active, self.draining, msg.nonce, **self.counters())
+            return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             sid = self._by_request.get((source, msg.request_id))
             if sid is None:
@@ -138,6 +146,8 @@ class DecodeCore:
             return "the router cancelled this request"
         if (h.router, h.request_id) in self._by_request:
             return "this node already decodes that request"
+        if self.draining:
+            return "this decode node is shutting down"
         if len(self.slots) >= c.max_sequences:
             return f"decode node full ({c.max_sequences} sequences)"
         if not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:

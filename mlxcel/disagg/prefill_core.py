@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxcel.disagg.handoff import Packed, digest_of, split
@@ -38,6 +39,8 @@ from mlxcel.messages import (
     KvHandoff,
     Message,
     PrefillRequest,
+    QueryState,
+    State,
     TokenResult,
 )
 
@@ -51,6 +54,7 @@ class Lease:
     state: LeaseState = LeaseState.COMPUTING
     expires: float | None = None
     held: Packed | None = None  # the cache, while the lease lasts
+    sent_at: float = 0.0  # when its handoff went out (for the handoff time)
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,17 @@ class PrefillConfig:
 
 
 class PrefillCore:
-    def __init__(self, config: PrefillConfig, *, first_lease: int = 1) -> None:
+    def __init__(
+        self,
+        config: PrefillConfig,
+        *,
+        first_lease: int = 1,
+        counters: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self.config = config
+        self.counters = counters  # State fields the node keeps: its KV cache
+        self.draining = False  # shutting down: no new prompts (the router stops sending)
+        self.handoff_s = 0.0  # total time of acknowledged handoffs, send to ack
         self.leases: dict[int, Lease] = {}
         self._by_request: dict[tuple[str, str], int] = {}
         self._ids = itertools.count(first_lease)
@@ -88,7 +101,13 @@ class PrefillCore:
         if isinstance(msg, PrefillRequest):
             return self._request(msg, source, now)
         if isinstance(msg, HandoffAck):
-            return self._ack(msg, source)
+            return self._ack(msg, source, now)
+        if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
+            st = State(
+                "prefill", (), self.active, self.draining, msg.nonce, **self.counters(),
+                handoffs=self.counts["committed"], handoff_us=int(self.handoff_s * 1e6),
+            )  # fmt: skip
+            return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             lid = self._by_request.get((source, msg.request_id))
             if lid is None:
@@ -106,6 +125,8 @@ class PrefillCore:
 
         if c.unsupported is not None:
             return refuse(ErrorCode.UNSUPPORTED_MODEL, c.unsupported)
+        if self.draining:
+            return refuse(ErrorCode.DRAINING, "this prefill node is shutting down")
         if (source, m.request_id, m.nonce) in self._finished:
             return []  # a repeat of a request this node already ran: never run a prompt twice
         held = self._by_request.get((source, m.request_id))
@@ -204,7 +225,7 @@ class PrefillCore:
                 f"{self.config.part_bytes}-byte limit of one handoff message",
             )
         x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
-        x.held = packed
+        x.held, x.sent_at = packed, now
         x.expires = now + self.config.lease + packed.nbytes / LEASE_BYTES_PER_S
         self.counts["handed_off"] += 1
         return out + [Send(x.target, p, deadline=x.expires) for p in parts]
@@ -215,7 +236,7 @@ class PrefillCore:
             return [FreeCache(lease_id)]
         return self._fail(x, ErrorCode.FORWARD_FAILED, f"prefill failed: {why}")
 
-    def _ack(self, a: HandoffAck, source: str) -> list[Effect]:
+    def _ack(self, a: HandoffAck, source: str, now: float) -> list[Effect]:
         x = self.leases.get(a.lease)
         if (
             x is None
@@ -235,6 +256,7 @@ class PrefillCore:
                 event=LeaseEvent.REFUSED,
             )
         self.counts["committed"] += 1
+        self.handoff_s += now - x.sent_at
         commit = HandoffVerdict(a.request_id, a.lease, True)
         return [Send(x.target, commit)] + self._end(x, LeaseEvent.ACKED)
 

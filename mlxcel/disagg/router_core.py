@@ -26,20 +26,24 @@ from mlxcel.disagg.protocol import (
     RouteEvent,
     RouteState,
 )
-from mlxcel.disagg.router_nodes import PeerNode, node_stats
+from mlxcel.disagg.router_nodes import PeerNode, figures_of, node_stats
 from mlxcel.effects import Deliver, Effect, Send, Warn
+from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
     CancelRequest,
     Error,
     ErrorCode,
     Message,
     PrefillRequest,
+    QueryState,
     RunEntry,
     RunResult,
+    State,
     TokenResult,
 )
 
 LOCAL = "local"
+FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
 
 
 @dataclass
@@ -95,6 +99,7 @@ class RouterCore:
         self.counts: Counter[str] = Counter()  # routed, completed, failed, rejected, ...
         # (wire id, prefill node, why) of every dispatch, newest last: what a simulation checks.
         self.dispatch_log: deque[tuple[str, str, str]] = deque(maxlen=100_000)
+        self.membership = MembershipLog("router")
 
     # --- introspection ----------------------------------------------------------------------
     @property
@@ -119,6 +124,10 @@ class RouterCore:
             return []
         if isinstance(msg, (TokenResult, Error)):
             return self._result(msg, source, now)
+        if isinstance(msg, State) and source in self.nodes:
+            self.nodes[source].figures = figures_of(msg)
+            self.nodes[source].draining = msg.draining
+            return []
         self.counts["unexpected"] += 1
         return [Warn("debug", f"router: ignoring {type(msg).__name__} from {source}")]
 
@@ -149,6 +158,13 @@ class RouterCore:
             out += self._fail(r, ErrorCode.HANDOFF_TIMEOUT, why, cancel=(r.prefill, r.decode))
         return out
 
+    def ask_figures(self, address: str, now: float) -> list[Effect]:
+        """After a probe answered: ask the node for its State (KV cache, handoffs), which
+        /router/stats, /cluster and the metrics show. Best effort, like the probe itself."""
+        if address not in self.nodes or not self.nodes[address].online:
+            return []
+        return [Send(address, QueryState(0), deadline=now + FIGURES_WAIT)]
+
     def probe_result(
         self, address: str, ok: bool, reason: str, now: float, lost: bool = False
     ) -> list[Effect]:
@@ -167,15 +183,9 @@ class RouterCore:
             if was_down:
                 node.online = True
                 if node.down_since is None:
-                    out.append(Warn("info", f"router: {node.id} is online"))
+                    out += self.membership.joined(node.id, "", now)
                 else:
-                    out.append(
-                        Warn(
-                            "info",
-                            f"router: {node.id} is back online after "
-                            f"{now - node.down_since:.1f}s down ({node.last_error})",
-                        )
-                    )
+                    out += self.membership.back(node.id, node.last_error, now)
                 node.last_error, node.down_since = "", None
             if suspect and was_down:
                 # It answers again, but it was down and a connection with it dropped: what
@@ -290,26 +300,30 @@ class RouterCore:
             )
         # The request never reached that prefill node: another one may take it (a failover of
         # an unsent request, never a recomputation).
-        r.tried.add(send.dest)
+        return out + self._failover(r, reason, now)
+
+    def _failover(self, r: Route, reason: str, now: float) -> list[Effect]:
+        """``r``'s prefill node did not run it (never reached, or refused it unrun)."""
+        r.tried.add(r.prefill)
         nxt = self._pick("prefill", exclude=r.tried)
         if nxt is None:
-            return out + self._fail(
+            return self._fail(
                 r,
                 ErrorCode.NODE_UNREACHABLE,
-                f"no prefill node reachable (last: {self.nodes[send.dest].id}: {reason})",
+                f"no prefill node reachable (last: {self.nodes[r.prefill].id}: {reason})",
                 cancel=(r.decode,),
             )
         self.nodes[r.prefill].active -= 1
         r.prefill = nxt
         self.counts["failovers"] += 1
-        return out + self._dispatch(r, now, "failover")
+        return self._dispatch(r, now, "failover")
 
     # --- admission and dispatch -----------------------------------------------------------
     def _pick(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
         for _ in range(len(self._by_role[role])):
             a = next(self._rr[role])
             n = self.nodes[a]
-            if n.online and n.active < self.capacity and a not in exclude:
+            if n.online and not n.draining and n.active < self.capacity and a not in exclude:
                 return a
         return None
 
@@ -385,6 +399,9 @@ class RouterCore:
             return []
         if isinstance(msg, Error):
             node = self.nodes[source]
+            if msg.code == ErrorCode.DRAINING and source == r.prefill and not r.next_index:
+                node.draining = True  # shutting down, and it ran nothing: another one may
+                return self._failover(r, msg.message, now)
             other = r.decode if source == r.prefill else r.prefill
             return self._fail(r, msg.code, f"{node.id}: {msg.message}", cancel=(other,))
         expected = r.prefill if msg.index == 0 else r.decode
@@ -475,7 +492,7 @@ class RouterCore:
         if not node.online:
             return []
         node.online, node.down_since = False, now
-        return [Warn("warning", f"router: {node.id} marked down: {node.last_error}")]
+        return list(self.membership.lost(node.id, node.last_error, now))
 
     def stats(self) -> dict[str, Any]:
         return node_stats(self.nodes.values(), self.active, self.counts)

@@ -4,8 +4,10 @@ router serves (/router/stats, the cluster view). Pure data."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from mlxcel.messages import State
 
 
 @dataclass
@@ -22,6 +24,17 @@ class PeerNode:
     last_error: str = ""
     down_since: float | None = None  # when it was marked down (for the "back" line)
     seen_at: float | None = None  # when it last answered a probe
+    figures: dict[str, float] = field(default_factory=dict)  # from its last State
+    draining: bool = False  # its last State said it is shutting down: no new requests
+
+
+def figures_of(m: State) -> dict[str, float]:
+    """What a node's State adds to its stats: KV-cache tokens held and capacity, and (a
+    prefill node) the handoffs acknowledged and their total time from send to ack."""
+    out: dict[str, float] = {"kv_tokens": m.kv_tokens, "kv_capacity": m.kv_capacity}
+    if m.handoffs:
+        out |= {"handoffs": m.handoffs, "handoff_s": m.handoff_us / 1e6}
+    return out
 
 
 def node_stats(nodes: Iterable[PeerNode], active: int, counts: Mapping[str, int]) -> dict[str, Any]:
@@ -34,12 +47,14 @@ def node_stats(nodes: Iterable[PeerNode], active: int, counts: Mapping[str, int]
                 "role": n.role,
                 "address": n.address,
                 "healthy": n.online,
+                "draining": n.draining,
                 "dispatched": n.dispatched,
                 "active": n.active,
                 "completed": n.completed,
                 "failed": n.failed,
                 "last_error": n.last_error,
                 "seen_at": n.seen_at,
+                **n.figures,
             }
             for n in nodes
         ],

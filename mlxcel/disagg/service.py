@@ -32,12 +32,15 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     PrefillRequest,
+    QueryState,
     RunEntry,
     RunResult,
+    State,
     TokenResult,
 )
 from mlxcel.net.connection import PeerSilent
 from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.kv_usage import figures as kv_figures
 
 # (address, deadline, fresh): raises if unreachable; ``fresh`` dials anew instead of trusting
 # an open connection (after a connection with the node dropped).
@@ -59,6 +62,14 @@ class _DisaggAdapter(CoreAdapter):
         super().__init__(node, endpoint, core, name, SEND_BUDGET)
         self.deadline_overrides_budget = True
 
+    async def drain(self, deadline: float) -> int:
+        """Take no new work (the router learns it from the next State and stops sending),
+        and wait until what is in flight is done or ``deadline``; returns what is left."""
+        self.core.draining = True
+        while self.core.active and self.now() < deadline:
+            await asyncio.sleep(0.05)
+        return int(self.core.active)
+
 
 class RouterService(_DisaggAdapter):
     def __init__(
@@ -79,7 +90,7 @@ class RouterService(_DisaggAdapter):
 
     def attach(self) -> None:
         self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
-        self.subscribe([TokenResult, Error], Origin.REMOTE, maxsize=4096)
+        self.subscribe([TokenResult, Error, State], Origin.REMOTE, maxsize=4096)
         self._local.start()
         self.node.spawn(self._probe_loop(), name="router.probe", critical=True)
         self.start()
@@ -123,6 +134,7 @@ class RouterService(_DisaggAdapter):
             self.feed(self.router.probe_result(address, False, why, self.now()))
         else:
             self.feed(self.router.probe_result(address, True, "", self.now()))
+            self.feed(self.router.ask_figures(address, self.now()))
 
     async def _probe_loop(self) -> None:
         while True:
@@ -185,13 +197,17 @@ class PrefillService(_DisaggAdapter):
     def __init__(
         self, node: Node, endpoint: Endpoint, engine: LocalEngine, config: PrefillConfig
     ) -> None:
-        core = PrefillCore(config, first_lease=secrets.randbits(40) + 1)
+        core = PrefillCore(
+            config, first_lease=secrets.randbits(40) + 1, counters=lambda: self._figures()
+        )
         super().__init__(node, endpoint, core, "prefill")
         self.prefill = core
         self.engine = engine
 
     def attach(self) -> None:
-        self.subscribe([PrefillRequest, HandoffAck, CancelRequest], Origin.REMOTE, maxsize=1024)
+        self.subscribe(
+            [PrefillRequest, HandoffAck, CancelRequest, QueryState], Origin.REMOTE, maxsize=1024
+        )
         self.start()
 
     def apply(self, effect: Effect) -> None:
@@ -208,6 +224,10 @@ class PrefillService(_DisaggAdapter):
             self.engine.cancel(f"lease-{effect.key}", "prefill")
         else:
             super().apply(effect)
+
+    def _figures(self) -> dict[str, int]:
+        held = sum(x.held.prompt_len for x in self.prefill.leases.values() if x.held)
+        return _engine_figures(self.engine, held)
 
     def _done(self, lease: int, rid: str, m: RunResult | Error) -> None:
         if isinstance(m, Error):
@@ -231,7 +251,7 @@ class DecodeService(_DisaggAdapter):
         config: DecodeConfig,
         dims: tuple[int, int, int],
     ) -> None:
-        core = DecodeCore(config)
+        core = DecodeCore(config, counters=lambda: _engine_figures(self.engine))
         super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
@@ -239,7 +259,9 @@ class DecodeService(_DisaggAdapter):
         self.staged: dict[int, Any] = {}  # slot -> verified caches, not yet read
 
     def attach(self) -> None:
-        self.subscribe([KvHandoff, HandoffVerdict, CancelRequest], Origin.REMOTE, maxsize=1024)
+        self.subscribe(
+            [KvHandoff, HandoffVerdict, CancelRequest, QueryState], Origin.REMOTE, maxsize=1024
+        )
         self.start()
 
     def apply(self, effect: Effect) -> None:
@@ -286,3 +308,10 @@ class DecodeService(_DisaggAdapter):
         if problem is not None:
             err = Error(ErrorCode.ENGINE_FAILED, problem, rid)
             self.feed(self.decode.token(slot, err, self.now()))
+
+
+def _engine_figures(engine: LocalEngine, more_tokens: int = 0) -> dict[str, int]:
+    """A prefill or decode node's State figures: its KV cache (plus ``more_tokens`` held
+    outside the engine) and its wire bytes."""
+    m = engine.loaded
+    return kv_figures(engine.kv_tokens() + more_tokens, m.config, m.n_layers)

@@ -192,9 +192,12 @@ class PipelineCoordinator(CoreAdapter):
             "draining": st.draining,
             "wire_bytes_out": st.wire_bytes_out,
             "largest_batch": st.largest_batch,
+            "kv_tokens": st.kv_tokens,
+            "kv_capacity": st.kv_capacity,
         }
         if judge:
-            self.feed(self.coord.stage_health(stage, True, "", self.now()))
+            detail = f"{st.node_id}, layers {layer_text(st.layers)}"
+            self.feed(self.coord.stage_health(stage, True, "", self.now(), detail))
 
     def redact(self, text: str) -> str:
         """``text`` with every stage address replaced by the stage's name (what an HTTP client

@@ -2,12 +2,11 @@
 
 For each local RunEntry the core prepares the sequence on every stage (each answers Ack),
 then per step sends one RunEntry to the entry stage and waits for the RunResult of that
-exchange from the final stage. The prompt runs as mlx-lm's batch generator runs it: every
-token but the last in chunks of ``prefill_chunk`` that only fill caches (``sample=False``,
-answered with an empty RunResult), then the last token as the first sampling step. When a
-request ends for any reason, the sequence is released on every stage. At most
-``max_in_flight`` sequences are in the stages at once; later requests wait in order; decode
-steps travel in micro-batches (``MicroBatches``, by default one per stage).
+exchange from the final stage. The prompt runs as mlx-lm's: chunks of ``prefill_chunk``
+that only fill caches (``sample=False``), then its last token as the first sampling step.
+A request that ends for any reason is released on every stage. At most ``max_in_flight``
+sequences are in the stages (later ones wait in order); decode steps travel in
+micro-batches (``MicroBatches``, by default one per stage).
 
 Every exchange has a fresh nonce and an absolute deadline. What the core accepts from the
 network: Ack/State only from the stage it addressed; RunResult only from the final stage,
@@ -29,6 +28,7 @@ from collections import Counter
 
 from mlxcel.bus import LOCAL
 from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
+from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
     Ack,
     CancelRequest,
@@ -95,6 +95,7 @@ class CoordinatorCore:
         self._heard: dict[str, float] = {}  # stage -> when it last sent us anything
         # Stages the probe found unreachable, and why: nothing is admitted while any is.
         self.down: dict[str, str] = {}
+        self.membership = MembershipLog("coordinator")
         self.eos = eos
         self.vocab = vocab
         self.max_len = max_len
@@ -119,15 +120,11 @@ class CoordinatorCore:
         self.peak_in_flight = 0
         # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
         self.dropped: Counter[str] = Counter()
-        self.completed = 0
-        self.failed = 0
-        self.steps = 0
+        self.completed = self.failed = self.steps = 0
         self.kept_alive = 0  # exchanges a stage's Progress carried past a missed deadline
         # Decode steps measured at the hand-offs: wall time from sending the RunEntry to
         # receiving its RunResult, and the stages' compute for it. The difference is protocol.
-        self.decode_steps = 0
-        self.decode_wall_s = 0.0
-        self.decode_compute_s = 0.0
+        self.decode_steps, self.decode_wall_s, self.decode_compute_s = 0, 0.0, 0.0
 
     @property
     def final(self) -> str:
@@ -206,19 +203,22 @@ class CoordinatorCore:
             self._lose(identity, f"lost the connection to stage {identity}", now, out, None)
         return out
 
-    def stage_health(self, stage: str, ok: bool, why: str, now: float) -> list[Effect]:
-        """The liveness probe's verdict on ``stage`` (a round trip, run by the adapter). Going
-        down fails every request now (in the stages and waiting) and refuses new ones until
-        it answers again."""
+    def stage_health(
+        self, stage: str, ok: bool, why: str, now: float, detail: str = ""
+    ) -> list[Effect]:
+        """The liveness probe's verdict on ``stage`` (a round trip, run by the adapter;
+        ``detail``: its id and layers, for the log). Going down fails every request now (in
+        the stages and waiting) and refuses new ones until it answers again."""
         out: list[Effect] = []
-        if stage not in self._stage_set or (ok and stage not in self.down):
+        if stage not in self._stage_set:
             return out
+        if ok and stage not in self.down:
+            return list(self.membership.joined(f"stage {stage}", detail, now))
         if ok:
-            del self.down[stage]
-            return [Warn("info", f"coordinator: stage {stage} is reachable again")]
+            return list(self.membership.back(f"stage {stage}", self.down.pop(stage), now))
         first, self.down[stage] = stage not in self.down, why
         if first:
-            out.append(Warn("warning", f"coordinator: stage {stage} is down: {why}"))
+            out += self.membership.lost(f"stage {stage}", why, now)
             text = f"stage {stage} is unreachable: {why}"
             self._lose(stage, text, now, out, None)
             for req in [r for r in map(self.reqs.get, self._waiting) if r and not r.admitted]:

@@ -34,6 +34,7 @@ from mlxcel.pipeline.stage_protocol import (
 )
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.kv_usage import figures as kv_figures
 from mlxcel.runtime.model import LayerRange
 
 __all__ = ["StageConfig", "StageService", "StageState"]
@@ -63,6 +64,11 @@ class StageService(CoreAdapter):
                 **self.runtime.timing.fields(),
                 "model": config.model,
                 "weights": config.weights,
+                **kv_figures(
+                    sum(s.tokens for s in self.stage.seqs.values()),
+                    layers.loaded.config,
+                    layers.end - layers.start,
+                ),
             },
             inject=inject,
         )

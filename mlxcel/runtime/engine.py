@@ -33,6 +33,7 @@ from mlxcel.messages import (
     RunResult,
 )
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.engine_caches import CacheSteps
 from mlxcel.runtime.engine_solo import SoloSteps
 from mlxcel.runtime.engine_state import (
     Insert,
@@ -41,7 +42,9 @@ from mlxcel.runtime.engine_state import (
     Sink,
     StepOutput,
     StepToken,
+    by_sequence,
     entry_problem,
+    kv_tokens,
 )
 from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
@@ -60,7 +63,7 @@ RUN_STEPS = 16
 RUN_SECONDS = 0.025
 
 
-class LocalEngine(SoloSteps):
+class LocalEngine(SoloSteps, CacheSteps):
     """Owns the batch generator. Use :meth:`attach` to subscribe it to a node's bus."""
 
     def __init__(
@@ -117,6 +120,9 @@ class LocalEngine(SoloSteps):
     def active(self) -> int:
         """Sequences that hold (or are about to hold) KV caches."""
         return len(self._seqs)
+
+    def kv_tokens(self) -> int:
+        return kv_tokens(self._seqs.values())
 
     def batch_cache_rows(self) -> int:
         """Sequences holding KV caches on the compute side (the batch generator's rows and
@@ -198,7 +204,7 @@ class LocalEngine(SoloSteps):
             return problem
         self._seqs[e.request_id] = Seq(
             e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink,
-            context=context,
+            context=context, resumed=int(getattr(cache[0], "offset", 0)) if cache else 0,
         )  # fmt: skip
         self._interrupt.set()
         self._wake.set()
@@ -294,7 +300,7 @@ class LocalEngine(SoloSteps):
             for request_id, kept in out.kept.items():
                 if request_id in self._seqs:
                     self.kept[request_id] = kept
-            for request_id, items in _by_sequence(out.tokens).items():
+            for request_id, items in by_sequence(out.tokens).items():
                 seq = self._seqs.get(request_id)
                 if seq is None:
                     continue  # cancelled while the step ran
@@ -462,29 +468,6 @@ class LocalEngine(SoloSteps):
                 top = top_alternatives(logprobs, want_lp[request_id])
         out.tokens.append((request_id, token, finish, lp, top))
 
-    def _keep_removed(self, uids: list[int]) -> None:
-        assert self._gen is not None
-        try:
-            taken = self._gen.extract_cache(uids)
-        except Exception as exc:  # the cache is an optimization: never fail a step on it
-            logger.warning("prompt cache: could not take a cancelled sequence's cache: {}", exc)
-            return
-        for cache, tokens in taken.values():
-            self._keep_prompt(list(tokens), cache)
-
-    def _keep_prompt(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
-        """Compute thread: a finished sequence's cache, for later prompts that start alike."""
-        if self.prompt_cache is not None and tokens and cache:
-            self.prompt_cache.store(tokens, cache)
-
-    def _start(self, i: Insert) -> tuple[list[Any] | None, int]:
-        """Compute thread: the cache a sequence starts from and how many of its prompt
-        tokens that cache covers. A handed-off cache covers what came before ``token_ids``;
-        otherwise the prompt cache may cover a prefix of them."""
-        if i.cache is not None or i.keep_cache or self.prompt_cache is None:
-            return i.cache, 0
-        return self.prompt_cache.fetch(i.entry.token_ids)
-
     def _guarded(self, e: RunEntry, key: tuple[int, ...] = ()) -> Sampler | None:
         """Compute thread: this request's sampler, failing alone (None: the shared greedy path)."""
         return guarded_sampler(e.sampling, self._sample_failures, e.request_id, key)
@@ -512,11 +495,3 @@ class LocalEngine(SoloSteps):
         self._gen = await self.compute.run(self._reset)
         for rid, s in seqs.items():
             await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)
-
-
-def _by_sequence(tokens: list[StepToken]) -> dict[str, list[StepToken]]:
-    """A run's tokens, grouped by sequence, each group in step order."""
-    groups: dict[str, list[StepToken]] = {}
-    for t in tokens:
-        groups.setdefault(t[0], []).append(t)
-    return groups

@@ -4,7 +4,7 @@ compute thread for a step, what a step hands back, and the check of a new entry.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,16 @@ class Seq:
     sink: Sink | None = None
     cached: int = 0  # prompt tokens the prompt cache supplied (reported with the first token)
     context: tuple[int, ...] = ()  # tokens before a handed-off cache's, for the penalties
+    resumed: int = 0  # positions a handed-off cache brought
+
+
+def kv_tokens(seqs: Iterable[Seq]) -> int:
+    """Positions the running sequences' caches hold (what the metrics call KV tokens)."""
+    return sum(
+        s.resumed + len(s.entry.token_ids) + s.generated
+        for s in seqs
+        if s.state is SeqState.RUNNING
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +92,11 @@ def entry_problem(e: RunEntry, config: dict[str, Any]) -> str | None:
             f"exceeds the model's context of {limit}"
         )
     return None
+
+
+def by_sequence(tokens: list[StepToken]) -> dict[str, list[StepToken]]:
+    """A run's tokens, grouped by sequence, each group in step order."""
+    groups: dict[str, list[StepToken]] = {}
+    for t in tokens:
+        groups.setdefault(t[0], []).append(t)
+    return groups

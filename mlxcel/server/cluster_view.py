@@ -44,6 +44,8 @@ def pipeline_topology(health: dict[str, Any]) -> Topology:
             "draining": st.get("draining", False),
             "wire_bytes_out": st.get("wire_bytes_out"),
             "last_seen_s": st.get("last_seen_s"),
+            "kv_tokens": st.get("kv_tokens"),
+            "kv_capacity": st.get("kv_capacity"),
         }
         if "error" in st:
             node["error"] = st["error"]
@@ -72,6 +74,10 @@ def router_topology(stats: dict[str, Any]) -> Topology:
                 "completed": n.get("completed"),
                 "failed": n.get("failed"),
                 "last_seen_s": n.get("last_seen_s"),
+                "kv_tokens": n.get("kv_tokens"),
+                "kv_capacity": n.get("kv_capacity"),
+                "handoffs": n.get("handoffs"),
+                "handoff_s": n.get("handoff_s"),
             }
         )
     prefill = [n["id"] for n in nodes if n["role"] == "prefill"]
@@ -82,8 +88,9 @@ def router_topology(stats: dict[str, Any]) -> Topology:
     return nodes, links
 
 
-def single_topology(mode: str, in_flight: int) -> Topology:
-    return [{"id": "this node", "role": mode, "up": True, "in_flight": in_flight}], []
+def single_topology(mode: str, in_flight: int, kv: dict[str, int] | None = None) -> Topology:
+    node = {"id": "this node", "role": mode, "up": True, "in_flight": in_flight, **(kv or {})}
+    return [node], []
 
 
 class ClusterView:

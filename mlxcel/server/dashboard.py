@@ -58,7 +58,8 @@ PAGE = """<!doctype html>
   <g id="links"></g><g id="boxes"></g>
 </svg>
 <table><thead><tr><th>node</th><th>role</th><th>layers</th><th>health</th><th>in flight</th>
-<th>sequences</th><th>last seen</th></tr></thead><tbody id="rows"></tbody></table>
+<th>sequences</th><th>KV tokens</th><th>last seen</th></tr></thead><tbody id="rows"></tbody>
+</table>
 <script>
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
@@ -125,6 +126,7 @@ function row(n) {
   tr.dataset.node = n.id; tr.dataset.up = String(n.up);
   const cells = [n.id, n.role, n.layers || "", n.up ? "up" : "down",
     n.in_flight ?? "", n.sequences ?? "",
+    n.kv_tokens == null ? "" : n.kv_tokens + (n.kv_capacity ? " / " + n.kv_capacity : ""),
     n.last_seen_s == null ? "" : n.last_seen_s.toFixed(1) + " s ago"];
   cells.forEach((c, i) => {
     const td = document.createElement("td"); td.textContent = c;

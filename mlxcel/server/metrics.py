@@ -114,6 +114,20 @@ class _ClusterCollector:
         ("wire_bytes_out", "mlxcel_node_wire_bytes_out", "bytes the node wrote to the cluster"),
         ("completed", "mlxcel_node_completed", "requests the node completed"),
         ("failed", "mlxcel_node_failed", "requests that failed on the node"),
+        ("kv_tokens", "mlxcel_node_kv_tokens", "KV-cache positions the node holds"),
+        (
+            "kv_capacity",
+            "mlxcel_node_kv_capacity_tokens",
+            "KV-cache positions held plus those that fit in the memory MLX may still allocate",
+        ),
+    )
+    COUNTERS = (
+        ("handoffs", "mlxcel_node_handoffs", "KV handoffs a prefill node had acknowledged"),
+        (
+            "handoff_s",
+            "mlxcel_node_handoff_seconds",
+            "time of those handoffs, from send to acknowledgement (divide by the count)",
+        ),
     )
 
     def __init__(self, view: Callable[[], dict[str, Any]], model: str) -> None:
@@ -129,6 +143,12 @@ class _ClusterCollector:
                 if value is not None:
                     g.add_metric([str(n["id"]), str(n["role"])], float(value))
             yield g
+        for key, name, doc in self.COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["node", "role"])
+            for n in v.get("nodes", []):
+                if n.get(key) is not None:
+                    c.add_metric([str(n["id"]), str(n["role"])], float(n[key]))
+            yield c
         totals = v.get("totals", {})
         for key, name, doc in (
             ("running", "mlxcel_requests_running", "requests generating, per model"),

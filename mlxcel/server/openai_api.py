@@ -28,7 +28,13 @@ from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
 from mlxcel.server.access_log import USAGE, access_log
 from mlxcel.server.metrics import Metrics
-from mlxcel.server.params import refuse_unimplemented, sampling_params, template_tools
+from mlxcel.server.params import (
+    fit_default,
+    refuse_unimplemented,
+    requested_max_tokens,
+    sampling_params,
+    template_tools,
+)
 from mlxcel.server.responses import Output, account, sse, usage_body
 from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxcel.server.tools import tool_text_for
@@ -235,6 +241,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         prompt_ids = await fe.apply_chat_template_async(messages, tools)
     else:
         prompt_ids = await fe.encode_prompt_async(req.prompt)
+    if requested_max_tokens(req) is None:
+        params = fit_default(params, len(prompt_ids), fe.max_model_len)
     out = Output(
         kind,
         ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],

@@ -8,6 +8,7 @@ logits processors) is refused the same way: never silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mlxcel.errors import RequestError
@@ -62,6 +63,23 @@ def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None
         )
 
 
+def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The request's own token limit (None: it gave none, the server's default applies)."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens or req.max_tokens
+    return req.max_tokens
+
+
+def fit_default(params: SamplingParams, prompt_len: int, limit: int | None) -> SamplingParams:
+    """A request that named no max_tokens gets what is left of the context (``limit``:
+    --max-model-len) when the default would not fit, as vLLM does; one that named it keeps
+    it (and is refused if it does not fit)."""
+    room = (limit or 0) - prompt_len
+    if limit is None or room < 1 or room >= params.max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=room)
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     *,
@@ -71,8 +89,8 @@ def sampling_params(
     mode: str,
 ) -> SamplingParams:
     """The request's sampling, checked against the model's vocabulary and this node's mode."""
+    max_tokens = requested_max_tokens(req)
     if isinstance(req, ChatCompletionRequest):
-        max_tokens = req.max_completion_tokens or req.max_tokens
         want_lp, top = req.logprobs, req.top_logprobs or 0
         if top and not want_lp:
             raise RequestError(
@@ -81,7 +99,6 @@ def sampling_params(
                 code="invalid_value",
             )
     else:
-        max_tokens = req.max_tokens
         want_lp, top = req.logprobs is not None, req.logprobs or 0
     bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
     bad = sorted(t for t in bias if t >= vocab)

@@ -6,12 +6,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxcel.bus import Node
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.model import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from mlxcel.runner import Serving
 
 
 @dataclass
@@ -22,6 +26,23 @@ class LocalStack:
     loaded: LoadedModel
     engine: LocalEngine
     frontend: Frontend
+
+    def serving(self) -> Serving:
+        """What a NodeRunner serves over HTTP: every OpenAI parameter ``serve`` serves (the
+        engine applies all of mlx-lm's processors), its prompt cache and KV figures."""
+        from mlxcel.messages import EXTENDED_SAMPLING
+        from mlxcel.runner import Serving
+        from mlxcel.runtime.kv_usage import figures
+
+        pc, m = self.engine.prompt_cache, self.loaded
+        return Serving(
+            self.node,
+            self.frontend,
+            lambda: self.engine.active,
+            sampling=EXTENDED_SAMPLING,
+            prompt_cache=pc.stats if pc is not None else None,
+            kv=lambda: figures(self.engine.kv_tokens(), m.config, m.n_layers),
+        )
 
 
 @asynccontextmanager

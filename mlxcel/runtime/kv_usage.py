@@ -1,0 +1,44 @@
+"""How many KV-cache tokens a node holds and how many more would fit: what /cluster,
+``status`` and ``mlxcel_node_kv_*`` show.
+
+mlx-lm's caches grow as sequences do, so a node has no fixed slot count: its capacity is the
+tokens it holds plus the tokens that fit in the memory MLX may still allocate
+(``mx.get_memory_limit()`` less what is allocated now), at what one token costs on this node
+(keys and values of every layer it runs, for its share of the heads). An estimate that moves
+with everything else the process allocates -- which is what an operator wants to watch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def bytes_per_token(config: dict[str, Any], n_layers: int, shards: int = 1) -> int:
+    """Bytes of keys and values one token takes in ``n_layers`` layers of this model, split
+    over ``shards`` tensor-parallel ranks (0: the config does not say)."""
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))
+    dtype = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    per_layer = 2 * kv_heads * head_dim * dtype  # keys and values
+    return per_layer * n_layers // max(shards, 1)
+
+
+def capacity(used_tokens: int, per_token: int) -> int:
+    """Tokens held plus the tokens that fit in what MLX may still allocate (0: unknown)."""
+    if per_token <= 0:
+        return 0
+    import mlx.core as mx
+
+    free = max(0, mx.get_memory_limit() - mx.get_active_memory())
+    return used_tokens + free // per_token
+
+
+def figures(
+    used_tokens: int, config: dict[str, Any], n_layers: int, shards: int = 1
+) -> dict[str, int]:
+    """``kv_tokens`` and ``kv_capacity``, as State, /cluster and the metrics name them."""
+    per_token = bytes_per_token(config, n_layers, shards)
+    return {"kv_tokens": used_tokens, "kv_capacity": capacity(used_tokens, per_token)}
