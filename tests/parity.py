@@ -117,14 +117,19 @@ async def _each(
     return out
 
 
-def assert_same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+def assert_same(
+    got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]], mode: str = ""
+) -> None:
+    """``got`` answers as one node did; prints one line per mode (``pytest -s`` shows it)."""
     assert got.keys() == want.keys()
+    worst = 0.0
     for name in want:
         g, w = got[name], want[name]
         assert (g["text"], g["finish"]) == (w["text"], w["finish"]), name
         assert len(g["logprobs"]) == len(w["logprobs"]), name
         for a, b in zip(g["logprobs"], w["logprobs"], strict=True):
             assert abs(a - b) < 1e-4, (name, a, b)
+            worst = max(worst, abs(a - b))
         assert [[t for t, _ in row] for row in g["top"]] == [
             [t for t, _ in row] for row in w["top"]
         ], name
@@ -132,6 +137,11 @@ def assert_same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]])
             for (_, a), (_, b) in zip(grow, wrow, strict=True):
                 assert abs(a - b) < 1e-4, (name, a, b)
     assert any(v["logprobs"] for v in want.values())  # the script asked for some: it compared
+    lps = sum(len(v["logprobs"]) for v in want.values())
+    print(
+        f"parity [{mode or '?'}]: {len(want)} requests, text and finish identical, "
+        f"{lps} logprobs within {worst:.1e} of one node's"
+    )
 
 
 async def against(url: str, model: str = "tiny") -> dict[str, dict[str, Any]]:
@@ -162,13 +172,10 @@ _REFERENCE: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
 async def one_node(path: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
     """What one process answers: the reference every mode is held to (computed once per
     checkpoint in a test session: it never changes)."""
-    from mlxcel.messages import EXTENDED_SAMPLING
-    from mlxcel.runner import Serving
     from mlxcel.server.run import local_stack
 
     key = (str(path), model)
     if key not in _REFERENCE:
         async with local_stack(path) as st:
-            serving = Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING)
-            _REFERENCE[key] = await served(serving, model)
+            _REFERENCE[key] = await served(st.serving(), model)
     return _REFERENCE[key]

@@ -179,7 +179,8 @@ def test_static_bring_up_serves_like_one_process(
         from tests import parity
 
         want = asyncio.run(parity.one_node(tiny, MODEL))
-        parity.assert_same(asyncio.run(parity.against(f"http://127.0.0.1:{port}", MODEL)), want)
+        got = asyncio.run(parity.against(f"http://127.0.0.1:{port}", MODEL))
+        parity.assert_same(got, want, "pp-auto (static bring-up)")
         # byte for byte what the dry run wrote: the rerun reproduces the coordinator's file
         assert (tmp_path / ".mlxcel" / "cluster.toml").read_bytes() == planned
         cfg = load_cluster_config(tmp_path / ".mlxcel" / "cluster.toml")

@@ -82,6 +82,7 @@ def test_the_cluster_view_status_and_metrics_show_every_node_and_a_stage_that_di
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert table.returncode == 0, table.stderr
+    print(table.stdout)  # what an operator sees (pytest -s)
     lines = table.stdout.splitlines()
     assert lines[0].startswith("tiny-qwen3 (pipeline): 3/3 nodes up")
     assert lines[2].split() == ["node", "role", "layers", "health", "in", "flight", "sequences",

@@ -340,4 +340,4 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
         got = await parity.served(
             Serving(r.node, r.frontend, sampling=EXTENDED_SAMPLING, mode="disaggregated router")
         )
-    parity.assert_same(got, want)
+    parity.assert_same(got, want, "disaggregated")

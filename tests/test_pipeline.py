@@ -1056,4 +1056,4 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
         got = await parity.served(
             Serving(st.node, st.frontend, lambda: c.active, sampling=_pipeline_sampling(False))
         )
-    parity.assert_same(got, want)
+    parity.assert_same(got, want, "in-process pipeline")

@@ -259,7 +259,7 @@ def test_the_openai_client_script_gets_what_one_node_gives_every_parameter(
     port = cluster[0]
     want = asyncio.run(parity.one_node(tiny, MODEL))
     got = asyncio.run(parity.against(f"http://127.0.0.1:{port}", MODEL))
-    parity.assert_same(got, want)
+    parity.assert_same(got, want, "remote pipeline")
 
 
 def test_stage_with_another_secret_fails_the_coordinator_at_startup(

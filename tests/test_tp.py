@@ -186,7 +186,7 @@ def test_serve_tp2_through_the_openai_client(
     from tests import parity
 
     want = asyncio.run(parity.one_node(checkpoints[family], MODEL))
-    parity.assert_same(asyncio.run(parity.against(srv.base_url, MODEL)), want)
+    parity.assert_same(asyncio.run(parity.against(srv.base_url, MODEL)), want, "tensor parallel")
     assert srv.stop() == 0
     assert srv.left_behind() == []  # the follower rank exited with the server
 

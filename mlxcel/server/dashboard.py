@@ -121,12 +121,18 @@ function draw(view) {
   }
 }
 
+function count(v) {  // 39492874 -> "39.5M", as `mlxcel status` prints it
+  for (const [unit, size] of [["G", 1e9], ["M", 1e6], ["k", 1e3]])
+    if (v >= size) return (v / size).toFixed(1) + unit;
+  return String(v);
+}
+
 function row(n) {
   const tr = document.createElement("tr");
   tr.dataset.node = n.id; tr.dataset.up = String(n.up);
   const cells = [n.id, n.role, n.layers || "", n.up ? "up" : "down",
     n.in_flight ?? "", n.sequences ?? "",
-    n.kv_tokens == null ? "" : n.kv_tokens + (n.kv_capacity ? " / " + n.kv_capacity : ""),
+    n.kv_tokens == null ? "" : count(n.kv_tokens) + (n.kv_capacity ? " / " + count(n.kv_capacity) : ""),
     n.last_seen_s == null ? "" : n.last_seen_s.toFixed(1) + " s ago"];
   cells.forEach((c, i) => {
     const td = document.createElement("td"); td.textContent = c;
