@@ -92,6 +92,7 @@ def test_after_the_drain_timeout_a_running_stream_ends_in_band_and_the_process_e
     finally:
         srv.stop()
     assert srv.proc.returncode == 0, srv.output
+    print(f"shutdown [{' '.join(mode) or 'one process'}]: exited {exited:.2f}s after SIGINT")
     # The drain (1 s) and a grace to write the final error, not the stream's minutes.
     assert exited < 1.0 + 2.0 + 3.0, exited
     last = json.loads(s.events[-2] if s.events[-1] == "[DONE]" else s.events[-1])
@@ -117,6 +118,7 @@ def test_a_second_sigint_exits_at_once_without_draining(small: Path) -> None:
         s.join(10)
     finally:
         srv.stop()
+    print(f"shutdown [second SIGINT]: exited {exited:.2f}s after it")
     assert exited < 1.0, exited
     assert srv.proc.returncode == 128 + signal.SIGINT
     assert "SIGINT: a second signal; exiting now without draining" in srv.output
@@ -191,6 +193,7 @@ def test_every_disaggregated_role_keeps_its_drain_with_a_stream_running(
         d0_exit = time.monotonic() - sent
         first.join(10)
         assert first.ended is not None
+        print(f"shutdown [decode node]: exited {d0_exit:.2f}s after SIGTERM")
         assert d0_exit < 1.0 + 3.0, d0_exit  # the drain and a moment, not the stream's minutes
         assert first.ended - sent < 1.0 + 5.0
         end = json.loads(first.events[-2] if first.events[-1] == "[DONE]" else first.events[-1])
@@ -204,6 +207,7 @@ def test_every_disaggregated_role_keeps_its_drain_with_a_stream_running(
         rt.proc.wait(30)
         rt_exit = time.monotonic() - sent
         second.join(10)
+        print(f"shutdown [router]: exited {rt_exit:.2f}s after SIGINT")
         assert rt_exit < 1.0 + 2.0 + 3.0, rt_exit
         end = json.loads(second.events[-2] if second.events[-1] == "[DONE]" else second.events[-1])
         assert end["error"]["code"] == "server_shutting_down", second.events[-3:]
@@ -213,6 +217,7 @@ def test_every_disaggregated_role_keeps_its_drain_with_a_stream_running(
             sent = time.monotonic()
             idle.proc.send_signal(signal.SIGTERM)
             idle.proc.wait(30)
+            print(f"shutdown [idle worker]: exited {time.monotonic() - sent:.2f}s after SIGTERM")
             assert time.monotonic() - sent < 3.0
             assert idle.proc.returncode == 0, idle.output
         assert all(p.proc.returncode == 0 for p in procs), [p.output[-500:] for p in procs]
