@@ -48,11 +48,9 @@ from loguru import logger
 
 from mlxcel.deadlines import until
 from mlxcel.errors import BusError, DeadlineExceeded, QueueFull
-from mlxcel.messages import Message
+from mlxcel.messages import LOCAL, Message
 
 M = TypeVar("M", bound=Message)
-
-LOCAL = "local"
 
 
 class Overflow(enum.Enum):

@@ -61,6 +61,10 @@ class QueueFull(BusError):
 # --- runtime ---------------------------------------------------------------------------------
 
 
+class PartitionError(MlxcelError):
+    """A layer split is malformed or cannot fit."""
+
+
 class ModelLoadError(MlxcelError):
     """A checkpoint could not be loaded (missing files, unsupported family, bad config)."""
 

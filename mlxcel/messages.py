@@ -68,6 +68,9 @@ EXTENDED_SAMPLING = frozenset(
     }
 )
 
+# The source of a message published in this process (a peer's is its identity, "ip:port").
+LOCAL = "local"
+
 
 class Message:
     """Marker base. ``KIND`` is the stable wire tag; never reuse a retired number."""
@@ -408,7 +411,7 @@ class KvHandoff(Message):
     prompt_len: int
     keys: tuple[Tensor, ...]  # one per layer: [1, kv_heads, prompt_len, head_dim]
     values: tuple[Tensor, ...]
-    digest: bytes  # SHA-256 over the whole handoff but ``lease`` and the split (see disagg.handoff)
+    digest: bytes  # SHA-256 over the whole handoff but ``lease`` and the split (see mlxcel.handoff)
     part: int = 0
     parts: int = 1
     # The prompt's last tokens (as many as a penalty looks back): the decode node's

@@ -13,8 +13,8 @@ from collections import deque
 import pytest
 
 from mlxcel import __version__
-from mlxcel.bringup.beacon import BeaconGate, BeaconRejected, Rejection, beacon_key, make_beacon
-from mlxcel.bringup.identity import ModelIdentity, model_identity
+from mlxcel.bringup.beacon import BeaconGate, beacon_key, make_beacon
+from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.plan import derived_range, make_plan
 from mlxcel.bringup.protocol import (
@@ -22,12 +22,15 @@ from mlxcel.bringup.protocol import (
     PEER_TABLE,
     Activated,
     Announce,
+    BeaconRejected,
+    ModelIdentity,
     PeerEnded,
     PeerEvent,
     PeerState,
     Phase,
     PushDone,
     Refusal,
+    Rejection,
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.effects import Send
@@ -42,6 +45,7 @@ from mlxcel.messages import (
     AssignRefused,
     Message,
 )
+from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts
 
 COSTS = LayerCosts((100,) * 8, 50, 50, 0)
@@ -57,13 +61,14 @@ def facts(address: str, **kw: object) -> PeerFacts:
         "mlxcel-cluster",
         MODEL,
         lambda n, k: derived_range(COSTS, n, k),
+        parse_cluster_toml,
         host,
         int(port),
     )
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
 
-def push(**kw: object) -> PushCore:
+def push(beacon_key: bytes | None = None, **kw: object) -> PushCore:
     cfg = PushConfig(
         attempt=7,
         n_peers=len(PEERS),
@@ -74,7 +79,10 @@ def push(**kw: object) -> PushCore:
         costs=COSTS,
         peers=PEERS,
     )
-    return PushCore(dataclasses.replace(cfg, **kw), 0.0)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(cfg, **kw)  # type: ignore[arg-type]
+    if beacon_key is not None:
+        cfg = dataclasses.replace(cfg, gate=BeaconGate(beacon_key, cfg.version, cfg.cluster_name))
+    return PushCore(cfg, 0.0)
 
 
 def offers(core: PushCore) -> dict[str, AssignOffer]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.handoff import digest_of, tensor_digest
 from mlxcel.disagg.protocol import MAX_PARTS, MAX_TOMBSTONES, ResumeJob, VerifyJob
 from mlxcel.effects import FreeCache, Send, StartCompute, Warn
+from mlxcel.handoff import digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,

@@ -185,7 +185,7 @@ def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
     loaded.model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     p = pack(cache, 4, 7)  # the cache may hold more than the prompt: trimmed
     assert all(k.shape[2] == 4 for k in p.keys) and p.keys[0].dtype == "float32"
-    from mlxcel.disagg.handoff import digest_of
+    from mlxcel.handoff import digest_of
 
     h = KvHandoff("r", 1, "x", 1, 7, SamplingParams(), (), 4, p.keys, p.values, b"")
     h = dataclasses.replace(h, digest=digest_of(h, p.tensors))

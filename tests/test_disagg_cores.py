@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import (
     LEASE_TABLE,
@@ -30,6 +29,7 @@ from mlxcel.disagg.protocol import (
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, FreeCache, Send, StartCompute, Warn
 from mlxcel.fsm import IllegalTransition
+from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,

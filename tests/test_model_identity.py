@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mlxcel.bringup import identity
-from mlxcel.bringup.identity import model_identity, weights_mismatch
+from mlxcel.bringup.identity import model_identity
+from mlxcel.bringup.protocol import weights_mismatch
 from mlxcel.runtime.checkpoint import write_checkpoint
 
 

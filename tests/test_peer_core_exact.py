@@ -16,11 +16,18 @@ from collections.abc import Callable
 
 import pytest
 
-from mlxcel.bringup.identity import ModelIdentity
 from mlxcel.bringup.peer_core import OfferRefused, PeerCore, PeerFacts
 from mlxcel.bringup.plan import derived_range
-from mlxcel.bringup.protocol import Activated, Announce, PeerEnded, PeerState, Refusal
+from mlxcel.bringup.protocol import (
+    Activated,
+    Announce,
+    ModelIdentity,
+    PeerEnded,
+    PeerState,
+    Refusal,
+)
 from mlxcel.effects import Effect, Send, Warn
+from mlxcel.errors import PartitionError
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,
@@ -32,8 +39,8 @@ from mlxcel.messages import (
     AssignRefused,
     BeginDrain,
 )
-from mlxcel.pipeline.cluster_config import ClusterConfig
-from mlxcel.pipeline.partition import LayerCosts, PartitionError
+from mlxcel.pipeline.cluster_config import ClusterConfig, parse_cluster_toml
+from mlxcel.pipeline.partition import LayerCosts
 
 # 8 layers of equal cost in 3 stages: (0, 3), (3, 6), (6, 8).
 COSTS = LayerCosts((100,) * 8, 50, 50, 0)
@@ -94,7 +101,13 @@ def facts(
 ) -> PeerFacts:
     host, port = listen.rsplit(":", 1)
     base = PeerFacts(
-        VERSION, "mlxcel-cluster", MODEL, derive or Derive(), host.strip("[]"), int(port)
+        VERSION,
+        "mlxcel-cluster",
+        MODEL,
+        derive or Derive(),
+        parse_cluster_toml,
+        host.strip("[]"),
+        int(port),
     )
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
@@ -624,17 +637,15 @@ def test_the_derived_range_is_asked_once_per_stage_and_count() -> None:
     assert derive.calls == [(3, 0), (3, 1)]
 
 
-def test_at_most_four_cluster_tomls_are_held_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_most_four_cluster_tomls_are_held_parsed() -> None:
     parsed: list[str] = []
-    validate = PeerCore._validate
 
     def spy(text: str) -> ClusterConfig:
         parsed.append(text)
-        return validate(text)
+        return parse_cluster_toml(text)
 
-    monkeypatch.setattr(PeerCore, "_validate", staticmethod(spy))
     texts = [toml(extra=f"# {i}\n") for i in range(5)]
-    peer = PeerCore(facts(), 0.0)
+    peer = PeerCore(facts(parse_cluster=spy), 0.0)
 
     def offer_from_stranger(text: str) -> None:  # parsed, then refused for its coordinator
         (send, _warn) = peer.handle(offer(cluster_toml=text), STRANGER, 1.0)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import MAX_TOMBSTONES, PrefillJob
 from mlxcel.effects import FreeCache, Send, StartCompute, Warn
+from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,

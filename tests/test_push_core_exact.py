@@ -14,10 +14,16 @@ import dataclasses
 import pytest
 
 from mlxcel import __version__
-from mlxcel.bringup.beacon import beacon_key, make_beacon
-from mlxcel.bringup.identity import ModelIdentity
+from mlxcel.bringup.beacon import BeaconGate, beacon_key, make_beacon
 from mlxcel.bringup.plan import make_plan
-from mlxcel.bringup.protocol import HANDSHAKE_BOUND, PeerStep, Phase, PushDone, Verify
+from mlxcel.bringup.protocol import (
+    HANDSHAKE_BOUND,
+    ModelIdentity,
+    PeerStep,
+    Phase,
+    PushDone,
+    Verify,
+)
 from mlxcel.bringup.push_core import Outcome, PushConfig, PushCore, is_loopback
 from mlxcel.effects import Effect, Send, Warn
 from mlxcel.messages import (
@@ -50,7 +56,8 @@ EPS = 1e-6
 KEY = beacon_key(b"k" * 32)
 
 
-def config(**kw: object) -> PushConfig:
+def config(beacon_key: bytes | None = None, **kw: object) -> PushConfig:
+    """``beacon_key``: beacons judged by the gate the coordinator builds on that key."""
     cfg = PushConfig(
         attempt=ATTEMPT,
         n_peers=len(PEERS),
@@ -61,7 +68,10 @@ def config(**kw: object) -> PushConfig:
         costs=COSTS,
         peers=PEERS,
     )
-    return dataclasses.replace(cfg, **kw)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(cfg, **kw)  # type: ignore[arg-type]
+    if beacon_key is None:
+        return cfg
+    return dataclasses.replace(cfg, gate=BeaconGate(beacon_key, cfg.version, cfg.cluster_name))
 
 
 def expected_offers(

@@ -16,7 +16,6 @@ cannot be forged, replayed or redirected.
 
 from __future__ import annotations
 
-import enum
 import ipaddress
 from collections import Counter
 from dataclasses import replace
@@ -26,7 +25,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.hmac import HMAC
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mlxcel.errors import DecodeError, MlxcelError
+from mlxcel.bringup.protocol import BeaconRejected, Rejection
+from mlxcel.errors import DecodeError
 from mlxcel.messages import Beacon
 from mlxcel.net.network import split_hostport
 from mlxcel.wire.codec import decode, encode
@@ -37,23 +37,6 @@ MAX_BEACON_SKEW = 60.0  # seconds a beacon's clock may differ from ours; also th
 MAX_BEACON_BYTES = 1024  # larger datagrams are not beacons
 NONCE_BYTES = 16
 MAX_REMEMBERED = 4096  # nonces kept for replay detection (about 68 peers at one per second)
-
-
-class Rejection(enum.Enum):
-    MALFORMED = "not a beacon"
-    BAD_MAC = "invalid MAC (another cluster secret?)"
-    SKEW = "clock skew beyond 60 s"
-    REPLAY = "replayed nonce"
-    VERSION = "another mlxcel version"
-    ADDRESS = "advertised address is not the datagram's source"
-    CLUSTER = "another cluster name"
-    FULL = "replay cache full"
-
-
-class BeaconRejected(MlxcelError):
-    def __init__(self, why: Rejection, detail: str) -> None:
-        super().__init__(f"beacon rejected: {why.value}: {detail}")
-        self.why = why
 
 
 def beacon_key(secret: bytes) -> bytes:

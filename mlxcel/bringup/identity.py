@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
+from mlxcel.bringup.protocol import ModelIdentity
 from mlxcel.errors import ModelLoadError
 
 CHUNK = 8 << 20  # bytes read per update: large enough that hashlib releases the GIL
@@ -39,33 +39,10 @@ CACHE_NAME = "weight-digests.json"
 MAX_CACHED = 4096  # cache entries kept (the newest); a cache is never a growing log
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    sha256: str  # the shape: config.json, weight file names and sizes, layer count
-    n_layers: int
-    weights: str = ""  # content digest of the weight files; "" when not computed (trusted)
-
-    @property
-    def short(self) -> str:
-        return f"{self.sha256[:12]} ({self.n_layers} layers)"
-
-
 def n_layers_of(config: dict[str, object]) -> int:
     text = config.get("text_config")
     source = text if isinstance(text, dict) and "num_hidden_layers" in text else config
     return int(source["num_hidden_layers"])  # type: ignore[call-overload]
-
-
-def weights_mismatch(theirs: str, ours: str, whose: str) -> str | None:
-    """Why two weight digests do not name the same weights (None: they do, or one side did
-    not compute its digest and so vouches for its copy)."""
-    if not theirs or not ours or theirs == ours:
-        return None
-    return (
-        f"model weights differ: {whose} weights have digest {theirs[:16]}, this node's "
-        f"{ours[:16]} (same config and file sizes, other values: copy the same checkpoint to "
-        "every host; --trust-weights skips this check)"
-    )
 
 
 def model_identity(path: Path, weights: bool = True, cache: Path | None = None) -> ModelIdentity:

@@ -22,11 +22,11 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel import __version__
-from mlxcel.bringup.beacon import BEACON_PORT, beacon_key, looks_like_beacon
-from mlxcel.bringup.identity import ModelIdentity, model_identity
+from mlxcel.bringup.beacon import BEACON_PORT, BeaconGate, beacon_key, looks_like_beacon
+from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.plan import BringupPlan, derived_range, peer_file
-from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND
+from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND, ModelIdentity
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import (
     AssignmentRefused,
@@ -42,7 +42,7 @@ from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.net.udp import BeaconReceiver, BeaconSender
-from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.pipeline.cluster_config import ClusterConfig, parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, layer_costs
 from mlxcel.wire.handshake import Channel, Identity
 
@@ -152,7 +152,11 @@ async def push_assignments(
         model=ident,
         costs=costs,
         peers=discovery.peers,
-        beacon_key=beacon_key(secret.value) if discovery.mode == "mdns" else None,
+        gate=(
+            BeaconGate(beacon_key(secret.value), __version__, cluster_name)
+            if discovery.mode == "mdns"
+            else None
+        ),
         secret_file=secret_file,
         dry_run=dry_run,
     )
@@ -255,6 +259,7 @@ async def await_assignment(
             cluster_name,
             ident,
             lambda n, k: derived_range(costs, n, k),
+            parse_cluster_toml,
             host,
             port,
             beacons=discovery.mode == "mdns",

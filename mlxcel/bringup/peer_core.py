@@ -9,14 +9,11 @@ a retry against the same coordinator cannot succeed. Nothing here does I/O or re
 
 from __future__ import annotations
 
-import tomllib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import ValidationError
-
-from mlxcel.bringup.identity import ModelIdentity, weights_mismatch
 from mlxcel.bringup.protocol import (
     ASSIGNMENT_WAIT,
     BEACON_EVERY,
@@ -26,12 +23,15 @@ from mlxcel.bringup.protocol import (
     PROTOCOL,
     Activated,
     Announce,
+    ModelIdentity,
     PeerEnded,
     PeerEvent,
     PeerState,
     Refusal,
+    weights_mismatch,
 )
 from mlxcel.effects import Effect, Send, Warn
+from mlxcel.errors import PartitionError
 from mlxcel.fsm import IllegalTransition
 from mlxcel.messages import (
     AssignAbort,
@@ -44,8 +44,6 @@ from mlxcel.messages import (
     AssignRefused,
     Message,
 )
-from mlxcel.pipeline.cluster_config import ClusterConfig
-from mlxcel.pipeline.partition import PartitionError
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,9 @@ class PeerFacts:
     model: ModelIdentity
     # The layer range this peer derives for (stages, index) from its own checkpoint.
     derive_range: Callable[[int, int], tuple[int, int]]
+    # The offered cluster TOML, validated (pipeline.cluster_config.parse_cluster_toml): raises
+    # ValueError naming the first problem.
+    parse_cluster: Callable[[str], Any]
     listen_ip: str  # may be unspecified (0.0.0.0): then only the port is checked
     listen_port: int
     beacons: bool = False  # mdns discovery: announce until committed
@@ -81,7 +82,7 @@ class PeerCore:
         self._phase_until: float | None = None
         self._announce_at: float | None = now if facts.beacons else None
         self._ranges: dict[tuple[int, int], tuple[int, int]] = {}
-        self._parsed: dict[str, ClusterConfig] = {}
+        self._parsed: dict[str, Any] = {}
 
     # --- the core interface --------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
@@ -315,21 +316,16 @@ class PeerCore:
             self._ranges[key] = self.facts.derive_range(n_stages, index)
         return self._ranges[key]
 
-    def _parse(self, text: str) -> ClusterConfig:
+    def _parse(self, text: str) -> Any:
         if text in self._parsed:
             return self._parsed[text]
         if len(self._parsed) >= 4:
             self._parsed.clear()
-        self._parsed[text] = cfg = self._validate(text)
-        return cfg
-
-    @staticmethod
-    def _validate(text: str) -> ClusterConfig:
         try:
-            return ClusterConfig.model_validate(tomllib.loads(text))
-        except (tomllib.TOMLDecodeError, ValidationError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise OfferRefused(Refusal.CLUSTER_TOML, f"{Refusal.CLUSTER_TOML}: {first}") from None
+            self._parsed[text] = cfg = self.facts.parse_cluster(text)
+        except ValueError as exc:
+            raise OfferRefused(Refusal.CLUSTER_TOML, f"{Refusal.CLUSTER_TOML}: {exc}") from None
+        return cfg
 
     # --- later phases ------------------------------------------------------------------------
     def _move(self, event: PeerEvent, source: str, attempt: int, now: float) -> list[Effect]:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
+from mlxcel.errors import MlxcelError
 from mlxcel.fsm import Table
 
 PROTOCOL = 2  # the assignment protocol version; anything else is refused
@@ -249,3 +251,53 @@ class PushDone:
 
     ok: bool
     summary: str
+
+
+# --- what both cores check: model identity and beacons ---------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    sha256: str  # the shape: config.json, weight file names and sizes, layer count
+    n_layers: int
+    weights: str = ""  # content digest of the weight files; "" when not computed (trusted)
+
+    @property
+    def short(self) -> str:
+        return f"{self.sha256[:12]} ({self.n_layers} layers)"
+
+
+def weights_mismatch(theirs: str, ours: str, whose: str) -> str | None:
+    """Why two weight digests do not name the same weights (None: they do, or one side did
+    not compute its digest and so vouches for its copy)."""
+    if not theirs or not ours or theirs == ours:
+        return None
+    return (
+        f"model weights differ: {whose} weights have digest {theirs[:16]}, this node's "
+        f"{ours[:16]} (same config and file sizes, other values: copy the same checkpoint to "
+        "every host; --trust-weights skips this check)"
+    )
+
+
+class Rejection(enum.Enum):
+    MALFORMED = "not a beacon"
+    BAD_MAC = "invalid MAC (another cluster secret?)"
+    SKEW = "clock skew beyond 60 s"
+    REPLAY = "replayed nonce"
+    VERSION = "another mlxcel version"
+    ADDRESS = "advertised address is not the datagram's source"
+    CLUSTER = "another cluster name"
+    FULL = "replay cache full"
+
+
+class BeaconCheck(Protocol):
+    """What the coordinator's core asks of a beacon: its advertised address, or
+    BeaconRejected."""
+
+    def check(self, datagram: bytes, source_ip: str, wall: float) -> str: ...
+
+
+class BeaconRejected(MlxcelError):
+    def __init__(self, why: Rejection, detail: str) -> None:
+        super().__init__(f"beacon rejected: {why.value}: {detail}")
+        self.why = why

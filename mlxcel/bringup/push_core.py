@@ -16,8 +16,6 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from mlxcel.bringup.beacon import BeaconGate, BeaconRejected, Rejection
-from mlxcel.bringup.identity import ModelIdentity
 from mlxcel.bringup.plan import BringupPlan, make_plan
 from mlxcel.bringup.protocol import (
     DISCOVERY_WINDOW,
@@ -31,13 +29,18 @@ from mlxcel.bringup.protocol import (
     STEP_TABLE,
     VERIFY_AGAIN,
     Answer,
+    BeaconCheck,
+    BeaconRejected,
+    ModelIdentity,
     PeerStep,
     Phase,
     PhaseEvent,
     PushDone,
+    Rejection,
     Verify,
 )
 from mlxcel.effects import Effect, Send, Warn
+from mlxcel.errors import PartitionError
 from mlxcel.fsm import IllegalTransition
 from mlxcel.messages import (
     AssignAbort,
@@ -50,7 +53,7 @@ from mlxcel.messages import (
     AssignRefused,
     Message,
 )
-from mlxcel.pipeline.partition import LayerCosts, PartitionError
+from mlxcel.pipeline.partition import LayerCosts
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,9 @@ class PushConfig:
     model: ModelIdentity
     costs: LayerCosts
     peers: tuple[str, ...] = ()  # static discovery; empty: beacons
-    beacon_key: bytes | None = None
+    # Judges a beacon datagram (bringup.beacon.BeaconGate, built on the cluster's beacon key):
+    # None with static peers.
+    gate: BeaconCheck | None = None
     secret_file: str | None = None
     discovery_window: float = DISCOVERY_WINDOW
     push_window: float = PUSH_WINDOW
@@ -107,11 +112,7 @@ class PushCore:
         self.checking: set[str] = set()  # beaconed addresses whose handshake is under way
         self.dropped: dict[str, str] = {}  # address -> why its check failed (for the summary)
         self._check_again: dict[str, float] = {}  # address -> when it may be checked again
-        self.gate = (
-            BeaconGate(cfg.beacon_key, cfg.version, cfg.cluster_name)
-            if cfg.beacon_key is not None
-            else None
-        )
+        self.gate = cfg.gate
         self.plan: BringupPlan | None = None
         self.peers: dict[str, Peer] = {}
         self.outcome: Outcome | None = None

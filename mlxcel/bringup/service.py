@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from loguru import logger
 
 from mlxcel.adapter import CoreAdapter
-from mlxcel.bringup.beacon import BeaconGate, Rejection, make_beacon
+from mlxcel.bringup.beacon import BeaconGate, make_beacon
 from mlxcel.bringup.peer_core import PeerCore
 from mlxcel.bringup.protocol import (
     FRAME_BOUND,
@@ -26,6 +26,7 @@ from mlxcel.bringup.protocol import (
     PeerEnded,
     Phase,
     PushDone,
+    Rejection,
     Verify,
 )
 from mlxcel.bringup.push_core import PushCore

@@ -34,10 +34,9 @@ from mlxcel.config_tools import (
     SimSettings,
     StatusSettings,
 )
-from mlxcel.errors import ConfigError, MlxcelError, PlatformUnsupported
+from mlxcel.errors import ConfigError, MlxcelError, PartitionError, PlatformUnsupported
 from mlxcel.logs import setup_logging
 from mlxcel.loop import run_async
-from mlxcel.pipeline.partition import PartitionError
 from mlxcel.platform_guard import DISTRIBUTED_FLAGS, refuse_distributed_on_windows
 
 COMMANDS: dict[str, tuple[type, str]] = {

@@ -17,7 +17,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxcel.disagg.handoff import header, join
 from mlxcel.disagg.protocol import (
     MAX_PARTS,
     MAX_TOMBSTONES,
@@ -31,6 +30,7 @@ from mlxcel.disagg.protocol import (
 )
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
 from mlxcel.fsm import IllegalTransition
+from mlxcel.handoff import header, join
 from mlxcel.messages import (
     CancelRequest,
     Error,

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxcel.disagg.handoff import Packed, digest_of, split
 from mlxcel.disagg.protocol import (
     LEASE,
     LEASE_BYTES_PER_S,
@@ -30,6 +29,7 @@ from mlxcel.disagg.protocol import (
     PrefillJob,
 )
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
+from mlxcel.handoff import Packed, digest_of, split
 from mlxcel.messages import (
     CancelRequest,
     Error,

@@ -30,6 +30,7 @@ from mlxcel.disagg.router_nodes import PeerNode, figures_of, node_stats
 from mlxcel.effects import Deliver, Effect, Send, Warn
 from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
+    LOCAL,
     CancelRequest,
     Error,
     ErrorCode,
@@ -42,7 +43,6 @@ from mlxcel.messages import (
     TokenResult,
 )
 
-LOCAL = "local"
 FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
 
 

@@ -193,3 +193,13 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(
             "--distributed-config", f"{p}: {loc}: {err['msg'].removeprefix('Value error, ')}"
         ) from None
+
+
+def parse_cluster_toml(text: str) -> ClusterConfig:
+    """A cluster TOML received over the network (a bring-up offer), validated; raises
+    ValueError with the first line of what is wrong."""
+    try:
+        return ClusterConfig.model_validate(tomllib.loads(text))
+    except ValueError as exc:  # TOMLDecodeError and ValidationError both are
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(first) from None

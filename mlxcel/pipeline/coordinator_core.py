@@ -26,10 +26,10 @@ import heapq
 import itertools
 from collections import Counter
 
-from mlxcel.bus import LOCAL
 from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
 from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
+    LOCAL,
     Ack,
     CancelRequest,
     Error,

@@ -20,13 +20,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import PartitionError
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-
-
-class PartitionError(MlxcelError):
-    """A layer split is malformed or cannot fit."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.bringup.identity import ModelIdentity, model_identity, weights_mismatch
+from mlxcel.bringup.identity import model_identity
+from mlxcel.bringup.protocol import ModelIdentity, weights_mismatch
 from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, MlxcelError
 from mlxcel.frontend import Frontend

@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
-from mlxcel.disagg.handoff import Packed
+from mlxcel.handoff import Packed
 from mlxcel.messages import (
     CancelRequest,
     Error,

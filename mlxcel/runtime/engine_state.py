@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.disagg.handoff import Packed
+from mlxcel.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
 from mlxcel.runtime.sampling import sampling_problem
 

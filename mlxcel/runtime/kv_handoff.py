@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
+from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import KvHandoff
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 

@@ -17,8 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from mlxcel import __version__
-from mlxcel.bringup.beacon import beacon_key, make_beacon
-from mlxcel.bringup.identity import ModelIdentity
+from mlxcel.bringup.beacon import BeaconGate, beacon_key, make_beacon
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.protocol import (
     DISCOVERY_WINDOW,
@@ -26,6 +25,7 @@ from mlxcel.bringup.protocol import (
     PUSH_WINDOW,
     Activated,
     Announce,
+    ModelIdentity,
     PeerEnded,
     PeerState,
     Phase,
@@ -35,6 +35,7 @@ from mlxcel.bringup.protocol import (
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.effects import Effect, Send
 from mlxcel.messages import Message
+from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, auto_split
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import SimHost
@@ -229,7 +230,7 @@ def build_bringup(
         model=model,
         costs=costs,
         peers=tuple(addresses) if static else (),
-        beacon_key=None if static else beacon_key(SECRET),
+        gate=None if static else BeaconGate(beacon_key(SECRET), __version__, "mlxcel-cluster"),
         inject=inject,
     )
     push = PushHost(COORDINATOR, sched, net, cfg)
@@ -247,6 +248,7 @@ def build_bringup(
             "mlxcel-cluster",
             ident,
             lambda n, k: split(n)[k],
+            parse_cluster_toml,
             addr.rpartition(":")[0],
             19001,
             beacons=not static,

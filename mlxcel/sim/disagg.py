@@ -18,9 +18,9 @@ import random
 from dataclasses import dataclass, field
 
 from mlxcel.disagg.decode_core import DecodeConfig
-from mlxcel.disagg.handoff import digest_of, tensor_digest
 from mlxcel.disagg.prefill_core import PrefillConfig
 from mlxcel.disagg.protocol import LEASE
+from mlxcel.handoff import digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,

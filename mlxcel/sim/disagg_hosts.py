@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.handoff import Packed, digest_of, tensor_digest
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.router_core import LOCAL, RouterCore
 from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
+from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     HandoffVerdict,
