@@ -20,8 +20,8 @@ from loguru import logger
 from mlxcel.bus import Envelope, Node, Origin, handling
 from mlxcel.deadlines import deadline_in
 from mlxcel.effects import Effect, ResetPeer, Send, Warn
-from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import BusError, MlxcelError, QueueFull
+from mlxcel.endpoint import Endpoint
+from mlxcel.errors import BusError, MlxcelError, QueueFull, SendFailed
 from mlxcel.messages import BUNDLED, MAX_BUNDLE, Bundle, Message
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.wire.codec import tensor_bytes

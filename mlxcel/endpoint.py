@@ -11,17 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from mlxcel.errors import MlxcelError
 from mlxcel.messages import Message
-
-
-class SendFailed(MlxcelError):
-    """A message could not be delivered to its destination. ``unsent``: it certainly never
-    left this node (no connection could be made), so the destination does not have it."""
-
-    def __init__(self, message: str, unsent: bool = False) -> None:
-        super().__init__(message)
-        self.unsent = unsent
 
 
 class Endpoint(Protocol):

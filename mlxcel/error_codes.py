@@ -41,3 +41,29 @@ class ErrorCode(enum.StrEnum):
     DECODE_TARGET_REFUSED = "decode_target_refused"  # not in MLXCEL_DECODE_ALLOWLIST
     HANDOFF_FAILED = "handoff_failed"  # the KV handoff was refused, corrupt or undeliverable
     HANDOFF_TIMEOUT = "handoff_timeout"  # a lease expired, or results stopped arriving
+
+
+# Codes that mean "not now", not "broken": the client (or a load balancer) may retry.
+UNAVAILABLE = frozenset(
+    {
+        ErrorCode.SERVER_SHUTTING_DOWN,
+        ErrorCode.STAGE_UNREACHABLE,
+        ErrorCode.DOWNSTREAM_UNREACHABLE,
+        ErrorCode.DRAINING,
+        ErrorCode.NOT_PREPARED,
+        ErrorCode.TOO_MANY_SEQUENCES,
+        ErrorCode.NO_NODE_AVAILABLE,
+        ErrorCode.NODE_UNREACHABLE,
+    }
+)
+TIMEOUTS = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.HANDOFF_TIMEOUT})
+
+
+def http_status(code: str) -> tuple[int, str, dict[str, str] | None]:
+    """The HTTP status, OpenAI error type and headers a client gets for an error the engine,
+    a stage or a node reported (``code``: any string; an unknown one is a server error)."""
+    if code in TIMEOUTS:
+        return 504, "timeout", None
+    if code in UNAVAILABLE:
+        return 503, "server_busy", {"Retry-After": "1"}
+    return 500, "server_error", None

@@ -7,6 +7,9 @@ can tell them apart without parsing messages.
 
 from __future__ import annotations
 
+import enum
+from typing import Any
+
 
 class MlxcelError(Exception):
     """Base of every error mlxcel raises on purpose."""
@@ -94,3 +97,149 @@ class PlatformUnsupported(MlxcelError):
 
 class ListenError(MlxcelError):
     """A listening socket could not be opened (address in use, not local, no permission)."""
+
+
+# --- errors that carry a wire code (mlxcel.error_codes) --------------------------------------
+
+
+class CodedError(MlxcelError):
+    """A failure named by one of the wire's error codes: what the sender, the client or the
+    HTTP status (``error_codes.http_status``) is told."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ProtocolError(CodedError):
+    """A message a role refuses; ``code`` is what the role answers the sender with."""
+
+
+class IllegalTransition(ProtocolError):
+    """An event that a state machine's table does not allow in the current state."""
+
+    def __init__(self, machine: str, state: enum.Enum, event: enum.Enum, code: str) -> None:
+        super().__init__(code, f"{machine}: {event.name} is not allowed in state {state.name}")
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+class PipelineError(CodedError):
+    """A pipeline exchange failed (stage error, unreachable stage, deadline)."""
+
+
+class EngineError(CodedError):
+    """The generating side (engine, pipeline, router) reported an error for this request."""
+
+
+class OfferRefused(CodedError):
+    """A bring-up peer refuses an offer; ``code`` is the assignment protocol's Refusal."""
+
+
+# --- transport: frames, Noise, handshakes, connections ---------------------------------------
+
+
+class TransportError(MlxcelError):
+    """A cluster connection failed or could not be made; the connection (if any) is closed."""
+
+
+class FrameError(TransportError):
+    """Base for frame-layer failures; every one of them closes the connection."""
+
+
+class FrameTooLarge(FrameError):
+    """A header announced more bytes than the configured cap (refused before allocation)."""
+
+
+class FrameAuthFailed(FrameError):
+    """A frame failed authentication: altered, replayed, reordered, truncated or foreign."""
+
+
+class CounterExhausted(FrameError):
+    """A direction used its last nonce; the connection must be replaced."""
+
+
+class FrameTimeout(FrameError):
+    """A frame's body did not follow its header in time, or a peer stayed silent too long."""
+
+
+class BudgetExceeded(FrameError):
+    """Reassembling a message would pass the connection's or the node's memory budget."""
+
+
+class NoiseError(TransportError):
+    """A Noise operation failed: authentication, sequencing, or exhausted nonces."""
+
+
+class DecryptFailed(NoiseError):
+    """A ciphertext did not authenticate under the current key (wrong key or altered bytes)."""
+
+
+class HandshakeError(TransportError):
+    """A handshake failed; ``failure`` (wire.handshake_fields.Failure) says why."""
+
+    def __init__(self, failure: Any, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class ConnectFailed(TransportError):
+    """Could not establish an authenticated connection; ``failure`` says why (None: network)."""
+
+    def __init__(self, message: str, failure: Any = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+class ConnectionClosed(TransportError):
+    """The connection is closed (by either side, or after a failure)."""
+
+
+class PeerSilent(TransportError):
+    """A round trip (``ping``) got no answer in time: the peer is gone or stopped."""
+
+
+class SendFailed(TransportError):
+    """A message could not be delivered to its destination. ``unsent``: it certainly never
+    left this node (no connection could be made), so the destination does not have it."""
+
+    def __init__(self, message: str, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
+
+
+# --- setting up a node: secrets, interfaces, bring-up, tensor-parallel groups ----------------
+
+
+class SecretError(MlxcelError):
+    """The cluster secret is missing, ambiguous, unreadable or too short."""
+
+
+class InterfaceError(MlxcelError):
+    """The named interface does not exist or has no IPv4 address."""
+
+
+class BringupError(MlxcelError):
+    """Zero-config bring-up could not form the cluster."""
+
+
+class AssignmentRefused(BringupError):
+    """The peer ends: an offer it can never accept, or no assignment in time."""
+
+
+class BringupFailed(BringupError):
+    """The coordinator's bring-up failed; no stage was started (or, during activation, the
+    message says which already run)."""
+
+
+class BeaconRejected(BringupError):
+    """A discovery beacon was refused; ``why`` is a bringup.protocol.Rejection."""
+
+    def __init__(self, why: enum.Enum, detail: str) -> None:
+        super().__init__(f"beacon rejected: {why.value}: {detail}")
+        self.why = why
+
+
+class TpGroupFailed(MlxcelError):
+    """A tensor-parallel rank died or the group broke."""

@@ -29,6 +29,7 @@ from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import (
     AdmissionRejected,
     DeadlineExceeded,
+    EngineError,
     MlxcelError,
     RequestError,
 )
@@ -96,14 +97,6 @@ class Usage:
     first_token_at: float | None = None
     last_token_at: float | None = None
     submitted_at: float = 0.0
-
-
-class EngineError(MlxcelError):
-    """The generating side reported an error for this request."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Frontend:

@@ -12,28 +12,10 @@ import enum
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import IllegalTransition
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
-
-
-class ProtocolError(MlxcelError):
-    """A message a role refuses; ``code`` is what the role answers the sender with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class IllegalTransition(ProtocolError):
-    """An event that the table does not allow in the current state."""
-
-    def __init__(self, machine: str, state: enum.Enum, event: enum.Enum, code: str) -> None:
-        super().__init__(code, f"{machine}: {event.name} is not allowed in state {state.name}")
-        self.machine = machine
-        self.state = state
-        self.event = event
 
 
 class Table(Generic[S, E]):

@@ -10,10 +10,9 @@ import pytest
 
 from mlxcel.bus import LOCAL, Node, Origin
 from mlxcel.deadlines import deadline_in
-from mlxcel.endpoint import SendFailed
+from mlxcel.errors import PipelineError, SendFailed
 from mlxcel.messages import Ack, Bundle, Message, PrepareSequence, RunEntry, SamplingParams
 from mlxcel.pipeline.coordinator import PipelineCoordinator
-from mlxcel.pipeline.coordinator_core import PipelineError
 
 
 class FakeEndpoint:

@@ -17,7 +17,7 @@ import mlxcel.adapter as adapter_mod
 from mlxcel.adapter import BUNDLE_TENSOR_BYTES, CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, Send, Warn
-from mlxcel.endpoint import SendFailed
+from mlxcel.errors import SendFailed
 from mlxcel.messages import (
     MAX_BUNDLE,
     Activation,

@@ -13,9 +13,9 @@ import pytest
 
 from mlxcel.bus import Node
 from mlxcel.deadlines import deadline_in
+from mlxcel.errors import ConnectFailed
 from mlxcel.messages import Ack
 from mlxcel.net.listener import ClusterListener, Limits, member_ips
-from mlxcel.net.pool import ConnectFailed
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.wire.handshake import Failure
 from tests.test_transport import SECRET, SERVER_IP, client_pool, until_true

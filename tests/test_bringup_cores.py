@@ -22,7 +22,6 @@ from mlxcel.bringup.protocol import (
     PEER_TABLE,
     Activated,
     Announce,
-    BeaconRejected,
     ModelIdentity,
     PeerEnded,
     PeerEvent,
@@ -34,7 +33,7 @@ from mlxcel.bringup.protocol import (
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.effects import Send
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import BeaconRejected, IllegalTransition
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,
@@ -469,8 +468,7 @@ def test_an_activated_peer_closing_before_its_answer_is_read_is_not_a_failure() 
 
 def test_only_a_secret_or_identity_mismatch_ends_the_push_at_once() -> None:
     from mlxcel.bringup.service import is_final
-    from mlxcel.endpoint import SendFailed
-    from mlxcel.net.pool import ConnectFailed
+    from mlxcel.errors import ConnectFailed, SendFailed
     from mlxcel.wire.handshake import Failure
 
     def failed(failure: Failure | None) -> SendFailed:

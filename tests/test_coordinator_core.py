@@ -9,7 +9,7 @@ import pytest
 
 from mlxcel.bus import LOCAL
 from mlxcel.effects import Answer, Deliver, ResetPeer, Send
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import IllegalTransition, PipelineError
 from mlxcel.messages import (
     Ack,
     CancelRequest,
@@ -26,13 +26,7 @@ from mlxcel.messages import (
     Tensor,
     Undecodable,
 )
-from mlxcel.pipeline.coordinator_core import (
-    REQ_TABLE,
-    CoordinatorCore,
-    PipelineError,
-    ReqEvent,
-    ReqState,
-)
+from mlxcel.pipeline.coordinator_core import REQ_TABLE, CoordinatorCore, ReqEvent, ReqState
 
 S0, S1, S2 = "10.0.1.1:7100", "10.0.1.2:7100", "10.0.1.3:7100"
 STAGES = [S0, S1, S2]

@@ -22,6 +22,7 @@ import pytest
 
 from mlxcel.bus import LOCAL
 from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
+from mlxcel.errors import PipelineError
 from mlxcel.messages import (
     Ack,
     CancelRequest,
@@ -38,7 +39,7 @@ from mlxcel.messages import (
     Tensor,
     Undecodable,
 )
-from mlxcel.pipeline.coordinator_core import CoordinatorCore, PipelineError, ReqState
+from mlxcel.pipeline.coordinator_core import CoordinatorCore, ReqState
 
 S0, S1, S2 = "10.0.1.1:7100", "10.0.1.2:7100", "10.0.1.3:7100"
 STAGES = [S0, S1, S2]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.disagg.stack import RoleStack, router_stack, worker_stack
-from mlxcel.frontend import EngineError
+from mlxcel.errors import EngineError
 from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.runner import NodeRunner

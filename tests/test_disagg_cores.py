@@ -28,7 +28,7 @@ from mlxcel.disagg.protocol import (
 )
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, FreeCache, Send, StartCompute, Warn
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import IllegalTransition
 from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,

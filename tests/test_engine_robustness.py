@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxcel.frontend import EngineError
+from mlxcel.errors import EngineError
 from mlxcel.messages import SamplingParams
 from mlxcel.runtime import sampling
 from mlxcel.server.run import LocalStack, local_stack

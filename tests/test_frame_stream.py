@@ -14,6 +14,14 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from mlxcel.errors import (
+    BudgetExceeded,
+    CounterExhausted,
+    FrameAuthFailed,
+    FrameError,
+    FrameTooLarge,
+    HandshakeError,
+)
 from mlxcel.wire.frames import (
     HEADER,
     HEADER_LEN,
@@ -24,17 +32,12 @@ from mlxcel.wire.frames import (
     KIND_PART,
     LAST_COUNTER,
     AeadProtection,
-    BudgetExceeded,
     ChaChaSuite,
-    CounterExhausted,
-    FrameAuthFailed,
-    FrameError,
-    FrameTooLarge,
     HmacSha256,
     Protection,
     Unprotected,
 )
-from mlxcel.wire.handshake import ClientHandshake, HandshakeError, ServerHandshake
+from mlxcel.wire.handshake import ClientHandshake, ServerHandshake
 from mlxcel.wire.stream import (
     ConfirmReceived,
     FrameDropped,

@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from mlxcel.errors import CounterExhausted, FrameAuthFailed, FrameError, FrameTooLarge
 from mlxcel.wire.frames import (
     HEADER_LEN,
     KIND_MESSAGE,
@@ -15,12 +16,8 @@ from mlxcel.wire.frames import (
     TAG_LEN,
     AeadProtection,
     ChaChaSuite,
-    CounterExhausted,
-    FrameAuthFailed,
-    FrameError,
     FrameOpener,
     FrameSealer,
-    FrameTooLarge,
     HmacSha256,
     Unprotected,
     parse_header,

@@ -8,12 +8,12 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from mlxcel.errors import HandshakeError
 from mlxcel.wire.handshake import (
     PREAMBLE_LEN,
     Channel,
     ClientHandshake,
     Failure,
-    HandshakeError,
     Identity,
     ReplayGuard,
     ServerHandshake,

@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from mlxcel.errors import HandshakeError
 from mlxcel.wire.handshake import (
     FLAG_BUSY,
     LEN,
@@ -24,7 +25,6 @@ from mlxcel.wire.handshake import (
     Channel,
     ClientHandshake,
     Failure,
-    HandshakeError,
     Identity,
     ReplayGuard,
     ServerHandshake,

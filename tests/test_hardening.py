@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from mlxcel.bus import Node
-from mlxcel.endpoint import SendFailed
+from mlxcel.errors import SendFailed
 from mlxcel.messages import CancelRequest
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import TcpEndpoint

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.wire.noise import DecryptFailed, HandshakeState
+from mlxcel.errors import DecryptFailed
+from mlxcel.wire.noise import HandshakeState
 
 VECTORS = json.loads((Path(__file__).parent / "data" / "noise-cacophony-nn.json").read_text())[
     "vectors"
@@ -65,7 +66,8 @@ def test_prologue_mismatch_fails() -> None:
 
 # --- each refusal of the Noise layer, by name ------------------------------------------------
 def test_each_misuse_and_malformed_message_is_refused_with_its_reason() -> None:
-    from mlxcel.wire.noise import MAX_NONCE, CipherState, NoiseError
+    from mlxcel.errors import NoiseError
+    from mlxcel.wire.noise import MAX_NONCE, CipherState
 
     with pytest.raises(ValueError, match="^unsupported pattern XX$"):
         HandshakeState("XX", True, b"", ephemeral=b"\x01" * 32)

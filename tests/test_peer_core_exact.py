@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mlxcel.bringup.peer_core import OfferRefused, PeerCore, PeerFacts
+from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.plan import derived_range
 from mlxcel.bringup.protocol import (
     Activated,
@@ -27,7 +27,7 @@ from mlxcel.bringup.protocol import (
     Refusal,
 )
 from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import PartitionError
+from mlxcel.errors import OfferRefused, PartitionError
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,

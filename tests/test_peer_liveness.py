@@ -13,7 +13,8 @@ import asyncio
 import pytest
 
 from mlxcel.bus import Node
-from mlxcel.net.connection import ConnectionClosed, PeerSilent, SecureConnection
+from mlxcel.errors import ConnectionClosed, PeerSilent
+from mlxcel.net.connection import SecureConnection
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.deadlines import deadline_in
-from mlxcel.errors import ConfigError
-from mlxcel.frontend import EngineError
+from mlxcel.errors import ConfigError, EngineError, PipelineError
 from mlxcel.messages import (
     Ack,
     Activation,
@@ -30,7 +29,6 @@ from mlxcel.messages import (
 )
 from mlxcel.net.network import LocalEndpoint
 from mlxcel.pipeline.cluster_config import load_cluster_config
-from mlxcel.pipeline.coordinator import PipelineError
 from mlxcel.pipeline.inproc import PipelineStack, pipeline_stack
 from mlxcel.pipeline.partition import (
     LayerCosts,
@@ -647,7 +645,7 @@ def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
 
 async def test_run_entry_with_a_wrong_position_is_refused(tiny: Path) -> None:
     async with pipeline_stack(tiny, 2) as st:
-        from mlxcel.pipeline.coordinator import PipelineError
+        from mlxcel.errors import PipelineError
 
         await ask(st, "stage-0", lambda n: PrepareSequence("r-pos", 64, n))
         with pytest.raises(PipelineError) as info:

@@ -646,7 +646,7 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
     """A relay between the coordinator (here) and stage 0 (a process) flips a length byte,
     truncates, drops and stalls RunEntry frames; each time the request fails quickly and the
     next one succeeds on a fresh connection."""
-    from mlxcel.frontend import EngineError
+    from mlxcel.errors import EngineError
     from mlxcel.messages import SamplingParams
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from mlxcel.net.secret import ClusterSecret, SecretError, keygen, load_cluster_secret
+from mlxcel.errors import SecretError
+from mlxcel.net.secret import ClusterSecret, keygen, load_cluster_secret
 from tests.conftest import error_line
 
 GOOD = "0123456789abcdef0123"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mlxcel.effects import FreeCache, Send, StartCompute, Stopped
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import IllegalTransition
 from mlxcel.messages import (
     Ack,
     Activation,

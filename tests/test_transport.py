@@ -13,16 +13,17 @@ import pytest
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
+from mlxcel.errors import ConnectFailed, HandshakeError, InterfaceError
 from mlxcel.messages import Ack, Activation, RunEntry, SamplingParams, Tensor
 from mlxcel.net.handshake_io import drive
-from mlxcel.net.interfaces import InterfaceError, interface_ipv4, probe_rdma
+from mlxcel.net.interfaces import interface_ipv4, probe_rdma
 from mlxcel.net.listener import ClusterListener, Limits
-from mlxcel.net.pool import Backoff, ConnectFailed, ConnectionPool
+from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.codec import encode
 from mlxcel.wire.frames import HEADER_LEN, KIND_MESSAGE
-from mlxcel.wire.handshake import Channel, ClientHandshake, Failure, HandshakeError, Identity
+from mlxcel.wire.handshake import Channel, ClientHandshake, Failure, Identity
 
 SECRET = ClusterSecret(b"the-cluster-secret-for-tests-0001", "test")
 OTHER = ClusterSecret(b"a-different-cluster-secret-000002", "test")

@@ -25,18 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from mlxcel.bus import Node
-from mlxcel.net.connection import ConnectionClosed, SecureConnection
+from mlxcel.errors import ConnectionClosed, FrameError
+from mlxcel.net.connection import SecureConnection
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import (
-    AeadProtection,
-    ChaChaSuite,
-    FrameError,
-    HmacSha256,
-    Protection,
-    Unprotected,
-)
+from mlxcel.wire.frames import AeadProtection, ChaChaSuite, HmacSha256, Protection, Unprotected
 from mlxcel.wire.handshake import Identity
 
 MODES: dict[str, Callable[[bytes, bytes], Protection]] = {

@@ -25,8 +25,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.hmac import HMAC
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mlxcel.bringup.protocol import BeaconRejected, Rejection
-from mlxcel.errors import DecodeError
+from mlxcel.bringup.protocol import Rejection
+from mlxcel.errors import BeaconRejected, DecodeError
 from mlxcel.messages import Beacon
 from mlxcel.net.network import split_hostport
 from mlxcel.wire.codec import decode, encode

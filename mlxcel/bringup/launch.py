@@ -28,15 +28,9 @@ from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.plan import BringupPlan, derived_range, peer_file
 from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND, ModelIdentity
 from mlxcel.bringup.push_core import PushConfig, PushCore
-from mlxcel.bringup.service import (
-    AssignmentRefused,
-    BringupFailed,
-    PeerService,
-    PushService,
-    beacon_announcer,
-)
+from mlxcel.bringup.service import PeerService, PushService, beacon_announcer
 from mlxcel.bus import Node
-from mlxcel.errors import ConfigError
+from mlxcel.errors import AssignmentRefused, BringupFailed, ConfigError
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool

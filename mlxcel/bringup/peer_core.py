@@ -31,8 +31,7 @@ from mlxcel.bringup.protocol import (
     weights_mismatch,
 )
 from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import PartitionError
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import IllegalTransition, OfferRefused, PartitionError
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,
@@ -63,12 +62,6 @@ class PeerFacts:
     beacons: bool = False  # mdns discovery: announce until committed
     assignment_wait: float = ASSIGNMENT_WAIT
     phase_wait: float = PHASE_WAIT
-
-
-class OfferRefused(Exception):
-    def __init__(self, code: Refusal, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
 
 
 class PeerCore:

@@ -10,7 +10,7 @@ Coordinator -> peer, per peer::
 
 Both sides are pure cores (:mod:`mlxcel.bringup.peer_core`, :mod:`mlxcel.bringup.push_core`)
 whose legal moves are the tables below; a message that does not fit raises
-:class:`~mlxcel.fsm.IllegalTransition` from the lookup.
+:class:`~mlxcel.errors.IllegalTransition` from the lookup.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxcel.errors import MlxcelError
 from mlxcel.fsm import Table
 
 PROTOCOL = 2  # the assignment protocol version; anything else is refused
@@ -295,9 +294,3 @@ class BeaconCheck(Protocol):
     BeaconRejected."""
 
     def check(self, datagram: bytes, source_ip: str, wall: float) -> str: ...
-
-
-class BeaconRejected(MlxcelError):
-    def __init__(self, why: Rejection, detail: str) -> None:
-        super().__init__(f"beacon rejected: {why.value}: {detail}")
-        self.why = why

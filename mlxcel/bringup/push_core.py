@@ -30,7 +30,6 @@ from mlxcel.bringup.protocol import (
     VERIFY_AGAIN,
     Answer,
     BeaconCheck,
-    BeaconRejected,
     ModelIdentity,
     PeerStep,
     Phase,
@@ -40,8 +39,7 @@ from mlxcel.bringup.protocol import (
     Verify,
 )
 from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import PartitionError
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import BeaconRejected, IllegalTransition, PartitionError
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,

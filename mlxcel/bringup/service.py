@@ -33,7 +33,7 @@ from mlxcel.bringup.push_core import PushCore
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Effect, Send
 from mlxcel.endpoint import Endpoint
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import AssignmentRefused, ConnectFailed, MlxcelError
 from mlxcel.messages import (
     AssignAbort,
     AssignAccepted,
@@ -44,15 +44,10 @@ from mlxcel.messages import (
     AssignOffer,
     AssignRefused,
 )
-from mlxcel.net.pool import ConnectFailed
 from mlxcel.net.udp import SOURCE_RATE, BeaconReceiver, BeaconSender
 from mlxcel.wire.handshake import Failure
 
 FLOOD_REPORT_EVERY = 5.0  # seconds between summaries of what discovery refused, while it does
-
-
-class AssignmentRefused(MlxcelError):
-    """The peer ends: an offer it can never accept, or no assignment in time."""
 
 
 # Handshake failures that retrying cannot fix: the peer holds another secret, or this node's
@@ -67,11 +62,6 @@ FINAL_FAILURES = frozenset(
 def is_final(exc: BaseException | None) -> bool:
     cause = exc.__cause__ if exc is not None else None
     return isinstance(cause, ConnectFailed) and cause.failure in FINAL_FAILURES
-
-
-class BringupFailed(MlxcelError):
-    """The coordinator's bring-up failed; no stage was started (or, during activation, the
-    message says which already run)."""
 
 
 class PeerService(CoreAdapter):

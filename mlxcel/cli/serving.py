@@ -56,7 +56,7 @@ async def serve(s: ServeSettings) -> int:
             await _serve_http(s, node, api)
         failure = node.failure()
     if failure:
-        from mlxcel.tp.launch import TpGroupFailed
+        from mlxcel.errors import TpGroupFailed
 
         raise TpGroupFailed(f"tensor-parallel group failed: {failure}")
     return 0

@@ -29,7 +29,7 @@ from mlxcel.disagg.protocol import (
     VerifyJob,
 )
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
-from mlxcel.fsm import IllegalTransition
+from mlxcel.errors import IllegalTransition
 from mlxcel.handoff import header, join
 from mlxcel.messages import (
     CancelRequest,

@@ -22,8 +22,8 @@ from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import PROBE_INTERVAL, PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
-from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import BusError, MlxcelError
+from mlxcel.endpoint import Endpoint
+from mlxcel.errors import BusError, MlxcelError, PeerSilent, SendFailed
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -38,7 +38,6 @@ from mlxcel.messages import (
     State,
     TokenResult,
 )
-from mlxcel.net.connection import PeerSilent
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures as kv_figures
 

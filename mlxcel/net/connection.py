@@ -25,7 +25,15 @@ from loguru import logger
 
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
-from mlxcel.errors import DeadlineExceeded, DecodeError, MlxcelError, QueueFull
+from mlxcel.errors import (
+    ConnectionClosed,
+    DeadlineExceeded,
+    DecodeError,
+    FrameError,
+    FrameTimeout,
+    PeerSilent,
+    QueueFull,
+)
 from mlxcel.messages import Message, Undecodable
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.read_deadline import ReadDeadline
@@ -36,8 +44,6 @@ from mlxcel.wire.frames import (
     KIND_CONFIRM,
     KIND_KEEPALIVE,
     KIND_PING,
-    FrameError,
-    FrameTimeout,
     Protection,
 )
 from mlxcel.wire.handshake import Identity
@@ -71,14 +77,6 @@ DEFAULT_PEER_TIMEOUT = 3.0
 DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
 ENCODE_INLINE = 4 << 20  # messages carrying more tensor bytes are encoded on a worker thread
 _ids = itertools.count(1)
-
-
-class ConnectionClosed(MlxcelError):
-    """The connection is closed (by either side, or after a failure)."""
-
-
-class PeerSilent(MlxcelError):
-    """A round trip (``ping``) got no answer in time: the peer is gone or stopped."""
 
 
 class SecureConnection:

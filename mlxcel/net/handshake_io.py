@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from mlxcel.wire.handshake import (
-    ClientHandshake,
-    Established,
-    Failure,
-    HandshakeError,
-    ServerHandshake,
-)
+from mlxcel.errors import HandshakeError
+from mlxcel.wire.handshake import ClientHandshake, Established, Failure, ServerHandshake
 
 
 async def drive(

@@ -14,13 +14,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import InterfaceError
 
 SIOCGIFADDR = 0x8915
-
-
-class InterfaceError(MlxcelError):
-    """The named interface does not exist or has no IPv4 address."""
 
 
 def interface_ipv4(name: str) -> str:

@@ -38,25 +38,29 @@ from dataclasses import dataclass
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.errors import DeadlineExceeded, ListenError
+from mlxcel.errors import (
+    ConnectionClosed,
+    DeadlineExceeded,
+    FrameError,
+    HandshakeError,
+    ListenError,
+)
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_PEER_TIMEOUT,
     DEFAULT_RECORD_SIZE,
-    ConnectionClosed,
     MemoryBudget,
     SecureConnection,
 )
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, FrameError, Protection
+from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
     MAX_CLOCK_SKEW,
     Channel,
     Failure,
-    HandshakeError,
     Identity,
     ReplayGuard,
     ServerHandshake,

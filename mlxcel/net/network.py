@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mlxcel.bus import Node
-from mlxcel.endpoint import Endpoint, SendFailed
-from mlxcel.errors import MlxcelError
+from mlxcel.endpoint import Endpoint
+from mlxcel.errors import MlxcelError, SendFailed
 from mlxcel.messages import Message
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import ConnectionPool

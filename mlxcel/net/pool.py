@@ -21,12 +21,11 @@ from loguru import logger
 
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
-from mlxcel.errors import DeadlineExceeded, MlxcelError
+from mlxcel.errors import ConnectFailed, ConnectionClosed, DeadlineExceeded, HandshakeError
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_PEER_TIMEOUT,
     DEFAULT_RECORD_SIZE,
-    ConnectionClosed,
     MemoryBudget,
     SecureConnection,
 )
@@ -34,26 +33,11 @@ from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, Protection
-from mlxcel.wire.handshake import (
-    HANDSHAKE_TIMEOUT,
-    Channel,
-    ClientHandshake,
-    Failure,
-    HandshakeError,
-    Identity,
-)
+from mlxcel.wire.handshake import HANDSHAKE_TIMEOUT, Channel, ClientHandshake, Failure, Identity
 
 DEFAULT_KEEPALIVE = 60.0  # seconds of silence before a dialer sends a KEEPALIVE frame
 MAX_DIALS = 64  # dials in progress at once; more wait for a slot (within their deadline)
 BUSY_RETRY = 1.0  # seconds between dials to a busy peer once the backoff's attempts are spent
-
-
-class ConnectFailed(MlxcelError):
-    """Could not establish an authenticated connection; ``failure`` says why (None: network)."""
-
-    def __init__(self, message: str, failure: Failure | None = None) -> None:
-        super().__init__(message)
-        self.failure = failure
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import SecretError
 
 MIN_SECRET_BYTES = 16
 SOURCES = (
@@ -27,10 +27,6 @@ SOURCES = (
     "MLXCEL_CLUSTER_SECRET",
     "secret_file under [cluster] in the cluster TOML",
 )
-
-
-class SecretError(MlxcelError):
-    """The cluster secret is missing, ambiguous, unreadable or too short."""
 
 
 @dataclass(frozen=True)

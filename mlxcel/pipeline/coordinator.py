@@ -21,7 +21,7 @@ from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
 from mlxcel.effects import Answer, Deliver, Effect
 from mlxcel.endpoint import Endpoint
-from mlxcel.errors import BusError, MlxcelError
+from mlxcel.errors import BusError, MlxcelError, PipelineError
 from mlxcel.messages import (
     Ack,
     Bundle,
@@ -35,7 +35,7 @@ from mlxcel.messages import (
     Tensor,
     Undecodable,
 )
-from mlxcel.pipeline.coordinator_core import CoordinatorCore, PipelineError
+from mlxcel.pipeline.coordinator_core import CoordinatorCore
 
 __all__ = ["PipelineCoordinator", "PipelineError"]
 

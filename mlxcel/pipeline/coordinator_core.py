@@ -27,6 +27,7 @@ import itertools
 from collections import Counter
 
 from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
+from mlxcel.errors import PipelineError
 from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
     LOCAL,
@@ -49,7 +50,6 @@ from mlxcel.pipeline.coordinator_protocol import (
     Exchange,
     MicroBatches,
     PickToken,
-    PipelineError,
     Req,
     ReqEvent,
     ReqState,

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.errors import MlxcelError
 from mlxcel.fsm import Table
 from mlxcel.messages import (
     ErrorCode,
@@ -26,14 +25,6 @@ from mlxcel.messages import (
 )
 
 PENALTY_CONTEXT = 20  # prompt tokens the final stage's penalties look back on (mlx-lm's)
-
-
-class PipelineError(MlxcelError):
-    """A pipeline exchange failed (stage error, unreachable stage, deadline)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class ReqState(enum.Enum):

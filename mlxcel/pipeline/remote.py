@@ -20,17 +20,17 @@ from loguru import logger
 from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.protocol import ModelIdentity, weights_mismatch
 from mlxcel.bus import Node
-from mlxcel.errors import ConfigError, MlxcelError
+from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import TcpEndpoint, split_hostport
-from mlxcel.net.pool import Backoff, ConnectFailed, ConnectionPool
+from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSpec
-from mlxcel.pipeline.coordinator import PipelineCoordinator, PipelineError
+from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval

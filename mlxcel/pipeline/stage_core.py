@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
-from mlxcel.fsm import ProtocolError
+from mlxcel.errors import ProtocolError
 from mlxcel.messages import (
     Ack,
     Activation,

@@ -21,8 +21,9 @@ from aiohttp import web
 from loguru import logger
 from pydantic import BaseModel, ValidationError
 
-from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
-from mlxcel.frontend import EngineError, Frontend, Usage
+from mlxcel.error_codes import http_status
+from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
+from mlxcel.frontend import Frontend, Usage
 from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
@@ -141,30 +142,6 @@ def _model_check(app: web.Application, name: str) -> None:
         )
 
 
-# Codes the generating side reports that mean "not now", not "broken": a load balancer may retry.
-UNAVAILABLE_CODES = frozenset(
-    {
-        ErrorCode.SERVER_SHUTTING_DOWN,
-        ErrorCode.STAGE_UNREACHABLE,
-        ErrorCode.DOWNSTREAM_UNREACHABLE,
-        ErrorCode.DRAINING,
-        ErrorCode.NOT_PREPARED,
-        ErrorCode.TOO_MANY_SEQUENCES,
-        ErrorCode.NO_NODE_AVAILABLE,
-        ErrorCode.NODE_UNREACHABLE,
-    }
-)
-
-
-def engine_error_status(code: str) -> tuple[int, str, dict[str, str] | None]:
-    """HTTP status, OpenAI error type and headers for an error the engine or pipeline sent."""
-    if code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.HANDOFF_TIMEOUT):
-        return 504, "timeout", None
-    if code in UNAVAILABLE_CODES:
-        return 503, "server_busy", {"Retry-After": "1"}
-    return 500, "server_error", None
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _handle(request, "chat")
 
@@ -199,7 +176,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
         status = 504
         return error_response(504, str(exc), err_type="timeout", code=ErrorCode.DEADLINE_EXCEEDED)
     except EngineError as exc:
-        status, err_type, headers = engine_error_status(exc.code)
+        status, err_type, headers = http_status(exc.code)
         return error_response(status, str(exc), err_type=err_type, code=exc.code, headers=headers)
     except asyncio.CancelledError:
         status = 499  # the client went away: not a server error (nginx's code for it)

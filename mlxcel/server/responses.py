@@ -8,8 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxcel.errors import DeadlineExceeded, RequestError
-from mlxcel.frontend import EngineError, Usage
+from mlxcel.errors import DeadlineExceeded, EngineError, RequestError
+from mlxcel.frontend import Usage
 from mlxcel.messages import ErrorCode
 from mlxcel.server import logprobs as lp
 from mlxcel.server.metrics import Metrics

@@ -21,7 +21,7 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.errors import ConfigError, MlxcelError
+from mlxcel.errors import ConfigError, TpGroupFailed
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
@@ -45,10 +45,6 @@ class TpStack:
     engine: TpEngine
     frontend: Frontend
     size: int
-
-
-class TpGroupFailed(MlxcelError):
-    """A tensor-parallel rank died or the group broke."""
 
 
 @asynccontextmanager

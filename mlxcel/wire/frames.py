@@ -30,7 +30,11 @@ from typing import Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import (
+    CounterExhausted,
+    FrameAuthFailed,
+    FrameTooLarge,
+)
 
 HEADER = struct.Struct("!BI")
 HEADER_LEN = HEADER.size  # 5
@@ -56,30 +60,6 @@ KIND_PING = 0x06  # empty; asks the peer for a frame now (it answers with a KEEP
 KNOWN_KINDS = frozenset(
     {KIND_MESSAGE, KIND_PART, KIND_END, KIND_CONFIRM, KIND_KEEPALIVE, KIND_PING}
 )
-
-
-class FrameError(MlxcelError):
-    """Base for frame-layer failures; every one of them closes the connection."""
-
-
-class FrameTooLarge(FrameError):
-    """A header announced more bytes than the configured cap (refused before allocation)."""
-
-
-class FrameAuthFailed(FrameError):
-    """A frame failed authentication: altered, replayed, reordered, truncated or foreign."""
-
-
-class CounterExhausted(FrameError):
-    """A direction used its last nonce; the connection must be replaced."""
-
-
-class FrameTimeout(FrameError):
-    """A frame's body did not follow its header in time, or a peer stayed silent too long."""
-
-
-class BudgetExceeded(FrameError):
-    """Reassembling a message would pass the connection's or the node's memory budget."""
 
 
 def _nonce(n: int) -> bytes:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 
+from mlxcel.errors import DecryptFailed, HandshakeError, NoiseError
 from mlxcel.wire.handshake_fields import (
     FLAG_BUSY,
     HANDSHAKE_TIMEOUT,
@@ -48,7 +49,6 @@ from mlxcel.wire.handshake_fields import (
     Channel,
     Established,
     Failure,
-    HandshakeError,
     Identity,
     ReplayGuard,
     Verdict,
@@ -63,7 +63,7 @@ from mlxcel.wire.handshake_fields import (
     preamble,
     source_key,
 )
-from mlxcel.wire.noise import DecryptFailed, HandshakeState, NoiseError
+from mlxcel.wire.noise import HandshakeState
 
 # The fixed parts live in handshake_fields; importers keep using this module for all of them.
 __all__ = [

@@ -12,6 +12,8 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
+from mlxcel.errors import HandshakeError
+
 MAGIC = b"MLXC"
 PROTOCOL_VERSION = 2  # 2: timestamp in message 1, CONFIRM frame
 SUITE_NNPSK0_AESGCM = 1  # Noise_NNpsk0_25519_AESGCM_SHA256 handshake + AES-256-GCM frames
@@ -79,12 +81,6 @@ class Failure(enum.Enum):
     @property
     def retryable(self) -> bool:
         return self in (Failure.AT_CAPACITY, Failure.BUSY)
-
-
-class HandshakeError(Exception):
-    def __init__(self, failure: Failure, message: str) -> None:
-        super().__init__(message)
-        self.failure = failure
 
 
 @dataclass(frozen=True, slots=True)

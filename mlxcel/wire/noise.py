@@ -16,6 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from mlxcel.errors import DecryptFailed, NoiseError
+
 HASHLEN = 32
 DHLEN = 32
 TAGLEN = 16
@@ -27,14 +29,6 @@ PATTERNS: dict[str, list[list[str]]] = {
     "NNpsk0": [["psk", "e"], ["e", "ee"]],
     "NNpsk2": [["e"], ["e", "ee", "psk"]],
 }
-
-
-class NoiseError(Exception):
-    """A Noise operation failed: authentication, sequencing, or exhausted nonces."""
-
-
-class DecryptFailed(NoiseError):
-    """A ciphertext did not authenticate under the current key (wrong key or altered bytes)."""
 
 
 def nonce_bytes(n: int) -> bytes:
