@@ -9,7 +9,6 @@ embedding service all go through here.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -94,6 +93,7 @@ class DisaggSpec:
     startup_timeout: float = 60.0
     peer_timeout: float = 3.0  # a peer unheard this long is down
     prefill_timeout: float = 300.0  # router: dispatch to first token
+    decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
 
 
 StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec | DisaggSpec
@@ -226,11 +226,11 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             trust_weights=spec.trust_weights,
             **limits,
         ) as rc:
-            from mlxcel.disagg.service import stats_verbose
+            from mlxcel.config import router_stats_verbose
 
             c = rc.coordinator
             # Stage addresses in /health only when asked for (as /router/stats).
-            verbose = stats_verbose(os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE"))
+            verbose = router_stats_verbose()
             yield Assembled(
                 Serving(
                     rc.node,
@@ -292,7 +292,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
     from mlxcel.runner import Serving
 
     if spec.role == "router":
-        from mlxcel.disagg.service import stats_verbose
+        from mlxcel.config import router_stats_verbose
         from mlxcel.disagg.stack import router_stack
 
         async with router_stack(
@@ -329,9 +329,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
 
             serving.topology = topology
             # Read per request: an operator may flip it without a restart of the probe state.
-            serving.extra_get["/router/stats"] = lambda: svc.stats(
-                stats_verbose(os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE"))
-            )
+            serving.extra_get["/router/stats"] = lambda: svc.stats(router_stats_verbose())
             yield Assembled(
                 serving,
                 spec.model.name,
@@ -353,6 +351,7 @@ async def _disagg(spec: DisaggSpec, g: Generation) -> AsyncIterator[Assembled]:
         max_sequences=NODE_CAPACITY,  # what the router lets a node hold
         interface=spec.interface,
         peer_timeout=spec.peer_timeout,
+        allowlist=spec.decode_allowlist,
     ) as ws:
         yield Assembled(
             Serving(ws.node, listener=ws.listener, drain=ws.service.drain),

@@ -10,6 +10,7 @@ line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -357,6 +358,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None,
         description="router: the decode nodes; prefill: its fallback decode target (first entry)",
     )
+    decode_allowlist: str | None = Field(
+        None,
+        description="prefill: the decode targets a request may name, numeric IP:PORT, "
+        "comma-separated (unset: any member; also MLXCEL_DECODE_ALLOWLIST)",
+    )
 
     def peer_list(self, field: str) -> list[str]:
         return [p.strip() for p in (getattr(self, field) or "").split(",") if p.strip()]
@@ -481,3 +487,12 @@ class ServeSettings(ModelSettings, PipelineSettings):
 def flag_of(name: str, cls: type[BaseSettings]) -> str:
     extra = cls.model_fields[name].json_schema_extra or {}
     return str(extra.get("flag", "--" + name.replace("_", "-")))  # type: ignore[union-attr]
+
+
+def router_stats_verbose() -> bool:
+    """MLXCEL_ROUTER_STATS_VERBOSE: addresses in /router/stats and /health. Read on each
+    request (an operator may flip it without a restart), here, where the environment is read."""
+    return os.environ.get("MLXCEL_ROUTER_STATS_VERBOSE", "").strip().lower() in TRUE_WORDS
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")

@@ -75,7 +75,12 @@ def _showwarning(message: Any, category: type, filename: str, lineno: int, *_: A
     logger.warning("{}: {} ({}:{})", category.__name__, message, filename, lineno)
 
 
+FORMAT = "text"  # what setup_logging chose: progress bars are for text logs only
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    global FORMAT
+    FORMAT = fmt
     logger.remove()
     # diagnose=False: tracebacks never print variable values, which could hold secrets or
     # payload bytes (rules of the house: neither reaches a log line).

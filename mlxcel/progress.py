@@ -8,7 +8,6 @@ other line.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -23,7 +22,9 @@ LINE_EVERY = 10.0  # seconds between progress lines when there is no terminal fo
 
 def bars_wanted() -> bool:
     """Bars are for a person at a terminal: not for a log file, a pipe, or JSON logs."""
-    return sys.stderr.isatty() and os.environ.get("MLXCEL_LOG_FORMAT", "text") != "json"
+    from mlxcel import logs
+
+    return sys.stderr.isatty() and logs.FORMAT != "json"
 
 
 def log_step(msg: str) -> None:

@@ -234,7 +234,7 @@ QUICK_MODULES = frozenset(
         "test_handshake_diagnostics", "test_errors", "test_layering", "test_membership", "test_model_identity",
         "test_noise_vectors", "test_peer_core_exact", "test_prefill_refusals",
         "test_push_core_exact", "test_ratelimit", "test_read_deadline", "test_router_refusals",
-        "test_secret", "test_stage_core", "test_stage_core_exact", "test_udp", "test_wire_doc",
+        "test_secret", "test_settings_flow", "test_stage_core", "test_stage_core_exact", "test_udp", "test_wire_doc",
     }
 )  # fmt: skip
 

@@ -53,7 +53,7 @@ async def trio(model: Path, allowlist: str = "", **router_kw: object) -> AsyncIt
     pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (12, 13, 14))
     async with AsyncExitStack() as stack:
         pre = await stack.enter_async_context(
-            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist_env=allowlist)
+            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist=allowlist)
         )
         dec = await stack.enter_async_context(worker_stack("decode", model, secret, da))
         for w in (pre, dec):

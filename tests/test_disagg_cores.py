@@ -322,21 +322,31 @@ def test_prefill_reports_its_handoffs_their_time_and_its_kv_cache_in_state() -> 
     assert s.msg.handoffs == 1 and s.msg.handoff_us == 250000
 
 
-def test_draining_prefill_and_decode_nodes_refuse_new_work_and_say_so() -> None:
+def test_a_draining_prefill_refuses_new_prompts_and_both_roles_say_they_drain() -> None:
     core = prefill()
     core.draining = True
     out = core.handle(request(), R, 0.0)
     (s,) = sends(out)
     assert s.msg.code == ErrorCode.DRAINING and "shutting down" in s.msg.message
     assert not [e for e in out if isinstance(e, StartCompute)] and core.active == 0
-    assert sends(core.handle(QueryState(1), R, 0.0))[0].msg.draining
+    assert not core.told_draining
+    assert sends(core.handle(QueryState(1), R, 0.0))[0].msg.draining and core.told_draining
+    # A decode node is told its requests when they are admitted, before their prompts run:
+    # a handoff that comes while it drains belongs to one of those, and is taken.
     dec = DecodeCore(DecodeConfig(vocab=100, max_len=64))
     dec.draining = True
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
     h = KvHandoff("r1", 7, R, 42, 9, SamplingParams(max_tokens=3), (), 3, (k,), (k,), b"")
-    (ack,) = sends(dec.handle(h, P0, 0.0))
-    assert ack.msg == HandoffAck("r1", 7, False, "this decode node is shutting down")
-    assert dec.active == 0 and sends(dec.handle(QueryState(2), R, 0.0))[0].msg.draining
+    (job,) = [e for e in dec.handle(h, P0, 0.0) if isinstance(e, StartCompute)]
+    assert isinstance(job.job, VerifyJob) and dec.active == 1
+    assert sends(dec.handle(QueryState(2), R, 0.0))[0].msg.draining and dec.told_draining
+
+
+def test_a_prefill_repeat_is_ignored_even_while_draining() -> None:
+    core = prefill()
+    start(core)  # r1 ran to its first token and was handed off
+    core.draining = True
+    assert core.handle(request(), R, 1.0) == []  # the same request again: never run twice
 
 
 def test_router_moves_a_prompt_a_draining_prefill_node_refused_and_sends_it_no_more() -> None:
@@ -362,10 +372,21 @@ def test_router_moves_a_prompt_a_draining_prefill_node_refused_and_sends_it_no_m
         Warn("debug", f"router: ignoring State from {STRANGER}")
     ]
     assert not any(n.draining for n in r.nodes.values())
-    # After a successful probe the router asks an online node for its figures.
+    # After a successful probe the router asks an online node for its figures; a query that
+    # cannot be sent says nothing about the node (the probe judges it).
     (q,) = r.ask_figures(D1, 1.0)
     assert q.dest == D1 and isinstance(q.msg, QueryState)
     assert r.ask_figures(STRANGER, 1.0) == []
+    assert r.undeliverable(q, "send timed out", 3.0) == [] and r.nodes[D1].online
+    # A node marked down loses its figures (/cluster must not show a dead node's cache),
+    # and one that comes back is not draining until its State says so.
+    r.handle(State("decode", (), 0, True, 0, kv_tokens=5, kv_capacity=9), D1, 3.1)
+    assert r.nodes[D1].draining and r.nodes[D1].figures["kv_tokens"] == 5
+    r.probe_result(D1, False, "refused", 4.0)
+    assert r.nodes[D1].figures == {} and "kv_tokens" not in r.stats()["nodes"][3]
+    r.probe_result(D1, True, "", 5.0)
+    assert not r.nodes[D1].draining
+    assert "decode-1: down" not in str(r.handle(entry("z"), "local", 5.1))
 
 
 def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None:

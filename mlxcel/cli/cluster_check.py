@@ -10,6 +10,7 @@ the way shows up here first.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from loguru import logger
@@ -36,7 +37,7 @@ def split_address(text: str, flag: str) -> tuple[str, int]:
 
 
 async def run_check(s: ClusterCheckSettings) -> int:
-    secret = load_cluster_secret(s.cluster_secret_file)
+    secret = load_cluster_secret(s.cluster_secret_file, os.environ)
     assert secret is not None
     bind_ip = interface_ipv4(s.cluster_interface) if s.cluster_interface else None
     rdma = probe_rdma()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from loguru import logger
@@ -41,7 +42,7 @@ def cluster_secret(settings: ServeSettings, toml_path: Path | None) -> ClusterSe
     """Every process of a distributed config authenticates its peers: fail closed."""
     secret = load_cluster_secret(
         settings.cluster_secret_file,
-        None,
+        os.environ,  # MLXCEL_CLUSTER_SECRET(_FILE): read here, at the surface
         toml_path,
         required=True,
         cli_label=settings.origin("cluster_secret_file"),

@@ -98,6 +98,7 @@ def _disagg_spec(s: ServeSettings) -> DisaggSpec:
         s.startup_timeout,
         s.peer_timeout if s.peer_timeout is not None else DEFAULT_PEER_TIMEOUT,
         s.prefill_timeout,
+        s.decode_allowlist,
     )
 
 

@@ -76,7 +76,10 @@ class DecodeCore:
     def __init__(self, config: DecodeConfig, counters: Callable[[], dict[str, int]] = dict) -> None:
         self.config = config
         self.counters = counters  # State fields the node keeps: its KV cache
-        self.draining = False  # shutting down: no new handoffs (the router stops sending)
+        # Shutting down: said in State, so the router assigns it nothing new. Handoffs still
+        # come for requests it was given before (their prompts were running): taken.
+        self.draining = False
+        self.told_draining = False  # a State saying so went out
         self.slots: dict[int, Slot] = {}
         self._by_lease: dict[tuple[str, int], int] = {}
         self._by_request: dict[tuple[str, str], int] = {}
@@ -107,6 +110,7 @@ class DecodeCore:
             return self._verdict(msg, source)
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
             st = State("decode", (), self.active, self.draining, msg.nonce, **self.counters())
+            self.told_draining |= self.draining
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             sid = self._by_request.get((source, msg.request_id))
@@ -146,8 +150,6 @@ class DecodeCore:
             return "the router cancelled this request"
         if (h.router, h.request_id) in self._by_request:
             return "this node already decodes that request"
-        if self.draining:
-            return "this decode node is shutting down"
         if len(self.slots) >= c.max_sequences:
             return f"decode node full ({c.max_sequences} sequences)"
         if not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:

@@ -82,6 +82,7 @@ class PrefillCore:
         self.config = config
         self.counters = counters  # State fields the node keeps: its KV cache
         self.draining = False  # shutting down: no new prompts (the router stops sending)
+        self.told_draining = False  # a State saying so went out
         self.handoff_s = 0.0  # total time of acknowledged handoffs, send to ack
         self.leases: dict[int, Lease] = {}
         self._by_request: dict[tuple[str, str], int] = {}
@@ -107,6 +108,7 @@ class PrefillCore:
                 "prefill", (), self.active, self.draining, msg.nonce, **self.counters(),
                 handoffs=self.counts["committed"], handoff_us=int(self.handoff_s * 1e6),
             )  # fmt: skip
+            self.told_draining |= self.draining
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             lid = self._by_request.get((source, msg.request_id))
@@ -125,8 +127,6 @@ class PrefillCore:
 
         if c.unsupported is not None:
             return refuse(ErrorCode.UNSUPPORTED_MODEL, c.unsupported)
-        if self.draining:
-            return refuse(ErrorCode.DRAINING, "this prefill node is shutting down")
         if (source, m.request_id, m.nonce) in self._finished:
             return []  # a repeat of a request this node already ran: never run a prompt twice
         held = self._by_request.get((source, m.request_id))
@@ -134,6 +134,8 @@ class PrefillCore:
             if self.leases[held].request.nonce == m.nonce:
                 return []  # the same request again: it is running already
             return refuse(ErrorCode.BAD_REQUEST, f"request {m.request_id!r} is already running")
+        if self.draining:
+            return refuse(ErrorCode.DRAINING, "this prefill node is shutting down")
         target = m.decode_target or (c.decode_peers[0] if c.decode_peers else "")
         if not target:
             return refuse(

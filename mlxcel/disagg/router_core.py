@@ -181,7 +181,7 @@ class RouterCore:
             out: list[Effect] = []
             was_down = not node.online
             if was_down:
-                node.online = True
+                node.online, node.draining = True, False  # back: its next State says more
                 if node.down_since is None:
                     out += self.membership.joined(node.id, "", now)
                 else:
@@ -283,6 +283,8 @@ class RouterCore:
     ) -> list[Effect]:
         """``unsent``: the message certainly never left (the connection could not be made);
         otherwise the node may have it, and nothing is sent again."""
+        if isinstance(send.msg, QueryState):
+            return []  # only figures: the probe, not this, judges the node
         node = self.nodes.get(send.dest)
         out = self._mark_down(node, reason, now) if node is not None else []
         msg = send.msg
@@ -346,8 +348,7 @@ class RouterCore:
             self.counts["rejected"] += 1
             role = "prefill" if p is None else "decode"
             state = ", ".join(
-                f"{self.nodes[a].id}: {'full' if self.nodes[a].online else 'down'}"
-                for a in self._by_role[role]
+                f"{self.nodes[a].id}: {self.nodes[a].why_not()}" for a in self._by_role[role]
             )
             why = f"no {role} node can take the request ({state})"
             return [Deliver(Error(ErrorCode.NO_NODE_AVAILABLE, why, e.request_id, e.nonce))]
@@ -492,6 +493,7 @@ class RouterCore:
         if not node.online:
             return []
         node.online, node.down_since = False, now
+        node.figures = {}  # a lost node's last figures are not its figures
         return list(self.membership.lost(node.id, node.last_error, now))
 
     def stats(self) -> dict[str, Any]:

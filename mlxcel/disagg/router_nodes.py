@@ -27,6 +27,10 @@ class PeerNode:
     figures: dict[str, float] = field(default_factory=dict)  # from its last State
     draining: bool = False  # its last State said it is shutting down: no new requests
 
+    def why_not(self) -> str:
+        """Why it takes no new request (asked only when it does not)."""
+        return "down" if not self.online else "draining" if self.draining else "full"
+
 
 def figures_of(m: State) -> dict[str, float]:
     """What a node's State adds to its stats: KV-cache tokens held and capacity, and (a

@@ -45,7 +45,6 @@ from mlxcel.runtime.kv_usage import figures as kv_figures
 # an open connection (after a connection with the node dropped).
 Probe = Callable[[str, float, bool], Awaitable[None]]
 
-TRUE_WORDS = ("1", "true", "yes", "on")
 # How long one send may wait for its peer (connecting included) before it counts as failed.
 # Short on purpose: a send to a node that just died must not hold up the sends queued behind
 # it for that address (a restarted node comes back at the same one). A send with a deadline
@@ -63,10 +62,17 @@ class _DisaggAdapter(CoreAdapter):
 
     async def drain(self, deadline: float) -> int:
         """Take no new work (the router learns it from the next State and stops sending),
-        and wait until what is in flight is done or ``deadline``; returns what is left."""
+        and wait until what is in flight is done or ``deadline``; returns what is left.
+        An idle node still waits until a State has told the router (or a few probe
+        intervals): what the router sends meanwhile is refused unrun and moves elsewhere,
+        never lost to a closed connection. Then what is queued to peers is flushed."""
         self.core.draining = True
-        while self.core.active and self.now() < deadline:
+        heard_by = min(deadline, self.now() + 3 * PROBE_INTERVAL)
+        while self.now() < deadline and (
+            self.core.active or (not self.core.told_draining and self.now() < heard_by)
+        ):
             await asyncio.sleep(0.05)
+        await self.flush(deadline)
         return int(self.core.active)
 
 
@@ -186,10 +192,6 @@ class RouterService(_DisaggAdapter):
                 "in_flight": r.active,
             },
         }
-
-
-def stats_verbose(raw: str | None) -> bool:
-    return (raw or "").strip().lower() in TRUE_WORDS
 
 
 class PrefillService(_DisaggAdapter):

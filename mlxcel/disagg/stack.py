@@ -9,7 +9,6 @@ cluster port.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -129,7 +128,7 @@ async def worker_stack(
     bind: str,
     *,
     decode_peers: list[str] | None = None,
-    allowlist_env: str | None = None,
+    allowlist: str | None = None,
     max_batch_size: int = 8,
     prefill_step_size: int = 512,
     max_sequences: int = 64,
@@ -166,24 +165,18 @@ async def worker_stack(
                     logger.warning("prefill: {}; every request will be refused", unsupported)
                 else:
                     await compute.run(_kv_dims, loaded)
-                raw = (
-                    os.environ.get("MLXCEL_DECODE_ALLOWLIST")
-                    if allowlist_env is None
-                    else allowlist_env
-                )
-                allowlist, skipped = parse_allowlist(raw)
+                allowed, skipped = parse_allowlist(allowlist)
                 for item in skipped:
+                    logger.warning("--decode-allowlist: skipping {!r}: not a numeric IP:port", item)
+                if allowed is None:
                     logger.warning(
-                        "MLXCEL_DECODE_ALLOWLIST: skipping {!r}: not a numeric IP:port", item
-                    )
-                if allowlist is None:
-                    logger.warning(
-                        "MLXCEL_DECODE_ALLOWLIST is unset or has no valid entry: this prefill "
-                        "node hands KV caches to any decode target a request names"
+                        "--decode-allowlist (MLXCEL_DECODE_ALLOWLIST) is unset or has no valid "
+                        "entry: this prefill node hands KV caches to any decode target a "
+                        "request names"
                     )
                 cfg = PrefillConfig(
                     tuple(decode_peers or ()),
-                    allowlist,
+                    allowed,
                     unsupported,
                     vocab,
                     max_len,

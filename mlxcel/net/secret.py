@@ -79,8 +79,9 @@ def load_cluster_secret(
     cli_label: str = "--cluster-secret-file",
 ) -> ClusterSecret | None:
     """Resolve the secret from its sources in precedence order. ``cli_label`` names where
-    ``cli_file`` came from (the flag, or ``cluster_secret_file`` in a ``--config`` file)."""
-    env = os.environ if environ is None else environ
+    ``cli_file`` came from (the flag, or ``cluster_secret_file`` in a ``--config`` file);
+    ``environ``: the process environment, which only the command line passes (None: none)."""
+    env = environ or {}
     if cli_file:
         return _read_file(Path(cli_file), cli_label)
     env_file = env.get("MLXCEL_CLUSTER_SECRET_FILE")

@@ -70,6 +70,7 @@ def router_topology(stats: dict[str, Any]) -> Topology:
                 "id": n["id"],
                 "role": n["role"],
                 "up": bool(n.get("healthy")),
+                "draining": n.get("draining", False),
                 "in_flight": n.get("active"),
                 "completed": n.get("completed"),
                 "failed": n.get("failed"),

@@ -152,6 +152,8 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
 
     import mlx.core as mx
 
+    from mlxcel import logs
+
     ranks = read_hostfile(hostfile)
     backend = pick_backend()
     os.environ["MLX_RANK"] = str(rank)
@@ -171,7 +173,7 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
             str(timeout),
             str(os.getpid()),
             what,
-            os.environ.get("MLXCEL_LOG_FORMAT", "text"),
+            logs.FORMAT,
         ],
         stdin=subprocess.PIPE,
     )
