@@ -42,6 +42,13 @@ class Core(Protocol):
     def peer_lost(self, identity: str, now: float) -> list[Effect]: ...
 
 
+class HostClock(Protocol):
+    """A host's own clock, where it is not the loop's (the simulator's skewed hosts)."""
+
+    def now(self) -> float: ...
+    def loop_time(self, t: float) -> float: ...
+
+
 class CoreAdapter:
     def __init__(
         self, node: Node, endpoint: Endpoint, core: Core, name: str, send_budget: float
@@ -78,9 +85,15 @@ class CoreAdapter:
         # a prompt's send waits 5 s, its request minutes) sets this: an expired send is then
         # told to the core as undeliverable (never sent), not only counted.
         self.report_expired = False
+        # The host's clock, when it is not the loop's: everything the core is told and every
+        # deadline it names is in this clock; only arming a loop timer converts.
+        self.clock: HostClock | None = None
 
     def now(self) -> float:
-        return self.loop.time()
+        return self.loop.time() if self.clock is None else self.clock.now()
+
+    def _loop_at(self, t: float) -> float:
+        return t if self.clock is None else self.clock.loop_time(t)
 
     @property
     def running(self) -> bool:
@@ -192,22 +205,28 @@ class CoreAdapter:
         if self._timer_handle is not None:
             self._timer_handle.cancel()
         self._timer_at = when
-        self._timer_handle = None if when is None else self.loop.call_at(when, self._fire)
+        self._timer_handle = (
+            None if when is None else self.loop.call_at(self._loop_at(when), self._fire)
+        )
 
     def _fire(self) -> None:
+        due = self._timer_at
         self._timer_handle, self._timer_at = None, None
         if not self.running:  # the node began closing after this call was scheduled
             self._stop_timer()
             return
+        # At least the time the core asked for: a host clock converted to the loop's and back
+        # may round below it, and a core told "not yet" would ask for the same time again.
+        now = self.now() if due is None else max(self.now(), due)
         try:
-            self.feed(self.core.on_timer(self.now()))  # feed() arms the next one
+            self.feed(self.core.on_timer(now))  # feed() arms the next one
         except Exception:  # a core bug must not take the node down; say so loudly
             logger.exception("{}: timer handling failed", self.name)
             if self.running:  # and do not spin on it: retry later, in place of any timer
                 if self._timer_handle is not None:  # a nested feed() may have armed one
                     self._timer_handle.cancel()
                 self._timer_at = self.now() + 0.1
-                self._timer_handle = self.loop.call_at(self._timer_at, self._fire)
+                self._timer_handle = self.loop.call_at(self._loop_at(self._timer_at), self._fire)
 
     def _stop_timer(self, _lifetime: object = None) -> None:
         self._timer_live = False
@@ -380,7 +399,7 @@ class CoreAdapter:
                 continue
             sends, held = self._more(box, first)
             self._sending += held is not None
-            deadline = deadline_in(budget)
+            deadline = self.now() + budget
             ends = [s.deadline for s in sends if s.deadline is not None]
             if len(ends) == len(sends):  # the bundle is worth sending while any item is
                 over = self.deadline_overrides_budget
@@ -388,7 +407,7 @@ class CoreAdapter:
             msg = first.msg if len(sends) == 1 else Bundle(tuple(s.msg for s in sends))
             self._sending += 1
             try:
-                await self.endpoint.send(first.dest, msg, deadline)
+                await self.endpoint.send(first.dest, msg, self._loop_at(deadline))
             except (SendFailed, MlxcelError) as exc:
                 for s in sends:
                     self._failed(s, str(exc), exc)

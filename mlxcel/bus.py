@@ -282,6 +282,10 @@ class Bus:
         if sub._task is not None:
             sub._task.cancel()
 
+    def hears(self, cls: type[Message], source: str) -> bool:
+        """Whether a message of ``cls`` from ``source`` would reach any subscription."""
+        return any(s.origin.admits(source) for s in self._subs.get(cls, ()))
+
     def subscriptions(self) -> list[Subscription]:
         """Every subscription once (one of several classes is listed under each)."""
         return list(dict.fromkeys(s for subs in self._subs.values() for s in subs))

@@ -150,7 +150,8 @@ class SimSettings(_HasModel):
     inject: str | None = Field(
         None,
         description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce; "
-        "bringup: activate-early; disagg: read-uncommitted)",
+        "bringup: activate-early; disagg: read-uncommitted; any scenario, in the effect "
+        "runner: runner-drop-delivery)",
     )
     json_lines: bool = Field(
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
@@ -159,7 +160,13 @@ class SimSettings(_HasModel):
     @field_validator("inject")
     @classmethod
     def _known_bugs(cls, v: str | None) -> str | None:
-        known = ("skip-owner-check", "accept-stale-nonce", "activate-early", "read-uncommitted")
+        known = (
+            "skip-owner-check",
+            "accept-stale-nonce",
+            "activate-early",
+            "read-uncommitted",
+            "runner-drop-delivery",
+        )
         for bug in (v or "").split(","):
             if bug.strip() and bug.strip() not in known:
                 raise ValueError(f"unknown bug {bug.strip()!r} (known: {', '.join(known)})")

@@ -46,8 +46,10 @@ def test_discovery_of_two_peers_beats_a_beacon_flood_from_three_hosts_and_counts
     # the code before); here three flooders share two cores with another test worker, so only
     # a bound far inside the discovery window is asserted: found, not timed out.
     assert flood.seconds is not None and flood.seconds < 20.0, flood.seconds
-    print(f"discovery: {quiet.seconds:.2f} s quiet, {flood.seconds:.2f} s under "
-          f"{flood.sent} forged beacons")
+    print(
+        f"discovery: {quiet.seconds:.2f} s quiet, {flood.seconds:.2f} s under "
+        f"{flood.sent} forged beacons"
+    )
     # What was refused is said, with the sources that sent it.
     summary = [line for line in flood.log if "discovery: ended; meanwhile" in line]
     assert summary, "".join(flood.log[-30:])

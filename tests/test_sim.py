@@ -158,9 +158,8 @@ def test_steps_queued_behind_a_slow_stage_outlive_the_step_deadline(keep_alive: 
     cluster = build(rng, 11, 2, frozenset(), False)
     for host in cluster.stages:
         host.slow = 60.0  # a decode job ~0.25 s, a prompt chunk up to ~0.7 s (< 1 s timeout)
-        if not keep_alive:
+        if not keep_alive:  # its service is built on the loop's first turn, from this config
             host.config.progress_interval = math.inf
-            host._boot()
     coord = cluster.coordinator
     for i in range(12):
         prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(24))

@@ -196,11 +196,16 @@ class RouterService(_DisaggAdapter):
 
 class PrefillService(_DisaggAdapter):
     def __init__(
-        self, node: Node, endpoint: Endpoint, engine: LocalEngine, config: PrefillConfig
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        engine: LocalEngine,
+        config: PrefillConfig,
+        first_lease: int | None = None,
     ) -> None:
-        core = PrefillCore(
-            config, first_lease=secrets.randbits(40) + 1, counters=lambda: self._figures()
-        )
+        # Unpredictable per process (the simulator draws it from its seed).
+        lease = secrets.randbits(40) + 1 if first_lease is None else first_lease
+        core = PrefillCore(config, first_lease=lease, counters=lambda: self._figures())
         super().__init__(node, endpoint, core, "prefill")
         self.prefill = core
         self.engine = engine
@@ -251,12 +256,16 @@ class DecodeService(_DisaggAdapter):
         engine: LocalEngine,
         config: DecodeConfig,
         dims: tuple[int, int, int],
+        load: Callable[[KvHandoff], tuple[str | None, Any]] | None = None,
     ) -> None:
         core = DecodeCore(config, counters=lambda: _engine_figures(self.engine))
         super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
         self.dims = dims  # (layers, kv heads, head dim) a handoff must match
+        # On the compute thread: a handoff's problem, or its caches (the simulator's model
+        # supplies its own).
+        self.load = load or self._load
         self.staged: dict[int, Any] = {}  # slot -> verified caches, not yet read
 
     def attach(self) -> None:
@@ -276,15 +285,15 @@ class DecodeService(_DisaggAdapter):
         else:
             super().apply(effect)
 
-    async def _verify(self, job: VerifyJob) -> None:
+    def _load(self, handoff: KvHandoff) -> tuple[str | None, Any]:
         from mlxcel.runtime.kv_handoff import check, unpack
 
-        def work() -> tuple[str | None, Any]:
-            problem = check(job.handoff, *self.dims)
-            return (problem, None) if problem else (None, unpack(job.handoff))
+        problem = check(handoff, *self.dims)
+        return (problem, None) if problem else (None, unpack(handoff))
 
+    async def _verify(self, job: VerifyJob) -> None:
         try:
-            problem, caches = await self.engine.compute.run(work)
+            problem, caches = await self.engine.compute.run(self.load, job.handoff)
         except Exception as exc:  # a malformed tensor the checks missed: refuse, keep serving
             problem, caches = f"could not load the handoff: {exc}", None
         if caches is not None and job.slot in self.decode.slots:

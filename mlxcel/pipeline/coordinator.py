@@ -80,6 +80,7 @@ class PipelineCoordinator(CoreAdapter):
         micro_batch_size: int | None = None,
         stage_max_batch: int | None = None,
         inject: frozenset[str] = frozenset(),
+        first_nonce: int | None = None,
     ) -> None:
         core = CoordinatorCore(
             stages,
@@ -93,7 +94,8 @@ class PipelineCoordinator(CoreAdapter):
             stage_max_batch=stage_max_batch,
             prefill_chunk=prefill_chunk,
             pick_token=pick_token if return_logits else None,
-            first_nonce=secrets.randbits(48) + 1,
+            # Unpredictable per process (the simulator draws it from its seed).
+            first_nonce=secrets.randbits(48) + 1 if first_nonce is None else first_nonce,
             inject=inject,
         )
         super().__init__(node, endpoint, core, "coordinator", step_timeout)

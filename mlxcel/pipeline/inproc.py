@@ -17,6 +17,7 @@ from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
+from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
 
@@ -99,7 +100,7 @@ async def pipeline_stack(
                 svc = StageService(
                     node,
                     fabric.endpoint(names[i], node),
-                    LayerRange(loaded, sp.start, sp.end),
+                    StageRuntime(LayerRange(loaded, sp.start, sp.end), cfg.device_handoff),
                     threads[-1],
                     cfg,
                 )

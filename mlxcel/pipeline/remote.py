@@ -34,6 +34,7 @@ from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
+from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, load_model, load_tokenizer_only
 from mlxcel.wire.handshake import Identity
@@ -139,7 +140,10 @@ async def stage_node(
             service = StageService(
                 node,
                 endpoint,
-                LayerRange(loaded, stage_plan.start, stage_plan.end),
+                StageRuntime(
+                    LayerRange(loaded, stage_plan.start, stage_plan.end),
+                    device_handoff=False,
+                ),
                 compute,
                 StageConfig(
                     me.id,

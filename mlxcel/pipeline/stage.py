@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from loguru import logger
 
@@ -34,12 +34,18 @@ from mlxcel.pipeline.stage_protocol import (
 )
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.kv_usage import figures as kv_figures
-from mlxcel.runtime.model import LayerRange
 
 __all__ = ["StageConfig", "StageService", "StageState"]
 
 SLOW_FORWARD_S = 1.0  # a forward pass longer than this is logged
+
+
+class Compute(Protocol):
+    """Where the stage's jobs run, one after another: the compute thread (the simulator
+    supplies one on virtual time)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class StageService(CoreAdapter):
@@ -47,28 +53,24 @@ class StageService(CoreAdapter):
         self,
         node: Node,
         endpoint: Endpoint,
-        layers: LayerRange,
-        compute: ComputeThread,
+        runtime: StageRuntime,
+        compute: Compute | ComputeThread,
         config: StageConfig,
         inject: frozenset[str] = frozenset(),
     ) -> None:
-        self.layers = layers
-        self.runtime = StageRuntime(layers, device_handoff=config.device_handoff)
+        self.layers = layers = runtime.layers
+        self.runtime = runtime
         core = StageCore(
             config,
-            width=self.runtime.width,
-            vocab=self.runtime.vocab,
+            width=runtime.width,
+            vocab=runtime.vocab,
             layers=(layers.start, layers.end),
             counters=lambda: {
                 "wire_bytes_out": endpoint.wire_bytes,
-                **self.runtime.timing.fields(),
+                **runtime.timing.fields(),
                 "model": config.model,
                 "weights": config.weights,
-                **kv_figures(
-                    sum(s.tokens for s in self.stage.seqs.values()),
-                    layers.loaded.config,
-                    layers.end - layers.start,
-                ),
+                **runtime.kv_figures(sum(s.tokens for s in self.stage.seqs.values())),
             },
             inject=inject,
         )

@@ -20,6 +20,7 @@ from mlxcel.messages import DeviceTensor, ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
 from mlxcel.pipeline.stage_sampling import SamplingExtras
 from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
+from mlxcel.runtime.kv_usage import figures as kv_figures
 from mlxcel.runtime.model import LayerRange, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
@@ -128,6 +129,11 @@ class StageRuntime:
         self._pos: dict[SeqKey, int] = {}  # positions each sequence's cache holds
         self.ahead_used = 0  # decode steps served from a step started ahead
         self.ahead_undone = 0
+
+    def kv_figures(self, tokens: int) -> dict[str, int]:
+        """The KV-cache figures a State reports for ``tokens`` held by this layer range."""
+        loaded = self.layers.loaded
+        return kv_figures(tokens, loaded.config, self.layers.end - self.layers.start)
 
     def free(self, key: SeqKey) -> None:
         if self._ahead is not None and key in self._ahead.keys:

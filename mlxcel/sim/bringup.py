@@ -12,9 +12,11 @@ address order with contiguous layers, and every party ends within its documented
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxcel import __version__
 from mlxcel.bringup.beacon import BeaconGate, beacon_key, make_beacon
@@ -24,22 +26,22 @@ from mlxcel.bringup.protocol import (
     FRAME_BOUND,
     PUSH_WINDOW,
     Activated,
-    Announce,
     ModelIdentity,
-    PeerEnded,
     PeerState,
     Phase,
     PushDone,
-    Verify,
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
-from mlxcel.effects import Effect, Send
+from mlxcel.bringup.service import PeerService, PushService
+from mlxcel.bus import Node
+from mlxcel.effects import Effect
+from mlxcel.errors import MlxcelError
 from mlxcel.messages import Message
 from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, auto_split
 from mlxcel.sim.clock import Scheduler
-from mlxcel.sim.hosts import SimHost
 from mlxcel.sim.network import Link, SimNetwork
+from mlxcel.sim.process import SimEndpoint, SimProcess, logged_errors
 
 COORDINATOR = "10.0.0.1:19000"
 SECRET = b"simulated cluster secret, 32 by."
@@ -59,7 +61,27 @@ BRINGUP_BUGS = ("activate-early",)
 SPOILERS = frozenset({"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew"})
 
 
-class PeerHost(SimHost):
+class PeerWatch:
+    """The peer core as its adapter sees it; notes each attempt it committed to."""
+
+    def __init__(self, core: PeerCore, host: PeerHost) -> None:
+        self._core, self._host = core, host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
+        effects = self._core.handle(msg, source, now)
+        core = self._core
+        if core.state is PeerState.COMMITTED and core.offer is not None:
+            self._host.committed_in.add(core.offer.attempt)
+        return effects
+
+
+class PeerHost(SimProcess):
+    """A ``--pp-peer`` process: the production :class:`PeerService` and :class:`PeerCore`,
+    announcing itself with real signed beacons over a lossy simulated UDP."""
+
     def __init__(
         self,
         identity: str,
@@ -76,72 +98,92 @@ class PeerHost(SimHost):
         self.committed_in: set[int] = set()
         self.ended: str | None = None
         self.crashed_at: list[float] = []
-        self.core = PeerCore(facts, self.now())  # type: ignore[assignment]
-        self.call(self.core.on_timer, self.now())
+        self.boot()
 
-    def receive(self, msg: Message, source: str) -> None:
-        super().receive(msg, source)
-        core = self.core
-        assert isinstance(core, PeerCore)
-        if core.state is PeerState.COMMITTED and core.offer is not None:
-            self.committed_in.add(core.offer.attempt)
+    @property
+    def core(self) -> PeerCore | None:
+        return self.service.peer if self.service is not None else None
 
-    def apply(self, effect: Effect) -> None:
-        core = self.core
-        assert isinstance(core, PeerCore)
-        if isinstance(effect, Announce):
-            nonce = bytes(self.net.rng.getrandbits(8) for _ in range(16))
-            datagram = make_beacon(
-                self.key, __version__, "mlxcel-cluster", self.identity, self.now(), nonce
-            )
-            self.target.datagram(datagram, self.identity.rpartition(":")[0])
-        elif isinstance(effect, Activated):
-            assert core.offer is not None
-            self.activations.append((core.offer.attempt, effect.node_id, self.sched.now))
-            self.sched.trace("activated", self.identity, effect.node_id)
-        elif isinstance(effect, PeerEnded):
-            self.ended = effect.reason
-            self.sched.trace("peer-ended", self.identity)
-            self.up = False  # the process exits
-            self.net.reset_connections(self.identity)
-        else:
-            raise NotImplementedError(type(effect).__name__)
+    def build(self, node: Node, endpoint: SimEndpoint) -> PeerService:
+        svc = PeerService(node, endpoint, PeerCore(self.facts, self.now()), self._announce)
+        svc.core = PeerWatch(svc.peer, self)
+        return svc
+
+    def started(self, service: PeerService) -> None:
+        service.attach()
+        service.result.add_done_callback(lambda f, svc=service: self._ended(svc, f))
+
+    def _announce(self) -> None:
+        nonce = bytes(self.net.rng.getrandbits(8) for _ in range(16))
+        datagram = make_beacon(
+            self.key, __version__, "mlxcel-cluster", self.identity, self.now(), nonce
+        )
+        self.target.datagram(datagram, self.identity.rpartition(":")[0])
+
+    def _ended(self, svc: PeerService, result: asyncio.Future[Activated]) -> None:
+        if svc is not self.service or result.cancelled():
+            return
+        exc = result.exception()
+        if exc is None:
+            offer = svc.peer.offer
+            assert offer is not None
+            node_id = result.result().node_id
+            self.activations.append((offer.attempt, node_id, self.sched.now))
+            self.sched.trace("activated", self.identity, node_id)
+            return
+        self.ended = str(exc)
+        self.sched.trace("peer-ended", self.identity)
+        self.kill()  # the process exits
 
     def crash(self) -> None:
         if not self.up:
             return
         self.sched.trace("crash", self.identity)
         self.crashed_at.append(self.sched.now)
-        self.up, self._timer_at = False, None
-        self.incarnation += 1
-        self.net.reset_connections(self.identity)
+        self.kill()
 
     def restart(self) -> None:
         if self.up or self.ended is not None:
             return
         self.sched.trace("restart", self.identity)
-        self.up = True
-        self.incarnation += 1
-        self.core = PeerCore(self.facts, self.now())  # type: ignore[assignment]
-        self.call(self.core.on_timer, self.now())
+        self.boot()
 
 
-class PushHost(SimHost):
+class PushHost(SimProcess):
+    """A ``--pp-auto`` coordinator's push: the production :class:`PushService` and
+    :class:`PushCore`; its process starts at :meth:`begin`."""
+
     def __init__(self, identity: str, sched: Scheduler, net: SimNetwork, cfg: PushConfig) -> None:
         super().__init__(identity, sched, net)
         self.cfg = cfg
-        self.core = PushCore(cfg, self.now())  # type: ignore[assignment]
-        self.begun = False
         self.done: PushDone | None = None
         self.done_at: float | None = None
         self.crashed_in: Phase | None = None
         self.udp_loss = 0.0
+        self.begun = False
+        self.last_core: PushCore | None = None  # what the checks read once it is gone
+
+    @property
+    def core(self) -> PushCore | None:
+        return self.service.push if self.service is not None else self.last_core
 
     def begin(self) -> None:
         """The coordinator process starts: its push (and discovery window) begins now."""
-        self.core = core = PushCore(self.cfg, self.now())  # type: ignore[assignment]
         self.begun = True
-        self.call(core.start, self.now())
+        self.boot()
+
+    def build(self, node: Node, endpoint: SimEndpoint) -> PushService:
+        core = self.last_core = PushCore(self.cfg, self.now())
+        return PushService(node, endpoint, core, verify=self._verify)
+
+    def started(self, service: PushService) -> None:
+        service.result.add_done_callback(self._done)
+        service.attach()
+
+    def _done(self, result: asyncio.Future[PushDone]) -> None:
+        if not result.cancelled() and result.exception() is None:
+            self.done, self.done_at = result.result(), self.sched.now
+            self.sched.trace("push-done", self.done.ok)
 
     def datagram(self, data: bytes, source_ip: str) -> None:
         """A UDP beacon on its way here: lost with the network's drop rate, else delivered."""
@@ -150,52 +192,30 @@ class PushHost(SimHost):
         self.sched.after(self.net.link.latency, self._beacon, data, source_ip)
 
     def _beacon(self, data: bytes, source_ip: str) -> None:
-        core = self.core
-        assert isinstance(core, PushCore)
-        if self.up and self.begun:  # nobody listens on the discovery port before that
-            self.call(core.beacon, data, source_ip, self.now(), self.now())
+        svc = self.service
+        if svc is not None:  # nobody listens on the discovery port before the process starts
+            self.call(svc.feed, svc.push.beacon(data, source_ip, self.now(), self.now()))
 
-    def send_failed(self, dest: str, msg: Message, reason: str) -> None:
-        core = self.core
-        assert isinstance(core, PushCore)
-        if self.up:  # a refused handshake is final; a refused connect is retried
-            final = reason == "handshake refused"
-            self.call(core.undeliverable, Send(dest, msg), reason, self.now(), final)
-
-    def apply(self, effect: Effect) -> None:
-        if isinstance(effect, Verify):
-            # A handshake: answered after a round trip by a live secret holder, refused
-            # after one by a dead port or another secret, unanswered across a partition.
-            peer, lat = self.net.hosts.get(effect.address), self.net.link.latency
-            if peer is None or not peer.up:
-                self.sched.after(2 * lat, self._verified, effect.address, "connection refused")
-            elif not peer.has_secret:
-                self.sched.after(2 * lat, self._verified, effect.address, "secret mismatch")
-            elif self.net.parted(self.identity, effect.address):
-                wait = max(0.0, effect.deadline - self.now())
-                self.sched.after(wait, self._verified, effect.address, "no answer")
-            else:
-                self.sched.after(3 * lat, self._verified, effect.address, None)
-        elif isinstance(effect, PushDone):
-            self.done, self.done_at = effect, self.sched.now
-            self.sched.trace("push-done", effect.ok)
-        else:
-            raise NotImplementedError(type(effect).__name__)
-
-    def _verified(self, address: str, why: str | None) -> None:
-        core = self.core
-        assert isinstance(core, PushCore)
-        if self.up:
-            self.call(core.verified, address, why, self.now())
+    async def _verify(self, address: str, deadline: float) -> None:
+        """A handshake: answered after a round trip by a live secret holder, refused after
+        one by a dead port or another secret, unanswered across a partition."""
+        peer, lat = self.net.hosts.get(address), self.net.link.latency
+        if peer is None or not peer.up:
+            await asyncio.sleep(2 * lat)
+            raise MlxcelError("connection refused")
+        if not peer.has_secret:
+            await asyncio.sleep(2 * lat)
+            raise MlxcelError("secret mismatch")
+        if self.net.parted(self.identity, address):
+            await asyncio.sleep(max(0.0, self.loop_time(deadline) - self.sched.now))
+            raise MlxcelError("no answer")
+        await asyncio.sleep(3 * lat)
 
     def crash(self) -> None:
-        core = self.core
-        assert isinstance(core, PushCore)
         if self.up and self.done is None:
             self.sched.trace("crash", self.identity)
-            self.crashed_in = core.phase
-            self.up, self._timer_at = False, None
-            self.net.reset_connections(self.identity)
+            self.crashed_in = self.service.push.phase if self.service is not None else None
+            self.kill()
 
 
 @dataclass
@@ -307,24 +327,28 @@ def run_bringup(
     # outcome is settled: the push is over and no peer is between phases any more.
     def settled() -> bool:
         push = run.coordinator
-        if push.up and push.done is None:
+        if push.done is None and (push.up or not push.begun):
             return False
         return not any(
-            p.up and p.core.state in (PeerState.ACCEPTED, PeerState.COMMITTED)  # type: ignore[union-attr]
+            p.core is not None and p.core.state in (PeerState.ACCEPTED, PeerState.COMMITTED)
             for p in run.peers
         ) and not any(p.up is False and p.ended is None and p.crashed_at for p in run.peers)
 
-    run.sched.run(run.started + 700.0, settled)
-    return run, check_bringup(run)
+    with logged_errors() as logged:
+        run.sched.run(run.started + 700.0, settled)
+        bad = check_bringup(run) + logged
+        run.sched.close()
+    return run, bad
 
 
 def check_bringup(run: BringupRun) -> list[str]:
     bad: list[str] = []
     push = run.coordinator
     core = push.core
-    assert isinstance(core, PushCore)
+    if core is None:  # the coordinator never started
+        return ["the coordinator never started"]
     for h in [push, *run.peers]:
-        bad.extend(h.errors)
+        bad.extend(h.errors + h.conservation())
     attempt = core.cfg.attempt
     activated = {p.identity: a for p in run.peers for a in p.activations}
     crashed_after_commit = any(attempt in p.committed_in and p.crashed_at for p in run.peers)
@@ -369,7 +393,7 @@ def check_bringup(run: BringupRun) -> list[str]:
         why = push.done.summary if push.done else "no outcome"
         bad.append(f"a bring-up that no fault spoiled failed: {why}")
     for p in run.peers:
-        state = p.core.state if p.up else None  # type: ignore[union-attr]
+        state = p.core.state if p.core is not None else None
         if state in (PeerState.ACCEPTED, PeerState.COMMITTED):
             bad.append(f"{p.identity} is still {state.value} after every bound passed")
     if "other-model" in run.faults and push.done is not None and push.done.ok:

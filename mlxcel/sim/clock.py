@@ -1,48 +1,60 @@
-"""Virtual time: one event heap, run in order, with a running hash of everything that ran.
+"""Virtual time: the scenario's events on the virtual asyncio loop, with a running hash of
+everything that ran.
 
-Nothing here reads a wall clock. Two events at the same time run in the order they were
-scheduled, so a run is a pure function of its inputs (and of its seed, for the callers that
-draw from a seeded RNG).
+The scheduler is the scenario's handle on :class:`~mlxcel.sim.vloop.VirtualLoop`: the
+simulated network, the simulated compute and the fault schedule put their events on the same
+loop that runs the production adapters and services, so one clock orders them all. Nothing
+here reads a wall clock: a run is a pure function of its inputs (and of its seed, for the
+callers that draw from a seeded RNG).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import heapq
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+from mlxcel.sim.vloop import VirtualLoop
 
 
 class Scheduler:
     def __init__(self) -> None:
-        self.now = 0.0
-        self.events = 0
-        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
-        self._order = itertools.count()
+        self.loop = VirtualLoop()
+        self.scheduled = 0  # scenario events run (network, compute, faults)
         self._trace = hashlib.blake2b(digest_size=16)
 
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
     def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._heap, (max(when, self.now), next(self._order), fn, args))
+        self.loop.call_at(max(when, self.now), self._run, fn, args)
 
     def after(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         self.at(self.now + max(0.0, delay), fn, *args)
 
-    def run(self, until: float, stop: Callable[[], bool] | None = None) -> None:
-        """Run events up to time ``until`` (or until ``stop()`` says so)."""
-        heap = self._heap
-        while heap and heap[0][0] <= until:
-            when, _, fn, args = heapq.heappop(heap)
-            self.now = when
-            self.events += 1
-            fn(*args)
-            if stop is not None and stop():
-                return
-        self.now = max(self.now, until)
-
     @property
-    def pending(self) -> int:
-        return len(self._heap)
+    def events(self) -> int:
+        """Everything that ran: the scenario's events and every other turn of the loop."""
+        return self.scheduled + self.loop.turns
+
+    def _run(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.scheduled += 1
+        fn(*args)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """A task on the virtual loop (a simulated process's life)."""
+        return self.loop.create_task(coro, name=name)
+
+    def run(self, until: float, stop: Callable[[], bool] | None = None) -> None:
+        """Run everything due up to time ``until`` (or until ``stop()`` says so)."""
+        self.loop.run_to(until, stop)
+
+    def close(self) -> None:
+        """End every simulated process and close the loop (once the scenario is checked)."""
+        if not self.loop.is_closed():
+            self.loop.shut()
 
     def trace(self, *fields: object) -> None:
         """Add one line to the trace hash (the time in whole nanoseconds, then ``fields``)."""

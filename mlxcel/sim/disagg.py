@@ -45,6 +45,7 @@ from mlxcel.sim.disagg_hosts import (
 )
 from mlxcel.sim.hosts import Intruder
 from mlxcel.sim.network import Link, SimNetwork
+from mlxcel.sim.process import logged_errors
 
 DISAGG_FAULTS = (
     "drop",
@@ -214,16 +215,21 @@ def run_disagg(
             return False
         return _idle(run)
 
-    run.sched.run(horizon + CLIENT_TIMEOUT + 60.0, settled)
-    return run, check_disagg(run), n_requests
+    with logged_errors() as logged:
+        run.sched.run(horizon + CLIENT_TIMEOUT + 60.0, settled)
+        bad = check_disagg(run) + logged
+        run.sched.close()
+    return run, bad, n_requests
 
 
 def _idle(run: DisaggRun) -> bool:
     if run.router.router.routes:
         return False
-    if any(p.prefill.leases or p.caches for p in run.prefill if p.up):
+    if any(p.prefill.leases or p.caches for p in run.prefill if p.service is not None):
         return False
-    return not any(d.decode.slots or d.running or d.staged for d in run.decode if d.up)
+    return not any(
+        d.decode.slots or d.running or d.staged for d in run.decode if d.service is not None
+    )
 
 
 def check_disagg(run: DisaggRun) -> list[str]:
@@ -262,17 +268,17 @@ def check_disagg(run: DisaggRun) -> list[str]:
         if n > 1:
             bad.append(f"{rid} was computed {n} times")
     for h in [run.router, *run.prefill, *run.decode]:
-        bad.extend(h.errors)
+        bad.extend(h.errors + h.conservation())
     r = run.router.router
     if r.routes:
         bad.append(f"the router still holds {sorted(r.routes)}")
     if any(n.active for n in r.nodes.values()):
         bad.append("the router's per-node in-flight counts did not return to 0")
     for p in run.prefill:
-        if p.up and (p.prefill.leases or p.caches):
+        if p.service is not None and (p.prefill.leases or p.caches):
             bad.append(f"{p.identity} still holds leases {sorted(p.prefill.leases)}")
     for d in run.decode:
-        if d.up and (d.decode.slots or d.running or d.staged):
+        if d.service is not None and (d.decode.slots or d.running or d.staged):
             bad.append(f"{d.identity} still holds slots {sorted(d.decode.slots)}")
     if run.forged and any(
         o.tokens[:1] == [7] and o.finish == "stop"

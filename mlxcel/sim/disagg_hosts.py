@@ -1,5 +1,6 @@
-"""The hosts of the disaggregated scenarios: the production router, prefill and decode cores
-on simulated nodes, the fake model they compute with, and the ledger the invariants read.
+"""The hosts of the disaggregated scenarios: the production router, prefill and decode
+services (adapters and cores) as simulated processes, the fake engines they compute with, and
+the ledger the invariants read.
 
 The fake model: a prompt's "KV cache" is a 64-bit hash of its tokens, carried as a real
 tensor under the real handoff digest; token ``k`` of a request is a mix of that hash and
@@ -9,19 +10,24 @@ tokens that differ from :func:`reference`.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
+from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
-from mlxcel.disagg.router_core import LOCAL, RouterCore
-from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
+from mlxcel.disagg.protocol import ResumeJob
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
+from mlxcel.errors import MlxcelError
 from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
+    Error,
     HandoffVerdict,
     KvHandoff,
     Message,
@@ -31,9 +37,11 @@ from mlxcel.messages import (
     Tensor,
 )
 from mlxcel.sim.clock import Scheduler
-from mlxcel.sim.hosts import Outcome, SimHost
+from mlxcel.sim.compute import SimCompute
+from mlxcel.sim.hosts import Outcome
 from mlxcel.sim.model import MASK, mix
 from mlxcel.sim.network import SimNetwork
+from mlxcel.sim.process import SimEndpoint, SimProcess
 
 ROUTER = "10.0.3.1:8300"
 VOCAB = 512
@@ -74,8 +82,9 @@ def cache_hash(t: Tensor) -> int:
     return int(struct.unpack("<Q", t.data)[0])
 
 
-class RouterHost(SimHost):
-    """The router core plus a client in the frontend's place, and the liveness prober."""
+class RouterHost(SimProcess):
+    """The production :class:`RouterService` (its prober included, probing over the simulated
+    network) plus a client in the frontend's place."""
 
     def __init__(
         self,
@@ -86,63 +95,64 @@ class RouterHost(SimHost):
         first_nonce: int,
     ) -> None:
         super().__init__(ROUTER, sched, net)
-        self.core = RouterCore(prefill, decode, first_nonce=first_nonce)  # type: ignore[assignment]
+        self.nodes = (prefill, decode)
+        self.first_nonce = first_nonce
         self.outcomes: dict[str, Outcome] = {}
-        self.sched.after(0.0, self._probe_round)
+        self.boot()
 
     @property
     def router(self) -> RouterCore:
-        assert isinstance(self.core, RouterCore)
-        return self.core
+        return self.service.router  # type: ignore[no-any-return]
 
-    def send_failed(self, dest: str, msg: Message, reason: str) -> None:
-        # The simulated network fails a send only when no connection could be made.
-        if self.up:
-            self.call(self.router.undeliverable, Send(dest, msg), reason, self.now(), True)
+    def build(self, node: Node, endpoint: SimEndpoint) -> RouterService:
+        core = RouterCore(*self.nodes, first_nonce=self.first_nonce)
+        return RouterService(node, endpoint, core, self._probe, probe_interval=1.0)
 
-    def _probe_round(self) -> None:
-        for a in self.router.nodes:
-            self._probe(a)
-        self.sched.after(1.0, self._probe_round)
+    def started(self, service: RouterService) -> None:
+        service.attach()
+        for cls in (RunResult, Error):
+            service.node.bus.subscribe(
+                cls, self._route, maxsize=1024, origin=Origin.LOCAL, sync=True, leaf=True
+            )
 
-    def _probe(self, address: str) -> None:
-        peer = self.net.hosts.get(address)
-        ok = bool(peer and peer.up and peer.has_secret and not self.net.parted(ROUTER, address))
-        self.sched.after(2 * self.net.link.latency, self._probe_done, address, ok)
+    async def _probe(self, address: str, deadline: float, fresh: bool) -> None:
+        """A ping over the simulated network: answered after a round trip by a live holder
+        of the secret, refused by a dead port, unanswered across a partition."""
+        net = self.net
+        await asyncio.sleep(2 * net.link.latency)
+        peer = net.hosts.get(address)
+        if peer is None or not peer.up or not getattr(peer, "accepting", True):
+            raise MlxcelError(f"connecting to {address}: connection refused")
+        if not peer.has_secret:
+            raise MlxcelError(f"handshake with {address} refused")
+        if net.parted(ROUTER, address):
+            await asyncio.sleep(max(0.0, deadline - self.sched.loop.time()))
+            raise MlxcelError(f"no answer from {address}")
 
-    def peer_lost(self, identity: str) -> None:
-        super().peer_lost(identity)
-        if self.up and identity in self.router.nodes:
-            self._probe(identity)  # as the real router does
-
-    def _probe_done(self, address: str, ok: bool) -> None:
-        self.call(self.router.probe_result, address, ok, "" if ok else "unreachable", self.now())
+    def _route(self, env: Envelope[Any]) -> None:
+        o = self.outcomes.get(getattr(env.msg, "request_id", "") or "")
+        if o is not None:
+            o.record(env.msg, self.sched.now)
 
     def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int) -> None:
         o = Outcome(rid, prompt, max_tokens, self.sched.now + CLIENT_TIMEOUT, self.sched.now)
         self.outcomes[rid] = o
         self.sched.at(o.deadline, self._client_deadline, rid)
         entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
-        self.call(self.router.handle, entry, LOCAL, self.now())
+        assert self.node is not None
+        if not self.node.bus.publish_now(entry):
+            o.finish, o.ended_at = "error:router_busy", self.sched.now
 
     def cancel(self, rid: str) -> None:
         o = self.outcomes[rid]
-        if o.finish is None:
+        if o.finish is None and self.node is not None:
             o.finish, o.ended_at = "cancelled", self.sched.now
-            self.call(self.router.handle, CancelRequest(rid, "client"), LOCAL, self.now())
+            self.node.bus.publish_now(CancelRequest(rid, "client"))
 
     def _client_deadline(self, rid: str) -> None:
         o = self.outcomes[rid]
         if o.finish is None:
             o.finish, o.ended_at = "error:client_deadline", self.sched.now
-
-    def apply(self, effect: Effect) -> None:
-        if not isinstance(effect, Deliver):
-            raise NotImplementedError(type(effect).__name__)
-        m = effect.msg
-        o = self.outcomes.get(getattr(m, "request_id", "") or "")
-        if o is not None:
-            o.record(m, self.sched.now)
 
 
 @dataclass
@@ -155,32 +165,53 @@ class Ledger:
     computed: list[tuple[str, str, int]] = field(default_factory=list)  # (prefill, rid, nonce)
 
 
-class WorkerHost(SimHost):
-    """A prefill or decode node's process: a crash loses its connections and its compute
-    state; a restart brings a fresh core."""
-
-    def crash(self) -> None:
-        if self.up:
-            self.sched.trace("crash", self.identity)
-            self.up, self._timer_at = False, None
-            self.incarnation += 1
-            self.forget()
-            self.net.reset_connections(self.identity)
-
-    def restart(self) -> None:
-        if not self.up:
-            self.sched.trace("restart", self.identity)
-            self.up = True
-            self.core = self.fresh_core()
-
-    def forget(self) -> None:
-        raise NotImplementedError
-
-    def fresh_core(self) -> Any:
-        raise NotImplementedError
+# The engine figures a State reports: an empty config says "capacity unknown" (0).
+_NO_MODEL = SimpleNamespace(config={}, n_layers=1)
 
 
-class PrefillHost(WorkerHost):
+class PrefillEngine:
+    """What :class:`PrefillService` asks of its engine, over the fake model: a prompt's
+    "cache" is its hash; computing it takes a fixed cost plus one per token."""
+
+    def __init__(self, host: PrefillHost) -> None:
+        self.host = host
+        self.loaded = _NO_MODEL
+        self.kept: dict[str, tuple[Packed, tuple[int, ...]]] = {}
+        self.caches: set[int] = set()  # leases whose cache the "engine" holds
+        self.alive = True
+
+    def kv_tokens(self) -> int:
+        return 0
+
+    def submit(self, entry: RunEntry, role: str, sink: Any, **_: Any) -> str | None:
+        host, lease = self.host, int(entry.request_id.partition("-")[2])
+        x = host.prefill.leases[lease]
+        host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
+        self.caches.add(lease)
+        took = 0.002 + PREFILL_PER_TOKEN_S * len(entry.token_ids)
+        host.sched.after(took, self._computed, entry, lease, sink)
+        return None
+
+    def _computed(self, entry: RunEntry, lease: int, sink: Any) -> None:
+        if not self.alive or lease not in self.caches:
+            return
+        h = prompt_hash(entry.token_ids)
+        t0 = token(h, 0)
+        # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
+        layers = range(self.host.layers)
+        ks = tuple(cache_tensor(h ^ layer) for layer in layers)
+        vs = tuple(cache_tensor(~h & MASK ^ layer) for layer in layers)
+        rid = entry.request_id
+        self.kept[rid] = (Packed(len(entry.token_ids), t0, ks, vs, tensor_digest(ks, vs)), ())
+        ids = () if t0 == EOS else (t0,)
+        sink(RunResult(rid, 0, ids, "stop" if t0 == EOS else "length", 0))
+
+    def cancel(self, request_id: str, role: str) -> None:
+        self.caches.discard(int(request_id.partition("-")[2]))
+        self.kept.pop(request_id, None)
+
+
+class PrefillHost(SimProcess):
     def __init__(
         self,
         identity: str,
@@ -193,52 +224,109 @@ class PrefillHost(WorkerHost):
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.rng = cfg, ledger, rng
         self.layers = 1
-        self.caches: set[int] = set()  # leases whose cache the "engine" holds
-        self.core = PrefillCore(cfg, first_lease=rng.getrandbits(40) + 1)  # type: ignore[assignment]
+        self.engine: PrefillEngine | None = None
+        self.boot()
 
     @property
     def prefill(self) -> PrefillCore:
-        assert isinstance(self.core, PrefillCore)
-        return self.core
+        return self.service.prefill  # type: ignore[no-any-return]
 
-    def check_send(self, send: Send) -> None:
-        if isinstance(send.msg, HandoffVerdict) and send.msg.commit:
-            self.ledger.commits[(self.identity, send.msg.lease)] = self.sched.now
+    @property
+    def caches(self) -> set[int]:
+        return self.engine.caches if self.engine is not None else set()
 
-    def apply(self, effect: Effect) -> None:
-        if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
-            job = effect.job
-            x = self.prefill.leases[job.lease]
-            self.ledger.computed.append((self.identity, x.request.request_id, x.request.nonce))
-            self.caches.add(job.lease)
-            took = 0.002 + PREFILL_PER_TOKEN_S * len(job.token_ids)
-            self.sched.after(took, self._computed, self.incarnation, job)
-        elif isinstance(effect, FreeCache):
-            self.caches.discard(effect.key)
-        else:
-            raise NotImplementedError(type(effect).__name__)
+    def build(self, node: Node, endpoint: SimEndpoint) -> PrefillService:
+        self.engine = PrefillEngine(self)
+        lease = self.rng.getrandbits(40) + 1
+        return PrefillService(node, endpoint, self.engine, self.cfg, first_lease=lease)  # type: ignore[arg-type]
 
-    def _computed(self, incarnation: int, job: PrefillJob) -> None:
-        if not self.up or incarnation != self.incarnation or job.lease not in self.caches:
+    def started(self, service: PrefillService) -> None:
+        service.attach()
+
+    def check_send(self, dest: str, msg: Message) -> None:
+        if isinstance(msg, HandoffVerdict) and msg.commit:
+            self.ledger.commits[(self.identity, msg.lease)] = self.sched.now
+
+    def crash(self) -> None:
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            if self.engine is not None:
+                self.engine.alive = False
+            self.kill()
+
+    def restart(self) -> None:
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.boot()
+
+
+class DecodeEngine:
+    """What :class:`DecodeService` asks of its engine, over the fake model: verifying a
+    handoff takes ``verify_s`` on the compute "thread"; decoding streams one token a step."""
+
+    def __init__(self, host: DecodeHost) -> None:
+        self.host = host
+        self.loaded = _NO_MODEL
+        self.compute = SimCompute(host.sched, lambda _fn, _args: host.verify_s)
+        self.running: dict[int, tuple[int, int]] = {}  # slot -> (cache hash, tokens left)
+        self.alive = True
+
+    def kv_tokens(self) -> int:
+        return 0
+
+    def load(self, h: KvHandoff) -> tuple[str | None, Any]:
+        ok = digest_of(h, tensor_digest(h.keys, h.values)) == h.digest
+        if not ok:
+            return "digest mismatch", None
+        host = self.host
+        if "read-uncommitted" in host.inject:  # the bug: decode before the prefill committed
+            slot = next(
+                (s.id for s in host.decode.slots.values() if s.handoff.lease == h.lease), None
+            )
+            if slot is not None:  # once the service staged it (a moment later: 0.1 ms)
+                host.sched.after(1e-4, self._early, slot, h)
+        return None, cache_hash(h.keys[0])
+
+    def _early(self, slot: int, h: KvHandoff) -> None:
+        svc = self.host.service
+        if self.alive and svc is not None and slot in svc.staged:
+            svc._resume(ResumeJob(slot, h))
+
+    def submit(
+        self, entry: RunEntry, role: str, sink: Any, cache: Any = None, **_: Any
+    ) -> str | None:
+        host, slot = self.host, int(entry.request_id.partition("-")[2])
+        s = host.decode.slots.get(slot)
+        prefill, lease = (s.prefill, s.handoff.lease) if s is not None else ("?", -1)
+        host.ledger.reads.append((prefill, lease, host.identity, host.sched.now))
+        self.running[slot] = (int(cache), entry.sampling.max_tokens)
+        host.sched.after(STEP_S, self._step, slot, 1, sink)
+        if host.crash_after_reads is not None:
+            host.crash_after_reads -= 1
+            if host.crash_after_reads <= 0:
+                host.crash_after_reads = None
+                host.sched.after(STEP_S * 2, host.crash)  # mid-stream, right after the handoff
+        return None
+
+    def _step(self, slot: int, k: int, sink: Any) -> None:
+        if not self.alive or slot not in self.running:
             return
-        h = prompt_hash(job.token_ids)
-        t0 = token(h, 0)
-        # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
-        ks = tuple(cache_tensor(h ^ layer) for layer in range(self.layers))
-        vs = tuple(cache_tensor(~h & MASK ^ layer) for layer in range(self.layers))
-        packed = Packed(len(job.token_ids), t0, ks, vs, tensor_digest(ks, vs))
-        ids = () if t0 == EOS else (t0,)
-        finish = "stop" if t0 == EOS else "length"
-        self.call(self.prefill.compute_done, job.lease, ids, finish, None, packed, (), self.now())
+        h, left = self.running[slot]
+        t = token(h, k)
+        done = t == EOS or left <= 1
+        finish = ("stop" if t == EOS else "length") if done else None
+        if done:
+            del self.running[slot]
+        else:
+            self.running[slot] = (h, left - 1)
+            self.host.sched.after(STEP_S, self._step, slot, k + 1, sink)
+        sink(RunResult(f"slot-{slot}", 0, () if t == EOS else (t,), finish, 0))
 
-    def forget(self) -> None:
-        self.caches.clear()
-
-    def fresh_core(self) -> PrefillCore:
-        return PrefillCore(self.cfg, first_lease=self.rng.getrandbits(40) + 1)
+    def cancel(self, request_id: str, role: str) -> None:
+        self.running.pop(int(request_id.partition("-")[2]), None)
 
 
-class DecodeHost(WorkerHost):
+class DecodeHost(SimProcess):
     def __init__(
         self,
         identity: str,
@@ -251,69 +339,38 @@ class DecodeHost(WorkerHost):
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.inject = cfg, ledger, inject
         self.verify_s = 0.001
-        self.running: dict[int, tuple[int, int]] = {}  # slot -> (cache hash, tokens left)
-        self.staged: dict[int, int] = {}  # slot -> the verified cache (its hash), unread
         self.crash_after_reads: int | None = None
-        self.core = DecodeCore(cfg)  # type: ignore[assignment]
+        self.engine: DecodeEngine | None = None
+        self.boot()
 
     @property
     def decode(self) -> DecodeCore:
-        assert isinstance(self.core, DecodeCore)
-        return self.core
+        return self.service.decode  # type: ignore[no-any-return]
 
-    def apply(self, effect: Effect) -> None:
-        if isinstance(effect, StartCompute) and isinstance(effect.job, VerifyJob):
-            self.staged[effect.job.slot] = cache_hash(effect.job.handoff.keys[0])
-            self.sched.after(self.verify_s, self._verified, self.incarnation, effect.job)
-        elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
-            self._read(effect.job.slot, effect.job.handoff)
-        elif isinstance(effect, FreeCache):
-            self.staged.pop(effect.key, None)
-            self.running.pop(effect.key, None)
-        else:
-            raise NotImplementedError(type(effect).__name__)
+    @property
+    def running(self) -> dict[int, tuple[int, int]]:
+        return self.engine.running if self.engine is not None else {}
 
-    def _verified(self, incarnation: int, job: VerifyJob) -> None:
-        if not self.up or incarnation != self.incarnation or job.slot not in self.staged:
-            return
-        h = job.handoff
-        ok = digest_of(h, tensor_digest(h.keys, h.values)) == h.digest
-        self.call(self.decode.verified, job.slot, None if ok else "digest mismatch", self.now())
-        if "read-uncommitted" in self.inject and ok and job.slot in self.decode.slots:
-            self._read(job.slot, h)  # the bug: decode before the prefill node committed
+    @property
+    def staged(self) -> dict[int, Any]:
+        return self.service.staged if self.service is not None else {}
 
-    def _read(self, slot: int, h: KvHandoff) -> None:
-        if slot in self.running or slot not in self.staged:
-            return
-        s = self.decode.slots.get(slot)
-        prefill = s.prefill if s is not None else "?"
-        self.ledger.reads.append((prefill, h.lease, self.identity, self.sched.now))
-        self.running[slot] = (self.staged.pop(slot), h.sampling.max_tokens)
-        self.sched.after(STEP_S, self._step, self.incarnation, slot, 1)
-        if self.crash_after_reads is not None:
-            self.crash_after_reads -= 1
-            if self.crash_after_reads <= 0:
-                self.crash_after_reads = None
-                self.sched.after(STEP_S * 2, self.crash)  # mid-stream, right after the handoff
+    def build(self, node: Node, endpoint: SimEndpoint) -> DecodeService:
+        self.engine = engine = DecodeEngine(self)
+        return DecodeService(node, endpoint, engine, self.cfg, (1, 1, 1), load=engine.load)  # type: ignore[arg-type]
 
-    def _step(self, incarnation: int, slot: int, k: int) -> None:
-        if not self.up or incarnation != self.incarnation or slot not in self.running:
-            return
-        h, left = self.running[slot]
-        t = token(h, k)
-        done = t == EOS or left <= 1
-        finish = ("stop" if t == EOS else "length") if done else None
-        if done:
-            del self.running[slot]
-        else:
-            self.running[slot] = (h, left - 1)
-            self.sched.after(STEP_S, self._step, incarnation, slot, k + 1)
-        result = RunResult(f"slot-{slot}", 0, () if t == EOS else (t,), finish, 0)
-        self.call(self.decode.token, slot, result, self.now())
+    def started(self, service: DecodeService) -> None:
+        service.attach()
 
-    def forget(self) -> None:
-        self.running.clear()
-        self.staged.clear()
+    def crash(self) -> None:
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            if self.engine is not None:
+                self.engine.alive = False
+                self.engine.compute.alive = False
+            self.kill()
 
-    def fresh_core(self) -> DecodeCore:
-        return DecodeCore(self.cfg)
+    def restart(self) -> None:
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.boot()

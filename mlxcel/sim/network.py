@@ -164,6 +164,8 @@ class SimNetwork:
         self.sched.trace("reset", closer, peer)
         key = _pair(closer, peer)
         self._epochs[key] = self._epochs.get(key, 0) + 1
+        self._drop(closer, peer)
+        self._drop(peer, closer)
         other = self.hosts.get(peer)
         if other is not None and other.up:
             self.sched.after(self.link.latency, other.peer_lost, closer)
@@ -171,5 +173,13 @@ class SimNetwork:
     def reset_connections(self, identity: str) -> None:
         """``identity`` crashed or restarted: each peer sees its connection drop."""
         for other in self.hosts.values():
-            if other.identity != identity and other.up:
-                self.sched.after(self.link.latency, other.peer_lost, identity)
+            if other.identity != identity:
+                self._drop(other.identity, identity)
+                if other.up:
+                    self.sched.after(self.link.latency, other.peer_lost, identity)
+
+    def _drop(self, host: str, peer: str) -> None:
+        """``host`` forgets its connection with ``peer`` (the next send dials anew)."""
+        drop = getattr(self.hosts.get(host), "connection_dropped", None)
+        if drop is not None:
+            drop(peer)

@@ -85,3 +85,13 @@ class RealModel:
             if len(out) >= max_tokens:
                 return out
             token_in = (token,)
+
+
+_REAL: dict[Path, RealModel] = {}
+
+
+def real_model(path: Path) -> RealModel:
+    """The real checkpoint at ``path``, loaded once per process."""
+    if path not in _REAL:
+        _REAL[path] = RealModel(path)
+    return _REAL[path]

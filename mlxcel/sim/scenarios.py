@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxcel.bus import Node
 from mlxcel.messages import (
     Activation,
     Bundle,
@@ -28,17 +29,19 @@ from mlxcel.messages import (
     SamplingParams,
     Tensor,
 )
-from mlxcel.pipeline.coordinator_core import CoordinatorCore
+from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.stage_protocol import StageConfig, keep_alive_interval
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
 from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import Link, SimNetwork
+from mlxcel.sim.process import RUNNER_BUGS, logged_errors, runner_bugs
+from mlxcel.sim.real_model import real_model
 
 FAULT_KINDS = ("drop", "delay", "duplicate", "reorder", "partition", "crash", "slow", "skew")
 FAULT_KINDS += ("outsider", "insider")
 SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg")
-BUGS = ("skip-owner-check", "accept-stale-nonce")
+BUGS = ("skip-owner-check", "accept-stale-nonce", *RUNNER_BUGS)
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
 REQUEST_TIMEOUT = 600.0  # the client's own deadline; the pipeline must end requests well before
@@ -137,30 +140,31 @@ def build(
     max_in_flight = rng.randint(1, 8)
     chunk = getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32])
 
-    def make_core(first_nonce: int) -> CoordinatorCore:
-        return CoordinatorCore(
+    def make_coordinator(node: Node, endpoint: Any, incarnation: int) -> PipelineCoordinator:
+        # A restarted process starts its nonces somewhere else (drawn from the seed).
+        return PipelineCoordinator(
+            node,
+            endpoint,
             names,
             eos={model.eos},
             vocab=model.vocab,
             max_len=4096,
             step_timeout=STEP_TIMEOUT,
-            max_in_flight=max_in_flight,
+            max_sequences=max_in_flight,
             prefill_chunk=chunk,
-            first_nonce=first_nonce,
             inject=inject,
+            first_nonce=1 if incarnation == 1 else rng.randrange(1 << 48),
         )
 
     cluster = Cluster(sched, net, model, None, stages)  # type: ignore[arg-type]
 
     def entry_owner(rid: str) -> str | None:
-        seq = stages[0].core.seqs.get(rid) if stages[0].up else None
+        entry = stages[0].stage
+        seq = entry.seqs.get(rid) if entry is not None else None
         return seq.owner if seq is not None else None
 
     stages[-1].entry_owner = entry_owner
-    # A restarted process starts its nonces somewhere else (drawn from the seed).
-    coord = CoordinatorHost(
-        COORDINATOR, sched, net, make_core(1), remake=lambda: make_core(rng.randrange(1 << 48))
-    )
+    coord = CoordinatorHost(COORDINATOR, sched, net, make_coordinator)
     net.add(coord)
     cluster.coordinator = coord
     return cluster
@@ -294,18 +298,6 @@ def _intrude(
         sched.at(at + rng.uniform(0.5, 2.0) * latency, evil.inject, stages[0], step)
 
 
-_REAL: dict[Path, Any] = {}
-
-
-def real_model(path: Path) -> Any:
-    """The real checkpoint at ``path``, loaded once per process."""
-    from mlxcel.sim.real_model import RealModel
-
-    if path not in _REAL:
-        _REAL[path] = RealModel(path)
-    return _REAL[path]
-
-
 def run_scenario(
     name: str,
     seed: int,
@@ -316,6 +308,13 @@ def run_scenario(
 ) -> Result:
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
+    with runner_bugs(inject):
+        return _run_scenario(name, seed, stages, inject, model_path)
+
+
+def _run_scenario(
+    name: str, seed: int, stages: int | None, inject: frozenset[str], model_path: Path | None
+) -> Result:
     wall0 = time.perf_counter()
     if name == "bringup":
         return _bringup_result(seed, stages, inject, wall0)
@@ -356,9 +355,11 @@ def run_scenario(
         if rng.random() < 0.1:
             cluster.sched.at(at + rng.uniform(0.0, 1.0), coord.cancel, rid)
     schedule_faults(cluster, rng, kinds, horizon, arrivals)
-    # Long enough for every deadline and lease to pass after the last request ends.
-    cluster.sched.run(horizon + REQUEST_TIMEOUT + 120.0)
-    violations = check(cluster)
+    with logged_errors() as logged:
+        # Long enough for every deadline and lease to pass after the last request ends.
+        cluster.sched.run(horizon + REQUEST_TIMEOUT + 120.0)
+        violations = check(cluster) + logged
+        cluster.sched.close()
     outcomes = coord.outcomes.values()
     return Result(
         name,
@@ -456,19 +457,19 @@ def check(cluster: Cluster) -> list[str]:
         elif o.tokens != want[: len(o.tokens)]:
             bad.append(f"{o.request_id} ({o.finish}) streamed tokens that are not the reference")
     for host in [*cluster.stages, cluster.coordinator]:
-        bad.extend(host.errors)
+        bad.extend(host.errors + host.conservation())
     for host in cluster.stages:
         bad.extend(host.violations)
-        if host.up:
-            if host.core.seqs:
-                bad.append(f"{host.identity} still holds {sorted(host.core.seqs)}")
+        stage = host.stage
+        if stage is not None:
+            if stage.seqs:
+                bad.append(f"{host.identity} still holds {sorted(stage.seqs)}")
             if host.backend.caches:
                 bad.append(f"{host.identity} still holds {len(host.backend.caches)} caches")
-    core = cluster.coordinator.core
-    assert isinstance(core, CoordinatorCore)
-    if core.reqs or core.held:
+    core = cluster.coordinator.coord
+    if core is not None and (core.reqs or core.held):
         bad.append(f"coordinator still holds {sorted(core.reqs)} ({core.held} slots)")
-    if core.peak_in_flight > core.max_in_flight:
+    if core is not None and core.peak_in_flight > core.max_in_flight:
         bad.append(f"coordinator ran {core.peak_in_flight} > {core.max_in_flight} in flight")
     return bad
 
