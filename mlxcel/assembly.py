@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mlxcel.defaults import PREFILL_STEP_SIZE
+
 if TYPE_CHECKING:  # the runner pulls in aiohttp, mlx-lm and transformers: only when assembling
     from mlxcel.runner import Serving
 
@@ -27,7 +29,7 @@ class Generation:
     queue_size: int = 64
     request_timeout: float = 600.0
     max_batch_size: int = 8
-    prefill_step_size: int = 512
+    prefill_step_size: int = PREFILL_STEP_SIZE
     prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
 
 
@@ -42,6 +44,7 @@ class TensorParallelSpec:
     size: int
     hostfile: Path | None = None
     startup_timeout: float = 60.0
+    backend: str = "auto"  # --tp-backend
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             prefill_step_size=g.prefill_step_size,
             name="serve-tp",
             startup_timeout=spec.startup_timeout,
+            backend=spec.backend,
             **limits,
         ) as tp:
 
@@ -190,7 +194,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             pp_layers=spec.layers,
             return_logits=spec.return_logits,
             max_batch_size=g.max_batch_size,
-            prefill_chunk=g.prefill_step_size,
+            prefill_step_size=g.prefill_step_size,
             micro_batch_size=spec.micro_batch_size,
             **limits,
         ) as ps:
@@ -220,7 +224,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             return_logits=spec.return_logits,
             interface=spec.interface,
             startup_timeout=spec.startup_timeout,
-            prefill_chunk=g.prefill_step_size,
+            prefill_step_size=g.prefill_step_size,
             micro_batch_size=spec.micro_batch_size,
             max_batch_size=g.max_batch_size,
             trust_weights=spec.trust_weights,
@@ -257,7 +261,7 @@ async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncItera
             spec.secret,
             return_logits=spec.return_logits,
             max_batch=g.max_batch_size,
-            prefill_chunk=g.prefill_step_size,
+            prefill_step_size=g.prefill_step_size,
             interface=spec.interface,
             trust_weights=spec.trust_weights,
         ) as (service, listener, layers):

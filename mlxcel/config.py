@@ -1,11 +1,10 @@
 """Settings for every command, with one precedence rule: CLI > environment > TOML file > default.
 
-Each command has a pydantic-settings model. The CLI parser is generated from the model's fields
-(so ``--help`` always lists every setting with its default), every field is also read from
-``MLXCEL_<NAME>`` and from a TOML file (``--config FILE`` or ``MLXCEL_CONFIG``; flat keys named
-like the fields, e.g. ``max_batch_size = 8``). An invalid value raises :class:`ConfigError`
-naming the flag (and the variable or file it came from); the entry point turns that into one
-line on stderr and exit status 2.
+Each command has a pydantic-settings model. The CLI parser is generated from its fields (so
+``--help`` lists every setting with its default); each field is also read from
+``MLXCEL_<NAME>`` and a TOML file (``--config FILE`` or ``MLXCEL_CONFIG``; flat keys named like
+the fields). An invalid value raises :class:`ConfigError` naming the flag (and the variable or
+file it came from); the entry point prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from pydantic_settings import (
 )
 
 from mlxcel.addresses import check_address
+from mlxcel.defaults import PREFILL_STEP_SIZE
 
 ENV_PREFIX = "MLXCEL_"
-# Read by their own loaders, which know the precedence among them (mlxcel.net.secret): mapped
-# onto a setting, MLXCEL_CLUSTER_SECRET_FILE would pose as --cluster-secret-file.
+# Read by mlxcel.net.secret's loader, which knows their precedence (not as a setting).
 NOT_FROM_ENV = frozenset({"cluster_secret_file"})
 
 
@@ -121,7 +120,7 @@ class ModelSettings(_Base):
         json_schema_extra=_short("-m"),
     )
     prefill_step_size: int = Field(
-        512, ge=16, le=65536, description="prompt tokens per prefill chunk"
+        PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks (processes on mx.distributed)"
@@ -131,6 +130,9 @@ class ModelSettings(_Base):
     )
     tp_rank: int | None = Field(
         None, ge=0, description="this process's rank with --tp-hostfile (default $MLX_RANK)"
+    )
+    tp_backend: Literal["auto", "ring", "nccl"] = Field(
+        "auto", description="collectives: auto (NCCL on CUDA, else the TCP ring), ring, nccl"
     )
     tp_moe_mode: Literal["replicated", "sharded"] = Field(
         "replicated", description="expert layers under TP (sharded: not implemented yet)"

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from mlxcel.config import LogLevel, _Base, _short, check_model
+from mlxcel.defaults import PREFILL_STEP_SIZE
 
 Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b"]
 
@@ -51,7 +52,7 @@ class BenchBatchingSettings(_HasModel):
         json_schema_extra=_short("-m"),
     )
     prefill_step_size: int = Field(
-        512, ge=16, le=65536, description="prompt tokens per prefill chunk"
+        PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
     tokens: int = Field(64, ge=1, description="tokens generated per stream")

@@ -34,7 +34,7 @@ EOS = 15
 
 
 def core(**kw) -> CoordinatorCore:  # type: ignore[no-untyped-def]
-    opts = dict(eos={EOS}, vocab=16, max_len=64, step_timeout=2.0, prefill_chunk=4)
+    opts = dict(eos={EOS}, vocab=16, max_len=64, step_timeout=2.0, prefill_step_size=4)
     opts.update(kw)
     return CoordinatorCore(STAGES, **opts)  # type: ignore[arg-type]
 

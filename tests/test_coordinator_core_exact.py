@@ -52,7 +52,7 @@ UNREACHABLE = ErrorCode.STAGE_UNREACHABLE
 
 def core(**kw: object) -> CoordinatorCore:
     opts: dict[str, object] = dict(
-        eos={EOS}, vocab=16, max_len=64, step_timeout=2.0, prefill_chunk=4
+        eos={EOS}, vocab=16, max_len=64, step_timeout=2.0, prefill_step_size=4
     )
     opts.update(kw)
     return CoordinatorCore(STAGES, **opts)  # type: ignore[arg-type]
@@ -131,7 +131,7 @@ def result(rid: str, tokens: tuple[int, ...], nonce: int, **kw: object) -> RunRe
 # --- construction ------------------------------------------------------------------------------
 def test_defaults_are_pinned() -> None:
     c = CoordinatorCore(STAGES, eos={EOS}, vocab=16, max_len=64)
-    assert (c.step_timeout, c.max_in_flight, c.prefill_chunk) == (30.0, 64, 512)
+    assert (c.step_timeout, c.max_in_flight, c.prefill_step_size) == (30.0, 64, 512)
     # ceil(64 / 3) = 22 per micro-batch, so three micro-batches.
     assert c.micro_batch_size == 22 and len(c.micro.members) == 3
     assert (c.peak_in_flight, c.steps, c.completed, c.failed, c.kept_alive) == (0, 0, 0, 0, 0)

@@ -679,7 +679,7 @@ async def test_long_prompt_runs_in_chunks_between_decode_steps(tiny: Path) -> No
     long_prompt = " ".join(f"word{i}" for i in range(300))
     async with local_stack(tiny) as one:
         want = await collect(one.frontend, long_prompt, 8)
-    async with pipeline_stack(tiny, 2, prefill_chunk=16, parallel=8) as st:
+    async with pipeline_stack(tiny, 2, prefill_step_size=16, parallel=8) as st:
         fe = st.frontend
         n_prompt = len(fe.encode_prompt(long_prompt))
         assert n_prompt >= 8 * 16
@@ -705,7 +705,7 @@ async def test_long_prompt_runs_in_chunks_between_decode_steps(tiny: Path) -> No
 
 async def test_cancelled_long_prompt_stops_within_one_chunk(tiny: Path) -> None:
     long_prompt = " ".join(f"word{i}" for i in range(300))
-    async with pipeline_stack(tiny, 2, prefill_chunk=16) as st:
+    async with pipeline_stack(tiny, 2, prefill_step_size=16) as st:
         fe = st.frontend
         chunks_done: list[int] = []
 

@@ -754,7 +754,9 @@ def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_
         cfg = load_cluster_config(cfg_path)
         sec = load_cluster_secret(None, {}, cfg_path)
         assert sec is not None
-        async with remote_coordinator(cfg, cfg.coordinator, tiny, sec, prefill_chunk=3000) as rc:
+        async with remote_coordinator(
+            cfg, cfg.coordinator, tiny, sec, prefill_step_size=3000
+        ) as rc:
             prompt = [1 + (7 * i) % 500 for i in range(3001)]  # one chunk, then the last token
             loop = asyncio.get_running_loop()
             t0 = loop.time()

@@ -231,17 +231,19 @@ def test_bench_tp_prints_json_lines(tiny: Path) -> None:
 
 
 def test_the_collective_backend_is_nccl_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ring on this CPU; a wrong or impossible MLXCEL_TP_BACKEND is refused by name."""
+    """Ring on this CPU; a wrong or impossible --tp-backend is refused by name, and the
+    setting reads MLXCEL_TP_BACKEND through the settings layer."""
+    from mlxcel.config import ServeSettings
     from mlxcel.errors import ConfigError
     from mlxcel.tp.group import pick_backend
 
     assert pick_backend() == "ring"
-    monkeypatch.setenv("MLXCEL_TP_BACKEND", "Ring")
-    assert pick_backend() == "ring"
-    for bad, words in (("mpi", "not one of ring, nccl"), ("nccl", "needs MLX on CUDA")):
-        monkeypatch.setenv("MLXCEL_TP_BACKEND", bad)
+    assert pick_backend("Ring") == "ring"
+    for bad, words in (("mpi", "not one of auto, ring, nccl"), ("nccl", "needs MLX on CUDA")):
         with pytest.raises(ConfigError, match=words):
-            pick_backend()
+            pick_backend(bad)
+    monkeypatch.setenv("MLXCEL_TP_BACKEND", "ring")
+    assert ServeSettings().tp_backend == "ring"
 
 
 def test_co_located_processes_get_a_gpu_each_only_where_there_are_several(

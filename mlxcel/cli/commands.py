@@ -126,6 +126,7 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         getattr(s, "max_batch_size", 1),  # generate runs one sequence
         s.prefill_step_size,
         s.startup_timeout,
+        s.tp_backend,
     )
     if code:
         raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
@@ -145,6 +146,7 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
             parallel=1,
             name="generate",
             startup_timeout=s.startup_timeout,
+            backend=s.tp_backend,
         )
     if pipelined:
         from mlxcel.pipeline.inproc import pipeline_stack
@@ -155,7 +157,7 @@ def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type
             pp_layers=s.pp_layers,
             parallel=1,
             return_logits=s.pp_return_logits,
-            prefill_chunk=s.prefill_step_size,
+            prefill_step_size=s.prefill_step_size,
             micro_batch_size=s.pp_micro_batch_size,
         )
     from mlxcel.server.run import local_stack

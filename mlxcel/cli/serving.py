@@ -78,7 +78,7 @@ async def _spec(s: ServeSettings) -> StackSpec | None:
         _print_plan(path, s.pp_size, s.pp_layers)
         return None
     if s.tp_size > 1 or s.tp_hostfile is not None:
-        return TensorParallelSpec(path, s.tp_size, s.tp_hostfile, s.startup_timeout)
+        return TensorParallelSpec(path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend)
     if s.pp_size > 1 or s.pp_layers is not None:
         return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
     return LocalSpec(path)

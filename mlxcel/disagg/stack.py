@@ -19,6 +19,7 @@ from typing import Any
 from loguru import logger
 
 from mlxcel.bus import Node
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.disagg.decode_core import DecodeConfig
 from mlxcel.disagg.prefill_core import PrefillConfig
 from mlxcel.disagg.protocol import PREFILL_TIMEOUT, parse_allowlist
@@ -130,7 +131,7 @@ async def worker_stack(
     decode_peers: list[str] | None = None,
     allowlist: str | None = None,
     max_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     max_sequences: int = 64,
     interface: str | None = None,
     peer_timeout: float = DEFAULT_PEER_TIMEOUT,

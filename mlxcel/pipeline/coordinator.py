@@ -19,6 +19,7 @@ from loguru import logger
 
 from mlxcel.adapter import CoreAdapter, LocalOutbox
 from mlxcel.bus import Node, Origin
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.effects import Answer, Deliver, Effect
 from mlxcel.endpoint import Endpoint
 from mlxcel.errors import BusError, MlxcelError, PipelineError
@@ -76,7 +77,7 @@ class PipelineCoordinator(CoreAdapter):
         step_timeout: float = 30.0,
         return_logits: bool = False,
         max_sequences: int = 64,
-        prefill_chunk: int = 512,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
         micro_batch_size: int | None = None,
         stage_max_batch: int | None = None,
         inject: frozenset[str] = frozenset(),
@@ -92,7 +93,7 @@ class PipelineCoordinator(CoreAdapter):
             max_in_flight=max_sequences,
             micro_batch_size=micro_batch_size,
             stage_max_batch=stage_max_batch,
-            prefill_chunk=prefill_chunk,
+            prefill_step_size=prefill_step_size,
             pick_token=pick_token if return_logits else None,
             # Unpredictable per process (the simulator draws it from its seed).
             first_nonce=secrets.randbits(48) + 1 if first_nonce is None else first_nonce,

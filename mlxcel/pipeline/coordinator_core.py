@@ -1,12 +1,11 @@
 """The coordinator protocol as a pure state machine: no I/O, no clock, no MLX.
 
 For each local RunEntry the core prepares the sequence on every stage (each answers Ack),
-then per step sends one RunEntry to the entry stage and waits for the RunResult of that
-exchange from the final stage. The prompt runs as mlx-lm's: chunks of ``prefill_chunk``
-that only fill caches (``sample=False``), then its last token as the first sampling step.
-A request that ends for any reason is released on every stage. At most ``max_in_flight``
-sequences are in the stages (later ones wait in order); decode steps travel in
-micro-batches (``MicroBatches``, by default one per stage).
+then per step sends one RunEntry to the entry stage and waits for the final stage's
+RunResult. The prompt runs as mlx-lm's: ``prefill_step_size`` chunks that only fill caches
+(``sample=False``), then its last token as the first sampling step. A request that ends is
+released on every stage. At most ``max_in_flight`` sequences are in the stages (the rest
+wait in order); decode steps travel in micro-batches (``MicroBatches``, one per stage).
 
 Every exchange has a fresh nonce and an absolute deadline. What the core accepts from the
 network: Ack/State only from the stage it addressed; RunResult only from the final stage,
@@ -26,6 +25,7 @@ import heapq
 import itertools
 from collections import Counter
 
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
 from mlxcel.errors import PipelineError
 from mlxcel.membership import MembershipLog
@@ -83,7 +83,7 @@ class CoordinatorCore:
         max_in_flight: int = 64,
         micro_batch_size: int | None = None,
         stage_max_batch: int | None = None,
-        prefill_chunk: int = 512,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
         pick_token: PickToken | None = None,
         first_nonce: int = 1,
         inject: frozenset[str] = frozenset(),
@@ -107,7 +107,7 @@ class CoordinatorCore:
         fit = min(-(-max_in_flight // len(stages)), stage_max_batch or max_in_flight)
         self.micro_batch_size = micro_batch_size or max(1, fit)
         self.micro = MicroBatches(max(1, -(-max_in_flight // self.micro_batch_size)))
-        self.prefill_chunk = prefill_chunk
+        self.prefill_step_size = prefill_step_size
         self.pick_token = pick_token
         self.inject = inject
         self.reqs: dict[str, Req] = {}
@@ -324,7 +324,8 @@ class CoordinatorCore:
             self.micro.park(req)
             self._flush(req.micro_batch, now, out)
             return
-        piece, req.prefix = req.prefix[: self.prefill_chunk], req.prefix[self.prefill_chunk :]
+        step = self.prefill_step_size
+        piece, req.prefix = req.prefix[:step], req.prefix[step:]
         req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
         nonce = self._open(RunResult, self.stages[0], rid, req.micro_batch, now, len(piece), 0)
         msg = RunEntry(rid, req.micro_batch, piece, req.pos, e.sampling, nonce, sample=False)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.bus import Node
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.frontend import Frontend
 from mlxcel.net.network import LocalFabric
 from mlxcel.pipeline.coordinator import PipelineCoordinator
@@ -55,7 +56,7 @@ async def pipeline_stack(
     request_timeout: float = 600.0,
     return_logits: bool = False,
     max_batch_size: int = 8,
-    prefill_chunk: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     micro_batch_size: int | None = None,
     stage_threads: bool = False,
 ) -> AsyncIterator[PipelineStack]:
@@ -91,7 +92,7 @@ async def pipeline_stack(
                     downstream=names[i + 1] if i + 1 < len(names) else None,
                     return_logits=return_logits,
                     max_batch=stage_batch,
-                    warm_up_tokens=prefill_chunk,
+                    warm_up_tokens=prefill_step_size,
                     progress_interval=keep_alive_interval(STEP_TIMEOUT, len(names)),
                     device_handoff=not stage_threads and i + 1 < len(names),
                 )
@@ -123,7 +124,7 @@ async def pipeline_stack(
                 step_timeout=STEP_TIMEOUT,
                 return_logits=return_logits,
                 max_sequences=max(parallel, 1),
-                prefill_chunk=prefill_chunk,
+                prefill_step_size=prefill_step_size,
                 micro_batch_size=micro_batch_size,
                 stage_max_batch=stage_batch,
             )

@@ -20,6 +20,7 @@ from loguru import logger
 from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.protocol import ModelIdentity, weights_mismatch
 from mlxcel.bus import Node
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
@@ -116,7 +117,7 @@ async def stage_node(
     *,
     return_logits: bool = False,
     max_batch: int = 8,
-    prefill_chunk: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     interface: str | None = None,
     trust_weights: bool = False,
 ) -> AsyncIterator[tuple[StageService, ClusterListener, str]]:
@@ -154,7 +155,7 @@ async def stage_node(
                     downstream=stages[index + 1].address if index + 1 < len(stages) else None,
                     return_logits=return_logits,
                     max_batch=max_batch,
-                    warm_up_tokens=prefill_chunk,
+                    warm_up_tokens=prefill_step_size,
                     max_sequences=cfg.cluster.max_sequences_per_stage,
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
@@ -192,7 +193,7 @@ async def remote_coordinator(
     return_logits: bool = False,
     interface: str | None = None,
     startup_timeout: float = 60.0,
-    prefill_chunk: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     micro_batch_size: int | None = None,
     max_batch_size: int | None = None,
     trust_weights: bool = False,
@@ -216,7 +217,7 @@ async def remote_coordinator(
             step_timeout=cfg.cluster.step_timeout,
             return_logits=return_logits,
             max_sequences=parallel,
-            prefill_chunk=prefill_chunk,
+            prefill_step_size=prefill_step_size,
             micro_batch_size=micro_batch_size,
             stage_max_batch=max_batch_size,
         )

@@ -15,6 +15,7 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.fsm import Table
 from mlxcel.messages import (
     Activation,
@@ -137,7 +138,9 @@ class StageConfig:
     return_logits: bool = False
     reply_deadline: float = 30.0
     max_batch: int = 8  # decode steps of different sequences run as one forward
-    warm_up_tokens: int = 512  # the prompt-chunk size, so its kernels compile before serving
+    warm_up_tokens: int = (
+        PREFILL_STEP_SIZE  # the prompt-chunk size, so its kernels compile before serving
+    )
     max_sequences: int = 256  # prepared sequences held at once (each holds KV caches)
     lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
     forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail

@@ -23,6 +23,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.handoff import Packed
 from mlxcel.messages import (
     CancelRequest,
@@ -72,7 +73,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         compute: ComputeThread,
         *,
         max_batch_size: int = 8,
-        prefill_step_size: int = 512,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
         max_sequences: int = 64,
         prompt_cache_bytes: int = 0,
     ) -> None:

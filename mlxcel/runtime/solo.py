@@ -58,7 +58,7 @@ class Solo:
         sampler: Sampler | None,
         max_tokens: int,
         eos: set[int],
-        prefill_step: int,
+        prefill_step_size: int,
     ) -> None:
         self.model = model
         self.request_id = request_id
@@ -69,7 +69,7 @@ class Solo:
         self.sampler = sampler
         self.max_tokens = max_tokens
         self.eos = eos
-        self.prefill_step = prefill_step
+        self.prefill_step_size = prefill_step_size
         self.generated = 0
         self._pending: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
         self._unfed: int | None = None  # the first token: returned, fed by the next step
@@ -89,7 +89,7 @@ class Solo:
                 # forward would round differently under a CPU BLAS (a matmul of n rows against
                 # one of n-1, then 1), and a near-tie would then pick another token alone than
                 # in the batch.
-                n = min(self.prefill_step, len(self.rest) - 1)
+                n = min(self.prefill_step_size, len(self.rest) - 1)
                 chunk, self.rest = self.rest[:n], self.rest[n:]
                 self.model(mx.array(chunk)[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])

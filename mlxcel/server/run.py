@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlxcel.bus import Node
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
@@ -50,7 +51,7 @@ async def local_stack(
     model_path: Path,
     *,
     max_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache_bytes: int = 0,
     parallel: int = 8,
     queue_size: int = 64,

@@ -37,7 +37,7 @@ class RealStage:
 @dataclass
 class RealModel:
     path: Path
-    prefill_chunk: int = 8
+    prefill_step_size: int = 8
     step_s: float = 0.004
     per_token_s: float = 0.0002
     loaded: LoadedModel = field(init=False)
@@ -70,7 +70,7 @@ class RealModel:
 
         prefix, pos = prompt[:-1], 0
         while prefix:
-            piece, prefix = prefix[: self.prefill_chunk], prefix[self.prefill_chunk :]
+            piece, prefix = prefix[: self.prefill_step_size], prefix[self.prefill_step_size :]
             step(piece, pos, False)
             pos += len(piece)
         out: list[int] = []

@@ -138,7 +138,7 @@ def build(
         stages.append(host)
         net.add(host)
     max_in_flight = rng.randint(1, 8)
-    chunk = getattr(model, "prefill_chunk", None) or rng.choice([4, 8, 32])
+    chunk = getattr(model, "prefill_step_size", None) or rng.choice([4, 8, 32])
 
     def make_coordinator(node: Node, endpoint: Any, incarnation: int) -> PipelineCoordinator:
         # A restarted process starts its nonces somewhere else (drawn from the seed).
@@ -151,7 +151,7 @@ def build(
             max_len=4096,
             step_timeout=STEP_TIMEOUT,
             max_sequences=max_in_flight,
-            prefill_chunk=chunk,
+            prefill_step_size=chunk,
             inject=inject,
             first_nonce=1 if incarnation == 1 else rng.randrange(1 << 48),
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 from loguru import logger
 
 import mlxcel  # noqa: F401  (BLAS before mlx)
+from mlxcel.defaults import PREFILL_STEP_SIZE
 
 
 def run_follower(
@@ -24,8 +25,9 @@ def run_follower(
     rank: int,
     hostfile: Path,
     max_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     startup_timeout: float = 60.0,
+    backend: str = "auto",
 ) -> int:
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
@@ -34,7 +36,7 @@ def run_follower(
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
 
     try:
-        group = init_group(rank, hostfile, startup_timeout)
+        group = init_group(rank, hostfile, startup_timeout, backend)
         loaded = load_sharded(model, group)
         gen = BatchGenerator(
             loaded.model,
@@ -70,8 +72,10 @@ def main() -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--max-batch-size", type=int, default=8)
-    ap.add_argument("--prefill-step-size", type=int, default=512)
+    ap.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE)
     ap.add_argument("--startup-timeout", type=float, default=60.0)
+    # A rank started by hand on another host may still name it in its environment.
+    ap.add_argument("--tp-backend", default=os.environ.get("MLXCEL_TP_BACKEND", "auto"))
     # Rank 0's own settings, which its environment carries (see cli.main).
     ap.add_argument("--log-level", default=os.environ.get("MLXCEL_LOG_LEVEL", "INFO").upper())
     ap.add_argument("--log-format", default=os.environ.get("MLXCEL_LOG_FORMAT", "text"))
@@ -88,6 +92,7 @@ def main() -> int:
         a.max_batch_size,
         a.prefill_step_size,
         a.startup_timeout,
+        a.tp_backend,
     )
 
 

@@ -1,5 +1,5 @@
 """Tensor-parallel groups on MLX's own distributed layer: NCCL between CUDA GPUs, else the
-ring backend over TCP (``MLXCEL_TP_BACKEND`` picks one).
+ring backend over TCP (``--tp-backend`` picks one).
 
 Ranks are processes. Weights are sharded by mlx-lm's ``Model.shard(group)``; the collectives
 inside the sharded layers are MLX's. Rank 0 drives: before each batch step it sends the
@@ -130,20 +130,20 @@ def read_hostfile(path: Path) -> list[list[str]]:
 BACKENDS = ("ring", "nccl")
 
 
-def pick_backend() -> str:
+def pick_backend(want: str = "auto") -> str:
     """NCCL where MLX runs on CUDA: its collectives go GPU to GPU, where the ring would copy
-    every all-reduce through host memory and TCP. ``MLXCEL_TP_BACKEND`` overrides."""
+    every all-reduce through host memory and TCP. ``want`` (``--tp-backend``) overrides."""
     import mlx.core as mx
 
-    want = os.environ.get("MLXCEL_TP_BACKEND", "").strip().lower()
-    if want and want not in BACKENDS:
-        raise ConfigError("MLXCEL_TP_BACKEND", f"{want!r} is not one of {', '.join(BACKENDS)}")
+    want = want.strip().lower()
+    if want != "auto" and want not in BACKENDS:
+        raise ConfigError("--tp-backend", f"{want!r} is not one of auto, {', '.join(BACKENDS)}")
     if want == "nccl" and not mx.cuda.is_available():
-        raise ConfigError("MLXCEL_TP_BACKEND", "nccl needs MLX on CUDA GPUs")
-    return want or ("nccl" if mx.cuda.is_available() else "ring")
+        raise ConfigError("--tp-backend", "nccl needs MLX on CUDA GPUs")
+    return want if want != "auto" else ("nccl" if mx.cuda.is_available() else "ring")
 
 
-def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
+def init_group(rank: int, hostfile: Path, timeout: float = 60.0, want: str = "auto") -> Any:
     """Join the group. Every rank must call this; it blocks until all are connected, or kills
     this process after ``timeout`` seconds with one line saying which ranks never came.
     Under NCCL, rank 0's hostfile address is the rendezvous (``NCCL_HOST_IP:NCCL_PORT``)."""
@@ -155,7 +155,7 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0) -> Any:
     from mlxcel import logs
 
     ranks = read_hostfile(hostfile)
-    backend = pick_backend()
+    backend = pick_backend(want)
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
     if backend == "nccl":

@@ -21,6 +21,7 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.bus import Node
+from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.errors import ConfigError, TpGroupFailed
 from mlxcel.frontend import Frontend
 from mlxcel.runtime.blas import colocated_env
@@ -54,12 +55,13 @@ async def tp_stack(
     *,
     hostfile: Path | None = None,
     max_batch_size: int = 8,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
     parallel: int = 8,
     queue_size: int = 64,
     request_timeout: float = 600.0,
     name: str = "tp",
     startup_timeout: float = 60.0,
+    backend: str = "auto",
 ) -> AsyncIterator[TpStack]:
     config = json.loads((model_path / "config.json").read_text())
     if hostfile is not None:
@@ -69,7 +71,7 @@ async def tp_stack(
         tp_size = ranks
     check_shardable(config, tp_size)  # before any weights load
     gpus = gpu_ids()
-    if hostfile is None and pick_backend() == "nccl" and tp_size > len(gpus):
+    if hostfile is None and pick_backend(backend) == "nccl" and tp_size > len(gpus):
         raise ConfigError(
             "--tp-size", f"{tp_size} ranks but {len(gpus)} GPUs here: NCCL needs a GPU per rank"
         )
@@ -96,6 +98,8 @@ async def tp_stack(
                         str(prefill_step_size),
                         "--startup-timeout",
                         str(startup_timeout),
+                        "--tp-backend",
+                        backend,
                         env=device_env(rank, colocated_env(tp_size)),
                     )
                 )
@@ -104,7 +108,7 @@ async def tp_stack(
         engine: TpEngine | None = None
         try:
             group = await _while_ranks_live(
-                compute.run(init_group, 0, hostfile, startup_timeout),
+                compute.run(init_group, 0, hostfile, startup_timeout, backend),
                 followers,
                 "join the group",
                 startup_timeout,
