@@ -87,7 +87,6 @@ def test_a_router_refuses_a_config_without_both_pools_or_with_a_repeated_peer() 
     ]
     # Unknown until probed: no node is healthy, and nothing is admitted.
     assert [n["healthy"] for n in r.stats()["nodes"]] == [False, False, False]
-    assert r.dispatch_log.maxlen == 100_000  # what a simulation reads stays bounded
 
 
 # --- admission -----------------------------------------------------------------------------
@@ -108,7 +107,7 @@ def test_admission_refuses_each_bad_request_with_its_reason_and_accepts_the_edge
         assert r.handle(e, "local", 0.0) == [
             Deliver(Error(ErrorCode.BAD_REQUEST, why, e.request_id, NONCE))
         ]
-    assert r.counts == {} and r.active == 0 and r.dispatch_log == type(r.dispatch_log)()
+    assert r.counts == {} and r.active == 0 and not r.routes
     # The edges are fine: token 0 and vocab-1, max_tokens 1, prompt + max_tokens == context.
     wires = []
     for i, e in enumerate(
@@ -131,7 +130,6 @@ def test_admission_refuses_each_bad_request_with_its_reason_and_accepts_the_edge
         "prefill-0": (True, 2, 2, 0, 0, ""),
         "decode-0": (True, 2, 2, 0, 0, ""),
     }
-    assert list(r.dispatch_log) == [(w, P0, "dispatch") for w in wires]
 
 
 def test_the_first_send_waits_no_longer_than_the_request_itself() -> None:
@@ -517,7 +515,6 @@ def test_an_unsent_prompt_fails_over_once_per_node_and_never_back() -> None:
     assert r.counts == {"routed": 1, "failovers": 1}
     assert node_stats(r)["prefill-0"][:3] == (False, 1, 0)
     assert node_stats(r)["prefill-1"][:3] == (True, 1, 1)
-    assert list(r.dispatch_log) == [(w, P0, "dispatch"), (w, P1, "failover")]
     # prefill-0 answers a probe again, but this request already failed there: not back to it.
     r.probe_result(P0, True, "", 1.5)
     out = r.undeliverable(moved, "connection refused", 2.0, unsent=True)

@@ -10,7 +10,7 @@ peers *and* the node this request was given to.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,8 +97,6 @@ class RouterCore:
         self.routes: dict[str, Route] = {}  # by the frontend's request id
         self._wire: dict[str, str] = {}  # wire id -> the frontend's request id
         self.counts: Counter[str] = Counter()  # routed, completed, failed, rejected, ...
-        # (wire id, prefill node, why) of every dispatch, newest last: what a simulation checks.
-        self.dispatch_log: deque[tuple[str, str, str]] = deque(maxlen=100_000)
         self.membership = MembershipLog("router")
 
     # --- introspection ----------------------------------------------------------------------
@@ -368,7 +366,6 @@ class RouterCore:
         node = self.nodes[r.prefill]
         node.active += 1
         node.dispatched += 1
-        self.dispatch_log.append((r.wire, r.prefill, why))
         req = PrefillRequest(r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
         return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
 
