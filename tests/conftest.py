@@ -132,6 +132,14 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def output_with(self, text: str, timeout: float = 10.0) -> str:
+        """The output once ``text`` is in it (the server logs after it answers; its lines
+        reach this process through a reader thread), or the output so far at ``timeout``."""
+        end = time.monotonic() + timeout
+        while text not in self.output and time.monotonic() < end:
+            time.sleep(0.05)
+        return self.output
+
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
