@@ -35,7 +35,6 @@ from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import PeerService, PushService
 from mlxcel.bus import Node
 from mlxcel.effects import Effect
-from mlxcel.errors import MlxcelError
 from mlxcel.messages import Message
 from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, auto_split
@@ -197,19 +196,8 @@ class PushHost(SimProcess):
             self.call(svc.feed, svc.push.beacon(data, source_ip, self.now(), self.now()))
 
     async def _verify(self, address: str, deadline: float) -> None:
-        """A handshake: answered after a round trip by a live secret holder, refused after
-        one by a dead port or another secret, unanswered across a partition."""
-        peer, lat = self.net.hosts.get(address), self.net.link.latency
-        if peer is None or not peer.up:
-            await asyncio.sleep(2 * lat)
-            raise MlxcelError("connection refused")
-        if not peer.has_secret:
-            await asyncio.sleep(2 * lat)
-            raise MlxcelError("secret mismatch")
-        if self.net.parted(self.identity, address):
-            await asyncio.sleep(max(0.0, self.loop_time(deadline) - self.sched.now))
-            raise MlxcelError("no answer")
-        await asyncio.sleep(3 * lat)
+        """The push's liveness check: a handshake over the simulated network."""
+        await self.net.handshake(self.identity, address, self.loop_time(deadline))
 
     def crash(self) -> None:
         if self.up and self.done is None:

@@ -9,6 +9,7 @@ of :class:`~mlxcel.pipeline.stage_runtime.StageRuntime` for :class:`StageService
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,8 +46,6 @@ class SimCompute:
             fut.set_exception(exc)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        import asyncio
-
         return await asyncio.wrap_future(self.submit(fn, *args))
 
 

@@ -10,7 +10,6 @@ tokens that differ from :func:`reference`.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import struct
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import ResumeJob
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
-from mlxcel.errors import MlxcelError
 from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
@@ -116,18 +114,8 @@ class RouterHost(SimProcess):
             )
 
     async def _probe(self, address: str, deadline: float, fresh: bool) -> None:
-        """A ping over the simulated network: answered after a round trip by a live holder
-        of the secret, refused by a dead port, unanswered across a partition."""
-        net = self.net
-        await asyncio.sleep(2 * net.link.latency)
-        peer = net.hosts.get(address)
-        if peer is None or not peer.up or not getattr(peer, "accepting", True):
-            raise MlxcelError(f"connecting to {address}: connection refused")
-        if not peer.has_secret:
-            raise MlxcelError(f"handshake with {address} refused")
-        if net.parted(ROUTER, address):
-            await asyncio.sleep(max(0.0, deadline - self.sched.loop.time()))
-            raise MlxcelError(f"no answer from {address}")
+        """A ping: a handshake over the simulated network (``SimNetwork.handshake``)."""
+        await self.net.handshake(ROUTER, address, deadline)
 
     def _route(self, env: Envelope[Any]) -> None:
         o = self.outcomes.get(getattr(env.msg, "request_id", "") or "")

@@ -11,12 +11,15 @@ which its peers learn as a lost peer, like a TCP reset.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from typing import Protocol
 
+from mlxcel.errors import ConnectFailed
 from mlxcel.messages import Activation, Bundle, Message, RunResult
 from mlxcel.sim.clock import Scheduler
+from mlxcel.wire.handshake_fields import Failure
 
 
 class Host(Protocol):
@@ -157,6 +160,21 @@ class SimNetwork:
             getattr(msg, "nonce", ""),
         )
         host.receive(msg, src)
+
+    async def handshake(self, src: str, dst: str, deadline: float) -> None:
+        """An authenticated handshake of ``src`` with ``dst`` (a dial, a probe, a bring-up
+        check): answered after a round trip by a live holder of the secret, refused after one
+        by a dead port or another secret, unanswered across a partition until ``deadline``
+        (the loop's clock). Raises :class:`ConnectFailed` saying which."""
+        await asyncio.sleep(2 * self.link.latency)
+        peer, me = self.hosts.get(dst), self.hosts.get(src)
+        if peer is None or not peer.up or not getattr(peer, "accepting", True):
+            raise ConnectFailed(f"connecting to {dst}: connection refused")
+        if self.parted(src, dst):  # SYNs go nowhere until the deadline
+            await asyncio.sleep(max(0.0, deadline - self.sched.now))
+            raise ConnectFailed(f"connecting to {dst}: timed out")
+        if not (peer.has_secret and (me is None or me.has_secret)):
+            raise ConnectFailed(f"handshake with {dst} failed", failure=Failure.SECRET_MISMATCH)
 
     def reset_link(self, closer: str, peer: str) -> None:
         """``closer`` closes its connections with ``peer`` on purpose: what is in flight

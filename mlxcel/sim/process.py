@@ -25,8 +25,7 @@ from mlxcel.bus import Node
 from mlxcel.errors import BusError, ConnectFailed, SendFailed
 from mlxcel.messages import LOCAL, Bundle, Message
 from mlxcel.sim.clock import Scheduler
-from mlxcel.sim.network import SimNetwork
-from mlxcel.wire.handshake_fields import Failure
+from mlxcel.sim.network import SimNetwork, size_of
 
 
 class SimEndpoint:
@@ -60,22 +59,14 @@ class SimEndpoint:
     async def send(self, dest: str, msg: Message, deadline: float) -> None:
         net = self.proc.net
         if dest not in self.connected:
-            await asyncio.sleep(2 * net.link.latency)  # the handshake's round trip
-            peer = net.hosts.get(dest)
+            try:
+                await net.handshake(self.identity, dest, deadline)
+            except ConnectFailed as exc:
+                raise SendFailed(str(exc), unsent=True) from exc
             if not self.alive:
                 raise SendFailed("the process is down", unsent=True)
-            if peer is None or not peer.up or not getattr(peer, "accepting", True):
-                raise SendFailed(f"connecting to {dest}: connection refused", unsent=True)
-            if net.parted(self.identity, dest):  # SYNs go nowhere until the deadline
-                await asyncio.sleep(max(0.0, deadline - self.proc.sched.loop.time()))
-                raise SendFailed(f"connecting to {dest}: timed out", unsent=True)
-            if not (self.proc.has_secret and peer.has_secret):
-                refused = ConnectFailed(
-                    f"handshake with {dest} failed", failure=Failure.SECRET_MISMATCH
-                )
-                raise SendFailed(f"handshake with {dest} refused", unsent=True) from refused
             self.connected.add(dest)
-            other = getattr(peer, "endpoint", None)
+            other = getattr(net.hosts.get(dest), "endpoint", None)
             if other is not None:
                 other.connected.add(self.identity)  # the connection serves both ways
         if not self.alive:
@@ -92,7 +83,7 @@ class SimEndpoint:
     def _write(self, dest: str, msg: Message) -> None:
         for item in msg.items if isinstance(msg, Bundle) else (msg,):
             self.proc.check_send(dest, item)
-        self.wire_bytes += 1
+        self.wire_bytes += size_of(msg)
         self.proc.net.send(self.identity, dest, msg)
 
     # --- what the network calls -----------------------------------------------------------
