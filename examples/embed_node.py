@@ -1,9 +1,9 @@
 """Embed mlxcel in your own asyncio service.
 
-Runs the one-process generation stack (engine + frontend) on a Node inside this program's
-event loop, next to the service's own task and its own bus handler, then serves the
-OpenAI-compatible API from the same loop with a NodeRunner (no signal handlers installed:
-stopping is the service's business). Run it with
+Starts the one-process mode (engine + frontend, built through mlxcel's mode registry: any
+other mode is another spec) on a Node inside this program's event loop, next to the service's
+own task and its own bus handler, then serves the OpenAI-compatible API from the same loop
+with a NodeRunner (no signal handlers installed: stopping is the service's business). Run it with
 ``python examples/embed_node.py``; it writes a tiny random checkpoint to a temporary folder.
 """
 
@@ -17,18 +17,21 @@ from pathlib import Path
 import aiohttp
 
 import mlxcel
+from mlxcel.assembly import Generation, LocalSpec, start
 from mlxcel.bus import Envelope, Overflow
 from mlxcel.messages import RunResult, SamplingParams
 from mlxcel.runner import HttpOptions, NodeRunner
 from mlxcel.runtime.checkpoint import write_checkpoint
-from mlxcel.server.run import local_stack
 
 
 async def main() -> None:
     mlxcel.setup_logging("INFO")  # mlxcel's one log format, for this program's lines too
     with tempfile.TemporaryDirectory() as tmp:
         model = write_checkpoint(Path(tmp) / "tiny", "tiny", "qwen3")
-        async with local_stack(model, max_batch_size=4, parallel=4) as stack:
+        # start() / close(): for a service whose start-up and clean-up are separate hooks
+        # (``async with assemble(spec, gen) as stack`` does both).
+        stack = await start(LocalSpec(model), Generation(parallel=4, max_batch_size=4))
+        try:
             # Your own handler on the same bus: it sees every RunResult the engine publishes.
             # DROP policy: an audit log must never slow generation down.
             seen: list[int] = []
@@ -67,10 +70,14 @@ async def main() -> None:
             print("ticks while generating:", ticks)
             print("tokens seen by the audit handler:", len(seen) - 1)
             print("handler errors counted:", stack.node.bus.handler_errors["audit"])
+            # The verbs every mode's stack has: generate (or stream) and stats.
+            done = await stack.generate("One more", SamplingParams(max_tokens=4))
+            stats = await stack.stats()
+            print("one more:", done.usage.completion_tokens, "tokens; ready:", stats["ready"])
 
             # The same stack behind HTTP, on a free port, inside this loop: every parameter
             # `python -m mlxcel serve` serves (min_p, penalties, logit_bias, top_logprobs...).
-            runner = NodeRunner(stack.serving(), HttpOptions(port=0, model_name="tiny"))
+            runner = NodeRunner(stack, HttpOptions(port=0, model_name="tiny"))
             await runner.setup()
             sites = await runner.start()  # a port in use raises here (and in runner.started)
             body = {
@@ -90,6 +97,8 @@ async def main() -> None:
             top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
             print("served over HTTP:", answer["usage"]["completion_tokens"], "tokens;",
                   "first token's alternatives:", len(top))  # fmt: skip
+        finally:
+            await stack.close()
 
 
 if __name__ == "__main__":

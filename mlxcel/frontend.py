@@ -42,6 +42,7 @@ from mlxcel.messages import (
     SamplingParams,
 )
 from mlxcel.runtime.sampling import StopStrings
+from mlxcel.specs import Generation
 
 SHUTDOWN_MESSAGE = "the server is shutting down: the request was still running when its drain ended"
 
@@ -126,6 +127,20 @@ class Frontend:
         # Set by the operator (--max-model-len, --chat-template); None: the model's own.
         self.max_model_len: int | None = None
         self.chat_template: str | None = None
+
+    @classmethod
+    def attached(cls, node: Node, tokenizer: object, gen: Generation) -> Frontend:
+        """A frontend with ``gen``'s admission limits, subscribed on ``node``: what every
+        mode that serves the API puts in front of its generating role."""
+        fe = cls(
+            node,
+            tokenizer,
+            parallel=gen.parallel,
+            queue_size=gen.queue_size,
+            request_timeout=gen.request_timeout,
+        )
+        fe.attach()
+        return fe
 
     @property
     def vocab_size(self) -> int:

@@ -1,9 +1,9 @@
 """Run one node inside any asyncio loop: setup, start, stop (aiohttp's ``AppRunner`` is the
 model).
 
-Every stack -- one process, tensor-parallel rank 0, an in-process pipeline, a remote
-pipeline's coordinator or one of its stages -- hands the runner a :class:`Serving`: its node,
-what it serves over HTTP (if anything), and its cluster listener (if any). The runner owns the
+Every mode's :class:`~mlxcel.stack.Stack` (see the registry in :mod:`mlxcel.assembly`) hands
+the runner its :class:`~mlxcel.stack.Serving`: its node, what it serves over HTTP (if
+anything), its cluster listener (if any) and how it drains. The runner owns the
 *sites*: it binds them in ``start()`` and resolves ``started`` with their addresses, or with
 the bind error at once, so an embedding service learns about a port in use immediately.
 ``stop()`` drains in-flight requests, then closes the sites. The runner installs no signal
@@ -14,16 +14,15 @@ its own way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from loguru import logger
 
-from mlxcel.bus import Node
 from mlxcel.errors import ListenError
-from mlxcel.frontend import Frontend
+from mlxcel.stack import Serving, Stack
 
 # Seconds the handlers of requests ended at the drain's end get to write their final error
 # (and aiohttp, to close the connections) before the sites close anyway.
@@ -44,37 +43,15 @@ class HttpOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins, or ("*",); () sends no CORS header
 
 
-@dataclass
-class Serving:
-    """What a stack offers the runner."""
-
-    node: Node
-    frontend: Frontend | None = None  # None: no HTTP (a pipeline stage)
-    inflight: Callable[[], float] = lambda: 0.0
-    health: Callable[[], Awaitable[dict[str, Any]]] | None = None
-    listener: Any = None  # a cluster listener to bind as a site, if any
-    # Set by the stack itself when it can no longer serve (a tensor-parallel group failed, a
-    # stage was told to shut down): the runner then stops as if asked to.
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    # More GET routes for the HTTP API: path -> a function answering the JSON body.
-    extra_get: dict[str, Callable[[], Any]] = field(default_factory=dict)
-    # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
-    sampling: frozenset[str] = frozenset()
-    mode: str = "one process"  # how this node generates, as a refusal names it
-    # The nodes behind this one and their links, for /cluster, /dashboard and the per-node
-    # metrics (None: this node alone).
-    topology: Callable[[], Awaitable[tuple[list[dict[str, Any]], list[list[str]]]]] | None = None
-    prompt_cache: Callable[[], dict[str, int]] | None = None  # its counters, for /metrics
-    kv: Callable[[], dict[str, int]] | None = None  # this node's kv_tokens and kv_capacity
-    # A worker's drain (no frontend): take no new work, wait for what is in flight until the
-    # deadline (the loop's clock), return how much is left.
-    drain: Callable[[float], Awaitable[int]] | None = None
-
-
 class NodeRunner:
     def __init__(
-        self, serving: Serving, http: HttpOptions | None = None, *, drain_timeout: float = 30.0
+        self,
+        stack: Stack[Any] | Serving,
+        http: HttpOptions | None = None,
+        *,
+        drain_timeout: float = 30.0,
     ) -> None:
+        serving = stack.serving if isinstance(stack, Stack) else stack
         self.serving = serving
         self.http = http if serving.frontend is not None else None
         self.drain_timeout = drain_timeout
@@ -143,7 +120,8 @@ class NodeRunner:
         await self._app_runner.setup()
 
     def _cluster_view(self, metrics: Any) -> Any:
-        from mlxcel.server.cluster_view import ClusterView, single_topology, ttft_p50_ms
+        from mlxcel.server.cluster_view import ClusterView, ttft_p50_ms
+        from mlxcel.topology import single_topology
 
         fe, serving = self.serving.frontend, self.serving
         assert fe is not None and self.http is not None

@@ -172,10 +172,10 @@ _REFERENCE: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
 async def one_node(path: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
     """What one process answers: the reference every mode is held to (computed once per
     checkpoint in a test session: it never changes)."""
-    from mlxcel.server.run import local_stack
+    from mlxcel.assembly import LocalSpec, assemble
 
     key = (str(path), model)
     if key not in _REFERENCE:
-        async with local_stack(path) as st:
-            _REFERENCE[key] = await served(st.serving(), model)
+        async with assemble(LocalSpec(path)) as st:
+            _REFERENCE[key] = await served(st.serving, model)
     return _REFERENCE[key]

@@ -167,7 +167,7 @@ def test_the_dashboard_draws_the_cluster_and_shows_a_stage_going_down_within_5_s
 
 
 def test_a_routers_view_links_it_to_its_prefill_and_decode_nodes() -> None:
-    from mlxcel.server.cluster_view import router_topology
+    from mlxcel.topology import router_topology
 
     stats = {
         "nodes": [

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.disagg.stack import RoleStack, router_stack, worker_stack
+from mlxcel.assembly import DisaggSpec, LocalSpec, assemble
+from mlxcel.disagg.stack import RoleParts
 from mlxcel.errors import EngineError
 from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.runner import NodeRunner
-from mlxcel.server.run import local_stack
+from mlxcel.stack import Stack
 from tests.conftest import collect, free_port, until_true
 
 PROMPTS = [f"Disaggregated prompt {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(6)]
@@ -29,7 +30,7 @@ PROMPTS = [f"Disaggregated prompt {i}: " + "the quick brown fox " * (1 + i % 4) 
 @pytest.fixture(scope="module")
 def reference(tiny: Path) -> dict[str, list[list[int]]]:
     async def run() -> dict[str, list[list[int]]]:
-        async with local_stack(tiny) as st:
+        async with assemble(LocalSpec(tiny)) as st:
             greedy = [await collect(st.frontend, p) for p in PROMPTS]
             seeded = [
                 await collect(st.frontend, p, temperature=0.9, seed=1234 + i)
@@ -42,9 +43,9 @@ def reference(tiny: Path) -> dict[str, list[list[int]]]:
 
 @dataclass
 class Trio:
-    router: RoleStack
-    prefill: RoleStack
-    decode: RoleStack
+    router: Stack[RoleParts]
+    prefill: Stack[RoleParts]
+    decode: Stack[RoleParts]
 
 
 @asynccontextmanager
@@ -53,17 +54,20 @@ async def trio(model: Path, allowlist: str = "", **router_kw: object) -> AsyncIt
     pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (12, 13, 14))
     async with AsyncExitStack() as stack:
         pre = await stack.enter_async_context(
-            worker_stack("prefill", model, secret, pa, decode_peers=[da], allowlist=allowlist)
+            assemble(
+                DisaggSpec("prefill", model, secret, pa, (), (da,), decode_allowlist=allowlist)
+            )
         )
-        dec = await stack.enter_async_context(worker_stack("decode", model, secret, da))
-        for w in (pre, dec):
-            await w.listener.start()
-            stack.push_async_callback(w.listener.close)
+        dec = await stack.enter_async_context(assemble(DisaggSpec("decode", model, secret, da)))
+        for node in (pre, dec):
+            await node.parts.listener.start()
+            stack.push_async_callback(node.parts.listener.close)
+        router = DisaggSpec("router", model, secret, ra, (pa,), (da,), startup_timeout=20)
         rt = await stack.enter_async_context(
-            router_stack(model, secret, ra, [pa], [da], startup_timeout=20, **router_kw)  # type: ignore[arg-type]
+            assemble(dataclasses.replace(router, **router_kw))  # type: ignore[arg-type]
         )
-        await rt.listener.start()
-        stack.push_async_callback(rt.listener.close)
+        await rt.parts.listener.start()
+        stack.push_async_callback(rt.parts.listener.close)
         yield Trio(rt, pre, dec)
 
 
@@ -80,15 +84,15 @@ async def test_handoff_decodes_exactly_what_one_node_decodes(
             *(collect(fe, p, temperature=0.9, seed=1234 + i) for i, p in enumerate(PROMPTS))
         )
         assert seeded == reference["seeded"]
-        stats = t.router.service.stats(verbose=False)
+        stats = t.router.parts.service.stats(verbose=False)
         assert stats["addresses_redacted"] and all("address" not in n for n in stats["nodes"])
         assert all(n["dispatched"] == 2 * len(PROMPTS) for n in stats["nodes"])
-        assert t.prefill.service.prefill.counts["committed"] == 2 * len(PROMPTS)
+        assert t.prefill.parts.service.prefill.counts["committed"] == 2 * len(PROMPTS)
 
         # The nodes' figures reach the router with its probes: every handoff and its time,
         # each node's KV cache (nothing held now, room for more).
         def figures() -> dict[str, dict[str, float]]:
-            return {n["id"]: n for n in t.router.service.stats(verbose=False)["nodes"]}
+            return {n["id"]: n for n in t.router.parts.service.stats(verbose=False)["nodes"]}
 
         await until_true(lambda: figures()["prefill-0"].get("handoffs") == 2 * len(PROMPTS))
         pre, dec = figures()["prefill-0"], figures()["decode-0"]
@@ -108,31 +112,31 @@ async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
                 got += len(d.token_ids)
                 if got >= 3:
                     # The decode node holds the prompt's cache and what it generated.
-                    held = t.decode.service.decode.counters()["kv_tokens"]
+                    held = t.decode.parts.service.decode.counters()["kv_tokens"]
                     assert held >= len(fe.encode_prompt(PROMPTS[0])) + 1
                     break  # the client goes away mid-stream
         dec, pre = t.decode, t.prefill
         await until_true(
             lambda: (
-                dec.service.decode.active == 0
-                and dec.engine is not None
-                and dec.engine.active == 0
-                and not dec.service.staged
-                and pre.service.prefill.active == 0
-                and pre.engine is not None
-                and pre.engine.active == 0
-                and not pre.engine.kept
+                dec.parts.service.decode.active == 0
+                and dec.parts.engine is not None
+                and dec.parts.engine.active == 0
+                and not dec.parts.service.staged
+                and pre.parts.service.prefill.active == 0
+                and pre.parts.engine is not None
+                and pre.parts.engine.active == 0
+                and not pre.parts.engine.kept
             )
         )
-        assert dec.service.decode.counts["cancelled"] == 1
-        assert t.router.service.router.active == 0
+        assert dec.parts.service.decode.counts["cancelled"] == 1
+        assert t.router.parts.service.router.active == 0
         # The nodes keep serving.
         assert len(await collect(fe, PROMPTS[1], n=4)) == 4
 
 
 async def test_a_corrupt_handoff_is_refused_and_reported(tiny: Path) -> None:
     async with trio(tiny) as t:
-        real_send = t.prefill.service.endpoint.send
+        real_send = t.prefill.parts.service.endpoint.send
 
         async def corrupt(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
             if isinstance(msg, KvHandoff):
@@ -141,36 +145,36 @@ async def test_a_corrupt_handoff_is_refused_and_reported(tiny: Path) -> None:
                 msg = dataclasses.replace(msg, keys=(bad, *msg.keys[1:]))
             await real_send(dest, msg, deadline)
 
-        t.prefill.service.endpoint.send = corrupt  # type: ignore[method-assign]
+        t.prefill.parts.service.endpoint.send = corrupt  # type: ignore[method-assign]
 
-        t.prefill.service.endpoint.send_now = None  # every send through it
+        t.prefill.parts.service.endpoint.send_now = None  # every send through it
         with pytest.raises(EngineError) as err:
             await collect(t.router.frontend, PROMPTS[0])
         assert err.value.code == ErrorCode.HANDOFF_FAILED
         assert "digest mismatch" in str(err.value)
-        assert t.decode.service.decode.reads == type(t.decode.service.decode.reads)()
-        await until_true(lambda: t.prefill.service.prefill.active == 0)
+        assert t.decode.parts.service.decode.reads == type(t.decode.parts.service.decode.reads)()
+        await until_true(lambda: t.prefill.parts.service.prefill.active == 0)
 
 
 async def test_an_expired_lease_is_an_error_and_the_cache_is_never_read(tiny: Path) -> None:
     async with trio(tiny) as t:
         # The decode node's acknowledgements never leave: the lease runs out.
-        real_send = t.decode.service.endpoint.send
+        real_send = t.decode.parts.service.endpoint.send
 
         async def swallow_acks(dest: str, msg, deadline: float) -> None:  # type: ignore[no-untyped-def]
             if type(msg).__name__ != "HandoffAck":
                 await real_send(dest, msg, deadline)
 
-        t.decode.service.endpoint.send = swallow_acks  # type: ignore[method-assign]
+        t.decode.parts.service.endpoint.send = swallow_acks  # type: ignore[method-assign]
 
-        t.decode.service.endpoint.send_now = None  # every send through it
-        core = t.prefill.service.prefill
+        t.decode.parts.service.endpoint.send_now = None  # every send through it
+        core = t.prefill.parts.service.prefill
         core.config = dataclasses.replace(core.config, lease=0.5)
         with pytest.raises(EngineError) as err:
             await collect(t.router.frontend, PROMPTS[0])
         assert err.value.code == ErrorCode.HANDOFF_TIMEOUT and "lease expired" in str(err.value)
-        await until_true(lambda: t.decode.service.decode.active == 0)
-        assert not t.decode.service.decode.reads and not t.decode.service.staged
+        await until_true(lambda: t.decode.parts.service.decode.active == 0)
+        assert not t.decode.parts.service.decode.reads and not t.decode.parts.service.staged
 
 
 def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
@@ -238,8 +242,8 @@ async def test_unsupported_family_fails_each_request_cleanly_and_keeps_serving(
             assert err.value.code == ErrorCode.UNSUPPORTED_MODEL
             assert "RotatingKVCache" in str(err.value)
         # No prefill work ran for them, and the node still answers its probes.
-        assert t.prefill.engine is not None and t.prefill.engine.prompt_tokens == 0
-        assert t.router.service.router.online("prefill")
+        assert t.prefill.parts.engine is not None and t.prefill.parts.engine.prompt_tokens == 0
+        assert t.router.parts.service.router.online("prefill")
 
 
 async def test_router_runner_serves_stats_over_http(
@@ -247,7 +251,7 @@ async def test_router_runner_serves_stats_over_http(
 ) -> None:
     import aiohttp
 
-    from mlxcel.assembly import DisaggSpec, Generation, assemble
+    from mlxcel.config import router_stats_verbose
     from mlxcel.runner import HttpOptions
 
     secret = ClusterSecret(bytes(range(32)), "test")
@@ -262,7 +266,11 @@ async def test_router_runner_serves_stats_over_http(
             await runner.start()
             stack.push_async_callback(runner.stop)
         node = await stack.enter_async_context(
-            assemble(DisaggSpec("router", tiny, secret, ra, (pa,), (da,)), Generation())
+            assemble(
+                DisaggSpec(
+                    "router", tiny, secret, ra, (pa,), (da,), verbose_stats=router_stats_verbose
+                )
+            )
         )
         runner = NodeRunner(node.serving, HttpOptions(port=0))
         await runner.setup()
@@ -295,7 +303,7 @@ async def test_a_cache_that_cannot_be_packed_fails_its_request_with_the_reason(
         with pytest.raises(EngineError) as err:
             await collect(t.router.frontend, PROMPTS[0])
         assert "could not pack the KV cache" in str(err.value)
-        await until_true(lambda: t.prefill.service.prefill.active == 0)
+        await until_true(lambda: t.prefill.parts.service.prefill.active == 0)
 
 
 async def test_a_decode_target_outside_the_allowlist_fails_and_the_cache_never_leaves(
@@ -307,20 +315,24 @@ async def test_a_decode_target_outside_the_allowlist_fails_and_the_cache_never_l
         assert err.value.code == ErrorCode.DECODE_TARGET_REFUSED
         assert "MLXCEL_DECODE_ALLOWLIST" in str(err.value) and "127.0.0.13" not in str(err.value)
         pre, dec = t.prefill, t.decode
-        assert pre.engine is not None and pre.engine.prompt_tokens == 0  # no prefill work
-        assert pre.service.prefill.counts["handed_off"] == 0
-        assert dec.service.decode.counts == type(dec.service.decode.counts)()  # nothing arrived
+        assert (
+            pre.parts.engine is not None and pre.parts.engine.prompt_tokens == 0
+        )  # no prefill work
+        assert pre.parts.service.prefill.counts["handed_off"] == 0
+        assert (
+            dec.parts.service.decode.counts == type(dec.parts.service.decode.counts)()
+        )  # nothing arrived
 
 
 async def test_a_handoff_split_into_several_messages_decodes_the_same(
     tiny: Path, reference: dict[str, list[list[int]]]
 ) -> None:
     async with trio(tiny) as t:
-        core = t.prefill.service.prefill
+        core = t.prefill.parts.service.prefill
         core.config = dataclasses.replace(core.config, part_bytes=20 << 10)  # a few layers a part
         got = [await collect(t.router.frontend, p) for p in PROMPTS]
         assert got == reference["greedy"]
-        counts = t.decode.service.decode.counts
+        counts = t.decode.parts.service.decode.counts
         assert counts["committed"] == len(PROMPTS) and counts["parts"] > len(PROMPTS)
 
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.bus import Envelope
 from mlxcel.deadlines import deadline_in
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
 from mlxcel.frontend import Usage
 from mlxcel.loop import run_async
 from mlxcel.messages import Error, RunEntry, SamplingParams
-from mlxcel.server.run import LocalStack, local_stack
+from mlxcel.stack import Stack
 
 PROMPTS = [
     "Hello world",
@@ -29,7 +30,7 @@ PROMPTS = [
 
 
 async def collect(
-    stack: LocalStack,
+    stack: Stack,
     prompt: str,
     params: SamplingParams,
     stop: list[str] | None = None,
@@ -57,12 +58,12 @@ async def wait_for(cond: object, timeout: float = 5.0) -> None:
 
 async def test_batched_greedy_equals_sequential_for_8_concurrent(tiny: Path) -> None:
     params = SamplingParams(max_tokens=24)
-    async with local_stack(tiny, max_batch_size=8, parallel=8) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=8, parallel=8)) as stack:
         sequential = [await collect(stack, p, params) for p in PROMPTS]
-        steps_before = stack.engine.steps
+        steps_before = stack.parts.engine.steps
         concurrent = await asyncio.gather(*(collect(stack, p, params) for p in PROMPTS))
-        batched_steps = stack.engine.steps - steps_before
-        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+        batched_steps = stack.parts.engine.steps - steps_before
+        assert stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
     assert concurrent == sequential
     assert all(len(t) == 24 and f == "length" for t, _, f in sequential)
     assert len({tuple(t) for t, _, _ in sequential}) > 4  # prompts lead to different outputs
@@ -71,9 +72,9 @@ async def test_batched_greedy_equals_sequential_for_8_concurrent(tiny: Path) -> 
 
 
 async def test_requests_join_and_leave_between_steps(tiny: Path) -> None:
-    async with local_stack(tiny, max_batch_size=4, parallel=8) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=8)) as stack:
         long = asyncio.create_task(collect(stack, PROMPTS[0], SamplingParams(max_tokens=200)))
-        await wait_for(lambda: stack.engine.tokens_generated >= 5)
+        await wait_for(lambda: stack.parts.engine.tokens_generated >= 5)
         short = await collect(stack, PROMPTS[1], SamplingParams(max_tokens=5))
         assert not long.done(), "a short request joined and left while the long one kept going"
         result = await long
@@ -84,7 +85,7 @@ async def test_requests_join_and_leave_between_steps(tiny: Path) -> None:
 
 async def test_seeded_sampling_is_reproducible_inside_a_batch(tiny: Path) -> None:
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16)
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         a, b, c = await asyncio.gather(
             collect(stack, "Hello", p),
             collect(stack, "Hello", p),
@@ -95,25 +96,29 @@ async def test_seeded_sampling_is_reproducible_inside_a_batch(tiny: Path) -> Non
 
 async def test_stop_string_ends_the_request_and_frees_the_sequence(tiny: Path) -> None:
     params = SamplingParams(max_tokens=40)
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         _, full_text, _ = await collect(stack, PROMPTS[2], params)
         stop = full_text[10:13]
         assert stop and stop in full_text
         toks, text, finish = await collect(stack, PROMPTS[2], params, stop=[stop])
         assert finish == "stop"
         assert text == full_text[: full_text.index(stop)]
-        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        await wait_for(
+            lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
+        )
 
 
 async def test_cancelled_stream_frees_its_cache(tiny: Path) -> None:
-    async with local_stack(tiny, max_batch_size=4) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4)) as stack:
         fe = stack.frontend
         it = fe.stream(fe.encode_prompt("Hello"), SamplingParams(max_tokens=500))
         first = await anext(it)
         assert first.finish_reason is None
-        assert stack.engine.active == 1
+        assert stack.parts.engine.active == 1
         await it.aclose()  # what an HTTP disconnect does
-        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        await wait_for(
+            lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
+        )
         assert fe.in_flight == 0
         # And the engine keeps serving.
         toks, _, finish = await collect(stack, "Hello", SamplingParams(max_tokens=3))
@@ -121,7 +126,7 @@ async def test_cancelled_stream_frees_its_cache(tiny: Path) -> None:
 
 
 async def test_deadline_fails_the_request_and_releases_it(tiny: Path) -> None:
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         fe = stack.frontend
         with pytest.raises(DeadlineExceeded):
             async with aclosing(
@@ -133,11 +138,13 @@ async def test_deadline_fails_the_request_and_releases_it(tiny: Path) -> None:
             ) as it:
                 async for _ in it:
                     pass
-        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        await wait_for(
+            lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
+        )
 
 
 async def test_admission_queue_full_is_refused_at_once(tiny: Path) -> None:
-    async with local_stack(tiny, parallel=1, queue_size=1) as stack:
+    async with assemble(LocalSpec(tiny), Generation(parallel=1, queue_size=1)) as stack:
         fe = stack.frontend
         running = asyncio.create_task(collect(stack, "a", SamplingParams(max_tokens=200)))
         await wait_for(lambda: fe.in_flight == 1)
@@ -150,7 +157,7 @@ async def test_admission_queue_full_is_refused_at_once(tiny: Path) -> None:
 
 
 async def test_invalid_run_entry_gets_an_error_and_changes_nothing(tiny: Path) -> None:
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         errors: list[Error] = []
 
         async def on_error(env: Envelope[Error]) -> None:
@@ -168,14 +175,14 @@ async def test_invalid_run_entry_gets_an_error_and_changes_nothing(tiny: Path) -
         await wait_for(lambda: len(errors) == 3)
         assert [(e.request_id, e.nonce) for e in errors] == [("x1", 5), ("x2", 6), ("x3", 7)]
         assert "vocabulary" in errors[0].message and "context" in errors[2].message
-        assert stack.engine.active == 0
+        assert stack.parts.engine.active == 0
         with pytest.raises(RequestError):
             await collect(stack, "hi", SamplingParams(max_tokens=10**7))
         assert len((await collect(stack, "hi", SamplingParams(max_tokens=2)))[0]) == 2
 
 
 async def test_usage_counts_tokens_and_times(tiny: Path) -> None:
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         u = Usage()
         toks, _, _ = await collect(stack, "Hello world", SamplingParams(max_tokens=7), usage=u)
         assert u.completion_tokens == len(toks) == 7
@@ -190,7 +197,7 @@ def test_usage_times_are_exact_on_uvloop(tiny: Path) -> None:
     more (about 6 % of a 16 ms second turn)."""
 
     async def timed() -> tuple[float, Usage, float]:
-        async with local_stack(tiny) as stack:
+        async with assemble(LocalSpec(tiny)) as stack:
             await collect(stack, "Hello world", SamplingParams(max_tokens=2))  # warm
             u = Usage()
             t0 = time.perf_counter()
@@ -202,24 +209,24 @@ def test_usage_times_are_exact_on_uvloop(tiny: Path) -> None:
         assert t0 <= u.submitted_at <= u.first_token_at <= u.last_token_at <= t1  # type: ignore[operator]
 
 
-def _count_handoffs(stack: LocalStack) -> list[int]:
+def _count_handoffs(stack: Stack) -> list[int]:
     """Wrap the engine's compute-thread step; the list grows by one per hand-off."""
     calls: list[int] = []
-    inner = stack.engine._step
+    inner = stack.parts.engine._step
 
     def counted(*a: object) -> object:
         calls.append(1)
         return inner(*a)  # type: ignore[arg-type]
 
-    stack.engine._step = counted  # type: ignore[method-assign]
+    stack.parts.engine._step = counted  # type: ignore[method-assign]
     return calls
 
 
 @pytest.mark.parametrize("alone", [True, False])
 async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone: bool) -> None:
-    async with local_stack(tiny, max_batch_size=2, parallel=2) as stack:
-        stack.engine.run_seconds = 60.0  # only the step count and the events end a run
-        stack.engine.solo_enabled = alone
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=2, parallel=2)) as stack:
+        stack.parts.engine.run_seconds = 60.0  # only the step count and the events end a run
+        stack.parts.engine.solo_enabled = alone
         calls = _count_handoffs(stack)
         p = SamplingParams(max_tokens=64)
         both = await asyncio.gather(*(collect(stack, PROMPTS[k], p) for k in range(2 - alone)))
@@ -228,7 +235,7 @@ async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone
         # each first token end a run of their own; a hand-off per token would be 64 or more.
         per_run = 16 if alone else 8
         assert len(calls) <= 64 // per_run + 6, len(calls)
-        stack.engine.run_steps = 1
+        stack.parts.engine.run_steps = 1
         calls.clear()
         again = await asyncio.gather(*(collect(stack, PROMPTS[k], p) for k in range(2 - alone)))
         assert again == both
@@ -236,10 +243,10 @@ async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone
 
 
 async def test_a_request_that_arrives_mid_run_joins_at_once(tiny: Path) -> None:
-    async with local_stack(tiny, max_batch_size=2, parallel=2) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=2, parallel=2)) as stack:
         # Runs as long as the step limit allows: only the reactor's interrupt can end one.
-        stack.engine.run_steps = 100_000
-        stack.engine.run_seconds = 600.0
+        stack.parts.engine.run_steps = 100_000
+        stack.parts.engine.run_seconds = 600.0
         long_usage = Usage()
         long = asyncio.create_task(
             collect(stack, PROMPTS[0], SamplingParams(max_tokens=3000), usage=long_usage)
@@ -256,9 +263,10 @@ async def test_a_request_that_arrives_mid_run_joins_at_once(tiny: Path) -> None:
         # A cancel ends the run too: the engine lets go of the sequence long before the
         # 3000 steps an uninterrupted run would take.
         await wait_for(
-            lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0, 30.0
+            lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0,
+            30.0,
         )
-        assert stack.engine.steps < 1500
+        assert stack.parts.engine.steps < 1500
 
 
 async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there(
@@ -268,8 +276,8 @@ async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there
     a stop string completed by a token inside such a result must still end the stream at
     that token, with a logprob for each token delivered and none for the rest."""
     params = SamplingParams(max_tokens=48, logprobs=True)
-    async with local_stack(tiny) as stack:
-        stack.engine.run_seconds = 60.0  # only the step count ends a run: runs of 16
+    async with assemble(LocalSpec(tiny)) as stack:
+        stack.parts.engine.run_seconds = 60.0  # only the step count ends a run: runs of 16
         fe = stack.frontend
         tok = fe.tokenizer
         ids = fe.encode_prompt(PROMPTS[2])
@@ -300,4 +308,6 @@ async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there
         assert cut[-1].finish_reason == "stop" and got == full[:k]
         assert sum(len(d.logprobs or ()) for d in cut) == k
         assert "".join(d.text for d in cut) == text[:at]
-        await wait_for(lambda: stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0)
+        await wait_for(
+            lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
+        )

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.errors import EngineError
 from mlxcel.messages import SamplingParams
 from mlxcel.runtime import sampling
-from mlxcel.server.run import LocalStack, local_stack
+from mlxcel.stack import Stack
 from tests.test_engine import collect
 
 VOCAB = 512  # the tiny checkpoint's
@@ -21,7 +22,7 @@ VOCAB = 512  # the tiny checkpoint's
 
 async def test_top_k_at_or_above_the_vocabulary_keeps_every_token(tiny: Path) -> None:
     """``top_k`` of 600 on a 512-token vocabulary once failed the step and every later draw."""
-    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
         greedy = SamplingParams(max_tokens=12)
         want = await collect(stack, "a greedy neighbour", greedy)
         big_k = SamplingParams(temperature=0.8, top_k=600, max_tokens=6)
@@ -33,7 +34,7 @@ async def test_top_k_at_or_above_the_vocabulary_keeps_every_token(tiny: Path) ->
         assert len(results[0][0]) >= 1 and results[1] == want and len(results[2][0]) >= 1
         # An unseeded sampled request afterwards still works (it failed until restart once).
         toks, _, finish = await collect(stack, "x", SamplingParams(temperature=1.0, max_tokens=5))
-        assert finish in ("length", "stop") and stack.engine.active == 0
+        assert finish in ("length", "stop") and stack.parts.engine.active == 0
 
 
 async def test_a_failing_sampler_ends_its_own_sequence_only(
@@ -51,7 +52,7 @@ async def test_a_failing_sampler_ends_its_own_sequence_only(
         return real(p)
 
     monkeypatch.setattr(sampling, "make_sampler", poisoned)
-    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
         greedy = SamplingParams(max_tokens=16)
         seeded = SamplingParams(temperature=0.7, seed=5, max_tokens=16)
         want_greedy = await collect(stack, "neighbour one", greedy)
@@ -66,8 +67,8 @@ async def test_a_failing_sampler_ends_its_own_sequence_only(
         assert results[0] == want_greedy and results[2] == want_seeded
         assert isinstance(results[1], EngineError) and results[1].code == "sampling_failed"
         assert "poisoned sampler" in str(results[1])
-        assert stack.engine.sequence_failures == 1
-        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+        assert stack.parts.engine.sequence_failures == 1
+        assert stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
         assert await collect(stack, "neighbour one", greedy) == want_greedy
 
 
@@ -76,7 +77,7 @@ async def test_out_of_range_extended_sampling_is_refused_alone(tiny: Path) -> No
     an out-of-vocabulary bias index would not even raise inside mlx-lm's batched step."""
     from mlxcel.errors import RequestError
 
-    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
         greedy = SamplingParams(max_tokens=10)
         want = await collect(stack, "a greedy neighbour", greedy)
         bad = [
@@ -94,7 +95,7 @@ async def test_out_of_range_extended_sampling_is_refused_alone(tiny: Path) -> No
         )
         assert all(isinstance(r, RequestError) for r in results[:-1]), results
         assert results[-1] == want
-        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+        assert stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
 
 
 params_strategy = st.builds(
@@ -123,7 +124,7 @@ params_strategy = st.builds(
 )
 
 
-async def _scenario(stack: LocalStack, plan: list[tuple[SamplingParams, int | None]]) -> None:
+async def _scenario(stack: Stack, plan: list[tuple[SamplingParams, int | None]]) -> None:
     async def one(p: SamplingParams, cancel_after: int | None) -> None:
         fe = stack.frontend
         n = 0
@@ -138,7 +139,7 @@ async def _scenario(stack: LocalStack, plan: list[tuple[SamplingParams, int | No
 
 def test_random_sampling_and_cancellations_never_break_a_later_request(tiny: Path) -> None:
     runner = asyncio.Runner()
-    cm = local_stack(tiny, max_batch_size=4, parallel=4)
+    cm = assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4))
     stack = runner.run(cm.__aenter__())
     try:
         greedy = SamplingParams(max_tokens=10)
@@ -154,7 +155,7 @@ def test_random_sampling_and_cancellations_never_break_a_later_request(tiny: Pat
 
         check()
         runner.run(asyncio.sleep(0.1))
-        assert stack.engine.active == 0
+        assert stack.parts.engine.active == 0
     finally:
         runner.run(cm.__aexit__(None, None, None))
         runner.close()

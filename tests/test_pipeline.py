@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.assembly import Generation, LocalSpec, PipelineSpec, assemble
 from mlxcel.deadlines import deadline_in
 from mlxcel.errors import ConfigError, EngineError, PipelineError
 from mlxcel.messages import (
@@ -29,7 +30,6 @@ from mlxcel.messages import (
 )
 from mlxcel.net.network import LocalEndpoint
 from mlxcel.pipeline.cluster_config import load_cluster_config
-from mlxcel.pipeline.inproc import PipelineStack, pipeline_stack
 from mlxcel.pipeline.partition import (
     LayerCosts,
     PartitionError,
@@ -39,7 +39,7 @@ from mlxcel.pipeline.partition import (
     parse_layers,
     plan,
 )
-from mlxcel.server.run import local_stack
+from mlxcel.stack import Stack
 from tests.conftest import collect, until_true
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ PROMPTS = [f"Pipeline prompt {i}: the quick brown fox" for i in range(8)]
 @pytest.fixture(scope="module")
 def reference(tiny: Path) -> list[list[int]]:
     async def run() -> list[list[int]]:
-        async with local_stack(tiny) as st:
+        async with assemble(LocalSpec(tiny)) as st:
             return [await collect(st.frontend, p) for p in PROMPTS]
 
     return asyncio.run(run())
@@ -59,15 +59,15 @@ def reference(tiny: Path) -> list[list[int]]:
 async def test_inproc_pipeline_matches_single_process(
     tiny: Path, reference: list[list[int]], stages: int
 ) -> None:
-    async with pipeline_stack(tiny, stages, parallel=8) as st:
+    async with assemble(PipelineSpec(tiny, stages), Generation(parallel=8)) as st:
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS))
         assert got == reference
-        assert all(not s.seqs for s in st.stages)  # every sequence released everywhere
-        assert st.coordinator.active == 0 and not st.coordinator.dropped
+        assert all(not s.seqs for s in st.parts.stages)  # every sequence released everywhere
+        assert st.parts.coordinator.active == 0 and not st.parts.coordinator.dropped
         # Per sequence: one cache-filling chunk (the prompt but its last token), 16 steps.
-        assert st.stages[0].stats.forwards == 8 * (1 + 16)
+        assert st.parts.stages[0].stats.forwards == 8 * (1 + 16)
         # Concurrent sequences' decode steps shared forward passes inside each stage.
-        assert all(s.stats.batches < s.stats.forwards for s in st.stages)
+        assert all(s.stats.batches < s.stats.forwards for s in st.parts.stages)
 
 
 async def test_the_in_process_pipeline_runs_its_sequences_as_one_micro_batch(
@@ -76,16 +76,16 @@ async def test_the_in_process_pipeline_runs_its_sequences_as_one_micro_batch(
     """Its stages share one compute thread, so two micro-batches could never overlap: the
     default (no --pp-micro-batch-size) is one micro-batch of --parallel, and four concurrent
     requests decode as batches of four on every stage, not two batches of two."""
-    async with pipeline_stack(tiny, 2, parallel=4) as st:
-        assert st.coordinator.coord.micro_batch_size == 4
+    async with assemble(PipelineSpec(tiny, 2), Generation(parallel=4)) as st:
+        assert st.parts.coordinator.coord.micro_batch_size == 4
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:4]))
         assert got == reference[:4]
-        assert all(s.stats.largest_batch == 4 for s in st.stages)
-    async with pipeline_stack(tiny, 2, parallel=4, max_batch_size=2) as st:
-        assert st.coordinator.coord.micro_batch_size == 2  # never more than a stage runs
-    async with pipeline_stack(tiny, 2, parallel=1) as st:  # generate --pp-size
-        assert st.coordinator.coord.micro_batch_size == 1
-        assert all(s.config.max_batch == 1 for s in st.stages)  # no batches to warm up
+        assert all(s.stats.largest_batch == 4 for s in st.parts.stages)
+    async with assemble(PipelineSpec(tiny, 2), Generation(parallel=4, max_batch_size=2)) as st:
+        assert st.parts.coordinator.coord.micro_batch_size == 2  # never more than a stage runs
+    async with assemble(PipelineSpec(tiny, 2), Generation(parallel=1)) as st:  # generate --pp-size
+        assert st.parts.coordinator.coord.micro_batch_size == 1
+        assert all(s.config.max_batch == 1 for s in st.parts.stages)  # no batches to warm up
 
 
 async def test_micro_batches_whose_members_come_and_go_match_single_process(
@@ -96,16 +96,16 @@ async def test_micro_batches_whose_members_come_and_go_match_single_process(
     every request still gets exactly the single-process tokens (greedy). Afterwards no stage
     holds a cache, a batch or a sampler."""
     lengths = [3, 16, 7, 12, 5, 16, 9, 2]
-    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=2) as st:
+    async with assemble(PipelineSpec(tiny, 2, micro_batch_size=2), Generation(parallel=4)) as st:
         got = await asyncio.gather(
             *(collect(st.frontend, p, n) for p, n in zip(PROMPTS, lengths, strict=True))
         )
         assert got == [ref[:n] for ref, n in zip(reference, lengths, strict=True)]
-        assert st.coordinator.coord.peak_in_flight == 4
-        assert all(s.stats.largest_batch == 2 for s in st.stages)
-        await until_true(lambda: all(not s.seqs for s in st.stages))
-        await st.stages[0].compute.run(lambda: None)  # frees queued before it have run
-        for s in st.stages:
+        assert st.parts.coordinator.coord.peak_in_flight == 4
+        assert all(s.stats.largest_batch == 2 for s in st.parts.stages)
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
+        await st.parts.stages[0].compute.run(lambda: None)  # frees queued before it have run
+        for s in st.parts.stages:
             rt = s.runtime
             assert (rt.caches, rt.batches, rt.batch_of, rt.samplers) == ({}, {}, {}, {})
 
@@ -116,14 +116,16 @@ async def test_a_micro_batch_larger_than_a_stage_batch_keeps_its_caches_in_chunk
     """One micro-batch of four through stages that run at most two rows at once: the stage
     runs it as two fixed chunks, each on a batch cache of its own, instead of regrouping
     rows every step (which copied every cache, every step). Tokens stay the engine's."""
-    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=4, max_batch_size=2) as st:
+    async with assemble(
+        PipelineSpec(tiny, 2, micro_batch_size=4), Generation(parallel=4, max_batch_size=2)
+    ) as st:
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:4]))
         assert got == reference[:4]
-        assert all(s.stats.largest_batch == 2 for s in st.stages)
+        assert all(s.stats.largest_batch == 2 for s in st.parts.stages)
         # 4 rows join once each, plus a few moves while the first steps line up; 30 decode
         # jobs per stage would regroup about 60 times if chunks changed every step.
-        assert all(s.runtime.regroups <= 12 for s in st.stages), [
-            s.runtime.regroups for s in st.stages
+        assert all(s.runtime.regroups <= 12 for s in st.parts.stages), [
+            s.runtime.regroups for s in st.parts.stages
         ]
 
 
@@ -146,15 +148,15 @@ async def test_a_micro_batch_of_greedy_and_sampled_rows_samples_each_row_as_alon
     """The last stage samples a micro-batch at once (one argmax for greedy rows, a row's own
     sampler otherwise): greedy rows keep the one-process engine's tokens and logprobs beside
     a seeded sampled row, and the sampled row draws what it draws alone."""
-    async with local_stack(tiny) as one:
+    async with assemble(LocalSpec(tiny)) as one:
         want = [await _tokens_and_logprobs(one.frontend, p) for p in PROMPTS[:3]]
-    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=4) as st:
+    async with assemble(PipelineSpec(tiny, 2, micro_batch_size=4), Generation(parallel=4)) as st:
         alone = await _tokens_and_logprobs(st.frontend, PROMPTS[3], temperature=0.9, seed=7)
         got = await asyncio.gather(
             *(_tokens_and_logprobs(st.frontend, p) for p in PROMPTS[:3]),
             _tokens_and_logprobs(st.frontend, PROMPTS[3], temperature=0.9, seed=7),
         )
-        assert all(s.stats.largest_batch == 4 for s in st.stages)
+        assert all(s.stats.largest_batch == 4 for s in st.parts.stages)
     for (toks, lps), (want_toks, want_lps) in zip(got[:3], want, strict=True):
         assert toks == want_toks and len(lps) == len(toks)
         assert lps == pytest.approx(want_lps, abs=1e-4)
@@ -278,25 +280,25 @@ def test_a_sampling_evaluation_that_fails_fails_its_rows_instead_of_returning_ga
 
 
 async def test_return_logits_mode_matches(tiny: Path, reference: list[list[int]]) -> None:
-    async with pipeline_stack(tiny, 2, return_logits=True) as st:
+    async with assemble(PipelineSpec(tiny, 2, return_logits=True)) as st:
         assert [await collect(st.frontend, p) for p in PROMPTS[:3]] == reference[:3]
 
 
 async def test_explicit_layers(tiny: Path, reference: list[list[int]]) -> None:
-    async with pipeline_stack(tiny, 2, pp_layers="0-0,1-3") as st:
-        assert [(s.layers.start, s.layers.end) for s in st.stages] == [(0, 1), (1, 4)]
+    async with assemble(PipelineSpec(tiny, 2, layers="0-0,1-3")) as st:
+        assert [(s.layers.start, s.layers.end) for s in st.parts.stages] == [(0, 1), (1, 4)]
         assert await collect(st.frontend, PROMPTS[0]) == reference[0]
 
 
 _asks = iter(range(10**9, 2 * 10**9))
 
 
-async def ask(st: PipelineStack, dest: str, msg_for, reply=None, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+async def ask(st: Stack, dest: str, msg_for, reply=None, timeout: float = 5.0):  # type: ignore[no-untyped-def]
     """Send ``msg_for(nonce)`` to a stage as the coordinator and wait for the answer to that
     nonce (the coordinator's own core sees the answer too, and drops it as unknown)."""
     from mlxcel.bus import Origin
 
-    node = st.coordinator.node
+    node = st.parts.coordinator.node
     nonce = next(_asks)
     got: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -306,7 +308,7 @@ async def ask(st: PipelineStack, dest: str, msg_for, reply=None, timeout: float 
 
     subs = [node.bus.subscribe(c, spy, origin=Origin.REMOTE) for c in (reply or Ack, Error)]
     try:
-        await st.coordinator.endpoint.send(dest, msg_for(nonce), deadline_in(timeout))
+        await st.parts.coordinator.endpoint.send(dest, msg_for(nonce), deadline_in(timeout))
         async with asyncio.timeout(timeout):
             res = await got
     finally:
@@ -317,26 +319,26 @@ async def ask(st: PipelineStack, dest: str, msg_for, reply=None, timeout: float 
     return res
 
 
-def rogue(st: PipelineStack, identity: str) -> LocalEndpoint:
-    return LocalEndpoint(st.fabric, identity)
+def rogue(st: Stack, identity: str) -> LocalEndpoint:
+    return LocalEndpoint(st.parts.fabric, identity)
 
 
 async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny: Path) -> None:
     from mlxcel.bus import Envelope, Node
 
-    async with pipeline_stack(tiny, 2) as st, Node("mallory") as mallory:
+    async with assemble(PipelineSpec(tiny, 2)) as st, Node("mallory") as mallory:
         seen: list[Error] = []
 
         async def on_error(env: Envelope[Error]) -> None:
             seen.append(env.msg)
 
         mallory.bus.subscribe(Error, on_error)
-        evil = st.fabric.endpoint("mallory", mallory)
+        evil = st.parts.fabric.endpoint("mallory", mallory)
         fe = st.frontend
         it = fe.stream(fe.encode_prompt("hello"), SamplingParams(max_tokens=400))
         await anext(it)
-        (rid,) = st.stages[0].seqs
-        before = {s.config.index: dict(s.seqs) for s in st.stages}
+        (rid,) = st.parts.stages[0].seqs
+        before = {s.config.index: dict(s.seqs) for s in st.parts.stages}
         s0 = "stage-0"
         for msg in (
             RunEntry(rid, 0, (1, 2), 0, SamplingParams(), 99),
@@ -350,8 +352,8 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
         await until_true(lambda: len(seen) == 6)
         assert {e.code for e in seen} == {"not_coordinator"}
         assert {e.nonce for e in seen if e.nonce} == {99, 98}
-        assert {s.config.index: dict(s.seqs) for s in st.stages} == before  # unchanged
-        assert st.stages[0].state.value == "serving"
+        assert {s.config.index: dict(s.seqs) for s in st.parts.stages} == before  # unchanged
+        assert st.parts.stages[0].state.value == "serving"
         # An activation from anyone but the upstream stage is refused too.
         hidden = Tensor("float32", (1, 1, 64), bytes(256))
         await evil.send(
@@ -359,7 +361,7 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
             Activation(rid, 0, hidden, 0, SamplingParams(), 5),
             asyncio.get_running_loop().time() + 5,
         )
-        await until_true(lambda: st.stages[1].stats.refused == 1)
+        await until_true(lambda: st.parts.stages[1].stats.refused == 1)
         # The real request is unharmed.
         n = 1
         async for d in it:
@@ -367,14 +369,14 @@ async def test_commands_from_a_non_coordinator_get_error_and_change_nothing(tiny
             if n >= 30:
                 break
         await it.aclose()
-        await until_true(lambda: all(not s.seqs for s in st.stages))
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
 
 
 async def test_stale_nonce_and_wrong_sender_results_are_dropped(
     tiny: Path, reference: list[list[int]]
 ) -> None:
-    async with pipeline_stack(tiny, 2) as st:
-        coord = st.coordinator
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        coord = st.parts.coordinator
         real_send = coord.endpoint.send
         forged: list[str] = []
 
@@ -407,8 +409,8 @@ async def test_stale_nonce_and_wrong_sender_results_are_dropped(
 
 @pytest.mark.parametrize("problem", ["width", "tokens", "dtype"])
 async def test_out_of_bounds_activation_fails_the_request_fast(tiny: Path, problem: str) -> None:
-    async with pipeline_stack(tiny, 2, request_timeout=60) as st:
-        s0 = st.stages[0]
+    async with assemble(PipelineSpec(tiny, 2), Generation(request_timeout=60)) as st:
+        s0 = st.parts.stages[0]
         real = s0.endpoint.send
         tampered = []
 
@@ -441,22 +443,22 @@ async def test_out_of_bounds_activation_fails_the_request_fast(tiny: Path, probl
             await collect(st.frontend, "hello", 50)
         assert info.value.code == "bad_activation"
         assert loop.time() - t0 < 5  # failed at once, not at a deadline
-        assert st.stages[1].stats.errors == 1
-        await until_true(lambda: all(not s.seqs for s in st.stages))
+        assert st.parts.stages[1].stats.errors == 1
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
         # The stage keeps serving.
         assert len(await collect(st.frontend, "again", 5)) == 5
 
 
 async def test_drain_refuses_new_sequences_and_finishes_running_ones(tiny: Path) -> None:
-    async with pipeline_stack(tiny, 2) as st:
+    async with assemble(PipelineSpec(tiny, 2)) as st:
         running = asyncio.create_task(collect(st.frontend, "long one", 60))
-        await until_true(lambda: bool(st.stages[0].seqs))
-        st.stages[0].request_shutdown()
+        await until_true(lambda: bool(st.parts.stages[0].seqs))
+        st.parts.stages[0].request_shutdown()
         with pytest.raises(EngineError) as info:
             await collect(st.frontend, "new", 3)
         assert info.value.code == "draining"
         assert len(await running) == 60
-        await until_true(lambda: st.stages[0].stopped.is_set())
+        await until_true(lambda: st.parts.stages[0].stopped.is_set())
 
 
 # --- partitioner ---------------------------------------------------------------------------------
@@ -608,17 +610,17 @@ def test_json_plan_shares_sum_to_one(tiny: Path) -> None:
 
 
 async def test_begin_drain_and_shutdown_from_the_coordinator(tiny: Path) -> None:
-    async with pipeline_stack(tiny, 2) as st:
-        coord = st.coordinator
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        coord = st.parts.coordinator
         loop = asyncio.get_running_loop()
         await coord.endpoint.send("stage-1", BeginDrain("maintenance"), loop.time() + 5)
-        await until_true(lambda: st.stages[1].state.value == "draining")
+        await until_true(lambda: st.parts.stages[1].state.value == "draining")
         with pytest.raises(EngineError) as info:
             await collect(st.frontend, "refused while draining", 3)
         assert info.value.code == "draining"
         await coord.endpoint.send("stage-1", Shutdown("bye"), loop.time() + 5)
-        await until_true(lambda: st.stages[1].stopped.is_set())
-        assert not st.stages[0].stopped.is_set()
+        await until_true(lambda: st.parts.stages[1].stopped.is_set())
+        assert not st.parts.stages[0].stopped.is_set()
 
 
 def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
@@ -644,7 +646,7 @@ def test_demo_runs_a_real_cluster_and_shuts_it_down(tmp_path: Path) -> None:
 
 
 async def test_run_entry_with_a_wrong_position_is_refused(tiny: Path) -> None:
-    async with pipeline_stack(tiny, 2) as st:
+    async with assemble(PipelineSpec(tiny, 2)) as st:
         from mlxcel.errors import PipelineError
 
         await ask(st, "stage-0", lambda n: PrepareSequence("r-pos", 64, n))
@@ -656,16 +658,16 @@ async def test_run_entry_with_a_wrong_position_is_refused(tiny: Path) -> None:
                 RunResult,
             )
         assert info.value.code == "bad_request" and "start_pos 3" in str(info.value)
-        assert st.stages[0].seqs["r-pos"].tokens == 0  # nothing ran
+        assert st.parts.stages[0].seqs["r-pos"].tokens == 0  # nothing ran
 
 
 async def test_bf16_pipeline_keeps_every_mlx_object_on_its_compute_thread(tiny_bf16: Path) -> None:
     """bf16 activations are rebuilt with an MLX op; made on the reactor, the stage's compute
     thread cannot evaluate them ("There is no Stream(cpu, N) in current thread") -- the same
     rule that failed every pipeline on a GPU."""
-    async with local_stack(tiny_bf16) as one:
+    async with assemble(LocalSpec(tiny_bf16)) as one:
         want = [await collect(one.frontend, p, 12) for p in PROMPTS[:3]]
-    async with pipeline_stack(tiny_bf16, 2) as st:
+    async with assemble(PipelineSpec(tiny_bf16, 2)) as st:
         got = [await collect(st.frontend, p, 12) for p in PROMPTS[:3]]
         seeded = [
             await collect(st.frontend, PROMPTS[0], 8, temperature=0.9, seed=s) for s in (4, 4)
@@ -677,9 +679,9 @@ async def test_bf16_pipeline_keeps_every_mlx_object_on_its_compute_thread(tiny_b
 async def test_long_prompt_runs_in_chunks_between_decode_steps(tiny: Path) -> None:
     """Chunked prefill gives the one-shot answer, and other streams decode between chunks."""
     long_prompt = " ".join(f"word{i}" for i in range(300))
-    async with local_stack(tiny) as one:
+    async with assemble(LocalSpec(tiny)) as one:
         want = await collect(one.frontend, long_prompt, 8)
-    async with pipeline_stack(tiny, 2, prefill_step_size=16, parallel=8) as st:
+    async with assemble(PipelineSpec(tiny, 2), Generation(prefill_step_size=16, parallel=8)) as st:
         fe = st.frontend
         n_prompt = len(fe.encode_prompt(long_prompt))
         assert n_prompt >= 8 * 16
@@ -688,43 +690,43 @@ async def test_long_prompt_runs_in_chunks_between_decode_steps(tiny: Path) -> No
         async def spy(env):  # type: ignore[no-untyped-def]
             order.append("long" if env.msg.request_id == "req-5" else "short")
 
-        st.coordinator.node.bus.subscribe(RunResult, spy, name="spy")
+        st.parts.coordinator.node.bus.subscribe(RunResult, spy, name="spy")
         shorts = [asyncio.create_task(collect(fe, p, 40)) for p in PROMPTS[:4]]
         await until_true(lambda: len(order) >= 4)
         got = await collect(fe, long_prompt, 8)  # req-5
         await asyncio.gather(*shorts)
         assert got == want
-        assert st.coordinator.steps >= (n_prompt - 1) // 16 + 8
+        assert st.parts.coordinator.steps >= (n_prompt - 1) // 16 + 8
         # Short streams produced tokens while the long prompt was still being prefilled.
         first_long, last_long_chunk = order.index("long"), n_prompt // 16 - 1
         long_positions = [i for i, who in enumerate(order) if who == "long"]
         between = order[first_long : long_positions[last_long_chunk]]
         assert "short" in between
-        await until_true(lambda: all(not s.seqs for s in st.stages))
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
 
 
 async def test_cancelled_long_prompt_stops_within_one_chunk(tiny: Path) -> None:
     long_prompt = " ".join(f"word{i}" for i in range(300))
-    async with pipeline_stack(tiny, 2, prefill_step_size=16) as st:
+    async with assemble(PipelineSpec(tiny, 2), Generation(prefill_step_size=16)) as st:
         fe = st.frontend
         chunks_done: list[int] = []
 
         async def spy(env):  # type: ignore[no-untyped-def]
-            chunks_done.append(st.stages[0].stats.forwards)
+            chunks_done.append(st.parts.stages[0].stats.forwards)
 
-        st.coordinator.node.bus.subscribe(RunResult, spy, name="spy")
+        st.parts.coordinator.node.bus.subscribe(RunResult, spy, name="spy")
         task = asyncio.create_task(collect(fe, long_prompt, 4))
         await until_true(lambda: len(chunks_done) >= 3)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        at_cancel = st.stages[0].stats.forwards
-        await until_true(lambda: all(not s.seqs for s in st.stages))
+        at_cancel = st.parts.stages[0].stats.forwards
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
         await asyncio.sleep(0.2)
         # At most the chunk already running finishes; nothing after it is computed.
-        assert st.stages[0].stats.forwards <= at_cancel + 1
-        assert st.stages[1].stats.forwards <= at_cancel + 1
+        assert st.parts.stages[0].stats.forwards <= at_cancel + 1
+        assert st.parts.stages[1].stats.forwards <= at_cancel + 1
         n_chunks = len(fe.encode_prompt(long_prompt)) // 16
-        assert st.stages[0].stats.forwards < n_chunks
+        assert st.parts.stages[0].stats.forwards < n_chunks
 
 
 async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path) -> None:
@@ -733,8 +735,8 @@ async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path)
     the reported compute holds it and the overhead does not."""
     import time as _time
 
-    async with pipeline_stack(tiny, 2) as st:
-        for svc in st.stages:
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        for svc in st.parts.stages:
             real = svc.runtime._run
 
             def slow(job, real=real):  # type: ignore[no-untyped-def]
@@ -742,7 +744,7 @@ async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path)
                 return real(job)
 
             svc.runtime._run = slow  # type: ignore[method-assign]
-        c = st.coordinator.coord
+        c = st.parts.coordinator.coord
         await collect(st.frontend, PROMPTS[0], 10)
         assert c.decode_steps == 10
         compute_ms = 1e3 * c.decode_compute_s / c.decode_steps
@@ -785,8 +787,8 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
 async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -> None:
     """A stage holds at most max_sequences, frees a sequence whose lease ran out (a lost
     ReleaseSequence) and everything its owner held once the owner is gone."""
-    async with pipeline_stack(tiny, 2) as st:
-        s0 = st.stages[0]
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        s0 = st.parts.stages[0]
         s0.config.max_sequences = 3
         s0.config.lease = 0.3
         for i in range(3):
@@ -808,8 +810,8 @@ async def test_a_forward_that_overruns_fails_its_requests_and_the_stage_keeps_se
 ) -> None:
     import threading
 
-    async with pipeline_stack(tiny, 2) as st:
-        s1 = st.stages[1]
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        s1 = st.parts.stages[1]
         s1.config.forward_timeout = 0.3
         real = s1.runtime._run
         release = threading.Event()
@@ -834,8 +836,8 @@ async def test_a_forward_that_overruns_fails_its_requests_and_the_stage_keeps_se
 async def test_a_slow_destination_delays_only_what_goes_to_it(tiny: Path) -> None:
     """A refusal to a member that reads slowly must not hold the stage's PrepareSequence
     handler (replies were sent inline once, so one slow peer stalled everyone's requests)."""
-    async with pipeline_stack(tiny, 2) as st:
-        s0 = st.stages[0]
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        s0 = st.parts.stages[0]
         real_send = s0.endpoint.send
 
         async def send(dest, msg, deadline):  # type: ignore[no-untyped-def]
@@ -855,14 +857,14 @@ async def test_a_slow_destination_delays_only_what_goes_to_it(tiny: Path) -> Non
 
 
 async def test_the_coordinators_drop_counter_cannot_be_grown_by_peers(tiny: Path) -> None:
-    async with pipeline_stack(tiny, 2) as st:
+    async with assemble(PipelineSpec(tiny, 2)) as st:
         evil = rogue(st, "stage-1")  # even a member's own identity
         for i in range(200):
             await evil.send(
                 "coordinator", Error(f"code-{i}", f"text {i}", f"r{i}", 10_000 + i), deadline_in(5)
             )
-        await until_true(lambda: sum(st.coordinator.dropped.values()) == 200)
-        assert set(st.coordinator.dropped) == {"unmatched error"}
+        await until_true(lambda: sum(st.parts.coordinator.dropped.values()) == 200)
+        assert set(st.parts.coordinator.dropped) == {"unmatched error"}
 
 
 async def test_stages_on_their_own_threads_compute_two_micro_batches_at_once(
@@ -872,10 +874,12 @@ async def test_stages_on_their_own_threads_compute_two_micro_batches_at_once(
     micro-batch while stage 1 computes the other: shown from the stages' own job timestamps
     on a slowed model (each job also sleeps 30 ms, as a device would keep it busy). Greedy
     tokens stay the single-process ones."""
-    async with pipeline_stack(tiny, 2, parallel=4, micro_batch_size=2, stage_threads=True) as st:
-        assert st.stages[0].compute is not st.stages[1].compute
-        assert not any(s.config.device_handoff for s in st.stages)
-        for svc in st.stages:
+    async with assemble(
+        PipelineSpec(tiny, 2, micro_batch_size=2, stage_threads=True), Generation(parallel=4)
+    ) as st:
+        assert st.parts.stages[0].compute is not st.parts.stages[1].compute
+        assert not any(s.config.device_handoff for s in st.parts.stages)
+        for svc in st.parts.stages:
             real = svc.runtime._run
 
             def slow(job, real=real):  # type: ignore[no-untyped-def]
@@ -887,7 +891,7 @@ async def test_stages_on_their_own_threads_compute_two_micro_batches_at_once(
             svc.runtime.timing.spans.clear()
         got = await asyncio.gather(*(collect(st.frontend, p, 8) for p in PROMPTS[:4]))
         assert got == [ref[:8] for ref in reference[:4]]
-        first, second = (list(s.runtime.timing.spans) for s in st.stages)
+        first, second = (list(s.runtime.timing.spans) for s in st.parts.stages)
         both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in first for b0, b1 in second)
         busy = sum(b - a for a, b in second)
         # Stage 1 spent a good part of its time computing while stage 0 computed too.
@@ -903,18 +907,20 @@ async def test_in_process_stages_hand_activations_over_on_the_device(
     from mlxcel.messages import Activation, Bundle, DeviceTensor
     from mlxcel.wire.codec import encode
 
-    async with pipeline_stack(tiny, 2, parallel=2) as st:
+    async with assemble(PipelineSpec(tiny, 2), Generation(parallel=2)) as st:
         seen: list[Activation] = []
 
         def spy(env):  # type: ignore[no-untyped-def]
             items = env.msg.items if isinstance(env.msg, Bundle) else (env.msg,)
             seen.extend(m for m in items if isinstance(m, Activation))
 
-        st.stages[1].node.bus.subscribe((Activation, Bundle), spy, origin=Origin.ANY, sync=True)
+        st.parts.stages[1].node.bus.subscribe(
+            (Activation, Bundle), spy, origin=Origin.ANY, sync=True
+        )
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:2]))
         assert got == reference[:2]
         assert seen and all(isinstance(m.hidden, DeviceTensor) for m in seen)
-        assert st.stages[0].runtime.timing.copy_s == 0.0  # nothing went to the host
+        assert st.parts.stages[0].runtime.timing.copy_s == 0.0  # nothing went to the host
         with pytest.raises(TypeError, match="device tensor"):
             encode(seen[0])
 
@@ -927,15 +933,15 @@ async def test_the_entry_stage_starts_the_next_step_while_the_last_samples(
     (one cache position per row) when the step asked for differs -- here, whenever a member
     of the micro-batch finishes. Tokens stay the single-process ones."""
     lengths = [3, 16, 7, 12]
-    async with pipeline_stack(tiny, 2, parallel=4) as st:
+    async with assemble(PipelineSpec(tiny, 2), Generation(parallel=4)) as st:
         got = await asyncio.gather(
             *(collect(st.frontend, p, n) for p, n in zip(PROMPTS[:4], lengths, strict=True))
         )
         assert got == [ref[:n] for ref, n in zip(reference[:4], lengths, strict=True)]
-        first = st.stages[0].runtime
+        first = st.parts.stages[0].runtime
         assert first.ahead_used >= 10 and first.ahead_undone >= 1
-        await until_true(lambda: all(not s.seqs for s in st.stages))
-        await st.stages[0].compute.run(lambda: None)  # the frees queued before it have run
+        await until_true(lambda: all(not s.seqs for s in st.parts.stages))
+        await st.parts.stages[0].compute.run(lambda: None)  # the frees queued before it have run
         assert first._ahead is None and not first.batches and not first.caches
 
 
@@ -1044,14 +1050,9 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
     """The final stage applies logit_bias and the penalties over the prompt's tail its claim
     carried, min_p, seeds, and returns top_logprobs: the one client script, one node's
     answers."""
-    from mlxcel.assembly import _pipeline_sampling
-    from mlxcel.runner import Serving
     from tests import parity
 
     want = await parity.one_node(tiny)
-    async with pipeline_stack(tiny, 2) as st:
-        c = st.coordinator
-        got = await parity.served(
-            Serving(st.node, st.frontend, lambda: c.active, sampling=_pipeline_sampling(False))
-        )
+    async with assemble(PipelineSpec(tiny, 2)) as st:
+        got = await parity.served(st.serving)
     parity.assert_same(got, want, "in-process pipeline")

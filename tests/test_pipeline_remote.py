@@ -646,11 +646,11 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
     """A relay between the coordinator (here) and stage 0 (a process) flips a length byte,
     truncates, drops and stalls RunEntry frames; each time the request fails quickly and the
     next one succeeds on a fresh connection."""
+    from mlxcel.assembly import CoordinatorSpec, assemble
     from mlxcel.errors import EngineError
     from mlxcel.messages import SamplingParams
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
-    from mlxcel.pipeline.remote import remote_coordinator
     from tests.wiretap import WireTap
 
     cfg_path, stages = write_cluster(secret.parent, 2, secret)
@@ -664,12 +664,14 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
         sec = load_cluster_secret(None, {}, cfg_path)
         assert sec is not None
         out = []
-        async with remote_coordinator(cfg, cfg.coordinator, tiny, sec) as rc:
+        async with assemble(CoordinatorSpec(cfg, cfg.coordinator, tiny, sec)) as rc:
             s0 = stages[0]
             host, port = s0.rsplit(":", 1)
             tap = WireTap("127.0.0.8", (host, int(port)), bind_ip="127.0.0.1")
-            rc.endpoint.pool.routes[s0] = ("127.0.0.8", await tap.start())
-            rc.endpoint.reset(s0)  # from now on, coordinator -> stage 0 goes through the relay
+            rc.parts.endpoint.pool.routes[s0] = ("127.0.0.8", await tap.start())
+            rc.parts.endpoint.reset(
+                s0
+            )  # from now on, coordinator -> stage 0 goes through the relay
             fe = rc.frontend
 
             async def ask(n: int = 4) -> int:
@@ -698,8 +700,8 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
                 # it answers again; then the next request succeeds. (The probe under way at
                 # the fault decides within its 2 s: wait that out first.)
                 await asyncio.sleep(2.2)
-                while rc.coordinator.coord.down:
-                    assert loop.time() - t0 < 10, rc.coordinator.coord.down
+                while rc.parts.coordinator.coord.down:
+                    assert loop.time() - t0 < 10, rc.parts.coordinator.coord.down
                     await asyncio.sleep(0.05)
                 assert await ask() == 4
                 recovered = loop.time() - t0
@@ -713,7 +715,7 @@ def test_wedged_frames_are_replaced_and_the_next_request_succeeds(tiny: Path, se
             long = asyncio.create_task(ask(400))
             await asyncio.sleep(0.5)
             t0 = loop.time()
-            inbound = rc.endpoint.listener.connection_for(stages[1])  # type: ignore[union-attr]
+            inbound = rc.parts.endpoint.listener.connection_for(stages[1])  # type: ignore[union-attr]
             assert inbound is not None
             inbound.close()
             with pytest.raises(EngineError) as info:
@@ -741,10 +743,10 @@ def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_
     """One 3000-token prompt chunk takes seconds on a CPU, more than the 1 s step deadline set
     here (as the first requests on a fresh GPU do while kernels compile). The stages holding
     it say so (Progress), so the request completes instead of failing deadline_exceeded."""
+    from mlxcel.assembly import CoordinatorSpec, Generation, assemble
     from mlxcel.messages import SamplingParams
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
-    from mlxcel.pipeline.remote import remote_coordinator
 
     cfg_path, _ = write_cluster(secret.parent, 2, secret)
     cfg_path.write_text(cfg_path.read_text().replace("step_timeout = 20", "step_timeout = 1"))
@@ -754,16 +756,15 @@ def test_a_step_longer_than_the_step_deadline_completes_while_its_stages_report_
         cfg = load_cluster_config(cfg_path)
         sec = load_cluster_secret(None, {}, cfg_path)
         assert sec is not None
-        async with remote_coordinator(
-            cfg, cfg.coordinator, tiny, sec, prefill_step_size=3000
-        ) as rc:
+        spec = CoordinatorSpec(cfg, cfg.coordinator, tiny, sec)
+        async with assemble(spec, Generation(prefill_step_size=3000)) as rc:
             prompt = [1 + (7 * i) % 500 for i in range(3001)]  # one chunk, then the last token
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             tokens: list[int] = []
             async for d in rc.frontend.stream(prompt, SamplingParams(max_tokens=3)):
                 tokens += d.token_ids
-            return tokens, rc.coordinator.coord.kept_alive, loop.time() - t0
+            return tokens, rc.parts.coordinator.coord.kept_alive, loop.time() - t0
 
     try:
         tokens, kept_alive, took = asyncio.run(run())

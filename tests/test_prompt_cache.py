@@ -12,10 +12,11 @@ import openai
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.frontend import Usage
 from mlxcel.messages import SamplingParams
 from mlxcel.runtime.prompt_cache import PromptCache
-from mlxcel.server.run import LocalStack, local_stack
+from mlxcel.stack import Stack
 from tests.conftest import ServerProcess, error_line, until_true
 from tests.test_cli import run_cli
 
@@ -27,7 +28,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 200) for _ in range(n)]
 
 
-async def turn(stack: LocalStack, ids: list[int], params: SamplingParams = GREEDY) -> tuple:
+async def turn(stack: Stack, ids: list[int], params: SamplingParams = GREEDY) -> tuple:
     usage = Usage()
     out: list[int] = []
     async with aclosing(stack.frontend.stream(ids, params, [], usage)) as it:
@@ -36,7 +37,7 @@ async def turn(stack: LocalStack, ids: list[int], params: SamplingParams = GREED
     return out, usage.cached_tokens
 
 
-async def chat(stack: LocalStack, seed: int) -> list[tuple[list[int], int]]:
+async def chat(stack: Stack, seed: int) -> list[tuple[list[int], int]]:
     """Three turns, each resending the whole history plus new user tokens."""
     history = prompt(150, seed)
     turns = []
@@ -48,13 +49,13 @@ async def chat(stack: LocalStack, seed: int) -> list[tuple[list[int], int]]:
 
 
 async def test_later_turns_reuse_the_history_and_generate_the_same_tokens(tiny: Path) -> None:
-    async with local_stack(tiny, prompt_cache_bytes=0) as plain:
-        assert plain.engine.prompt_cache is None
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=0)) as plain:
+        assert plain.parts.engine.prompt_cache is None
         without = await chat(plain, 1)
-    async with local_stack(tiny, prompt_cache_bytes=64 << 20) as cached:
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as cached:
         with_cache = await chat(cached, 1)
-        stats = cached.engine.prompt_cache.stats()  # type: ignore[union-attr]
-        assert cached.engine.active == 0 and cached.engine.batch_cache_rows() == 0
+        stats = cached.parts.engine.prompt_cache.stats()  # type: ignore[union-attr]
+        assert cached.parts.engine.active == 0 and cached.parts.engine.batch_cache_rows() == 0
     assert [r for r, _ in with_cache] == [r for r, _ in without]
     assert [c for _, c in without] == [0, 0, 0]
     # Turn k+1 reuses everything turn k saw and generated: its prompt and its reply.
@@ -69,7 +70,7 @@ async def test_later_turns_reuse_the_history_and_generate_the_same_tokens(tiny: 
 
 async def test_a_repeated_prompt_still_prefills_its_last_token(tiny: Path) -> None:
     ids = prompt(80, 2)
-    async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as stack:
         first = await turn(stack, ids)
         again = await turn(stack, ids)
         shorter = await turn(stack, ids[:40])
@@ -77,18 +78,18 @@ async def test_a_repeated_prompt_still_prefills_its_last_token(tiny: Path) -> No
     # The cached entry is prompt + reply; its first 79 tokens serve, the last is prefilled.
     assert again == (first[0], 79)
     assert shorter[1] == 39
-    async with local_stack(tiny, prompt_cache_bytes=0) as plain:
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=0)) as plain:
         assert await turn(plain, ids[:40]) == (shorter[0], 0)
 
 
 async def test_the_cache_stays_within_its_bytes_evicting_the_least_recent(tiny: Path) -> None:
-    async with local_stack(tiny, prompt_cache_bytes=64 << 20) as probe:
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as probe:
         await turn(probe, prompt(150, 3))
-        one = probe.engine.prompt_cache.nbytes  # type: ignore[union-attr]
+        one = probe.parts.engine.prompt_cache.nbytes  # type: ignore[union-attr]
     assert one > 0
     # Room for one conversation's cache, not two.
-    async with local_stack(tiny, prompt_cache_bytes=one + one // 2) as stack:
-        pc = stack.engine.prompt_cache
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=one + one // 2)) as stack:
+        pc = stack.parts.engine.prompt_cache
         assert pc is not None
         a, b = prompt(150, 3), prompt(150, 4)
         reply_a, _ = await turn(stack, a)
@@ -103,8 +104,8 @@ async def test_the_cache_stays_within_its_bytes_evicting_the_least_recent(tiny: 
 
 
 async def test_an_entry_larger_than_the_whole_cache_is_not_kept(tiny: Path) -> None:
-    async with local_stack(tiny, prompt_cache_bytes=1024) as stack:
-        pc = stack.engine.prompt_cache
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=1024)) as stack:
+        pc = stack.parts.engine.prompt_cache
         assert pc is not None
         await turn(stack, prompt(150, 5))
         assert (pc.entries, pc.nbytes, pc.too_large) == (0, 0, 1)
@@ -114,23 +115,23 @@ async def test_a_cancelled_request_keeps_what_it_computed(tiny: Path) -> None:
     """The frontend cancels a request that hit a stop string, or whose client left: what it
     computed still serves the next prompt, alone or in the batch."""
     for solo in (True, False):
-        async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
-            stack.engine.solo_enabled = solo
+        async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as stack:
+            stack.parts.engine.solo_enabled = solo
             ids = prompt(100, 6)
             params = SamplingParams(max_tokens=200)
             async with aclosing(stack.frontend.stream(ids, params, [])) as it:
                 async for _ in it:
                     break  # the client went away after one token
-            await until_true(lambda: stack.engine.batch_cache_rows() == 0)
-            pc = stack.engine.prompt_cache
+            await until_true(lambda: stack.parts.engine.batch_cache_rows() == 0)
+            pc = stack.parts.engine.prompt_cache
             assert pc is not None and pc.entries == 1
             _, cached = await turn(stack, ids + [1, 2, 3])
             assert cached == 100, solo
 
 
 async def test_a_one_token_prompt_is_a_miss_not_a_hit(tiny: Path) -> None:
-    async with local_stack(tiny, prompt_cache_bytes=64 << 20) as stack:
-        pc = stack.engine.prompt_cache
+    async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as stack:
+        pc = stack.parts.engine.prompt_cache
         assert pc is not None
         await turn(stack, [77])
         assert (await turn(stack, [77]))[1] == 0

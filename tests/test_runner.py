@@ -9,14 +9,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.errors import ListenError
 from mlxcel.runner import HttpOptions, NodeRunner, Serving
-from mlxcel.server.run import local_stack
 
 
 async def test_started_names_the_sites_and_a_taken_port_fails_at_once(tiny: Path) -> None:
-    async with local_stack(tiny, parallel=2) as st:
-        serving = Serving(st.node, st.frontend, lambda: st.engine.active)
+    async with assemble(LocalSpec(tiny), Generation(parallel=2)) as st:
+        serving = Serving(st.node, st.frontend, lambda: st.parts.engine.active)
         runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"))
         await runner.setup()
         sites = await runner.start()
@@ -45,7 +45,7 @@ async def test_started_names_the_sites_and_a_taken_port_fails_at_once(tiny: Path
 
 
 async def test_wait_returns_on_request_or_when_the_stack_is_done(tiny: Path) -> None:
-    async with local_stack(tiny, parallel=1) as st:
+    async with assemble(LocalSpec(tiny), Generation(parallel=1)) as st:
         done = asyncio.Event()
         runner = NodeRunner(Serving(st.node, st.frontend, done=done), HttpOptions(port=0))
         await runner.setup()
@@ -61,7 +61,7 @@ async def test_wait_returns_on_request_or_when_the_stack_is_done(tiny: Path) -> 
 
 
 async def test_a_failed_setup_resolves_started(tiny: Path) -> None:
-    async with local_stack(tiny, parallel=1) as st:
+    async with assemble(LocalSpec(tiny), Generation(parallel=1)) as st:
         runner = NodeRunner(Serving(st.node, st.frontend), HttpOptions(max_body_bytes=-1))
 
         async def broken() -> None:
@@ -74,12 +74,12 @@ async def test_a_failed_setup_resolves_started(tiny: Path) -> None:
 
 
 async def test_an_embedded_stack_serves_every_parameter_serve_serves(tiny: Path) -> None:
-    """``LocalStack.serving()``: what an embedder puts behind HTTP takes min_p, penalties,
+    """``Stack.serving()``: what an embedder puts behind HTTP takes min_p, penalties,
     logit_bias and top_logprobs as ``serve`` does, asked by the official openai client."""
     import openai
 
-    async with local_stack(tiny, parallel=2) as st:
-        runner = NodeRunner(st.serving(), HttpOptions(port=0, model_name="tiny"))
+    async with assemble(LocalSpec(tiny), Generation(parallel=2)) as st:
+        runner = NodeRunner(st.serving, HttpOptions(port=0, model_name="tiny"))
         await runner.setup()
         url = (await runner.start())["http"]
         try:

@@ -310,9 +310,9 @@ async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
 
     from aiohttp.test_utils import TestClient, TestServer
 
+    from mlxcel.assembly import LocalSpec, assemble
     from mlxcel.server.metrics import Metrics
     from mlxcel.server.openai_api import build_app
-    from mlxcel.server.run import local_stack
 
     reactor = threading.get_ident()
     seen: list[tuple[str, int]] = []
@@ -332,7 +332,7 @@ async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
         def __getattr__(self, name: str) -> object:
             return getattr(self._inner, name)
 
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         stack.frontend.tokenizer = Recording(stack.frontend.tokenizer)
         app = build_app(
             stack.frontend,

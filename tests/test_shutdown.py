@@ -15,9 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.messages import EXTENDED_SAMPLING
 from mlxcel.runner import HttpOptions, NodeRunner, Serving
-from mlxcel.server.run import local_stack
 from tests.conftest import ServerProcess
 
 # A stream that would run for minutes on the small checkpoint (about 60 tokens a second on
@@ -128,7 +128,7 @@ def test_a_second_sigint_exits_at_once_without_draining(small: Path) -> None:
 async def test_an_embedders_stop_keeps_its_drain_timeout_with_a_stream_running(
     small: Path,
 ) -> None:
-    async with local_stack(small, parallel=2) as st:
+    async with assemble(LocalSpec(small), Generation(parallel=2)) as st:
         serving = Serving(st.node, st.frontend, sampling=EXTENDED_SAMPLING)  # logit_bias
         runner = NodeRunner(serving, HttpOptions(port=0, model_name="tiny"), drain_timeout=0.5)
         await runner.setup()
@@ -157,10 +157,10 @@ async def test_an_embedders_stop_keeps_its_drain_timeout_with_a_stream_running(
         assert st.frontend.in_flight == 0
         # Its sequence was cancelled on the engine, not left generating 8,000 tokens.
         for _ in range(100):
-            if st.engine.active == 0:
+            if st.parts.engine.active == 0:
                 break
             await asyncio.sleep(0.05)
-        assert st.engine.active == 0
+        assert st.parts.engine.active == 0
 
 
 def test_every_disaggregated_role_keeps_its_drain_with_a_stream_running(

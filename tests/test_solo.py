@@ -9,12 +9,13 @@ from pathlib import Path
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.frontend import Usage
 from mlxcel.messages import SamplingParams
 from mlxcel.runtime.model import load_model
 from mlxcel.runtime.sampling import make_sampler
 from mlxcel.runtime.solo import Solo
-from mlxcel.server.run import LocalStack, local_stack
+from mlxcel.stack import Stack
 from tests.test_engine import PROMPTS, collect, wait_for
 
 # Long enough that the second request arrives while the first still decodes.
@@ -22,22 +23,22 @@ GREEDY = SamplingParams(max_tokens=300)
 SEEDED = SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=7, logprobs=True)
 
 
-def _record(stack: LocalStack, name: str) -> list[str]:
+def _record(stack: Stack, name: str) -> list[str]:
     """Wrap the engine's ``name`` (a compute-thread method whose first argument is a solo or
     an insert); the list gets the request id of each call."""
     seen: list[str] = []
-    inner = getattr(stack.engine, name)
+    inner = getattr(stack.parts.engine, name)
 
     def recorded(first: object, *a: object) -> object:
         rid = getattr(first, "request_id", None) or first.entry.request_id  # type: ignore[attr-defined]
         seen.append(rid)
         return inner(first, *a)
 
-    setattr(stack.engine, name, recorded)
+    setattr(stack.parts.engine, name, recorded)
     return seen
 
 
-async def lone_and_joined(stack: LocalStack, params: SamplingParams) -> tuple:
+async def lone_and_joined(stack: Stack, params: SamplingParams) -> tuple:
     alone = await collect(stack, PROMPTS[4], params)
     # The same request again, with a second one arriving while it decodes alone.
     handed = _record(stack, "_hand_over")
@@ -54,14 +55,14 @@ async def lone_and_joined(stack: LocalStack, params: SamplingParams) -> tuple:
 async def test_a_lone_request_decodes_alone_and_keeps_its_tokens_when_another_joins(
     tiny: Path,
 ) -> None:
-    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
-        stack.engine.run_steps = 2  # short runs: the second request lands mid-sequence
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
+        stack.parts.engine.run_steps = 2  # short runs: the second request lands mid-sequence
         for params in (GREEDY, SEEDED):
             alone, joined = await lone_and_joined(stack, params)
             assert joined == alone
-        assert stack.engine.active == 0 and stack.engine.batch_cache_rows() == 0
+        assert stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
         # The batch generator from the start: the same tokens again.
-        stack.engine.solo_enabled = False
+        stack.parts.engine.solo_enabled = False
         batched = await collect(stack, PROMPTS[4], SEEDED)
         assert batched == alone
 
@@ -69,7 +70,7 @@ async def test_a_lone_request_decodes_alone_and_keeps_its_tokens_when_another_jo
 async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
     params = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=3)
 
-    async def logprobs(stack: LocalStack) -> list:
+    async def logprobs(stack: Stack) -> list:
         fe, out = stack.frontend, []
         async for d in fe.stream(fe.encode_prompt(PROMPTS[0]), params):
             assert d.logprobs is not None and d.top is not None
@@ -77,9 +78,9 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
             out.extend(zip(d.token_ids, d.logprobs, d.top, strict=True))
         return out
 
-    async with local_stack(tiny) as stack:
+    async with assemble(LocalSpec(tiny)) as stack:
         alone = await logprobs(stack)
-        stack.engine.solo_enabled = False
+        stack.parts.engine.solo_enabled = False
         batched = await logprobs(stack)
     assert len(alone) == len(batched) == 8
     for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):
@@ -89,22 +90,22 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
 
 
 async def test_penalties_and_busy_engines_use_the_batch(tiny: Path) -> None:
-    async with local_stack(tiny, max_batch_size=4, parallel=4) as stack:
+    async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
         alone = _record(stack, "_start_solo")
         await collect(stack, PROMPTS[3], SamplingParams(max_tokens=2))
         assert len(alone) == 1  # the control: a plain request on an idle engine
         penalised = asyncio.create_task(
             collect(stack, PROMPTS[0], SamplingParams(max_tokens=300, repetition_penalty=1.3))
         )
-        await wait_for(lambda: stack.engine.tokens_generated >= 4)
+        await wait_for(lambda: stack.parts.engine.tokens_generated >= 4)
         # mlx-lm's processors need the sequence's tokens: the batch generator keeps them
-        assert stack.engine._solo is None and stack.engine.batch_cache_rows() == 1
+        assert stack.parts.engine._solo is None and stack.parts.engine.batch_cache_rows() == 1
         plain = await collect(stack, PROMPTS[1], SamplingParams(max_tokens=3))
         assert plain[2] == "length" and not penalised.done()
         assert len(alone) == 1  # neither went alone: one had penalties, one found it busy
         penalised.cancel()
         await asyncio.gather(penalised, return_exceptions=True)
-        await wait_for(lambda: stack.engine.batch_cache_rows() == 0)
+        await wait_for(lambda: stack.parts.engine.batch_cache_rows() == 0)
 
 
 def _decode(s: Solo, n: int) -> list[int]:

@@ -15,9 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from mlxcel.assembly import LocalSpec, assemble
 from mlxcel.errors import ConfigError
 from mlxcel.messages import SamplingParams
-from mlxcel.server.run import local_stack
 from mlxcel.tp.group import check_modes, check_shardable
 from tests.conftest import ServerProcess, error_line
 
@@ -84,7 +84,7 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def reference(checkpoints: dict[str, Path], family: str) -> list[str]:
     async def go() -> list[str]:
-        async with local_stack(checkpoints[family]) as st:
+        async with assemble(LocalSpec(checkpoints[family])) as st:
             fe = st.frontend
             out = []
             for i in range(4):

@@ -45,9 +45,10 @@ async def steady(fe: Any, streams: int, tokens: int, seconds: float) -> float:
 async def run(model: Path, mode: str, streams: int, tokens: int, seconds: float) -> dict:
     row: dict[str, Any] = {"mode": mode, "streams": streams, "tokens": tokens}
     if mode == "single":
-        from mlxcel.server.run import local_stack
+        from mlxcel.assembly import Generation, LocalSpec, assemble
 
-        async with local_stack(model, max_batch_size=streams, parallel=streams, name="load") as st:
+        gen = Generation(parallel=streams, max_batch_size=streams)
+        async with assemble(LocalSpec(model), gen) as st:
             await aggregate_rate(st.frontend, 8, streams)
             print(f"measuring {os.getpid()}", file=sys.stderr, flush=True)
             row["tok_per_s"] = round(await steady(st.frontend, streams, tokens, seconds), 2)
@@ -59,10 +60,10 @@ async def run(model: Path, mode: str, streams: int, tokens: int, seconds: float)
         cpu0, t0, before = (
             [cpu_seconds(p) for p in pids],
             time.perf_counter(),
-            step_totals(rc.coordinator),
+            step_totals(rc.parts.coordinator),
         )
         rate = await steady(rc.frontend, streams, tokens, seconds)
-        after, wall = step_totals(rc.coordinator), time.perf_counter() - t0
+        after, wall = step_totals(rc.parts.coordinator), time.perf_counter() - t0
         cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
     overhead, compute = per_step_ms(before, after)
     names = ["coordinator", "stage-0", "stage-1"]

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from mlxcel.assembly import Generation, PipelineSpec, assemble
 from mlxcel.bench.pipeline import aggregate_rate, decode_rate
-from mlxcel.pipeline.inproc import pipeline_stack
 
 
 async def one(
@@ -26,16 +26,16 @@ async def one(
 ) -> None:
     sys.setswitchinterval(interval)
     most = max(streams)
-    async with pipeline_stack(
-        model, 2, parallel=most, max_batch_size=most, stage_threads=threads
-    ) as ps:
+    spec = PipelineSpec(model, 2, stage_threads=threads)
+    async with assemble(spec, Generation(parallel=most, max_batch_size=most)) as ps:
+        stages = ps.parts.stages
         if not ahead:
-            ps.stages[-1].runtime.ahead_to = None
+            stages[-1].runtime.ahead_to = None
         for n in streams:
             await aggregate_rate(ps.frontend, 8, n)
             before = [
                 (s.runtime.timing.build_s, s.runtime.timing.eval_s, s.runtime.timing.jobs)
-                for s in ps.stages
+                for s in stages
             ]
             t0 = time.perf_counter()
             if n == 1:
@@ -44,7 +44,7 @@ async def one(
                 rate = await aggregate_rate(ps.frontend, tokens, n)
             wall = time.perf_counter() - t0
             parts = []
-            for s, (b, e, j) in zip(ps.stages, before, strict=True):
+            for s, (b, e, j) in zip(stages, before, strict=True):
                 t = s.runtime.timing
                 jobs = max(1, t.jobs - j)
                 parts.append(

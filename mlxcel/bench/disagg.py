@@ -86,19 +86,19 @@ async def run_bench(
     long_len: int = 1536,
     json_lines: bool = False,
 ) -> int:
-    from mlxcel.disagg.stack import router_stack
+    from mlxcel.assembly import DisaggSpec, Generation, LocalSpec, assemble
     from mlxcel.net.secret import keygen, load_cluster_secret
     from mlxcel.pipeline.launch import free_port, start_serve
     from mlxcel.runtime.blas import blas_name, colocated_env
     from mlxcel.runtime.model import load_tokenizer_only
-    from mlxcel.server.run import local_stack
 
     _tok, config = load_tokenizer_only(model)
     vocab = int(config["vocab_size"])
     args = (streams, tokens, long_prompts, long_len)
     rows: list[dict[str, Any]] = []
     n = streams + long_prompts
-    async with local_stack(model, max_batch_size=n, parallel=n, name="bench-hybrid") as st:
+    gen = Generation(parallel=n, max_batch_size=n)
+    async with assemble(LocalSpec(model), gen) as st:
         rows.append({"mode": "hybrid", **await workload(st.frontend, vocab, *args)})
 
     # Prefill and decode run as processes, as on separate hosts: MLX serialises the CPU work
@@ -138,16 +138,17 @@ async def run_bench(
                     ),
                 )
             )
-            async with router_stack(model, secret, ra, [pa], [da], parallel=n) as rt:
-                await rt.listener.start()
+            router = DisaggSpec("router", model, secret, ra, (pa,), (da,))
+            async with assemble(router, Generation(parallel=n)) as rt:
+                listener = rt.serving.listener
+                await listener.start()
                 try:
-                    assert rt.frontend is not None
                     row = await workload(rt.frontend, vocab, *args)
                 finally:
-                    await rt.listener.close()
+                    await listener.close()
                 # Evidence that this row went through the nodes: requests the router completed
                 # with a token 0 from the prefill process and the rest from the decode process.
-                row["completed_via_router"] = rt.service.router.counts["completed"]
+                row["completed_via_router"] = rt.parts.service.router.counts["completed"]
                 rows.append({"mode": "disagg-1p1d", **row})
         finally:
             for proc in procs:

@@ -5,7 +5,7 @@ generate greedily up to ``tokens`` each:
 
 - mlx-lm, untuned, as a user would call it: ``stream_generate`` for one stream,
   ``batch_generate``'s loop for several (timed per stream, see :func:`mlx_lm_batch`);
-- mlxcel's engine through its frontend (``local_stack``: the path ``serve`` uses), the
+- mlxcel's engine through its frontend (``assemble(LocalSpec)``: the path ``serve`` uses), the
   streams submitted at once.
 
 Each row has ``engine``, ``streams``, ``prompt_tokens``, ``decode_tok_per_s`` (tokens after
@@ -130,16 +130,15 @@ async def run_bench(
 
     from mlx_lm.utils import load
 
+    from mlxcel.assembly import Generation, LocalSpec, assemble
     from mlxcel.runtime.blas import blas_name
-    from mlxcel.server.run import local_stack
 
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
     top = max(streams)
     rows: list[dict] = []
-    async with local_stack(
-        model, max_batch_size=top, parallel=top, prefill_step_size=2048, name="bench-engine"
-    ) as st:
+    gen = Generation(parallel=top, max_batch_size=top, prefill_step_size=2048)
+    async with assemble(LocalSpec(model), gen) as st:
         for n in streams:
             prompts = _prompts(vocab, n, prompt_tokens, seed=n)
             # Warm-up at this batch shape first: kernels compile on first use of a shape.

@@ -86,10 +86,10 @@ async def loopback_pipeline(
     """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 over
     the full transport and a coordinator in this process, all batching up to ``streams`` rows
     like the one-process engine they are compared with."""
+    from mlxcel.assembly import CoordinatorSpec, Generation, assemble
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
     from mlxcel.pipeline.launch import LoopbackCluster
-    from mlxcel.pipeline.remote import remote_coordinator
 
     with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
         batch = ("--max-batch-size", str(streams))
@@ -99,15 +99,10 @@ async def loopback_pipeline(
             cfg = load_cluster_config(cl.config)
             secret = load_cluster_secret(None, {}, cl.config)
             assert secret is not None
-            async with remote_coordinator(
-                cfg,
-                cfg.coordinator,
-                model,
-                secret,
-                parallel=streams,
-                max_batch_size=streams,
-                micro_batch_size=micro_batch_size,
-            ) as rc:
+            spec = CoordinatorSpec(
+                cfg, cfg.coordinator, model, secret, micro_batch_size=micro_batch_size
+            )
+            async with assemble(spec, Generation(parallel=streams, max_batch_size=streams)) as rc:
                 yield cl, rc
 
 
@@ -147,10 +142,9 @@ async def run_bench(
     """Every mode at every stream count in one run, with plain mlx-lm's split as reference."""
     import time
 
-    from mlxcel.pipeline.inproc import pipeline_stack
+    from mlxcel.assembly import Generation, LocalSpec, PipelineSpec, assemble
     from mlxcel.runtime.blas import blas_name
     from mlxcel.runtime.compute import ComputeThread
-    from mlxcel.server.run import local_stack
 
     counts = sorted(set(streams or [1, 8]))
     most = max(counts)
@@ -180,24 +174,24 @@ async def run_bench(
                 add(f"mlx-lm {kind}", n, n * 1e3 / ref[n][kind], ms_per_step=round(ref[n][kind], 3))
 
     for n in counts:
-        async with local_stack(model, max_batch_size=n, parallel=n, name="bench-single") as st:
+        async with assemble(LocalSpec(model), Generation(parallel=n, max_batch_size=n)) as st:
             add("single", n, await rate(st.frontend, n))
 
-    async with pipeline_stack(
-        model, 2, parallel=most, max_batch_size=most, micro_batch_size=micro_batch_size
-    ) as ps:
+    pipeline = PipelineSpec(model, 2, micro_batch_size=micro_batch_size)
+    async with assemble(pipeline, Generation(parallel=most, max_batch_size=most)) as ps:
 
         def snap() -> list[tuple[int, int, int, int, int]]:
             return [
                 (int(s.stats.compute_s * 1e6), *s.runtime.timing.fields().values())
-                for s in ps.stages
+                for s in ps.parts.stages
             ]
 
         for n in counts:
-            before, t0, steps0 = snap(), time.perf_counter(), step_totals(ps.coordinator)
+            coordinator = ps.parts.coordinator
+            before, t0, steps0 = snap(), time.perf_counter(), step_totals(coordinator)
             tok_s = await rate(ps.frontend, n)
             wall = time.perf_counter() - t0
-            overhead, compute_ms = per_step_ms(steps0, step_totals(ps.coordinator))
+            overhead, compute_ms = per_step_ms(steps0, step_totals(coordinator))
             add(
                 "inproc-2",
                 n,
@@ -205,26 +199,27 @@ async def run_bench(
                 overhead_ms_per_step=round(overhead, 3),
                 stage_compute_ms_per_step=round(compute_ms, 3),
                 stages=_stage_rows(before, snap(), wall),
-                micro_batch_size=ps.coordinator.coord.micro_batch_size,
+                micro_batch_size=coordinator.coord.micro_batch_size,
             )
 
     async with loopback_pipeline(model, most, micro_batch_size) as (_cluster, rc):
         await decode_rate(rc.frontend, 8)
+        rcoord, rendpoint = rc.parts.coordinator, rc.parts.endpoint
 
         async def rsnap() -> list[tuple[int, int, int, int, int]]:
-            states = await rc.coordinator.query_states()
+            states = await rcoord.query_states()
             return [(s.compute_us, s.build_us, s.eval_us, s.copy_us, s.jobs) for s in states]
 
         async def wire_total() -> int:
-            states = await rc.coordinator.query_states()
-            return rc.endpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
+            states = await rcoord.query_states()
+            return rendpoint.wire_bytes + sum(s.wire_bytes_out for s in states)
 
         for n in counts:
-            before, t0, steps0 = await rsnap(), time.perf_counter(), step_totals(rc.coordinator)
+            before, t0, steps0 = await rsnap(), time.perf_counter(), step_totals(rcoord)
             tok_s = await rate(rc.frontend, n)
             wall = time.perf_counter() - t0
             after = await rsnap()
-            overhead, compute_ms = per_step_ms(steps0, step_totals(rc.coordinator))
+            overhead, compute_ms = per_step_ms(steps0, step_totals(rcoord))
             extra: dict[str, Any] = {}
             if n == 1:
                 # Bytes per *decoded* token: the marginal cost of a longer run of the same
@@ -243,7 +238,7 @@ async def run_bench(
                 overhead_ms_per_step=round(overhead, 3),
                 stage_compute_ms_per_step=round(compute_ms, 3),
                 stages=_stage_rows(before, after, wall),
-                micro_batch_size=rc.coordinator.coord.micro_batch_size,
+                micro_batch_size=rcoord.coord.micro_batch_size,
                 **extra,
             )
 

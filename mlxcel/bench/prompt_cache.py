@@ -4,7 +4,7 @@ Turn 1 sends ``history`` random tokens (seeded) and generates ``tokens`` greedil
 resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. Measured
 in one run, time to first token (TTFT) of each turn:
 
-- mlxcel's engine through its frontend (``local_stack``, the path ``serve`` uses) with its
+- mlxcel's engine through its frontend (``assemble(LocalSpec)``, the path ``serve`` uses) with its
   prompt cache, and turn 2 again on an engine without one;
 - mlx-lm as its own chat loop uses it: one ``make_prompt_cache`` carried from turn 1 into
   turn 2, which then feeds only the tokens the cache lacks.
@@ -42,8 +42,8 @@ async def _mlxcel_turn(fe: Any, ids: list[int], tokens: int) -> tuple[float, lis
 async def run_bench(model: Path, s: Any) -> int:
     from mlx_lm.utils import load
 
+    from mlxcel.assembly import Generation, LocalSpec, assemble
     from mlxcel.runtime.blas import blas_name
-    from mlxcel.server.run import local_stack
 
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
@@ -74,7 +74,7 @@ async def run_bench(model: Path, s: Any) -> int:
     _mlx_lm_chat(ref_model, ref_tok, warm, warm_user, s.tokens)
     for turn, prompt, cached, ttft in _mlx_lm_chat(ref_model, ref_tok, history, user, s.tokens):
         row("mlx-lm", turn, prompt, cached, ttft)
-    async with local_stack(model, prompt_cache_bytes=4 << 30, name="bench-cache") as st:
+    async with assemble(LocalSpec(model), Generation(prompt_cache_bytes=4 << 30)) as st:
         _, warm_reply, _ = await _mlxcel_turn(st.frontend, warm, s.tokens)
         await _mlxcel_turn(st.frontend, warm + warm_reply + warm_user, s.tokens)
         ttft1, reply, _ = await _mlxcel_turn(st.frontend, history, s.tokens)
@@ -82,7 +82,7 @@ async def run_bench(model: Path, s: Any) -> int:
         ttft2, _, cached = await _mlxcel_turn(st.frontend, second, s.tokens)
     row("mlxcel", 1, len(history), 0, ttft1)
     row("mlxcel", 2, len(second), cached, ttft2)
-    async with local_stack(model, prompt_cache_bytes=0, name="bench-nocache") as st:
+    async with assemble(LocalSpec(model), Generation(prompt_cache_bytes=0)) as st:
         await _mlxcel_turn(st.frontend, warm + warm_reply + warm_user, s.tokens)
         off, _, _ = await _mlxcel_turn(st.frontend, second, s.tokens)
     row("mlxcel, no cache", 2, len(second), 0, off)

@@ -11,19 +11,14 @@ from mlxcel.bench.pipeline import aggregate_rate, decode_rate
 async def run_bench(
     model: Path, tokens: int, json_lines: bool, sizes: tuple[int, ...] = (1, 2), streams: int = 4
 ) -> int:
+    from mlxcel.assembly import Generation, LocalSpec, StackSpec, TensorParallelSpec, assemble
     from mlxcel.runtime.blas import blas_name
-    from mlxcel.server.run import local_stack
     from mlxcel.tp.group import pick_backend
-    from mlxcel.tp.launch import tp_stack
 
     rows = []
     for n in sizes:
-        ctx = (
-            local_stack(model, max_batch_size=streams, parallel=streams, name="bench-tp1")
-            if n == 1
-            else tp_stack(model, n, max_batch_size=streams, parallel=streams, name=f"bench-tp{n}")
-        )
-        async with ctx as st:
+        spec: StackSpec = LocalSpec(model) if n == 1 else TensorParallelSpec(model, n)
+        async with assemble(spec, Generation(parallel=streams, max_batch_size=streams)) as st:
             await decode_rate(st.frontend, 8)  # warm-up
             rate = max([(await decode_rate(st.frontend, tokens))[0] for _ in range(2)])
             agg = await aggregate_rate(st.frontend, tokens, streams)

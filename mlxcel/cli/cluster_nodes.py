@@ -9,7 +9,7 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.assembly import CoordinatorSpec, StackSpec, StageSpec
-from mlxcel.config import ServeSettings
+from mlxcel.config import ServeSettings, router_stats_verbose
 from mlxcel.net.secret import ClusterSecret, load_cluster_secret
 from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
 
@@ -35,6 +35,7 @@ def cluster_node_spec(
         s.trust_weights,
         s.startup_timeout,
         s.pp_micro_batch_size,
+        router_stats_verbose,
     )
 
 

@@ -12,6 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from mlxcel.assembly import (
+    Generation,
+    LocalSpec,
+    PipelineSpec,
+    StackSpec,
+    TensorParallelSpec,
+    assemble,
+)
 from mlxcel.config import GenerateSettings, ServeSettings
 from mlxcel.config_tools import (
     BenchBatchingSettings,
@@ -54,12 +62,13 @@ def checkpoint(s: CheckpointSettings) -> int:
 async def generate(s: GenerateSettings) -> int:
     prompt = _read_prompt(s.prompt)  # before the model loads: a bad prompt fails at once
     path = resolve_model(s.model)
-    pipelined = s.pp_size > 1 or s.pp_layers is not None
     if _tp_follower(s, path):
         return 0
     if s.dry_run:
         return _print_plan(path, s.pp_size, s.pp_layers)
-    async with _generation_stack(s, path, pipelined) as stack:
+    gen = Generation(parallel=1, max_batch_size=1, prefill_step_size=s.prefill_step_size)
+    async with assemble(single_host_spec(s, path), gen) as stack:
+        logger.info("{}", stack.summary)
         fe = stack.frontend
         ids = _prompt_ids(fe, s, prompt)
         params = SamplingParams(
@@ -133,38 +142,14 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
     return True
 
 
-def _generation_stack(s: GenerateSettings, path: Path, pipelined: bool):  # type: ignore[no-untyped-def]
+def single_host_spec(s: GenerateSettings | ServeSettings, path: Path) -> StackSpec:
+    """What ``serve`` and ``generate`` run without a cluster: a tensor-parallel group, an
+    in-process pipeline or one process, as the flags say."""
     if s.tp_size > 1 or s.tp_hostfile is not None:
-        from mlxcel.tp.launch import tp_stack
-
-        return tp_stack(
-            path,
-            s.tp_size,
-            hostfile=s.tp_hostfile,
-            max_batch_size=1,
-            prefill_step_size=s.prefill_step_size,
-            parallel=1,
-            name="generate",
-            startup_timeout=s.startup_timeout,
-            backend=s.tp_backend,
-        )
-    if pipelined:
-        from mlxcel.pipeline.inproc import pipeline_stack
-
-        return pipeline_stack(
-            path,
-            s.pp_size,
-            pp_layers=s.pp_layers,
-            parallel=1,
-            return_logits=s.pp_return_logits,
-            prefill_step_size=s.prefill_step_size,
-            micro_batch_size=s.pp_micro_batch_size,
-        )
-    from mlxcel.server.run import local_stack
-
-    return local_stack(
-        path, max_batch_size=1, prefill_step_size=s.prefill_step_size, parallel=1, name="generate"
-    )
+        return TensorParallelSpec(path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend)
+    if s.pp_size > 1 or s.pp_layers is not None:
+        return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
+    return LocalSpec(path)
 
 
 def _print_plan(
@@ -202,19 +187,14 @@ def _stats_line(u: Usage) -> str:
 async def bench_batching(s: BenchBatchingSettings) -> int:
     """Aggregate greedy decode throughput at each stream count, one model load, one run."""
     from mlxcel.runtime.blas import blas_name, ensure_blas
-    from mlxcel.server.run import local_stack
 
     desc = ensure_blas()
     counts = [int(x) for x in s.streams.split(",") if x.strip()]
     path = resolve_model(s.model, shape="small")
     top = max(counts)
-    async with local_stack(
-        path,
-        max_batch_size=top,  # every stream in one batch: what the benchmark measures
-        parallel=top,
-        prefill_step_size=s.prefill_step_size,
-        name="bench",
-    ) as stack:
+    # Every stream in one batch: what the benchmark measures.
+    gen = Generation(parallel=top, max_batch_size=top, prefill_step_size=s.prefill_step_size)
+    async with assemble(LocalSpec(path), gen) as stack:
         fe = stack.frontend
 
         from mlxcel.frontend import Usage

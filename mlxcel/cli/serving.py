@@ -4,28 +4,19 @@ here, in the CLI, and nowhere in the library."""
 
 from __future__ import annotations
 
-import asyncio
+from typing import Any
 
 from loguru import logger
 
-from mlxcel.assembly import (
-    Assembled,
-    DisaggSpec,
-    Generation,
-    LocalSpec,
-    PipelineSpec,
-    StackSpec,
-    StageSpec,
-    TensorParallelSpec,
-    assemble,
-)
+from mlxcel.assembly import DisaggSpec, Generation, StackSpec, assemble
 from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
-from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model
+from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model, single_host_spec
 from mlxcel.cli.http_checks import ApiOptions, api_options, check_context, check_port
-from mlxcel.config import ServeSettings
+from mlxcel.config import ServeSettings, router_stats_verbose
 from mlxcel.home import RANDOM_WEIGHTS_NOTE, is_embedded
 from mlxcel.loop import signals
 from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
+from mlxcel.stack import Stack
 
 
 async def serve(s: ServeSettings) -> int:
@@ -46,15 +37,13 @@ async def serve(s: ServeSettings) -> int:
         s.prefill_step_size,
         int(s.prompt_cache_bytes),
     )
-    async with assemble(spec, gen) as node:
-        logger.info("{}", node.summary)
-        if isinstance(spec, StageSpec):
-            await _run_stage(s, node)
-        elif isinstance(spec, DisaggSpec) and spec.role != "router":
-            await _run_worker(node, s.drain_timeout)
+    async with assemble(spec, gen) as stack:
+        logger.info("{}", stack.summary)
+        if stack.serving.frontend is None:
+            await _serve_cluster_port(stack, s.drain_timeout)
         else:
-            await _serve_http(s, node, api)
-        failure = node.failure()
+            await _serve_http(s, stack, api)
+        failure = stack.failure()
     if failure:
         from mlxcel.errors import TpGroupFailed
 
@@ -77,11 +66,7 @@ async def _spec(s: ServeSettings) -> StackSpec | None:
     if s.dry_run:
         _print_plan(path, s.pp_size, s.pp_layers)
         return None
-    if s.tp_size > 1 or s.tp_hostfile is not None:
-        return TensorParallelSpec(path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend)
-    if s.pp_size > 1 or s.pp_layers is not None:
-        return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
-    return LocalSpec(path)
+    return single_host_spec(s, path)
 
 
 def _disagg_spec(s: ServeSettings) -> DisaggSpec:
@@ -99,6 +84,7 @@ def _disagg_spec(s: ServeSettings) -> DisaggSpec:
         s.peer_timeout if s.peer_timeout is not None else DEFAULT_PEER_TIMEOUT,
         s.prefill_timeout,
         s.decode_allowlist,
+        router_stats_verbose,
     )
 
 
@@ -126,19 +112,17 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
 
 
 def _serves_http(spec: StackSpec) -> bool:
-    if isinstance(spec, StageSpec):
-        return False
-    return not (isinstance(spec, DisaggSpec) and spec.role != "router")
+    return spec.mode not in ("stage", "prefill", "decode")
 
 
-async def _serve_http(s: ServeSettings, node: Assembled, api: ApiOptions) -> None:
+async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
     from mlxcel.runner import HttpOptions, NodeRunner
     from mlxcel.runtime.hub import is_hub_id
 
     # A Hub model is served under its id, not its snapshot folder's hash.
     hub = s.model if s.model is not None and is_hub_id(s.model) else None
-    name = s.served_model_name or hub or node.model_name
+    name = s.served_model_name or hub or stack.model_name
     from mlxcel.server.http_guard import raise_fd_limit
 
     raise_fd_limit()  # the HTTP connection cap is set below it
@@ -154,11 +138,10 @@ async def _serve_http(s: ServeSettings, node: Assembled, api: ApiOptions) -> Non
         api_key=api.api_key,
         allowed_origins=api.origins,
     )
-    fe = node.serving.frontend
-    if fe is not None:
-        fe.max_model_len = api.max_model_len
-        fe.chat_template = api.chat_template
-    runner = NodeRunner(node.serving, http, drain_timeout=s.drain_timeout)
+    fe = stack.frontend
+    fe.max_model_len = api.max_model_len
+    fe.chat_template = api.chat_template
+    runner = NodeRunner(stack, http, drain_timeout=s.drain_timeout)
     await runner.setup()
     await runner.start()
     with signals(runner.request_stop):
@@ -168,41 +151,18 @@ async def _serve_http(s: ServeSettings, node: Assembled, api: ApiOptions) -> Non
         await runner.stop()
 
 
-async def _run_stage(s: ServeSettings, node: Assembled) -> None:
+async def _serve_cluster_port(stack: Stack[Any], drain_timeout: float) -> None:
+    """A stage, prefill or decode node: its cluster port only, until a signal (or a stage's
+    shutdown order); then what it holds runs to its end (up to ``drain_timeout``)."""
     from mlxcel.net.interfaces import probe_rdma
     from mlxcel.runner import NodeRunner
 
-    service, me = node.stage, service_id(node)
-    runner = NodeRunner(node.serving)
+    runner = NodeRunner(stack, drain_timeout=drain_timeout)
     await runner.start()
-    logger.info("transport: {}", probe_rdma().detail)
-    logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])
+    if stack.mode == "stage":
+        logger.info("transport: {}", probe_rdma().detail)
     with signals(runner.request_stop):
-        await runner.wait()
-        if not service.stopped.is_set():
-            logger.info("{}: SIGTERM: draining {} sequences", me, len(service.seqs))
-            service.request_shutdown()
-            try:
-                await asyncio.wait_for(service.stopped.wait(), s.drain_timeout)
-            except TimeoutError:
-                logger.warning("{}: drain timed out with {} sequences", me, len(service.seqs))
-        await runner.stop()
-    logger.info("{} stopped", me)
-
-
-async def _run_worker(node: Assembled, drain_timeout: float) -> None:
-    """A prefill or decode node: its cluster port only, until a signal; then what it holds
-    runs to its end (up to ``drain_timeout``) while the router sends it nothing new."""
-    from mlxcel.runner import NodeRunner
-
-    runner = NodeRunner(node.serving, drain_timeout=drain_timeout)
-    await runner.start()
-    with signals(runner.request_stop):
-        logger.info("mlxcel {} listening on {}", node.summary, runner.addresses["cluster"])
+        logger.info("mlxcel {} listening on {}", stack.summary, runner.addresses["cluster"])
         await runner.wait()
         await runner.stop()
-    logger.info("{} stopped", node.summary)
-
-
-def service_id(node: Assembled) -> str:
-    return f"stage {node.stage.config.node_id}"
+    logger.info("{} stopped", stack.summary)

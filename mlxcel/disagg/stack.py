@@ -10,102 +10,115 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.disagg.decode_core import DecodeConfig
 from mlxcel.disagg.prefill_core import PrefillConfig
-from mlxcel.disagg.protocol import PREFILL_TIMEOUT, parse_allowlist
+from mlxcel.disagg.protocol import NODE_CAPACITY, parse_allowlist
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
 from mlxcel.frontend import Frontend
-from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
+from mlxcel.messages import EXTENDED_SAMPLING
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.network import split_hostport
-from mlxcel.net.secret import ClusterSecret
+from mlxcel.net.pool import ConnectionPool
 from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.model import LoadedModel, load_model, load_tokenizer_only
+from mlxcel.specs import DisaggSpec, Generation
+from mlxcel.stack import Serving, Stack
+from mlxcel.topology import Topology, router_topology
 
 PING_BUDGET = 1.0  # at least this long for a probe's ping to be answered
 
 
 @dataclass
-class RoleStack:
-    node: Node
+class RoleParts:
     service: Any  # RouterService | PrefillService | DecodeService
     listener: ClusterListener
-    frontend: Frontend | None = None  # the router's
     engine: LocalEngine | None = None  # prefill and decode
 
 
 @asynccontextmanager
-async def router_stack(
-    model_path: Path,
-    secret: ClusterSecret,
-    bind: str,
-    prefill: list[str],
-    decode: list[str],
-    *,
-    parallel: int = 8,
-    queue_size: int = 64,
-    request_timeout: float = 600.0,
-    startup_timeout: float = 60.0,
-    interface: str | None = None,
-    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-    prefill_timeout: float = PREFILL_TIMEOUT,
-) -> AsyncIterator[RoleStack]:
-    """A router that has seen one prefill and one decode node answer; bind ``listener``
-    (results come back there) before serving HTTP."""
-    tokenizer, config = load_tokenizer_only(model_path)
+async def router_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack[RoleParts]]:
+    """A router that has seen one prefill and one decode node answer; the runner binds its
+    listener (results come back there) with the HTTP API."""
+    tokenizer, config = load_tokenizer_only(spec.model)
+    prefill, decode = list(spec.prefill_peers), list(spec.decode_peers)
     async with Node("router") as node:
-        section = ClusterSection(peer_timeout=peer_timeout)
+        section = ClusterSection(peer_timeout=spec.peer_timeout)
         listener, pool, endpoint = cluster_net(
-            node, section, bind, "router", secret, interface, [*prefill, *decode]
+            node, section, spec.bind, "router", spec.secret, spec.interface, [*prefill, *decode]
         )
-
-        async def probe(address: str, deadline: float, fresh: bool) -> None:
-            host, port = split_hostport(address)
-            if fresh:
-                pool.drop(host, port)  # the handshake must succeed again, with that very node
-            # A round trip on the open connection: an open socket to a partitioned or stopped
-            # node says nothing (no reset ever comes); an answer does.
-            # After a lost connection, a refused dial is the answer (a killed node): two tries,
-            # not the backoff's five over 3 s.
-            conn = await pool.get(host, port, deadline, attempts=2 if fresh else None)
-            # The ping's own budget: a dial that took most of the probe's time says nothing
-            # about whether the node answers.
-            await conn.ping(max(deadline, asyncio.get_running_loop().time() + PING_BUDGET))
-
         core = RouterCore(
             prefill,
             decode,
             first_nonce=secrets.randbits(48) + 1,
-            prefill_timeout=prefill_timeout,
+            prefill_timeout=spec.prefill_timeout,
             vocab=int(config["vocab_size"]),
             max_len=int(config.get("max_position_embeddings", 1 << 30)),
         )
-        service = RouterService(node, endpoint, core, probe)
+        service = RouterService(node, endpoint, core, _prober(pool))
         service.attach()
-        await service.wait_ready(startup_timeout)
-        fe = Frontend(
-            node,
-            tokenizer,
-            parallel=parallel,
-            queue_size=queue_size,
-            request_timeout=request_timeout,
+        await service.wait_ready(spec.startup_timeout)
+        fe = Frontend.attached(node, tokenizer, gen)
+        summary = (
+            f"router over {len(prefill)} prefill and {len(decode)} decode nodes, results on "
+            f"{spec.bind}"
         )
-        fe.attach()
-        yield RoleStack(node, service, listener, frontend=fe)
+        serving = _router_serving(node, fe, service, listener, spec.verbose_stats)
+        yield Stack("router", serving, spec.model.name, summary, RoleParts(service, listener))
+
+
+def _prober(pool: ConnectionPool) -> Callable[[str, float, bool], Awaitable[None]]:
+    async def probe(address: str, deadline: float, fresh: bool) -> None:
+        host, port = split_hostport(address)
+        if fresh:
+            pool.drop(host, port)  # the handshake must succeed again, with that very node
+        # A round trip on the open connection: an open socket to a partitioned or stopped
+        # node says nothing (no reset ever comes); an answer does.
+        # After a lost connection, a refused dial is the answer (a killed node): two tries,
+        # not the backoff's five over 3 s.
+        conn = await pool.get(host, port, deadline, attempts=2 if fresh else None)
+        # The ping's own budget: a dial that took most of the probe's time says nothing
+        # about whether the node answers.
+        await conn.ping(max(deadline, asyncio.get_running_loop().time() + PING_BUDGET))
+
+    return probe
+
+
+def _router_serving(
+    node: Node,
+    fe: Frontend,
+    service: RouterService,
+    listener: ClusterListener,
+    verbose: Callable[[], bool],
+) -> Serving:
+    async def topology() -> Topology:
+        return router_topology(service.stats(verbose=False))
+
+    return Serving(
+        node,
+        fe,
+        lambda: service.router.active,
+        service.health,
+        listener,
+        # The prefill and decode nodes sample with the one-process engine, and the handoff
+        # carries what its penalties and PRNG need: every parameter.
+        sampling=EXTENDED_SAMPLING,
+        mode="disaggregated router",
+        topology=topology,
+        # Read per request: an operator may flip it without a restart.
+        extra_get={"/router/stats": lambda: service.stats(verbose())},
+    )
 
 
 def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int]:
@@ -122,73 +135,81 @@ def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int]:
 
 
 @asynccontextmanager
-async def worker_stack(
-    role: str,
-    model_path: Path,
-    secret: ClusterSecret,
-    bind: str,
-    *,
-    decode_peers: list[str] | None = None,
-    allowlist: str | None = None,
-    max_batch_size: int = 8,
-    prefill_step_size: int = PREFILL_STEP_SIZE,
-    max_sequences: int = 64,
-    interface: str | None = None,
-    peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-) -> AsyncIterator[RoleStack]:
-    """A prefill or decode node with its model loaded and warmed up; bind ``listener``."""
-    from mlxcel.runtime.kv_handoff import unsupported_reason
-
+async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack[RoleParts]]:
+    """A prefill or decode node with its model loaded and warmed up; the runner binds its
+    listener."""
     compute = ComputeThread()
     try:
-        loaded = await compute.run(load_model, model_path)
-        async with Node(role) as node:
+        loaded = await compute.run(load_model, spec.model)
+        async with Node(spec.role) as node:
             # It is not told the router's address: the router's first dial gets a slot by the
             # listener's fair share, every later one from the members' pool.
-            section = ClusterSection(peer_timeout=peer_timeout)
+            section = ClusterSection(peer_timeout=spec.peer_timeout)
             listener, _pool, endpoint = cluster_net(
-                node, section, bind, role, secret, interface, list(decode_peers or ())
+                node,
+                section,
+                spec.bind,
+                spec.role,
+                spec.secret,
+                spec.interface,
+                list(spec.decode_peers),
             )
             engine = LocalEngine(
                 loaded,
                 compute,
-                max_batch_size=max_batch_size,
-                prefill_step_size=prefill_step_size,
-                max_sequences=max_sequences,
+                max_batch_size=gen.max_batch_size,
+                prefill_step_size=gen.prefill_step_size,
+                max_sequences=NODE_CAPACITY,  # what the router lets a node hold
             )
             await engine.attach(node, serve_bus=False)
-            vocab = int(loaded.config["vocab_size"])
-            max_len = int(loaded.config.get("max_position_embeddings", 1 << 30))
-            service: PrefillService | DecodeService
-            if role == "prefill":
-                unsupported = await compute.run(unsupported_reason, loaded.model, loaded.family)
-                if unsupported:
-                    logger.warning("prefill: {}; every request will be refused", unsupported)
-                else:
-                    await compute.run(_kv_dims, loaded)
-                allowed, skipped = parse_allowlist(allowlist)
-                for item in skipped:
-                    logger.warning("--decode-allowlist: skipping {!r}: not a numeric IP:port", item)
-                if allowed is None:
-                    logger.warning(
-                        "--decode-allowlist (MLXCEL_DECODE_ALLOWLIST) is unset or has no valid "
-                        "entry: this prefill node hands KV caches to any decode target a "
-                        "request names"
-                    )
-                cfg = PrefillConfig(
-                    tuple(decode_peers or ()),
-                    allowed,
-                    unsupported,
-                    vocab,
-                    max_len,
-                    max_sequences=max_sequences,
-                )
-                service = PrefillService(node, endpoint, engine, cfg)
-            else:
-                dims = await compute.run(_kv_dims, loaded)
-                cfg_d = DecodeConfig(vocab, max_len, max_sequences, dims=dims)
-                service = DecodeService(node, endpoint, engine, cfg_d, dims)
+            make = _prefill_service if spec.role == "prefill" else _decode_service
+            service = await make(node, endpoint, engine, compute, spec)
             service.attach()
-            yield RoleStack(node, service, listener, engine=engine)
+            serving = Serving(node, listener=listener, drain=service.drain)
+            summary = f"{spec.role} node on {spec.bind}"
+            parts = RoleParts(service, listener, engine)
+            yield Stack(spec.role, serving, spec.model.name, summary, parts)
     finally:
         compute.close()
+
+
+def _model_bounds(loaded: LoadedModel) -> tuple[int, int]:
+    """(vocab size, longest sequence) of the model's config."""
+    config = loaded.config
+    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 1 << 30))
+
+
+async def _prefill_service(
+    node: Node, endpoint: Any, engine: LocalEngine, compute: ComputeThread, spec: DisaggSpec
+) -> PrefillService:
+    from mlxcel.runtime.kv_handoff import unsupported_reason
+
+    loaded = engine.loaded
+    unsupported = await compute.run(unsupported_reason, loaded.model, loaded.family)
+    if unsupported:
+        logger.warning("prefill: {}; every request will be refused", unsupported)
+    else:
+        await compute.run(_kv_dims, loaded)
+    allowed, skipped = parse_allowlist(spec.decode_allowlist)
+    for item in skipped:
+        logger.warning("--decode-allowlist: skipping {!r}: not a numeric IP:port", item)
+    if allowed is None:
+        logger.warning(
+            "--decode-allowlist (MLXCEL_DECODE_ALLOWLIST) is unset or has no valid entry: this "
+            "prefill node hands KV caches to any decode target a request names"
+        )
+    vocab, max_len = _model_bounds(loaded)
+    cfg = PrefillConfig(
+        spec.decode_peers, allowed, unsupported, vocab, max_len, max_sequences=NODE_CAPACITY
+    )
+    return PrefillService(node, endpoint, engine, cfg)
+
+
+async def _decode_service(
+    node: Node, endpoint: Any, engine: LocalEngine, compute: ComputeThread, spec: DisaggSpec
+) -> DecodeService:
+    dims = await compute.run(_kv_dims, engine.loaded)
+    vocab, max_len = _model_bounds(engine.loaded)
+    return DecodeService(
+        node, endpoint, engine, DecodeConfig(vocab, max_len, NODE_CAPACITY, dims=dims), dims
+    )

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import secrets
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from loguru import logger
@@ -23,7 +24,9 @@ from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.effects import Answer, Deliver, Effect
 from mlxcel.endpoint import Endpoint
 from mlxcel.errors import BusError, MlxcelError, PipelineError
+from mlxcel.frontend import Frontend
 from mlxcel.messages import (
+    EXTENDED_SAMPLING,
     Ack,
     Bundle,
     CancelRequest,
@@ -37,8 +40,10 @@ from mlxcel.messages import (
     Undecodable,
 )
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
+from mlxcel.stack import Serving
+from mlxcel.topology import Topology, pipeline_topology
 
-__all__ = ["PipelineCoordinator", "PipelineError"]
+__all__ = ["PipelineCoordinator", "PipelineError", "coordinator_serving"]
 
 PROBE_INTERVAL = 1.0  # seconds between liveness probes of each stage
 PROBE_TIMEOUT = 2.0  # a stage that does not answer a probe within this is down
@@ -288,3 +293,29 @@ class PipelineCoordinator(CoreAdapter):
                 "wire_bytes_out": self.endpoint.wire_bytes,
             },
         }
+
+
+def coordinator_serving(
+    node: Node,
+    fe: Frontend,
+    coordinator: PipelineCoordinator,
+    return_logits: bool,
+    verbose: Callable[[], bool] = lambda: False,
+) -> Serving:
+    """What a runner serves for a pipeline's coordinator, in-process or remote. ``verbose``
+    (read per request): stage addresses in /health."""
+
+    async def topology() -> Topology:
+        return pipeline_topology(await coordinator.health(verbose=False))
+
+    return Serving(
+        node,
+        fe,
+        lambda: coordinator.active,
+        lambda: coordinator.health(verbose()),
+        # The final stage samples with every parameter (processors, top_logprobs); with
+        # --pp-return-logits the coordinator samples the returned logits itself, plainly.
+        sampling=frozenset() if return_logits else EXTENDED_SAMPLING,
+        mode="pipeline",
+        topology=topology,
+    )

@@ -10,7 +10,7 @@ Every node of a pipeline with two or more stages requires the cluster secret.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,6 @@ from loguru import logger
 from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.protocol import ModelIdentity, weights_mismatch
 from mlxcel.bus import Node
-from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
@@ -31,13 +30,15 @@ from mlxcel.net.network import TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSpec
-from mlxcel.pipeline.coordinator import PipelineCoordinator
+from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, load_model, load_tokenizer_only
+from mlxcel.specs import CoordinatorSpec, Generation, StageSpec
+from mlxcel.stack import Serving, Stack
 from mlxcel.wire.handshake import Identity
 
 
@@ -109,35 +110,25 @@ def cluster_net(
 
 
 @asynccontextmanager
-async def stage_node(
-    cfg: ClusterConfig,
-    me: NodeSpec,
-    model_path: Path,
-    secret: ClusterSecret,
-    *,
-    return_logits: bool = False,
-    max_batch: int = 8,
-    prefill_step_size: int = PREFILL_STEP_SIZE,
-    interface: str | None = None,
-    trust_weights: bool = False,
-) -> AsyncIterator[tuple[StageService, ClusterListener, str]]:
-    """A stage node of ``cfg``, warmed up: its service, its (not yet bound) cluster listener,
-    and its layer range as text. Bind the listener (a NodeRunner site) to start serving."""
+async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[StageService]]:
+    """A stage node of ``spec.cfg``, warmed up; its cluster listener (in ``serving``) is bound
+    by the runner."""
+    cfg, me = spec.cfg, spec.me
     stages = cfg.stages
     index = [s.id for s in stages].index(me.id)
     compute = ComputeThread()
     try:
         # Hashing the weights (the first time: seconds per GB) overlaps loading them.
         hashing = asyncio.ensure_future(
-            asyncio.to_thread(model_identity, model_path, not trust_weights)
+            asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
         )
         try:
-            loaded = await compute.run(load_model, model_path, True)
+            loaded = await compute.run(load_model, spec.model, True)
         finally:
             ident = await hashing
-        stage_plan = cluster_plan(cfg, model_path, loaded.n_layers)[index]
+        stage_plan = cluster_plan(cfg, spec.model, loaded.n_layers)[index]
         async with Node(me.id) as node:
-            listener, _pool, endpoint = _net(node, cfg, me, secret, interface)
+            listener, _pool, endpoint = _net(node, cfg, me, spec.secret, spec.interface)
             service = StageService(
                 node,
                 endpoint,
@@ -153,9 +144,9 @@ async def stage_node(
                     cfg.coordinator.address,
                     upstream=stages[index - 1].address if index else None,
                     downstream=stages[index + 1].address if index + 1 < len(stages) else None,
-                    return_logits=return_logits,
-                    max_batch=max_batch,
-                    warm_up_tokens=prefill_step_size,
+                    return_logits=spec.return_logits,
+                    max_batch=gen.max_batch_size,
+                    warm_up_tokens=gen.prefill_step_size,
                     max_sequences=cfg.cluster.max_sequences_per_stage,
                     lease=cfg.cluster.sequence_lease,
                     forward_timeout=cfg.cluster.forward_timeout,
@@ -166,47 +157,56 @@ async def stage_node(
             )
             service.attach()
             await service.warm_up()
-            yield service, listener, stage_plan.spec
+            serving = Serving(
+                node, listener=listener, done=service.stopped, drain=_stage_drain(service)
+            )
+            summary = f"stage {me.id} (layers {stage_plan.spec})"
+            yield Stack("stage", serving, spec.model.name, summary, service)
     finally:
         compute.close()
 
 
+def _stage_drain(service: StageService) -> Callable[[float], Awaitable[int]]:
+    """A stage told to stop finishes its sequences (the coordinator sends it nothing new)
+    until the deadline; returns how many are left."""
+
+    async def drain(deadline: float) -> int:
+        if not service.stopped.is_set():
+            me = service.config.node_id
+            logger.info("stage {}: draining {} sequences", me, len(service.seqs))
+            service.request_shutdown()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(service.stopped.wait(), max(left, 0.0))
+            except TimeoutError:
+                pass
+        return len(service.seqs)
+
+    return drain
+
+
 @dataclass
-class RemoteCoordinator:
-    node: Node
+class CoordinatorParts:
     coordinator: PipelineCoordinator
-    frontend: Frontend
     endpoint: TcpEndpoint
     plan: list[StagePlan]
 
 
 @asynccontextmanager
-async def remote_coordinator(
-    cfg: ClusterConfig,
-    me: NodeSpec,
-    model_path: Path,
-    secret: ClusterSecret,
-    *,
-    parallel: int = 8,
-    queue_size: int = 64,
-    request_timeout: float = 600.0,
-    return_logits: bool = False,
-    interface: str | None = None,
-    startup_timeout: float = 60.0,
-    prefill_step_size: int = PREFILL_STEP_SIZE,
-    micro_batch_size: int | None = None,
-    max_batch_size: int | None = None,
-    trust_weights: bool = False,
-) -> AsyncIterator[RemoteCoordinator]:
-    """A coordinator node connected to every stage of ``cfg`` and checked, plus its frontend."""
+async def coordinator_stack(
+    spec: CoordinatorSpec, gen: Generation
+) -> AsyncIterator[Stack[CoordinatorParts]]:
+    """A coordinator node connected to every stage of ``spec.cfg`` and checked, plus its
+    frontend."""
+    cfg = spec.cfg
     # Hashing the weights overlaps reaching the stages (which hash theirs meanwhile).
     hashing = asyncio.ensure_future(
-        asyncio.to_thread(model_identity, model_path, not trust_weights)
+        asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
     )
-    tokenizer, config = load_tokenizer_only(model_path)
-    stages_plan = cluster_plan(cfg, model_path, int(config["num_hidden_layers"]))
-    async with Node(me.id) as node:
-        listener, pool, endpoint = _net(node, cfg, me, secret, interface)
+    tokenizer, config = load_tokenizer_only(spec.model)
+    stages_plan = cluster_plan(cfg, spec.model, int(config["num_hidden_layers"]))
+    async with Node(spec.me.id) as node:
+        listener, pool, endpoint = _net(node, cfg, spec.me, spec.secret, spec.interface)
         coordinator = PipelineCoordinator(
             node,
             endpoint,
@@ -215,37 +215,33 @@ async def remote_coordinator(
             vocab=int(config["vocab_size"]),
             max_len=int(config.get("max_position_embeddings", 1 << 30)),
             step_timeout=cfg.cluster.step_timeout,
-            return_logits=return_logits,
-            max_sequences=parallel,
-            prefill_step_size=prefill_step_size,
-            micro_batch_size=micro_batch_size,
-            stage_max_batch=max_batch_size,
+            return_logits=spec.return_logits,
+            max_sequences=gen.parallel,
+            prefill_step_size=gen.prefill_step_size,
+            micro_batch_size=spec.micro_batch_size,
+            stage_max_batch=gen.max_batch_size,
         )
         coordinator.attach()
         await listener.start()
         try:
-            states = await connect_stages(coordinator, pool, cfg, stages_plan, startup_timeout)
+            states = await connect_stages(coordinator, pool, cfg, stages_plan, spec.startup_timeout)
         except BaseException:
             hashing.cancel()  # the error is what matters now, not the digest
             raise
         ident = await hashing
-        for spec, st in zip(cfg.stages, states, strict=True):
-            check_model(spec.id, st, ident)
+        for stage, st in zip(cfg.stages, states, strict=True):
+            check_model(stage.id, st, ident)
         coordinator.start_probing()
-        fe = Frontend(
-            node,
-            tokenizer,
-            parallel=parallel,
-            queue_size=queue_size,
-            request_timeout=request_timeout,
-        )
-        fe.attach()
+        fe = Frontend.attached(node, tokenizer, gen)
         logger.info(
             "pipeline of {} stages ready: {}",
             len(stages_plan),
             ", ".join(f"{s.id}={p.spec}" for s, p in zip(cfg.stages, stages_plan, strict=True)),
         )
-        yield RemoteCoordinator(node, coordinator, fe, endpoint, stages_plan)
+        serving = coordinator_serving(node, fe, coordinator, spec.return_logits, spec.verbose_stats)
+        summary = f"pipeline coordinator of {len(stages_plan)} stages"
+        parts = CoordinatorParts(coordinator, endpoint, stages_plan)
+        yield Stack("coordinator", serving, spec.model.name, summary, parts)
 
 
 async def connect_stages(

@@ -21,13 +21,16 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel.bus import Node
-from mlxcel.defaults import PREFILL_STEP_SIZE
 from mlxcel.errors import ConfigError, TpGroupFailed
 from mlxcel.frontend import Frontend
+from mlxcel.messages import EXTENDED_SAMPLING
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.devices import device_env, gpu_ids
+from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel
+from mlxcel.specs import Generation, TensorParallelSpec
+from mlxcel.stack import Serving, Stack
 from mlxcel.tp.engine import TpEngine
 from mlxcel.tp.group import (
     check_shardable,
@@ -40,116 +43,131 @@ from mlxcel.tp.group import (
 
 
 @dataclass
-class TpStack:
-    node: Node
+class TpParts:
     loaded: LoadedModel
     engine: TpEngine
-    frontend: Frontend
     size: int
 
 
-@asynccontextmanager
-async def tp_stack(
-    model_path: Path,
-    tp_size: int,
-    *,
-    hostfile: Path | None = None,
-    max_batch_size: int = 8,
-    prefill_step_size: int = PREFILL_STEP_SIZE,
-    parallel: int = 8,
-    queue_size: int = 64,
-    request_timeout: float = 600.0,
-    name: str = "tp",
-    startup_timeout: float = 60.0,
-    backend: str = "auto",
-) -> AsyncIterator[TpStack]:
-    config = json.loads((model_path / "config.json").read_text())
-    if hostfile is not None:
-        ranks = len(read_hostfile(hostfile))
-        if tp_size not in (1, ranks):
-            raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {tp_size}")
-        tp_size = ranks
-    check_shardable(config, tp_size)  # before any weights load
+def _group_size(spec: TensorParallelSpec) -> int:
+    """The group's size (a hostfile's rank count wins), checked before any weights load."""
+    config = json.loads((spec.model / "config.json").read_text())
+    size = spec.size
+    if spec.hostfile is not None:
+        ranks = len(read_hostfile(spec.hostfile))
+        if size not in (1, ranks):
+            raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {size}")
+        size = ranks
+    check_shardable(config, size)
     gpus = gpu_ids()
-    if hostfile is None and pick_backend(backend) == "nccl" and tp_size > len(gpus):
+    if spec.hostfile is None and pick_backend(spec.backend) == "nccl" and size > len(gpus):
         raise ConfigError(
-            "--tp-size", f"{tp_size} ranks but {len(gpus)} GPUs here: NCCL needs a GPU per rank"
+            "--tp-size", f"{size} ranks but {len(gpus)} GPUs here: NCCL needs a GPU per rank"
         )
+    return size
+
+
+async def _spawn_followers(
+    spec: TensorParallelSpec, gen: Generation, hostfile: Path, size: int
+) -> list[asyncio.subprocess.Process]:
+    """Ranks 1..size-1 on this host, each a ``mlxcel.tp.follower`` process."""
+    followers = []
+    for rank in range(1, size):
+        args = {
+            "--model": spec.model,
+            "--rank": rank,
+            "--hostfile": hostfile,
+            "--max-batch-size": gen.max_batch_size,
+            "--prefill-step-size": gen.prefill_step_size,
+            "--startup-timeout": spec.startup_timeout,
+            "--tp-backend": spec.backend,
+        }
+        argv = [str(x) for pair in args.items() for x in pair]
+        followers.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "mlxcel.tp.follower",
+                *argv,
+                env=device_env(rank, colocated_env(size)),
+            )
+        )
+    return followers
+
+
+def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, size: int) -> Serving:
+    async def health() -> dict[str, object]:
+        ranks: dict[str, object] = {"ranks": size}
+        if engine.fatal.is_set():
+            ranks["error"] = engine.fatal_reason
+        return {"ready": not engine.fatal.is_set(), "tensor_parallel": ranks}
+
+    # The group failing stops the runner like a signal does.
+    return Serving(
+        node,
+        fe,
+        lambda: engine.active,
+        health,
+        done=engine.fatal,
+        sampling=EXTENDED_SAMPLING,
+        mode="tensor parallel",
+        kv=lambda: figures(engine.kv_tokens(), loaded.config, loaded.n_layers, size),
+    )
+
+
+@asynccontextmanager
+async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[Stack[TpParts]]:
+    size = _group_size(spec)
     compute = ComputeThread()
     followers: list[asyncio.subprocess.Process] = []
+    stopping = startup_failed = False
+    engine: TpEngine | None = None
     with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
+        hostfile = spec.hostfile
         if hostfile is None:
-            hostfile = write_local_hostfile(tp_size, Path(tmp))
-            for rank in range(1, tp_size):
-                followers.append(
-                    await asyncio.create_subprocess_exec(
-                        sys.executable,
-                        "-m",
-                        "mlxcel.tp.follower",
-                        "--model",
-                        str(model_path),
-                        "--rank",
-                        str(rank),
-                        "--hostfile",
-                        str(hostfile),
-                        "--max-batch-size",
-                        str(max_batch_size),
-                        "--prefill-step-size",
-                        str(prefill_step_size),
-                        "--startup-timeout",
-                        str(startup_timeout),
-                        "--tp-backend",
-                        backend,
-                        env=device_env(rank, colocated_env(tp_size)),
-                    )
-                )
-        stopping = False
-        startup_failed = False
-        engine: TpEngine | None = None
+            hostfile = write_local_hostfile(size, Path(tmp))
+            followers = await _spawn_followers(spec, gen, hostfile, size)
         try:
             group = await _while_ranks_live(
-                compute.run(init_group, 0, hostfile, startup_timeout, backend),
+                compute.run(init_group, 0, hostfile, spec.startup_timeout, spec.backend),
                 followers,
                 "join the group",
-                startup_timeout,
+                spec.startup_timeout,
             )
-            if group.size() != tp_size:
-                raise TpGroupFailed(
-                    f"the hostfile has {group.size()} ranks, --tp-size is {tp_size}"
-                )
+            if group.size() != size:
+                raise TpGroupFailed(f"the hostfile has {group.size()} ranks, --tp-size is {size}")
             loaded = await _while_ranks_live(
-                compute.run(load_sharded, model_path, group),
+                compute.run(load_sharded, spec.model, group),
                 followers,
                 "load the shards",
-                max(startup_timeout, 120.0),
+                max(spec.startup_timeout, 120.0),
             )
-            async with Node(name) as node:
+            async with Node("tensor-parallel") as node:
                 engine = TpEngine(
                     loaded,
                     compute,
-                    max_batch_size=max_batch_size,
-                    prefill_step_size=prefill_step_size,
-                    max_sequences=max(parallel, 1),
+                    max_batch_size=gen.max_batch_size,
+                    prefill_step_size=gen.prefill_step_size,
+                    max_sequences=max(gen.parallel, 1),
                     group=group,
                 )
                 await engine.attach(node)
                 for rank, proc in enumerate(followers, start=1):
                     node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
-                fe = Frontend(
-                    node,
-                    loaded.tokenizer,
-                    parallel=parallel,
-                    queue_size=queue_size,
-                    request_timeout=request_timeout,
+                fe = Frontend.attached(node, loaded.tokenizer, gen)
+                summary = (
+                    f"tensor-parallel group of {size} ranks; decode path: batched forward on "
+                    f"every rank, up to {gen.max_batch_size} sequences per step"
                 )
-                fe.attach()
-                logger.info(
-                    "tensor parallel: {} ranks; decode path: batched forward on every rank, "
-                    "up to {} sequences per step",
-                    tp_size,
-                    max_batch_size,
+                eng = engine
+                yield Stack(
+                    "tensor-parallel",
+                    _serving(node, fe, eng, loaded, size),
+                    loaded.name,
+                    summary,
+                    TpParts(loaded, eng, size),
+                    lambda: eng.fatal_reason or None,
                 )
-                yield TpStack(node, loaded, engine, fe, tp_size)
                 stopping = True
                 if not engine.fatal.is_set():
                     await compute.run(engine.stop_followers)
@@ -158,16 +176,21 @@ async def tp_stack(
             raise
         finally:
             stopping = True
-            for proc in followers:
-                try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+            await _reap(followers)
+            # A failed group's compute thread may sit in a dead collective: do not join it.
             if startup_failed or (engine is not None and engine.fatal.is_set()):
-                compute.abandon()  # its thread may sit in a dead collective: do not join it
+                compute.abandon()
             else:
                 compute.close()
+
+
+async def _reap(followers: list[asyncio.subprocess.Process]) -> None:
+    for proc in followers:
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 PROGRESS_EVERY = 5.0  # seconds between "still waiting" lines

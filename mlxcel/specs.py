@@ -1,0 +1,120 @@
+"""What to run, in plain values: one spec type per serving mode, and the generation limits
+every generating mode shares. Pure (no MLX, no sockets): the CLI, an embedding service or a
+test writes one, and :func:`mlxcel.assembly.assemble` builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxcel.defaults import PREFILL_STEP_SIZE
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What every generating stack shares: admission and batching limits."""
+
+    parallel: int = 8
+    queue_size: int = 64
+    request_timeout: float = 600.0
+    max_batch_size: int = 8
+    prefill_step_size: int = PREFILL_STEP_SIZE
+    prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """One process: the whole model, one engine."""
+
+    model: Path
+    mode = "local"
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """Rank 0 of a tensor-parallel group (it starts the other ranks unless ``hostfile``)."""
+
+    model: Path
+    size: int
+    hostfile: Path | None = None
+    startup_timeout: float = 60.0
+    backend: str = "auto"  # --tp-backend
+    mode = "tensor-parallel"
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Every stage and the coordinator in this process, on an in-memory fabric."""
+
+    model: Path
+    size: int
+    layers: str | None = None
+    return_logits: bool = False
+    micro_batch_size: int | None = None
+    # A compute thread per stage (micro-batches overlap on the host as across processes);
+    # by default the stages share one, as one device is fed in order.
+    stage_threads: bool = False
+    mode = "pipeline"
+
+
+@dataclass(frozen=True)
+class _ClusterNodeSpec:
+    """A node of a multi-process pipeline (``cfg``: its cluster TOML; ``me``: its entry)."""
+
+    cfg: Any
+    me: Any
+    model: Path
+    secret: Any
+    return_logits: bool = False
+    interface: str | None = None
+    trust_weights: bool = False  # skip the weight digest (see mlxcel.bringup.identity)
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec(_ClusterNodeSpec):
+    """The coordinator of a multi-process pipeline: it serves the HTTP API."""
+
+    startup_timeout: float = 60.0
+    micro_batch_size: int | None = None
+    # Stage addresses in /health, read per request (the CLI: MLXCEL_ROUTER_STATS_VERBOSE).
+    verbose_stats: Callable[[], bool] = _never
+    mode = "coordinator"
+
+
+@dataclass(frozen=True)
+class StageSpec(_ClusterNodeSpec):
+    """One stage process of a multi-process pipeline."""
+
+    mode = "stage"
+
+
+@dataclass(frozen=True)
+class DisaggSpec:
+    """A node of disaggregated serving: ``role`` (router, prefill or decode) is its mode."""
+
+    role: str
+    model: Path
+    secret: Any
+    bind: str
+    prefill_peers: tuple[str, ...] = ()
+    decode_peers: tuple[str, ...] = ()
+    interface: str | None = None
+    startup_timeout: float = 60.0
+    peer_timeout: float = 3.0  # a peer unheard this long is down
+    prefill_timeout: float = 300.0  # router: dispatch to first token
+    decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
+    # router: node addresses in /router/stats, read per request (MLXCEL_ROUTER_STATS_VERBOSE).
+    verbose_stats: Callable[[], bool] = _never
+
+    @property
+    def mode(self) -> str:
+        return self.role
+
+
+StackSpec = LocalSpec | TensorParallelSpec | PipelineSpec | CoordinatorSpec | StageSpec | DisaggSpec
