@@ -352,6 +352,7 @@ def test_embedding_example_runs() -> None:
     assert "ticks while generating:" in r.stdout
     assert "handler errors counted: 1" in r.stdout
     assert "served over HTTP: 4 tokens; first token's alternatives: 2" in r.stdout
+    assert "one more: 4 tokens; ready: True" in r.stdout  # the Stack verbs, start to close
 
 
 def _literal_choices(annotation: object) -> tuple[object, ...]:

@@ -155,17 +155,7 @@ async def push_assignments(
         dry_run=dry_run,
     )
     async with Node("bringup-coordinator") as node:
-        pool = ConnectionPool(
-            node,
-            secret,
-            Identity(host, port, "coordinator"),
-            channel=Channel.ASSIGNMENT,
-            backoff=Backoff(attempts=1, base_delay=0.5),  # the core retries every 0.5 s
-            bind_ip=host,
-            handshake_timeout=HANDSHAKE_BOUND,
-            frame_timeout=FRAME_BOUND,
-            peer_timeout=None,  # the push bounds its phases itself (see PEER_LIMITS)
-        )
+        pool = _assignment_pool(node, secret, host, port)
         receiver = None
         if discovery.mode == "mdns":
             receiver = BeaconReceiver("0.0.0.0", discovery.port, shaped=looks_like_beacon)
@@ -187,6 +177,21 @@ async def push_assignments(
         raise BringupFailed(done.summary)
     logger.info("{}", done.summary)
     return plan
+
+
+def _assignment_pool(node: Node, secret: ClusterSecret, host: str, port: int) -> ConnectionPool:
+    """The coordinator's dials on the assignment channel, from its control address."""
+    return ConnectionPool(
+        node,
+        secret,
+        Identity(host, port, "coordinator"),
+        channel=Channel.ASSIGNMENT,
+        backoff=Backoff(attempts=1, base_delay=0.5),  # the core retries every 0.5 s
+        bind_ip=host,
+        handshake_timeout=HANDSHAKE_BOUND,
+        frame_timeout=FRAME_BOUND,
+        peer_timeout=None,  # the push bounds its phases itself (see PEER_LIMITS)
+    )
 
 
 def node_now() -> float:
@@ -235,19 +240,9 @@ async def await_assignment(
             members=members,
         )
         port = await listener.start()
-        sender = None
         announce = None
         if discovery.mode == "mdns":
-            sender = BeaconSender(discovery.target, discovery.port, host)
-            node.on_close(_closer(sender.close))
-            key = beacon_key(secret.value)
-            # Announce a concrete IP (the one the beacons leave from), never 0.0.0.0: the
-            # coordinator accepts a beacon only from the IP it names.
-            unspecified = ipaddress.ip_address(host).is_unspecified
-            ip = route_ip(discovery.target) if unspecified else host
-            announce = beacon_announcer(
-                sender, key, __version__, cluster_name, Identity(ip, port).address
-            )
+            announce = _announcer(node, secret, discovery, cluster_name, host, port)
         facts = PeerFacts(
             __version__,
             cluster_name,
@@ -270,6 +265,20 @@ async def await_assignment(
     cfg = ClusterConfig.model_validate(tomllib.loads(activated.cluster_toml))
     text = peer_file(activated.node_id, activated.coordinator, activated.cluster_toml)
     return Received(cfg, activated.node_id, text)
+
+
+def _announcer(
+    node: Node, secret: ClusterSecret, discovery: Discovery, cluster_name: str, host: str, port: int
+) -> Callable[[], None]:
+    """The peer's beacons (closed with ``node``), announcing its assignment listener."""
+    sender = BeaconSender(discovery.target, discovery.port, host)
+    node.on_close(_closer(sender.close))
+    # Announce a concrete IP (the one the beacons leave from), never 0.0.0.0: the
+    # coordinator accepts a beacon only from the IP it names.
+    unspecified = ipaddress.ip_address(host).is_unspecified
+    ip = route_ip(discovery.target) if unspecified else host
+    key = beacon_key(secret.value)
+    return beacon_announcer(sender, key, __version__, cluster_name, Identity(ip, port).address)
 
 
 def write_config(path: Path, text: str) -> None:

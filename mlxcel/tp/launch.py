@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -128,20 +129,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
             hostfile = write_local_hostfile(size, Path(tmp))
             followers = await _spawn_followers(spec, gen, hostfile, size)
         try:
-            group = await _while_ranks_live(
-                compute.run(init_group, 0, hostfile, spec.startup_timeout, spec.backend),
-                followers,
-                "join the group",
-                spec.startup_timeout,
-            )
-            if group.size() != size:
-                raise TpGroupFailed(f"the hostfile has {group.size()} ranks, --tp-size is {size}")
-            loaded = await _while_ranks_live(
-                compute.run(load_sharded, spec.model, group),
-                followers,
-                "load the shards",
-                max(spec.startup_timeout, 120.0),
-            )
+            group, loaded = await _join(compute, followers, hostfile, spec, size)
             async with Node("tensor-parallel") as node:
                 engine = TpEngine(
                     loaded,
@@ -182,6 +170,31 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                 compute.abandon()
             else:
                 compute.close()
+
+
+async def _join(
+    compute: ComputeThread,
+    followers: list[asyncio.subprocess.Process],
+    hostfile: Path,
+    spec: TensorParallelSpec,
+    size: int,
+) -> tuple[Any, LoadedModel]:
+    """Rank 0 joins the group and loads its shard, failing early when a follower exits."""
+    group = await _while_ranks_live(
+        compute.run(init_group, 0, hostfile, spec.startup_timeout, spec.backend),
+        followers,
+        "join the group",
+        spec.startup_timeout,
+    )
+    if group.size() != size:
+        raise TpGroupFailed(f"the hostfile has {group.size()} ranks, --tp-size is {size}")
+    loaded = await _while_ranks_live(
+        compute.run(load_sharded, spec.model, group),
+        followers,
+        "load the shards",
+        max(spec.startup_timeout, 120.0),
+    )
+    return group, loaded
 
 
 async def _reap(followers: list[asyncio.subprocess.Process]) -> None:
