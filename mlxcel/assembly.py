@@ -10,9 +10,10 @@ Builders are named, not imported, so that importing this module (for the specs) 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,15 +90,38 @@ def mode_of(spec: StackSpec) -> Mode:
 
 
 async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
-    """Build the node ``spec`` describes; ``await stack.close()`` takes it down."""
+    """Build the node ``spec`` describes; ``await stack.close()`` takes it down, from any task.
+
+    The builder runs in a task of its own that holds the node open until ``close``: the
+    node's task group then belongs to that task, not to whichever task called ``start`` (an
+    embedding service's start-up hook may end long before its clean-up hook runs)."""
     builder = mode_of(spec).load()
-    exit_stack = AsyncExitStack()
+    loop = asyncio.get_running_loop()
+    built: asyncio.Future[Stack[Any]] = loop.create_future()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        try:
+            async with builder(spec, gen or Generation()) as stack:
+                built.set_result(stack)
+                await release.wait()
+        except BaseException as exc:
+            if built.done():
+                raise  # the node failed while serving: close() raises it
+            built.set_exception(exc)
+
+    holder = asyncio.create_task(hold(), name=f"mlxcel-{spec.mode}")
     try:
-        stack = await exit_stack.enter_async_context(builder(spec, gen or Generation()))
-    except BaseException:
-        await exit_stack.aclose()
+        stack = await asyncio.shield(built)
+    except asyncio.CancelledError:
+        holder.cancel()
+        await asyncio.gather(holder, return_exceptions=True)
         raise
-    stack._exit = exit_stack
+    except BaseException:
+        await asyncio.gather(holder, return_exceptions=True)
+        raise
+    holder.add_done_callback(lambda _: setattr(stack, "_closed", True))
+    stack._release = (release, holder)
     return stack
 
 

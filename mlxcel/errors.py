@@ -95,6 +95,11 @@ class PlatformUnsupported(MlxcelError):
     """A flag asks for something this platform cannot do (distributed modes on Windows)."""
 
 
+class NotServing(MlxcelError):
+    """A node that serves no requests of its own (a stage, a prefill or decode node) was
+    asked to generate."""
+
+
 class ListenError(MlxcelError):
     """A listening socket could not be opened (address in use, not local, no permission)."""
 

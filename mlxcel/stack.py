@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, aclosing
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from mlxcel.errors import MlxcelError
+from mlxcel.errors import NotServing
 
 if TYPE_CHECKING:
     from mlxcel.bus import Node
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from mlxcel.messages import SamplingParams
 
 P = TypeVar("P")
-
-
-class NotServing(MlxcelError):
-    """Asked a node that serves no requests (a stage, a prefill or decode node) to generate."""
 
 
 @dataclass
@@ -74,7 +70,8 @@ class Stack(Generic[P]):
     summary: str  # one line for the log: what this node runs
     parts: P  # the mode's own objects (its engine, coordinator, stage service...)
     failure: Callable[[], str | None] = lambda: None  # why it stopped serving, if it did
-    _exit: AsyncExitStack | None = field(default=None, repr=False)
+    # Set by assembly.start: the event that lets its holder task leave the builder, and it.
+    _release: tuple[asyncio.Event, asyncio.Task[None]] | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -147,9 +144,10 @@ class Stack(Generic[P]):
         return out
 
     async def close(self) -> None:
-        """Take the node down (idempotent). A stack entered with ``async with`` closes there."""
-        if self._closed:
-            return
+        """Take the node down (idempotent); raises what took it down, if it failed while
+        serving. A stack entered with ``async with assemble(...)`` closes there."""
         self._closed = True
-        if self._exit is not None:
-            await self._exit.aclose()
+        if self._release is not None:
+            release, holder = self._release
+            release.set()
+            await holder

@@ -239,7 +239,7 @@ QUICK_MODULES = frozenset(
         "test_adapter", "test_adapter_exact", "test_bringup_cores", "test_bus", "test_codec",
         "test_coordinator_core", "test_coordinator_core_exact", "test_decode_refusals",
         "test_disagg_cores", "test_frame_stream", "test_frames", "test_handshake",
-        "test_handshake_diagnostics", "test_errors", "test_layering", "test_membership", "test_model_identity",
+        "test_handshake_diagnostics", "test_errors", "test_faults", "test_layering", "test_membership", "test_model_identity",
         "test_noise_vectors", "test_peer_core_exact", "test_prefill_refusals",
         "test_push_core_exact", "test_ratelimit", "test_read_deadline", "test_router_refusals",
         "test_secret", "test_settings_flow", "test_stage_core", "test_stage_core_exact", "test_udp", "test_wire_doc",

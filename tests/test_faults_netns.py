@@ -29,6 +29,7 @@ from mlxcel.bench.faults import (
     wait_for,
 )
 from mlxcel.bench.netns import unavailable
+from mlxcel.faults import applied
 from mlxcel.pipeline.cluster_config import load_cluster_config
 
 why = unavailable()
@@ -60,21 +61,17 @@ def test_a_disaggregated_cluster_notices_silent_stopped_and_killed_nodes(
         decode1_down = lambda: node_healthy(c, "decode-1") is False  # noqa: E731
         decode1_up = lambda: node_healthy(c, "decode-1") is True  # noqa: E731
         # A decode node's cable pulled: out of rotation in seconds; the other serves.
-        r = run_fault(c, "silent decode", lambda: h.partition(3), lambda: h.heal(3),
-                      decode1_down, decode1_up)  # fmt: skip
+        r = run_fault(c, h.cable_pulled(3, "silent decode"), decode1_down, decode1_up)
         check_silent(r, refused=False)
         assert r.served > 0
         # The same node stopped (SIGSTOP), then continued.
         dec = c.procs["decode-1"]
-        r = run_fault(c, "stopped decode", lambda: dec.signal(signal.SIGSTOP),
-                      lambda: dec.signal(signal.SIGCONT), decode1_down, decode1_up)  # fmt: skip
+        r = run_fault(c, dec.stopped("stopped decode"), decode1_down, decode1_up)
         check_silent(r, refused=False)
         # The only prefill node's cable pulled: 503 with Retry-After, never a long wait.
         r = run_fault(
             c,
-            "silent prefill",
-            lambda: h.partition(1),
-            lambda: h.heal(1),
+            h.cable_pulled(1, "silent prefill"),
             lambda: node_healthy(c, "prefill-0") is False,
             lambda: node_healthy(c, "prefill-0") is True,
         )
@@ -82,13 +79,10 @@ def test_a_disaggregated_cluster_notices_silent_stopped_and_killed_nodes(
         status, body = c.client.get("/router/stats")
         assert status == 200 and "10.77." not in str(body)  # ids, never addresses
         # A slow link (1 Mbit/s) to a decode node is slow, not dead: it stays in rotation.
-        h.slow(2, "1mbit")
-        try:
+        with applied(h.slow_link(2, "1mbit", "slow decode link")):
             outcomes = [c.client.complete() for _ in range(6)]
             assert all(o.status == 200 for o in outcomes), outcomes
             assert node_healthy(c, "decode-0") is True
-        finally:
-            h.unslow(2)
         # Killed (a reset arrives): marked down at once, and the cluster keeps serving.
         dec.signal(signal.SIGKILL)
         assert wait_for(decode1_down, DETECT) is not None
@@ -102,9 +96,7 @@ def test_a_pipeline_refuses_at_once_while_a_stage_is_silent_and_serves_after_the
         h = c.hosts
         r = run_fault(
             c,
-            "silent stage",
-            lambda: h.partition(2),
-            lambda: h.heal(2),
+            h.cable_pulled(2, "silent stage"),
             lambda: not pipeline_ready(c),
             lambda: pipeline_ready(c),
         )
@@ -112,8 +104,7 @@ def test_a_pipeline_refuses_at_once_while_a_stage_is_silent_and_serves_after_the
         # While a stage is stopped, /health answers at once from state (503, degraded), and
         # neither it nor a refusal shows an internal address.
         stage = c.procs["stage-1"]
-        stage.signal(signal.SIGSTOP)
-        try:
+        with applied(stage.stopped("stopped stage")):
             assert wait_for(lambda: not pipeline_ready(c), DETECT) is not None
             t0 = time.monotonic()
             status, body = c.client.get("/health")
@@ -124,17 +115,12 @@ def test_a_pipeline_refuses_at_once_while_a_stage_is_silent_and_serves_after_the
             assert (refusal.status, refusal.retry_after) == (503, True)
             assert "stage-1" in refusal.body and "10.78." not in refusal.body, refusal.body
             assert refusal.done - refusal.sent < 1.0
-        finally:
-            stage.signal(signal.SIGCONT)
         assert wait_for(lambda: pipeline_ready(c), 10.0) is not None
         assert c.client.complete().status == 200
         # A slow link (1 Mbit/s) to a stage is slow, not dead: it keeps serving.
-        h.slow(2, "1mbit")
-        try:
+        with applied(h.slow_link(2, "1mbit", "slow stage link")):
             assert all(c.client.complete().status == 200 for _ in range(4))
             assert pipeline_ready(c)
-        finally:
-            h.unslow(2)
         # Killed (a reset arrives): down at once, and refused at once.
         stage.signal(signal.SIGKILL)
         assert wait_for(lambda: not pipeline_ready(c), DETECT) is not None
@@ -155,9 +141,7 @@ def test_a_pipeline_brought_up_by_beacons_across_the_bridge_notices_a_silent_sta
         assert host in (1, 2)
         r = run_fault(
             c,
-            "silent stage (bring-up)",
-            lambda: c.hosts.partition(host),
-            lambda: c.hosts.heal(host),
+            c.hosts.cable_pulled(host, "silent stage (bring-up)"),
             lambda: not pipeline_ready(c),
             lambda: pipeline_ready(c),
         )

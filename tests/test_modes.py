@@ -21,10 +21,9 @@ from mlxcel.assembly import (
     mode_of,
     start,
 )
-from mlxcel.errors import ConfigError, MlxcelError, PartitionError
+from mlxcel.errors import ConfigError, MlxcelError, NotServing, PartitionError
 from mlxcel.messages import SamplingParams
 from mlxcel.net.secret import ClusterSecret
-from mlxcel.stack import NotServing
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,3 +172,16 @@ async def test_a_build_that_fails_raises_typed_and_leaves_nothing_running(
     with pytest.raises(PartitionError, match="--pp-layers: ranges cover layers 0-9"):
         await start(PipelineSpec(tiny, 2, layers="0-9"))
     assert threading.active_count() <= before
+
+
+async def test_start_and_close_may_run_in_different_tasks(tiny: Path) -> None:
+    """An embedding service's start-up and clean-up hooks run in tasks of their own: the
+    node belongs to neither, and closes whole."""
+    import asyncio
+
+    stack = await asyncio.create_task(start(LocalSpec(tiny)))
+    assert (await stack.generate("hooks", GREEDY)).usage.completion_tokens == 8
+    node_tasks = set(stack.node._tasks)
+    await asyncio.create_task(stack.close())
+    assert not stack.ready and all(t.done() for t in node_tasks)
+    await stack.close()

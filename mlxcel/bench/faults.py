@@ -20,7 +20,6 @@ timeout) and how many were refused with 503 (``refused``), the longest any reque
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ from mlxcel.bench.netns_nodes import (
     keygen,
     wait_for,
 )
+from mlxcel.faults import Fault, applied
 
 __all__ = [
     "Client",
@@ -227,23 +227,21 @@ HEADER = (
 
 def run_fault(
     c: Cluster,
-    name: str,
-    apply: Callable[[], None],
-    undo: Callable[[], None],
+    fault: Fault,
     down: Callable[[], bool],
     up: Callable[[], bool],
     *,
     detect_within: float = 20.0,
     hold: float = 1.0,
 ) -> FaultResult:
-    """Apply a fault under load, time its detection, undo it, time the recovery."""
+    """Apply ``fault`` under load, time its detection, undo it, time the recovery. The fault
+    is driven by what the cluster does (undone once noticed), not by a clock."""
     with Load(c.client) as load:
         time.sleep(1.0)  # steady state first
         t0 = time.monotonic()
-        apply()
-        detect = wait_for(down, detect_within)
-        time.sleep(hold)  # requests meet the known-down state
-        undo()
+        with applied(fault):
+            detect = wait_for(down, detect_within)
+            time.sleep(hold)  # requests meet the known-down state
         t_heal = time.monotonic()
         recover = wait_for(lambda: up() and c.client.complete().status == 200, 30.0)
         time.sleep(0.5)
@@ -264,7 +262,7 @@ def run_fault(
     slow = [(round(o.sent - t0, 2), round(o.done - o.sent, 2), o.status) for o in after]
     slow = [x for x in slow if x[1] > 5.0]
     return FaultResult(
-        name,
+        fault.name,
         detect,
         first_503,
         lost,
@@ -277,56 +275,23 @@ def run_fault(
 
 
 def disagg_faults(model: Path, secret: Path) -> list[FaultResult]:
-    out = []
     with disagg_cluster(model, secret) as c:
-        h = c.hosts
-        out.append(
-            run_fault(
-                c,
-                "silent decode",
-                lambda: h.partition(3),
-                lambda: h.heal(3),
-                lambda: node_healthy(c, "decode-1") is False,
-                lambda: node_healthy(c, "decode-1") is True,
-            )
-        )
-        dec = c.procs["decode-1"]
-        out.append(
-            run_fault(
-                c,
-                "stopped decode",
-                lambda: dec.signal(signal.SIGSTOP),
-                lambda: dec.signal(signal.SIGCONT),
-                lambda: node_healthy(c, "decode-1") is False,
-                lambda: node_healthy(c, "decode-1") is True,
-            )
-        )
-        out.append(
-            run_fault(
-                c,
-                "silent prefill",
-                lambda: h.partition(1),
-                lambda: h.heal(1),
-                lambda: node_healthy(c, "prefill-0") is False,
-                lambda: node_healthy(c, "prefill-0") is True,
-            )
-        )
-    return out
+        h, dec = c.hosts, c.procs["decode-1"]
+
+        def watch(node: str) -> tuple[Callable[[], bool], Callable[[], bool]]:
+            return lambda: node_healthy(c, node) is False, lambda: node_healthy(c, node) is True
+
+        return [
+            run_fault(c, h.cable_pulled(3, "silent decode"), *watch("decode-1")),
+            run_fault(c, dec.stopped("stopped decode"), *watch("decode-1")),
+            run_fault(c, h.cable_pulled(1, "silent prefill"), *watch("prefill-0")),
+        ]
 
 
 def pipeline_faults(model: Path, secret: Path, tmp: Path) -> list[FaultResult]:
     with pipeline_cluster(model, secret, tmp) as c:
-        h = c.hosts
-        return [
-            run_fault(
-                c,
-                "silent stage",
-                lambda: h.partition(2),
-                lambda: h.heal(2),
-                lambda: not pipeline_ready(c),
-                lambda: pipeline_ready(c),
-            )
-        ]
+        silent = c.hosts.cable_pulled(2, "silent stage")
+        return [run_fault(c, silent, lambda: not pipeline_ready(c), lambda: pipeline_ready(c))]
 
 
 def run_bench(model: Path, json_lines: bool = False) -> int:

@@ -9,6 +9,8 @@ machine's own networking is never touched), and can:
   Its packets go nowhere and nothing answers them: no reset, no FIN -- a cut cable, a switch
   failure, a laptop that slept;
 - ``slow(i, rate)``: shape host ``i``'s outgoing traffic with a token bucket (``tc tbf``);
+- ``cable_pulled(i, name)``, ``slow_link(i, rate, name)``: the same as
+  :class:`~mlxcel.faults.Fault` objects (apply and undo), for ``run_fault`` and ``applied``;
 - ``spawn(i, argv)``: start a process inside host ``i``.
 
 Needs root and ``ip``/``tc`` (iproute2). :func:`unavailable` says why not, when not.
@@ -21,7 +23,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
+
+from mlxcel.faults import Fault
 
 
 def unavailable() -> str | None:
@@ -94,6 +99,14 @@ class Hosts:
         for a in extra:
             _ip("-n", self.names[i], "addr", "add", f"{a}/24", "dev", "eth0")
         return extra
+
+    def cable_pulled(self, i: int, name: str) -> Fault:
+        """Host ``i`` unplugged (:meth:`partition`), then plugged back (:meth:`heal`)."""
+        return Fault(name, partial(self.partition, i), partial(self.heal, i))
+
+    def slow_link(self, i: int, rate: str, name: str) -> Fault:
+        """Host ``i``'s outgoing traffic shaped to ``rate``, then unshaped."""
+        return Fault(name, partial(self.slow, i, rate), partial(self.unslow, i), hurts=False)
 
     def partition(self, i: int) -> None:
         """Unplug host ``i``: everything it sends is lost and nothing reaches it (no reset)."""

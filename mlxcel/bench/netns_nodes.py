@@ -22,10 +22,12 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from mlxcel.bench.netns import Hosts
+from mlxcel.faults import Fault
 
 CLONE_NEWNET = 0x40000000
 HTTP_PORT = 8080
@@ -73,6 +75,12 @@ class NodeProc:
     def signal(self, sig: int) -> None:
         # ``ip netns exec`` execs the command: the pid is the server's own.
         self.p.send_signal(sig)
+
+    def stopped(self, name: str) -> Fault:
+        """The process stopped (SIGSTOP: silent, its sockets open), then continued."""
+        return Fault(
+            name, partial(self.signal, signal.SIGSTOP), partial(self.signal, signal.SIGCONT)
+        )
 
     def stop(self) -> None:
         if self.p.poll() is None:

@@ -35,6 +35,7 @@ from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import PeerService, PushService
 from mlxcel.bus import Node
 from mlxcel.effects import Effect
+from mlxcel.faults import Fault, FaultPlan
 from mlxcel.messages import Message
 from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, auto_split
@@ -276,14 +277,15 @@ def build_bringup(
 
 
 def _schedule(run: BringupRun, rng: random.Random) -> None:
-    net, sched = run.coordinator.net, run.sched
+    net, sched, plan = run.coordinator.net, run.sched, FaultPlan()
     start = run.started = rng.uniform(0.0, 5.0)  # peers may start first, or later
     sched.at(start, run.coordinator.begin)
     for kind in run.faults:
         if kind == "drop":  # short outages: the retries must carry the bring-up through
             t0 = rng.uniform(start, start + 8.0)
-            sched.at(t0, setattr, net.faults, "drop", rng.uniform(0.2, 0.9))
-            sched.at(t0 + rng.uniform(0.5, 4.0), setattr, net.faults, "drop", 0.0)
+            on = functools.partial(setattr, net.faults, "drop", rng.uniform(0.2, 0.9))
+            off = functools.partial(setattr, net.faults, "drop", 0.0)
+            plan.add(Fault("drop", on, off), t0, t0 + rng.uniform(0.5, 4.0))
         elif kind == "delay":
             net.faults.delay, net.faults.delay_max = rng.uniform(0.1, 0.5), 1.0
         elif kind == "duplicate":
@@ -291,10 +293,18 @@ def _schedule(run: BringupRun, rng: random.Random) -> None:
         elif kind == "crash-peer":
             victim = rng.choice(run.peers)
             t = rng.uniform(start, start + 3.0)
-            sched.at(t, victim.crash)
-            sched.at(t + rng.uniform(0.5, 20.0), victim.restart)
-        elif kind == "crash-coordinator":
-            sched.at(rng.uniform(start, start + 3.0), run.coordinator.crash)
+            plan.add(
+                Fault(f"crash {victim.identity}", victim.crash, victim.restart),
+                t,
+                t + rng.uniform(0.5, 20.0),
+            )
+        elif kind == "crash-coordinator":  # for good: every peer must give up, cleanly
+            plan.add(
+                Fault("crash coordinator", run.coordinator.crash),
+                rng.uniform(start, start + 3.0),
+                None,
+            )
+    plan.install(sched.at)
 
 
 def run_bringup(

@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass, field
+from functools import partial
 
 from mlxcel.disagg.decode_core import DecodeConfig
 from mlxcel.disagg.prefill_core import PrefillConfig
 from mlxcel.disagg.protocol import LEASE
+from mlxcel.faults import Fault, FaultPlan, window
 from mlxcel.handoff import digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
@@ -75,7 +77,7 @@ class DisaggRun:
     decode: list[DecodeHost]
     ledger: Ledger
     faults: list[str]
-    harmful: list[tuple[float, float]] = field(default_factory=list)
+    plan: FaultPlan = field(default_factory=FaultPlan)  # when each fault is on
     forged: int = 0
     # Requests whose id an insider used on a prefill or decode intake: those intakes trust
     # any member (as documented), so these may fail -- but never stream a wrong token.
@@ -108,40 +110,36 @@ def build_disagg(
 
 
 def _faults(run: DisaggRun, rng: random.Random, horizon: float) -> None:
-    sched, net, f = run.sched, run.net, run.net.faults
-
-    def window() -> tuple[float, float]:
-        t0 = rng.uniform(0.0, horizon)
-        return t0, t0 + rng.uniform(0.2, 4.0)
-
+    sched, net, f, plan = run.sched, run.net, run.net.faults, run.plan
     for kind in run.faults:
-        t0, t1 = window()
-        if kind in HARMFUL:
-            run.harmful.append((t0, t1 + TAIL))
+        t0, t1 = window(rng, horizon)
         if kind in ("drop", "delay", "duplicate", "reorder"):
             value = {"drop": 0.05, "delay": 0.2, "duplicate": 0.3, "reorder": 0.5}[kind]
             f.delay_max = max(f.delay_max, rng.uniform(0.1, 2.0))
-            sched.at(t0, setattr, f, kind, rng.uniform(0.2, 1.0) * value)
-            sched.at(t1, setattr, f, kind, 0.0)
+            on = partial(setattr, f, kind, rng.uniform(0.2, 1.0) * value)
+            off = partial(setattr, f, kind, 0.0)
+            plan.add(Fault(kind, on, off, kind in HARMFUL, TAIL), t0, t1)
         elif kind == "partition":
             victim = rng.choice([*run.prefill, *run.decode]).identity
-            sched.at(t0, net.cut, frozenset({victim}), frozenset(net.hosts) - {victim})
-            sched.at(t1, net.heal)
+            cut = partial(net.cut, frozenset({victim}), frozenset(net.hosts) - {victim})
+            plan.add(Fault(f"partition {victim}", cut, net.heal, tail=TAIL), t0, t1)
         elif kind == "crash-prefill":
             victim_p = rng.choice(run.prefill)
-            sched.at(t0, victim_p.crash)
-            sched.at(t1 + rng.uniform(0.5, 10.0), victim_p.restart)
+            restart = t1 + rng.uniform(0.5, 10.0)
+            crash = Fault(f"crash {victim_p.identity}", victim_p.crash, victim_p.restart, tail=TAIL)
+            plan.add(crash, t0, restart)
         elif kind == "crash-decode":
+            # It dies on reading a handoff (its 1st to 3rd), whenever that comes.
             victim_d = rng.choice(run.decode)
-            victim_d.crash_after_reads = rng.randint(1, 3)
-            restart = horizon + rng.uniform(1.0, 20.0)
-            sched.at(restart, victim_d.restart)
-            run.harmful[-1] = (0.0, restart + TAIL)
+            arm = partial(setattr, victim_d, "crash_after_reads", rng.randint(1, 3))
+            crash = Fault(f"crash {victim_d.identity} on a read", arm, victim_d.restart, tail=TAIL)
+            plan.add(crash, 0.0, horizon + rng.uniform(1.0, 20.0))
         elif kind == "lease-expire":
             victim_d = rng.choice(run.decode)
-            sched.at(t0, setattr, victim_d, "verify_s", LEASE + rng.uniform(1.0, 10.0))
-            sched.at(t1, setattr, victim_d, "verify_s", 0.001)
-            run.harmful[-1] = (t0, t1 + 2 * LEASE + TAIL)
+            slow = partial(setattr, victim_d, "verify_s", LEASE + rng.uniform(1.0, 10.0))
+            fast = partial(setattr, victim_d, "verify_s", 0.001)
+            name = f"slow verify on {victim_d.identity}"
+            plan.add(Fault(name, slow, fast, tail=2 * LEASE + TAIL), t0, t1)
         elif kind == "skew":
             for h in [run.router, *run.prefill, *run.decode]:
                 h.skew = rng.uniform(-30.0, 30.0)
@@ -184,6 +182,7 @@ def _faults(run: DisaggRun, rng: random.Random, horizon: float) -> None:
 
             for _ in range(rng.randint(3, 20)):
                 sched.at(rng.uniform(0.0, horizon), forge)
+    plan.install(sched.at)
 
 
 def run_disagg(
@@ -242,8 +241,9 @@ def check_disagg(run: DisaggRun) -> list[str]:
         if o.finish == "error:client_deadline":
             bad.append(f"{o.request_id} hung until the client's deadline")
         elif o.finish.startswith("error:") and o.request_id not in run.targeted:
-            if not any(t0 <= o.ended_at and o.submitted <= t1 for t0, t1 in run.harmful):
-                bad.append(f"{o.request_id} failed ({o.finish}) though no fault touched it")
+            why = run.plan.unexplained(o.submitted, o.ended_at)
+            if why:
+                bad.append(f"{o.request_id} failed ({o.finish}) {why}")
         elif o.finish in ("stop", "length"):
             expect = "stop" if len(want) < o.max_tokens else "length"
             if o.tokens != want or o.finish != expect:

@@ -12,10 +12,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from mlxcel.bus import Node
+from mlxcel.faults import Fault, FaultPlan, window
 from mlxcel.messages import (
     Activation,
     Bundle,
@@ -88,11 +90,10 @@ class Cluster:
     coordinator: CoordinatorHost
     stages: list[StageHost]
     intruder: Intruder | None = None
-    # Windows of faults that may fail a request (loss, delay, partition, crash, slow node),
-    # already widened by how long their effects last; and request ids an intruder targeted.
-    # A request that overlaps none of them and was not targeted must complete. Duplicates,
-    # reordering, clock skew and outsiders must never fail anything.
-    harmful: list[tuple[float, float]] = field(default_factory=list)
+    # When each fault is on (loss, delay, partition, crash, slow node...); and request ids an
+    # intruder targeted. A request that overlaps no harmful window and was not targeted must
+    # complete. Duplicates, reordering, clock skew and outsiders must never fail anything.
+    plan: FaultPlan = field(default_factory=FaultPlan)
     targeted: set[str] = field(default_factory=set)
 
 
@@ -170,11 +171,6 @@ def build(
     return cluster
 
 
-def _window(rng: random.Random, horizon: float) -> tuple[float, float]:
-    t0 = rng.uniform(0.0, horizon)
-    return t0, t0 + rng.uniform(0.2, 4.0)
-
-
 def schedule_faults(
     cluster: Cluster,
     rng: random.Random,
@@ -182,21 +178,15 @@ def schedule_faults(
     horizon: float,
     arrivals: list[tuple[str, float]] = (),  # type: ignore[assignment]
 ) -> None:
-    sched, net, stages = cluster.sched, cluster.net, cluster.stages
+    sched, net, stages, plan = cluster.sched, cluster.net, cluster.stages, cluster.plan
     f = net.faults
     # How long a fault's effects outlast it: a step deadline to notice, a message delayed
     # past the window's end, a stuck step's forward timeout, and a deadline for the retry.
     tail = 2 * STEP_TIMEOUT + DELAY_MAX + FORWARD_TIMEOUT
 
-    def harmful(t0: float, t1: float) -> None:
-        cluster.harmful.append((t0, t1 + tail))
-
     def toggle(attr: str, value: float, hurts: bool = True) -> None:
-        t0, t1 = _window(rng, horizon)
-        sched.at(t0, setattr, f, attr, value)
-        sched.at(t1, setattr, f, attr, 0.0)
-        if hurts:
-            harmful(t0, t1)
+        on, off = partial(setattr, f, attr, value), partial(setattr, f, attr, 0.0)
+        plan.add(Fault(attr, on, off, hurts, tail), *window(rng, horizon))
 
     for kind in kinds:
         if kind == "drop":
@@ -211,29 +201,25 @@ def schedule_faults(
             toggle("reorder", rng.uniform(0.2, 0.6), hurts=False)
         elif kind == "partition":
             victim = rng.choice([*stages, cluster.coordinator]).identity
-            everyone = frozenset(net.hosts)
-            t0, t1 = _window(rng, horizon)
-            sched.at(t0, net.cut, frozenset({victim}), everyone - {victim})
-            sched.at(t1, net.heal)
-            harmful(t0, t1)
+            cut = partial(net.cut, frozenset({victim}), frozenset(net.hosts) - {victim})
+            plan.add(Fault(f"partition {victim}", cut, net.heal, tail=tail), *window(rng, horizon))
         elif kind == "crash":
             host = rng.choice([*stages, cluster.coordinator])
-            t0, t1 = _window(rng, horizon)
-            sched.at(t0, host.crash)
-            sched.at(t1, host.restart)
-            harmful(t0, t1)
+            crash = Fault(f"crash {host.identity}", host.crash, host.restart, tail=tail)
+            plan.add(crash, *window(rng, horizon))
         elif kind == "slow":
-            host = rng.choice(stages)
-            t0, t1 = _window(rng, horizon)
-            sched.at(t0, setattr, host, "slow", rng.choice([20.0, 100.0, 400.0]))
-            sched.at(t1, setattr, host, "slow", 1.0)
-            harmful(t0, t1)
+            stage = rng.choice(stages)
+            t0, t1 = window(rng, horizon)
+            on = partial(setattr, stage, "slow", rng.choice([20.0, 100.0, 400.0]))
+            off = partial(setattr, stage, "slow", 1.0)
+            plan.add(Fault(f"slow {stage.identity}", on, off, tail=tail), t0, t1)
         elif kind == "skew":
             for host in [*stages, cluster.coordinator]:
                 host.skew = rng.uniform(-30.0, 30.0)  # clocks disagree...
                 host.rate = 1.0 + rng.uniform(-0.01, 0.01)  # ...and drift apart
         elif kind in ("outsider", "insider"):
             _intrude(cluster, rng, horizon, kind == "insider", arrivals)
+    plan.install(sched.at)
 
 
 def _intrude(
@@ -444,9 +430,9 @@ def check(cluster: Cluster) -> list[str]:
         if o.finish == "error:client_deadline":
             bad.append(f"{o.request_id} hung until the client's deadline")
         elif o.finish.startswith("error:") and o.request_id not in cluster.targeted:
-            start, end = o.submitted, o.ended_at
-            if not any(t0 <= end and start <= t1 for t0, t1 in cluster.harmful):
-                bad.append(f"{o.request_id} failed ({o.finish}) though no fault touched it")
+            why = cluster.plan.unexplained(o.submitted, o.ended_at)
+            if why:
+                bad.append(f"{o.request_id} failed ({o.finish}) {why}")
         if o.finish in ("stop", "length"):
             expect = "stop" if len(want) < o.max_tokens else "length"
             if o.tokens != want or o.finish != expect:
