@@ -22,41 +22,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from mlxcel import defaults as d
 from mlxcel.addresses import check_address
-from mlxcel.defaults import PREFILL_STEP_SIZE
-
-ENV_PREFIX = "MLXCEL_"
-# Read by mlxcel.net.secret's loader, which knows their precedence (not as a setting).
-NOT_FROM_ENV = frozenset({"cluster_secret_file"})
-
-
-class _EnvSource(EnvSettingsSource):
-    def __call__(self) -> dict[str, Any]:
-        return {k: v for k, v in super().__call__().items() if k not in NOT_FROM_ENV}
-
+from mlxcel.config_sources import ENV_PREFIX, _EnvSource, _TomlData
 
 LogLevel = Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
-
-
-class _TomlData(PydanticBaseSettingsSource):
-    """The settings a TOML file gives this command (see :mod:`mlxcel.config_cli`)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self.data = data
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return self.data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self.data)
 
 
 class _Base(BaseSettings):
@@ -120,7 +92,7 @@ class ModelSettings(_Base):
         json_schema_extra=_short("-m"),
     )
     prefill_step_size: int = Field(
-        PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
+        d.PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     tp_size: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks (processes on mx.distributed)"
@@ -147,7 +119,7 @@ class ModelSettings(_Base):
         1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"
     )
     startup_timeout: float = Field(
-        60.0,
+        d.STARTUP_TIMEOUT,
         gt=0,
         description="seconds to wait for pipeline stages or tensor-parallel ranks at start-up",
     )
@@ -221,7 +193,9 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
 
 
 class ServeSettings(ModelSettings, PipelineSettings):
-    max_batch_size: int = Field(8, ge=1, le=1024, description="sequences per batched forward pass")
+    max_batch_size: int = Field(
+        d.MAX_BATCH_SIZE, ge=1, le=1024, description="sequences per batched forward pass"
+    )
     prompt_cache_bytes: ByteSize = Field(
         "1GiB",  # type: ignore[assignment]  # validated into a ByteSize
         description="one-process serving: memory for KV caches of finished requests, reused "
@@ -257,11 +231,13 @@ class ServeSettings(ModelSettings, PipelineSettings):
     )
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 = pick a free one)")
-    parallel: int = Field(8, ge=1, le=4096, description="requests generating at once")
+    parallel: int = Field(d.PARALLEL, ge=1, le=4096, description="requests generating at once")
     queue_size: int = Field(
-        64, ge=0, le=100000, description="requests waiting for a slot before 503"
+        d.QUEUE_SIZE, ge=0, le=100000, description="requests waiting for a slot before 503"
     )
-    request_timeout: float = Field(600.0, gt=0, description="seconds before a request fails")
+    request_timeout: float = Field(
+        d.REQUEST_TIMEOUT, gt=0, description="seconds before a request fails"
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     served_model_name: str | None = Field(
         None, description="model id in the API (default: folder name)"
@@ -342,7 +318,9 @@ class ServeSettings(ModelSettings, PipelineSettings):
         "(default: the cluster TOML's, else 3)",
     )
     prefill_timeout: float = Field(
-        300.0, gt=0, description="router: seconds from dispatch to a prompt's first token"
+        d.PREFILL_TIMEOUT,
+        gt=0,
+        description="router: seconds from dispatch to a prompt's first token",
     )
 
     # --- disaggregated serving (docs/disaggregated.md) ---

@@ -10,3 +10,17 @@ from __future__ import annotations
 # Prompt tokens per prefill forward (mlx-lm's ``prefill_step_size``): the one-process engine's
 # prompt step, a pipeline's prompt chunk, and the size a stage warms its kernels up for.
 PREFILL_STEP_SIZE = 512
+
+# Admission and batching: requests generating at once, waiting for a slot, and how long one
+# may take; sequences per batched forward pass.
+PARALLEL = 8
+QUEUE_SIZE = 64
+REQUEST_TIMEOUT = 600.0
+MAX_BATCH_SIZE = 8
+
+# Seconds to wait for pipeline stages, tensor-parallel ranks or disaggregated peers at start.
+STARTUP_TIMEOUT = 60.0
+# Seconds a cluster peer may go unheard before it counts as down.
+PEER_TIMEOUT = 3.0
+# A disaggregated router's seconds from dispatch to a prompt's first token.
+PREFILL_TIMEOUT = 300.0

@@ -24,6 +24,7 @@ from typing import Any
 
 from loguru import logger
 
+from mlxcel import defaults as d
 from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.deadlines import deadline_in, until
 from mlxcel.errors import (
@@ -106,9 +107,9 @@ class Frontend:
         node: Node,
         tokenizer: object,
         *,
-        parallel: int = 8,
-        queue_size: int = 64,
-        request_timeout: float = 600.0,
+        parallel: int = d.PARALLEL,
+        queue_size: int = d.QUEUE_SIZE,
+        request_timeout: float = d.REQUEST_TIMEOUT,
     ) -> None:
         self.node = node
         self.tokenizer = tokenizer

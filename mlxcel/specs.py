@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxcel.defaults import PREFILL_STEP_SIZE
+from mlxcel import defaults as d
 
 
 def _never() -> bool:
@@ -20,11 +20,11 @@ def _never() -> bool:
 class Generation:
     """What every generating stack shares: admission and batching limits."""
 
-    parallel: int = 8
-    queue_size: int = 64
-    request_timeout: float = 600.0
-    max_batch_size: int = 8
-    prefill_step_size: int = PREFILL_STEP_SIZE
+    parallel: int = d.PARALLEL
+    queue_size: int = d.QUEUE_SIZE
+    request_timeout: float = d.REQUEST_TIMEOUT
+    max_batch_size: int = d.MAX_BATCH_SIZE
+    prefill_step_size: int = d.PREFILL_STEP_SIZE
     prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
 
 
@@ -43,7 +43,7 @@ class TensorParallelSpec:
     model: Path
     size: int
     hostfile: Path | None = None
-    startup_timeout: float = 60.0
+    startup_timeout: float = d.STARTUP_TIMEOUT
     backend: str = "auto"  # --tp-backend
     mode = "tensor-parallel"
 
@@ -80,7 +80,7 @@ class _ClusterNodeSpec:
 class CoordinatorSpec(_ClusterNodeSpec):
     """The coordinator of a multi-process pipeline: it serves the HTTP API."""
 
-    startup_timeout: float = 60.0
+    startup_timeout: float = d.STARTUP_TIMEOUT
     micro_batch_size: int | None = None
     # Stage addresses in /health, read per request (the CLI: MLXCEL_ROUTER_STATS_VERBOSE).
     verbose_stats: Callable[[], bool] = _never
@@ -105,9 +105,9 @@ class DisaggSpec:
     prefill_peers: tuple[str, ...] = ()
     decode_peers: tuple[str, ...] = ()
     interface: str | None = None
-    startup_timeout: float = 60.0
-    peer_timeout: float = 3.0  # a peer unheard this long is down
-    prefill_timeout: float = 300.0  # router: dispatch to first token
+    startup_timeout: float = d.STARTUP_TIMEOUT
+    peer_timeout: float = d.PEER_TIMEOUT  # a peer unheard this long is down
+    prefill_timeout: float = d.PREFILL_TIMEOUT  # router: dispatch to first token
     decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
     # router: node addresses in /router/stats, read per request (MLXCEL_ROUTER_STATS_VERBOSE).
     verbose_stats: Callable[[], bool] = _never

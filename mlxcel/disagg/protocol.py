@@ -19,11 +19,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# router: dispatch -> first token (a long prompt takes a while); a setting, --prefill-timeout
+from mlxcel.defaults import PREFILL_TIMEOUT as PREFILL_TIMEOUT
 from mlxcel.fsm import Table
 from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 
 # --- bounds (seconds) ---------------------------------------------------------------------------
-PREFILL_TIMEOUT = 300.0  # router: dispatch -> first token (a long prompt takes a while)
 HANDOFF_TIMEOUT = 30.0  # router: first token -> decode's first token, and between tokens
 LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ack...
 LEASE_BYTES_PER_S = 100e6  # ...plus one second per 100 MB of cache (a big transfer takes time)

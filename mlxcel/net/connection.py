@@ -25,6 +25,7 @@ from loguru import logger
 
 from mlxcel.bus import Node
 from mlxcel.deadlines import until
+from mlxcel.defaults import PEER_TIMEOUT
 from mlxcel.errors import (
     ConnectionClosed,
     DeadlineExceeded,
@@ -73,7 +74,7 @@ DEFAULT_RECORD_SIZE = DEFAULT_MAX_FRAME
 DEFAULT_FRAME_TIMEOUT = 10.0  # seconds from a frame's header to the end of its body
 # A peer heard from not at all for this long is dead (a partition, a stopped process: no reset
 # ever comes). Each side sends a KEEPALIVE after a third of it without writing.
-DEFAULT_PEER_TIMEOUT = 3.0
+DEFAULT_PEER_TIMEOUT = PEER_TIMEOUT
 DECODE_INLINE = 64 << 10  # messages above this are decoded on a worker thread
 ENCODE_INLINE = 4 << 20  # messages carrying more tensor bytes are encoded on a worker thread
 _ids = itertools.count(1)

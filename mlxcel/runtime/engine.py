@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
-from mlxcel.defaults import PREFILL_STEP_SIZE
+from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE
 from mlxcel.handoff import Packed
 from mlxcel.messages import (
     CancelRequest,
@@ -72,7 +72,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         loaded: LoadedModel,
         compute: ComputeThread,
         *,
-        max_batch_size: int = 8,
+        max_batch_size: int = MAX_BATCH_SIZE,
         prefill_step_size: int = PREFILL_STEP_SIZE,
         max_sequences: int = 64,
         prompt_cache_bytes: int = 0,

@@ -17,16 +17,16 @@ from pathlib import Path
 from loguru import logger
 
 import mlxcel  # noqa: F401  (BLAS before mlx)
-from mlxcel.defaults import PREFILL_STEP_SIZE
+from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STARTUP_TIMEOUT
 
 
 def run_follower(
     model: Path,
     rank: int,
     hostfile: Path,
-    max_batch_size: int = 8,
+    max_batch_size: int = MAX_BATCH_SIZE,
     prefill_step_size: int = PREFILL_STEP_SIZE,
-    startup_timeout: float = 60.0,
+    startup_timeout: float = STARTUP_TIMEOUT,
     backend: str = "auto",
 ) -> int:
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
@@ -71,9 +71,9 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--hostfile", required=True)
-    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE)
     ap.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE)
-    ap.add_argument("--startup-timeout", type=float, default=60.0)
+    ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT)
     # A rank started by hand on another host may still name it in its environment.
     ap.add_argument("--tp-backend", default=os.environ.get("MLXCEL_TP_BACKEND", "auto"))
     # Rank 0's own settings, which its environment carries (see cli.main).
