@@ -135,18 +135,12 @@ class PeerHost(SimProcess):
         self.sched.trace("peer-ended", self.identity)
         self.kill()  # the process exits
 
-    def crash(self) -> None:
-        if not self.up:
-            return
-        self.sched.trace("crash", self.identity)
+    def on_crash(self) -> None:
         self.crashed_at.append(self.sched.now)
-        self.kill()
 
     def restart(self) -> None:
-        if self.up or self.ended is not None:
-            return
-        self.sched.trace("restart", self.identity)
-        self.boot()
+        if self.ended is None:  # a peer that gave up for good stays ended
+            super().restart()
 
 
 class PushHost(SimProcess):
@@ -201,10 +195,11 @@ class PushHost(SimProcess):
         await self.net.handshake(self.identity, address, self.loop_time(deadline))
 
     def crash(self) -> None:
-        if self.up and self.done is None:
-            self.sched.trace("crash", self.identity)
-            self.crashed_in = self.service.push.phase if self.service is not None else None
-            self.kill()
+        if self.done is None:  # a push that has finished is no longer running
+            super().crash()
+
+    def on_crash(self) -> None:
+        self.crashed_in = self.service.push.phase if self.service is not None else None
 
 
 @dataclass

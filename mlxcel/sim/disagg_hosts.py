@@ -235,17 +235,9 @@ class PrefillHost(SimProcess):
         if isinstance(msg, HandoffVerdict) and msg.commit:
             self.ledger.commits[(self.identity, msg.lease)] = self.sched.now
 
-    def crash(self) -> None:
-        if self.up:
-            self.sched.trace("crash", self.identity)
-            if self.engine is not None:
-                self.engine.alive = False
-            self.kill()
-
-    def restart(self) -> None:
-        if not self.up:
-            self.sched.trace("restart", self.identity)
-            self.boot()
+    def on_crash(self) -> None:
+        if self.engine is not None:
+            self.engine.alive = False
 
 
 class DecodeEngine:
@@ -350,15 +342,7 @@ class DecodeHost(SimProcess):
     def started(self, service: DecodeService) -> None:
         service.attach()
 
-    def crash(self) -> None:
-        if self.up:
-            self.sched.trace("crash", self.identity)
-            if self.engine is not None:
-                self.engine.alive = False
-                self.engine.compute.alive = False
-            self.kill()
-
-    def restart(self) -> None:
-        if not self.up:
-            self.sched.trace("restart", self.identity)
-            self.boot()
+    def on_crash(self) -> None:
+        if self.engine is not None:
+            self.engine.alive = False
+            self.engine.compute.alive = False

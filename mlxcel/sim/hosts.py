@@ -134,15 +134,9 @@ class StageHost(SimProcess):
                     f"but {fed_by} owns the sequence on the entry stage"
                 )
 
-    def crash(self) -> None:
-        self.sched.trace("crash", self.identity)
+    def on_crash(self) -> None:
         if self._compute is not None:
             self._compute.alive = False  # what was computing dies with the process
-        self.kill()
-
-    def restart(self) -> None:
-        self.sched.trace("restart", self.identity)
-        self.boot()
 
 
 @dataclass
@@ -224,18 +218,12 @@ class CoordinatorHost(SimProcess):
             return
         self.sched.at(out.deadline, self._deadline, rid)
 
-    def crash(self) -> None:
-        """The coordinator process dies: its clients see their connections drop, and every
-        stage sees the coordinator's connections reset."""
-        self.sched.trace("crash", self.identity)
+    def on_crash(self) -> None:
+        """Its clients see their connections drop (and every stage sees the coordinator's
+        connections reset)."""
         for out in self.outcomes.values():
             if out.finish is None:
                 out.finish, out.ended_at = "error:coordinator_crashed", self.sched.now
-        self.kill()
-
-    def restart(self) -> None:
-        self.sched.trace("restart", self.identity)
-        self.boot()
 
     def cancel(self, rid: str, finish: str = "cancelled") -> None:
         out = self.outcomes[rid]

@@ -200,6 +200,23 @@ class SimProcess:
     def started(self, service: Any) -> None:
         """After the service is built (attach it, start what it runs)."""
 
+    def crash(self) -> None:
+        """The process dies (a fault): what dies with it goes (:meth:`on_crash`), then
+        :meth:`kill`. A process that is down stays down."""
+        if self.up:
+            self.sched.trace("crash", self.identity)
+            self.on_crash()
+            self.kill()
+
+    def on_crash(self) -> None:
+        """What dies with the process besides its node: its compute, its clients' waits."""
+
+    def restart(self) -> None:
+        """The process starts again from nothing (a process that is up is left alone)."""
+        if not self.up:
+            self.sched.trace("restart", self.identity)
+            self.boot()
+
     def kill(self) -> None:
         """The process ends at once: nothing more leaves or arrives, its node closes (its
         tasks are cancelled, its timers die with its bus) and every peer's connection with it
