@@ -108,19 +108,28 @@ async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
         except BaseException as exc:
             if built.done():
                 raise  # the node failed while serving: close() raises it
+            if isinstance(exc, asyncio.CancelledError):
+                built.cancel()
+                raise
             built.set_exception(exc)
 
     holder = asyncio.create_task(hold(), name=f"mlxcel-{spec.mode}")
     try:
         stack = await asyncio.shield(built)
-    except asyncio.CancelledError:
+    except BaseException:
+        # The build failed, or this start was cancelled: the build is taken down whole.
         holder.cancel()
         await asyncio.gather(holder, return_exceptions=True)
+        if built.done() and not built.cancelled():
+            built.exception()  # retrieved (the caller has its own error)
         raise
-    except BaseException:
-        await asyncio.gather(holder, return_exceptions=True)
-        raise
-    holder.add_done_callback(lambda _: setattr(stack, "_closed", True))
+
+    def ended(task: asyncio.Task[None]) -> None:
+        stack._closed = True  # closed, or its node failed: not ready either way
+        if not task.cancelled():
+            task.exception()  # retrieved here (no "never retrieved" warning); close() raises it
+
+    holder.add_done_callback(ended)
     stack._release = (release, holder)
     return stack
 

@@ -185,3 +185,23 @@ async def test_start_and_close_may_run_in_different_tasks(tiny: Path) -> None:
     await asyncio.create_task(stack.close())
     assert not stack.ready and all(t.done() for t in node_tasks)
     await stack.close()
+
+
+async def test_a_start_cancelled_midway_takes_its_build_down(tiny: Path) -> None:
+    """Cancelled while loading, while the stages warm up, or just as it is ready: nothing of
+    the build is left running (its threads joined, its holder task gone)."""
+    import asyncio
+    import threading
+
+    before = threading.active_count()
+    cancelled = 0
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5):
+        try:
+            stack = await asyncio.wait_for(start(PipelineSpec(tiny, 2)), delay)
+        except TimeoutError:
+            cancelled += 1
+        else:
+            await stack.close()
+        assert threading.active_count() <= before, delay
+        assert [t for t in asyncio.all_tasks() if t.get_name().startswith("mlxcel-")] == []
+    assert cancelled >= 2
