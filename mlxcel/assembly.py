@@ -89,6 +89,11 @@ def mode_of(spec: StackSpec) -> Mode:
     return mode
 
 
+# The holder tasks of started stacks: asyncio keeps only weak references to tasks, and a
+# stack its caller dropped without close() must not be collected with its node running.
+_HOLDERS: set[asyncio.Task[None]] = set()
+
+
 async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
     """Build the node ``spec`` describes; ``await stack.close()`` takes it down, from any task.
 
@@ -96,8 +101,7 @@ async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
     node's task group then belongs to that task, not to whichever task called ``start`` (an
     embedding service's start-up hook may end long before its clean-up hook runs)."""
     builder = mode_of(spec).load()
-    loop = asyncio.get_running_loop()
-    built: asyncio.Future[Stack[Any]] = loop.create_future()
+    built: asyncio.Future[Stack[Any]] = asyncio.get_running_loop().create_future()
     release = asyncio.Event()
 
     async def hold() -> None:
@@ -114,6 +118,8 @@ async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
             built.set_exception(exc)
 
     holder = asyncio.create_task(hold(), name=f"mlxcel-{spec.mode}")
+    _HOLDERS.add(holder)
+    holder.add_done_callback(_HOLDERS.discard)
     try:
         stack = await asyncio.shield(built)
     except BaseException:
@@ -125,7 +131,7 @@ async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
         raise
 
     def ended(task: asyncio.Task[None]) -> None:
-        stack._closed = True  # closed, or its node failed: not ready either way
+        stack.ended()  # closed, or its node failed: a runner serving it stops too
         if not task.cancelled():
             task.exception()  # retrieved here (no "never retrieved" warning); close() raises it
 
@@ -136,13 +142,13 @@ async def start(spec: StackSpec, gen: Generation | None = None) -> Stack[Any]:
 
 @asynccontextmanager
 async def assemble(spec: StackSpec, gen: Generation | None = None) -> AsyncIterator[Stack[Any]]:
-    """``async with assemble(spec, gen) as stack``: :func:`start`, then ``close`` on the way out."""
-    builder = mode_of(spec).load()
-    async with builder(spec, gen or Generation()) as stack:
-        try:
-            yield stack
-        finally:
-            stack._closed = True
+    """``async with assemble(spec, gen) as stack``: :func:`start`, then ``close`` on the way
+    out (or earlier, if the block calls it)."""
+    stack = await start(spec, gen)
+    try:
+        yield stack
+    finally:
+        await stack.close()
 
 
 __all__ = [

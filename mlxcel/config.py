@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from mlxcel import defaults as d
 from mlxcel.addresses import check_address
-from mlxcel.config_sources import ENV_PREFIX, _EnvSource, _TomlData
+from mlxcel.config_sources import ENV_PREFIX, EnvSource, TomlData
 
 LogLevel = Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -74,9 +74,9 @@ class _Base(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, _EnvSource(settings_cls)]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, EnvSource(settings_cls)]
         if cls._toml_data is not None:
-            sources.append(_TomlData(settings_cls, cls._toml_data))
+            sources.append(TomlData(settings_cls, cls._toml_data))
         return tuple(sources)
 
 

@@ -13,12 +13,12 @@ ENV_PREFIX = "MLXCEL_"
 NOT_FROM_ENV = frozenset({"cluster_secret_file"})
 
 
-class _EnvSource(EnvSettingsSource):
+class EnvSource(EnvSettingsSource):
     def __call__(self) -> dict[str, Any]:
         return {k: v for k, v in super().__call__().items() if k not in NOT_FROM_ENV}
 
 
-class _TomlData(PydanticBaseSettingsSource):
+class TomlData(PydanticBaseSettingsSource):
     """The settings a TOML file gives this command (see :mod:`mlxcel.config_cli`)."""
 
     def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:

@@ -70,6 +70,7 @@ class FaultPlan:
 
     def __init__(self) -> None:
         self.planned: list[Planned] = []
+        self._installed = 0  # how many of ``planned`` are on a clock already
 
     def add(self, fault: Fault, start: float, end: float | None) -> Planned:
         if end is not None and end < start:
@@ -79,8 +80,10 @@ class FaultPlan:
         return p
 
     def install(self, at: Callable[[float, Callable[[], object]], object]) -> None:
-        """Schedule every apply and undo on a clock's ``at(time, fn)``."""
-        for p in self.planned:
+        """Schedule every apply and undo not scheduled yet on a clock's ``at(time, fn)`` (a
+        plan installed again adds only what was planned since)."""
+        new, self._installed = self.planned[self._installed :], len(self.planned)
+        for p in new:
             at(p.start, p.fault.apply)
             if p.end is not None:
                 at(p.end, p.fault.undo)

@@ -56,7 +56,7 @@ class SamplingParams:
 
 
 # SamplingParams fields beyond temperature/top-p/top-k/seed, by their API names. A serving
-# mode that cannot apply one refuses requests that ask for it (see mlxcel.runner.Serving).
+# mode that cannot apply one refuses requests that ask for it (see mlxcel.stack.Serving).
 EXTENDED_SAMPLING = frozenset(
     {
         "top_logprobs",

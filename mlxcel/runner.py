@@ -178,8 +178,9 @@ class NodeRunner:
         self._stop.set()
 
     async def wait(self) -> None:
-        """Until ``request_stop()`` or until the stack says it is done."""
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._stop, self.serving.done)]
+        """Until ``request_stop()``, the stack saying it is done, or the stack closing."""
+        events = (self._stop, self.serving.done, self.serving.closed)
+        waits = [asyncio.ensure_future(e.wait()) for e in events]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:

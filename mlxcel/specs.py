@@ -10,10 +10,23 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import defaults as d
+from mlxcel.errors import ConfigError
 
 
 def _never() -> bool:
     return False
+
+
+def _need(ok: bool, field: str, problem: str) -> None:
+    """A spec is refused when it is written, naming the field, as a bad flag is."""
+    if not ok:
+        raise ConfigError(field, problem)
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        _need(value > 0, f"{type(owner).__name__}.{name}", f"must be above 0, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,13 @@ class Generation:
     max_batch_size: int = d.MAX_BATCH_SIZE
     prefill_step_size: int = d.PREFILL_STEP_SIZE
     prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
+
+    def __post_init__(self) -> None:
+        _positive(self, "parallel", "request_timeout", "max_batch_size")
+        _need(self.queue_size >= 0, "Generation.queue_size", f"{self.queue_size} is below 0")
+        step = self.prefill_step_size
+        _need(16 <= step <= 65536, "Generation.prefill_step_size", f"{step} is not in 16-65536")
+        _need(self.prompt_cache_bytes >= 0, "Generation.prompt_cache_bytes", "is below 0")
 
 
 @dataclass(frozen=True)
@@ -47,6 +67,11 @@ class TensorParallelSpec:
     backend: str = "auto"  # --tp-backend
     mode = "tensor-parallel"
 
+    def __post_init__(self) -> None:
+        _positive(self, "size", "startup_timeout")
+        backends = ("auto", "ring", "nccl")
+        _need(self.backend in backends, "TensorParallelSpec.backend", f"not one of {backends}")
+
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -62,6 +87,11 @@ class PipelineSpec:
     stage_threads: bool = False
     mode = "pipeline"
 
+    def __post_init__(self) -> None:
+        _positive(self, "size")
+        if self.micro_batch_size is not None:
+            _positive(self, "micro_batch_size")
+
 
 @dataclass(frozen=True)
 class _ClusterNodeSpec:
@@ -74,6 +104,11 @@ class _ClusterNodeSpec:
     return_logits: bool = False
     interface: str | None = None
     trust_weights: bool = False  # skip the weight digest (see mlxcel.bringup.identity)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _need(self.cfg is not None and self.me is not None, name, "needs its cluster and entry")
+        _need(self.secret is not None, f"{name}.secret", "every cluster node needs the secret")
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,13 @@ class DisaggSpec:
     decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
     # router: node addresses in /router/stats, read per request (MLXCEL_ROUTER_STATS_VERBOSE).
     verbose_stats: Callable[[], bool] = _never
+
+    def __post_init__(self) -> None:
+        roles = ("router", "prefill", "decode")
+        _need(self.role in roles, "DisaggSpec.role", f"{self.role!r} is not one of {roles}")
+        _need(self.secret is not None, "DisaggSpec.secret", "every role needs the secret")
+        _need(bool(self.bind), "DisaggSpec.bind", "the node's cluster address is required")
+        _positive(self, "startup_timeout", "peer_timeout", "prefill_timeout")
 
     @property
     def mode(self) -> str:

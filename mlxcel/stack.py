@@ -37,6 +37,8 @@ class Serving:
     # Set by the stack itself when it can no longer serve (a tensor-parallel group failed, a
     # stage was told to shut down): the runner then stops as if asked to.
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the stack is closed (or its node failed under it): the runner stops too.
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
     # More GET routes for the HTTP API: path -> a function answering the JSON body.
     extra_get: dict[str, Callable[[], Any]] = field(default_factory=dict)
     # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
@@ -62,7 +64,8 @@ class Completion:
 @dataclass
 class Stack(Generic[P]):
     """A built node of any mode. ``start`` (:func:`mlxcel.assembly.start`) builds it; ``close``
-    takes it down (``async with assemble(spec) as stack`` does both)."""
+    takes it down (``async with assemble(spec) as stack`` does both). Its node lives in a task
+    of its own (the *holder*), which leaves the builder when ``close`` releases it."""
 
     mode: str  # the registry's name for it
     serving: Serving
@@ -70,9 +73,18 @@ class Stack(Generic[P]):
     summary: str  # one line for the log: what this node runs
     parts: P  # the mode's own objects (its engine, coordinator, stage service...)
     failure: Callable[[], str | None] = lambda: None  # why it stopped serving, if it did
-    # Set by assembly.start: the event that lets its holder task leave the builder, and it.
+    # Set by assembly.start: the event that lets the holder task leave the builder, and it.
     _release: tuple[asyncio.Event, asyncio.Task[None]] | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+
+    def ended(self) -> None:
+        """The node is going (closed, or failed): it is not ready, a runner serving it stops
+        (``serving.closed``), and every request it was generating ends now, with an in-band
+        ``server_shutting_down`` error, instead of at its deadline."""
+        self._closed = True
+        self.serving.closed.set()
+        if self.serving.frontend is not None:
+            self.serving.frontend.end_all()
 
     @property
     def node(self) -> Node:
@@ -81,6 +93,8 @@ class Stack(Generic[P]):
     @property
     def frontend(self) -> Frontend:
         fe = self.serving.frontend
+        if self._closed:
+            raise NotServing(f"this {self.mode} node is closed ({self.summary})")
         if fe is None:
             raise NotServing(
                 f"a {self.mode} node serves no requests of its own ({self.summary}); "
@@ -144,10 +158,16 @@ class Stack(Generic[P]):
         return out
 
     async def close(self) -> None:
-        """Take the node down (idempotent); raises what took it down, if it failed while
-        serving. A stack entered with ``async with assemble(...)`` closes there."""
-        self._closed = True
-        if self._release is not None:
-            release, holder = self._release
-            release.set()
-            await holder
+        """Take the node down (idempotent): what it was generating ends with an error, then
+        its node and compute close. Raises what took it down, if it failed while serving.
+
+        From one of the node's own tasks it only asks (that task is cancelled with the node):
+        waiting there for the node to close would wait on itself."""
+        self.ended()
+        if self._release is None:
+            return
+        release, holder = self._release
+        release.set()
+        if asyncio.current_task() in self.node._tasks:
+            return
+        await holder

@@ -58,3 +58,15 @@ def test_windows_start_within_the_horizon_and_last_their_bounds() -> None:
     for _ in range(200):
         t0, t1 = window(rng, 30.0, 0.5, 2.0)
         assert 0.0 <= t0 <= 30.0 and 0.5 <= t1 - t0 <= 2.0
+
+
+def test_installing_a_plan_again_schedules_only_what_was_added_since() -> None:
+    log, cut = _recorder()
+    plan = FaultPlan()
+    plan.add(cut, 1.0, 2.0)
+    times: list[float] = []
+    plan.install(lambda t, fn: times.append(t))
+    plan.add(Fault("drop", print), 3.0, 4.0)
+    plan.install(lambda t, fn: times.append(t))
+    plan.install(lambda t, fn: times.append(t))
+    assert times == [1.0, 2.0, 3.0, 4.0]

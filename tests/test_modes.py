@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from mlxcel.assembly import (
     Generation,
     LocalSpec,
     PipelineSpec,
+    StageSpec,
+    TensorParallelSpec,
     assemble,
     mode_of,
     start,
@@ -51,8 +54,8 @@ def test_every_mode_names_a_builder_of_its_spec_that_yields_a_stack() -> None:
 
 
 def test_a_spec_the_registry_does_not_know_is_refused_naming_the_modes() -> None:
-    with pytest.raises(ConfigError, match="'trainer' .* the modes are: local, tensor-parallel"):
-        mode_of(DisaggSpec("trainer", Path("m"), None, "127.0.0.1:1"))
+    with pytest.raises(ConfigError, match=r"DisaggSpec.role: 'stage' is not one of \('router'"):
+        DisaggSpec("stage", Path("m"), ClusterSecret(bytes(32), "t"), "127.0.0.1:1")
 
     @dataclass(frozen=True)
     class Impostor:  # names a mode, is not its spec type
@@ -61,8 +64,32 @@ def test_a_spec_the_registry_does_not_know_is_refused_naming_the_modes() -> None
 
     with pytest.raises(ConfigError, match="Impostor"):
         mode_of(Impostor(Path("m")))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="not a serving mode"):
+    with pytest.raises(ConfigError, match="not a serving mode; the modes are: local, tensor"):
         mode_of(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (lambda: Generation(parallel=0), "Generation.parallel: must be above 0, not 0"),
+        (lambda: Generation(parallel=-3), "Generation.parallel"),
+        (lambda: Generation(max_batch_size=0), "Generation.max_batch_size"),
+        (lambda: Generation(queue_size=-1), "Generation.queue_size"),
+        (lambda: Generation(request_timeout=0), "Generation.request_timeout"),
+        (lambda: Generation(prefill_step_size=0), "Generation.prefill_step_size: 0 is not in"),
+        (lambda: PipelineSpec(Path("m"), 0), "PipelineSpec.size"),
+        (lambda: PipelineSpec(Path("m"), 2, micro_batch_size=0), "micro_batch_size"),
+        (lambda: TensorParallelSpec(Path("m"), 0), "TensorParallelSpec.size"),
+        (lambda: TensorParallelSpec(Path("m"), 2, backend="mpi"), "TensorParallelSpec.backend"),
+        (lambda: StageSpec(None, None, Path("m"), None), "StageSpec: needs its cluster"),
+        (lambda: DisaggSpec("decode", Path("m"), None, "127.0.0.1:1"), "DisaggSpec.secret"),
+    ],
+)
+def test_a_spec_with_a_bad_value_is_refused_when_written(make: object, names: str) -> None:
+    """As a bad flag is: a ConfigError naming the field, before anything is built (a
+    parallel of 0 once hung every request until its deadline)."""
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        make()  # type: ignore[operator]
 
 
 BUILDERS = {mode.builder.partition(":")[2] for mode in MODES.values()}
@@ -205,3 +232,78 @@ async def test_a_start_cancelled_midway_takes_its_build_down(tiny: Path) -> None
         assert threading.active_count() <= before, delay
         assert [t for t in asyncio.all_tasks() if t.get_name().startswith("mlxcel-")] == []
     assert cancelled >= 2
+
+
+async def test_close_ends_what_is_in_flight_and_stops_a_runner_serving_it(tiny: Path) -> None:
+    """close() with a request generating: the request ends at once with an in-band
+    server_shutting_down error (not at its deadline), a NodeRunner serving the stack stops
+    waiting, and the closed stack refuses new work with a typed error."""
+    import asyncio
+
+    from mlxcel.errors import EngineError
+    from mlxcel.messages import ErrorCode
+    from mlxcel.runner import HttpOptions, NodeRunner
+
+    stack = await start(LocalSpec(tiny), Generation(request_timeout=60))
+    runner = NodeRunner(stack, HttpOptions(port=0))
+    await runner.setup()
+    await runner.start()
+    waiting = asyncio.create_task(runner.wait())
+    first = asyncio.Event()
+
+    async def long_request() -> None:
+        async for _ in stack.stream("close me", SamplingParams(max_tokens=4000)):
+            first.set()
+
+    req = asyncio.create_task(long_request())
+    await asyncio.wait_for(first.wait(), 10)
+    t0 = asyncio.get_running_loop().time()
+    await stack.close()
+    with pytest.raises(EngineError) as err:
+        await asyncio.wait_for(req, 5)
+    assert err.value.code == ErrorCode.SERVER_SHUTTING_DOWN
+    assert asyncio.get_running_loop().time() - t0 < 5
+    await asyncio.wait_for(waiting, 5)  # the runner saw the stack close
+    await runner.stop()
+    with pytest.raises(NotServing, match="this local node is closed"):
+        await stack.generate("again", GREEDY)
+    assert (await stack.stats())["ready"] is False
+
+
+async def test_close_inside_assemble_takes_the_node_down_there(tiny: Path) -> None:
+    async with assemble(LocalSpec(tiny)) as stack:
+        await stack.close()
+        assert stack._release is not None and stack._release[1].done()
+        with pytest.raises(NotServing):
+            await stack.generate("after close", GREEDY)
+
+
+async def test_close_from_one_of_the_nodes_own_tasks_does_not_wait_on_itself(tiny: Path) -> None:
+    import asyncio
+
+    stack = await start(LocalSpec(tiny))
+    assert stack._release is not None
+    holder = stack._release[1]
+
+    async def closer() -> None:
+        await stack.close()
+
+    stack.node.spawn(closer(), name="closer")
+    await asyncio.wait_for(asyncio.shield(holder), 10)
+    assert not stack.ready
+
+
+async def test_a_stack_dropped_without_close_keeps_running_until_its_holder_ends(
+    tiny: Path,
+) -> None:
+    """asyncio holds tasks weakly: the registry keeps each holder until it ends, so a stack
+    its caller dropped is not collected with its node (and compute thread) running."""
+    import asyncio
+    import gc
+
+    await start(LocalSpec(tiny))  # dropped at once
+    gc.collect()
+    holders = [t for t in asyncio.all_tasks() if t.get_name() == "mlxcel-local"]
+    assert len(holders) == 1 and not holders[0].done()
+    holders[0].cancel()  # what a process's shutdown does to it
+    await asyncio.gather(holders[0], return_exceptions=True)

@@ -74,7 +74,7 @@ async def test_a_failed_setup_resolves_started(tiny: Path) -> None:
 
 
 async def test_an_embedded_stack_serves_every_parameter_serve_serves(tiny: Path) -> None:
-    """``Stack.serving()``: what an embedder puts behind HTTP takes min_p, penalties,
+    """``stack.serving``: what an embedder puts behind HTTP takes min_p, penalties,
     logit_bias and top_logprobs as ``serve`` does, asked by the official openai client."""
     import openai
 

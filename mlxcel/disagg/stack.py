@@ -32,6 +32,7 @@ from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel, load_model, load_tokenizer_only
 from mlxcel.specs import DisaggSpec, Generation
 from mlxcel.stack import Serving, Stack
@@ -165,7 +166,13 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
             make = _prefill_service if spec.role == "prefill" else _decode_service
             service = await make(node, endpoint, engine, compute, spec)
             service.attach()
-            serving = Serving(node, listener=listener, drain=service.drain)
+            serving = Serving(
+                node,
+                inflight=lambda: engine.active,
+                listener=listener,
+                kv=lambda: figures(engine.kv_tokens(), loaded.config, loaded.n_layers),
+                drain=service.drain,
+            )
             summary = f"{spec.role} node on {spec.bind}"
             parts = RoleParts(service, listener, engine)
             yield Stack(spec.role, serving, spec.model.name, summary, parts)

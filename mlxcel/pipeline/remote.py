@@ -158,7 +158,11 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
             service.attach()
             await service.warm_up()
             serving = Serving(
-                node, listener=listener, done=service.stopped, drain=_stage_drain(service)
+                node,
+                inflight=lambda: len(service.seqs),
+                listener=listener,
+                done=service.stopped,
+                drain=_stage_drain(service),
             )
             summary = f"stage {me.id} (layers {stage_plan.spec})"
             yield Stack("stage", serving, spec.model.name, summary, service)

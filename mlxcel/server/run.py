@@ -54,7 +54,7 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
             )
             summary = (
                 f"model {loaded.name} ({loaded.family}, {loaded.n_layers} layers); decode path: "
-                f"batched forward, up to {gen.max_batch_size} sequences per step; prompt cache: "
+                f"batched forward, up to {gen.max_batch_size} sequence(s) per step; prompt cache: "
                 + (ByteSize(pc.max_bytes).human_readable() if pc is not None else "off")
             )
             yield Stack("local", serving, loaded.name, summary, LocalParts(loaded, engine))

@@ -69,10 +69,14 @@ def _group_size(spec: TensorParallelSpec) -> int:
 
 
 async def _spawn_followers(
-    spec: TensorParallelSpec, gen: Generation, hostfile: Path, size: int
-) -> list[asyncio.subprocess.Process]:
-    """Ranks 1..size-1 on this host, each a ``mlxcel.tp.follower`` process."""
-    followers = []
+    spec: TensorParallelSpec,
+    gen: Generation,
+    hostfile: Path,
+    size: int,
+    followers: list[asyncio.subprocess.Process],
+) -> None:
+    """Ranks 1..size-1 on this host, each a ``mlxcel.tp.follower`` process, appended to
+    ``followers`` as each starts (a start cancelled midway still reaps those)."""
     for rank in range(1, size):
         args = {
             "--model": spec.model,
@@ -93,7 +97,6 @@ async def _spawn_followers(
                 env=device_env(rank, colocated_env(size)),
             )
         )
-    return followers
 
 
 def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, size: int) -> Serving:
@@ -125,10 +128,10 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
     engine: TpEngine | None = None
     with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
         hostfile = spec.hostfile
-        if hostfile is None:
-            hostfile = write_local_hostfile(size, Path(tmp))
-            followers = await _spawn_followers(spec, gen, hostfile, size)
         try:
+            if hostfile is None:
+                hostfile = write_local_hostfile(size, Path(tmp))
+                await _spawn_followers(spec, gen, hostfile, size, followers)
             group, loaded = await _join(compute, followers, hostfile, spec, size)
             async with Node("tensor-parallel") as node:
                 engine = TpEngine(
@@ -145,7 +148,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                 fe = Frontend.attached(node, loaded.tokenizer, gen)
                 summary = (
                     f"tensor-parallel group of {size} ranks; decode path: batched forward on "
-                    f"every rank, up to {gen.max_batch_size} sequences per step"
+                    f"every rank, up to {gen.max_batch_size} sequence(s) per step"
                 )
                 eng = engine
                 yield Stack(
@@ -164,7 +167,8 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
             raise
         finally:
             stopping = True
-            await _reap(followers)
+            # A group that never formed has nothing to wait for: its followers go at once.
+            await _reap(followers, patient=engine is not None)
             # A failed group's compute thread may sit in a dead collective: do not join it.
             if startup_failed or (engine is not None and engine.fatal.is_set()):
                 compute.abandon()
@@ -197,10 +201,10 @@ async def _join(
     return group, loaded
 
 
-async def _reap(followers: list[asyncio.subprocess.Process]) -> None:
+async def _reap(followers: list[asyncio.subprocess.Process], patient: bool) -> None:
     for proc in followers:
         try:
-            await asyncio.wait_for(proc.wait(), 10)
+            await asyncio.wait_for(proc.wait(), 10 if patient else 0)
         except TimeoutError:
             proc.kill()
             await proc.wait()
