@@ -130,16 +130,17 @@ class StatusSettings(_Base):
 class SimSettings(_HasModel):
     seeds: int = Field(20, ge=1, le=1_000_000, description="how many seeded scenarios to run")
     first_seed: int = Field(0, ge=0, description="the first seed of the run")
-    scenario: Literal["all", "mixed", "bringup", "disagg", "scale", "tiny"] = Field(
+    scenario: Literal["all", "mixed", "bringup", "disagg", "scale", "tiny", "engine"] = Field(
         "all",
         description="all: mixed, bringup and disagg for every seed; mixed: 2-8 stages serving, "
         "every fault kind; bringup: zero-config bring-up of 2-16 peers; disagg: a router with "
         "1-8 prefill and 1-8 decode nodes; scale: 32 stages; tiny: 2-4 stages computing with "
-        "the real checkpoint (--model)",
+        "the real checkpoint (--model); engine: the one-process engine and frontend on it",
     )
     model: str | None = Field(
         None,
-        description="checkpoint or Hub id for --scenario tiny (default: the embedded tiny model)",
+        description="checkpoint or Hub id for --scenario tiny or engine (default: the embedded "
+        "tiny model)",
     )
     seed: int | None = Field(
         None,

@@ -143,6 +143,63 @@ def test_the_real_tiny_checkpoint_computes_a_small_cluster(tiny: Path) -> None:
     assert "insider" in bad.faults and bad.violations
 
 
+def test_the_serving_engine_runs_under_the_simulator(tiny: Path) -> None:
+    """The one-process engine and frontend on the real checkpoint: clients that read to the
+    end, hang up or run out of time, bursts past admission, a slow device -- every request
+    ends, finished ones hold mlx-lm's greedy tokens, nothing is left held; replayable."""
+    results = run_many(range(8), name="engine", model_path=tiny)
+    assert [r.violations for r in results] == [[]] * 8
+    kinds = {k for r in results for k in r.faults}
+    assert {"engine-plain", "engine-hang-up", "engine-deadline", "engine-slow-compute"} <= kinds
+    assert sum(r.completed for r in results) > 20
+    again = run_scenario("engine", 5, model_path=tiny)
+    assert again.trace_hash == results[5].trace_hash
+
+
+def test_an_engine_that_streams_a_wrong_token_is_caught(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planted engine bug -- every unfinished result repeats its last token -- breaks the
+    parity invariant at once."""
+    import dataclasses
+
+    from mlxcel.runtime.engine import LocalEngine
+
+    real = LocalEngine._result
+
+    def doubled(self, seq, items):  # type: ignore[no-untyped-def]
+        msg = real(self, seq, items)
+        if msg.finish_reason is None and msg.token_ids:
+            return dataclasses.replace(msg, token_ids=msg.token_ids + msg.token_ids[-1:])
+        return msg
+
+    monkeypatch.setattr(LocalEngine, "_result", doubled)
+    results = run_many(range(3), name="engine", model_path=tiny)
+    found = [v for r in results for v in r.violations]
+    assert found and all("mlx-lm gives" in v or "not a prefix" in v for v in found), found
+
+
+def test_an_engine_that_forgets_a_finished_sequence_is_caught(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planted leak -- a finished sequence stays in the engine's books (its KV figures and
+    its slot with it) -- is found by the end-of-run check."""
+    from mlxcel.runtime.engine import LocalEngine
+
+    real = LocalEngine._result
+
+    def forgetful(self, seq, items):  # type: ignore[no-untyped-def]
+        msg = real(self, seq, items)
+        if msg.finish_reason is not None:
+            self._seqs[seq.entry.request_id] = seq  # the pop undone
+        return msg
+
+    monkeypatch.setattr(LocalEngine, "_result", forgetful)
+    results = run_many(range(2), name="engine", model_path=tiny)
+    found = [v for r in results for v in r.violations]
+    assert any("the engine still holds" in v for v in found), found
+
+
 @pytest.mark.parametrize("keep_alive", [True, False])
 def test_steps_queued_behind_a_slow_stage_outlive_the_step_deadline(keep_alive: bool) -> None:
     """A stage whose every job is slow (as on a fresh GPU, compiling kernels) but within its

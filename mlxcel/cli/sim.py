@@ -65,7 +65,7 @@ def run_sim(settings: SimSettings) -> int:
         else range(settings.first_seed, settings.first_seed + settings.seeds)
     )
     model_path = None
-    if settings.scenario == "tiny":
+    if settings.scenario in ("tiny", "engine"):
         from mlxcel.cli.commands import resolve_model
 
         model_path = resolve_model(settings.model)

@@ -42,7 +42,7 @@ from mlxcel.sim.real_model import real_model
 
 FAULT_KINDS = ("drop", "delay", "duplicate", "reorder", "partition", "crash", "slow", "skew")
 FAULT_KINDS += ("outsider", "insider")
-SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg")
+SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg", "engine")
 BUGS = ("skip-owner-check", "accept-stale-nonce", *RUNNER_BUGS)
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
@@ -306,6 +306,8 @@ def _run_scenario(
         return _bringup_result(seed, stages, inject, wall0)
     if name == "disagg":
         return _disagg_result(seed, stages, inject, wall0)
+    if name == "engine":
+        return _engine_result(seed, model_path, wall0)
     rng = random.Random(f"{name}:{seed}")
     model = None
     if name == "scale":
@@ -416,6 +418,23 @@ def _disagg_result(seed: int, nodes: int | None, inject: frozenset[str], wall0: 
         tuple(sorted(inject)),
         nodes,
     )
+
+
+def _engine_result(seed: int, model_path: Path | None, wall0: float) -> Result:
+    """The one-process engine and frontend (:mod:`mlxcel.sim.engine`) on the real checkpoint."""
+    from mlxcel.sim.engine import run_engine
+
+    if model_path is None:
+        raise ValueError("the engine scenario needs a checkpoint (--model)")
+    run, violations = run_engine(seed, model_path)
+    ends = [c.finish or "" for c in run.clients]
+    kinds = ["engine-" + k for k in sorted({c.kind for c in run.clients})]
+    kinds += ["engine-" + p.fault.name.replace(" ", "-") for p in run.plan.planned]
+    done = sum(e in ("stop", "length") for e in ends)
+    failed = sum(e in ("refused", "deadline") or e.startswith("error") for e in ends)
+    s = run.sched
+    return Result("engine", seed, 1, kinds, len(ends), done, failed, s.events, s.trace_hash,
+                  violations, time.perf_counter() - wall0, (), None, str(model_path))  # fmt: skip
 
 
 def check(cluster: Cluster) -> list[str]:
