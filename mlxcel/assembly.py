@@ -37,7 +37,6 @@ Builder = Callable[[Any, Generation], AbstractAsyncContextManager[Stack[Any]]]
 class Mode:
     spec: type
     builder: str  # "module:function", imported when the mode is built
-    what: str  # one line for the docs and errors
 
     def load(self) -> Builder:
         module, _, name = self.builder.partition(":")
@@ -46,32 +45,14 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {
-    "local": Mode(
-        LocalSpec, "mlxcel.server.run:local_stack", "one process: the whole model, one engine"
-    ),
-    "tensor-parallel": Mode(
-        TensorParallelSpec, "mlxcel.tp.launch:tp_stack", "rank 0 of a tensor-parallel group"
-    ),
-    "pipeline": Mode(
-        PipelineSpec,
-        "mlxcel.pipeline.inproc:pipeline_stack",
-        "every pipeline stage and the coordinator in this process",
-    ),
-    "coordinator": Mode(
-        CoordinatorSpec,
-        "mlxcel.pipeline.remote:coordinator_stack",
-        "the coordinator of a multi-process pipeline (serves the API)",
-    ),
-    "stage": Mode(
-        StageSpec, "mlxcel.pipeline.remote:stage_stack", "one stage of a multi-process pipeline"
-    ),
-    "router": Mode(
-        DisaggSpec,
-        "mlxcel.disagg.stack:router_stack",
-        "the router of disaggregated serving (serves the API)",
-    ),
-    "prefill": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack", "a disaggregated prefill node"),
-    "decode": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack", "a disaggregated decode node"),
+    "local": Mode(LocalSpec, "mlxcel.server.run:local_stack"),  # the whole model, one engine
+    "tensor-parallel": Mode(TensorParallelSpec, "mlxcel.tp.launch:tp_stack"),  # rank 0
+    "pipeline": Mode(PipelineSpec, "mlxcel.pipeline.inproc:pipeline_stack"),  # in-process
+    "coordinator": Mode(CoordinatorSpec, "mlxcel.pipeline.remote:coordinator_stack"),
+    "stage": Mode(StageSpec, "mlxcel.pipeline.remote:stage_stack"),
+    "router": Mode(DisaggSpec, "mlxcel.disagg.stack:router_stack"),
+    "prefill": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack"),
+    "decode": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack"),
 }
 
 
