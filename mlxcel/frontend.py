@@ -329,6 +329,8 @@ class Frontend:
         return len(self._streams)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
+        if self.node.bus.closed:
+            return  # the node is gone, and what it was generating with it
         try:
             await self.node.bus.publish(
                 CancelRequest(request_id, reason), deadline=deadline_in(5.0)

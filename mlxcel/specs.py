@@ -25,8 +25,10 @@ def _need(ok: bool, field: str, problem: str) -> None:
 
 def _positive(owner: object, *names: str) -> None:
     for name in names:
-        value = getattr(owner, name)
-        _need(value > 0, f"{type(owner).__name__}.{name}", f"must be above 0, not {value!r}")
+        value, field = getattr(owner, name), f"{type(owner).__name__}.{name}"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        _need(number, field, f"must be a number, not {value!r}")
+        _need(value > 0, field, f"must be above 0, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,16 @@ class Generation:
 
     def __post_init__(self) -> None:
         _positive(self, "parallel", "request_timeout", "max_batch_size")
-        _need(self.queue_size >= 0, "Generation.queue_size", f"{self.queue_size} is below 0")
-        step = self.prefill_step_size
-        _need(16 <= step <= 65536, "Generation.prefill_step_size", f"{step} is not in 16-65536")
-        _need(self.prompt_cache_bytes >= 0, "Generation.prompt_cache_bytes", "is below 0")
+        for name, low, high in (
+            ("queue_size", 0, None),
+            ("prefill_step_size", 16, 65536),
+            ("prompt_cache_bytes", 0, None),
+        ):
+            value, field = getattr(self, name), f"Generation.{name}"
+            integer = isinstance(value, int) and not isinstance(value, bool)
+            _need(integer, field, f"must be an integer, not {value!r}")
+            _need(value >= low, field, f"{value} is below {low}")
+            _need(high is None or value <= high, field, f"{value} is above {high}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,8 @@ class TensorParallelSpec:
     def __post_init__(self) -> None:
         _positive(self, "size", "startup_timeout")
         backends = ("auto", "ring", "nccl")
-        _need(self.backend in backends, "TensorParallelSpec.backend", f"not one of {backends}")
+        field = "TensorParallelSpec.backend"
+        _need(self.backend in backends, field, f"{self.backend!r} is not one of {backends}")
 
 
 @dataclass(frozen=True)

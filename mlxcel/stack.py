@@ -168,6 +168,8 @@ class Stack(Generic[P]):
             return
         release, holder = self._release
         release.set()
-        if asyncio.current_task() in self.node._tasks:
+        if holder.cancelled() or asyncio.current_task() in self.node._tasks:
             return
-        await holder
+        # Shielded: a caller that stops waiting (a timeout, its own cancellation, a task of
+        # another node of this stack torn down with it) leaves the closing to finish.
+        await asyncio.shield(holder)

@@ -76,7 +76,8 @@ def test_a_spec_the_registry_does_not_know_is_refused_naming_the_modes() -> None
         (lambda: Generation(max_batch_size=0), "Generation.max_batch_size"),
         (lambda: Generation(queue_size=-1), "Generation.queue_size"),
         (lambda: Generation(request_timeout=0), "Generation.request_timeout"),
-        (lambda: Generation(prefill_step_size=0), "Generation.prefill_step_size: 0 is not in"),
+        (lambda: Generation(prefill_step_size=0), "Generation.prefill_step_size: 0 is below 16"),
+        (lambda: Generation(parallel="4"), "Generation.parallel: must be a number, not '4'"),
         (lambda: PipelineSpec(Path("m"), 0), "PipelineSpec.size"),
         (lambda: PipelineSpec(Path("m"), 2, micro_batch_size=0), "micro_batch_size"),
         (lambda: TensorParallelSpec(Path("m"), 0), "TensorParallelSpec.size"),
@@ -307,3 +308,24 @@ async def test_a_stack_dropped_without_close_keeps_running_until_its_holder_ends
     assert len(holders) == 1 and not holders[0].done()
     holders[0].cancel()  # what a process's shutdown does to it
     await asyncio.gather(holders[0], return_exceptions=True)
+
+
+async def test_close_survives_its_caller_giving_up_and_a_closer_on_another_node(
+    tiny: Path,
+) -> None:
+    """close() is shielded: a caller that times out leaves the closing to finish (a later
+    close() returns, it does not raise CancelledError), and a closer running on a stage's
+    node -- torn down with the stack -- does not wait on itself."""
+    import asyncio
+
+    stack = await start(LocalSpec(tiny))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stack.close(), 0.0001)
+    await asyncio.wait_for(stack.close(), 10)
+    assert not stack.ready
+
+    pipeline = await start(PipelineSpec(tiny, 2))
+    assert pipeline._release is not None
+    pipeline.parts.stages[0].node.spawn(pipeline.close(), name="closer")
+    await asyncio.wait_for(asyncio.shield(pipeline._release[1]), 15)
+    assert not pipeline.ready

@@ -5,7 +5,8 @@ batch generator, the solo path, joins and leaves) and the :class:`~mlxcel.fronte
 (admission, per-request streams, deadlines, cancellation) on a :class:`~mlxcel.bus.Node` --
 runs on the virtual loop over the real tiny checkpoint. Only its compute thread is simulated
 (:class:`~mlxcel.sim.compute.SimCompute`: each job runs on the simulator's thread and takes
-``STEP_S`` of virtual time, or more while a ``slow`` fault is on).
+``STEP_S`` of virtual time, or more while a ``slow`` fault is on), and a run of decode steps
+ends on events and ``run_steps`` only, never on the wall clock.
 
 Clients arrive at random with random prompts: most read their stream to the end, some hang
 up after a few tokens, some give their request a short deadline. Checked after the run: every
@@ -17,6 +18,7 @@ sequence and no KV cache, the frontend no request; nothing was logged as an erro
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +60,7 @@ class EngineRun:
     clients: list[Client]
     plan: FaultPlan
     parallel: int
+    run_steps: int  # decode steps per compute job at most (1: every token handed over)
     engine: LocalEngine | None = None
     frontend: Frontend | None = None
     slow: float = 1.0  # the compute's time multiplier while a ``slow`` fault is on
@@ -85,6 +88,9 @@ async def _serve(run: EngineRun, ready: asyncio.Event) -> None:
         run.engine = LocalEngine(
             run.loaded, compute, max_batch_size=4, prefill_step_size=16, max_sequences=8
         )  # type: ignore[arg-type]
+        # A run of decode steps ends on the wall clock in production: here only on events
+        # and run_steps, so that a run is a function of its seed on any machine.
+        run.engine.run_seconds, run.engine.run_steps = math.inf, run.run_steps
         await run.engine.attach(node)
         run.frontend = Frontend(node, run.loaded.tokenizer, parallel=run.parallel, queue_size=4)
         run.frontend.attach()
@@ -101,6 +107,7 @@ async def _client(run: EngineRun, c: Client, ready: asyncio.Event) -> None:
     stream = fe.stream(list(c.prompt), SamplingParams(max_tokens=c.max_tokens), deadline=deadline)
     try:
         async for d in stream:
+            run.sched.trace("delta", c.request_id, *d.token_ids)
             c.tokens.extend(d.token_ids)
             if d.finish_reason is not None:
                 c.finish = d.finish_reason
@@ -115,13 +122,14 @@ async def _client(run: EngineRun, c: Client, ready: asyncio.Event) -> None:
         c.finish = f"error:{type(exc).__name__}: {exc}"
     finally:
         await stream.aclose()
+        run.sched.trace("end", c.request_id, c.finish)
 
 
 def build_engine_run(seed: int, model_path: Path) -> EngineRun:
     rng = random.Random(f"engine:{seed}")
     loaded = real_model(model_path).loaded
     vocab = int(loaded.config["vocab_size"])
-    run = EngineRun(Scheduler(), loaded, [], FaultPlan(), parallel=rng.randint(1, 4))
+    run = EngineRun(Scheduler(), loaded, [], FaultPlan(), rng.randint(1, 4), rng.choice([1, 4, 16]))
     for i in range(rng.randint(4, 14)):
         prompt = tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 40)))
         kind = rng.choices(["plain", "hang-up", "deadline"], [0.7, 0.15, 0.15])[0]
@@ -129,7 +137,12 @@ def build_engine_run(seed: int, model_path: Path) -> EngineRun:
         c.hang_up_after, c.deadline_s = rng.randint(1, 4), rng.uniform(0.005, 0.2)
         run.clients.append(c)
     if rng.random() < 0.5:  # the device slows down for a while (thermal, a neighbour)
-        slow = partial(setattr, run, "slow", rng.choice([5.0, 20.0]))
+        factor = rng.choice([5.0, 20.0])
+
+        def slow(factor: float = factor) -> None:
+            run.sched.trace("slow", factor)
+            run.slow = factor
+
         run.plan.add(
             Fault("slow compute", slow, partial(setattr, run, "slow", 1.0)), *window(rng, HORIZON)
         )
