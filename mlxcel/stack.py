@@ -160,16 +160,14 @@ class Stack(Generic[P]):
     async def close(self) -> None:
         """Take the node down (idempotent): what it was generating ends with an error, then
         its node and compute close. Raises what took it down, if it failed while serving.
-
-        From one of the node's own tasks it only asks (that task is cancelled with the node):
-        waiting there for the node to close would wait on itself."""
+        Called from one of the node's own tasks, that task is cancelled with the node."""
         self.ended()
         if self._release is None:
             return
         release, holder = self._release
         release.set()
-        if holder.cancelled() or asyncio.current_task() in self.node._tasks:
+        if holder.cancelled():
             return
         # Shielded: a caller that stops waiting (a timeout, its own cancellation, a task of
-        # another node of this stack torn down with it) leaves the closing to finish.
+        # one of the stack's nodes torn down with it) leaves the closing to finish.
         await asyncio.shield(holder)

@@ -33,7 +33,7 @@ from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
-from mlxcel.runtime.model import LoadedModel, load_model, load_tokenizer_only
+from mlxcel.runtime.model import LoadedModel, context_length, load_model, load_tokenizer_only
 from mlxcel.specs import DisaggSpec, Generation
 from mlxcel.stack import Serving, Stack
 from mlxcel.topology import Topology, router_topology
@@ -65,7 +65,7 @@ async def router_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
             first_nonce=secrets.randbits(48) + 1,
             prefill_timeout=spec.prefill_timeout,
             vocab=int(config["vocab_size"]),
-            max_len=int(config.get("max_position_embeddings", 1 << 30)),
+            max_len=context_length(config),
         )
         service = RouterService(node, endpoint, core, _prober(pool))
         service.attach()
@@ -183,7 +183,7 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
 def _model_bounds(loaded: LoadedModel) -> tuple[int, int]:
     """(vocab size, longest sequence) of the model's config."""
     config = loaded.config
-    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 1 << 30))
+    return int(config["vocab_size"]), context_length(config)
 
 
 async def _prefill_service(

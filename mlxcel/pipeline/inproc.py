@@ -19,7 +19,7 @@ from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
+from mlxcel.runtime.model import LayerRange, LoadedModel, context_length, load_model
 from mlxcel.specs import Generation, PipelineSpec
 from mlxcel.stack import Stack
 
@@ -80,7 +80,7 @@ async def pipeline_stack(
                 [s.config.node_id for s in services],
                 eos=loaded.eos_token_ids(),
                 vocab=int(loaded.config["vocab_size"]),
-                max_len=int(loaded.config.get("max_position_embeddings", 1 << 30)),
+                max_len=context_length(loaded.config),
                 step_timeout=STEP_TIMEOUT,
                 return_logits=spec.return_logits,
                 max_sequences=max(gen.parallel, 1),

@@ -36,7 +36,7 @@ from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import LayerRange, load_model, load_tokenizer_only
+from mlxcel.runtime.model import LayerRange, context_length, load_model, load_tokenizer_only
 from mlxcel.specs import CoordinatorSpec, Generation, StageSpec
 from mlxcel.stack import Serving, Stack
 from mlxcel.wire.handshake import Identity
@@ -217,7 +217,7 @@ async def coordinator_stack(
             [s.address for s in cfg.stages],
             eos=set(tokenizer.eos_token_ids),
             vocab=int(config["vocab_size"]),
-            max_len=int(config.get("max_position_embeddings", 1 << 30)),
+            max_len=context_length(config),
             step_timeout=cfg.cluster.step_timeout,
             return_logits=spec.return_logits,
             max_sequences=gen.parallel,

@@ -10,6 +10,7 @@ from typing import Any
 
 from mlxcel.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
+from mlxcel.runtime.model import context_length
 from mlxcel.runtime.sampling import sampling_problem
 
 # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)
@@ -85,7 +86,7 @@ def entry_problem(e: RunEntry, config: dict[str, Any]) -> str | None:
     problem = sampling_problem(e.sampling, vocab)
     if problem is not None:
         return problem
-    limit = int(config.get("max_position_embeddings", 1 << 30))
+    limit = context_length(config)
     if len(e.token_ids) + e.sampling.max_tokens > limit:
         return (
             f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "

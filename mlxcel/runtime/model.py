@@ -54,6 +54,11 @@ class LoadedModel:
         return set(self.tokenizer.eos_token_ids)
 
 
+def context_length(config: dict[str, Any]) -> int:
+    """The longest sequence (prompt + generated tokens) the model's config allows."""
+    return int(config.get("max_position_embeddings", 1 << 30))
+
+
 def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
     """Load a checkpoint from a local folder, never from a hub.
 

@@ -23,7 +23,6 @@ import random
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from mlxcel.bus import Node
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded
@@ -199,8 +198,3 @@ def run_engine(seed: int, model_path: Path) -> tuple[EngineRun, list[str]]:
         violations = check_engine(run) + logged
         run.sched.close()
     return run, violations
-
-
-def summary(run: EngineRun) -> dict[str, Any]:
-    finishes = [c.finish for c in run.clients]
-    return {k: finishes.count(k) for k in sorted({f for f in finishes if f}, key=str)}
