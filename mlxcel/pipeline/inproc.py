@@ -79,7 +79,7 @@ async def pipeline_stack(
                 fabric.endpoint("coordinator", node),
                 [s.config.node_id for s in services],
                 eos=loaded.eos_token_ids(),
-                vocab=int(loaded.config["vocab_size"]),
+                vocab=loaded.vocab_size,
                 max_len=context_length(loaded.config),
                 step_timeout=STEP_TIMEOUT,
                 return_logits=spec.return_logits,

@@ -36,6 +36,7 @@ from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.families import decoder_config
 from mlxcel.runtime.model import LayerRange, context_length, load_model, load_tokenizer_only
 from mlxcel.specs import CoordinatorSpec, Generation, StageSpec
 from mlxcel.stack import Serving, Stack
@@ -208,7 +209,7 @@ async def coordinator_stack(
         asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
     )
     tokenizer, config = load_tokenizer_only(spec.model)
-    stages_plan = cluster_plan(cfg, spec.model, int(config["num_hidden_layers"]))
+    stages_plan = cluster_plan(cfg, spec.model, int(decoder_config(config)["num_hidden_layers"]))
     async with Node(spec.me.id) as node:
         listener, pool, endpoint = _net(node, cfg, spec.me, spec.secret, spec.interface)
         coordinator = PipelineCoordinator(
@@ -216,7 +217,7 @@ async def coordinator_stack(
             endpoint,
             [s.address for s in cfg.stages],
             eos=set(tokenizer.eos_token_ids),
-            vocab=int(config["vocab_size"]),
+            vocab=int(decoder_config(config)["vocab_size"]),
             max_len=context_length(config),
             step_timeout=cfg.cluster.step_timeout,
             return_logits=spec.return_logits,

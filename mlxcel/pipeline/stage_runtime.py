@@ -21,7 +21,7 @@ from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, St
 from mlxcel.pipeline.stage_sampling import SamplingExtras
 from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
 from mlxcel.runtime.kv_usage import figures as kv_figures
-from mlxcel.runtime.model import LayerRange, extract_row, merge_rows
+from mlxcel.runtime.model import LayerRange, cache_arrays, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
 
@@ -113,8 +113,8 @@ class StageRuntime:
 
     def __init__(self, layers: LayerRange, device_handoff: bool = False) -> None:
         self.layers = layers
-        self.width = layers.loaded.hidden_size
-        self.vocab = int(layers.loaded.config["vocab_size"])
+        self.width = layers.in_width or layers.loaded.hidden_size
+        self.vocab = layers.loaded.vocab_size
         self.device_handoff = device_handoff
         self.caches: dict[SeqKey, list[Any]] = {}  # sequences outside any micro-batch
         self.batches: dict[int, MicroBatch] = {}  # by an id of the runtime's own
@@ -271,7 +271,7 @@ class StageRuntime:
             return outs
         if head == "none":
             t1 = time.perf_counter()
-            mx.eval([c.state for c in cache])
+            mx.eval(cache_arrays(cache))
             timing.add(t0, t1)
             return [None] * len(steps)
         if job.return_logits:
@@ -370,6 +370,8 @@ class StageRuntime:
         batch = self.batches[bid]
         if len(batch.keys) != len(keys):
             return
+        if not all(c.is_trimmable() for c in batch.cache):
+            return  # recurrent state cannot be stepped back if the guess is not taken
         order = {k: i for i, k in enumerate(keys)}
         perm = [order[k] for k in batch.keys]
         if perm != list(range(len(perm))):

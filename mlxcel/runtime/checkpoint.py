@@ -12,11 +12,12 @@ import json
 import random
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlxcel.progress import slow_task, step_bar
+from mlxcel.runtime.families import decoder_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -49,7 +50,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-FAMILIES = ("qwen3", "qwen2", "llama")
 PROJ_SCALE = 2.5
 
 
@@ -121,11 +121,12 @@ def build_tokenizer(vocab_size: int) -> Any:
 
 
 def model_config(shape: Shape, family: str) -> dict[str, Any]:
+    """config.json for ``family`` at ``shape``: the dense fields every family shares, then the
+    family's own structure (experts, MLA, sliding windows, linear attention) shrunk to fit."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
     cfg: dict[str, Any] = {
-        "architectures": [arch[family]],
+        "architectures": [ARCHITECTURES[family]],
         "model_type": family,
         "hidden_size": shape.hidden,
         "num_hidden_layers": shape.layers,
@@ -137,14 +138,207 @@ def model_config(shape: Shape, family: str) -> dict[str, Any]:
         "max_position_embeddings": shape.max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0 if family != "llama" else 500000.0,
-        "tie_word_embeddings": shape.tied and family != "llama",
+        "tie_word_embeddings": shape.tied and family not in UNTIED,
         "hidden_act": "silu",
         "torch_dtype": shape.dtype,
         "bos_token_id": 0,
+        "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
         "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),
-        "attention_bias": False,
+        "attention_bias": family == "qwen2",
     }
+    structure = _STRUCTURE.get(family)
+    if structure is not None:
+        cfg.update(structure(shape))
+    if family in NESTED:  # multimodal-shaped checkpoints keep the decoder under text_config
+        top = {k: cfg.pop(k) for k in ("architectures", "model_type", "torch_dtype")}
+        top["eos_token_id"] = cfg["eos_token_id"]
+        top["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        return {**top, "text_config": {**cfg, "model_type": f"{family}_text"}}
     return cfg
+
+
+def _experts(shape: Shape, n: int = 4) -> int:
+    """Experts of a shrunk MoE: several (top-k > 1 picks among them), each narrow."""
+    return max(4, min(n, 64)) if shape.hidden <= 512 else n
+
+
+def _moe_width(shape: Shape) -> int:
+    return max(16, shape.intermediate // 4)
+
+
+def _mla(shape: Shape) -> dict[str, Any]:
+    """Multi-head latent attention, shrunk: low-rank queries and a compressed KV latent."""
+    return {
+        "q_lora_rank": shape.hidden // 2 + shape.hidden // 4,
+        "kv_lora_rank": shape.hidden // 2,
+        "qk_rope_head_dim": max(8, shape.head_dim // 2),
+        "qk_nope_head_dim": shape.head_dim,
+        "v_head_dim": shape.head_dim,
+        "num_key_value_heads": shape.heads,
+    }
+
+
+def _qwen3_moe(shape: Shape) -> dict[str, Any]:
+    return {
+        "num_experts": _experts(shape, 128),
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": _moe_width(shape),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+
+
+def _deepseek_v3(shape: Shape) -> dict[str, Any]:
+    return {
+        **_mla(shape),
+        "n_routed_experts": _experts(shape, 256),
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": _moe_width(shape),
+        "first_k_dense_replace": 1,  # a dense first layer before the expert layers
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    }
+
+
+def _glm4_moe(shape: Shape) -> dict[str, Any]:
+    return {
+        "n_routed_experts": _experts(shape, 160),
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": _moe_width(shape),
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": None,
+    }
+
+
+def _gpt_oss(shape: Shape) -> dict[str, Any]:
+    return {
+        "num_local_experts": _experts(shape, 128),
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * (shape.layers // 2),
+        "rope_theta": 150000,
+    }
+
+
+def _mixtral(shape: Shape) -> dict[str, Any]:
+    return {"num_local_experts": _experts(shape, 8), "num_experts_per_tok": 2}
+
+
+def _gemma3(shape: Shape) -> dict[str, Any]:
+    return {
+        "sliding_window": 8,  # short, so test prompts outgrow it and the cache rotates
+        "sliding_window_pattern": 6,  # five sliding layers to each full one, as released
+        "query_pre_attn_scalar": shape.head_dim,
+        "rope_local_base_freq": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _qwen3_5(shape: Shape) -> dict[str, Any]:
+    return {
+        "full_attention_interval": 4,  # three gated-delta layers to each attention layer
+        "linear_num_value_heads": shape.heads,
+        "linear_num_key_heads": max(1, shape.heads // 2),
+        "linear_key_head_dim": shape.head_dim,
+        "linear_value_head_dim": shape.head_dim,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+        },
+    }
+
+
+def _kimi_k3(shape: Shape) -> dict[str, Any]:
+    n = shape.layers
+    return {
+        **_mla(shape),
+        "hidden_act": "situ",
+        "activation_situ_beta": 1.0,
+        # Kimi delta attention (linear) layers, 1-based; every fourth layer is MLA.
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, n + 1) if i % 4],
+            "num_heads": shape.heads,
+            "head_dim": shape.head_dim,
+            "short_conv_kernel_size": 4,
+        },
+        "attn_res_block_size": 2,
+        "num_experts": _experts(shape, 384),
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": _moe_width(shape),
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+    }
+
+
+_STRUCTURE = {
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+    "kimi_k2": _deepseek_v3,
+    "glm4_moe": _glm4_moe,
+    "gpt_oss": _gpt_oss,
+    "mixtral": _mixtral,
+    "gemma3_text": _gemma3,
+    "qwen3_5": _qwen3_5,
+    "kimi_k3": _kimi_k3,
+}
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_k3": "KimiK3ForConditionalGeneration",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+FAMILIES = tuple(ARCHITECTURES)
+# Families whose released checkpoints keep a separate LM head whatever the size.
+UNTIED = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen3_moe",
+        "deepseek_v3",
+        "kimi_k2",
+        "kimi_k3",
+        "glm4_moe",
+        "gpt_oss",
+        "mixtral",
+        "phi3",
+    }
+)
+NESTED = frozenset({"qwen3_5", "kimi_k3"})
+# The fewest layers that show a family's structure: a full layer after its sliding ones
+# (Gemma 3), after its linear ones (Qwen 3.5, Kimi K3), a dense layer before expert layers.
+MIN_LAYERS = {"gemma3_text": 6, "qwen3_5": 8, "kimi_k3": 8, "gpt_oss": 4}
 
 
 def _random_model(model_cls: Any, args_cls: Any, config: dict[str, Any], dtype: str) -> Any:
@@ -205,9 +399,8 @@ def write_checkpoint(
         json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
     )
 
+    shape = replace(shape, layers=max(shape.layers, MIN_LAYERS.get(family, 0)))
     config = model_config(shape, family)
-    if family == "qwen2":
-        config["attention_bias"] = True
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     say(f"initialising {shape.layers} layers ({family}, hidden {shape.hidden}) with seed {seed}")
@@ -217,6 +410,8 @@ def write_checkpoint(
         model, config = quantize_model(model, config, group_size=64, bits=quantize)
     weights = dict(tree_flatten(model.parameters()))
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+    if decoder_config(config).get("tie_word_embeddings"):  # a tied head has no weights of its own
+        weights = {k: v for k, v in weights.items() if not k.rpartition("lm_head.")[1]}
 
     shards: list[dict[str, Any]] = [{}]
     size = 0

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxcel.runtime.families import decoder_config
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def bytes_per_token(config: dict[str, Any], n_layers: int, shards: int = 1) -> int:
     """Bytes of keys and values one token takes in ``n_layers`` layers of this model, split
     over ``shards`` tensor-parallel ranks (0: the config does not say)."""
+    config = decoder_config(config)
     heads = int(config.get("num_attention_heads") or 0)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))

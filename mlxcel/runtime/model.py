@@ -16,14 +16,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from loguru import logger
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
 from mlxcel.logs import adopt_library_logging
 from mlxcel.progress import slow_task
+from mlxcel.runtime.families import (
+    SUPPORTED_FAMILIES,
+    Family,
+    MaskKind,
+    adapter_for,
+    decoder_config,
+    family_of,
+)
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 SUBMIT_MIN_LAYERS = 8  # a range this long submits its first half early (see LayerRange)
 
 
@@ -44,7 +50,11 @@ class LoadedModel:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
+        return int(decoder_config(self.config)["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(decoder_config(self.config)["vocab_size"])
 
     @property
     def name(self) -> str:
@@ -56,7 +66,7 @@ class LoadedModel:
 
 def context_length(config: dict[str, Any]) -> int:
     """The longest sequence (prompt + generated tokens) the model's config allows."""
-    return int(config.get("max_position_embeddings", 1 << 30))
+    return int(decoder_config(config).get("max_position_embeddings", 1 << 30))
 
 
 def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
@@ -95,76 +105,88 @@ def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
 
 
 class LayerRange:
-    """Runs layers ``[start, end)`` of a dense decoder.
+    """Runs layers ``[start, end)`` of any supported family (see :mod:`.families`).
 
     The first range embeds token ids; the last applies the final norm and the LM head and
-    returns logits. Every other range maps hidden states to hidden states.
+    returns logits. Every other range maps an activation to an activation: the hidden states,
+    plus whatever state the family carries from layer to layer (packed beside them).
     """
 
     def __init__(self, loaded: LoadedModel, start: int, end: int) -> None:
         n = loaded.n_layers
         if not 0 <= start < end <= n:
             raise ValueError(f"layer range [{start}, {end}) is not inside [0, {n})")
-        if loaded.family not in SUPPORTED_FAMILIES:
-            raise ModelLoadError(
-                f"family {loaded.family!r} has no layer-range executor "
-                f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
-            )
+        family = require_family(loaded.config)
+        self.family = family
         self.loaded = loaded
         self.start = start
         self.end = end
-        inner = loaded.model.model
-        self.layers = inner.layers[start:end]
+        self._decoder = family.decoder(loaded.model)
+        self.layers = self._decoder.layers[start:end]
         self.is_first = start == 0
         self.is_last = end == n
-        self._embed = inner.embed_tokens
-        self._norm = inner.norm
-        self._window = getattr(inner, "sliding_window", None)
+        self._kinds = [family.mask_kind(self._decoder, i) for i in range(start, end)]
+        # Width of the activation this range takes (0: token ids) and gives (0: logits).
+        self.in_width = 0 if self.is_first else family.boundary_width(loaded.config, start)
+        self.out_width = 0 if self.is_last else family.boundary_width(loaded.config, end)
         # Decoder layers after which the hidden states are submitted for evaluation while the
         # rest of the graph is still being built (mlx-lm's loop overlaps building with the
         # previous step; a stage that must evaluate its step overlaps within it instead).
         self.submit_at = len(self.layers) // 2 if len(self.layers) >= SUBMIT_MIN_LAYERS else None
-        top = loaded.model
-        self._head = (
-            top.lm_head
-            if hasattr(top, "lm_head") and not top.args.tie_word_embeddings
-            else inner.embed_tokens.as_linear
-        )
 
     @property
     def dtype(self) -> mx.Dtype:
         """The dtype hidden states travel in (the embedding's, as mlx-lm computes them)."""
-        return getattr(self._embed, "scales", self._embed.weight).dtype  # quantized: scales
+        embed = self._decoder.embed_tokens
+        return getattr(embed, "scales", embed.weight).dtype  # quantized: scales
 
     def make_cache(self) -> list[Any]:
-        """Fresh per-sequence KV caches for this range's layers (mlx-lm's cache types)."""
+        """Fresh per-sequence caches for this range's layers: the family's own cache types
+        (``make_cache()`` where it defines one: rotating, linear-attention state ...)."""
         return make_prompt_cache(self.loaded.model)[self.start : self.end]
 
     def __call__(self, x: mx.array, cache: list[Any] | None = None, head: str = "all") -> mx.array:
-        """``x``: token ids ``[B, L]`` on the first range, hidden ``[B, L, D]`` otherwise.
+        """``x``: token ids ``[B, L]`` on the first range, an activation ``[B, L, in_width]``
+        otherwise.
 
         On the last range ``head`` picks what comes out: ``"all"`` logits for every position,
         ``"last"`` for the last position only (what sampling needs; the head is the largest
         matmul of a prompt chunk), ``"none"`` the final hidden states (a cache-filling chunk).
         """
-        h = self._embed(x) if self.is_first else x
+        fam, dec = self.family, self._decoder
+        if self.is_first:
+            h, carry = fam.embed(dec, x), fam.start_carry(dec)
+        else:
+            h, carry = fam.unpack(dec, x)
         if cache is None:
             cache = [None] * len(self.layers)
-        masks: dict[bool, Any] = {}
-        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+        masks: dict[MaskKind, Any] = {}
+        for i, (layer, kind, c) in enumerate(zip(self.layers, self._kinds, cache, strict=True)):
             if i == self.submit_at:
                 mx.async_eval(h)
-            sliding = bool(getattr(layer, "use_sliding", False))
-            if sliding not in masks:
-                masks[sliding] = create_attention_mask(
-                    h, c, window_size=self._window if sliding else None
-                )
-            h = layer(h, masks[sliding], cache=c)
-        if self.is_last and head != "none":
-            if head == "last":
-                h = h[:, -1:, :]
-            h = self._head(self._norm(h))
-        return h
+            if kind not in masks:
+                masks[kind] = kind.make(h, c)
+            h, carry = fam.run_layer(layer, h, masks[kind], c, carry)
+        if not self.is_last:
+            return fam.pack(h, carry)
+        h = fam.finish(dec, h, carry)
+        if head == "none":
+            return h
+        if head == "last":
+            h = h[:, -1:, :]
+        return fam.head(self.loaded.model, h)
+
+
+def require_family(config: dict[str, Any]) -> Family:
+    """The family's adapter, or a ModelLoadError naming the family and the supported list
+    (checked from config.json, before any weight loads)."""
+    family = adapter_for(config)
+    if family is None:
+        raise ModelLoadError(
+            f"family {family_of(config)!r} has no layer-range executor "
+            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    return family
 
 
 def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
@@ -195,9 +217,12 @@ def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
 
 
 def extract_row(batch: list[Any], row: int) -> list[Any]:
-    """Row ``row`` of a batch cache (one BatchKVCache per layer) as one sequence's own caches
-    (a KVCache per layer, without padding). Every layer of a batch has the same padding, so it
-    is read from the device once, not once per layer as ``BatchKVCache.extract`` would."""
+    """Row ``row`` of a batch cache (one batch cache per layer) as one sequence's own caches,
+    without padding. A plain batch KV cache has the same padding in every layer, so it is read
+    from the device once, not once per layer as ``BatchKVCache.extract`` would; other cache
+    types (rotating, linear-attention state) extract themselves."""
+    if not all(type(c) is BatchKVCache for c in batch):
+        return [c.extract(row) for c in batch]
     pad = int(batch[0].left_padding[row].item())
     out = []
     for c in batch:
@@ -210,6 +235,14 @@ def extract_row(batch: list[Any], row: int) -> list[Any]:
 
 
 def merge_rows(caches: list[list[Any]]) -> list[Any]:
-    """Several sequences' own caches (a KVCache per layer each) as one batch cache, rows in
-    this order, left-padded to the longest (mlx-lm's ``BatchKVCache.merge``)."""
-    return [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]
+    """Several sequences' own caches (one per layer each) as one batch cache, rows in this
+    order: each layer's cache type merges itself (mlx-lm's ``merge``: a KV cache left-padded
+    to the longest, a rotating one per its window, recurrent state row by row)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+
+
+def cache_arrays(cache: list[Any]) -> list[mx.array]:
+    """Every array a list of layer caches holds (to evaluate them)."""
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]

@@ -127,7 +127,7 @@ async def _client(run: EngineRun, c: Client, ready: asyncio.Event) -> None:
 def build_engine_run(seed: int, model_path: Path) -> EngineRun:
     rng = random.Random(f"engine:{seed}")
     loaded = real_model(model_path).loaded
-    vocab = int(loaded.config["vocab_size"])
+    vocab = loaded.vocab_size
     run = EngineRun(Scheduler(), loaded, [], FaultPlan(), rng.randint(1, 4), rng.choice([1, 4, 16]))
     for i in range(rng.randint(4, 14)):
         prompt = tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 40)))

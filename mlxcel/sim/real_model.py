@@ -44,7 +44,7 @@ class RealModel:
 
     def __post_init__(self) -> None:
         self.loaded = load_model(self.path)
-        self.vocab = int(self.loaded.config["vocab_size"])
+        self.vocab = self.loaded.vocab_size
         self.width = self.loaded.hidden_size
         self.eos = min(self.loaded.eos_token_ids())
         self.n_layers = self.loaded.n_layers
