@@ -139,7 +139,7 @@ def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
         assert c.handle(h, P0, 0.0) == no(h, why)
     assert c.counts == {"refused": len(cases)}
     # Against the model's dims: more parts or layers than it has, or another tensor shape.
-    m = core(dims=(2, 1, 2))
+    m = core(dims=(2, 1, 2, 2))
     cases = [
         (dataclasses.replace(base, lease=1, parts=3), "part 0 of 3 (at most one part per layer)"),
         (
@@ -158,7 +158,7 @@ def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
 
 
 def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
-    c = core(dims=(2, 1, 2))
+    c = core(dims=(2, 1, 2, 2))
     whole = handoff(layers=2)
     p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
     p1 = dataclasses.replace(p0, part=1)
@@ -178,7 +178,7 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
         ),
         (dataclasses.replace(q0, part=1, first_token=8), "the parts of the handoff disagree"),
     ):
-        fresh = core(dims=(2, 1, 2))
+        fresh = core(dims=(2, 1, 2, 2))
         assert fresh.handle(q0, P0, 0.0) == []
         assert fresh.handle(bad, P0, 0.1) == no(bad, why) + [FreeCache(1)]
         assert fresh.counts == {"parts": 1, "corrupt": 1} and fresh.active == 0
@@ -356,7 +356,7 @@ def test_a_handoff_whose_verification_never_returns_still_times_out() -> None:
 
 
 def test_a_reassembled_handoff_is_acked_and_read_like_a_whole_one() -> None:
-    c = core(dims=(2, 1, 2))
+    c = core(dims=(2, 1, 2, 2))
     whole = handoff(layers=2)
     p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
     c.handle(p0, P0, 0.0)

@@ -194,10 +194,10 @@ def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
     h = KvHandoff("r", 1, "x", 1, 7, SamplingParams(), (), 4, p.keys, p.values, b"")
     h = dataclasses.replace(h, digest=digest_of(h, p.tensors))
     kv_heads, head_dim = p.keys[0].shape[1], p.keys[0].shape[3]
-    assert check(h, len(cache), kv_heads, head_dim) is None
+    assert check(h, len(cache), kv_heads, head_dim, head_dim) is None
     restored = unpack(h)
     assert restored[0].offset == 4
-    assert check(h, len(cache) + 1, kv_heads, head_dim) is not None
+    assert check(h, len(cache) + 1, kv_heads, head_dim, head_dim) is not None
     # Every field the decode node acts on is under the digest, not just the tensors.
     for change in (
         {"first_token": 8},

@@ -624,7 +624,7 @@ def test_a_layer_larger_than_one_message_fails_the_request() -> None:
 
 
 def test_parts_are_checked_against_the_model_on_arrival() -> None:
-    core = DecodeCore(DecodeConfig(vocab=100, max_len=64, dims=(2, 1, 2)))
+    core = DecodeCore(DecodeConfig(vocab=100, max_len=64, dims=(2, 1, 2, 2)))
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
     h = dataclasses.replace(handoff(), keys=(k,), values=(k,), part=0, parts=2)
     assert [type(e) for e in core.handle(h, P0, 0.0)] == []  # part 0 of 2 kept

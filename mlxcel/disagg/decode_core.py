@@ -67,9 +67,10 @@ class DecodeConfig:
     max_len: int = 1 << 30
     max_sequences: int = 64
     verdict_wait: float = VERDICT_WAIT
-    # (layers, kv heads, head dim) of this node's model: every part of a handoff is checked
-    # against it on arrival, so a slot never holds more than one model's cache (None: no check)
-    dims: tuple[int, int, int] | None = None
+    # (layers, kv heads, key dim, value dim) of this node's model: every part of a handoff is
+    # checked against it on arrival, so a slot never holds more than one model's cache (None:
+    # no check)
+    dims: tuple[int, int, int, int] | None = None
 
 
 class DecodeCore:
@@ -166,10 +167,12 @@ class DecodeCore:
         if not h.keys or len(h.keys) != len(h.values) or len(h.keys) > layers:
             return f"a part of {len(h.keys)} key and {len(h.values)} value layers"
         if self.config.dims:
-            want = (1, self.config.dims[1], h.prompt_len, self.config.dims[2])
-            for t in (*h.keys, *h.values):
-                if tuple(t.shape) != want:
-                    return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+            _, heads, kdim, vdim = self.config.dims
+            for ts, dim in ((h.keys, kdim), (h.values, vdim)):
+                want = (1, heads, h.prompt_len, dim)
+                for t in ts:
+                    if tuple(t.shape) != want:
+                        return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
         return ""
 
     def _piece(self, s: Slot, h: KvHandoff, now: float) -> list[Effect]:

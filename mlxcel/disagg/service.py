@@ -255,14 +255,14 @@ class DecodeService(_DisaggAdapter):
         endpoint: Endpoint,
         engine: LocalEngine,
         config: DecodeConfig,
-        dims: tuple[int, int, int],
+        dims: tuple[int, int, int, int],
         load: Callable[[KvHandoff], tuple[str | None, Any]] | None = None,
     ) -> None:
         core = DecodeCore(config, counters=lambda: _engine_figures(self.engine))
         super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
-        self.dims = dims  # (layers, kv heads, head dim) a handoff must match
+        self.dims = dims  # (layers, kv heads, key dim, value dim) a handoff must match
         # On the compute thread: a handoff's problem, or its caches (the simulator's model
         # supplies its own).
         self.load = load or self._load

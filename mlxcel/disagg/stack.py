@@ -122,17 +122,18 @@ def _router_serving(
     )
 
 
-def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of this model's cache, read from a one-token forward
-    (also a warm-up)."""
+def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int, int]:
+    """(layers, kv heads, key dim, value dim) of this model's cache, read from a one-token
+    forward (also a warm-up). Keys and values differ in width under MLA, where the keys are
+    the compressed latent and the values its rotary part."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(loaded.model)
     mx.eval(loaded.model(mx.array([[0]]), cache=cache))
     first = cache[0]
-    keys = first.keys if getattr(first, "keys", None) is not None else first.state[0]
-    return len(cache), int(keys.shape[1]), int(keys.shape[3])
+    keys, values = first.state[0], first.state[1]
+    return len(cache), int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3])
 
 
 @asynccontextmanager

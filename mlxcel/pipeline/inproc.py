@@ -19,7 +19,13 @@ from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import LayerRange, LoadedModel, context_length, load_model
+from mlxcel.runtime.model import (
+    LayerRange,
+    LoadedModel,
+    check_splittable,
+    context_length,
+    load_model,
+)
 from mlxcel.specs import Generation, PipelineSpec
 from mlxcel.stack import Stack
 
@@ -61,6 +67,7 @@ async def pipeline_stack(
         # cost batching (8 streams on `small`: 75 tok/s in two micro-batches of 4, 110-120 in
         # one of 8). With a thread per stage, one micro-batch per stage.
         micro = -(-stage_batch // spec.size) if spec.stage_threads else stage_batch
+    check_splittable(spec.model)
     threads = [ComputeThread()]
     try:
         loaded = await threads[0].run(load_model, spec.model)

@@ -19,22 +19,53 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlxcel.errors import PartitionError
+from mlxcel.runtime.families import decoder_config
 
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# A decoder layer's tensors: ``model.layers.N.`` (``language_model.model.layers.N.`` in the
+# multimodal-shaped checkpoints of Qwen 3.5 and Kimi K3).
+_LAYER = re.compile(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+# Routed experts, stacked (mlx-lm's SwitchGLU: ``switch_mlp``; gpt-oss: ``mlp.experts``) or
+# one tensor per expert (``experts.7.``); shared experts are dense and always run.
+_EXPERT = re.compile(r"\.(?:switch_mlp|experts)\.")
 
 
 @dataclass(frozen=True)
 class LayerCosts:
-    layers: tuple[int, ...]  # bytes per decoder layer
+    layers: tuple[int, ...]  # bytes held per decoder layer
     embed: int
     head: int  # final norm + LM head (+ the embedding again when tied)
     other: int  # anything else (charged to the first stage)
+    # Bytes each layer multiplies by per token: its bytes, less the routed experts a token
+    # does not visit (an MoE layer of 128 experts, 8 per token, computes with 1/16 of them).
+    active: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
         return sum(self.layers) + self.embed + self.head + self.other
+
+    @property
+    def compute(self) -> tuple[int, ...]:
+        return self.active or self.layers
+
+
+def active_fraction(config: dict[str, Any]) -> float:
+    """The share of an MoE layer's routed experts one token runs through (1: dense)."""
+    experts = next(
+        (
+            int(config[k])
+            for k in ("n_routed_experts", "num_experts", "num_local_experts")
+            if config.get(k)
+        ),
+        0,
+    )
+    top_k = next(
+        (int(config[k]) for k in ("num_experts_per_tok", "num_experts_per_token") if config.get(k)),
+        0,
+    )
+    return min(1.0, top_k / experts) if experts and top_k else 1.0
 
 
 @dataclass(frozen=True)
@@ -81,10 +112,12 @@ def layer_costs(
     model_dir: Path, n_layers: int | None = None, tied: bool | None = None
 ) -> LayerCosts:
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
+    config = decoder_config(json.loads((model_dir / "config.json").read_text()))
     n = n_layers if n_layers is not None else int(config["num_hidden_layers"])
     tie = bool(config.get("tie_word_embeddings", False)) if tied is None else tied
+    share = active_fraction(config)
     per_layer = [0] * n
+    active = [0] * n
     embed = head = other = 0
     for name, size in read_safetensors_sizes(model_dir).items():
         m = _LAYER.match(name)
@@ -92,16 +125,18 @@ def layer_costs(
             i = int(m.group(1))
             if i < n:
                 per_layer[i] += size
+                active[i] += round(size * share) if _EXPERT.search(name) else size
             continue
+        bare = name.removeprefix("language_model.")
         if "embed_tokens" in name:
             embed += size
-        elif name.startswith(("lm_head", "model.norm", "norm")):
+        elif bare.startswith(("lm_head", "model.norm", "norm")):
             head += size
         else:
             other += size
     if tie:
         head += embed
-    return LayerCosts(tuple(per_layer), embed, head, other)
+    return LayerCosts(tuple(per_layer), embed, head, other, tuple(active))
 
 
 def parse_layers(spec: str, n_layers: int) -> list[tuple[int, int]]:
@@ -166,8 +201,11 @@ def auto_split(
     if memory is not None and len(memory) != n_stages:
         raise PartitionError(f"{len(memory)} memory figures for {n_stages} stages")
     weight = memory or [1.0] * n_stages
+    # With memory declared the split balances what each node holds; without, the time each
+    # stage computes (an MoE layer's routed experts count for the share a token visits).
+    per_layer = costs.layers if memory is not None else costs.compute
     prefix = [0]
-    for c in costs.layers:
+    for c in per_layer:
         prefix.append(prefix[-1] + c)
     inf = float("inf")
     # best[s][j]: minimal bottleneck placing layers [0, j) on stages [0, s)

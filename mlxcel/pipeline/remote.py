@@ -37,7 +37,13 @@ from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.families import decoder_config
-from mlxcel.runtime.model import LayerRange, context_length, load_model, load_tokenizer_only
+from mlxcel.runtime.model import (
+    LayerRange,
+    check_splittable,
+    context_length,
+    load_model,
+    load_tokenizer_only,
+)
 from mlxcel.specs import CoordinatorSpec, Generation, StageSpec
 from mlxcel.stack import Serving, Stack
 from mlxcel.wire.handshake import Identity
@@ -117,6 +123,7 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
     cfg, me = spec.cfg, spec.me
     stages = cfg.stages
     index = [s.id for s in stages].index(me.id)
+    check_splittable(spec.model)
     compute = ComputeThread()
     try:
         # Hashing the weights (the first time: seconds per GB) overlaps loading them.
@@ -204,6 +211,7 @@ async def coordinator_stack(
     """A coordinator node connected to every stage of ``spec.cfg`` and checked, plus its
     frontend."""
     cfg = spec.cfg
+    check_splittable(spec.model)
     # Hashing the weights overlaps reaching the stages (which hash theirs meanwhile).
     hashing = asyncio.ensure_future(
         asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)

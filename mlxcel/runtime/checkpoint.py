@@ -159,7 +159,7 @@ def model_config(shape: Shape, family: str) -> dict[str, Any]:
 
 def _experts(shape: Shape, n: int = 4) -> int:
     """Experts of a shrunk MoE: several (top-k > 1 picks among them), each narrow."""
-    return max(4, min(n, 64)) if shape.hidden <= 512 else n
+    return 4 if shape.hidden <= 512 else n
 
 
 def _moe_width(shape: Shape) -> int:

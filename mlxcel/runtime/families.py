@@ -135,9 +135,6 @@ _TP_KEYS = {
     "key/value heads": "num_key_value_heads",
     "MLP intermediate size": "intermediate_size",
     "MoE intermediate size": "moe_intermediate_size",
-    "routed experts": "n_routed_experts",
-    "experts": "num_experts",
-    "local experts": "num_local_experts",
     "linear-attention key heads": "linear_num_key_heads",
     "linear-attention value heads": "linear_num_value_heads",
 }
@@ -242,6 +239,13 @@ class Qwen35(Family):
     def mask_kind(self, decoder: nn.Module, index: int) -> MaskKind:
         return MaskKind(linear=True) if decoder.layers[index].is_linear else FULL
 
+    def tp_checks(self, config: dict[str, Any]) -> dict[str, int]:
+        out = super().tp_checks(config)
+        text = self.text_config(config)
+        if not text.get("tie_word_embeddings"):  # an untied head is split by vocabulary
+            out["vocabulary (vocab_size)"] = int(text["vocab_size"])
+        return out
+
     def run_layer(
         self, layer: nn.Module, h: mx.array, mask: Any, cache: Any, carry: Any
     ) -> tuple[mx.array, Any]:
@@ -262,6 +266,13 @@ class KimiK3(Family):
 
     def mask_kind(self, decoder: nn.Module, index: int) -> MaskKind:
         return MaskKind(linear=True) if decoder.layers[index].is_linear else MaskKind(array=True)
+
+    def tp_checks(self, config: dict[str, Any]) -> dict[str, int]:
+        out = super().tp_checks(config)
+        linear = self.text_config(config).get("linear_attn_config") or {}
+        if "num_heads" in linear:
+            out["linear-attention heads (linear_attn_config.num_heads)"] = int(linear["num_heads"])
+        return out
 
     def start_carry(self, decoder: nn.Module) -> Any:
         if not decoder.use_attn_res:

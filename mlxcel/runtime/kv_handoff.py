@@ -31,8 +31,9 @@ def unsupported_reason(model: Any, family: str) -> str | None:
     other = ", ".join(sorted(kinds - {"KVCache"}))
     return (
         f"model family {family!r} keeps {other} state, which cannot be handed off between "
-        "nodes; disaggregated serving supports families with a plain KV cache (llama, qwen2, "
-        "qwen3 ...)"
+        "nodes; disaggregated serving supports families with a plain KV cache in every layer "
+        "(llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, mixtral, "
+        "phi3); serve this one from one node or split it with --pp-size"
     )
 
 
@@ -51,18 +52,19 @@ def pack(cache: Sequence[Any], prompt_len: int, first_token: int) -> Packed:
     return Packed(prompt_len, first_token, tuple(keys), tuple(values), tensor_digest(keys, values))
 
 
-def check(h: KvHandoff, n_layers: int, kv_heads: int, head_dim: int) -> str | None:
+def check(h: KvHandoff, n_layers: int, kv_heads: int, key_dim: int, value_dim: int) -> str | None:
     """Why ``h`` cannot be resumed on this model (None: it can). Cheap checks first, then the
     digest over every byte."""
     if len(h.keys) != n_layers or len(h.values) != n_layers:
         return f"handoff has {len(h.keys)}/{len(h.values)} layers, the model has {n_layers}"
-    want = (1, kv_heads, h.prompt_len, head_dim)
     dtypes = {t.dtype for t in (*h.keys, *h.values)}
     if len(dtypes) != 1 or not dtypes <= KV_DTYPES:
         return f"handoff tensors must share one float dtype, got {sorted(dtypes)}"
-    for t in (*h.keys, *h.values):
-        if tuple(t.shape) != want:
-            return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+    for ts, dim in ((h.keys, key_dim), (h.values, value_dim)):
+        want = (1, kv_heads, h.prompt_len, dim)
+        for t in ts:
+            if tuple(t.shape) != want:
+                return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
     if digest_of(h, tensor_digest(h.keys, h.values)) != h.digest:
         return "handoff digest mismatch: the KV cache is not the one the prefill node sent"
     return None

@@ -177,6 +177,17 @@ class LayerRange:
         return fam.head(self.loaded.model, h)
 
 
+def check_splittable(path: str | Path) -> Family:
+    """The adapter of the checkpoint at ``path``, read from its config.json alone: a family
+    no layer-range executor runs is refused before any weight loads."""
+    p = Path(path).expanduser()
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{p}/config.json: {exc}") from None
+    return require_family(config)
+
+
 def require_family(config: dict[str, Any]) -> Family:
     """The family's adapter, or a ModelLoadError naming the family and the supported list
     (checked from config.json, before any weight loads)."""

@@ -17,9 +17,9 @@ from typing import Any
 
 from mlxcel.errors import ConfigError
 from mlxcel.messages import TpStep
+from mlxcel.runtime.families import TP_FAMILIES, adapter_for, family_of
 from mlxcel.wire.codec import decode, encode
 
-TP_FAMILIES = ("llama", "qwen2", "qwen3")
 MODES = ("replicated", "sharded")
 
 
@@ -36,19 +36,17 @@ def check_modes(moe: str, embedding: str, lm_head: str) -> None:
 
 
 def check_shardable(config: dict[str, Any], n: int) -> None:
-    """Refuse a model that does not split evenly over ``n`` ranks, before any weights load."""
-    family = str(config.get("model_type"))
-    if family not in TP_FAMILIES:
+    """Refuse a model that mlx-lm cannot shard, or that does not split evenly over ``n``
+    ranks, before any weights load: every size the family's ``shard()`` divides is checked."""
+    family = family_of(config)
+    adapter = adapter_for(config)
+    if adapter is None or adapter.tp_sizes is None:
         raise ConfigError(
             "--tp-size",
-            f"family {family!r} has no tensor-parallel path (supported: {', '.join(TP_FAMILIES)})",
+            f"family {family!r} has no tensor-parallel path in mlx-lm (supported: "
+            f"{', '.join(TP_FAMILIES)}); split it over stages with --pp-size instead",
         )
-    checks = {
-        "attention heads": int(config["num_attention_heads"]),
-        "key/value heads": int(config.get("num_key_value_heads", config["num_attention_heads"])),
-        "MLP intermediate size": int(config["intermediate_size"]),
-    }
-    bad = [f"{name} {value}" for name, value in checks.items() if value % n]
+    bad = [f"{name} {value}" for name, value in adapter.tp_checks(config).items() if value % n]
     if bad:
         raise ConfigError(
             "--tp-size",
