@@ -238,11 +238,11 @@ def test_a_tp_size_that_does_not_divide_the_experts_is_named(
 ) -> None:
     config = json.loads((family_models["qwen3_moe"] / "config.json").read_text())
     config["moe_intermediate_size"] = 18
-    with pytest.raises(ConfigError, match=r"MoE intermediate size \(moe_intermediate_size\) 18"):
+    with pytest.raises(ConfigError, match=r"MoE intermediate size 18"):
         check_shardable(config, 4)
     k3 = json.loads((family_models["kimi_k3"] / "config.json").read_text())
     k3["text_config"]["linear_attn_config"]["num_heads"] = 3
-    with pytest.raises(ConfigError, match=r"linear-attention heads .* 3 not divisible by 2"):
+    with pytest.raises(ConfigError, match=r"linear-attention heads 3 not divisible by 2"):
         check_shardable(k3, 2)
 
 

@@ -32,6 +32,7 @@ from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.families import decoder_config
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel, context_length, load_model, load_tokenizer_only
 from mlxcel.specs import DisaggSpec, Generation
@@ -64,7 +65,7 @@ async def router_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
             decode,
             first_nonce=secrets.randbits(48) + 1,
             prefill_timeout=spec.prefill_timeout,
-            vocab=int(config["vocab_size"]),
+            vocab=int(decoder_config(config)["vocab_size"]),
             max_len=context_length(config),
         )
         service = RouterService(node, endpoint, core, _prober(pool))
@@ -131,9 +132,12 @@ def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int, int]:
 
     cache = make_prompt_cache(loaded.model)
     mx.eval(loaded.model(mx.array([[0]]), cache=cache))
-    first = cache[0]
-    keys, values = first.state[0], first.state[1]
-    return len(cache), int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3])
+    # The first attention layer's (a hybrid's linear layers keep recurrent state instead; such
+    # a family is refused per request before any handoff, see unsupported_reason).
+    kv = next((c for c in cache if getattr(c, "keys", None) is not None), None)
+    if kv is None:
+        return len(cache), 0, 0, 0
+    return len(cache), int(kv.keys.shape[1]), int(kv.keys.shape[3]), int(kv.values.shape[3])
 
 
 @asynccontextmanager
@@ -184,7 +188,7 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
 def _model_bounds(loaded: LoadedModel) -> tuple[int, int]:
     """(vocab size, longest sequence) of the model's config."""
     config = loaded.config
-    return int(config["vocab_size"]), context_length(config)
+    return int(decoder_config(config)["vocab_size"]), context_length(config)
 
 
 async def _prefill_service(

@@ -116,10 +116,14 @@ class Family:
         return x, self.start_carry(decoder)
 
     def tp_checks(self, config: dict[str, Any]) -> dict[str, int]:
-        """The sizes a tensor-parallel rank count must divide, by name."""
+        """The sizes a tensor-parallel rank count must divide, by name (what the family's
+        ``shard()`` splits: heads, MLP and expert widths, linear-attention heads ...)."""
         text = self.text_config(config)
+        want = self.tp_sizes or ()
         return {
-            name: int(text[key]) for name, key in _TP_KEYS.items() if key in (self.tp_sizes or ())
+            name: int(text[key])
+            for name, key in _TP_KEYS.items()
+            if key in want and text.get(key) is not None
         }
 
 
@@ -243,7 +247,7 @@ class Qwen35(Family):
         out = super().tp_checks(config)
         text = self.text_config(config)
         if not text.get("tie_word_embeddings"):  # an untied head is split by vocabulary
-            out["vocabulary (vocab_size)"] = int(text["vocab_size"])
+            out["vocabulary size"] = int(text["vocab_size"])
         return out
 
     def run_layer(
@@ -271,7 +275,7 @@ class KimiK3(Family):
         out = super().tp_checks(config)
         linear = self.text_config(config).get("linear_attn_config") or {}
         if "num_heads" in linear:
-            out["linear-attention heads (linear_attn_config.num_heads)"] = int(linear["num_heads"])
+            out["linear-attention heads"] = int(linear["num_heads"])
         return out
 
     def start_carry(self, decoder: nn.Module) -> Any:
