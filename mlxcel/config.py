@@ -286,6 +286,12 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None, ge=1, le=256, description="coordinator: find N --pp-peer processes and assign stages"
     )
     pp_peer: bool = Field(False, description="wait for a stage assignment, then serve the stage")
+    usable_memory: ByteSize = Field(
+        0,  # type: ignore[assignment]  # validated into a ByteSize
+        description="--pp-peer: the most memory this peer offers for its stage, which the "
+        "coordinator splits the model by (bytes or a size such as 24GiB; default: MLX's "
+        "memory limit on this device)",
+    )
     cluster_peers: str | None = Field(
         None, description="static discovery: the peers' IP:PORT, comma-separated"
     )
@@ -435,6 +441,10 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--pp-auto and --distributed-config are mutually exclusive")
         if self.pp_peer and self.dry_run and self.distributed_config is None:
             raise ValueError("--dry-run is for the --pp-auto coordinator; a --pp-peer has no plan")
+        if "usable_memory" in self.model_fields_set and not self.pp_peer:
+            raise ValueError(
+                "--usable-memory is what a --pp-peer offers the coordinator; give it to the peers"
+            )
         peers = [p.strip() for p in (self.cluster_peers or "").split(",") if p.strip()]
         for p in peers:
             check_address(p, "--cluster-peers", port_zero=False)

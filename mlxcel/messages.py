@@ -308,10 +308,15 @@ class AssignOffer(Message):
 
 @dataclass(frozen=True, slots=True)
 class AssignAccepted(Message):
+    """Peer -> coordinator: the offer passed every check. ``memory``: the bytes this peer can
+    hold (its usable memory, or what its operator allows it; 0: not said), which the
+    coordinator places stages by."""
+
     KIND: ClassVar[int] = 15
     protocol: int
     attempt: int
     node_id: str
+    memory: int = 0
 
 
 @dataclass(frozen=True, slots=True)

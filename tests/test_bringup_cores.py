@@ -59,7 +59,7 @@ def facts(address: str, **kw: object) -> PeerFacts:
         __version__,
         "mlxcel-cluster",
         MODEL,
-        lambda n, k: derived_range(COSTS, n, k),
+        lambda n, k, memory: derived_range(COSTS, n, k, memory),
         parse_cluster_toml,
         host,
         int(port),

@@ -208,7 +208,9 @@ def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
         {"request_id": "s"},
     ):
         tampered = dataclasses.replace(h, **change)  # type: ignore[arg-type]
-        assert "digest mismatch" in (check(tampered, len(cache), kv_heads, head_dim) or "")
+        assert "digest mismatch" in (
+            check(tampered, len(cache), kv_heads, head_dim, head_dim) or ""
+        )
 
 
 @pytest.fixture(scope="session")

@@ -95,6 +95,7 @@ CORES = {
     # The plan and the layer split are pure computations over the peers and the costs.
     "mlxcel.bringup.push_core": {
         "mlxcel.bringup.protocol", "mlxcel.bringup.plan", "mlxcel.pipeline.partition",
+        "mlxcel.model_config",
     },
 }  # fmt: skip
 

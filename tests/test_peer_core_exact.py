@@ -91,13 +91,15 @@ class Derive:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int]] = []
 
-    def __call__(self, n_stages: int, index: int) -> tuple[int, int]:
+    def __call__(
+        self, n_stages: int, index: int, memory: list[float] | None = None
+    ) -> tuple[int, int]:
         self.calls.append((n_stages, index))
-        return derived_range(COSTS, n_stages, index)
+        return derived_range(COSTS, n_stages, index, memory)
 
 
 def facts(
-    listen: str = ME, derive: Callable[[int, int], tuple[int, int]] | None = None, **kw: object
+    listen: str = ME, derive: Callable[..., tuple[int, int]] | None = None, **kw: object
 ) -> PeerFacts:
     host, port = listen.rsplit(":", 1)
     base = PeerFacts(
@@ -605,7 +607,7 @@ def test_each_refusal_of_an_offer_word_for_word(
     "exc", [PartitionError("no split"), ValueError("no split"), IndexError("no split")]
 )
 def test_a_range_that_cannot_be_derived_is_a_layer_range_refusal(exc: Exception) -> None:
-    def derive(n_stages: int, index: int) -> tuple[int, int]:
+    def derive(n_stages: int, index: int, memory: list[float] | None) -> tuple[int, int]:
         raise exc
 
     peer = PeerCore(facts(derive=derive), 0.0)

@@ -373,13 +373,71 @@ def test_a_cluster_that_cannot_be_planned_fails_before_any_offer() -> None:
     assert core.phase is Phase.FAILED and core.plan is None
 
 
-def test_a_dry_run_plans_and_pushes_nothing() -> None:
+def test_a_dry_run_offers_plans_by_memory_then_aborts_and_commits_nothing() -> None:
     core = PushCore(config(dry_run=True, secret_file="/etc/s"), 4.0)
-    text = "dry run: planned " + STAGES_TEXT
-    assert core.start(4.0) == [PushDone(True, text)]
-    plan = make_plan("mlxcel-cluster", COORD, list(PEERS), COSTS, "/etc/s")
-    assert core.outcome == Outcome(True, text, plan, 4.0)
-    assert core.phase is Phase.DONE and core.peers == {} and core.next_timer() is None
+    assert core.start(4.0) == [
+        Send(a, o, deadline=14.0)
+        for a, o in expected_offers(list(PEERS), secret_file="/etc/s").items()
+    ]
+    mem = {S0: 2048, S1: 1024, S2: 1024}
+    core.handle(AssignAccepted(2, ATTEMPT, ID[S0], mem[S0]), S0, 4.1)
+    core.handle(AssignAccepted(2, ATTEMPT, ID[S1], mem[S1]), S1, 4.2)
+    out = core.handle(AssignAccepted(2, ATTEMPT, ID[S2], mem[S2]), S2, 4.3)
+    plan = make_plan("mlxcel-cluster", COORD, list(PEERS), COSTS, "/etc/s", mem)
+    assert core.outcome is not None and core.outcome.ok and core.outcome.plan == plan
+    text = core.outcome.summary
+    assert text.startswith(
+        "dry run: planned stage-0=127.0.0.2:19001 (layers 0-3, 450 B of 2.0 KiB)"
+    )
+    assert out == [Send(a, AssignAbort(ATTEMPT, text), deadline=14.3) for a in ALL] + [
+        PushDone(True, text)
+    ]
+    assert core.phase is Phase.DONE and core.next_timer() is None
+
+
+def test_peers_that_say_their_memory_get_a_split_by_it_as_a_new_attempt() -> None:
+    core = started()
+    mem = {S0: 1000, S1: 1000, S2: 4000}  # the third peer holds four times as much
+    for a in ALL[:2]:
+        assert core.handle(AssignAccepted(2, ATTEMPT, ID[a], mem[a]), a, 0.1) == []
+    out = core.handle(AssignAccepted(2, ATTEMPT, ID[S2], mem[S2]), S2, 0.2)
+    plan = make_plan("mlxcel-cluster", COORD, list(PEERS), COSTS, None, mem)
+    assert core.plan == plan and [a.layers for a in plan.stages] == ["0-0", "1-1", "2-7"]
+    assert "memory_gb = " in plan.body()
+    again = [o for o in out if isinstance(o, Send)]
+    assert [s.dest for s in again] == list(ALL)
+    assert all(isinstance(s.msg, AssignOffer) and s.msg.attempt == ATTEMPT + 1 for s in again)
+    assert {s.dest: s.msg.layers for s in again} == {S0: (0, 1), S1: (1, 2), S2: (2, 8)}  # type: ignore[union-attr]
+    assert core.phase is Phase.OFFERING
+    # A late answer to the first round counts for nothing; the new round's answers commit.
+    assert core.handle(AssignAccepted(2, ATTEMPT, ID[S0], 1000), S0, 0.3)[0].kind == "debug"  # type: ignore[union-attr]
+    for a in ALL:
+        out = core.handle(AssignAccepted(2, ATTEMPT + 1, ID[a], mem[a]), a, 0.4)
+    assert core.phase is Phase.COMMITTING
+    assert out == [Send(a, AssignCommit(ATTEMPT + 1), deadline=10.4) for a in ALL]
+
+
+def test_a_model_that_does_not_fit_the_peers_fails_with_the_figures_and_starts_nothing() -> None:
+    core = started()
+    for a in ALL[:2]:
+        core.handle(AssignAccepted(2, ATTEMPT, ID[a], 300), a, 0.1)
+    out = core.handle(AssignAccepted(2, ATTEMPT, ID[S2], 300), S2, 0.2)
+    assert core.phase is Phase.FAILED and core.outcome is not None and not core.outcome.ok
+    text = core.outcome.summary
+    assert text.startswith("bring-up failed: the model does not fit these peers' memory: ")
+    assert "does not fit" in text and "no stage was started" in text
+    assert "<- does not fit" in text  # the table: bytes per stage beside each peer's memory
+    assert out == [Send(a, AssignAbort(ATTEMPT, text), deadline=10.2) for a in ALL] + [
+        PushDone(False, text)
+    ]
+
+
+def test_a_peer_that_does_not_say_its_memory_keeps_the_first_split() -> None:
+    core = started()
+    for a in ALL:
+        out = core.handle(AssignAccepted(2, ATTEMPT, ID[a]), a, 0.1)
+    assert core.phase is Phase.COMMITTING
+    assert out == [Send(a, AssignCommit(ATTEMPT), deadline=10.1) for a in ALL]
 
 
 # --- offering ----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 from mlxcel.frontend import Frontend, Usage
 from mlxcel.messages import SamplingParams
-from mlxcel.runtime.families import decoder_config
+from mlxcel.model_config import decoder_config
 
 
 def percentile(xs: list[float], q: float) -> float:

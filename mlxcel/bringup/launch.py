@@ -134,7 +134,9 @@ async def push_assignments(
     trust_weights: bool = False,
 ) -> BringupPlan:
     """Resolve ``n_peers`` peers, plan, and (unless ``dry_run``) push every stage. Returns the
-    plan once every peer activated; raises :class:`BringupFailed` naming what went wrong."""
+    plan once every peer activated (a dry run: once every peer accepted an offer and said what
+    it can hold; its offers are then aborted); raises :class:`BringupFailed` naming what went
+    wrong."""
     ident, costs = await _model_facts(model, trust_weights)
     host, port = split_hostport(control)
     cfg = PushConfig(
@@ -220,6 +222,7 @@ async def await_assignment(
     *,
     cluster_name: str = "mlxcel-cluster",
     trust_weights: bool = False,
+    memory: int = 0,
 ) -> Received:
     """Listen for an assignment until one is activated; raise :class:`AssignmentRefused` when
     the peer must end (an offer it can never accept, or none within 600 s)."""
@@ -247,13 +250,19 @@ async def await_assignment(
             __version__,
             cluster_name,
             ident,
-            lambda n, k: derived_range(costs, n, k),
+            lambda n, k, memory: derived_range(costs, n, k, memory),
             parse_cluster_toml,
             host,
             port,
             beacons=discovery.mode == "mdns",
+            memory=memory,
         )
-        logger.info("mlxcel peer waiting for a stage assignment on {}:{}", host, port)
+        logger.info(
+            "mlxcel peer waiting for a stage assignment on {}:{} (offering {:.2f} GiB)",
+            host,
+            port,
+            memory / 2**30,
+        )
         service = PeerService(
             node, ReplyEndpoint(f"{host}:{port}", listener), PeerCore(facts, node_now()), announce
         )

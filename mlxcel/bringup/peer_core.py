@@ -52,14 +52,16 @@ class PeerFacts:
     version: str
     cluster_name: str
     model: ModelIdentity
-    # The layer range this peer derives for (stages, index) from its own checkpoint.
-    derive_range: Callable[[int, int], tuple[int, int]]
+    # The layer range this peer derives for (stages, index, the stages' memory figures when
+    # the offered cluster carries them) from its own checkpoint.
+    derive_range: Callable[[int, int, list[float] | None], tuple[int, int]]
     # The offered cluster TOML, validated (pipeline.cluster_config.parse_cluster_toml): raises
     # ValueError naming the first problem.
     parse_cluster: Callable[[str], Any]
     listen_ip: str  # may be unspecified (0.0.0.0): then only the port is checked
     listen_port: int
     beacons: bool = False  # mdns discovery: announce until committed
+    memory: int = 0  # the bytes this peer can hold, said in every acceptance (0: not said)
     assignment_wait: float = ASSIGNMENT_WAIT
     phase_wait: float = PHASE_WAIT
 
@@ -74,7 +76,7 @@ class PeerCore:
         self._wait_until = now + facts.assignment_wait
         self._phase_until: float | None = None
         self._announce_at: float | None = now if facts.beacons else None
-        self._ranges: dict[tuple[int, int], tuple[int, int]] = {}
+        self._ranges: dict[tuple[Any, ...], tuple[int, int]] = {}
         self._parsed: dict[str, Any] = {}
 
     # --- the core interface --------------------------------------------------------------------
@@ -183,7 +185,12 @@ class PeerCore:
             # A repeat of the offer we hold (a retry, or a late copy over a new connection):
             # answered again while accepting, and changes nothing once committed.
             if self.state is PeerState.ACCEPTED:
-                return [Send(source, AssignAccepted(PROTOCOL, offer.attempt, offer.node_id))]
+                return [
+                    Send(
+                        source,
+                        AssignAccepted(PROTOCOL, offer.attempt, offer.node_id, self.facts.memory),
+                    )
+                ]
             return [Warn("debug", f"assignment: repeated offer from {source} ignored")]
         try:
             self._check(offer, source)
@@ -211,7 +218,7 @@ class PeerCore:
         self.offer, self.coordinator = offer, source
         self._phase_until = now + self.facts.phase_wait
         return [
-            Send(source, AssignAccepted(PROTOCOL, offer.attempt, offer.node_id)),
+            Send(source, AssignAccepted(PROTOCOL, offer.attempt, offer.node_id, self.facts.memory)),
             Warn(
                 "info",
                 f"assignment: accepted {offer.node_id} (layers {offer.layers[0]}-"
@@ -256,7 +263,7 @@ class PeerCore:
                 f"{o.n_stages} with layers {tuple(o.layers)} is not a stage",
             )
         try:
-            mine = self._derive(o.n_stages, o.stage)
+            mine = self._derive(o.n_stages, o.stage, self._memory_of(o.cluster_toml))
         except (PartitionError, ValueError, IndexError) as exc:
             raise OfferRefused(Refusal.LAYER_RANGE, f"{Refusal.LAYER_RANGE}: {exc}") from None
         if tuple(o.layers) != mine:
@@ -303,11 +310,21 @@ class PeerCore:
                 f"handshake bound {source}",
             )
 
-    def _derive(self, n_stages: int, index: int) -> tuple[int, int]:
-        key = (n_stages, index)  # a retried offer asks again: split once
+    def _derive(self, n_stages: int, index: int, memory: list[float] | None) -> tuple[int, int]:
+        key = (n_stages, index, tuple(memory or ()))  # a retried offer asks again: split once
         if key not in self._ranges:
-            self._ranges[key] = self.facts.derive_range(n_stages, index)
+            if len(self._ranges) >= 64:
+                self._ranges.clear()
+            self._ranges[key] = self.facts.derive_range(n_stages, index, memory)
         return self._ranges[key]
+
+    def _memory_of(self, text: str) -> list[float] | None:
+        """The stages' memory figures of an offered cluster (None: it has none, or it is not
+        valid TOML -- which the cluster check refuses in its turn)."""
+        try:
+            return self._parse(text).memory
+        except OfferRefused:
+            return None
 
     def _parse(self, text: str) -> Any:
         if text in self._parsed:

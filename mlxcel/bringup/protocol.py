@@ -3,7 +3,9 @@ the effects only bring-up emits.
 
 Coordinator -> peer, per peer::
 
-    Offer ──► Accepted | Refused          (offer phase: ends 10 s before the push window)
+    Offer ──► Accepted(memory) | Refused  (offer phase: ends 10 s before the push window;
+                                           once every peer said what it can hold, offered
+                                           again, split by memory, as a new attempt)
     Commit ──► Committed                  (only once every peer accepted)
     Activate ──► Activated                (only once every peer committed)
     Abort(summary)                        (any failure before activation: wait again)
@@ -136,7 +138,7 @@ class Phase(enum.Enum):
 
 class PhaseEvent(enum.Enum):
     PEERS_FOUND = "every peer resolved"
-    PLANNED = "a dry run planned the cluster"
+    PLANNED = "a dry run planned the cluster (and aborted its offers)"
     ALL_ACCEPTED = "every peer accepted"
     ALL_COMMITTED = "every peer committed"
     ALL_ACTIVE = "every peer activated"
@@ -156,7 +158,7 @@ PHASE_TABLE: Table[Phase, PhaseEvent] = Table(
     "assignment push",
     {
         (D, PhaseEvent.PEERS_FOUND): OF,
-        (D, PhaseEvent.PLANNED): OK,
+        (OF, PhaseEvent.PLANNED): OK,
         (D, PhaseEvent.PEER_FAILED): F,  # a plan that cannot be made (loopback rule, layers)
         (D, PhaseEvent.DEADLINE): F,
         (OF, PhaseEvent.ALL_ACCEPTED): CM,
@@ -188,6 +190,9 @@ class Answer(enum.Enum):
     ACCEPTED = "accepted"
     COMMITTED = "committed"
     ACTIVATED = "activated"
+    # Not an answer: every peer said what it can hold, the coordinator split the model by it
+    # and offers again (a new attempt, so a late answer to the first offer counts for nothing).
+    REPLANNED = "replanned"
 
 
 U, PA, PC, PX = PeerStep.UNANSWERED, PeerStep.ACCEPTED, PeerStep.COMMITTED, PeerStep.ACTIVE
@@ -198,6 +203,7 @@ STEP_TABLE: Table[PeerStep, Answer] = Table(
     {
         (U, Answer.ACCEPTED): PA,
         (PA, Answer.ACCEPTED): PA,
+        (PA, Answer.REPLANNED): U,
         (PA, Answer.COMMITTED): PC,
         (PC, Answer.COMMITTED): PC,
         (PC, Answer.ACTIVATED): PX,

@@ -2,10 +2,14 @@
 
 It resolves N peers (a static list, or beacons judged by :class:`BeaconGate` for up to 30 s;
 a beaconing peer counts only once an authenticated handshake with its advertised address
-succeeded, so a replayed beacon cannot stand in for a peer that left), plans the cluster, then drives every peer through Offer -> Commit -> Activate: it commits
-only once every peer accepted and activates only once every peer committed. Any refusal, a
-peer that cannot be reached for good (another secret, an identity it does not own), or a
-phase deadline fails the bring-up: every peer that accepted or committed gets Abort with the
+succeeded, so a replayed beacon cannot stand in for a peer that left), plans the cluster, then
+drives every peer through Offer -> Commit -> Activate: it commits only once every peer
+accepted and activates only once every peer committed. Peers accept with the memory they can
+hold; once every peer said it, the model is split again by those figures and offered again
+(a new attempt) -- or, when it cannot fit them, the bring-up fails with the figures before
+anything was committed. A dry run stops there: it aborts its offers and returns the plan.
+Any refusal, a peer that cannot be reached for good (another secret, an identity it does not
+own), or a phase deadline fails the bring-up: every peer that accepted or committed gets Abort with the
 summary and goes back to waiting, so a failed bring-up starts no stage anywhere. Offers are
 repeated every 0.5 s to a peer that has not answered (it may not be listening yet), Commit and
 Activate every second; the peer answers repeats again, so a lost frame costs one retry.
@@ -51,7 +55,7 @@ from mlxcel.messages import (
     AssignRefused,
     Message,
 )
-from mlxcel.pipeline.partition import LayerCosts
+from mlxcel.pipeline.partition import LayerCosts, human_bytes
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ class PushConfig:
     secret_file: str | None = None
     discovery_window: float = DISCOVERY_WINDOW
     push_window: float = PUSH_WINDOW
-    dry_run: bool = False  # resolve the peers and plan, push nothing
+    # Resolve the peers, offer, plan by their memory, then abort: nothing is committed.
+    dry_run: bool = False
     # Deliberate bugs for the simulator to find (never set outside it): "activate-early"
     # moves to the next phase as soon as one peer answered instead of every peer.
     inject: frozenset[str] = frozenset()
@@ -83,6 +88,7 @@ class Peer:
     step: PeerStep = PeerStep.UNANSWERED
     why: str = ""  # what went wrong, for the summary
     retry_at: float = 0.0
+    memory: int = 0  # the bytes it said it can hold (0: not said)
 
 
 @dataclass
@@ -112,6 +118,8 @@ class PushCore:
         self._check_again: dict[str, float] = {}  # address -> when it may be checked again
         self.gate = cfg.gate
         self.plan: BringupPlan | None = None
+        self.by_memory = False  # the plan offered now is split by the peers' memory
+        self.attempt = cfg.attempt  # the offer round answers must carry (one more if replanned)
         self.peers: dict[str, Peer] = {}
         self.outcome: Outcome | None = None
         self.push_start = now
@@ -181,7 +189,7 @@ class PushCore:
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
         peer = self.peers.get(source)
         attempt = getattr(msg, "attempt", None)
-        if peer is None or attempt != self.cfg.attempt or self.outcome is not None:
+        if peer is None or attempt != self.attempt or self.outcome is not None:
             return [Warn("debug", f"assignment: ignoring {type(msg).__name__} from {source}")]
         if isinstance(msg, AssignRefused):
             return self._peer_failed(peer, f"refused: {msg.reason}", now)
@@ -203,6 +211,8 @@ class PushCore:
             peer.step = STEP_TABLE.next(peer.step, answer)
         except IllegalTransition as ill:
             return [Warn("diagnostic", f"assignment: {source}: {ill}")]
+        if isinstance(msg, AssignAccepted):
+            peer.memory = max(0, msg.memory)
         peer.why = ""  # it answered: an earlier failed send is no "last attempt" any more
         return self._advance(now)
 
@@ -271,9 +281,6 @@ class PushCore:
             self.plan = make_plan(c.cluster_name, c.coordinator, self.found, c.costs, c.secret_file)
         except PartitionError as exc:
             return self._fail(PhaseEvent.PEER_FAILED, f"cannot plan the cluster: {exc}", now)
-        if c.dry_run:
-            self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PLANNED)
-            return self._finish(True, "dry run: planned " + self._stages_text(), now)
         self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PEERS_FOUND)
         self.push_start = now
         self._deadline = now + c.push_window - FRAME_BOUND  # the offer phase ends 10 s early
@@ -292,7 +299,7 @@ class PushCore:
         return p.step is want
 
     def _send_phase(self, p: Peer, now: float) -> list[Effect]:
-        a = self.cfg.attempt
+        a = self.attempt
         if self.phase is Phase.OFFERING:
             msg: Message = self._offer_for(p)
             p.retry_at = now + OFFER_RETRY
@@ -307,7 +314,7 @@ class PushCore:
         c, st = self.cfg, next(s for s in self.plan.stages if s.address == p.address)
         return AssignOffer(
             PROTOCOL,
-            c.attempt,
+            self.attempt,
             c.version,
             c.cluster_name,
             c.model.sha256,
@@ -335,6 +342,8 @@ class PushCore:
                 return []
         elif steps != {target[0]}:
             return []
+        if self.phase is Phase.OFFERING and not self.by_memory:
+            return self._by_memory(now)
         self.phase = PHASE_TABLE.next(self.phase, target[1])
         if self.phase is Phase.DONE:
             return self._finish(True, self._done_summary(), now)
@@ -346,6 +355,50 @@ class PushCore:
         for p in self.peers.values():
             out += self._send_phase(p, now)
         return out
+
+    def _by_memory(self, now: float) -> list[Effect]:
+        """Every peer accepted the first offer and said what it can hold: split the model by
+        those figures and offer again, or fail with them if it cannot fit. (A peer that did
+        not say -- an older mlxcel -- leaves the first split as it is.)"""
+        c = self.cfg
+        memory = {p.address: p.memory for p in self.peers.values()}
+        if c.dry_run and not all(memory.values()):
+            return self._dry_run_done(now)
+        if not all(memory.values()):
+            self.by_memory = True
+            return self._advance(now)
+        try:
+            plan = make_plan(
+                c.cluster_name, c.coordinator, self.found, c.costs, c.secret_file, memory
+            )
+        except PartitionError as exc:
+            return self._fail(
+                PhaseEvent.PEER_FAILED,
+                f"bring-up failed: the model does not fit these peers' memory: {exc}; "
+                "no stage was started",
+                now,
+            )
+        self.plan, self.by_memory = plan, True
+        if c.dry_run:
+            return self._dry_run_done(now)
+        self.attempt = c.attempt + 1
+        out: list[Effect] = [
+            Warn("info", "assignment: split by the peers' memory: " + self._stages_text())
+        ]
+        for p in self.peers.values():
+            p.step = STEP_TABLE.next(p.step, Answer.REPLANNED)
+            out += self._send_phase(p, now)
+        return out
+
+    def _dry_run_done(self, now: float) -> list[Effect]:
+        """A dry run has its plan: the peers are told to wait again, nothing is committed."""
+        self.phase = PHASE_TABLE.next(self.phase, PhaseEvent.PLANNED)
+        summary = "dry run: planned " + self._stages_text()
+        out: list[Effect] = [
+            Send(p.address, AssignAbort(self.attempt, summary), deadline=now + FRAME_BOUND)
+            for p in self.peers.values()
+        ]
+        return out + self._finish(True, summary, now)
 
     def _peer_failed(self, peer: Peer, why: str, now: float) -> list[Effect]:
         peer.step, peer.why = PeerStep.FAILED, why
@@ -362,7 +415,7 @@ class PushCore:
                     unanswered = p.step is PeerStep.UNANSWERED
                     deadline = now + (HANDSHAKE_BOUND if unanswered else FRAME_BOUND)
                     out.append(
-                        Send(p.address, AssignAbort(self.cfg.attempt, summary), deadline=deadline)
+                        Send(p.address, AssignAbort(self.attempt, summary), deadline=deadline)
                     )
         return out + self._finish(False, summary, now)
 
@@ -376,7 +429,12 @@ class PushCore:
 
     def _stages_text(self) -> str:
         assert self.plan is not None
-        return ", ".join(f"{a.node_id}={a.address} (layers {a.layers})" for a in self.plan.stages)
+        return ", ".join(
+            f"{a.node_id}={a.address} (layers {a.layers}"
+            + (f", {human_bytes(a.bytes)} of {human_bytes(a.memory)}" if a.memory else "")
+            + ")"
+            for a in self.plan.stages
+        )
 
     def _failure_summary(self) -> str:
         failed = [p for p in self.peers.values() if p.step is PeerStep.FAILED]

@@ -55,11 +55,14 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         # worker thread that touched MLX can abort the process at exit (a refused peer exits
         # within a second, and did, under load, with SIGABRT).
         _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
+        from mlxcel.runtime.devices import usable_memory
+
         got = await await_assignment(
             path,
             secret,
             s.cluster_control_addr,
             discovery,
+            memory=usable_memory(int(s.usable_memory)),
             cluster_name=s.cluster_name,
             trust_weights=s.trust_weights,
         )
@@ -88,6 +91,7 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     text = plan.coordinator_file(f"serve --pp-auto {s.pp_auto}")
     write_config(out, text)
     if s.dry_run:
+        print(plan.table(), flush=True)  # bytes per stage beside what each peer can hold
         print(text, end="", flush=True)
         logger.info("dry run: the plan is in {}; nothing was assigned", out)
         return None

@@ -25,6 +25,7 @@ from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
 from mlxcel.frontend import Frontend
 from mlxcel.messages import EXTENDED_SAMPLING
+from mlxcel.model_config import decoder_config
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.network import split_hostport
 from mlxcel.net.pool import ConnectionPool
@@ -32,7 +33,6 @@ from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
-from mlxcel.runtime.families import decoder_config
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel, context_length, load_model, load_tokenizer_only
 from mlxcel.specs import DisaggSpec, Generation

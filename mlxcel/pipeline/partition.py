@@ -19,10 +19,9 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mlxcel.errors import PartitionError
-from mlxcel.runtime.families import decoder_config
+from mlxcel.model_config import active_fraction, decoder_config
 
 # A decoder layer's tensors: ``model.layers.N.`` (``language_model.model.layers.N.`` in the
 # multimodal-shaped checkpoints of Qwen 3.5 and Kimi K3).
@@ -49,23 +48,6 @@ class LayerCosts:
     @property
     def compute(self) -> tuple[int, ...]:
         return self.active or self.layers
-
-
-def active_fraction(config: dict[str, Any]) -> float:
-    """The share of an MoE layer's routed experts one token runs through (1: dense)."""
-    experts = next(
-        (
-            int(config[k])
-            for k in ("n_routed_experts", "num_experts", "num_local_experts")
-            if config.get(k)
-        ),
-        0,
-    )
-    top_k = next(
-        (int(config[k]) for k in ("num_experts_per_tok", "num_experts_per_token") if config.get(k)),
-        0,
-    )
-    return min(1.0, top_k / experts) if experts and top_k else 1.0
 
 
 @dataclass(frozen=True)
@@ -237,6 +219,15 @@ def auto_split(
         j = i
     ranges.reverse()
     return plan(costs, ranges, memory)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as an operator reads them: 500 B, 2.0 KiB, 15.3 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def format_plan(stages: list[StagePlan]) -> str:

@@ -23,6 +23,7 @@ from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
+from mlxcel.model_config import decoder_config
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
@@ -36,7 +37,6 @@ from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.families import decoder_config
 from mlxcel.runtime.model import (
     LayerRange,
     check_splittable,

@@ -11,6 +11,16 @@ from __future__ import annotations
 import os
 
 
+def usable_memory(cap: int = 0) -> int:
+    """Bytes this process may hold for a model: MLX's memory limit on this device (a share of
+    the GPU's memory, or of RAM on a CPU), or ``cap`` (``--usable-memory``) when smaller. A
+    figure that does not move with what else is allocated, so one host plans one way."""
+    import mlx.core as mx
+
+    limit = int(mx.get_memory_limit())
+    return min(limit, cap) if cap > 0 else limit
+
+
 def gpu_ids() -> list[str]:
     """The CUDA devices this process may hand out (honouring its own CUDA_VISIBLE_DEVICES)."""
     import mlx.core as mx

@@ -10,7 +10,7 @@ from typing import Any
 
 from mlxcel.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
-from mlxcel.runtime.families import decoder_config
+from mlxcel.model_config import decoder_config
 from mlxcel.runtime.model import context_length
 from mlxcel.runtime.sampling import sampling_problem
 

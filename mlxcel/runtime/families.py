@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
+from mlxcel.model_config import decoder_config
+
 
 @dataclass(frozen=True)
 class MaskKind:
@@ -344,15 +346,6 @@ _ADAPTERS: tuple[Family, ...] = (
 FAMILIES: dict[str, Family] = {name: a for a in _ADAPTERS for name in a.names}
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 TP_FAMILIES = tuple(name for name, a in FAMILIES.items() if a.tp_sizes is not None)
-
-
-def decoder_config(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json with the decoder's own fields on top: a multimodal-shaped checkpoint (Qwen
-    3.5, Kimi K3) keeps them under ``text_config``."""
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        return config
-    return {**config, **text, "model_type": config.get("model_type")}
 
 
 def family_of(config: dict[str, Any]) -> str:

@@ -251,7 +251,7 @@ def build_bringup(
             __version__,
             "mlxcel-cluster",
             ident,
-            lambda n, k: split(n)[k],
+            lambda n, k, _memory: split(n)[k],
             parse_cluster_toml,
             addr.rpartition(":")[0],
             19001,
