@@ -159,15 +159,20 @@ def test_static_bring_up_serves_like_one_process(
     addrs = [f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (3, 2)]
     control = f"127.0.0.1:{free_port()}"
     common = ["--cluster-peers", ",".join(addrs), "--cluster-control-addr", control]
-    # The dry run plans and writes the same file the real run writes, and contacts nobody.
-    dry = coordinator(tiny, secret, tmp_path, 2, *common, "--dry-run")
-    assert dry.finish() == 0, dry.text
-    planned = (tmp_path / ".mlxcel" / "cluster.toml").read_bytes()
-    assert planned.decode() in dry.text  # printed too
     peers = [
         peer(tiny, secret, tmp_path / f"p{i}", "--cluster-control-addr", a)
         for i, a in enumerate(addrs)
     ]
+    # The dry run offers, learns what each peer can hold, plans, aborts its offers (the peers
+    # wait again) and writes the same file the real run writes.
+    dry = coordinator(tiny, secret, tmp_path, 2, *common, "--dry-run")
+    assert dry.finish() == 0, dry.text
+    planned = (tmp_path / ".mlxcel" / "cluster.toml").read_bytes()
+    assert planned.decode() in dry.text  # printed too
+    assert "memory_gb = " in planned.decode()  # the split follows the peers' memory
+    assert "stage     layers           bytes   share          memory" in dry.text
+    for p in peers:
+        p.wait_for("assignment aborted by")
     port = free_port()
     coord = coordinator(tiny, secret, tmp_path, 2, *common, "--port", str(port))
     try:
@@ -237,6 +242,60 @@ def test_beacon_bring_up_serves_like_one_process(
         for p in peers:  # stopped whatever the coordinator did: never leak a peer
             p.stop()
         assert code == 0, coord.text
+
+
+def test_stages_are_placed_by_what_each_peer_can_hold(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    """A peer offering three times the memory gets about three times the layers' bytes; a
+    cluster whose peers cannot hold the model fails with the figures and starts nothing."""
+    from mlxcel.pipeline.partition import layer_costs
+
+    total = layer_costs(tiny).total
+    small, big = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (2, 3))
+    sizes = {small: total // 3, big: total}
+    peers = [
+        peer(tiny, secret, tmp_path / f"p{i}", "--cluster-control-addr", a,
+             "--usable-memory", str(sizes[a]))
+        for i, a in enumerate((small, big))
+    ]  # fmt: skip
+    common = [
+        "--cluster-peers",
+        f"{small},{big}",
+        "--cluster-control-addr",
+        f"127.0.0.1:{free_port()}",
+    ]
+    try:
+        dry = coordinator(tiny, secret, tmp_path, 2, *common, "--dry-run")
+        assert dry.finish() == 0, dry.text
+        cfg = load_cluster_config(tmp_path / ".mlxcel" / "cluster.toml")
+        by = {s.address: s for s in cfg.stages}
+        assert by[small].memory_gb == sizes[small] / 2**30
+        a, b = (tuple(map(int, by[x].layers.split("-"))) for x in (small, big))  # type: ignore[union-attr]
+        assert b[1] - b[0] > a[1] - a[0]  # the bigger peer holds more layers
+        for p in peers:
+            p.wait_for("assignment aborted by")
+    finally:
+        for p in peers:
+            p.stop()
+    # Peers that cannot hold the model between them: refused with the figures, nothing starts.
+    tight = [
+        peer(tiny, secret, tmp_path / f"t{i}", "--cluster-control-addr", a,
+             "--usable-memory", str(total // 4))
+        for i, a in enumerate((small, big))
+    ]  # fmt: skip
+    coord = coordinator(tiny, secret, tmp_path / "c", 2, *common, "--port", str(free_port()))
+    try:
+        assert coord.finish() == 1
+        assert "the model does not fit these peers' memory" in coord.text
+        assert "<- does not fit" in coord.text and "no stage was started" in coord.text
+        for p in tight:
+            p.wait_for("assignment aborted by")
+            assert p.p.poll() is None
+    finally:
+        for p in tight:
+            p.stop()
+    assert all("mlxcel stage" not in p.text for p in tight)
 
 
 def test_a_peer_with_another_secret_fails_the_bring_up_and_starts_nothing(

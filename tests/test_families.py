@@ -273,3 +273,35 @@ def test_an_unsupported_family_is_refused_before_any_weight_loads(
 
     with pytest.raises(ModelLoadError, match="olmo3"):
         asyncio.run(build())
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def test_a_stage_process_holds_its_share_of_the_model(tmp_path: Path) -> None:
+    """A stage reads only its own layers' weights: measured as resident memory of the stage
+    processes of a 2-stage split against one stage holding every layer, over what the same
+    process holds with no model at all (a 112 MiB checkpoint, large enough to tell)."""
+    model = write_checkpoint(tmp_path / "small", "small", "qwen3")
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    floor = subprocess.run(
+        [sys.executable, "-c", "import mlxcel.pipeline.remote, mlxcel.runner, mlx.core as mx; "
+         "mx.eval(mx.zeros(1)); import os; print(open(f'/proc/{os.getpid()}/status').read())"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+    ).stdout  # fmt: skip
+    base = next(int(x.split()[1]) * 1024 for x in floor.splitlines() if x.startswith("VmRSS:"))
+    held: dict[int, list[int]] = {}
+    for n in (1, 2):
+        (tmp_path / f"pp{n}").mkdir()
+        async with LoopbackCluster(model, n, tmp_path / f"pp{n}", spawn_coordinator=False) as cl:
+            held[n] = [_rss(p.pid) - base for _, p, _ in cl.procs]
+    (whole,) = held[1]
+    print(f"weights {weights >> 20} MiB; over a bare process: one stage {whole >> 20} MiB, "
+          f"two stages {[h >> 20 for h in held[2]]} MiB")  # fmt: skip
+    assert whole > 0.9 * weights
+    for h in held[2]:  # each holds well under the whole: its layers, not the model
+        assert h < 0.75 * whole, (held, weights)
