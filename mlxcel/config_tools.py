@@ -14,7 +14,13 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from mlxcel.config import LogLevel, _Base, _short, check_model
 from mlxcel.defaults import PREFILL_STEP_SIZE
 
-Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b"]
+Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b"]
+# The families mlxcel writes checkpoints of (mlxcel.runtime.checkpoint.FAMILIES, checked by a
+# test), each with its real structure.
+Family = Literal[
+    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen3_5", "gemma3_text", "deepseek_v3",
+    "kimi_k2", "kimi_k3", "glm4_moe", "gpt_oss", "mixtral", "phi3",
+]  # fmt: skip
 
 
 class _HasModel(_Base):
@@ -28,7 +34,7 @@ class _HasModel(_Base):
 
 class CheckpointSettings(_Base):
     shape: Shape = Field("tiny", description="model shape")
-    family: Literal["qwen3", "qwen2", "llama"] = Field("qwen3", description="architecture family")
+    family: Family = Field("qwen3", description="architecture family (its real structure, shrunk)")
     out: Path = Field(..., description="output folder")
     seed: int = Field(
         0, ge=0, lt=2**32, description="weight seed", json_schema_extra={"group": "options"}
@@ -222,6 +228,11 @@ class BenchPipelineSettings(_HasModel):
         "small",
         description="without -m: the embedded random-weight checkpoint of this shape (written "
         "into the cache on first use)",
+    )
+    family: Family = Field(
+        "qwen3",
+        description="without -m: the embedded checkpoint's family (e.g. qwen3_moe with "
+        "--shape qwen3-30b-a3b: Qwen3-30B-A3B's shapes)",
     )
     tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
     json_lines: bool = Field(

@@ -129,7 +129,7 @@ def test_help_lists_every_flag_readably() -> None:
     flat = " ".join(ck.split())
     assert "required: --out OUT output folder [required" in flat
     for choices in (
-        "--shape {tiny,small,qwen3-0.6b,qwen3-8b,qwen3-14b}",
+        "--shape {tiny,small,qwen3-0.6b,qwen3-8b,qwen3-14b,qwen3-30b-a3b}",
         "--family {qwen3,qwen2,llama}",
     ):
         assert choices in flat

@@ -305,3 +305,11 @@ async def test_a_stage_process_holds_its_share_of_the_model(tmp_path: Path) -> N
     assert whole > 0.9 * weights
     for h in held[2]:  # each holds well under the whole: its layers, not the model
         assert h < 0.75 * whole, (held, weights)
+
+
+def test_the_cli_offers_every_family_the_checkpoint_writer_has() -> None:
+    from typing import get_args
+
+    from mlxcel.config_tools import Family
+
+    assert set(get_args(Family)) == set(FAMILIES)

@@ -36,13 +36,13 @@ if TYPE_CHECKING:
 from mlxcel.messages import SamplingParams
 
 
-def resolve_model(model: str | None, shape: str = "tiny") -> Path:
+def resolve_model(model: str | None, shape: str = "tiny", family: str = "qwen3") -> Path:
     if model is not None:
         from mlxcel.runtime.hub import resolve
 
         return resolve(model)
-    path = embedded_model(shape)
-    logger.info("no --model given: using the embedded {} checkpoint at {}", shape, path)
+    path = embedded_model(shape, family)
+    logger.info("no --model given: using the embedded {} {} checkpoint at {}", shape, family, path)
     return path
 
 

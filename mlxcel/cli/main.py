@@ -244,7 +244,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_bench(
-                commands.resolve_model(settings.model, settings.shape),
+                commands.resolve_model(settings.model, settings.shape, settings.family),
                 settings.tokens,
                 settings.json_lines,
                 streams=[int(x) for x in settings.streams.split(",") if x.strip()],
@@ -257,7 +257,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
 
         return run_async(
             run_engine_bench(
-                commands.resolve_model(settings.model, settings.shape),
+                commands.resolve_model(settings.model, settings.shape, settings.family),
                 [int(x) for x in settings.streams.split(",") if x.strip()],
                 settings.prompt_tokens,
                 settings.tokens,
@@ -268,14 +268,14 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
     if args.command == "bench" and args.bench == "prompt-cache":
         from mlxcel.bench.prompt_cache import run_bench as run_cache_bench
 
-        path = commands.resolve_model(settings.model, settings.shape)
+        path = commands.resolve_model(settings.model, settings.shape, settings.family)
         return run_async(run_cache_bench(path, settings))
     if args.command == "bench" and args.bench == "tp":
         from mlxcel.bench.tp import run_bench as run_tp_bench
 
         return run_async(
             run_tp_bench(
-                commands.resolve_model(settings.model, settings.shape),
+                commands.resolve_model(settings.model, settings.shape, settings.family),
                 settings.tokens,
                 settings.json_lines,
                 streams=settings.streams,

@@ -66,6 +66,8 @@ class Shape:
     dtype: str
     max_positions: int
     tied: bool = True  # the LM head shares the embedding's weights (small Qwen3s do; 8B+ do not)
+    experts: int = 0  # routed experts of an MoE family at this shape (0: the family's own)
+    moe_intermediate: int = 0  # each expert's MLP width (0: a quarter of ``intermediate``)
 
 
 SHAPES: dict[str, Shape] = {
@@ -76,6 +78,11 @@ SHAPES: dict[str, Shape] = {
     # The shapes a user would split over stages or GPUs (Qwen3-8B: 16 GB in bf16, 14B: 30 GB).
     "qwen3-8b": Shape(4096, 36, 32, 8, 128, 12288, 151936, 8192, "bfloat16", 40960, False),
     "qwen3-14b": Shape(5120, 40, 40, 8, 128, 17408, 151936, 8192, "bfloat16", 40960, False),
+    # Qwen3-30B-A3B (with --family qwen3_moe): 128 experts of width 768, 8 per token; 61 GB
+    # in bf16, 3.3B parameters active per token.
+    "qwen3-30b-a3b": Shape(
+        2048, 48, 32, 4, 128, 6144, 151936, 8192, "bfloat16", 40960, False, 128, 768
+    ),
 }
 
 _SYLLABLES = [
@@ -159,11 +166,11 @@ def model_config(shape: Shape, family: str) -> dict[str, Any]:
 
 def _experts(shape: Shape, n: int = 4) -> int:
     """Experts of a shrunk MoE: several (top-k > 1 picks among them), each narrow."""
-    return 4 if shape.hidden <= 512 else n
+    return shape.experts or (4 if shape.hidden <= 512 else n)
 
 
 def _moe_width(shape: Shape) -> int:
-    return max(16, shape.intermediate // 4)
+    return shape.moe_intermediate or max(16, shape.intermediate // 4)
 
 
 def _mla(shape: Shape) -> dict[str, Any]:
@@ -181,7 +188,7 @@ def _mla(shape: Shape) -> dict[str, Any]:
 def _qwen3_moe(shape: Shape) -> dict[str, Any]:
     return {
         "num_experts": _experts(shape, 128),
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": 8 if shape.experts >= 64 else 2,
         "moe_intermediate_size": _moe_width(shape),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
