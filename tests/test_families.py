@@ -313,3 +313,55 @@ def test_the_cli_offers_every_family_the_checkpoint_writer_has() -> None:
     from mlxcel.config_tools import Family
 
     assert set(get_args(Family)) == set(FAMILIES)
+
+
+def test_tp_checks_follow_what_each_familys_shard_splits(family_models: dict[str, Path]) -> None:
+    def cfg(family: str) -> dict[str, Any]:
+        return json.loads((family_models[family] / "config.json").read_text())
+
+    # Qwen 3.5 repeats key/value heads when there are fewer than ranks (mlx-lm does).
+    q35 = cfg("qwen3_5")
+    q35["text_config"]["num_key_value_heads"] = 1
+    check_shardable(q35, 2)
+    q35["text_config"]["num_key_value_heads"] = 3
+    with pytest.raises(
+        ConfigError, match="key/value heads 3 neither divide nor are divisible by 2"
+    ):
+        check_shardable(q35, 2)
+    # A quantized checkpoint splits its scales with the weights: whole groups per rank.
+    oss = cfg("gpt_oss")
+    oss.update(num_attention_heads=8, num_key_value_heads=4, intermediate_size=2880)
+    oss["quantization"] = {"group_size": 32, "bits": 4}
+    with pytest.raises(ConfigError, match="2880 / 4 = 720 is not a whole number of 32-wide"):
+        check_shardable(oss, 4)
+    check_shardable(oss, 2)  # 1440 = 45 groups
+    # Qwen3-MoE's dense layers (mlp_only_layers) split the dense MLP width too.
+    moe = cfg("qwen3_moe")
+    moe.update(mlp_only_layers=[0], intermediate_size=130)
+    with pytest.raises(ConfigError, match="MLP intermediate size 130 not divisible by 4"):
+        check_shardable(moe, 4)
+
+
+def test_layers_are_priced_under_every_checkpoint_naming(tmp_path: Path) -> None:
+    """Hugging Face's multimodal naming (model.language_model.layers.N), mlx-lm's
+    (language_model.model.layers.N), multi-token-prediction and vision tensors (dropped)."""
+    import mlx.core as mx
+
+    from mlxcel.pipeline.partition import layer_costs
+
+    w = {
+        "model.language_model.embed_tokens.weight": mx.zeros((10, 4)),
+        "model.language_model.layers.0.mlp.weight": mx.zeros((8, 4)),
+        "model.language_model.layers.1.mlp.switch_mlp.weight": mx.zeros((4, 8, 4)),
+        "model.language_model.norm.weight": mx.zeros((4,)),
+        "lm_head.weight": mx.zeros((10, 4)),
+        "mtp.layers.0.weight": mx.zeros((100, 4)),
+        "model.visual.blocks.0.weight": mx.zeros((100, 4)),
+    }
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), w)
+    cfg = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 2, "num_experts": 4,
+           "num_experts_per_tok": 1, "tie_word_embeddings": False}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    c = layer_costs(tmp_path)
+    assert c.layers == (128, 512) and c.active == (128, 128)
+    assert (c.embed, c.head, c.other) == (160, 176, 0)

@@ -908,3 +908,33 @@ def test_a_peer_ended_by_its_coordinator_answers_later_phases_with_refusals() ->
         )
     ]
     assert peer.state is PeerState.ENDED
+
+
+# --- a bring-up that re-plans by memory ---------------------------------------------------------
+def test_the_peer_says_its_memory_when_it_accepts() -> None:
+    peer = PeerCore(facts(memory=48 << 30), 0.0)
+    out = peer.handle(offer(), COORD, 1.0)
+    assert out[0] == Send(COORD, AssignAccepted(2, 7, "stage-0", 48 << 30))
+
+
+def test_the_second_offer_of_a_replanned_bring_up_is_taken_and_the_first_is_then_stale() -> None:
+    peer = accepted()
+    again = offer(attempt=8)
+    assert peer.handle(again, COORD, 2.0)[0] == Send(COORD, AssignAccepted(2, 8, "stage-0"))
+    assert peer.state is PeerState.ACCEPTED and peer.offer == again
+    # A late copy of the first round's offer does not take the peer back to attempt 7.
+    assert peer.handle(offer(), COORD, 2.5) == [
+        Warn("debug", f"assignment: superseded offer from {COORD} ignored")
+    ]
+    assert peer.offer == again
+
+
+def test_an_abort_of_the_replanned_attempt_ends_the_offer_held() -> None:
+    peer = accepted()  # attempt 7 held; the coordinator failed after re-planning as attempt 8
+    out = peer.handle(AssignAbort(8, "the model does not fit"), COORD, 2.0)
+    assert peer.state is PeerState.WAITING and peer.offer is None
+    assert out[0] == Warn("warning", f"assignment aborted by {COORD}: the model does not fit")
+    # Any other attempt's Abort is not this peer's.
+    other = accepted()
+    assert other.handle(AssignAbort(9, "x"), COORD, 2.0)[0].kind == "debug"  # type: ignore[union-attr]
+    assert other.state is PeerState.ACCEPTED

@@ -84,7 +84,17 @@ class PeerCore:
         if isinstance(msg, AssignOffer):
             return self._offer(msg, source, now)
         attempt = getattr(msg, "attempt", None)
-        if source != self.coordinator or self.offer is None or attempt != self.offer.attempt:
+        held = self.offer
+        if (
+            isinstance(msg, AssignAbort)
+            and held is not None
+            and source == self.coordinator
+            and attempt == held.attempt + 1
+        ):
+            # The coordinator re-planned by memory (attempt + 1) and failed before its second
+            # offer reached this peer: its Abort ends what this peer holds all the same.
+            attempt = held.attempt
+        if source != self.coordinator or held is None or attempt != held.attempt:
             if isinstance(msg, AssignCommit | AssignActivate):
                 # Not from the coordinator of the current offer: nothing to commit or activate.
                 event = PeerEvent.COMMIT if isinstance(msg, AssignCommit) else PeerEvent.ACTIVATE
@@ -165,6 +175,10 @@ class PeerCore:
                 )
             ]
         held = self.offer
+        if held is not None and source == self.coordinator and offer.attempt == held.attempt - 1:
+            # A late copy of the first offer of a bring-up that re-planned by memory: the one
+            # held supersedes it.
+            return [Warn("debug", f"assignment: superseded offer from {source} ignored")]
         if held is not None and source == self.coordinator and offer.attempt == held.attempt:
             if offer != held:
                 # One bring-up offering this peer a second stage: it is listed under two

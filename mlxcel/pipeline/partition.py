@@ -23,9 +23,16 @@ from pathlib import Path
 from mlxcel.errors import PartitionError
 from mlxcel.model_config import active_fraction, decoder_config
 
-# A decoder layer's tensors: ``model.layers.N.`` (``language_model.model.layers.N.`` in the
-# multimodal-shaped checkpoints of Qwen 3.5 and Kimi K3).
-_LAYER = re.compile(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+# The decoder's prefix in multimodal-shaped checkpoints (Qwen 3.5, Kimi K3): mlx-lm saves
+# ``language_model.model.``, Hugging Face ships ``model.language_model.``.
+_DECODER = re.compile(
+    r"^(?:language_model\.model\.|model\.language_model\.|language_model\.|model\.)"
+)
+# A decoder layer's tensors (after that prefix): ``layers.N.``.
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+# What mlx-lm drops when it loads a checkpoint: multi-token-prediction heads, and the vision
+# tower of a multimodal one.
+_DROPPED = re.compile(r"^(?:model\.|language_model\.)?(?:mtp[._]|visual\.|vision_tower\.)")
 # Routed experts, stacked (mlx-lm's SwitchGLU: ``switch_mlp``; gpt-oss: ``mlp.experts``) or
 # one tensor per expert (``experts.7.``); shared experts are dense and always run.
 _EXPERT = re.compile(r"\.(?:switch_mlp|experts)\.")
@@ -102,17 +109,19 @@ def layer_costs(
     active = [0] * n
     embed = head = other = 0
     for name, size in read_safetensors_sizes(model_dir).items():
-        m = _LAYER.match(name)
+        if _DROPPED.match(name):
+            continue
+        bare = _DECODER.sub("", name, count=1)
+        m = _LAYER.match(bare)
         if m:
             i = int(m.group(1))
-            if i < n:
+            if i < n:  # layers past the count (a multi-token-prediction layer) never load
                 per_layer[i] += size
                 active[i] += round(size * share) if _EXPERT.search(name) else size
             continue
-        bare = name.removeprefix("language_model.")
         if "embed_tokens" in name:
             embed += size
-        elif bare.startswith(("lm_head", "model.norm", "norm")):
+        elif bare.startswith(("lm_head", "norm")):
             head += size
         else:
             other += size

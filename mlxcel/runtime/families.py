@@ -100,8 +100,11 @@ class Family:
         """Final norm and LM head: the family's own, or the embedding when tied."""
         text = self.text_model(model)
         h = text.model.norm(h)
+        # mlx-lm builds an LM head exactly when the family's forward uses one: only when untied
+        # for most, always for DeepSeek, GLM and gpt-oss; Gemma drops its own when the
+        # checkpoint has none, Kimi K3 sets it to None.
         lm_head = getattr(text, "lm_head", None)
-        if isinstance(lm_head, nn.Module) and not _tied(text):
+        if isinstance(lm_head, nn.Module):
             return lm_head(h)
         return text.model.embed_tokens.as_linear(h)
 
@@ -128,12 +131,30 @@ class Family:
             if key in want and text.get(key) is not None
         }
 
-
-def _tied(text: nn.Module) -> bool:
-    args = getattr(text, "args", None)
-    if getattr(text, "tie_word_embeddings", None) is not None:  # Gemma decides at load
-        return bool(text.tie_word_embeddings)
-    return bool(getattr(args, "tie_word_embeddings", False))
+    def tp_problems(self, config: dict[str, Any], n: int) -> list[str]:
+        """What keeps ``shard()`` from splitting this model over ``n`` ranks ([]: nothing):
+        each size it splits must divide by ``n``, and in a quantized checkpoint each rank's
+        slice of a width must be whole quantization groups (the scales split with it)."""
+        bad = [
+            f"{name} {value} not divisible by {n}"
+            for name, value in self.tp_checks(config).items()
+            if value % n
+        ]
+        group = int((config.get("quantization") or {}).get("group_size") or 0)
+        if group and not bad:
+            text = self.text_config(config)
+            widths = {k: v for k, v in self.tp_checks(config).items() if "heads" not in k}
+            heads = int(text.get("num_attention_heads") or 0)
+            head_dim = int(text.get("head_dim") or text.get("v_head_dim") or 0)
+            if heads and head_dim and "num_attention_heads" in (self.tp_sizes or ()):
+                widths["attention output width"] = heads * head_dim
+            bad += [
+                f"{name} {value} / {n} = {value // n} is not a whole number of "
+                f"{group}-wide quantization groups"
+                for name, value in widths.items()
+                if (value // n) % group
+            ]
+        return bad
 
 
 _TP_KEYS = {
@@ -168,6 +189,13 @@ class Qwen3Moe(Family):
     names = ("qwen3_moe",)
     # mlx-lm shards each expert's matrices across ranks (every rank keeps every expert).
     tp_sizes = ("num_attention_heads", "num_key_value_heads", "moe_intermediate_size")
+
+    def tp_checks(self, config: dict[str, Any]) -> dict[str, int]:
+        out = super().tp_checks(config)
+        text = self.text_config(config)
+        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step") or 1) > 1:
+            out["MLP intermediate size"] = int(text["intermediate_size"])  # its dense layers
+        return out
 
 
 class PlainFamily(Family):
@@ -233,8 +261,9 @@ class Qwen35(Family):
     names = ("qwen3_5", "qwen3_5_moe")
     tp_sizes = (
         "num_attention_heads",
-        "num_key_value_heads",
         "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
         "linear_num_key_heads",
         "linear_num_value_heads",
     )
@@ -248,9 +277,22 @@ class Qwen35(Family):
     def tp_checks(self, config: dict[str, Any]) -> dict[str, int]:
         out = super().tp_checks(config)
         text = self.text_config(config)
-        if not text.get("tie_word_embeddings"):  # an untied head is split by vocabulary
+        # mlx-lm reads the decoder's own flag (text_config's, default untied); an untied head
+        # is split by vocabulary
+        if not config.get("text_config", config).get("tie_word_embeddings", False):
             out["vocabulary size"] = int(text["vocab_size"])
         return out
+
+    def tp_problems(self, config: dict[str, Any], n: int) -> list[str]:
+        # Fewer key/value heads than ranks are repeated (mlx-lm's repeat_kv_layer_inplace):
+        # they must divide the rank count, or it them.
+        kv = int(self.text_config(config).get("num_key_value_heads") or 0)
+        bad = (
+            [f"key/value heads {kv} neither divide nor are divisible by {n}"]
+            if kv and kv % n and n % kv
+            else []
+        )
+        return bad + super().tp_problems(config, n)
 
     def run_layer(
         self, layer: nn.Module, h: mx.array, mask: Any, cache: Any, carry: Any

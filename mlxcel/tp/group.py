@@ -46,12 +46,10 @@ def check_shardable(config: dict[str, Any], n: int) -> None:
             f"family {family!r} has no tensor-parallel path in mlx-lm (supported: "
             f"{', '.join(TP_FAMILIES)}); split it over stages with --pp-size instead",
         )
-    bad = [f"{name} {value}" for name, value in adapter.tp_checks(config).items() if value % n]
+    bad = adapter.tp_problems(config, n)
     if bad:
         raise ConfigError(
-            "--tp-size",
-            f"the model does not shard evenly over {n} ranks: {', '.join(bad)} "
-            f"not divisible by {n}",
+            "--tp-size", f"the model does not shard evenly over {n} ranks: {'; '.join(bad)}"
         )
 
 
