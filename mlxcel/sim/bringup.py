@@ -55,10 +55,13 @@ BRINGUP_FAULTS = (
     "other-secret",
     "other-model",
     "skew",
+    "tight-memory",
 )
 # A fault that may legitimately make a bring-up fail (the others must never).
 BRINGUP_BUGS = ("activate-early",)
-SPOILERS = frozenset({"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew"})
+SPOILERS = frozenset(
+    {"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew", "tight-memory"}
+)
 
 
 class PeerWatch:
@@ -241,8 +244,10 @@ def build_bringup(
     net.add(push)
     run = BringupRun(sched, push, [], n_layers, faults, static)
     odd = rng.randrange(n_peers)  # the peer a "other-*" or "skew" fault picks
-    # Every simulated peer holds the same checkpoint: split it once per stage count.
-    split = functools.cache(lambda n: [(p.start, p.end) for p in auto_split(costs, n)])
+    # Every simulated peer holds the same checkpoint: split it once per stage count and memory.
+    split = functools.cache(
+        lambda n, mem: [(p.start, p.end) for p in auto_split(costs, n, list(mem) if mem else None)]
+    )
     for i, addr in enumerate(addresses):
         ident = model
         if "other-model" in faults and i == odd:
@@ -251,11 +256,12 @@ def build_bringup(
             __version__,
             "mlxcel-cluster",
             ident,
-            lambda n, k, _memory: split(n)[k],
+            lambda n, k, memory: split(n, tuple(memory) if memory else None)[k],
             parse_cluster_toml,
             addr.rpartition(":")[0],
             19001,
             beacons=not static,
+            memory=_memory(rng, costs.total, n_peers, "tight-memory" in faults),
         )
         key = beacon_key(OTHER_SECRET if "other-secret" in faults and i == odd else SECRET)
         skew = 0.0
@@ -302,6 +308,15 @@ def _schedule(run: BringupRun, rng: random.Random) -> None:
     plan.install(sched.at)
 
 
+def _memory(rng: random.Random, total: int, n_peers: int, tight: bool) -> int:
+    """What a simulated peer says it can hold: room for the whole model and more (the split
+    then follows it), nothing (an older peer: the first split stands), or -- the tight-memory
+    fault -- too little for the cluster to hold the model."""
+    if tight:
+        return max(1, total // (2 * n_peers))
+    return 0 if rng.random() < 0.25 else int(total * rng.uniform(1.0, 3.0))
+
+
 def run_bringup(
     seed: int, n_peers: int | None = None, inject: frozenset[str] = frozenset()
 ) -> tuple[BringupRun, list[str]]:
@@ -342,7 +357,7 @@ def check_bringup(run: BringupRun) -> list[str]:
         return ["the coordinator never started"]
     for h in [push, *run.peers]:
         bad.extend(h.errors + h.conservation())
-    attempt = core.cfg.attempt
+    attempt = core.attempt  # one more than the first when the push re-planned by memory
     activated = {p.identity: a for p in run.peers for a in p.activations}
     crashed_after_commit = any(attempt in p.committed_in and p.crashed_at for p in run.peers)
     excused = push.crashed_in is Phase.ACTIVATING or crashed_after_commit
@@ -391,4 +406,6 @@ def check_bringup(run: BringupRun) -> list[str]:
             bad.append(f"{p.identity} is still {state.value} after every bound passed")
     if "other-model" in run.faults and push.done is not None and push.done.ok:
         bad.append("a peer with another checkpoint joined the cluster")
+    if "tight-memory" in run.faults and push.done is not None and push.done.ok:
+        bad.append("a cluster of peers that cannot hold the model was brought up")
     return bad
