@@ -18,7 +18,8 @@ Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-3
 # The families mlxcel writes checkpoints of (mlxcel.runtime.checkpoint.FAMILIES, checked by a
 # test), each with its real structure.
 Family = Literal[
-    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen3_5", "gemma3_text", "deepseek_v3",
+    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma3_text",
+    "deepseek_v3",
     "kimi_k2", "kimi_k3", "glm4_moe", "gpt_oss", "mixtral", "phi3",
 ]  # fmt: skip
 

@@ -104,7 +104,7 @@ def reference(family_models: dict[str, Path]) -> dict[str, dict[str, Any]]:
 
 
 def test_every_listed_family_has_a_checkpoint_and_an_adapter() -> None:
-    want = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gemma3_text",
+    want = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma3_text",
             "deepseek_v3", "kimi_k2", "kimi_k3", "glm4_moe", "gpt_oss", "mixtral", "phi3"}  # fmt: skip
     assert want <= set(FAMILIES) and want <= set(SUPPORTED_FAMILIES)
 

@@ -273,6 +273,19 @@ def _qwen3_5(shape: Shape) -> dict[str, Any]:
     }
 
 
+def _qwen3_5_moe(shape: Shape) -> dict[str, Any]:
+    """Qwen 3.5's hybrid layers with routed experts and a shared expert in every layer."""
+    return {
+        **_qwen3_5(shape),
+        "num_experts": _experts(shape, 256),
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": _moe_width(shape),
+        "shared_expert_intermediate_size": _moe_width(shape),
+        "norm_topk_prob": True,
+    }
+
+
 def _kimi_k3(shape: Shape) -> dict[str, Any]:
     n = shape.layers
     return {
@@ -308,6 +321,7 @@ _STRUCTURE = {
     "mixtral": _mixtral,
     "gemma3_text": _gemma3,
     "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
     "kimi_k3": _kimi_k3,
 }
 ARCHITECTURES = {
@@ -317,6 +331,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
@@ -333,6 +348,7 @@ UNTIED = frozenset(
         "llama",
         "mistral",
         "qwen3_moe",
+        "qwen3_5_moe",
         "deepseek_v3",
         "kimi_k2",
         "kimi_k3",
@@ -342,10 +358,10 @@ UNTIED = frozenset(
         "phi3",
     }
 )
-NESTED = frozenset({"qwen3_5", "kimi_k3"})
+NESTED = frozenset({"qwen3_5", "qwen3_5_moe", "kimi_k3"})
 # The fewest layers that show a family's structure: a full layer after its sliding ones
 # (Gemma 3), after its linear ones (Qwen 3.5, Kimi K3), a dense layer before expert layers.
-MIN_LAYERS = {"gemma3_text": 6, "qwen3_5": 8, "kimi_k3": 8, "gpt_oss": 4}
+MIN_LAYERS = {"gemma3_text": 6, "qwen3_5": 8, "qwen3_5_moe": 8, "kimi_k3": 8, "gpt_oss": 4}
 
 
 def _random_model(model_cls: Any, args_cls: Any, config: dict[str, Any], dtype: str) -> Any:

@@ -205,7 +205,7 @@ class PlainFamily(Family):
 
 
 class DeepseekV3(Family):
-    """DeepSeek-V3 and Kimi K2: MLA attention (an array mask), a dense first layers
+    """DeepSeek-V3 and Kimi K2: MLA attention (an array mask), dense first layers
     (``first_k_dense_replace``), then routed and shared experts."""
 
     names = ("deepseek_v3", "kimi_k2")
@@ -255,8 +255,9 @@ class Gemma3(Family):
 
 
 class Qwen35(Family):
-    """Qwen 3.5: three gated-delta (linear attention) layers to each full attention layer;
-    the checkpoint is multimodal-shaped (the decoder under ``language_model``)."""
+    """Qwen 3.5, dense and MoE: three gated-delta (linear attention) layers to each full
+    attention layer; the checkpoint is multimodal-shaped (the decoder under
+    ``language_model``)."""
 
     names = ("qwen3_5", "qwen3_5_moe")
     tp_sizes = (
@@ -293,11 +294,6 @@ class Qwen35(Family):
             else []
         )
         return bad + super().tp_problems(config, n)
-
-    def run_layer(
-        self, layer: nn.Module, h: mx.array, mask: Any, cache: Any, carry: Any
-    ) -> tuple[mx.array, Any]:
-        return layer(h, mask=mask, cache=cache), carry
 
 
 class KimiK3(Family):
