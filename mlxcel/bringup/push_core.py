@@ -9,10 +9,11 @@ hold; once every peer said it, the model is split again by those figures and off
 (a new attempt) -- or, when it cannot fit them, the bring-up fails with the figures before
 anything was committed. A dry run stops there: it aborts its offers and returns the plan.
 Any refusal, a peer that cannot be reached for good (another secret, an identity it does not
-own), or a phase deadline fails the bring-up: every peer that accepted or committed gets Abort with the
-summary and goes back to waiting, so a failed bring-up starts no stage anywhere. Offers are
-repeated every 0.5 s to a peer that has not answered (it may not be listening yet), Commit and
-Activate every second; the peer answers repeats again, so a lost frame costs one retry.
+own), or a phase deadline fails the bring-up: every peer that accepted or committed gets Abort
+with the summary and goes back to waiting, so a failed bring-up starts no stage anywhere.
+Offers are repeated every 0.5 s to a peer that has not answered (it may not be listening yet),
+Commit and Activate every second; the peer answers repeats again, so a lost frame costs one
+retry.
 """
 
 from __future__ import annotations

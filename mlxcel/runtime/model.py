@@ -126,9 +126,9 @@ class LayerRange:
         self.is_first = start == 0
         self.is_last = end == n
         self._kinds = [family.mask_kind(self._decoder, i) for i in range(start, end)]
-        # Width of the activation this range takes (0: token ids) and gives (0: logits).
+        # Width of the activation this range takes (0: token ids): the hidden size, or more
+        # where the family carries state across the boundary (what the stage gate checks).
         self.in_width = 0 if self.is_first else family.boundary_width(loaded.config, start)
-        self.out_width = 0 if self.is_last else family.boundary_width(loaded.config, end)
         # Decoder layers after which the hidden states are submitted for evaluation while the
         # rest of the graph is still being built (mlx-lm's loop overlaps building with the
         # previous step; a stage that must evaluate its step overlaps within it instead).
