@@ -219,9 +219,11 @@ def test_tensor_parallel_over_two_ranks_prints_one_process_tokens(
     family_models: dict[str, Path], family: str
 ) -> None:
     model = family_models[family]
-    single, tp = _generate(model), _generate(model, "--tp-size", "2")
-    assert single.returncode == 0 and tp.returncode == 0, tp.stderr[-2000:]
-    assert tp.stdout.rsplit("\n", 2)[0] == single.stdout.rsplit("\n", 2)[0]
+    # Greedy, then a seeded draw through top-p and top-k: every rank samples the same token.
+    for flags in ((), ("--temp", "0.8", "--seed", "7", "--top-p", "0.9", "--top-k", "40")):
+        single, tp = _generate(model, *flags), _generate(model, *flags, "--tp-size", "2")
+        assert single.returncode == 0 and tp.returncode == 0, tp.stderr[-2000:]
+        assert tp.stdout.rsplit("\n", 2)[0] == single.stdout.rsplit("\n", 2)[0], flags
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in TP_FAMILIES])
