@@ -153,6 +153,26 @@ class SamplingSettings(_Base):
 
 class PipelineSettings(_Base):
     pp_layers: str | None = Field(None, description="explicit stage layer ranges, e.g. 0-15,16-31")
+
+    @field_validator("pp_layers")
+    @classmethod
+    def _ranges_given(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("is empty: give the stages' ranges, e.g. 0-15,16-31")
+        return v
+
+    @model_validator(mode="after")
+    def _one_stage_count(self) -> PipelineSettings:
+        """--pp-size and --pp-layers both say how many stages: they must agree."""
+        size = getattr(self, "pp_size", 1)
+        if self.pp_layers is not None and size > 1:
+            ranges = len(self.pp_layers.split(","))
+            if ranges != size:
+                raise ValueError(
+                    f"--pp-size {size} but --pp-layers lists {ranges} ranges: give one of them"
+                )
+        return self
+
     pp_return_logits: bool = Field(
         False, description="final stage returns logits; the coordinator samples"
     )
@@ -444,6 +464,22 @@ class ServeSettings(ModelSettings, PipelineSettings):
         if "usable_memory" in self.model_fields_set and not self.pp_peer:
             raise ValueError(
                 "--usable-memory is what a --pp-peer offers the coordinator; give it to the peers"
+            )
+        if "usable_memory" in self.model_fields_set and self.usable_memory <= 0:
+            raise ValueError(
+                "--usable-memory 0 holds no stage; give a size such as 48GiB (or leave it out "
+                "to offer what MLX may allocate on this device)"
+            )
+        if (self.pp_auto is not None or self.pp_peer) and (self.tp_size > 1 or self.tp_hostfile):
+            raise ValueError(
+                "--tp-size with --pp-auto or --pp-peer: tensor and pipeline parallelism cannot "
+                "be combined yet"
+            )
+        stages_set_elsewhere = self.distributed_config is not None or self.pp_auto or self.pp_peer
+        if stages_set_elsewhere and (self.pp_size > 1 or self.pp_layers is not None):
+            raise ValueError(
+                "--pp-size and --pp-layers are for a pipeline in this process; with "
+                "--distributed-config, --pp-auto or --pp-peer the stages come from the cluster"
             )
         peers = [p.strip() for p in (self.cluster_peers or "").split(",") if p.strip()]
         for p in peers:

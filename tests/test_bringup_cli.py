@@ -572,6 +572,16 @@ def test_the_assignment_listener_keeps_8_pending_sockets_4_per_source(secret: Pa
         ),
         (["--pp-peer", "--cluster-control-addr", "127.0.0.2"], "--cluster-control-addr"),
         (["--pp-auto", "2", "--pp-peer"], "give one"),
+        (
+            ["--pp-auto", "2", "--cluster-peers", "127.0.0.2:1,127.0.0.3:1", "--tp-size", "2"],
+            "cannot be combined",
+        ),
+        (["--pp-peer", "--pp-size", "2"], "the stages come from the cluster"),
+        (["--pp-peer", "--usable-memory", "0"], "holds no stage"),
+        (
+            ["--pp-auto", "1", "--cluster-peers", "127.0.0.2:1", "--usable-memory", "8GiB"],
+            "give it to the peers",
+        ),
         (["--pp-auto", "1", "--cluster-peers", "127.0.0.2:019391"], "no leading"),
         (["--pp-auto", "2", "--cluster-peers", "127.0.0.2:1,127.0.0.2:01"], "no leading"),
         (["--pp-auto", "1", "--cluster-peers", "::1:19001"], "IPv6 as"),

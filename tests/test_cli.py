@@ -130,7 +130,7 @@ def test_help_lists_every_flag_readably() -> None:
     assert "required: --out OUT output folder [required" in flat
     for choices in (
         "--shape {tiny,small,qwen3-0.6b,qwen3-8b,qwen3-14b,qwen3-30b-a3b}",
-        "--family {qwen3,qwen2,llama,mistral,qwen3_moe,qwen3_5,gemma3_text,deepseek_v3,kimi_k2,kimi_k3,glm4_moe,gpt_oss,mixtral,phi3}",
+        "--family {qwen3,qwen2,llama,mistral,qwen3_moe,qwen3_5,qwen3_5_moe,gemma3_text,deepseek_v3,kimi_k2,kimi_k3,glm4_moe,gpt_oss,mixtral,phi3}",
     ):
         assert choices in flat
     assert "--quantize {4,8}" in flat

@@ -367,3 +367,49 @@ def test_layers_are_priced_under_every_checkpoint_naming(tmp_path: Path) -> None
     c = layer_costs(tmp_path)
     assert c.layers == (128, 512) and c.active == (128, 128)
     assert (c.embed, c.head, c.other) == (160, 176, 0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--pp-layers", "0-1,3-3"), "--pp-layers: range 3-3 should start at layer 2"),
+        (("--pp-layers", "a-b"), "--pp-layers: bad range 'a-b'"),
+        (("--pp-size", "9"), "--pp-size 9: cannot split 4 layers into 9 stages"),
+        (("--pp-size", "3", "--pp-layers", "0-1,2-3"), "--pp-size 3 but --pp-layers lists 2"),
+        (("--pp-layers", " "), "--pp-layers"),
+    ],
+)
+def test_a_bad_split_is_refused_before_any_weight_loads(
+    family_models: dict[str, Path], extra: tuple[str, ...], message: str
+) -> None:
+    r = _generate(family_models["qwen3_moe"], *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr and "loaded model" not in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_dry_run_plans_every_family_and_refuses_a_broken_config(
+    family_models: dict[str, Path], tmp_path: Path
+) -> None:
+    for family in ("qwen3_5", "kimi_k3"):  # the decoder's fields under text_config
+        r = _generate(family_models[family], "--pp-size", "2", "--dry-run")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "stage     layers" in r.stdout and "0-" in r.stdout
+    for name, body, message in (
+        ("list", "[1, 2]", "not a JSON object but a list"),
+        ("json", "{not json", "config.json"),
+        ("no-type", json.dumps({"num_hidden_layers": 4}), "names no model_type"),
+        ("layers", json.dumps({"model_type": "qwen3", "num_hidden_layers": -3}),
+         "num_hidden_layers must be a positive integer, not -3"),
+        ("olmo", json.dumps({"model_type": "olmo3", "num_hidden_layers": 4}),
+         "family 'olmo3' has no layer-range executor"),
+    ):  # fmt: skip
+        model = tmp_path / name
+        model.mkdir()
+        for f in family_models["qwen3"].iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+        (model / "config.json").write_text(body)
+        for extra in (("--dry-run",), ()):
+            r = _generate(model, "--pp-size", "2", *extra)
+            assert r.returncode != 0 and message in r.stderr, (name, extra, r.stderr[-1500:])
+            assert "Traceback" not in r.stderr

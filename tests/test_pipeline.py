@@ -594,6 +594,17 @@ def test_example_configs_validate() -> None:
             "bogus",
         ),
         ("not toml [", "not valid TOML"),
+        (
+            "pipeline_parallel_size = 2\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n"
+            "[[nodes]]\nid='s0'\nrole='stage'\naddress='127.0.0.2:1'\nmemory_gb = 8\n"
+            "[[nodes]]\nid='s1'\nrole='stage'\naddress='127.0.0.3:1'\n",
+            "memory_gb on every stage or on none",
+        ),
+        (
+            "pipeline_parallel_size = 1\n[[nodes]]\nid='c'\nrole='coordinator'\naddress='127.0.0.1:1'\n"
+            "[[nodes]]\nid='s0'\nrole='stage'\naddress='127.0.0.2:1'\nmemory_gb = inf\n",
+            "memory_gb",
+        ),
     ],
 )
 def test_bad_cluster_configs_name_the_problem(tmp_path: Path, body: str, text: str) -> None:

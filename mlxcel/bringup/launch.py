@@ -37,7 +37,7 @@ from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.net.udp import BeaconReceiver, BeaconSender
 from mlxcel.pipeline.cluster_config import ClusterConfig, parse_cluster_toml
-from mlxcel.pipeline.partition import LayerCosts, layer_costs
+from mlxcel.pipeline.partition import LayerCosts, human_bytes, layer_costs
 from mlxcel.wire.handshake import Channel, Identity
 
 CONTROL_PORT = 19000  # the coordinator's control port when --cluster-control-addr is not given
@@ -263,10 +263,10 @@ async def await_assignment(
             memory=memory,
         )
         logger.info(
-            "mlxcel peer waiting for a stage assignment on {}:{} (offering {:.2f} GiB)",
+            "mlxcel peer waiting for a stage assignment on {}:{} (offering {} for its stage)",
             host,
             port,
-            memory / 2**30,
+            human_bytes(memory) if memory else "an unsaid amount of memory",
         )
         service = PeerService(
             node, ReplyEndpoint(f"{host}:{port}", listener), PeerCore(facts, node_now()), announce

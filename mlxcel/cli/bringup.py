@@ -55,14 +55,22 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         # worker thread that touched MLX can abort the process at exit (a refused peer exits
         # within a second, and did, under load, with SIGABRT).
         _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
+        from mlxcel.pipeline.partition import human_bytes
         from mlxcel.runtime.devices import usable_memory
 
+        memory = usable_memory(int(s.usable_memory))
+        if s.usable_memory > memory:
+            logger.warning(
+                "--usable-memory {} is more than this device lets MLX allocate: offering {}",
+                human_bytes(s.usable_memory),
+                human_bytes(memory),
+            )
         got = await await_assignment(
             path,
             secret,
             s.cluster_control_addr,
             discovery,
-            memory=usable_memory(int(s.usable_memory)),
+            memory=memory,
             cluster_name=s.cluster_name,
             trust_weights=s.trust_weights,
         )

@@ -153,20 +153,18 @@ def single_host_spec(s: GenerateSettings | ServeSettings, path: Path) -> StackSp
 
 
 def _print_plan(
-    path: Path, pp_size: int, pp_layers: str | None, memory: list[float] | None = None
+    path: Path,
+    pp_size: int,
+    pp_layers: str | None,
+    memory: list[float] | None = None,
+    sources: tuple[str, str] | None = None,
 ) -> int:
-    import json as _json
+    """The plan a pipeline of this checkpoint would run (checked as a real start checks it)."""
+    from mlxcel.pipeline.inproc import FLAG_SOURCES, make_plan
+    from mlxcel.pipeline.partition import format_plan
 
-    from mlxcel.pipeline.partition import auto_split, format_plan, layer_costs, parse_layers, plan
-
-    n_layers = int(_json.loads((path / "config.json").read_text())["num_hidden_layers"])
-    costs = layer_costs(path, n_layers)
-    stages = (
-        plan(costs, parse_layers(pp_layers, n_layers), memory)
-        if pp_layers
-        else auto_split(costs, pp_size, memory)
-    )
-    print(format_plan(stages))
+    plan = make_plan(path, pp_size, pp_layers, memory, sources=sources or FLAG_SOURCES)
+    print(format_plan(plan))
     return 0
 
 

@@ -101,7 +101,15 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
     else:
         path = resolve_model(None)
     if s.dry_run:
-        _print_plan(path, cfg.pipeline_parallel_size, cfg.pp_layers, cfg.memory)
+        from mlxcel.pipeline.inproc import CLUSTER_SOURCES
+
+        _print_plan(
+            path,
+            cfg.pipeline_parallel_size,
+            cfg.pp_layers,
+            cfg.memory,
+            CLUSTER_SOURCES,
+        )
         return None
     if s.node_id is None:
         raise ConfigError(

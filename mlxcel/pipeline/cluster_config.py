@@ -62,7 +62,7 @@ class NodeSpec(_Strict):
     role: Literal["coordinator", "stage"]
     address: str
     layers: str | None = None
-    memory_gb: float | None = Field(None, gt=0)
+    memory_gb: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @field_validator("address")
     @classmethod
@@ -145,6 +145,12 @@ class ClusterConfig(_Strict):
         with_layers = [s for s in stages if s.layers]
         if with_layers and len(with_layers) != len(stages):
             raise ValueError("give layers on every stage or on none (automatic split)")
+        with_memory = [s for s in stages if s.memory_gb is not None]
+        if with_memory and len(with_memory) != len(stages):
+            raise ValueError(
+                "give memory_gb on every stage or on none (the split weighs each stage's "
+                "memory against the others')"
+            )
         return self
 
     @property

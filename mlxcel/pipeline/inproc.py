@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.bus import Node
+from mlxcel.errors import PartitionError
 from mlxcel.frontend import Frontend
 from mlxcel.net.network import LocalFabric
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
@@ -24,6 +25,7 @@ from mlxcel.runtime.model import (
     LoadedModel,
     check_splittable,
     context_length,
+    layer_count,
     load_model,
 )
 from mlxcel.specs import Generation, PipelineSpec
@@ -41,13 +43,31 @@ class PipelineParts:
     fabric: LocalFabric
 
 
+# What names the stage count and the ranges in an error: the flags, or the cluster TOML's keys.
+FLAG_SOURCES = ("--pp-size", "--pp-layers")
+CLUSTER_SOURCES = ("the cluster's pipeline_parallel_size", "the cluster's stage layers")
+
+
 def make_plan(
-    model_path: Path, n_layers: int, pp_size: int, pp_layers: str | None
+    model_path: Path,
+    pp_size: int,
+    pp_layers: str | None,
+    memory: list[float] | None = None,
+    *,
+    sources: tuple[str, str] = FLAG_SOURCES,
 ) -> list[StagePlan]:
+    """The stages of a split of the checkpoint at ``model_path``, from its config.json and
+    safetensors headers alone: an unsupported family, a bad range or a stage count the layers
+    cannot take is refused before any weight loads. ``sources`` names the stage count and the
+    ranges in errors (flags, or the cluster TOML's keys)."""
+    n_layers = layer_count(check_splittable(model_path))
     costs = layer_costs(model_path, n_layers)
     if pp_layers:
-        return plan(costs, parse_layers(pp_layers, n_layers))
-    return auto_split(costs, pp_size)
+        return plan(costs, parse_layers(pp_layers, n_layers, sources[1]), memory)
+    try:
+        return auto_split(costs, pp_size, memory)
+    except PartitionError as exc:
+        raise PartitionError(f"{sources[0]} {pp_size}: {exc}") from None
 
 
 @asynccontextmanager
@@ -67,11 +87,10 @@ async def pipeline_stack(
         # cost batching (8 streams on `small`: 75 tok/s in two micro-batches of 4, 110-120 in
         # one of 8). With a thread per stage, one micro-batch per stage.
         micro = -(-stage_batch // spec.size) if spec.stage_threads else stage_batch
-    check_splittable(spec.model)
+    stages_plan = make_plan(spec.model, spec.size, spec.layers)
     threads = [ComputeThread()]
     try:
         loaded = await threads[0].run(load_model, spec.model)
-        stages_plan = make_plan(spec.model, loaded.n_layers, spec.size, spec.layers)
         fabric = LocalFabric()
         async with AsyncExitStack() as stack:
             services = await _stages(stack, fabric, threads, loaded, stages_plan, spec, gen)

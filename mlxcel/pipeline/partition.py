@@ -130,29 +130,30 @@ def layer_costs(
     return LayerCosts(tuple(per_layer), embed, head, other, tuple(active))
 
 
-def parse_layers(spec: str, n_layers: int) -> list[tuple[int, int]]:
-    """``"0-15,16-31"`` (inclusive ranges) -> ``[(0, 16), (16, 32)]``, fully validated."""
+def parse_layers(spec: str, n_layers: int, source: str = "--pp-layers") -> list[tuple[int, int]]:
+    """``"0-15,16-31"`` (inclusive ranges) -> ``[(0, 16), (16, 32)]``, fully validated;
+    ``source`` names where the ranges came from in an error."""
     ranges: list[tuple[int, int]] = []
     for part in spec.split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)-(\d+)", part)
         if not m:
-            raise PartitionError(f"--pp-layers: bad range {part!r} (expected START-END, e.g. 0-15)")
+            raise PartitionError(f"{source}: bad range {part!r} (expected START-END, e.g. 0-15)")
         a, b = int(m.group(1)), int(m.group(2))
         if b < a:
-            raise PartitionError(f"--pp-layers: range {part!r} is empty (end before start)")
+            raise PartitionError(f"{source}: range {part!r} is empty (end before start)")
         ranges.append((a, b + 1))
     expected = 0
     for a, b in ranges:
         if a != expected:
             raise PartitionError(
-                f"--pp-layers: range {a}-{b - 1} should start at layer {expected} "
+                f"{source}: range {a}-{b - 1} should start at layer {expected} "
                 "(ranges must be contiguous, in order, from layer 0)"
             )
         expected = b
     if expected != n_layers:
         raise PartitionError(
-            f"--pp-layers: ranges cover layers 0-{expected - 1} but the model has {n_layers} (0-{n_layers - 1})"
+            f"{source}: ranges cover layers 0-{expected - 1} but the model has {n_layers} (0-{n_layers - 1})"
         )
     return ranges
 

@@ -32,14 +32,14 @@ from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSpec
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
-from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
+from mlxcel.pipeline.inproc import CLUSTER_SOURCES, make_plan
+from mlxcel.pipeline.partition import StagePlan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import (
     LayerRange,
-    check_splittable,
     context_length,
     load_model,
     load_tokenizer_only,
@@ -49,11 +49,15 @@ from mlxcel.stack import Serving, Stack
 from mlxcel.wire.handshake import Identity
 
 
-def cluster_plan(cfg: ClusterConfig, model_path: Path, n_layers: int) -> list[StagePlan]:
-    costs = layer_costs(model_path, n_layers)
-    if cfg.pp_layers:
-        return plan(costs, parse_layers(cfg.pp_layers, n_layers), cfg.memory)
-    return auto_split(costs, cfg.pipeline_parallel_size, cfg.memory)
+def cluster_plan(cfg: ClusterConfig, model_path: Path) -> list[StagePlan]:
+    """The stages the cluster TOML asks for, checked before any weight loads."""
+    return make_plan(
+        model_path,
+        cfg.pipeline_parallel_size,
+        cfg.pp_layers,
+        cfg.memory,
+        sources=CLUSTER_SOURCES,
+    )
 
 
 def _net(
@@ -123,7 +127,7 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
     cfg, me = spec.cfg, spec.me
     stages = cfg.stages
     index = [s.id for s in stages].index(me.id)
-    check_splittable(spec.model)
+    plans = cluster_plan(cfg, spec.model)
     compute = ComputeThread()
     try:
         # Hashing the weights (the first time: seconds per GB) overlaps loading them.
@@ -134,7 +138,7 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
             loaded = await compute.run(load_model, spec.model, True)
         finally:
             ident = await hashing
-        stage_plan = cluster_plan(cfg, spec.model, loaded.n_layers)[index]
+        stage_plan = plans[index]
         async with Node(me.id) as node:
             listener, _pool, endpoint = _net(node, cfg, me, spec.secret, spec.interface)
             service = StageService(
@@ -211,13 +215,12 @@ async def coordinator_stack(
     """A coordinator node connected to every stage of ``spec.cfg`` and checked, plus its
     frontend."""
     cfg = spec.cfg
-    check_splittable(spec.model)
+    stages_plan = cluster_plan(cfg, spec.model)  # refused here, before anything is read
     # Hashing the weights overlaps reaching the stages (which hash theirs meanwhile).
     hashing = asyncio.ensure_future(
         asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
     )
     tokenizer, config = load_tokenizer_only(spec.model)
-    stages_plan = cluster_plan(cfg, spec.model, int(decoder_config(config)["num_hidden_layers"]))
     async with Node(spec.me.id) as node:
         listener, pool, endpoint = _net(node, cfg, spec.me, spec.secret, spec.interface)
         coordinator = PipelineCoordinator(

@@ -177,20 +177,44 @@ class LayerRange:
         return fam.head(self.loaded.model, h)
 
 
-def check_splittable(path: str | Path) -> Family:
-    """The adapter of the checkpoint at ``path``, read from its config.json alone: a family
-    no layer-range executor runs is refused before any weight loads."""
-    p = Path(path).expanduser()
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json, which must be a JSON object."""
+    p = Path(path).expanduser() / "config.json"
     try:
-        config = json.loads((p / "config.json").read_text())
+        config = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{p}/config.json: {exc}") from None
-    return require_family(config)
+        raise ModelLoadError(f"{p}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{p}: not a JSON object but a {type(config).__name__}")
+    return config
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The decoder's layer count, which must be a positive integer."""
+    n = decoder_config(config).get("num_hidden_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ModelLoadError(
+            f"config.json: num_hidden_layers must be a positive integer, not {n!r}"
+        )
+    return n
+
+
+def check_splittable(path: str | Path) -> dict[str, Any]:
+    """The config.json of the checkpoint at ``path``, once its family is known to have a
+    layer-range executor: a family none runs is refused before any weight loads."""
+    config = read_config(path)
+    require_family(config)
+    layer_count(config)
+    return config
 
 
 def require_family(config: dict[str, Any]) -> Family:
     """The family's adapter, or a ModelLoadError naming the family and the supported list
     (checked from config.json, before any weight loads)."""
+    if not config.get("model_type"):
+        raise ModelLoadError(
+            f"config.json names no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
     family = adapter_for(config)
     if family is None:
         raise ModelLoadError(
