@@ -11,77 +11,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
 from pydantic import (
     ByteSize,
     Field,
-    PrivateAttr,
     SecretStr,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mlxcel import defaults as d
 from mlxcel.addresses import check_address
-from mlxcel.config_sources import ENV_PREFIX, EnvSource, TomlData
-
-LogLevel = Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"]
-
-
-class _Base(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
-
-    # Every command logs through loguru with these two.
-    log_level: LogLevel = Field(
-        "INFO",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
-    log_format: Literal["text", "json"] = Field(
-        "text",
-        description="text lines, or one JSON object per line for log shippers",
-        json_schema_extra={"group": "logging and configuration"},
-    )
-
-    # Set by :func:`mlxcel.config_cli.load_settings` just before construction: this
-    # command's settings from the TOML file, read by the source hook.
-    _toml_data: ClassVar[dict[str, Any] | None] = None
-    # Set by load_settings: setting name -> where its value came from, as a message names it
-    # (the flag, the variable, or "name (--config FILE)").
-    _origin: dict[str, str] = PrivateAttr(default_factory=dict)
-    # Set by load_settings: notes about the TOML file, logged once logging is up.
-    _notes: list[str] = PrivateAttr(default_factory=list)
-
-    def origin(self, name: str) -> str:
-        return self._origin.get(name) or flag_of(name, type(self))
-
-    @field_validator("log_level", "log_format", mode="before")
-    @classmethod
-    def _any_case(cls, v: Any, info: ValidationInfo) -> Any:
-        if not isinstance(v, str):
-            return v
-        return v.upper() if info.field_name == "log_level" else v.lower()
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, EnvSource(settings_cls)]
-        if cls._toml_data is not None:
-            sources.append(TomlData(settings_cls, cls._toml_data))
-        return tuple(sources)
-
-
-def _short(flag: str) -> dict[str, Any]:
-    return {"short": flag}
+from mlxcel.config_sources import _Base, _short
 
 
 class ModelSettings(_Base):
@@ -508,11 +450,6 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 "(the address the coordinator's --cluster-peers lists)"
             )
         return self
-
-
-def flag_of(name: str, cls: type[BaseSettings]) -> str:
-    extra = cls.model_fields[name].json_schema_extra or {}
-    return str(extra.get("flag", "--" + name.replace("_", "-")))  # type: ignore[union-attr]
 
 
 def router_stats_verbose() -> bool:

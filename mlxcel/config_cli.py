@@ -22,8 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from mlxcel.config import _Base, flag_of
-from mlxcel.config_sources import ENV_PREFIX, NOT_FROM_ENV
+from mlxcel.config_sources import ENV_PREFIX, NOT_FROM_ENV, _Base, flag_of
 from mlxcel.errors import ConfigError
 
 # Help groups, in the order they are shown; a field with no group lands in "options".

@@ -45,6 +45,21 @@ def _load(modules: tuple[str, ...]) -> None:
         importlib.import_module(m)
 
 
+def _offered_memory(cap: int) -> int:
+    """What this peer offers for its stage: MLX's limit on this device, or --usable-memory."""
+    from mlxcel.pipeline.partition import human_bytes
+    from mlxcel.runtime.devices import usable_memory
+
+    memory = usable_memory(cap)
+    if cap > memory:
+        logger.warning(
+            "--usable-memory {} is more than this device lets MLX allocate: offering {}",
+            human_bytes(cap),
+            human_bytes(memory),
+        )
+    return memory
+
+
 async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     path = resolve_model(s.model)
     secret = cluster_secret(s, None)
@@ -55,22 +70,12 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         # worker thread that touched MLX can abort the process at exit (a refused peer exits
         # within a second, and did, under load, with SIGABRT).
         _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
-        from mlxcel.pipeline.partition import human_bytes
-        from mlxcel.runtime.devices import usable_memory
-
-        memory = usable_memory(int(s.usable_memory))
-        if s.usable_memory > memory:
-            logger.warning(
-                "--usable-memory {} is more than this device lets MLX allocate: offering {}",
-                human_bytes(s.usable_memory),
-                human_bytes(memory),
-            )
         got = await await_assignment(
             path,
             secret,
             s.cluster_control_addr,
             discovery,
-            memory=memory,
+            memory=_offered_memory(int(s.usable_memory)),
             cluster_name=s.cluster_name,
             trust_weights=s.trust_weights,
         )
