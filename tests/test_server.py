@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
 from tests.conftest import ServerProcess
 
 MODEL = "tiny-qwen3"
@@ -423,3 +424,62 @@ async def test_drain_keeps_its_deadline_with_a_request_in_flight() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert fe.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        EngineError("stage_failed", "a stage failed"),
+        DeadlineExceeded("the request's deadline passed"),
+        RequestError("hidden states claim 0 tokens", code="bad_request"),
+        AdmissionRejected("no room"),
+        RuntimeError("a bug"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_failure_after_the_first_token_is_one_in_band_error_event(
+    tiny: Path, failure: Exception
+) -> None:
+    """Once the status line is out, any failure is an SSE error event and a clean end of the
+    stream -- never a second HTTP response written into the first one's body."""
+    from contextlib import aclosing
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from mlxcel.assembly import LocalSpec, assemble
+    from mlxcel.server.metrics import Metrics
+    from mlxcel.server.openai_api import build_app
+
+    async with assemble(LocalSpec(tiny)) as stack:
+        real = stack.frontend.stream
+
+        def failing(*a: object, **kw: object) -> object:
+            async def gen():  # type: ignore[no-untyped-def]
+                async with aclosing(real(*a, **kw)) as it:
+                    async for d in it:
+                        yield d
+                        raise failure
+
+            return gen()
+
+        stack.frontend.stream = failing  # type: ignore[method-assign]
+        app = build_app(
+            stack.frontend,
+            Metrics(),
+            model_name=MODEL,
+            default_max_tokens=4,
+            max_body_bytes=1 << 20,
+        )
+        async with TestClient(TestServer(app)) as http:
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status == 200
+            text = await r.text()  # the chunked body ends cleanly: no truncation, no hang
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert "HTTP/1.1" not in text and "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    code = getattr(failure, "code", None)
+    want = {EngineError: code, RequestError: code, DeadlineExceeded: "deadline_exceeded",
+            AdmissionRejected: "queue_full", RuntimeError: "internal_error"}[type(failure)]  # fmt: skip
+    assert error["code"] == want and error["message"]
+    assert all("choices" in json.loads(e) for e in events[:-1])  # tokens, then the error

@@ -7,8 +7,9 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
+from loguru import logger
 
-from mlxcel.errors import DeadlineExceeded, EngineError, RequestError
+from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
 from mlxcel.frontend import Usage
 from mlxcel.messages import ErrorCode
 from mlxcel.server import logprobs as lp
@@ -84,6 +85,20 @@ def account(metrics: Metrics, u: Usage) -> None:
         metrics.recent_ttft.append(u.first_token_at - u.submitted_at)
 
 
+def _in_band(exc: Exception) -> tuple[str, str, str]:
+    """(type, code, message) of an error event for a failure after the stream began."""
+    if isinstance(exc, EngineError):
+        return "server_error", exc.code, str(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return "server_error", ErrorCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, RequestError):
+        return "invalid_request_error", exc.code, str(exc)
+    if isinstance(exc, AdmissionRejected):
+        return "server_busy", ErrorCode.QUEUE_FULL, str(exc)
+    logger.opt(exception=exc).error("a stream failed after its first token")
+    return "server_error", "internal_error", "internal server error"
+
+
 async def sse(
     request: web.Request,
     stream: Any,
@@ -139,15 +154,14 @@ async def sse(
                 items = lp.entries(d)
                 if text or calls or finish or (items and out.logprobs):
                     await send(chunk([out.chunk_choice(text, calls, items, finish)]))
-    except (EngineError, DeadlineExceeded) as exc:
+    except Exception as exc:
         if resp is None:
-            raise
-        # The status line is gone; report the failure in-band, as OpenAI's API does.
-        code = exc.code if isinstance(exc, EngineError) else ErrorCode.DEADLINE_EXCEEDED
+            raise  # no status line yet: the handler answers with the right one
+        # The status line is gone: whatever failed, the client gets one response -- the failure
+        # in-band, as OpenAI's API reports it, then a clean end of the stream.
+        err_type, code, message = _in_band(exc)
         request[STREAM_ERROR] = code  # the access log shows what really happened
-        await send(
-            {"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}}
-        )
+        await send({"error": {"message": message, "type": err_type, "param": None, "code": code}})
         await resp.write_eof()
         return resp
     if resp is None:  # pragma: no cover - a stream always yields its final delta
