@@ -187,10 +187,20 @@ def test_a_refusal_aborts_every_peer_that_accepted() -> None:
 
 
 def test_the_peer_checks_an_offer_in_the_documented_order() -> None:
-    """Apply the mismatches from check k onwards: the refusal must name check k."""
+    """First who offers: an offer from another identity than the coordinator it names is
+    refused for that, whatever else is wrong with it. Then, from the coordinator itself, apply
+    the mismatches from check k onwards: the refusal must name check k."""
     me = "127.0.0.2:19001"
     good = offers(push())[me]
+    peer = PeerCore(facts(me), 0.0)
+    everything_wrong = dataclasses.replace(good, protocol=1, mlxcel_version="0.0.0")
+    (send,) = [
+        e for e in peer.handle(everything_wrong, "127.0.0.9:19000", 0.0) if isinstance(e, Send)
+    ]
+    assert isinstance(send.msg, AssignRefused) and send.msg.code == Refusal.COORDINATOR
+    assert not send.msg.final and peer.state is PeerState.WAITING
     wrong_port = good.cluster_toml.replace(f'"{me}"', '"127.0.0.2:19999"')
+    other = "127.0.0.8:19000"
     steps = [
         (Refusal.PROTOCOL, {"protocol": 1}),
         (Refusal.VERSION, {"mlxcel_version": "0.0.0"}),
@@ -198,16 +208,17 @@ def test_the_peer_checks_an_offer_in_the_documented_order() -> None:
         (Refusal.MODEL, {"model_sha256": "00" * 32}),
         (Refusal.LAYER_RANGE, {"layers": (0, 1)}),
         (Refusal.NODE_ID, {"node_id": "stage-9"}),
-        (Refusal.ADDRESS, {"cluster_toml": wrong_port}),
-        (Refusal.COORDINATOR, {}),  # delivered from another identity than the offer names
+        (Refusal.ADDRESS, {"cluster_toml": wrong_port.replace(COORD, other)}),
+        # the cluster it carries names another coordinator than the one offering
+        (Refusal.COORDINATOR, {"cluster_toml": good.cluster_toml.replace(COORD, other)}),
     ]
     for k, (code, _) in enumerate(steps):
         changes: dict[str, object] = {}
-        for _, ch in steps[k:]:
+        for _, ch in reversed(steps[k:]):  # an earlier step's cluster text wins
             changes.update(ch)
         offer = dataclasses.replace(good, **changes)  # type: ignore[arg-type]
         peer = PeerCore(facts(me), 0.0)
-        effects = peer.handle(offer, "127.0.0.9:19000", 0.0)
+        effects = peer.handle(offer, COORD, 0.0)
         refused = [e.msg for e in effects if isinstance(e, Send)]
         assert len(refused) == 1 and isinstance(refused[0], AssignRefused)
         assert refused[0].code == code, (k, refused[0].reason)
@@ -215,6 +226,7 @@ def test_the_peer_checks_an_offer_in_the_documented_order() -> None:
         if code in FINAL:
             assert refused[0].final and peer.state is PeerState.ENDED
             assert ended and ended[0].reason.startswith("stage assignment refused: ")
+            assert ended[0].reason.endswith(f"(the offer came from {COORD})")
         else:
             assert not refused[0].final and peer.state is PeerState.WAITING and not ended
     # and the untouched offer, from the identity it names, is accepted

@@ -386,7 +386,7 @@ def test_one_bring_up_offering_a_second_stage_is_refused_keeping_the_first() -> 
 def _final(source: str, code: Refusal, reason: str) -> list[Effect]:
     return [
         refused(source, 7, code, reason, final=True),
-        PeerEnded(f"stage assignment refused: {reason}"),
+        PeerEnded(f"stage assignment refused: {reason} (the offer came from {source})"),
     ]
 
 
@@ -565,8 +565,8 @@ BAD_SCHEMA = 'name = "x"\n[[nodes]]\nid = "c"\nrole = "coordinator"\naddress = "
             {},
             STRANGER,
             Refusal.COORDINATOR,
-            f"coordinator identity mismatch: the offer names {COORD} (cluster: {COORD}), "
-            f"the handshake bound {STRANGER}",
+            f"coordinator identity mismatch: the offer names {COORD}, the handshake bound "
+            f"{STRANGER}",
             id="coordinator-source",
         ),
         pytest.param(
@@ -581,8 +581,8 @@ BAD_SCHEMA = 'name = "x"\n[[nodes]]\nid = "c"\nrole = "coordinator"\naddress = "
             {"coordinator": "127.0.0.9:19000"},
             COORD,
             Refusal.COORDINATOR,
-            f"coordinator identity mismatch: the offer names 127.0.0.9:19000 (cluster: {COORD}), "
-            f"the handshake bound {COORD}",
+            "coordinator identity mismatch: the offer names 127.0.0.9:19000, the handshake "
+            f"bound {COORD}",
             id="coordinator-in-offer",
         ),
     ],
@@ -626,8 +626,9 @@ def test_offer_refused_carries_its_code_and_reason() -> None:
 def test_the_derived_range_is_asked_once_per_stage_and_count() -> None:
     derive = Derive()
     peer = PeerCore(facts(derive=derive), 0.0)
-    peer.handle(offer(), STRANGER, 1.0)  # refused (coordinator) after deriving (3, 0)
-    peer.handle(offer(), STRANGER, 2.0)  # a retry: split once
+    other = offer(cluster_toml=toml(coordinator="127.0.0.9:19000"))
+    peer.handle(other, COORD, 1.0)  # refused (the cluster's coordinator) after deriving (3, 0)
+    peer.handle(other, COORD, 2.0)  # a retry: split once
     assert derive.calls == [(3, 0)]
     # stage 1 of 3 derives its own range, (3, 6): the checks go on to the address
     reason = (
@@ -646,11 +647,11 @@ def test_at_most_four_cluster_tomls_are_held_parsed() -> None:
         parsed.append(text)
         return parse_cluster_toml(text)
 
-    texts = [toml(extra=f"# {i}\n") for i in range(5)]
+    texts = [toml(coordinator="127.0.0.9:19000", extra=f"# {i}\n") for i in range(5)]
     peer = PeerCore(facts(parse_cluster=spy), 0.0)
 
     def offer_from_stranger(text: str) -> None:  # parsed, then refused for its coordinator
-        (send, _warn) = peer.handle(offer(cluster_toml=text), STRANGER, 1.0)
+        (send, _warn) = peer.handle(offer(cluster_toml=text), COORD, 1.0)
         assert send.msg.code == Refusal.COORDINATOR  # type: ignore[union-attr]
 
     for t in texts[:4]:
@@ -795,7 +796,7 @@ def test_an_active_peer_refuses_any_new_offer_as_serving() -> None:
         )
     ]
     # nor ended by a refusal that would end a waiting peer
-    assert peer.handle(offer(attempt=9, protocol=1), STRANGER, 12.0) == [
+    assert peer.handle(offer(attempt=9, protocol=1, coordinator=STRANGER), STRANGER, 12.0) == [
         refused(
             STRANGER,
             9,
@@ -884,7 +885,7 @@ def test_a_peer_ended_by_its_coordinator_answers_later_phases_with_refusals() ->
     reason = "assignment protocol mismatch: the coordinator speaks version 1, this peer version 2"
     assert peer.handle(offer(attempt=8, protocol=1), COORD, 2.0) == [
         refused(COORD, 8, Refusal.PROTOCOL, reason, final=True, peer=True),
-        PeerEnded(f"stage assignment refused: {reason}"),
+        PeerEnded(f"stage assignment refused: {reason} (the offer came from {COORD})"),
     ]
     assert peer.state is PeerState.ENDED and peer.next_timer() is None
     # the first offer is still held, so its Abort reaches the table and is refused there
@@ -938,3 +939,17 @@ def test_an_abort_of_the_replanned_attempt_ends_the_offer_held() -> None:
     other = accepted()
     assert other.handle(AssignAbort(9, "x"), COORD, 2.0)[0].kind == "debug"  # type: ignore[union-attr]
     assert other.state is PeerState.ACCEPTED
+
+
+def test_a_member_speaking_for_another_coordinator_cannot_end_a_waiting_peer() -> None:
+    """A secret holder that is not the coordinator its offer names gets a refusal that leaves
+    the peer waiting, even for an offer every final check would refuse."""
+    peer = PeerCore(facts(), 0.0)
+    out = peer.handle(offer(protocol=1, mlxcel_version="0.0.1"), STRANGER, 1.0)
+    assert peer.state is PeerState.WAITING
+    assert out[0] == refused(
+        STRANGER,
+        7,
+        Refusal.COORDINATOR,
+        f"coordinator identity mismatch: the offer names {COORD}, the handshake bound {STRANGER}",
+    )

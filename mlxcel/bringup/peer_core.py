@@ -218,7 +218,9 @@ class PeerCore:
             out: list[Effect] = [self._refuse(source, offer.attempt, exc.code, str(exc), final)]
             if final:
                 self.state = nxt
-                out.append(PeerEnded(f"stage assignment refused: {exc}"))
+                out.append(
+                    PeerEnded(f"stage assignment refused: {exc} (the offer came from {source})")
+                )
             else:
                 out += self._back_to_waiting(event, now)
                 out.append(
@@ -242,6 +244,15 @@ class PeerCore:
 
     def _check(self, o: AssignOffer, source: str) -> None:
         f = self.facts
+        # Who is offering comes first: a refusal that ends this peer answers only a sender that
+        # is the coordinator its offer names (the identity its handshake bound), never a member
+        # speaking for another.
+        if o.coordinator != source:
+            raise OfferRefused(
+                Refusal.COORDINATOR,
+                f"{Refusal.COORDINATOR}: the offer names {o.coordinator}, the handshake bound "
+                f"{source}",
+            )
         if o.protocol != PROTOCOL:
             raise OfferRefused(
                 Refusal.PROTOCOL,
