@@ -154,6 +154,8 @@ async def sse(
                 items = lp.entries(d)
                 if text or calls or finish or (items and out.logprobs):
                     await send(chunk([out.chunk_choice(text, calls, items, finish)]))
+    except ConnectionResetError:
+        raise  # the client went away: nobody to tell, and not a server failure
     except Exception as exc:
         if resp is None:
             raise  # no status line yet: the handler answers with the right one
