@@ -217,6 +217,18 @@ def test_malformed_bodies_get_400(
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_body_over_the_limit_is_413_and_counted_as_413(server: ServerProcess) -> None:
+    raw = b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    req = urllib.request.Request(f"{server.base_url}/v1/completions", data=raw)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 413
+    assert json.loads(info.value.read())["error"]["code"] == "request_too_large"
+    text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
+    assert 'endpoint="/v1/completions",status="413"' in text
+    assert 'endpoint="/v1/completions",status="500"' not in text
+
+
 def test_openai_client_sees_bad_request_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="nope", prompt="x")

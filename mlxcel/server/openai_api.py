@@ -181,6 +181,9 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except asyncio.CancelledError:
         status = 499  # the client went away: not a server error (nginx's code for it)
         raise
+    except web.HTTPException as exc:  # aiohttp's own (a body over the limit: 413); answered by
+        status = exc.status  # json_errors, and counted as what the client gets
+        raise
     finally:
         metrics.requests.labels(endpoint, str(status)).inc()
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
