@@ -18,6 +18,11 @@ def decoder_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, **text, "model_type": config.get("model_type")}
 
 
+def vocab_size(config: dict[str, Any]) -> int:
+    """The model's vocabulary: the width of its logits."""
+    return int(decoder_config(config)["vocab_size"])
+
+
 def active_fraction(config: dict[str, Any]) -> float:
     """The share of an MoE layer's routed experts one token runs through (1: dense)."""
     experts = next(

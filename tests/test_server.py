@@ -317,6 +317,20 @@ def test_sigterm_exits_cleanly(tiny: Path, start_server: type[ServerProcess]) ->
     assert "Traceback" not in srv.output, srv.output[-2000:]
 
 
+def _app(frontend: object) -> object:
+    """The HTTP API over ``frontend``, as serve builds it (small limits)."""
+    from mlxcel.server.metrics import Metrics
+    from mlxcel.server.openai_api import build_app
+
+    return build_app(
+        frontend,
+        Metrics(),
+        model_name=MODEL,
+        default_max_tokens=4,
+        max_body_bytes=1 << 20,  # type: ignore[arg-type]
+    )
+
+
 async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
     """A multi-megabyte prompt takes seconds to tokenize; the reactor must not be the one doing it."""
     import threading
@@ -324,8 +338,6 @@ async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
     from mlxcel.assembly import LocalSpec, assemble
-    from mlxcel.server.metrics import Metrics
-    from mlxcel.server.openai_api import build_app
 
     reactor = threading.get_ident()
     seen: list[tuple[str, int]] = []
@@ -347,14 +359,7 @@ async def test_prompts_are_tokenized_off_the_reactor(tiny: Path) -> None:
 
     async with assemble(LocalSpec(tiny)) as stack:
         stack.frontend.tokenizer = Recording(stack.frontend.tokenizer)
-        app = build_app(
-            stack.frontend,
-            Metrics(),
-            model_name=MODEL,
-            default_max_tokens=4,
-            max_body_bytes=1 << 20,
-        )
-        async with TestClient(TestServer(app)) as http:
+        async with TestClient(TestServer(_app(stack.frontend))) as http:
             for path, body in (
                 ("/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 2}),
                 (
@@ -459,8 +464,6 @@ async def test_a_failure_after_the_first_token_is_one_in_band_error_event(
     from aiohttp.test_utils import TestClient, TestServer
 
     from mlxcel.assembly import LocalSpec, assemble
-    from mlxcel.server.metrics import Metrics
-    from mlxcel.server.openai_api import build_app
 
     async with assemble(LocalSpec(tiny)) as stack:
         real = stack.frontend.stream
@@ -475,14 +478,7 @@ async def test_a_failure_after_the_first_token_is_one_in_band_error_event(
             return gen()
 
         stack.frontend.stream = failing  # type: ignore[method-assign]
-        app = build_app(
-            stack.frontend,
-            Metrics(),
-            model_name=MODEL,
-            default_max_tokens=4,
-            max_body_bytes=1 << 20,
-        )
-        async with TestClient(TestServer(app)) as http:
+        async with TestClient(TestServer(_app(stack.frontend))) as http:
             body = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True}
             r = await http.post("/v1/completions", json=body)
             assert r.status == 200

@@ -24,7 +24,7 @@ from typing import Any
 
 from mlxcel.frontend import Frontend, Usage
 from mlxcel.messages import SamplingParams
-from mlxcel.model_config import decoder_config
+from mlxcel.model_config import vocab_size
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -94,7 +94,7 @@ async def run_bench(
     from mlxcel.runtime.model import load_tokenizer_only
 
     _tok, config = load_tokenizer_only(model)
-    vocab = int(decoder_config(config)["vocab_size"])
+    vocab = vocab_size(config)
     args = (streams, tokens, long_prompts, long_len)
     rows: list[dict[str, Any]] = []
     n = streams + long_prompts

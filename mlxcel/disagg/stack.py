@@ -25,7 +25,7 @@ from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
 from mlxcel.frontend import Frontend
 from mlxcel.messages import EXTENDED_SAMPLING
-from mlxcel.model_config import decoder_config
+from mlxcel.model_config import vocab_size
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.network import split_hostport
 from mlxcel.net.pool import ConnectionPool
@@ -65,7 +65,7 @@ async def router_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
             decode,
             first_nonce=secrets.randbits(48) + 1,
             prefill_timeout=spec.prefill_timeout,
-            vocab=int(decoder_config(config)["vocab_size"]),
+            vocab=vocab_size(config),
             max_len=context_length(config),
         )
         service = RouterService(node, endpoint, core, _prober(pool))
@@ -188,7 +188,7 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
 def _model_bounds(loaded: LoadedModel) -> tuple[int, int]:
     """(vocab size, longest sequence) of the model's config."""
     config = loaded.config
-    return int(decoder_config(config)["vocab_size"]), context_length(config)
+    return vocab_size(config), context_length(config)
 
 
 async def _prefill_service(

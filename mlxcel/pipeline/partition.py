@@ -233,11 +233,13 @@ def auto_split(
 
 def human_bytes(n: float) -> str:
     """``n`` bytes as an operator reads them: 500 B, 2.0 KiB, 15.3 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def format_plan(stages: list[StagePlan]) -> str:

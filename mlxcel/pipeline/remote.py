@@ -23,7 +23,7 @@ from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
-from mlxcel.model_config import decoder_config
+from mlxcel.model_config import vocab_size
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
@@ -228,7 +228,7 @@ async def coordinator_stack(
             endpoint,
             [s.address for s in cfg.stages],
             eos=set(tokenizer.eos_token_ids),
-            vocab=int(decoder_config(config)["vocab_size"]),
+            vocab=vocab_size(config),
             max_len=context_length(config),
             step_timeout=cfg.cluster.step_timeout,
             return_logits=spec.return_logits,

@@ -10,7 +10,7 @@ from typing import Any
 
 from mlxcel.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
-from mlxcel.model_config import decoder_config
+from mlxcel.model_config import vocab_size
 from mlxcel.runtime.model import context_length
 from mlxcel.runtime.sampling import sampling_problem
 
@@ -77,7 +77,7 @@ class StepOutput:
 def entry_problem(e: RunEntry, config: dict[str, Any]) -> str | None:
     """Why the engine cannot run ``e`` on a model of this config (None: it can). Checked for
     every sender: the API validates the same ranges, this guards the cluster's messages."""
-    vocab = int(decoder_config(config)["vocab_size"])
+    vocab = vocab_size(config)
     if not e.token_ids:
         return "empty prompt"
     if any(not 0 <= t < vocab for t in e.token_ids):

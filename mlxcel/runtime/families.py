@@ -60,13 +60,15 @@ class Family:
     the embedding as a linear layer when tied)."""
 
     names: tuple[str, ...] = ()
+    # The checkpoint is multimodal-shaped: the decoder and head live under ``language_model``.
+    multimodal = False
     # Config sizes a tensor-parallel rank count must divide (None: mlx-lm cannot shard it).
     tp_sizes: tuple[str, ...] | None = None
 
     # --- where things are -------------------------------------------------------------------------
     def text_model(self, model: nn.Module) -> nn.Module:
         """The module holding the decoder (``.model``) and the LM head."""
-        return model
+        return model.language_model if self.multimodal else model
 
     def decoder(self, model: nn.Module) -> nn.Module:
         return self.text_model(model).model
@@ -260,6 +262,7 @@ class Qwen35(Family):
     ``language_model``)."""
 
     names = ("qwen3_5", "qwen3_5_moe")
+    multimodal = True
     tp_sizes = (
         "num_attention_heads",
         "intermediate_size",
@@ -268,9 +271,6 @@ class Qwen35(Family):
         "linear_num_key_heads",
         "linear_num_value_heads",
     )
-
-    def text_model(self, model: nn.Module) -> nn.Module:
-        return model.language_model
 
     def mask_kind(self, decoder: nn.Module, index: int) -> MaskKind:
         return MaskKind(linear=True) if decoder.layers[index].is_linear else FULL
@@ -303,10 +303,8 @@ class KimiK3(Family):
     beside them on the last axis (``[B, L, (blocks + 1) * hidden]``)."""
 
     names = ("kimi_k3",)
+    multimodal = True
     tp_sizes = ("num_attention_heads", "moe_intermediate_size", "intermediate_size")
-
-    def text_model(self, model: nn.Module) -> nn.Module:
-        return model.language_model
 
     def mask_kind(self, decoder: nn.Module, index: int) -> MaskKind:
         return MaskKind(linear=True) if decoder.layers[index].is_linear else MaskKind(array=True)

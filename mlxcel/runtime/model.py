@@ -20,13 +20,13 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
 from mlxcel.logs import adopt_library_logging
+from mlxcel.model_config import decoder_config, vocab_size
 from mlxcel.progress import slow_task
 from mlxcel.runtime.families import (
     SUPPORTED_FAMILIES,
     Family,
     MaskKind,
     adapter_for,
-    decoder_config,
     family_of,
 )
 
@@ -54,7 +54,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(decoder_config(self.config)["vocab_size"])
+        return vocab_size(self.config)
 
     @property
     def name(self) -> str:
