@@ -215,7 +215,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None,
         ge=1,
         le=1 << 20,
-        description="open HTTP connections at most, a quarter of them from one IP (default: "
+        description="open HTTP connections at most, 1/32 of them from one IP (default: "
         "the file-descriptor limit less 256, at most 16384); more are closed at once",
     )
     drain_timeout: float = Field(

@@ -363,6 +363,11 @@ class BenchFloodsSettings(BenchBringupSettings):
     flood, a pipeline's first requests under a pending-handshake flood."""
 
 
+class BenchHostileSettings(BenchBringupSettings):
+    """A heavy client, a few addresses, a slow link and a faulty member against serving nodes
+    on network namespaces (root)."""
+
+
 class BenchPromptCacheSettings(BenchPipelineSettings):
     """Time to first token of a chat's second turn, with the history cached and without."""
 

@@ -42,6 +42,7 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
 )
+from mlxcel.prompts import encode_within, render_chat
 from mlxcel.runtime.sampling import StopStrings
 from mlxcel.specs import Generation
 
@@ -110,6 +111,7 @@ class Frontend:
         parallel: int = d.PARALLEL,
         queue_size: int = d.QUEUE_SIZE,
         request_timeout: float = d.REQUEST_TIMEOUT,
+        context: int | None = None,
     ) -> None:
         self.node = node
         self.tokenizer = tokenizer
@@ -128,17 +130,20 @@ class Frontend:
         # Set by the operator (--max-model-len, --chat-template); None: the model's own.
         self.max_model_len: int | None = None
         self.chat_template: str | None = None
+        self.context = context  # the model's own (config.json); None: not known here
 
     @classmethod
-    def attached(cls, node: Node, tokenizer: object, gen: Generation) -> Frontend:
-        """A frontend with ``gen``'s admission limits, subscribed on ``node``: what every
-        mode that serves the API puts in front of its generating role."""
+    def attached(cls, node: Node, tokenizer: object, gen: Generation, context: int) -> Frontend:
+        """A frontend with ``gen``'s admission limits and the model's ``context``, subscribed
+        on ``node``: what every mode that serves the API puts in front of its generating
+        role."""
         fe = cls(
             node,
             tokenizer,
             parallel=gen.parallel,
             queue_size=gen.queue_size,
             request_timeout=gen.request_timeout,
+            context=context,
         )
         fe.attach()
         return fe
@@ -183,9 +188,15 @@ class Frontend:
         # Bounded by construction (max_tokens + 2 messages per request); never blocks.
         q.put_nowait(env.msg)
 
+    @property
+    def token_limit(self) -> int | None:
+        """The most tokens a prompt may have: the operator's limit, else the model's."""
+        limits = [n for n in (self.max_model_len, self.context) if n is not None]
+        return min(limits) if limits else None
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return encode_within(self.tokenizer, prompt, self.token_limit)
         return list(prompt)
 
     def apply_chat_template(
@@ -199,7 +210,7 @@ class Frontend:
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:
-            return list(self.tokenizer.apply_chat_template(messages, **kwargs))
+            text = render_chat(self.tokenizer, messages, **kwargs)
         except RecursionError:
             raise RequestError("the messages or tools are nested too deeply", "messages") from None
         except (ValueError, TypeError, KeyError, TemplateError) as exc:
@@ -208,6 +219,9 @@ class Frontend:
             raise RequestError(
                 f"the chat template refused the messages: {exc}", "messages"
             ) from None
+        return encode_within(
+            self.tokenizer, text, self.token_limit, special=False, param="messages"
+        )
 
     # Tokenizing a multi-megabyte prompt takes seconds: the HTTP path does it on a worker
     # thread so the reactor keeps streaming everyone else's tokens meanwhile.
@@ -232,11 +246,12 @@ class Frontend:
         """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        limit = self.max_model_len
+        limit = self.token_limit
         if limit is not None and len(prompt_ids) + params.max_tokens > limit:
+            whose = "(--max-model-len)" if limit == self.max_model_len else "(the model's)"
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"this server's context of {limit} (--max-model-len)",
+                f"this server's context of {limit} {whose}",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

@@ -24,6 +24,7 @@ from mlxcel.config_tools import (
     BenchFaultsSettings,
     BenchFloodsSettings,
     BenchFramesSettings,
+    BenchHostileSettings,
     BenchPipelineRunSettings,
     BenchPromptCacheSettings,
     BenchTpSettings,
@@ -79,6 +80,10 @@ BENCHES: dict[str, tuple[type, str]] = {
     "floods": (
         BenchFloodsSettings,
         "discovery under a beacon flood, first dials under a pending-pool flood (namespaces)",
+    ),
+    "hostile": (
+        BenchHostileSettings,
+        "huge prompts, HTTP floods from several addresses, a slow handoff link, a faulty member",
     ),
     "bringup": (
         BenchBringupSettings,
@@ -293,6 +298,10 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
         from mlxcel.bench.floods import run_bench as run_floods_bench
 
         return run_floods_bench(commands.resolve_model(settings.model), settings.json_lines)
+    if args.command == "bench" and args.bench == "hostile":
+        from mlxcel.bench.hostile import run_bench as run_hostile_bench
+
+        return run_hostile_bench(commands.resolve_model(settings.model), settings.json_lines)
     if args.command == "bench" and args.bench == "disagg":
         from mlxcel.bench.disagg import run_bench as run_disagg_bench
 

@@ -71,7 +71,7 @@ async def router_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
         service = RouterService(node, endpoint, core, _prober(pool))
         service.attach()
         await service.wait_ready(spec.startup_timeout)
-        fe = Frontend.attached(node, tokenizer, gen)
+        fe = Frontend.attached(node, tokenizer, gen, context_length(config))
         summary = (
             f"router over {len(prefill)} prefill and {len(decode)} decode nodes, results on "
             f"{spec.bind}"

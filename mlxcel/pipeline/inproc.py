@@ -115,7 +115,7 @@ async def pipeline_stack(
                 stage_max_batch=stage_batch,
             )
             coordinator.attach()
-            fe = Frontend.attached(node, loaded.tokenizer, gen)
+            fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
             parts = PipelineParts(loaded, coordinator, services, stages_plan, fabric)
             summary = f"in-process pipeline of {len(stages_plan)} stages: " + ", ".join(
                 p.spec for p in stages_plan

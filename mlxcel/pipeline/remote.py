@@ -248,7 +248,7 @@ async def coordinator_stack(
         for stage, st in zip(cfg.stages, states, strict=True):
             check_model(stage.id, st, ident)
         coordinator.start_probing()
-        fe = Frontend.attached(node, tokenizer, gen)
+        fe = Frontend.attached(node, tokenizer, gen, context_length(config))
         logger.info(
             "pipeline of {} stages ready: {}",
             len(stages_plan),

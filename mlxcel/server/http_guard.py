@@ -1,18 +1,27 @@
-"""Keep the HTTP port answering when clients are slow on purpose (slow-loris).
+"""Keep the HTTP port answering when clients are slow on purpose (slow-loris), from many
+addresses at once.
 
 aiohttp bounds what a request may *contain* but not how long a client may take to *send* it:
 a client trickling one header byte every few seconds holds a socket (a file descriptor)
 forever, and a few thousand of them leave nothing for ``/health``. :class:`HttpGuard` wraps
 each connection's protocol:
 
-- a connection must complete a request's header block within ``header_timeout`` of opening,
-  and the next one within ``header_timeout`` of the previous response (one that sent part of
-  a header is aborted and logged; an idle keep-alive connection is closed politely, and its
+- a connection must complete a request's header block within its header deadline of
+  opening, and the next one within that of the previous response (one that sent part of a
+  header is aborted and logged; an idle keep-alive connection is closed politely, and its
   client reconnects); time spent inside a request -- reading its body, streaming its answer,
   flushing it to a slow reader -- is not counted here (the body has its own deadline in the
   API, the answer the request's own);
-- at most ``max_connections`` are open, at most ``max_per_source`` (a quarter of them, by
-  default) from one IP; a connection beyond either is closed at once, before aiohttp sees it.
+- the deadline is ``header_timeout`` while at most half the connection cap is in use, and
+  shrinks towards :data:`MIN_HEADER_TIMEOUT` as the rest fills: under pressure, a slow
+  sender is cut sooner;
+- at most ``max_connections`` are open, at most ``max_per_source`` (a thirty-second of them,
+  by default) from one IP, so that it takes dozens of addresses to reach the cap; a
+  connection beyond the per-IP share is closed at once, before aiohttp sees it;
+- at the cap, a newcomer from an address that holds fewer connections than the busiest one
+  takes the place of the busiest address's oldest connection that is not inside a request
+  (the pending-handshake pool of the cluster port does the same): whoever holds the most
+  pays for a newcomer, and an address with nothing open is always let in.
 
 Every refusal is counted and logged through a rate limiter, so a flood cannot flood the log.
 """
@@ -34,6 +43,8 @@ HEADER_TIMEOUT = 10.0  # seconds to send a complete request header block
 FD_RESERVE = 256  # descriptors kept free for the cluster, models and logs
 BACKLOG = 1024  # accept queue: a burst of connects is queued, not dropped for a SYN retry
 SLOW_READ_WAITS = 6  # header timeouts a client may take to read an answer, then it is cut
+MIN_HEADER_TIMEOUT = 1.0  # the header deadline when the connection cap is all but full
+SOURCE_SHARE = 32  # one IP may hold 1/SOURCE_SHARE of the connection cap
 
 
 def raise_fd_limit() -> int:
@@ -67,14 +78,67 @@ class HttpGuard:
         header_timeout: float = HEADER_TIMEOUT,
     ) -> None:
         self.max_connections = max_connections or default_max_connections()
-        # One IP may hold a quarter of them: a single slow client cannot take the port.
-        self.max_per_source = max_per_source or max(4, self.max_connections // 4)
+        # A small share per IP: it takes dozens of addresses, not a handful, to fill the cap.
+        self.max_per_source = max_per_source or max(8, self.max_connections // SOURCE_SHARE)
         self.header_timeout = header_timeout
         self.limiter = WarningLimiter(asyncio.get_running_loop().time)
         self.by_source: Counter[str] = Counter()
         self.open: dict[Any, _Guarded] = {}  # transport -> its guard
+        # Each source's connections, oldest first: where an eviction looks.
+        self.of_source: dict[str, dict[_Guarded, None]] = {}
         self.refused = 0  # connections closed at once: a cap was reached
         self.timed_out = 0  # connections closed: no complete header in time
+        self.evicted = 0  # connections closed to make room for another address's
+
+    def header_deadline(self) -> float:
+        """Seconds a connection has for its next header block, at the load it sees now."""
+        load = len(self.open) / self.max_connections
+        if load <= 0.5:
+            return self.header_timeout
+        floor = min(MIN_HEADER_TIMEOUT, self.header_timeout)
+        return max(floor, self.header_timeout * 2 * (1 - load))
+
+    def admit(self, conn: _Guarded) -> bool:
+        """Whether ``conn`` may stay; at the cap, evicts for it where an address holds more."""
+        source = conn.source
+        if self.by_source[source] >= self.max_per_source:
+            self._refuse(source, f"it holds {self.max_per_source} connections (the per-IP cap)")
+            return False
+        if len(self.open) >= self.max_connections and not self._evict_for(source):
+            self._refuse(source, f"{self.max_connections} connections are open (the cap)")
+            return False
+        self.open[conn.transport] = conn
+        self.by_source[source] += 1
+        self.of_source.setdefault(source, {})[conn] = None
+        return True
+
+    def forget(self, conn: _Guarded) -> None:
+        if self.open.pop(conn.transport, None) is None:
+            return
+        self.by_source[conn.source] -= 1
+        if self.by_source[conn.source] <= 0:
+            del self.by_source[conn.source]
+        mine = self.of_source.get(conn.source)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.of_source[conn.source]
+
+    def _evict_for(self, source: str) -> bool:
+        busiest, most = max(self.by_source.items(), key=lambda kv: kv[1], default=("", 0))
+        if most <= self.by_source[source] + 1:
+            return False  # the newcomer's address holds as many: nobody pays for it
+        victim = next((c for c in self.of_source[busiest] if not c.busy), None)
+        if victim is None:
+            return False  # every one of them is inside a request: none is slow
+        self.evicted += 1
+        self.limiter.warn(
+            "http-evict",
+            f"http: at the cap of {self.max_connections} connections; closed the oldest "
+            f"unfinished one of {busiest} (which holds {most}) for one from {source}",
+        )
+        victim.evict()
+        return True
 
     def factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """The protocol factory to give ``create_server``: ``inner``'s, guarded."""
@@ -118,17 +182,11 @@ class _Guarded(asyncio.Protocol):
         g = self.guard
         peer = transport.get_extra_info("peername")
         self.source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if len(g.open) >= g.max_connections:
-            g._refuse(self.source, f"{g.max_connections} connections are open (the cap)")
-            transport.abort()
-            return
-        if g.by_source[self.source] >= g.max_per_source:
-            g._refuse(self.source, f"it holds {g.max_per_source} connections (the per-IP cap)")
-            transport.abort()
-            return
         self.transport = transport  # (uvloop's transports are not asyncio.Transport)
-        g.open[transport] = self
-        g.by_source[self.source] += 1
+        if not g.admit(self):
+            self.transport = None
+            transport.abort()
+            return
         self._arm()
         self.inner = self._make_inner()
         self.inner.connection_made(transport)
@@ -147,7 +205,7 @@ class _Guarded(asyncio.Protocol):
     def _arm(self) -> None:
         self._cancel()
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.guard.header_timeout, self._late)
+        self._timer = loop.call_later(self.guard.header_deadline(), self._late)
 
     def _cancel(self) -> None:
         if self._timer is not None:
@@ -170,10 +228,17 @@ class _Guarded(asyncio.Protocol):
         g.limiter.warn(
             "http-slow",
             f"http: closed a connection from {self.source}: no complete request header "
-            f"within {g.header_timeout:g}s"
+            f"within its deadline ({g.header_timeout:g}s, less while connections are scarce)"
             + (", nor its last answer read" if self.transport.get_write_buffer_size() else ""),
         )
         self.transport.abort()
+
+    def evict(self) -> None:
+        """Closed to make room for another address: out of the counts at once."""
+        self.guard.forget(self)
+        self._cancel()
+        if self.transport is not None:
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         self.heard = True
@@ -195,11 +260,7 @@ class _Guarded(asyncio.Protocol):
         self.closed = True
         self._cancel()
         if self.transport is not None:
-            g = self.guard
-            g.open.pop(self.transport, None)
-            g.by_source[self.source] -= 1
-            if g.by_source[self.source] <= 0:
-                del g.by_source[self.source]
+            self.guard.forget(self)
         if self.inner is not None:
             self.inner.connection_lost(exc)
 

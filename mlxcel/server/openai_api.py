@@ -24,10 +24,11 @@ from pydantic import BaseModel, ValidationError
 from mlxcel.error_codes import http_status
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
 from mlxcel.frontend import Frontend, Usage
-from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode
+from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
 from mlxcel.server.access_log import USAGE, access_log
+from mlxcel.server.body_budget import BODIES_IN_FLIGHT, BodyBudget
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.params import (
     fit_default,
@@ -43,6 +44,7 @@ from mlxcel.server.tools import tool_text_for
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)
 SETTINGS = web.AppKey("settings", dict)
+BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
 HEALTH = web.AppKey("health", object)  # optional async callable adding role details to /health
 
 
@@ -63,25 +65,20 @@ def error_response(
 _BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _validation_error(exc: ValidationError) -> web.Response:
+def _validation_error(exc: ValidationError) -> RequestError:
     err = exc.errors()[0]
     loc = [str(p) for p in err["loc"] if str(p) not in _BRANCHES and "[" not in str(p)]
     param = ".".join(loc) or None
     if err["type"] == "unsupported_parameter":
-        return error_response(
-            400, f"{param}: {err['msg']}", param=param, code="unsupported_parameter"
-        )
+        return RequestError(f"{param}: {err['msg']}", param=param, code="unsupported_parameter")
     if err["type"] == "extra_forbidden":
-        return error_response(
-            400,
+        return RequestError(
             f"{param}: this server does not recognize this parameter",
             param=param,
             code="unsupported_parameter",
         )
     msg = str(err["msg"]).removeprefix("Value error, ")
-    return error_response(
-        400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value"
-    )
+    return RequestError(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -193,36 +190,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     app = request.app
     fe = app[FRONTEND]
     settings = app[SETTINGS]
-    body = await _read_json(request)
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    schema: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        req = schema.model_validate(body)
-    except ValidationError as exc:
-        return _validation_error(exc)
-    assert isinstance(req, ChatCompletionRequest | CompletionRequest)
-    _model_check(app, req.model)
-    refuse_unimplemented(req)
-    params = sampling_params(
-        req,
-        default_max=settings["default_max_tokens"],
-        vocab=fe.vocab_size,
-        supported=settings["sampling"],
-        mode=settings["mode"],
-    )
-    tools = None
-    if isinstance(req, ChatCompletionRequest):
-        tools = template_tools(req, bool(getattr(fe.tokenizer, "has_tool_calling", False)))
-        try:
-            messages = [m.for_template() for m in req.messages]
-        except ValueError as exc:
-            raise RequestError(str(exc), param="messages", code="invalid_value") from None
-        prompt_ids = await fe.apply_chat_template_async(messages, tools)
-    else:
-        prompt_ids = await fe.encode_prompt_async(req.prompt)
+    # The body's memory is held from before it is read until its prompt is token ids.
+    size = request.content_length
+    if size is None or size > settings["max_body_bytes"]:
+        size = settings["max_body_bytes"]  # chunked: it may be as large as allowed
+    async with app[BODY_BUDGET].hold(size, settings["body_timeout"]):
+        req, params, tools, prompt_ids = await _prompt(request, kind)
     if requested_max_tokens(req) is None:
-        params = fit_default(params, len(prompt_ids), fe.max_model_len)
+        params = fit_default(params, len(prompt_ids), fe.token_limit)
     out = Output(
         kind,
         ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
@@ -275,6 +250,44 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     return web.json_response(
         {**out.head(final=True), "choices": [choice], "usage": usage_body(usage)}
     )
+
+
+async def _prompt(
+    request: web.Request, kind: str
+) -> tuple[ChatCompletionRequest | CompletionRequest, SamplingParams, Any, list[int]]:
+    """The request's body, validated, as (request, sampling, tools, prompt token ids)."""
+    app = request.app
+    fe = app[FRONTEND]
+    settings = app[SETTINGS]
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    schema: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    assert isinstance(req, ChatCompletionRequest | CompletionRequest)
+    _model_check(app, req.model)
+    refuse_unimplemented(req)
+    params = sampling_params(
+        req,
+        default_max=settings["default_max_tokens"],
+        vocab=fe.vocab_size,
+        supported=settings["sampling"],
+        mode=settings["mode"],
+    )
+    tools = None
+    if isinstance(req, ChatCompletionRequest):
+        tools = template_tools(req, bool(getattr(fe.tokenizer, "has_tool_calling", False)))
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages", code="invalid_value") from None
+        prompt_ids = await fe.apply_chat_template_async(messages, tools)
+    else:
+        prompt_ids = await fe.encode_prompt_async(req.prompt)
+    return req, params, tools, prompt_ids
 
 
 def _model_card(app: web.Application) -> dict[str, Any]:
@@ -405,7 +418,9 @@ def build_app(
         "sampling": sampling,
         "mode": mode,
         "body_timeout": body_timeout,
+        "max_body_bytes": max_body_bytes,
     }
+    app[BODY_BUDGET] = BodyBudget(BODIES_IN_FLIGHT * max_body_bytes)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

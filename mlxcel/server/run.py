@@ -14,7 +14,7 @@ from mlxcel.messages import EXTENDED_SAMPLING
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
-from mlxcel.runtime.model import LoadedModel, load_model
+from mlxcel.runtime.model import LoadedModel, context_length, load_model
 from mlxcel.specs import Generation, LocalSpec
 from mlxcel.stack import Serving, Stack
 
@@ -41,7 +41,7 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 prompt_cache_bytes=gen.prompt_cache_bytes,
             )
             await engine.attach(node)
-            fe = Frontend.attached(node, loaded.tokenizer, gen)
+            fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
             pc = engine.prompt_cache
             # Every OpenAI parameter serve serves: the engine applies all of mlx-lm's processors.
             serving = Serving(

@@ -29,7 +29,7 @@ from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.devices import device_env, gpu_ids
 from mlxcel.runtime.kv_usage import figures
-from mlxcel.runtime.model import LoadedModel
+from mlxcel.runtime.model import LoadedModel, context_length
 from mlxcel.specs import Generation, TensorParallelSpec
 from mlxcel.stack import Serving, Stack
 from mlxcel.tp.engine import TpEngine
@@ -145,7 +145,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                 await engine.attach(node)
                 for rank, proc in enumerate(followers, start=1):
                     node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
-                fe = Frontend.attached(node, loaded.tokenizer, gen)
+                fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
                 summary = (
                     f"tensor-parallel group of {size} ranks; decode path: batched forward on "
                     f"every rank, up to {gen.max_batch_size} sequence(s) per step"

@@ -1,0 +1,47 @@
+"""A heavy client and a few addresses against a serving node, on real network stacks
+(:mod:`mlxcel.bench.hostile`). Each of these failed on the code before it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, http_flood
+from mlxcel.bench.netns import unavailable
+from mlxcel.server.http_guard import raise_fd_limit
+
+why = unavailable()
+pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
+
+
+def test_six_concurrent_prompts_far_over_the_context_cost_no_gigabytes(tiny: Path) -> None:
+    """Six 3.9 MB prompts at once, each under the body cap and far over the context: each is
+    refused by name, and the server's peak memory grows by at most 256 MiB (before: 4.7 GiB,
+    2.6 GiB of it kept; every prompt was tokenized whole before its length was checked)."""
+    r = big_prompts(tiny, n=6, chars=3_900_000)
+    assert r.statuses == {"400": 6}, r
+    assert r.codes == {"context_length_exceeded": 6}, r
+    assert r.peak_growth_mib <= 256, r
+
+
+def test_five_addresses_trickling_960_connections_each_leave_room_for_a_sixth(
+    tiny: Path,
+) -> None:
+    """Five addresses hold 960 trickling connections each against a cap of 3,840 (a host
+    whose descriptor limit is 4,096): a sixth address still gets its health probes answered
+    (before: 0 of 20, the cap full of a quarter per address)."""
+    raise_fd_limit()
+    r = http_flood(tiny, 5, 960, 20, *FLOOD_CAP)
+    assert r.cut > 1000, r  # the flood was real: the server kept closing its extra sockets
+    assert r.answered >= 18, r
+
+
+def test_at_the_cap_a_new_address_takes_the_place_of_the_busiest_ones_oldest(
+    tiny: Path,
+) -> None:
+    """Forty addresses hold their whole share (8 each) of a 256-connection cap: the cap is
+    full, and a new address is let in by closing an unfinished connection of the busiest."""
+    raise_fd_limit()
+    r = http_flood(tiny, 40, 8, 10, "--max-http-connections", "256")
+    assert r.answered >= 9, r
