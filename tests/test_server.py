@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import struct
 import time
 import urllib.request
 from pathlib import Path
@@ -265,6 +267,31 @@ def test_client_disconnect_mid_stream_frees_the_sequence(server: ServerProcess) 
     text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
     assert 'endpoint="/v1/completions",status="499"' in text
     assert 'endpoint="/v1/completions",status="500"' not in text
+    log = server.output
+    assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_client_that_resets_its_stream_is_a_499_not_an_error(server: ServerProcess) -> None:
+    """A client that aborts (RST) mid-stream: the next write fails, which is not a server
+    error to log with a traceback or count as a 500."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 3000, "stream": True})
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), 5) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                + f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 10
+    while metric(server, "mlxcel_inflight_sequences") != 0:
+        assert time.monotonic() < deadline, "sequence not freed after the reset"
+        time.sleep(0.05)
+    text = urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
+    assert 'endpoint="/v1/completions",status="499"' in text
+    assert 'endpoint="/v1/completions",status="500"' not in text
+    assert "unhandled error" not in server.output, server.output[-3000:]
 
 
 def test_metrics_count_requests_and_tokens(server: ServerProcess, client: openai.OpenAI) -> None:

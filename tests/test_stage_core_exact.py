@@ -27,6 +27,7 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     SamplingParams,
+    Shutdown,
     State,
     Tensor,
 )
@@ -563,10 +564,46 @@ def test_query_state_reports_every_field() -> None:
     c.compute_done(1, [Sampled(3, 0.0)], 2.0, 3.0)
     want = State("s1", (4, 9), 1, False, 9, 11, 2_000_000, 1, jobs=3)
     assert c.handle(QueryState(9), C, 4.0) == [Send(C, want)]
-    assert c.handle(BeginDrain("x"), C, 5.0) == [Send(C, Ack("", 0))]
+    drained = Warn(
+        "warning",
+        f"stage 1: draining on BeginDrain from {C}: no new sequences for 60s unless a "
+        "Shutdown follows",
+    )
+    assert c.handle(BeginDrain("x"), C, 5.0) == [drained, Send(C, Ack("", 0))]
     assert c.handle(QueryState(10), C, 6.0) == [
         Send(C, State("s1", (4, 9), 1, True, 10, 11, 2_000_000, 1, jobs=3))
     ]
+
+
+def test_a_drain_nobody_follows_with_a_shutdown_ends_at_its_bound() -> None:
+    """A BeginDrain (the coordinator's, or one forged by a member sharing its IP) is logged
+    naming its sender, and lasts drain_bound seconds unless a Shutdown follows."""
+    c = make(1, 2, drain_bound=20.0)
+    why = "BeginDrain is accepted only from the coordinator"
+    assert c.handle(BeginDrain("x"), UP, 1.0) == [
+        Warn("stage-drop", f"stage 1: refusing BeginDrain from {UP}: {why}"),
+        Send(UP, Error(ErrorCode.NOT_COORDINATOR, why, None, None)),  # upstream is a peer
+    ]
+    assert c.state is StageState.SERVING
+    assert c.handle(BeginDrain("x"), C, 2.0)[0] == Warn(
+        "warning",
+        f"stage 1: draining on BeginDrain from {C}: no new sequences for 20s unless a "
+        "Shutdown follows",
+    )
+    assert c.handle(BeginDrain("x"), C, 3.0) == [Send(C, Ack("", 0))]  # logged once
+    assert c.next_timer() == 22.0
+    assert c.on_timer(21.9) == [] and c.state is StageState.DRAINING
+    assert c.on_timer(22.0) == [
+        Warn("warning", "stage 1: the drain asked for 20s ago ended with no Shutdown after it: "
+             "serving again")
+    ]  # fmt: skip
+    assert c.state is StageState.SERVING and c.next_timer() is None
+    c.handle(BeginDrain("x"), C, 30.0)
+    assert c.handle(Shutdown("x"), C, 31.0) == [
+        Warn("warning", f"stage 1: stopping on Shutdown from {C}"),
+        Stopped(),
+    ]
+    assert c.next_timer() is None and c.state is StageState.STOPPED
 
 
 def test_shutdown_of_an_empty_stage_stops_at_once() -> None:

@@ -94,6 +94,7 @@ class StageCore(StageGate):
         self.counters = counters  # State fields the node keeps: wire bytes, timing, model
         self.inject = inject
         self.state = StageState.SERVING
+        self._drain_ends: float | None = None  # a BeginDrain's bound (None: none asked)
         self.seqs: dict[str, Seq] = {}
         self.stats = StageStats()
         self._queue: collections.deque[Seq] = collections.deque()
@@ -185,6 +186,17 @@ class StageCore(StageGate):
             why = f"a step took longer than {self.config.forward_timeout:g}s"
             self._stuck = self._job.id
             out += self._fail_job(self._job.id, ErrorCode.FORWARD_TIMEOUT, why, now)
+        if self._drain_ends is not None and now >= self._drain_ends:
+            self._drain_ends = None
+            if self.state is StageState.DRAINING:
+                self.state = NODE_TABLE.next(self.state, StageEvent.RESUME)
+                out.append(
+                    Warn(
+                        "warning",
+                        f"{self._me}: the drain asked for {self.config.drain_bound:g}s ago "
+                        "ended with no Shutdown after it: serving again",
+                    )
+                )
         if self._keepalive.at is not None and now >= self._keepalive.at:
             held = {(s.owner, s.step.nonce) for s in self.seqs.values() if s.step is not None}
             report = self._keepalive.tick(held, now)
@@ -213,6 +225,8 @@ class StageCore(StageGate):
             times.append(self._job_deadline)
         if self._keepalive.at is not None:
             times.append(self._keepalive.at)
+        if self._drain_ends is not None:
+            times.append(self._drain_ends)
         return min(times) if times else None
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
@@ -247,6 +261,7 @@ class StageCore(StageGate):
     def shutdown(self, now: float) -> list[Effect]:
         """Drain, then stop once the last sequence is released (a ``Stopped`` effect)."""
         out: list[Effect] = []
+        self._drain_ends = None
         self.state = NODE_TABLE.next(self.state, StageEvent.SHUTDOWN)
         self._maybe_stopped(out)
         return out
@@ -294,10 +309,23 @@ class StageCore(StageGate):
     _on_CancelRequest = _on_ReleaseSequence
 
     def _on_BeginDrain(self, m: BeginDrain, source: str, now: float, out: list[Effect]) -> None:
+        if self.state is StageState.SERVING:
+            bound = self.config.drain_bound
+            self._drain_ends = now + bound
+            out.append(
+                Warn(
+                    "warning",
+                    f"{self._me}: draining on BeginDrain from {source}: no new sequences for "
+                    f"{bound:g}s unless a Shutdown follows",
+                )
+            )
         self.begin_drain()
         self._send(out, source, Ack("", 0))
 
     def _on_Shutdown(self, m: Shutdown, source: str, now: float, out: list[Effect]) -> None:
+        if self.state is not StageState.STOPPING:
+            out.append(Warn("warning", f"{self._me}: stopping on Shutdown from {source}"))
+        self._drain_ends = None
         self.state = NODE_TABLE.next(self.state, StageEvent.SHUTDOWN)
 
     def _on_QueryState(self, m: QueryState, source: str, now: float, out: list[Effect]) -> None:

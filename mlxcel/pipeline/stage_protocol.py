@@ -103,6 +103,7 @@ class StageEvent(enum.Enum):
     DRAIN = "drain"
     SHUTDOWN = "shutdown"
     EMPTY = "empty"  # the last sequence left
+    RESUME = "resume"  # a coordinator's drain ran its bound with no Shutdown after it
 
 
 NODE_TABLE: Table[StageState, StageEvent] = Table(
@@ -117,6 +118,7 @@ NODE_TABLE: Table[StageState, StageEvent] = Table(
         (StageState.STOPPING, StageEvent.SHUTDOWN): StageState.STOPPING,
         (StageState.STOPPING, StageEvent.EMPTY): StageState.STOPPED,
         (StageState.STOPPED, StageEvent.DRAIN): StageState.STOPPED,  # a second SIGTERM
+        (StageState.DRAINING, StageEvent.RESUME): StageState.SERVING,
         (StageState.STOPPED, StageEvent.SHUTDOWN): StageState.STOPPED,
     },
     {StageEvent.PREPARE: ErrorCode.DRAINING},
@@ -144,6 +146,9 @@ class StageConfig:
     max_sequences: int = 256  # prepared sequences held at once (each holds KV caches)
     lease: float = 300.0  # a sequence untouched this long is freed (a lost ReleaseSequence)
     forward_timeout: float = 120.0  # one step on the compute thread; past it, its requests fail
+    # A coordinator's BeginDrain lasts this long unless a Shutdown follows: one drain asked
+    # for (or forged by a member that shares the coordinator's IP) cannot last for ever.
+    drain_bound: float = 60.0
     progress_interval: float = 5.0  # keep_alive_interval() of the default 30 s step deadline
     # The downstream stage runs in this process, on the same compute thread: activations are
     # handed over as device arrays still being evaluated (no synchronisation, no bytes).

@@ -175,7 +175,7 @@ async def _handle(request: web.Request, kind: str) -> web.StreamResponse:
     except EngineError as exc:
         status, err_type, headers = http_status(exc.code)
         return error_response(status, str(exc), err_type=err_type, code=exc.code, headers=headers)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away: not a server error (nginx's code for it)
         raise
     except web.HTTPException as exc:  # aiohttp's own (a body over the limit: 413); answered by
@@ -375,6 +375,8 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
             err_type="invalid_request_error",
             code=code.get(exc.status, f"http_{exc.status}"),
         )
+    except ConnectionResetError:
+        raise  # the client went away mid-answer: aiohttp drops the connection quietly
     except Exception:
         logger.exception("unhandled error in {}", request.path)
         return error_response(500, "internal server error", err_type="server_error")
