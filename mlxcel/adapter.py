@@ -264,6 +264,7 @@ class CoreAdapter:
                 msg = first.msg if len(group) == 1 else Bundle(tuple(g.msg for g in group))
                 try:
                     if now(first.dest, msg):
+                        self._written(group)
                         continue
                 except SendFailed as exc:
                     for g in group:
@@ -272,6 +273,23 @@ class CoreAdapter:
                 for g in group + items:  # not now: the outbox keeps the order
                     self._queue_send(g)
                 items.clear()
+
+    def _written(self, sends: list[Send]) -> None:
+        """Tell the core of the written sends it asked to hear of -- on the next turn, so the
+        effects it answers with never jump ahead of the rest of the batch being carried out."""
+        told = [s for s in sends if s.notify]
+        hook = getattr(self.core, "sent", None)
+        if told and hook is not None:
+            self.loop.call_soon(self._tell_written, hook, told)
+
+    def _tell_written(self, hook: Callable[[Send, float], list[Effect]], told: list[Send]) -> None:
+        if not self.running:
+            return
+        now = self.now()
+        effects: list[Effect] = []
+        for s in told:
+            effects += hook(s, now)
+        self.feed(effects)
 
     def _idle(self, key: str) -> bool:
         """Nothing waits in the outbox for ``key`` or is on its way out of it."""
@@ -411,6 +429,8 @@ class CoreAdapter:
             except (SendFailed, MlxcelError) as exc:
                 for s in sends:
                     self._failed(s, str(exc), exc)
+            else:
+                self._written(sends)
             finally:
                 self._sending -= 1
                 if not peer:

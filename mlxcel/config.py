@@ -311,6 +311,19 @@ class ServeSettings(ModelSettings, PipelineSettings):
         description="prefill: the decode targets a request may name, numeric IP:PORT, "
         "comma-separated (unset: any member; also MLXCEL_DECODE_ALLOWLIST)",
     )
+    handoff_lease: float = Field(
+        d.HANDOFF_LEASE,
+        ge=0.5,
+        le=3600,
+        description="prefill: seconds a KV handoff may go without writing a part to its "
+        "decode node (renewed by every part; after the last, the wait for the ack)",
+    )
+    handoff_lease_max: float = Field(
+        d.HANDOFF_LEASE_MAX,
+        ge=1,
+        le=86400,
+        description="prefill: seconds a KV handoff may take in all, however it progresses",
+    )
 
     def peer_list(self, field: str) -> list[str]:
         return [p.strip() for p in (getattr(self, field) or "").split(",") if p.strip()]
@@ -361,6 +374,11 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--prefill-peers is for --node-role router")
         if role == "decode" and self.decode_peers:
             raise ValueError("--decode-peers is for --node-role router or prefill")
+        if self.handoff_lease > self.handoff_lease_max:
+            raise ValueError(
+                f"--handoff-lease ({self.handoff_lease:g}) exceeds --handoff-lease-max "
+                f"({self.handoff_lease_max:g})"
+            )
         return self
 
     @model_validator(mode="after")

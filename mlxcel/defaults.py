@@ -24,3 +24,6 @@ STARTUP_TIMEOUT = 60.0
 PEER_TIMEOUT = 3.0
 # A disaggregated router's seconds from dispatch to a prompt's first token.
 PREFILL_TIMEOUT = 300.0
+# prefill: a KV handoff's lease past its last progress, and its whole life at most
+HANDOFF_LEASE = 10.0
+HANDOFF_LEASE_MAX = 600.0

@@ -31,6 +31,9 @@ class Send:
     # When the message is no longer worth sending (the core's clock): the adapter gives up
     # on it then, and drops it unsent if it is still queued by then.
     deadline: float | None = None
+    # Tell the core once it is written (``core.sent(send, now)``): how a core sees a long
+    # transfer make progress, one message at a time.
+    notify: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, replace
 
+from mlxcel.errors import TensorSizeError
 from mlxcel.messages import KvHandoff, Tensor
+from mlxcel.tensor import DTYPE_SIZES
 
 
 def tensor_digest(keys: Sequence[Tensor], values: Sequence[Tensor]) -> bytes:
@@ -43,32 +45,64 @@ def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
     return d.digest()
 
 
-def split(h: KvHandoff, part_bytes: int) -> list[KvHandoff] | None:
-    """``h`` as parts of consecutive layers, each at most ``part_bytes`` of tensor data
-    (None: one layer alone is larger)."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for i, (k, v) in enumerate(zip(h.keys, h.values, strict=True)):
-        n = k.nbytes + v.nbytes
-        if n > part_bytes:
-            return None
-        if groups[-1] and size + n > part_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += n
-    if len(groups) == 1:
-        return [h]
-    return [
-        replace(
-            h,
-            keys=tuple(h.keys[i] for i in g),
-            values=tuple(h.values[i] for i in g),
-            part=p,
-            parts=len(groups),
-        )
-        for p, g in enumerate(groups)
-    ]
+# One piece of a split handoff: rows [start, end) of tensor ``index`` (2l: layer l's keys,
+# 2l + 1: its values), each tensor seen as rows of its last dimension.
+Piece = tuple[int, int, int]
+
+
+def tensors_of(h: KvHandoff) -> list[Tensor]:
+    """``h``'s tensors in wire order: layer 0's keys, its values, layer 1's keys, ..."""
+    return [t for kv in zip(h.keys, h.values, strict=True) for t in kv]
+
+
+def plan_parts(h: KvHandoff, part_bytes: int) -> list[list[Piece]]:
+    """How ``h`` travels in parts of at most ``part_bytes`` of tensor data (a part holds at
+    least one row): consecutive row ranges, in wire order. Small parts are what let other
+    handoffs to the same node go out between them, and what show a slow link's progress."""
+    parts: list[list[Piece]] = [[]]
+    room = part_bytes
+    for i, t in enumerate(tensors_of(h)):
+        row_bytes = _row_bytes(t)
+        rows = t.nbytes // row_bytes if row_bytes else 0
+        if rows == 0:  # no bytes at all (a dimension of 0): one empty piece keeps its place
+            parts[-1].append((i, 0, 0))
+            continue
+        start = 0
+        while start < rows:
+            if room < row_bytes and parts[-1]:
+                parts.append([])
+                room = part_bytes
+            take = min(rows - start, max(1, room // row_bytes))
+            parts[-1].append((i, start, start + take))
+            room -= take * row_bytes
+            start += take
+    return parts
+
+
+def _row_bytes(t: Tensor) -> int:
+    return (t.shape[-1] if t.shape else 1) * DTYPE_SIZES[t.dtype]
+
+
+def part_of(h: KvHandoff, plan: list[list[Piece]], k: int) -> KvHandoff:
+    """Part ``k`` of ``h`` as ``plan`` cuts it; ``h`` itself when the plan has one part."""
+    if len(plan) == 1:
+        return h
+    tensors = tensors_of(h)
+    chunks: list[Tensor] = []
+    for i, start, end in plan[k]:
+        t = tensors[i]
+        row = _row_bytes(t)
+        width = t.shape[-1] if t.shape else 1
+        chunks.append(Tensor(t.dtype, (end - start, width), t.data[start * row : end * row]))
+    return replace(
+        h,
+        keys=tuple(chunks),
+        values=(),
+        part=k,
+        parts=len(plan),
+        pieces=tuple(i for i, _, _ in plan[k]),
+        layout=tuple(tuple(t.shape) for t in tensors),
+    )
 
 
 def header(h: KvHandoff) -> tuple[object, ...]:
@@ -84,14 +118,41 @@ def header(h: KvHandoff) -> tuple[object, ...]:
         h.prompt_len,
         h.digest,
         h.parts,
+        h.layout,
+        h.context,
     )
 
 
-def join(parts: Sequence[KvHandoff]) -> KvHandoff:
-    """The parts of one handoff, in order, as one."""
-    keys = tuple(t for p in parts for t in p.keys)
-    values = tuple(t for p in parts for t in p.values)
-    return replace(parts[0], keys=keys, values=values, part=0, parts=1)
+def join(parts: Sequence[KvHandoff]) -> KvHandoff | str:
+    """The parts of one handoff, in order, as one; or why they do not make one (pieces
+    missing, too many, or of another dtype than their tensor's first)."""
+    layout = parts[0].layout
+    data: list[list[bytes]] = [[] for _ in layout]
+    dtypes: list[str | None] = [None] * len(layout)
+    for p in parts:
+        for i, chunk in zip(p.pieces, p.keys, strict=True):
+            if dtypes[i] not in (None, chunk.dtype):
+                return f"the pieces of handoff tensor {i} differ in dtype"
+            dtypes[i] = chunk.dtype
+            data[i].append(chunk.data)
+    tensors: list[Tensor] = []
+    for i, shape in enumerate(layout):
+        dtype = dtypes[i]
+        if dtype is None:
+            return f"no piece of handoff tensor {i} arrived"
+        try:
+            tensors.append(Tensor(dtype, shape, b"".join(data[i])))
+        except TensorSizeError as exc:
+            return f"handoff tensor {i}: {exc}"
+    return replace(
+        parts[0],
+        keys=tuple(tensors[0::2]),
+        values=tuple(tensors[1::2]),
+        part=0,
+        parts=1,
+        pieces=(),
+        layout=(),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -402,8 +402,11 @@ class KvHandoff(Message):
     dtype preserved) and how to go on. Held by the prefill node under ``lease`` until the
     decode node acknowledges it; read by the decode node only after the commit verdict.
 
-    A cache larger than one message travels as ``parts`` messages, each carrying consecutive
-    layers (part ``i`` of them, in order) and the same header and digest."""
+    A larger cache travels as ``parts`` messages with the same header and digest: each
+    carries, in ``keys``, pieces of the cache's tensors (in wire order: layer 0's keys, its
+    values, layer 1's keys, ...) as 2-D row ranges ``[rows, last dim]``; ``pieces`` names the
+    tensor each piece continues, ``layout`` every tensor's full shape, and ``values`` is
+    empty. The decode node joins the pieces in part order (see :mod:`mlxcel.handoff`)."""
 
     KIND: ClassVar[int] = 24
     request_id: str
@@ -422,6 +425,8 @@ class KvHandoff(Message):
     # The prompt's last tokens (as many as a penalty looks back): the decode node's
     # penalties see the same context the prefill node's did.
     context: tuple[int, ...] = ()
+    pieces: tuple[int, ...] = ()  # a part: the tensor index of each piece in ``keys``
+    layout: tuple[tuple[int, ...], ...] = ()  # a part: the shape of every tensor, wire order
 
 
 @dataclass(frozen=True, slots=True)

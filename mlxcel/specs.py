@@ -153,6 +153,8 @@ class DisaggSpec:
     peer_timeout: float = d.PEER_TIMEOUT  # a peer unheard this long is down
     prefill_timeout: float = d.PREFILL_TIMEOUT  # router: dispatch to first token
     decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
+    handoff_lease: float = d.HANDOFF_LEASE  # prefill: a handoff's lease past its last progress
+    handoff_lease_max: float = d.HANDOFF_LEASE_MAX  # prefill: and its whole life at most
     # router: node addresses in /router/stats, read per request (MLXCEL_ROUTER_STATS_VERBOSE).
     verbose_stats: Callable[[], bool] = _never
 
@@ -161,7 +163,10 @@ class DisaggSpec:
         _need(self.role in roles, "DisaggSpec.role", f"{self.role!r} is not one of {roles}")
         _need(self.secret is not None, "DisaggSpec.secret", "every role needs the secret")
         _need(bool(self.bind), "DisaggSpec.bind", "the node's cluster address is required")
-        _positive(self, "startup_timeout", "peer_timeout", "prefill_timeout")
+        _positive(
+            self, "startup_timeout", "peer_timeout", "prefill_timeout", "handoff_lease",
+            "handoff_lease_max",
+        )  # fmt: skip
 
     @property
     def mode(self) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.protocol import MAX_PARTS, MAX_TOMBSTONES, ResumeJob, VerifyJob
 from mlxcel.effects import FreeCache, Send, StartCompute, Warn
-from mlxcel.handoff import digest_of, tensor_digest
+from mlxcel.handoff import digest_of, part_of, plan_parts, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -62,6 +62,12 @@ def handoff(
         b"",
     )
     return dataclasses.replace(h, digest=digest_of(h, tensor_digest(keys, keys)))
+
+
+def cut(h: KvHandoff, part_bytes: int = 24) -> list[KvHandoff]:
+    """``h`` in parts as a prefill node cuts it (24 bytes: one tensor a part)."""
+    plan = plan_parts(h, part_bytes)
+    return [part_of(h, plan, i) for i in range(len(plan))]
 
 
 def no(h: KvHandoff, why: str, dest: str = P0) -> list:
@@ -116,72 +122,111 @@ def test_malformed_parts_are_refused_before_anything_is_kept() -> None:
     c = core(max_sequences=8)
     k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
     base = handoff()
+    p0 = cut(base)[0]
     cases = [
         (
             dataclasses.replace(base, lease=1, part=1, parts=1),
-            "part 1 of 1 (at most one part per layer)",
+            f"part 1 of 1 (at most {MAX_PARTS} parts)",
         ),
         (
             dataclasses.replace(base, lease=2, part=-1, parts=2),
-            "part -1 of 2 (at most one part per layer)",
+            f"part -1 of 2 (at most {MAX_PARTS} parts)",
         ),
         (
             dataclasses.replace(base, lease=3, parts=MAX_PARTS + 1),
-            f"part 0 of {MAX_PARTS + 1} (at most one part per layer)",
+            f"part 0 of {MAX_PARTS + 1} (at most {MAX_PARTS} parts)",
         ),
         (
             dataclasses.replace(base, lease=4, keys=(), values=()),
-            "a part of 0 key and 0 value layers",
+            "0 key and 0 value layers (the model has 0)",
         ),
-        (dataclasses.replace(base, lease=6, values=(K, K)), "a part of 1 key and 2 value layers"),
+        (
+            dataclasses.replace(base, lease=6, values=(K, K)),
+            "1 key and 2 value layers (the model has 1)",
+        ),
+        (
+            dataclasses.replace(base, lease=7, pieces=(0,)),
+            "a handoff in one message carries whole tensors, not pieces",
+        ),
+        (dataclasses.replace(p0, lease=8, layout=p0.layout[:1]), "a handoff layout of 1 tensors"),
+        (
+            dataclasses.replace(p0, lease=9, values=p0.keys),
+            "a handoff part must hold pieces, each naming its tensor",
+        ),
+        (
+            dataclasses.replace(p0, lease=10, pieces=(5,)),
+            "a piece of tensor 5, which the layout does not have",
+        ),
+        (
+            dataclasses.replace(p0, lease=11, keys=(K,)),
+            "a piece of shape [1, 1, 3, 2] for a tensor 2 wide",
+        ),
     ]
     for h, why in cases:
         assert c.handle(h, P0, 0.0) == no(h, why)
     assert c.counts == {"refused": len(cases)}
-    # Against the model's dims: more parts or layers than it has, or another tensor shape.
+    # Against the model's dims: other layer counts or tensor shapes, whole or in parts.
     m = core(dims=(2, 1, 2, 2))
+    two = handoff(layers=2)
+    q0 = cut(two)[0]
     cases = [
-        (dataclasses.replace(base, lease=1, parts=3), "part 0 of 3 (at most one part per layer)"),
+        (dataclasses.replace(base, lease=1), "1 key and 1 value layers (the model has 2)"),
         (
-            dataclasses.replace(base, lease=2, keys=(K,) * 3, values=(K,) * 3),
-            "a part of 3 key and 3 value layers",
+            dataclasses.replace(two, lease=3, keys=(k2, K)),
+            "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]",
         ),
+        (dataclasses.replace(q0, lease=4, layout=q0.layout[:2]), "a handoff layout of 2 tensors"),
         (
-            dataclasses.replace(base, lease=3, keys=(k2,)),
+            dataclasses.replace(q0, lease=5, layout=((1, 2, 3, 2),) * 4),
             "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]",
         ),
     ]
     for h, why in cases:
         assert m.handle(h, P0, 0.0) == no(h, why)
-    whole = handoff(layers=2)
-    assert m.handle(whole, P0, 0.0) == [StartCompute(VerifyJob(1, whole))]
+    fine = dataclasses.replace(two, lease=6)
+    assert m.handle(fine, P0, 0.0) == [StartCompute(VerifyJob(1, fine))]
 
 
 def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     c = core(dims=(2, 1, 2, 2))
     whole = handoff(layers=2)
-    p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
-    p1 = dataclasses.replace(p0, part=1)
-    assert c.handle(p1, P0, 1.0) == [] and c.next_timer() == 16.0
-    assert c.handle(p1, P0, 2.0) == []  # a repeat changes nothing...
+    parts = cut(whole)
+    assert [(p.part, p.parts, p.pieces) for p in parts] == [(i, 4, (i,)) for i in range(4)]
+    assert c.handle(parts[3], P0, 1.0) == [] and c.next_timer() == 16.0
+    assert c.handle(parts[3], P0, 2.0) == []  # a repeat changes nothing...
     assert c.counts == {"parts": 1} and c.next_timer() == 16.0  # ...not even the deadline
-    assert c.handle(p0, P0, 10.0) == [StartCompute(VerifyJob(1, whole))]
-    assert c.counts == {"parts": 2} and c.next_timer() == 25.0  # progress moved it
-    assert c.handle(p0, P0, 11.0) == []  # the slot is verifying: parts are over
-    # A second part with a bad shape, or that disagrees, ends the handoff unread.
-    k2 = Tensor("float32", (1, 2, 3, 2), bytes(48))
-    q0 = dataclasses.replace(p0, lease=7)
+    assert c.handle(parts[1], P0, 5.0) == [] and c.next_timer() == 20.0  # progress moves it
+    assert c.handle(parts[0], P0, 6.0) == []
+    assert c.handle(parts[2], P0, 10.0) == [StartCompute(VerifyJob(1, whole))]
+    assert c.counts == {"parts": 4} and c.next_timer() == 25.0  # verifying: a fresh wait
+    assert c.handle(parts[0], P0, 11.0) == []  # the slot is verifying: parts are over
+    # A part with a bad piece, that disagrees, or that carries more than the layout holds
+    # ends the handoff unread.
+    q = [dataclasses.replace(p, lease=7) for p in parts]
+    wide = Tensor("float32", (3, 4), bytes(48))
     for bad, why in (
         (
-            dataclasses.replace(q0, part=1, keys=(k2,)),
-            "handoff tensor shape [1, 2, 3, 2], expected [1, 1, 3, 2]",
+            dataclasses.replace(q[1], keys=(wide,)),
+            "a piece of shape [3, 4] for a tensor 2 wide",
         ),
-        (dataclasses.replace(q0, part=1, first_token=8), "the parts of the handoff disagree"),
-    ):
+        (dataclasses.replace(q[1], first_token=8), "the parts of the handoff disagree"),
+        (
+            dataclasses.replace(q[1], keys=(Tensor("float32", (4, 2), bytes(32)),) * 4,
+                                pieces=(1, 1, 1, 1)),
+            "the parts hold more than the handoff's tensors",
+        ),
+    ):  # fmt: skip
         fresh = core(dims=(2, 1, 2, 2))
-        assert fresh.handle(q0, P0, 0.0) == []
+        assert fresh.handle(q[0], P0, 0.0) == []
         assert fresh.handle(bad, P0, 0.1) == no(bad, why) + [FreeCache(1)]
         assert fresh.counts == {"parts": 1, "corrupt": 1} and fresh.active == 0
+    # Every part arrived, but one tensor's pieces do not add up to its shape: refused.
+    short = core(dims=(2, 1, 2, 2))
+    thin = [*q[:3], dataclasses.replace(q[3], keys=(Tensor("float32", (2, 2), bytes(16)),))]
+    for p in thin[:3]:
+        assert short.handle(p, P0, 0.0) == []
+    why = "handoff tensor 3: tensor float32[1, 1, 3, 2] needs 24 bytes, got 16"
+    assert short.handle(thin[3], P0, 0.1) == no(thin[3], why) + [FreeCache(1)]
 
 
 def test_verification_results_and_verdicts_exactly() -> None:
@@ -251,12 +296,12 @@ def test_verdicts_and_parts_that_never_come_time_out_at_their_deadline() -> None
     c = core(max_sequences=8)
     a = staged(c, handoff("a", 1), now=0.0)
     b = staged(c, handoff("b", 2), now=0.0)
-    p = dataclasses.replace(handoff("c", 3), part=0, parts=3)
+    p = cut(handoff("c", 3), 8)[0]  # 8 bytes a part: 6 parts
     assert c.handle(p, P0, 0.0) == []
     decoding(c, handoff("d", 4), now=0.0)
     assert c.on_timer(14.999) == []
     never = "the prefill node never committed the handoff within 15s; it was not read"
-    parts = "only 1 of 3 handoff parts came in 15s; it was not read"
+    parts = "only 1 of 6 handoff parts came in 15s; it was not read"
     assert c.on_timer(15.0) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, never, "a", NONCE)),
         FreeCache(a),
@@ -358,9 +403,11 @@ def test_a_handoff_whose_verification_never_returns_still_times_out() -> None:
 def test_a_reassembled_handoff_is_acked_and_read_like_a_whole_one() -> None:
     c = core(dims=(2, 1, 2, 2))
     whole = handoff(layers=2)
-    p0 = dataclasses.replace(whole, keys=(K,), values=(K,), part=0, parts=2)
-    c.handle(p0, P0, 0.0)
-    (e,) = c.handle(dataclasses.replace(p0, part=1), P0, 0.1)
+    *first, last = cut(whole, 40)  # pieces that straddle tensors
+    for p in first:
+        c.handle(p, P0, 0.0)
+    (e,) = c.handle(last, P0, 0.1)
+    assert e.job.handoff == whole
     assert c.verified(e.job.slot, None, 0.2) == [Send(P0, HandoffAck("r1", 5, True))]
     light = dataclasses.replace(whole, keys=(), values=())
     assert c.handle(HandoffVerdict("r1", 5, True), P0, 0.3) == [
@@ -379,9 +426,9 @@ def test_every_ending_is_counted_one_by_one() -> None:
         c.handle(HandoffVerdict(f"a{i}", 20 + i, False), P0, 1.2)
         slot = decoding(c, handoff(f"d{i}", 30 + i))
         c.token(slot, RunResult("x", 0, (1,), "stop", 0), 1.3)
-        bad = dataclasses.replace(handoff(f"p{i}", 40 + i), part=0, parts=2)
-        c.handle(bad, P0, 1.4)
-        c.handle(dataclasses.replace(bad, part=1, first_token=1), P0, 1.5)
+        bad = cut(handoff(f"p{i}", 40 + i))
+        c.handle(bad[0], P0, 1.4)
+        c.handle(dataclasses.replace(bad[1], first_token=1), P0, 1.5)
     assert c.counts == {
         "committed": 4,
         "cancelled": 2,

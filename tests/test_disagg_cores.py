@@ -29,7 +29,7 @@ from mlxcel.disagg.protocol import (
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, FreeCache, Send, StartCompute, Warn
 from mlxcel.errors import IllegalTransition
-from mlxcel.handoff import Packed, digest_of, tensor_digest
+from mlxcel.handoff import Packed, digest_of, join, part_of, plan_parts, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -394,7 +394,7 @@ def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None
     core = prefill()
     lease, _ = start(core)
     when = core.next_timer()
-    assert when is not None and 5.0 < when < 5.001  # 5 s, plus a second per 100 MB
+    assert when == 5.0  # 5 s with no part written (each one written renews it)
     out = core.on_timer(when)
     (err,) = sends(out, Error)
     assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
@@ -588,18 +588,25 @@ def test_router_refuses_bad_requests_itself_and_redacts_addresses_for_clients() 
 
 
 def test_a_large_cache_travels_in_parts_and_is_reassembled_in_any_order() -> None:
-    core = prefill(part_bytes=48)  # each 24-byte layer pair is 48 bytes: one layer a part
+    core = prefill(part_bytes=48)  # each 24-byte tensor is half a part: one layer a part
     k = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
     three = Packed(3, 9, (k, k, k), (k, k, k), tensor_digest((k, k, k), (k, k, k)))
     (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
     out = core.compute_done(job.lease, (9,), "length", None, three, (), 0.0)
-    parts = [s.msg for s in sends(out, KvHandoff)]
-    assert [(p.part, p.parts, len(p.keys)) for p in parts] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+    first = sends(out, KvHandoff)
+    assert len(first) == 2  # two parts go at once; the next when one is written
+    (third,) = sends(core.sent(first[0], 0.01), KvHandoff)
+    parts = [s.msg for s in (*first, third)]
+    assert [(p.part, p.parts, p.pieces) for p in parts] == [
+        (0, 3, (0, 1)),
+        (1, 3, (2, 3)),
+        (2, 3, (4, 5)),
+    ]
     dec = decode()
     assert dec.handle(parts[2], P0, 0.1) == [] and dec.handle(parts[0], P0, 0.1) == []
     assert dec.handle(parts[0], P0, 0.1) == []  # a repeat changes nothing
     (job2,) = [e.job for e in dec.handle(parts[1], P0, 0.2) if isinstance(e, StartCompute)]
-    assert isinstance(job2, VerifyJob) and len(job2.handoff.keys) == 3
+    assert isinstance(job2, VerifyJob) and job2.handoff.keys == (k, k, k)
     assert digest_of(job2.handoff, tensor_digest(job2.handoff.keys, job2.handoff.values)) == (
         job2.handoff.digest
     )
@@ -614,33 +621,49 @@ def test_a_large_cache_travels_in_parts_and_is_reassembled_in_any_order() -> Non
     assert "only 1 of 3 handoff parts" in err.msg.message and not slow.reads
 
 
-def test_a_layer_larger_than_one_message_fails_the_request() -> None:
-    core = prefill(part_bytes=40)
+def test_a_tensor_larger_than_a_part_is_cut_into_row_ranges() -> None:
+    """A part holds at most part_bytes: a layer larger than that goes as ranges of its rows
+    (here parts of at most 20 bytes, of 8-byte rows, one straddling two tensors), joined
+    exactly."""
+    core = prefill(part_bytes=20)
     (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
-    out = core.compute_done(job.lease, (9,), "length", None, packed(), (), 0.0)
-    (err,) = sends(out, Error)
-    assert err.msg.code == ErrorCode.HANDOFF_FAILED and "48 bytes" in err.msg.message
-    assert not sends(out, KvHandoff) and core.active == 0
+    p = packed()
+    out = core.compute_done(job.lease, (9,), "length", None, p, (), 0.0)
+    pending, parts = sends(out, KvHandoff), []
+    while pending:
+        s = pending.pop(0)
+        parts.append(s.msg)
+        pending += sends(core.sent(s, 0.1), KvHandoff)
+    assert [(m.pieces, [t.shape for t in m.keys]) for m in parts] == [
+        ((0,), [(2, 2)]),
+        ((0, 1), [(1, 2), (1, 2)]),
+        ((1,), [(2, 2)]),
+    ]
+    whole = join(parts)
+    assert not isinstance(whole, str) and whole.keys == p.keys and whole.values == p.values
 
 
 def test_parts_are_checked_against_the_model_on_arrival() -> None:
     core = DecodeCore(DecodeConfig(vocab=100, max_len=64, dims=(2, 1, 2, 2)))
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
-    h = dataclasses.replace(handoff(), keys=(k,), values=(k,), part=0, parts=2)
-    assert [type(e) for e in core.handle(h, P0, 0.0)] == []  # part 0 of 2 kept
-    # More parts than the model has layers, a wrong shape, more layers than the model: refused.
+    two = dataclasses.replace(handoff(), keys=(k, k), values=(k, k))
+    plan = plan_parts(two, 24)
+    h = part_of(two, plan, 0)
+    assert [type(e) for e in core.handle(h, P0, 0.0)] == []  # part 0 of 4 kept
+    # A layout of another model, or pieces of tensors it does not have: refused.
     for lease, bad in (
-        (7, dataclasses.replace(h, lease=7, parts=3)),
-        (8, dataclasses.replace(h, lease=8, keys=(Tensor("float32", (1, 2, 3, 2), bytes(48)),))),
+        (7, dataclasses.replace(h, lease=7, layout=h.layout[:2])),
+        (8, dataclasses.replace(h, lease=8, layout=((1, 2, 3, 2),) * 4)),
+        (9, dataclasses.replace(h, lease=9, pieces=(4,))),
     ):
         (ack,) = sends(core.handle(bad, P0, 0.0))
         assert not ack.msg.ok and ack.msg.lease == lease
-    two = dataclasses.replace(h, part=1, keys=(k, k), values=(k, k))
-    (ack,) = sends(core.handle(two, P0, 0.1))
-    assert not ack.msg.ok and "more than the model's 2 layers" in ack.msg.reason
+    over = dataclasses.replace(part_of(two, plan, 1), keys=(Tensor("float32", (10, 2), bytes(80)),))
+    (ack,) = sends(core.handle(over, P0, 0.1))
+    assert not ack.msg.ok and "more than the handoff's tensors" in ack.msg.reason
     assert core.active == 0
     # ... and a late part of that handoff opens nothing.
-    assert core.handle(dataclasses.replace(h, part=1), P0, 0.2) == [] and core.active == 0
+    assert core.handle(part_of(two, plan, 2), P0, 0.2) == [] and core.active == 0
 
 
 def test_router_bookkeeping_of_a_completed_a_failed_and_a_cancelled_request() -> None:

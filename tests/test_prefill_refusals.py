@@ -21,6 +21,7 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     PrefillRequest,
+    Progress,
     RunEntry,
     SamplingParams,
     Tensor,
@@ -176,12 +177,60 @@ def test_the_handoff_carries_the_rest_of_the_request_under_a_lease_deadline() ->
     m = request()
     lease = admit(c, m)
     out = c.compute_done(lease, (9,), "length", (-0.5,), PACKED, (1, 2), 2.0)
-    expires = 2.0 + 5.0 + PACKED.nbytes / 100e6
+    h = handoff_of(m, lease, 3, (1, 2))
     assert out == [
         Send(R, TokenResult("r1", 0, (9,), None, NONCE, (-0.5,))),
-        Send(D1, handoff_of(m, lease, 3, (1, 2)), deadline=expires),
+        Send(D1, h, deadline=7.0, notify=True),
     ]
-    assert c.next_timer() == expires and c.counts == {"accepted": 1, "handed_off": 1}
+    assert c.next_timer() == 7.0 and c.counts == {"accepted": 1, "handed_off": 1}
+    # Written: the ack is awaited, with a second per 100 MB for the decode node's checks.
+    assert c.sent(Send(D1, h, deadline=7.0, notify=True), 3.0) == [Send(R, Progress((NONCE,)))]
+    assert c.next_timer() == 3.0 + 5.0 + PACKED.nbytes / 100e6
+
+
+def test_a_handoff_in_parts_goes_two_at_a_time_and_each_part_written_renews_its_lease() -> None:
+    c = core(part_bytes=8, lease_max=100.0)  # 8 bytes: 6 parts of one row
+    m = request()
+    lease = admit(c, m)
+    out = c.compute_done(lease, (9,), "length", None, PACKED, (), 0.0)
+    parts = [e for e in out if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]
+    assert [(p.msg.part, p.msg.parts, p.deadline, p.notify) for p in parts] == [
+        (0, 6, 5.0, True),
+        (1, 6, 5.0, True),
+    ]
+    assert c.sent(Send(STRANGER, parts[0].msg), 0.5) == []  # not where it went: nothing
+    nxt = c.sent(parts[0], 0.5)  # the first written at 0.5 s: the third goes, lease renewed
+    assert [(e.msg.part, e.deadline) for e in nxt] == [(2, 5.5)]
+    assert c.next_timer() == 5.5
+    more = c.sent(parts[1], 1.5)  # a second later: the router hears the handoff moves
+    assert [type(e.msg).__name__ for e in more] == ["KvHandoff", "Progress"]
+    # No part written for the lease's 5 s: it expires, naming where it stood.
+    why = (
+        f"handoff lease expired: no part of the KV cache could be written to decode node {D1} "
+        "for 5s (part 2 of 6; --handoff-lease)"
+    )
+    assert c.on_timer(6.5) == [
+        Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "r1", NONCE)),
+        FreeCache(lease),
+        Send(D1, HandoffVerdict("r1", lease, False, why[:200])),
+    ]
+    assert c.sent(more[0], 7.0) == []  # a part of a lease that ended: nothing more goes
+
+
+def test_a_handoff_that_keeps_moving_still_ends_at_its_maximum() -> None:
+    c = core(part_bytes=8, lease_max=12.0)
+    lease = admit(c, request())
+    out = c.compute_done(lease, (9,), "length", None, PACKED, (), 0.0)
+    pending = [e for e in out if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]
+    t = 0.0
+    while pending:  # a part written every 4 s: each renews the lease, up to 12 s in all
+        t += 4.0
+        if c.next_timer() is not None and c.next_timer() <= t:  # type: ignore[operator]
+            break
+        pending += [e for e in c.sent(pending.pop(0), t) if isinstance(e.msg, KvHandoff)]
+    assert c.next_timer() == 12.0
+    (err, *_) = c.on_timer(12.0)
+    assert err.msg.code == ErrorCode.HANDOFF_TIMEOUT and "within 12s" in err.msg.message
 
 
 def test_a_prompt_that_left_no_cache_or_no_token_fails_without_a_handoff() -> None:
@@ -255,7 +304,10 @@ def test_leases_expire_at_their_deadline_each_with_an_error_and_an_abort() -> No
     a, b = leased(c, request("a")), leased(c, request("b"))
     when = c.next_timer()
     assert when is not None and c.on_timer(when - 1e-6) == []
-    why = f"handoff lease expired after 5s: decode node {D1} never acknowledged the KV cache"
+    why = (
+        f"handoff lease expired: no part of the KV cache could be written to decode node {D1} "
+        "for 5s (part 0 of 1; --handoff-lease)"
+    )
     assert c.on_timer(when) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "a", NONCE)),
         FreeCache(a),
@@ -267,6 +319,13 @@ def test_leases_expire_at_their_deadline_each_with_an_error_and_an_abort() -> No
     assert c.counts["expired"] == 2 and c.next_timer() is None
     admit(c, request("c"))
     assert c.next_timer() is None and c.on_timer(1e9) == []  # a computing lease has no timer
+    # Written whole, then no ack within the lease: that is what the error says.
+    d = leased(c, request("d"), 10.0)
+    assert len(c.leases[d].plan) == 1
+    c.sent(Send(D1, handoff_of(request("d"), d, 3)), 11.0)
+    late = f"handoff lease expired: decode node {D1} never acknowledged the KV cache after its "
+    (err, *_) = c.on_timer(c.next_timer())  # type: ignore[arg-type]
+    assert err.msg.message == late + "last byte was written"
 
 
 def test_a_handoff_that_cannot_be_delivered_fails_its_lease_only() -> None:

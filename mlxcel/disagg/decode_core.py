@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Slot:
     deadline: float | None = None
     index: int = 1  # the next token's index (the prefill node sent index 0)
     pieces: dict[int, KvHandoff] = field(default_factory=dict)  # parts received so far
+    elements: int = 0  # tensor elements those parts carry (bounded by the layout's)
 
     @property
     def router(self) -> str:
@@ -161,11 +163,15 @@ class DecodeCore:
 
     def _shape_problem(self, h: KvHandoff) -> str:
         """Cheap checks of one message of a handoff, before anything is kept."""
-        layers = self.config.dims[0] if self.config.dims else MAX_PARTS
-        if not 0 <= h.part < h.parts <= min(MAX_PARTS, layers):
-            return f"part {h.part} of {h.parts} (at most one part per layer)"
-        if not h.keys or len(h.keys) != len(h.values) or len(h.keys) > layers:
-            return f"a part of {len(h.keys)} key and {len(h.values)} value layers"
+        if not 0 <= h.part < h.parts <= MAX_PARTS:
+            return f"part {h.part} of {h.parts} (at most {MAX_PARTS} parts)"
+        if h.parts > 1:
+            return self._part_problem(h)
+        if h.pieces or h.layout:
+            return "a handoff in one message carries whole tensors, not pieces"
+        layers = self.config.dims[0] if self.config.dims else len(h.keys)
+        if not h.keys or len(h.keys) != len(h.values) or len(h.keys) != layers:
+            return f"{len(h.keys)} key and {len(h.values)} value layers (the model has {layers})"
         if self.config.dims:
             _, heads, kdim, vdim = self.config.dims
             for ts, dim in ((h.keys, kdim), (h.values, vdim)):
@@ -173,6 +179,27 @@ class DecodeCore:
                 for t in ts:
                     if tuple(t.shape) != want:
                         return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+        return ""
+
+    def _part_problem(self, h: KvHandoff) -> str:
+        """A part's pieces: row ranges of tensors the layout names, as wide as their tensor."""
+        n = len(h.layout)
+        if not n or n % 2 or (self.config.dims and n != 2 * self.config.dims[0]):
+            return f"a handoff layout of {n} tensors"
+        if self.config.dims:
+            _, heads, kdim, vdim = self.config.dims
+            for i, shape in enumerate(h.layout):
+                want = (1, heads, h.prompt_len, vdim if i % 2 else kdim)
+                if tuple(shape) != want:
+                    return f"handoff tensor shape {list(shape)}, expected {list(want)}"
+        if h.values or not h.keys or len(h.pieces) != len(h.keys):
+            return "a handoff part must hold pieces, each naming its tensor"
+        for i, t in zip(h.pieces, h.keys, strict=True):
+            if not 0 <= i < n:
+                return f"a piece of tensor {i}, which the layout does not have"
+            width = h.layout[i][-1] if h.layout[i] else 1
+            if len(t.shape) != 2 or t.shape[1] != width:
+                return f"a piece of shape {list(t.shape)} for a tensor {width} wide"
         return ""
 
     def _piece(self, s: Slot, h: KvHandoff, now: float) -> list[Effect]:
@@ -184,23 +211,26 @@ class DecodeCore:
             why = "the parts of the handoff disagree"
         if not why and h.part in s.pieces:
             return []  # a repeat
-        layers = sum(len(p.keys) for p in s.pieces.values()) + len(h.keys)
-        if not why and self.config.dims and layers > self.config.dims[0]:
-            why = f"the parts hold more than the model's {self.config.dims[0]} layers"
-        if why:
-            self.counts["corrupt"] += 1
-            ack = HandoffAck(h.request_id, h.lease, False, why)
-            return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
-        s.pieces[h.part] = h
-        s.deadline = now + self.config.verdict_wait  # progress: wait for the next part
-        self.counts["parts"] += 1
-        if len(s.pieces) < h.parts:
-            return []
-        whole = join([s.pieces[i] for i in range(h.parts)])
-        s.pieces.clear()
-        s.handoff = whole
-        s.state = SLOT_TABLE.next(s.state, SlotEvent.RECEIVED)
-        return [StartCompute(VerifyJob(s.id, whole))]
+        if not why:
+            s.elements += sum(math.prod(t.shape) for t in h.keys)
+            if s.elements > sum(math.prod(shape) for shape in h.layout):
+                why = "the parts hold more than the handoff's tensors"
+        if not why:
+            s.pieces[h.part] = h
+            s.deadline = now + self.config.verdict_wait  # progress: wait for what comes next
+            self.counts["parts"] += 1
+            if len(s.pieces) < h.parts:
+                return []
+            whole = join([s.pieces[i] for i in range(h.parts)])
+            s.pieces.clear()
+            if not isinstance(whole, str):
+                s.handoff = whole
+                s.state = SLOT_TABLE.next(s.state, SlotEvent.RECEIVED)
+                return [StartCompute(VerifyJob(s.id, whole))]
+            why = whole
+        self.counts["corrupt"] += 1
+        ack = HandoffAck(h.request_id, h.lease, False, why)
+        return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
 
     def verified(self, slot_id: int, problem: str | None, now: float) -> list[Effect]:
         """The compute side checked (and staged) the handoff; ``problem`` says why not."""

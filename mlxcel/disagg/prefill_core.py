@@ -21,15 +21,18 @@ from dataclasses import dataclass
 from mlxcel.disagg.protocol import (
     LEASE,
     LEASE_BYTES_PER_S,
+    LEASE_MAX,
     LEASE_TABLE,
     MAX_TOMBSTONES,
+    PART_BYTES,
+    PART_WINDOW,
     PENALTY_CONTEXT,
     LeaseEvent,
     LeaseState,
     PrefillJob,
 )
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
-from mlxcel.handoff import Packed, digest_of, split
+from mlxcel.handoff import Packed, Piece, digest_of, part_of, plan_parts
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -39,6 +42,7 @@ from mlxcel.messages import (
     KvHandoff,
     Message,
     PrefillRequest,
+    Progress,
     QueryState,
     State,
     TokenResult,
@@ -55,6 +59,11 @@ class Lease:
     expires: float | None = None
     held: Packed | None = None  # the cache, while the lease lasts
     sent_at: float = 0.0  # when its handoff went out (for the handoff time)
+    handoff: KvHandoff | None = None  # the whole handoff, cut into parts as they go out
+    plan: list[list[Piece]] = dataclasses.field(default_factory=list)
+    next_part: int = 0  # the next part to hand to the outbox
+    writing: int = 0  # parts handed over and not yet written
+    told_router: float = 0.0  # when a Progress last told the router it moves
 
 
 @dataclass(frozen=True)
@@ -64,11 +73,12 @@ class PrefillConfig:
     unsupported: str | None = None  # why this model cannot hand off (None: it can)
     vocab: int = 1 << 30
     max_len: int = 1 << 30
-    lease: float = LEASE
+    lease: float = LEASE  # a handoff's lease past its last progress (--handoff-lease)
+    lease_max: float = LEASE_MAX  # and its whole life at most (--handoff-lease-max)
     max_sequences: int = 64
-    # Tensor bytes in one handoff message (the transport caps a message at 256 MiB); a larger
-    # cache travels as several messages of whole layers.
-    part_bytes: int = 255 << 20
+    # Tensor bytes in one handoff message (0: 1/64 of the cache within PART_BYTES): small
+    # parts let other handoffs to the same node through between them.
+    part_bytes: int = 0
 
 
 class PrefillCore:
@@ -217,20 +227,52 @@ class PrefillCore:
             context=m.token_ids[-PENALTY_CONTEXT:],
         )
         h = dataclasses.replace(h, digest=digest_of(h, packed.tensors))
-        parts = split(h, self.config.part_bytes)
-        if parts is None:
-            biggest = max(k.nbytes + v.nbytes for k, v in zip(h.keys, h.values, strict=True))
-            return out + self._fail(
-                x,
-                ErrorCode.HANDOFF_FAILED,
-                f"one layer of this prompt's KV cache is {biggest} bytes, above the "
-                f"{self.config.part_bytes}-byte limit of one handoff message",
-            )
         x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
-        x.held, x.sent_at = packed, now
-        x.expires = now + self.config.lease + packed.nbytes / LEASE_BYTES_PER_S
+        x.held, x.sent_at, x.told_router = packed, now, now
+        x.handoff, x.plan = h, plan_parts(h, self._part_bytes(packed.nbytes))
+        x.expires = now + self.config.lease  # renewed by every part written
         self.counts["handed_off"] += 1
-        return out + [Send(x.target, p, deadline=x.expires) for p in parts]
+        return out + self._write_parts(x, now)
+
+    def _part_bytes(self, nbytes: int) -> int:
+        if self.config.part_bytes:
+            return self.config.part_bytes
+        low, high = PART_BYTES
+        return min(high, max(low, nbytes // 64))
+
+    def _write_parts(self, x: Lease, now: float) -> list[Effect]:
+        """Hand the outbox the next parts, up to PART_WINDOW of them unwritten: parts of other
+        handoffs to the same node queue between them, so none waits for a whole cache."""
+        out: list[Effect] = []
+        assert x.handoff is not None
+        while x.next_part < len(x.plan) and x.writing < PART_WINDOW:
+            part = part_of(x.handoff, x.plan, x.next_part)
+            # Not worth sending once the lease could have ended: the outbox drops it unsent.
+            out.append(Send(x.target, part, deadline=x.expires, notify=True))
+            x.next_part += 1
+            x.writing += 1
+        return out
+
+    def sent(self, send: Send, now: float) -> list[Effect]:
+        """A part of a handoff was written: its lease is renewed, and the next part goes."""
+        m = send.msg
+        x = self.leases.get(m.lease) if isinstance(m, KvHandoff) else None
+        if x is None or x.state is not LeaseState.LEASED or x.target != send.dest:
+            return []
+        x.writing -= 1
+        cap = x.sent_at + self.config.lease_max
+        if x.next_part < len(x.plan) or x.writing:
+            x.expires = min(cap, now + self.config.lease)
+            out = self._write_parts(x, now)
+        else:  # all written: the ack comes once the decode node has checked every byte
+            assert x.held is not None
+            x.expires = min(cap, now + self.config.lease + x.held.nbytes / LEASE_BYTES_PER_S)
+            x.handoff, x.plan = None, []
+            out = []
+        if now - x.told_router >= 1.0:  # the router's handoff deadline moves with it
+            x.told_router = now
+            out.append(Send(x.router, Progress((x.request.nonce,))))
+        return out
 
     def compute_failed(self, lease_id: int, why: str, now: float) -> list[Effect]:
         x = self.leases.get(lease_id)
@@ -269,11 +311,27 @@ class PrefillCore:
             out += self._fail(
                 x,
                 ErrorCode.HANDOFF_TIMEOUT,
-                f"handoff lease expired after {self.config.lease:g}s: decode node {x.target} "
-                "never acknowledged the KV cache",
+                self._expiry(x, now),
                 event=LeaseEvent.EXPIRED,
             )
         return out
+
+    def _expiry(self, x: Lease, now: float) -> str:
+        if now >= x.sent_at + self.config.lease_max:
+            return (
+                f"handoff lease expired: the KV cache did not reach decode node {x.target} "
+                f"and get acknowledged within {self.config.lease_max:g}s (--handoff-lease-max)"
+            )
+        if x.handoff is not None:
+            return (
+                f"handoff lease expired: no part of the KV cache could be written to decode "
+                f"node {x.target} for {self.config.lease:g}s (part {x.next_part - x.writing} "
+                f"of {len(x.plan)}; --handoff-lease)"
+            )
+        return (
+            f"handoff lease expired: decode node {x.target} never acknowledged the KV cache "
+            f"after its last byte was written"
+        )
 
     def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
         m = send.msg
@@ -315,7 +373,7 @@ class PrefillCore:
         self._finished[(x.router, x.request.request_id, x.request.nonce)] = None
         if len(self._finished) > MAX_TOMBSTONES:
             self._finished.pop(next(iter(self._finished)))
-        x.held = None
+        x.held, x.handoff, x.plan = None, None, []
         out: list[Effect] = [FreeCache(x.id)]
         if leased and abort is not None:
             verdict = HandoffVerdict(x.request.request_id, x.id, False, abort[:200])

@@ -20,14 +20,20 @@ import enum
 from dataclasses import dataclass
 
 # router: dispatch -> first token (a long prompt takes a while); a setting, --prefill-timeout
+from mlxcel.defaults import HANDOFF_LEASE, HANDOFF_LEASE_MAX
 from mlxcel.defaults import PREFILL_TIMEOUT as PREFILL_TIMEOUT
 from mlxcel.fsm import Table
 from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
 
 # --- bounds (seconds) ---------------------------------------------------------------------------
 HANDOFF_TIMEOUT = 30.0  # router: first token -> decode's first token, and between tokens
-LEASE = 10.0  # prefill: how long it holds a handed-off cache waiting for the ack...
-LEASE_BYTES_PER_S = 100e6  # ...plus one second per 100 MB of cache (a big transfer takes time)
+# prefill: a handoff's lease lasts this long past its last progress -- a part written to the
+# decode node's connection, or the last one (then the ack is awaited)...
+LEASE = HANDOFF_LEASE  # (--handoff-lease)
+LEASE_BYTES_PER_S = 100e6  # ...plus one second per 100 MB of cache once sent (verification)
+LEASE_MAX = HANDOFF_LEASE_MAX  # the longest a handoff may take in all (--handoff-lease-max)
+PART_WINDOW = 2  # prefill: parts of one handoff written or queued at once
+PART_BYTES = (64 << 10, 4 << 20)  # prefill: a part's size bounds; between: 1/64 of the cache
 SEND_WAIT = 5.0  # router: how long a prompt's send may wait for its prefill node
 VERDICT_WAIT = LEASE + 5.0  # decode: how long a verified handoff waits for the verdict
 PROBE_INTERVAL = 1.0  # router: liveness probe period per node
@@ -35,7 +41,7 @@ TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembe
 MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
 PENALTY_CONTEXT = 20  # prompt tokens a handoff carries: what mlx-lm's penalties look back on
-MAX_PARTS = 1024  # decode: messages one handoff may be split into
+MAX_PARTS = 4096  # decode: messages one handoff may be split into
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
 DROP_GRACE = 5.0  # router: a stream whose decode node dropped a connection must go on within
 MAX_RESTARTS = 2  # router: times a request with no token out yet starts over on other nodes

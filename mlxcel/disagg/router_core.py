@@ -26,7 +26,7 @@ from mlxcel.disagg.protocol import (
     RouteEvent,
     RouteState,
 )
-from mlxcel.disagg.router_nodes import PeerNode, figures_of, node_stats
+from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
 from mlxcel.effects import Deliver, Effect, Send, Warn
 from mlxcel.membership import MembershipLog
 from mlxcel.messages import (
@@ -36,6 +36,7 @@ from mlxcel.messages import (
     ErrorCode,
     Message,
     PrefillRequest,
+    Progress,
     QueryState,
     RunEntry,
     RunResult,
@@ -44,6 +45,10 @@ from mlxcel.messages import (
 )
 
 FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
+# Errors from a node that say a handoff between the two nodes failed (the link, or one of them)
+HANDOFF_CODES = frozenset(
+    {ErrorCode.HANDOFF_TIMEOUT, ErrorCode.HANDOFF_FAILED, ErrorCode.NODE_UNREACHABLE}
+)
 
 
 @dataclass
@@ -79,17 +84,9 @@ class RouterCore:
         vocab: int = 1 << 30,
         max_len: int = 1 << 30,
     ) -> None:
-        if not prefill or not decode:
-            raise ValueError("a router needs at least one prefill and one decode peer")
         self.vocab, self.max_len = vocab, max_len
-        self.nodes: dict[str, PeerNode] = {}
-        for role, addrs in (("prefill", prefill), ("decode", decode)):
-            for i, a in enumerate(addrs):
-                if a in self.nodes:
-                    raise ValueError(f"{a} is listed twice among the router's peers")
-                self.nodes[a] = PeerNode(f"{role}-{i}", role, a)
-        self._rr = {"prefill": itertools.cycle(prefill), "decode": itertools.cycle(decode)}
-        self._by_role = {"prefill": list(prefill), "decode": list(decode)}
+        self.table = NodeTable(prefill, decode, capacity)
+        self.nodes = self.table.by_address
         self._nonces = itertools.count(first_nonce)
         self.prefill_timeout = prefill_timeout
         self.handoff_timeout = handoff_timeout
@@ -105,7 +102,7 @@ class RouterCore:
         return len(self.routes)
 
     def online(self, role: str) -> list[str]:
-        return [a for a in self._by_role[role] if self.nodes[a].online]
+        return [a for a in self.table.by_role[role] if self.nodes[a].online]
 
     def next_timer(self) -> float | None:
         times = [r.deadline for r in self.routes.values()]
@@ -122,6 +119,12 @@ class RouterCore:
             return []
         if isinstance(msg, (TokenResult, Error)):
             return self._result(msg, source, now)
+        if isinstance(msg, Progress) and source in self.nodes:
+            moving = set(msg.nonces)  # a prefill node still writes these handoffs
+            for r in self.routes.values():
+                if r.prefill == source and r.state is RouteState.HANDOFF and r.nonce in moving:
+                    r.deadline = max(r.deadline, now + self.handoff_timeout)
+            return []
         if isinstance(msg, State) and source in self.nodes:
             self.nodes[source].figures = figures_of(msg)
             self.nodes[source].draining = msg.draining
@@ -148,6 +151,7 @@ class RouterCore:
                     f"handoff timeout: {self.nodes[r.decode].id} did not start decoding "
                     f"within {self.handoff_timeout:g}s of the first token"
                 )
+                out += self._handoff_failed(r, why, now)
             else:
                 why = (
                     f"handoff timeout: {self.nodes[r.decode].id} sent no token for "
@@ -242,8 +246,8 @@ class RouterCore:
         match anything)."""
         skip = {lost.address} if avoid else set()
         why = "was lost" if avoid else "dropped its connection"
-        p = self._pick("prefill", exclude=skip)
-        d = self._pick("decode", exclude=skip)
+        p = self.table.pick("prefill", now, exclude=skip)
+        d = self.table.pick("decode", now, exclude=skip)
         if p is None or d is None:
             role = "prefill" if p is None else "decode"
             return self._fail(
@@ -305,7 +309,7 @@ class RouterCore:
     def _failover(self, r: Route, reason: str, now: float) -> list[Effect]:
         """``r``'s prefill node did not run it (never reached, or refused it unrun)."""
         r.tried.add(r.prefill)
-        nxt = self._pick("prefill", exclude=r.tried)
+        nxt = self.table.pick("prefill", now, exclude=r.tried)
         if nxt is None:
             return self._fail(
                 r,
@@ -319,14 +323,6 @@ class RouterCore:
         return self._dispatch(r, now, "failover")
 
     # --- admission and dispatch -----------------------------------------------------------
-    def _pick(self, role: str, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
-        for _ in range(len(self._by_role[role])):
-            a = next(self._rr[role])
-            n = self.nodes[a]
-            if n.online and not n.draining and n.active < self.capacity and a not in exclude:
-                return a
-        return None
-
     def _admit(self, e: RunEntry, now: float) -> list[Effect]:
         problem = ""
         if e.request_id in self.routes:
@@ -340,13 +336,13 @@ class RouterCore:
             )
         if problem:  # refused here, as a single node would: no node sees it
             return [Deliver(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))]
-        p = self._pick("prefill")
-        d = self._pick("decode")
+        p = self.table.pick("prefill", now)
+        d = self.table.pick("decode", now)
         if p is None or d is None:
             self.counts["rejected"] += 1
             role = "prefill" if p is None else "decode"
             state = ", ".join(
-                f"{self.nodes[a].id}: {self.nodes[a].why_not()}" for a in self._by_role[role]
+                f"{self.nodes[a].id}: {self.nodes[a].why_not()}" for a in self.table.by_role[role]
             )
             why = f"no {role} node can take the request ({state})"
             return [Deliver(Error(ErrorCode.NO_NODE_AVAILABLE, why, e.request_id, e.nonce))]
@@ -401,7 +397,8 @@ class RouterCore:
                 node.draining = True  # shutting down, and it ran nothing: another one may
                 return self._failover(r, msg.message, now)
             other = r.decode if source == r.prefill else r.prefill
-            return self._fail(r, msg.code, f"{node.id}: {msg.message}", cancel=(other,))
+            out = self._handoff_failed(r, msg.message, now) if msg.code in HANDOFF_CODES else []
+            return out + self._fail(r, msg.code, f"{node.id}: {msg.message}", cancel=(other,))
         expected = r.prefill if msg.index == 0 else r.decode
         if source != expected or msg.index < r.next_index:
             self.counts["stale"] += 1
@@ -449,10 +446,17 @@ class RouterCore:
             self.counts["completed"] += 1
             for a in (r.prefill, r.decode):
                 self.nodes[a].completed += 1
+                self.nodes[a].handoff_done()
             out += self._end(r)
         return out
 
     # --- endings ----------------------------------------------------------------------------
+    def _handoff_failed(self, r: Route, why: str, now: float) -> list[Effect]:
+        """A handoff between ``r``'s nodes failed: a node whose handoffs keep failing (a slow
+        or broken link, a full or faulty decode node) is routed around for a while."""
+        lines = (self.nodes[a].handoff_failed(why, now) for a in (r.prefill, r.decode))
+        return [Warn("warning", line) for line in lines if line]
+
     def _fail(self, r: Route, code: str, why: str, cancel: tuple[str, ...] = ()) -> list[Effect]:
         r.state = ROUTE_TABLE.next(r.state, RouteEvent.FAIL)
         self.counts["failed"] += 1
@@ -467,9 +471,7 @@ class RouterCore:
         return out + self._end(r) + self._cancels(r, cancel, why)
 
     def redact(self, text: str) -> str:
-        for n in self.nodes.values():
-            text = text.replace(n.address, n.id)
-        return text
+        return self.table.redact(text)
 
     def _end(self, r: Route) -> list[Effect]:
         self.routes.pop(r.request_id, None)

@@ -32,6 +32,7 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     PrefillRequest,
+    Progress,
     QueryState,
     RunEntry,
     RunResult,
@@ -95,7 +96,7 @@ class RouterService(_DisaggAdapter):
 
     def attach(self) -> None:
         self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
-        self.subscribe([TokenResult, Error, State], Origin.REMOTE, maxsize=4096)
+        self.subscribe([TokenResult, Error, State, Progress], Origin.REMOTE, maxsize=4096)
         self._local.start()
         self.node.spawn(self._probe_loop(), name="router.probe", critical=True)
         self.start()

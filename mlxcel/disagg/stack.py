@@ -212,7 +212,14 @@ async def _prefill_service(
         )
     vocab, max_len = _model_bounds(loaded)
     cfg = PrefillConfig(
-        spec.decode_peers, allowed, unsupported, vocab, max_len, max_sequences=NODE_CAPACITY
+        spec.decode_peers,
+        allowed,
+        unsupported,
+        vocab,
+        max_len,
+        lease=spec.handoff_lease,
+        lease_max=spec.handoff_lease_max,
+        max_sequences=NODE_CAPACITY,
     )
     return PrefillService(node, endpoint, engine, cfg)
 

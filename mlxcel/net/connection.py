@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
+import sys
 
 from loguru import logger
 
@@ -80,6 +82,28 @@ ENCODE_INLINE = 4 << 20  # messages carrying more tensor bytes are encoded on a 
 _ids = itertools.count(1)
 
 
+# Bytes a cluster socket's kernel buffer may hold that were not sent yet. The rest waits in
+# the connection's own buffer, where a deadline can still stop it and the next message can
+# still be chosen: on a slow link a kernel buffer of megabytes is tens of seconds of data that
+# nothing can take back or reorder. In-flight (sent, unacknowledged) bytes are not limited.
+NOTSENT_LOWAT = 128 << 10
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's option number
+
+
+def _keep_unsent_here(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if (
+        sock is None
+        or sys.platform != "linux"
+        or sock.family not in (socket.AF_INET, socket.AF_INET6)
+    ):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+    except OSError:  # an older kernel: the kernel's buffer then holds what it will
+        pass
+
+
 class SecureConnection:
     def __init__(
         self,
@@ -118,6 +142,7 @@ class SecureConnection:
         self.heard_at = self._last_write  # when a frame (or part of one) last arrived
         self._waiting: list[asyncio.Future[None]] = []  # pings waiting to hear the peer
         self._gone = False  # the peer stopped answering: close by abort, not by a flush
+        _keep_unsent_here(writer)
         self.id = next(_ids)
         self.closed = False
         self.frames_out = 0
@@ -193,7 +218,9 @@ class SecureConnection:
         except BaseException:
             if 0 < written < records:
                 # The peer holds the first part of a message that will never end: whatever
-                # came next on this stream would be glued onto it. Only a new connection helps.
+                # came next on this stream would be glued onto it. Only a new connection helps,
+                # and what the kernel still holds of this message is not worth sending.
+                self._gone = True
                 self.close()
             raise
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
 
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
 from mlxcel.errors import ProtocolError
@@ -190,13 +189,9 @@ class StageCore(StageGate):
             self._drain_ends = None
             if self.state is StageState.DRAINING:
                 self.state = NODE_TABLE.next(self.state, StageEvent.RESUME)
-                out.append(
-                    Warn(
-                        "warning",
-                        f"{self._me}: the drain asked for {self.config.drain_bound:g}s ago "
-                        "ended with no Shutdown after it: serving again",
-                    )
-                )
+                bound = self.config.drain_bound
+                self._say(out, f"the drain asked for {bound:g}s ago ended with no Shutdown "
+                          "after it: serving again")  # fmt: skip
         if self._keepalive.at is not None and now >= self._keepalive.at:
             held = {(s.owner, s.step.nonce) for s in self.seqs.values() if s.step is not None}
             report = self._keepalive.tick(held, now)
@@ -266,19 +261,7 @@ class StageCore(StageGate):
         self._maybe_stopped(out)
         return out
 
-    def begin_drain(self) -> None:
-        self.state = NODE_TABLE.next(self.state, StageEvent.DRAIN)
-
     # --- commands -----------------------------------------------------------------------------
-    def _owned(self, msg: Any, source: str) -> Seq | None:
-        """The sequence named by ``msg`` if ``source`` owns it; raises for another owner."""
-        seq = self.seqs.get(msg.request_id)
-        if seq is not None and seq.owner != source and "skip-owner-check" not in self.inject:
-            raise ProtocolError(
-                ErrorCode.NOT_OWNER, f"request {seq.key[0]!r} is owned by another identity"
-            )
-        return seq
-
     def _on_PrepareSequence(
         self, m: PrepareSequence, source: str, now: float, out: list[Effect]
     ) -> None:
@@ -310,21 +293,15 @@ class StageCore(StageGate):
 
     def _on_BeginDrain(self, m: BeginDrain, source: str, now: float, out: list[Effect]) -> None:
         if self.state is StageState.SERVING:
-            bound = self.config.drain_bound
-            self._drain_ends = now + bound
-            out.append(
-                Warn(
-                    "warning",
-                    f"{self._me}: draining on BeginDrain from {source}: no new sequences for "
-                    f"{bound:g}s unless a Shutdown follows",
-                )
-            )
-        self.begin_drain()
+            self._drain_ends = now + self.config.drain_bound
+            self._say(out, f"draining on BeginDrain from {source}: no new sequences for "
+                      f"{self.config.drain_bound:g}s unless a Shutdown follows")  # fmt: skip
+        self.state = NODE_TABLE.next(self.state, StageEvent.DRAIN)
         self._send(out, source, Ack("", 0))
 
     def _on_Shutdown(self, m: Shutdown, source: str, now: float, out: list[Effect]) -> None:
         if self.state is not StageState.STOPPING:
-            out.append(Warn("warning", f"{self._me}: stopping on Shutdown from {source}"))
+            self._say(out, f"stopping on Shutdown from {source}")
         self._drain_ends = None
         self.state = NODE_TABLE.next(self.state, StageEvent.SHUTDOWN)
 
@@ -519,7 +496,3 @@ class StageCore(StageGate):
         if not self.seqs and NODE_TABLE.allows(self.state, StageEvent.EMPTY):
             self.state = NODE_TABLE.next(self.state, StageEvent.EMPTY)
             out.append(Stopped())
-
-    def _fail_to_owner(self, out: list[Effect], seq: Seq, step: Step, code: str, why: str) -> None:
-        self.stats.errors += 1
-        self._send(out, seq.owner, Error(code, f"{self._me}: {why}", step.request_id, step.nonce))

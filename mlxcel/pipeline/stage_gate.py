@@ -1,7 +1,8 @@
 """The stage's gate: who a message is from, and how a refusal is answered.
 
 :class:`StageGate` is the part of :class:`~mlxcel.pipeline.stage_core.StageCore` that applies
-``MAY_SEND`` (commands only from the coordinator, activations only from upstream), bounds
+``MAY_SEND`` (commands only from the coordinator, activations only from upstream) and the
+owner check (the identity that prepared a request id owns it), bounds
 tensors before anything is built from them, and turns refusals into ``Error`` replies to the
 right identity -- counted by code, warned about at a limited rate.
 """
@@ -9,8 +10,10 @@ right identity -- counted by code, warned about at a limited rate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from mlxcel.effects import Effect, Send, Warn
+from mlxcel.errors import ProtocolError
 from mlxcel.messages import Activation, Error, ErrorCode, Message, Tensor, Undecodable
 from mlxcel.pipeline.stage_protocol import (
     FLOAT_DTYPES,
@@ -21,6 +24,7 @@ from mlxcel.pipeline.stage_protocol import (
     Seq,
     StageConfig,
     StageStats,
+    Step,
 )
 
 
@@ -30,6 +34,7 @@ class StageGate:
     seqs: dict[str, Seq]
     stats: StageStats
     handle_many: Callable[[tuple[Message, ...], str, float], list[Effect]]  # the core's
+    inject: frozenset[str]
 
     @property
     def _me(self) -> str:
@@ -80,6 +85,25 @@ class StageGate:
 
     def _send(self, out: list[Effect], dest: str, msg: Message) -> None:
         out.append(Send(dest, msg, self.is_peer(dest)))
+
+    def _owned(self, msg: Any, source: str) -> Seq | None:
+        """The sequence named by ``msg`` if ``source`` owns it; raises for another owner (the
+        identity that prepared a request id owns it here)."""
+        seq = self.seqs.get(msg.request_id)
+        if seq is not None and seq.owner != source and "skip-owner-check" not in self.inject:
+            raise ProtocolError(
+                ErrorCode.NOT_OWNER, f"request {seq.key[0]!r} is owned by another identity"
+            )
+        return seq
+
+    def _fail_to_owner(self, out: list[Effect], seq: Seq, step: Step, code: str, why: str) -> None:
+        """A step of ``seq`` failed here: its owner hears why, with the step's nonce."""
+        self.stats.errors += 1
+        self._send(out, seq.owner, Error(code, f"{self._me}: {why}", step.request_id, step.nonce))
+
+    def _say(self, out: list[Effect], text: str) -> None:
+        """A one-off warning line (not rate limited): what a command changed, and who sent it."""
+        out.append(Warn("warning", f"{self._me}: {text}"))
 
     def _warn(self, out: list[Effect], text: str) -> None:
         out.append(Warn("stage-drop", f"{self._me}: {text}"))
