@@ -10,7 +10,11 @@ them to the targets:
   stayed afterwards (``kept_mib``);
 - ``http flood``: ``sources`` addresses each open ``per_source`` connections and trickle
   header bytes on them, while a further address probes ``/health``: how many probes were
-  answered, and what the attackers held.
+  answered, and what the attackers held;
+- ``slow handoff``: a router, a prefill node whose link is shaped to ``rate`` (``tc tbf``)
+  and one decode node; one prompt of ``prompt_tokens`` tokens (its KV cache must cross the
+  slow link), and meanwhile ``shorts`` short requests, one every ``every`` seconds: whether
+  the long one completed, and how many short ones did and how fast.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlxcel.bench.netns import Hosts
-from mlxcel.bench.netns_nodes import HTTP_PORT, NodeProc, enter_netns
+from mlxcel.bench.netns_nodes import HTTP_PORT, NodeProc, enter_netns, keygen
 
 NET = 83  # 10.83.0.0/24: apart from the other benches' namespaces
 # The connection cap of a host whose descriptor limit is 4096 (where the flood was found);
@@ -232,6 +236,81 @@ def _probe(hosts: Hosts, source: str, target: str, probes: int) -> list[float | 
     return out
 
 
+@dataclass
+class SlowHandoff:
+    rate: str
+    prompt_tokens: int
+    long_status: int
+    long_s: float
+    long_code: str
+    shorts: int
+    shorts_ok: int
+    short_p50_s: float
+    short_p95_s: float
+    short_codes: dict[str, int]
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def slow_handoff(
+    model: Path,
+    tmp: Path,
+    prompt_tokens: int = 2000,
+    shorts: int = 40,
+    every: float = 0.2,
+    rate: str = "1mbit",
+) -> SlowHandoff:
+    """A long prompt's KV cache over a slow prefill link, and short requests meanwhile."""
+    import random
+
+    from mlxcel.bench.faults import disagg_cluster
+
+    secret = keygen(tmp / "cluster.secret")
+    rng = random.Random(7)
+    long_body = json.dumps(
+        {"model": "m", "prompt": [rng.randrange(100, 1000) for _ in range(prompt_tokens)],
+         "max_tokens": 4, "temperature": 0}
+    ).encode()  # fmt: skip
+    short_body = json.dumps({"model": "m", "prompt": "short one", "max_tokens": 4}).encode()
+    with disagg_cluster(model, secret, n_decode=1) as c:
+        url = c.client.base + "/v1/completions"
+
+        def timed(body: bytes) -> tuple[int, str, float]:
+            t0 = time.monotonic()
+            status, code = _post(url, body, 180.0)
+            return status, code, time.monotonic() - t0
+
+        assert timed(short_body)[0] == 200, "the cluster does not answer"  # warm, unshaped
+        c.hosts.slow(1, rate)
+        long_f = c.client.pool.submit(timed, long_body)
+        time.sleep(0.5)  # its prompt runs, then its cache starts across the link
+        futures = []
+        for _ in range(shorts):
+            futures.append(c.client.pool.submit(timed, short_body))
+            time.sleep(every)
+        results = [f.result() for f in futures]
+        long_status, long_code, long_s = long_f.result()
+        c.hosts.unslow(1)
+    ok = [t for status, _, t in results if status == 200]
+    return SlowHandoff(
+        rate,
+        prompt_tokens,
+        long_status,
+        round(long_s, 2),
+        long_code,
+        shorts,
+        len(ok),
+        round(_quantile(ok, 0.5), 2),
+        round(_quantile(ok, 0.95), 2),
+        dict(Counter(code or str(status) for status, code, _ in results)),
+    )
+
+
 def run_bench(model: Path, json_lines: bool = False) -> int:
     from mlxcel.bench.netns import unavailable
 
@@ -242,11 +321,16 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     from mlxcel.server.http_guard import raise_fd_limit
 
     raise_fd_limit()  # the flood's own sockets
+    import tempfile
+
     big = big_prompts(model)
     flood = http_flood(model, 5, 960, 20, *FLOOD_CAP)
+    with tempfile.TemporaryDirectory() as tmp:
+        slow = slow_handoff(model, Path(tmp))
     if json_lines:
         print(json.dumps({"scenario": "big prompts", **asdict(big)}))
         print(json.dumps({"scenario": "http flood", **asdict(flood)}))
+        print(json.dumps({"scenario": "slow handoff", **asdict(slow)}))
         return 0
     print(f"hostile clients on network namespaces, model {model.name}")
     print(f"{big.prompts} concurrent prompts of {big.chars:,} characters: answered {big.statuses} "
@@ -255,4 +339,8 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     print(f"{flood.sources} addresses x {flood.per_source} trickled connections: "
           f"{flood.answered}/{flood.probes} probes from a sixth address answered "
           f"(attackers' sockets {flood.attacker_sockets}, {flood.cut} cut)")  # fmt: skip
+    long = "completed" if slow.long_status == 200 else f"failed {slow.long_status} {slow.long_code}"
+    print(f"a {slow.prompt_tokens}-token prompt over a {slow.rate}/s prefill link: {long} in "
+          f"{slow.long_s:.1f} s; meanwhile {slow.shorts_ok}/{slow.shorts} short requests, p50 "
+          f"{slow.short_p50_s:.2f} s, p95 {slow.short_p95_s:.2f} s {slow.short_codes}")  # fmt: skip
     return 0
