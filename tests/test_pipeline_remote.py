@@ -786,7 +786,6 @@ def test_undecodable_messages_are_answered_with_an_error_carrying_the_nonce(
 
     from mlxcel.bus import Envelope, Node
     from mlxcel.deadlines import deadline_in
-    from mlxcel.errors import MlxcelError
     from mlxcel.messages import Ack, Error, PrepareSequence
     from mlxcel.net.listener import ClusterListener
     from mlxcel.net.pool import ConnectionPool
