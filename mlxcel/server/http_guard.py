@@ -177,6 +177,7 @@ class _Guarded(asyncio.Protocol):
         self.heard = False  # bytes arrived since the last request began (or the connection)
         self.read_waits = 0  # header timeouts spent waiting for it to read its last answer
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = guard.header_timeout  # the header deadline last armed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         g = self.guard
@@ -205,7 +206,8 @@ class _Guarded(asyncio.Protocol):
     def _arm(self) -> None:
         self._cancel()
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.guard.header_deadline(), self._late)
+        self._deadline = self.guard.header_deadline()
+        self._timer = loop.call_later(self._deadline, self._late)
 
     def _cancel(self) -> None:
         if self._timer is not None:
@@ -228,7 +230,12 @@ class _Guarded(asyncio.Protocol):
         g.limiter.warn(
             "http-slow",
             f"http: closed a connection from {self.source}: no complete request header "
-            f"within its deadline ({g.header_timeout:g}s, less while connections are scarce)"
+            f"within {self._deadline:.3g}s"
+            + (
+                f" (shortened from {g.header_timeout:g}s: connections are scarce)"
+                if self._deadline < g.header_timeout
+                else ""
+            )
             + (", nor its last answer read" if self.transport.get_write_buffer_size() else ""),
         )
         self.transport.abort()
