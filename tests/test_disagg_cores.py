@@ -38,6 +38,7 @@ from mlxcel.messages import (
     HandoffVerdict,
     KvHandoff,
     PrefillRequest,
+    Progress,
     QueryState,
     RunEntry,
     RunResult,
@@ -390,6 +391,53 @@ def test_router_moves_a_prompt_a_draining_prefill_node_refused_and_sends_it_no_m
     assert "decode-1: down" not in str(r.handle(entry("z"), "local", 5.1))
 
 
+def test_the_router_routes_around_a_node_whose_handoffs_keep_failing() -> None:
+    """Three handoffs in a row through D1 fail: it is routed around for 5 s (doubling after),
+    while D0 can take the requests; when D0 cannot, D1 still serves; a completion through it
+    trusts it again."""
+    r = online_router()
+    t = 0.0
+    lines = []
+    while r.nodes[D1].strikes < 3:
+        t += 0.1
+        (s,) = sends(r.handle(entry(f"x{t:.1f}"), "local", t), PrefillRequest)
+        first = TokenResult(s.msg.request_id, 0, (10,), None, s.msg.nonce)
+        r.handle(first, s.dest, t)
+        if s.msg.decode_target == D1:
+            why = "handoff lease expired: no part of the KV cache could be written"
+            err = Error(ErrorCode.HANDOFF_TIMEOUT, why, s.msg.request_id, s.msg.nonce)
+            lines += [e.text for e in r.handle(err, s.dest, t) if isinstance(e, Warn)]
+        else:
+            r.handle(TokenResult(s.msg.request_id, 1, (11,), "length", s.msg.nonce), D0, t)
+    assert any("routing around decode-1 for 5s: 3 handoffs through it failed" in ln
+               for ln in lines), lines  # fmt: skip
+    targets = {sends(r.handle(entry(f"y{i}"), "local", t), PrefillRequest)[0].msg.decode_target
+               for i in range(4)}  # fmt: skip
+    assert targets == {D0}
+    r.nodes[D0].active = r.capacity  # D0 full: D1 is all there is, and it serves
+    (s,) = sends(r.handle(entry("z"), "local", t), PrefillRequest)
+    assert s.msg.decode_target == D1
+    r.handle(TokenResult(s.msg.request_id, 0, (10,), None, s.msg.nonce), s.dest, t)
+    r.handle(TokenResult(s.msg.request_id, 1, (11,), "length", s.msg.nonce), D1, t)
+    assert r.nodes[D1].strikes == 0 and not r.nodes[D1].avoided(t)
+
+
+def test_a_prefill_node_that_reports_progress_moves_the_handoff_deadline() -> None:
+    r = online_router(handoff_timeout=10.0)
+    (s,) = sends(r.handle(entry("p"), "local", 0.0), PrefillRequest)
+    r.handle(TokenResult(s.msg.request_id, 0, (10,), None, s.msg.nonce), s.dest, 1.0)
+    assert r.next_timer() == 11.0
+    assert r.handle(Progress((s.msg.nonce,)), STRANGER, 5.0) == [
+        Warn("debug", f"router: ignoring Progress from {STRANGER}")
+    ]
+    assert r.next_timer() == 11.0
+    other = P1 if s.dest == P0 else P0
+    r.handle(Progress((s.msg.nonce,)), other, 5.0)  # not its prefill node
+    assert r.next_timer() == 11.0
+    r.handle(Progress((s.msg.nonce + 1, s.msg.nonce)), s.dest, 5.0)
+    assert r.next_timer() == 15.0
+
+
 def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None:
     core = prefill()
     lease, _ = start(core)
@@ -593,10 +641,11 @@ def test_a_large_cache_travels_in_parts_and_is_reassembled_in_any_order() -> Non
     three = Packed(3, 9, (k, k, k), (k, k, k), tensor_digest((k, k, k), (k, k, k)))
     (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
     out = core.compute_done(job.lease, (9,), "length", None, three, (), 0.0)
-    first = sends(out, KvHandoff)
-    assert len(first) == 2  # two parts go at once; the next when one is written
-    (third,) = sends(core.sent(first[0], 0.01), KvHandoff)
-    parts = [s.msg for s in (*first, third)]
+    (first,) = sends(out, KvHandoff)  # one part at a time: the next once it is written
+    (second,) = sends(core.sent(first, 0.01), KvHandoff)
+    (third,) = sends(core.sent(second, 0.02), KvHandoff)
+    assert sends(core.sent(third, 0.03), KvHandoff) == []
+    parts = [s.msg for s in (first, second, third)]
     assert [(p.part, p.parts, p.pieces) for p in parts] == [
         (0, 3, (0, 1)),
         (1, 3, (2, 3)),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, http_flood
+from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, http_flood, slow_handoff
 from mlxcel.bench.netns import unavailable
 from mlxcel.server.http_guard import raise_fd_limit
 
@@ -45,3 +45,16 @@ def test_at_the_cap_a_new_address_takes_the_place_of_the_busiest_ones_oldest(
     raise_fd_limit()
     r = http_flood(tiny, 40, 8, 10, "--max-http-connections", "256")
     assert r.answered >= 9, r
+
+
+def test_a_long_prompt_crosses_a_one_megabit_prefill_link_and_short_ones_go_meanwhile(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A 2,000-token prompt (2 MB of KV) whose prefill node's link is shaped to 1 Mbit/s,
+    and 40 short requests meanwhile, one every 0.2 s, all to the one decode node: the long
+    one completes (its lease renewed by every part written; the router's deadline moved by
+    the prefill node's progress reports) and the short ones pass between its parts (before:
+    504 after 10.5 s, and all 40 short ones failed behind it)."""
+    r = slow_handoff(tiny, tmp_path, prompt_tokens=2000, shorts=40, every=0.2, rate="1mbit")
+    assert r.long_status == 200, r
+    assert r.shorts_ok >= 38, r

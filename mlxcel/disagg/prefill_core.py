@@ -76,7 +76,7 @@ class PrefillConfig:
     lease: float = LEASE  # a handoff's lease past its last progress (--handoff-lease)
     lease_max: float = LEASE_MAX  # and its whole life at most (--handoff-lease-max)
     max_sequences: int = 64
-    # Tensor bytes in one handoff message (0: 1/64 of the cache within PART_BYTES): small
+    # Tensor bytes in one handoff message (0: 1/64 of the cache, within PART_BYTES): small
     # parts let other handoffs to the same node through between them.
     part_bytes: int = 0
 

@@ -86,20 +86,19 @@ _ids = itertools.count(1)
 # the connection's own buffer, where a deadline can still stop it and the next message can
 # still be chosen: on a slow link a kernel buffer of megabytes is tens of seconds of data that
 # nothing can take back or reorder. In-flight (sent, unacknowledged) bytes are not limited.
-NOTSENT_LOWAT = 128 << 10
-TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's option number
+NOTSENT_LOWAT = 32 << 10
 
 
 def _keep_unsent_here(writer: asyncio.StreamWriter) -> None:
+    # The event loop's own buffer too: a send counts as written (drain returns) only once the
+    # kernel took it, so what waits behind it is still the connection's to order and stop.
+    writer.transport.set_write_buffer_limits(high=0)
     sock = writer.get_extra_info("socket")
-    if (
-        sock is None
-        or sys.platform != "linux"
-        or sock.family not in (socket.AF_INET, socket.AF_INET6)
-    ):
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform == "linux" else None)
+    if sock is None or option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+        sock.setsockopt(socket.IPPROTO_TCP, option, NOTSENT_LOWAT)
     except OSError:  # an older kernel: the kernel's buffer then holds what it will
         pass
 
