@@ -59,7 +59,7 @@ class CoreAdapter:
         self.name = name
         self.send_budget = send_budget
         self.loop = asyncio.get_running_loop()
-        self.limiter = WarningLimiter(self.loop.time)
+        self.limiter = WarningLimiter(self.loop.time, schedule=self.loop.call_later)
         self.dropped_sends = 0
         self.expired_sends = 0
         # A send's own deadline replaces the budget instead of only shortening it (a transfer

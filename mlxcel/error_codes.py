@@ -41,6 +41,7 @@ class ErrorCode(enum.StrEnum):
     DECODE_TARGET_REFUSED = "decode_target_refused"  # not in MLXCEL_DECODE_ALLOWLIST
     HANDOFF_FAILED = "handoff_failed"  # the KV handoff was refused, corrupt or undeliverable
     HANDOFF_TIMEOUT = "handoff_timeout"  # a lease expired, or results stopped arriving
+    DECODE_REFUSED = "decode_refused"  # the decode target will not take it (full, draining)
 
 
 # Codes that mean "not now", not "broken": the client (or a load balancer) may retry.
@@ -54,6 +55,7 @@ UNAVAILABLE = frozenset(
         ErrorCode.TOO_MANY_SEQUENCES,
         ErrorCode.NO_NODE_AVAILABLE,
         ErrorCode.NODE_UNREACHABLE,
+        ErrorCode.DECODE_REFUSED,
     }
 )
 TIMEOUTS = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.HANDOFF_TIMEOUT})

@@ -452,6 +452,30 @@ class HandoffVerdict(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SlotRequest(Message):
+    """Prefill -> decode, as the prompt starts: will you take this request's handoff? Sent
+    before any prefill work is spent, so a full decode node costs nothing but a round trip.
+    ``router`` is the identity the request came from (where the tokens will go)."""
+
+    KIND: ClassVar[int] = 30
+    request_id: str
+    lease: int
+    router: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAnswer(Message):
+    """Decode -> prefill: a slot is held for ``lease`` until its handoff comes (``ok``), or
+    why not (full, draining, a router that never connected here)."""
+
+    KIND: ClassVar[int] = 31
+    request_id: str
+    lease: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenResult(Message):
     """Prefill (index 0) or decode node (index 1 on) -> router: generated tokens in order."""
 

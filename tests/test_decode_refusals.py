@@ -20,6 +20,7 @@ from mlxcel.messages import (
     HandoffAck,
     HandoffVerdict,
     KvHandoff,
+    QueryState,
     RunEntry,
     RunResult,
     SamplingParams,
@@ -36,7 +37,9 @@ K = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
 
 def core(**kw: object) -> DecodeCore:
     base: dict = dict(vocab=100, max_len=64, max_sequences=2, verdict_wait=15.0)
-    return DecodeCore(DecodeConfig(**{**base, **kw}))
+    c = DecodeCore(DecodeConfig(**{**base, **kw}))
+    c.handle(QueryState(0), R, 0.0)  # the router has spoken to it (its figures poll)
+    return c
 
 
 def handoff(
@@ -70,8 +73,15 @@ def cut(h: KvHandoff, part_bytes: int = 24) -> list[KvHandoff]:
     return [part_of(h, plan, i) for i in range(len(plan))]
 
 
-def no(h: KvHandoff, why: str, dest: str = P0) -> list:
-    return [Send(dest, HandoffAck(h.request_id, h.lease, False, why))]
+def no(h: KvHandoff, why: str, dest: str = P0, what: str = "handoff") -> list:
+    """The refusal: a line in the node's log (rate limited) naming the sender, and the ack."""
+    return [
+        Warn(
+            "decode-refusal",
+            f"decode: refused a {what} from {dest} (request {h.request_id!r}): {why}",
+        ),
+        Send(dest, HandoffAck(h.request_id, h.lease, False, why)),
+    ]
 
 
 def staged(c: DecodeCore, h: KvHandoff, src: str = P0, now: float = 0.0) -> int:
@@ -218,7 +228,7 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     ):  # fmt: skip
         fresh = core(dims=(2, 1, 2, 2))
         assert fresh.handle(q[0], P0, 0.0) == []
-        assert fresh.handle(bad, P0, 0.1) == no(bad, why) + [FreeCache(1)]
+        assert fresh.handle(bad, P0, 0.1) == no(bad, why, what="handoff part") + [FreeCache(1)]
         assert fresh.counts == {"parts": 1, "corrupt": 1} and fresh.active == 0
     # Every part arrived, but one tensor's pieces do not add up to its shape: refused.
     short = core(dims=(2, 1, 2, 2))
@@ -226,7 +236,7 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     for p in thin[:3]:
         assert short.handle(p, P0, 0.0) == []
     why = "handoff tensor 3: tensor float32[1, 1, 3, 2] needs 24 bytes, got 16"
-    assert short.handle(thin[3], P0, 0.1) == no(thin[3], why) + [FreeCache(1)]
+    assert short.handle(thin[3], P0, 0.1) == no(thin[3], why, what="handoff part") + [FreeCache(1)]
 
 
 def test_verification_results_and_verdicts_exactly() -> None:
@@ -245,7 +255,11 @@ def test_verification_results_and_verdicts_exactly() -> None:
     slot = e.job.slot
     assert c.verified(slot, None, 2.0) == [Send(P0, HandoffAck("r2", 6, True))]
     assert c.next_timer() == 17.0
-    assert c.handle(HandoffVerdict("r2", 6, True), P1, 2.1) == []  # not its prefill node
+    # Not its prefill node: changes nothing, and the line names the sender.
+    assert c.handle(HandoffVerdict("r2", 6, True), P1, 2.1) == [
+        Warn("decode-refusal", f"decode: refused a verdict from {P1} (request 'r2'): no handoff "
+             "of that lease from that node is here")
+    ]  # fmt: skip
     light = dataclasses.replace(h, keys=(), values=())
     assert c.handle(HandoffVerdict("r2", 6, True), P0, 2.2) == [
         StartCompute(ResumeJob(slot, light))
@@ -253,7 +267,7 @@ def test_verification_results_and_verdicts_exactly() -> None:
     assert c.next_timer() is None and list(c.reads) == [(P0, 6)]
     assert c.handle(HandoffVerdict("r2", 6, True), P0, 2.3) == []  # a repeat
     assert c.handle(HandoffVerdict("r2", 6, False), P0, 2.3) == []  # too late to abort
-    assert c.counts == {"corrupt": 1, "committed": 1}
+    assert c.counts == {"corrupt": 1, "committed": 1, "stray_verdicts": 1}
     assert c.reads.maxlen == 100_000
 
 
@@ -263,7 +277,7 @@ def test_a_commit_before_the_ack_is_refused_with_a_warning_and_an_abort_frees() 
     (e,) = c.handle(h, P0, 0.0)
     want = "decode handoff: COMMIT is not allowed in state VERIFYING"
     assert c.handle(HandoffVerdict("r1", 5, True), P0, 0.1) == [
-        Warn("warning", f"decode: {want} (from {P0})")
+        Warn("decode-refusal", f"decode: refused a verdict from {P0} (request 'r1'): {want}")
     ]
     assert c.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 0.2) == [
         FreeCache(e.job.slot)
@@ -347,7 +361,11 @@ def test_an_unreachable_router_ends_the_slot_it_was_decoding_for() -> None:
 def test_cancels_free_the_slot_and_refuse_the_handoff_until_the_tombstone_expires() -> None:
     c = core()
     slot = decoding(c, handoff())
-    assert c.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == []  # not its router
+    # Not its router: nothing held is touched, and the line names the sender.
+    assert c.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == [
+        Warn("decode-refusal", f"decode: refused a cancel from {STRANGER} (request 'r1'): no "
+             "router of this node sent it; remembered, nothing held was touched")
+    ]  # fmt: skip
     assert c.handle(CancelRequest("r1", "gone"), R, 1.0) == [FreeCache(slot)]
     assert c.counts == {"committed": 1, "cancelled": 1}
     # The request id stays refused for a minute: a late handoff of it is not read.
@@ -368,7 +386,11 @@ def test_other_messages_are_ignored_with_a_debug_line() -> None:
     assert c.handle(RunEntry("r", 0, (1,), 0, SamplingParams(), 1), P0, 0.0) == [
         Warn("debug", f"decode: ignoring RunEntry from {P0}")
     ]
-    assert c.handle(HandoffVerdict("r", 1, True), P0, 0.0) == [] and c.counts == {}
+    assert c.handle(HandoffVerdict("r", 1, True), P0, 0.0) == [
+        Warn("decode-refusal", f"decode: refused a verdict from {P0} (request 'r'): no handoff "
+             "of that lease from that node is here")
+    ]  # fmt: skip
+    assert c.counts == {"stray_verdicts": 1}
 
 
 def test_the_memories_of_cancels_and_ended_handoffs_are_bounded() -> None:

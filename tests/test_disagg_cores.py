@@ -43,6 +43,7 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     SamplingParams,
+    SlotAnswer,
     State,
     Tensor,
     TokenResult,
@@ -254,10 +255,21 @@ def packed(first: int = 9) -> Packed:
 
 
 def start(core: PrefillCore, now: float = 0.0, **kw: object) -> tuple[int, list]:
-    (job,) = [e.job for e in core.handle(request(**kw), R, now) if isinstance(e, StartCompute)]  # type: ignore[arg-type]
+    m = request(**kw)  # type: ignore[arg-type]
+    (job,) = [e.job for e in core.handle(m, R, now) if isinstance(e, StartCompute)]
     assert isinstance(job, PrefillJob) and job.sampling.max_tokens == 1
+    core.handle(SlotAnswer(m.request_id, job.lease, True), m.decode_target or D0, now)
     out = core.compute_done(job.lease, (9,), "length", None, packed(), (), now)
     return job.lease, out
+
+
+def admitted(core: PrefillCore, m: PrefillRequest | None = None) -> PrefillJob:
+    """``m`` admitted, and its decode node's slot granted."""
+    m = m or request()
+    (job,) = [e.job for e in core.handle(m, R, 0.0) if isinstance(e, StartCompute)]
+    assert isinstance(job, PrefillJob)
+    core.handle(SlotAnswer(m.request_id, job.lease, True), m.decode_target or D0, 0.0)
+    return job
 
 
 def test_prefill_refuses_unsupported_families_before_any_work() -> None:
@@ -336,6 +348,7 @@ def test_a_draining_prefill_refuses_new_prompts_and_both_roles_say_they_drain() 
     # A decode node is told its requests when they are admitted, before their prompts run:
     # a handoff that comes while it drains belongs to one of those, and is taken.
     dec = DecodeCore(DecodeConfig(vocab=100, max_len=64))
+    dec.handle(QueryState(0), R, 0.0)  # its router
     dec.draining = True
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
     h = KvHandoff("r1", 7, R, 42, 9, SamplingParams(max_tokens=3), (), 3, (k,), (k,), b"")
@@ -525,7 +538,9 @@ def handoff(rid: str = "r1", lease: int = 5) -> KvHandoff:
 
 
 def decode() -> DecodeCore:
-    return DecodeCore(DecodeConfig(vocab=100, max_len=64, max_sequences=4, verdict_wait=15.0))
+    c = DecodeCore(DecodeConfig(vocab=100, max_len=64, max_sequences=4, verdict_wait=15.0))
+    c.handle(QueryState(0), R, 0.0)  # the router has spoken to it (its figures poll)
+    return c
 
 
 def staged(core: DecodeCore, lease: int = 5) -> int:
@@ -541,7 +556,7 @@ def test_decode_reads_a_handoff_only_after_the_commit() -> None:
     core = decode()
     slot = staged(core)
     assert core.reads == type(core.reads)() and core.slots[slot].state is SlotState.STAGED
-    assert core.handle(HandoffVerdict("r1", 5, True), P1, 0.2) == []  # not its prefill node
+    assert sends(core.handle(HandoffVerdict("r1", 5, True), P1, 0.2)) == []  # not its prefill
     out = core.handle(HandoffVerdict("r1", 5, True), P0, 0.2)
     (job,) = [e.job for e in out if isinstance(e, StartCompute)]
     assert isinstance(job, ResumeJob) and list(core.reads) == [(P0, 5)]
@@ -584,7 +599,7 @@ def test_cancel_during_decode_frees_the_slot() -> None:
     core = decode()
     slot = staged(core)
     core.handle(HandoffVerdict("r1", 5, True), P0, 0.2)
-    assert core.handle(CancelRequest("r1", "x"), STRANGER, 0.3) == []  # not its router
+    assert sends(core.handle(CancelRequest("r1", "x"), STRANGER, 0.3)) == []  # not its router
     assert core.handle(CancelRequest("r1", "x"), R, 0.3) == [FreeCache(slot)]
 
 
@@ -639,7 +654,7 @@ def test_a_large_cache_travels_in_parts_and_is_reassembled_in_any_order() -> Non
     core = prefill(part_bytes=48)  # each 24-byte tensor is half a part: one layer a part
     k = Tensor("float32", (1, 1, 3, 2), bytes(range(24)))
     three = Packed(3, 9, (k, k, k), (k, k, k), tensor_digest((k, k, k), (k, k, k)))
-    (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
+    job = admitted(core)
     out = core.compute_done(job.lease, (9,), "length", None, three, (), 0.0)
     (first,) = sends(out, KvHandoff)  # one part at a time: the next once it is written
     (second,) = sends(core.sent(first, 0.01), KvHandoff)
@@ -675,7 +690,7 @@ def test_a_tensor_larger_than_a_part_is_cut_into_row_ranges() -> None:
     (here parts of at most 20 bytes, of 8-byte rows, one straddling two tensors), joined
     exactly."""
     core = prefill(part_bytes=20)
-    (job,) = [e.job for e in core.handle(request(), R, 0.0) if isinstance(e, StartCompute)]
+    job = admitted(core)
     p = packed()
     out = core.compute_done(job.lease, (9,), "length", None, p, (), 0.0)
     pending, parts = sends(out, KvHandoff), []
@@ -694,6 +709,7 @@ def test_a_tensor_larger_than_a_part_is_cut_into_row_ranges() -> None:
 
 def test_parts_are_checked_against_the_model_on_arrival() -> None:
     core = DecodeCore(DecodeConfig(vocab=100, max_len=64, dims=(2, 1, 2, 2)))
+    core.handle(QueryState(0), R, 0.0)  # its router
     k = Tensor("float32", (1, 1, 3, 2), bytes(24))
     two = dataclasses.replace(handoff(), keys=(k, k), values=(k, k))
     plan = plan_parts(two, 24)

@@ -24,6 +24,8 @@ from mlxcel.messages import (
     Progress,
     RunEntry,
     SamplingParams,
+    SlotAnswer,
+    SlotRequest,
     Tensor,
     TokenResult,
 )
@@ -51,9 +53,17 @@ def request(
     return PrefillRequest(rid, tokens, SamplingParams(max_tokens=max_tokens), target, nonce)
 
 
-def admit(c: PrefillCore, m: PrefillRequest, now: float = 0.0) -> int:
-    (e,) = c.handle(m, R, now)
+def admit(c: PrefillCore, m: PrefillRequest, now: float = 0.0, slot: bool = True) -> int:
+    """Admitted: the decode node is asked for a slot as the prompt starts (and, ``slot``,
+    says yes before the prompt is done)."""
+    out = c.handle(m, R, now)
+    e = out[-1]
     assert isinstance(e, StartCompute) and isinstance(e.job, PrefillJob)
+    if m.sampling.max_tokens > 1:
+        assert out[0] == Send(m.decode_target or D0, SlotRequest(m.request_id, e.job.lease, R))
+        if slot:
+            ok = SlotAnswer(m.request_id, e.job.lease, True)
+            assert c.handle(ok, m.decode_target or D0, now) == []
     return e.job.lease
 
 
@@ -111,7 +121,8 @@ def test_each_refusal_comes_before_any_work_with_its_own_code_and_reason() -> No
     for m in (request("lo", tokens=(0, 99), max_tokens=1), request("fit", tokens=(1,) * 60)):
         lease = len(c.leases) + 1
         one = SamplingParams(max_tokens=1)
-        assert c.handle(m, R, 0.0) == [StartCompute(PrefillJob(lease, m.token_ids, one))]
+        ask = [Send(D1, SlotRequest(m.request_id, lease, R))] if m.sampling.max_tokens > 1 else []
+        assert c.handle(m, R, 0.0) == [*ask, StartCompute(PrefillJob(lease, m.token_ids, one))]
     # Full at max_sequences (2): refused, and the next after one ends is accepted.
     assert c.handle(request("x"), R, 0.0) == refused(
         request("x"), ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full"
@@ -141,7 +152,7 @@ def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -
     )
     assert list(c.leases) == [lease]
     # The same id from another router is another request.
-    (e,) = c.handle(request(), STRANGER, 0.2)
+    *_, e = c.handle(request(), STRANGER, 0.2)
     assert isinstance(e, StartCompute)
     c.compute_done(lease, (5,), "stop", None, PACKED, (), 0.3)
     assert c.handle(request(), R, 0.4) == []  # ran already: never again
@@ -168,8 +179,54 @@ def test_the_first_token_ends_the_request_on_stop_or_a_one_token_budget() -> Non
         lease = admit(c, m)
         out = c.compute_done(lease, (7,), finish, (-0.25,), PACKED, (), 0.1)
         first = TokenResult(rid, 0, (7,), finish, NONCE, (-0.25,))
-        assert out == [Send(R, first), FreeCache(lease)]
+        # The slot the decode node held for it (asked only with more than one token to go)
+        # is given back.
+        why = "no handoff: the request ended at its first token"
+        give_back = [Send(D1, HandoffVerdict(rid, lease, False, why))] if budget > 1 else []
+        assert out == [Send(R, first), FreeCache(lease), *give_back]
     assert c.counts == {"accepted": 2, "finished": 2} and c.active == 0
+
+
+def test_a_decode_node_that_refuses_a_slot_fails_the_request_before_its_first_token() -> None:
+    """Asked as the prompt starts, the decode node says it is full: the router hears it with
+    a retryable code before any token went out (it starts the request elsewhere), and the
+    prompt's result, when it comes, is dropped."""
+    c = core()
+    m = request()
+    lease = admit(c, m, slot=False)
+    assert c.handle(SlotAnswer("r1", lease, False, "x"), STRANGER, 0.1) == []  # not its target
+    assert c.handle(SlotAnswer("other", lease, False, "x"), D1, 0.1) == []  # not its request
+    why = f"decode node {D1} will not take the handoff: decode node full (256 sequences)"
+    assert c.handle(
+        SlotAnswer("r1", lease, False, "decode node full (256 sequences)"), D1, 0.2
+    ) == [
+        Send(R, Error(ErrorCode.DECODE_REFUSED, why, "r1", NONCE)),
+        FreeCache(lease),
+    ]
+    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.3) == [FreeCache(lease)]
+    assert c.counts["decode_refused"] == 1 and c.counts["stray_slot_answers"] == 2
+
+
+def test_a_prompt_done_before_the_slot_answer_waits_for_it_and_not_for_ever() -> None:
+    c = core()
+    m = request()
+    lease = admit(c, m, slot=False)
+    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 1.0) == []  # not yet
+    assert c.next_timer() == 6.0
+    out = c.handle(SlotAnswer("r1", lease, True), D1, 2.0)  # now token 0 and the handoff go
+    assert out == [
+        Send(R, TokenResult("r1", 0, (9,), None, NONCE)),
+        Send(D1, handoff_of(m, lease, 3), deadline=7.0, notify=True),
+    ]
+    c.handle(HandoffAck("r1", lease, True), D1, 2.5)  # committed: that one is done
+    late = request("r2")
+    lease2 = admit(c, late, slot=False)
+    c.compute_done(lease2, (9,), "length", None, PACKED, (), 3.0)
+    why = f"decode node {D1} did not answer within 5s whether it holds a slot for the handoff"
+    assert c.on_timer(8.0)[:2] == [
+        Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "r2", NONCE)),
+        FreeCache(lease2),
+    ]
 
 
 def test_the_handoff_carries_the_rest_of_the_request_under_a_lease_deadline() -> None:
@@ -241,6 +298,7 @@ def test_a_prompt_that_left_no_cache_or_no_token_fails_without_a_handoff() -> No
             Send(R, TokenResult(rid, 0, tokens, None, NONCE)),
             Send(R, Error(ErrorCode.FORWARD_FAILED, "the prompt left no KV cache", rid, NONCE)),
             FreeCache(lease),
+            Send(D1, HandoffVerdict(rid, lease, False, "the prompt left no KV cache")),
         ]
     assert c.active == 0
 
@@ -251,11 +309,15 @@ def test_compute_that_fails_or_ends_after_a_cancel_frees_the_cache() -> None:
     assert c.compute_failed(lease, "out of memory", 0.1) == [
         Send(R, Error(ErrorCode.FORWARD_FAILED, "prefill failed: out of memory", "r1", NONCE)),
         FreeCache(lease),
+        Send(D1, HandoffVerdict("r1", lease, False, "prefill failed: out of memory")),
     ]
     assert c.compute_failed(lease, "again", 0.2) == [FreeCache(lease)]
     lease = admit(c, request("r2"))
     assert c.handle(CancelRequest("r2", "x"), STRANGER, 0.3) == []  # not its router
-    assert c.handle(CancelRequest("r2", "client went away"), R, 0.3) == [FreeCache(lease)]
+    assert c.handle(CancelRequest("r2", "client went away"), R, 0.3) == [
+        FreeCache(lease),
+        Send(D1, HandoffVerdict("r2", lease, False, "cancelled")),  # its slot given back
+    ]
     assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.4) == [FreeCache(lease)]
     lease = leased(c, request("r3"))
     assert c.handle(CancelRequest("r3", "client went away"), R, 0.5) == [

@@ -89,8 +89,41 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
         "http-cap": 0,
         "http-slow": 0,
         "discovery-drop": 0,
+        "decode-refusal": 0,
+        "http-evict": 0,
     }
     assert lim.warned["router-drop"] == 5
     lines.clear()
     lim.debug("plain")
     assert lines == [("DEBUG", "plain")]
+
+
+def test_given_a_scheduler_the_summary_comes_when_the_window_ends() -> None:
+    """Not with the class's next warning (which may come minutes later, or never)."""
+    clock = Clock()
+    lines: list[tuple[str, str]] = []
+    timers: list[tuple[float, object]] = []
+    lim = WarningLimiter(
+        clock,
+        emit=lambda level, msg: lines.append((level, msg)),
+        schedule=lambda delay, fn: timers.append((delay, fn)),
+    )
+    for i in range(8):
+        clock.t += 1.0
+        lim.warn("decode-refusal", f"r{i}")
+    # One timer, at the end of the window: it began with the first warning (t0 + 1 s), the
+    # first suppression came 5 s later.
+    assert [d for d, _ in timers] == [55.0]
+    lines.clear()
+    clock.t += 55.0
+    timers[0][1]()  # type: ignore[operator]
+    assert lines == [
+        (
+            "WARNING",
+            "3 cluster warnings (decode-refusal) were logged at debug during the 60s window "
+            "that just ended",
+        )
+    ]
+    lines.clear()
+    lim.warn("decode-refusal", "next")  # said already: the next warning carries no summary
+    assert lines == [("WARNING", "next")]

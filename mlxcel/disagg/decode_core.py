@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mlxcel.disagg.protocol import (
     MAX_PARTS,
     MAX_TOMBSTONES,
+    PREFILL_TIMEOUT,
     SLOT_TABLE,
     TOMBSTONE_TTL,
     VERDICT_WAIT,
@@ -42,9 +43,13 @@ from mlxcel.messages import (
     Message,
     QueryState,
     RunResult,
+    SlotAnswer,
+    SlotRequest,
     State,
     TokenResult,
 )
+
+MAX_ROUTERS = 64  # router identities remembered (the newest that spoke to this node)
 
 
 @dataclass
@@ -94,6 +99,12 @@ class DecodeCore:
         self.counts: Counter[str] = Counter()
         # (prefill, lease) of every handoff read, newest last: what a simulation checks.
         self.reads: deque[tuple[str, int]] = deque(maxlen=100_000)
+        # Slots promised to a prefill node's handoff before it ran the prompt: (prefill,
+        # lease) -> when the promise lapses. They count against max_sequences.
+        self.held: dict[tuple[str, int], float] = {}
+        # Routers that spoke to this node over an authenticated connection (state queries,
+        # cancels): tokens go only to one of them, never to an address a payload names.
+        self.routers: dict[str, None] = {}
 
     @property
     def active(self) -> int:
@@ -103,6 +114,8 @@ class DecodeCore:
         times = [s.deadline for s in self.slots.values() if s.deadline is not None]
         if self._tombstones:
             times.append(min(self._tombstones.values()))
+        if self.held:
+            times.append(min(self.held.values()))
         return min(times, default=None)
 
     # --- inputs -----------------------------------------------------------------------------
@@ -111,6 +124,10 @@ class DecodeCore:
             return self._handoff(msg, source, now)
         if isinstance(msg, HandoffVerdict):
             return self._verdict(msg, source)
+        if isinstance(msg, SlotRequest):
+            return self._slot_request(msg, source, now)
+        if isinstance(msg, QueryState):
+            self._router_seen(source)
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
             st = State("decode", (), self.active, self.draining, msg.nonce, **self.counters())
             self.told_draining |= self.draining
@@ -119,11 +136,52 @@ class DecodeCore:
             sid = self._by_request.get((source, msg.request_id))
             if sid is None:
                 self._remember_cancel((source, msg.request_id), now)
-                return []
+                if source in self.routers:
+                    return []  # a cancel that overtook its handoff: remembered
+                why = "no router of this node sent it; remembered, nothing held was touched"
+                return [self._refused("cancel", msg.request_id, source, why)]
             self.counts["cancelled"] += 1
             self._remember_cancel((source, msg.request_id), now)  # its late parts: refused
             return self._end(self.slots[sid], SlotEvent.CANCEL)
         return [Warn("debug", f"decode: ignoring {type(msg).__name__} from {source}")]
+
+    def _router_seen(self, source: str) -> None:
+        self.routers.pop(source, None)
+        self.routers[source] = None
+        if len(self.routers) > MAX_ROUTERS:
+            self.routers.pop(next(iter(self.routers)))
+
+    def _slot_request(self, m: SlotRequest, source: str, now: float) -> list[Effect]:
+        """A prefill node asks, as its prompt starts, whether a slot waits for the handoff."""
+        key = (source, m.lease)
+        why = ""
+        if key not in self.held:
+            why = self._no_slot(m.router)
+        if why:
+            self.counts["slots_refused"] += 1
+            return [
+                self._refused("slot request", m.request_id, source, why),
+                Send(source, SlotAnswer(m.request_id, m.lease, False, why)),
+            ]
+        self.held[key] = now + PREFILL_TIMEOUT  # the longest a prompt may take to run
+        return [Send(source, SlotAnswer(m.request_id, m.lease, True))]
+
+    def _no_slot(self, router: str) -> str:
+        """Why no new request fits here ("" if one does)."""
+        if self.draining:
+            return "this decode node is shutting down"
+        if router not in self.routers:
+            return f"router {router} has not connected to this decode node"
+        if len(self.slots) + len(self.held) >= self.config.max_sequences:
+            return f"decode node full ({self.config.max_sequences} sequences)"
+        return ""
+
+    def _refused(self, what: str, request_id: str, source: str, why: str) -> Warn:
+        """The line a refusal leaves in this node's log (rate limited), naming the sender."""
+        return Warn(
+            "decode-refusal",
+            f"decode: refused a {what} from {source} (request {request_id[:80]!r}): {why}",
+        )
 
     def _handoff(self, h: KvHandoff, source: str, now: float) -> list[Effect]:
         c = self.config
@@ -132,11 +190,15 @@ class DecodeCore:
             return self._piece(self.slots[sid], h, now)
         if (source, h.lease) in self._ended:
             return []  # a late part of a handoff that already ended here
+        self.held.pop((source, h.lease), None)  # the promise is kept now, or refused
         why = self._shape_problem(h) or self._refusal(h)
         if why:
             self.counts["refused"] += 1
             self._remember_end((source, h.lease))
-            return [Send(source, HandoffAck(h.request_id, h.lease, False, why))]
+            return [
+                self._refused("handoff", h.request_id, source, why),
+                Send(source, HandoffAck(h.request_id, h.lease, False, why)),
+            ]
         s = Slot(next(self._ids), source, h, deadline=now + c.verdict_wait)
         self.slots[s.id] = s
         self._by_lease[(source, h.lease)] = s.id
@@ -153,7 +215,9 @@ class DecodeCore:
             return "the router cancelled this request"
         if (h.router, h.request_id) in self._by_request:
             return "this node already decodes that request"
-        if len(self.slots) >= c.max_sequences:
+        if h.router not in self.routers:
+            return f"router {h.router} has not connected to this decode node"
+        if len(self.slots) + len(self.held) >= c.max_sequences:
             return f"decode node full ({c.max_sequences} sequences)"
         if not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:
             return "first token or max_tokens out of range"
@@ -230,7 +294,8 @@ class DecodeCore:
             why = whole
         self.counts["corrupt"] += 1
         ack = HandoffAck(h.request_id, h.lease, False, why)
-        return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
+        warn = self._refused("handoff part", h.request_id, s.prefill, why)
+        return [warn, Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
 
     def verified(self, slot_id: int, problem: str | None, now: float) -> list[Effect]:
         """The compute side checked (and staged) the handoff; ``problem`` says why not."""
@@ -241,7 +306,8 @@ class DecodeCore:
         if problem is not None:
             self.counts["corrupt"] += 1
             ack = HandoffAck(h.request_id, h.lease, False, problem)
-            return [Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
+            warn = self._refused("handoff", h.request_id, s.prefill, problem)
+            return [warn, Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
         s.state = SLOT_TABLE.next(s.state, SlotEvent.VERIFIED)
         s.deadline = now + self.config.verdict_wait
         # The compute side staged the cache: the slot keeps what it acts on, not the bytes.
@@ -251,7 +317,11 @@ class DecodeCore:
     def _verdict(self, v: HandoffVerdict, source: str) -> list[Effect]:
         sid = self._by_lease.get((source, v.lease))
         if sid is None:
-            return []
+            if not v.commit and self.held.pop((source, v.lease), None) is not None:
+                return []  # the prefill node will not hand it off after all: slot freed
+            self.counts["stray_verdicts"] += 1
+            why = "no handoff of that lease from that node is here"
+            return [self._refused("verdict", v.request_id, source, why)]
         s = self.slots[sid]
         if s.state is SlotState.DECODING:
             return []  # committed already: a repeat, or a late "no such lease" for a repeated ack
@@ -261,7 +331,7 @@ class DecodeCore:
         try:
             s.state = SLOT_TABLE.next(s.state, SlotEvent.COMMIT)
         except IllegalTransition as exc:  # a commit before our ack: not from an honest prefill
-            return [Warn("warning", f"decode: {exc} (from {source})")]
+            return [self._refused("verdict", v.request_id, source, str(exc))]
         s.deadline = None
         self.counts["committed"] += 1
         self.reads.append((s.prefill, s.handoff.lease))
@@ -296,6 +366,8 @@ class DecodeCore:
     def on_timer(self, now: float) -> list[Effect]:
         for key in [k for k, t in self._tombstones.items() if t <= now]:
             del self._tombstones[key]
+        for key in [k for k, t in self.held.items() if t <= now]:
+            del self.held[key]  # promised, and no handoff came: the slot is free again
         out: list[Effect] = []
         for s in [s for s in self.slots.values() if s.deadline and s.deadline <= now]:
             self.counts["verdict_timeouts"] += 1
@@ -312,6 +384,8 @@ class DecodeCore:
         # A lost router changes nothing here: the next token dials it again, and a send that
         # fails ends the slot (undeliverable). Only the prefill node's loss matters before the
         # commit, since the verdict can no longer come.
+        for key in [k for k in self.held if k[0] == identity]:
+            del self.held[key]
         for s in list(self.slots.values()):
             if s.prefill == identity and s.state is not SlotState.DECODING:
                 out += self._error(

@@ -17,6 +17,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mlxcel.disagg.protocol import (
     LEASE,
@@ -44,6 +45,8 @@ from mlxcel.messages import (
     PrefillRequest,
     Progress,
     QueryState,
+    SlotAnswer,
+    SlotRequest,
     State,
     TokenResult,
 )
@@ -64,6 +67,8 @@ class Lease:
     next_part: int = 0  # the next part to hand to the outbox
     writing: int = 0  # parts handed over and not yet written
     told_router: float = 0.0  # when a Progress last told the router it moves
+    slot: bool | None = None  # the decode node holds a slot for it (None: not answered yet)
+    ready: dict[str, Any] | None = None  # compute_done's results, waiting for that answer
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ class PrefillCore:
             return self._request(msg, source, now)
         if isinstance(msg, HandoffAck):
             return self._ack(msg, source, now)
+        if isinstance(msg, SlotAnswer):
+            return self._slot_answer(msg, source, now)
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
             st = State(
                 "prefill", (), self.active, self.draining, msg.nonce, **self.counters(),
@@ -176,7 +183,35 @@ class PrefillCore:
         self._by_request[(source, m.request_id)] = lease.id
         self.counts["accepted"] += 1
         one = dataclasses.replace(m.sampling, max_tokens=1)
-        return [StartCompute(PrefillJob(lease.id, m.token_ids, one))]
+        # The decode node is asked for a slot as the prompt starts: a full one says so before
+        # the first token reaches the client, and the router starts the request elsewhere.
+        ask = SlotRequest(m.request_id, lease.id, source) if m.sampling.max_tokens > 1 else None
+        lease.slot = None if ask is not None else False
+        return ([Send(target, ask)] if ask else []) + [
+            StartCompute(PrefillJob(lease.id, m.token_ids, one))
+        ]
+
+    def _slot_answer(self, a: SlotAnswer, source: str, now: float) -> list[Effect]:
+        x = self.leases.get(a.lease)
+        if (
+            x is None
+            or x.target != source
+            or x.request.request_id != a.request_id
+            or x.state is not LeaseState.COMPUTING
+            or x.slot is not None
+        ):
+            self.counts["stray_slot_answers"] += 1
+            return []
+        if not a.ok:
+            self.counts["decode_refused"] += 1
+            why = f"decode node {x.target} will not take the handoff: {a.reason}"
+            x.slot = False
+            return self._fail(x, ErrorCode.DECODE_REFUSED, why)  # before token 0: retryable
+        x.slot = True
+        if x.ready is None:
+            return []
+        ready, x.ready = x.ready, None
+        return self.compute_done(x.id, now=now, **ready)
 
     def compute_done(
         self,
@@ -193,9 +228,14 @@ class PrefillCore:
         ``top``: its top_logprobs alternatives (ids, logprobs), when asked for."""
         x = self.leases.get(lease_id)
         if x is None:
-            return [FreeCache(lease_id)]  # cancelled while it ran
+            return [FreeCache(lease_id)]  # cancelled (or refused by the decode node) as it ran
         m = x.request
         final = finish == "stop" or m.sampling.max_tokens == 1
+        if not final and x.slot is None:  # the decode node has not answered yet: wait for it
+            x.ready = dict(token_ids=token_ids, finish=finish, logprobs=logprobs, packed=packed,
+                           key_state=key_state, top=top)  # fmt: skip
+            x.expires = now + self.config.lease
+            return []
         first = TokenResult(
             m.request_id,
             0,
@@ -307,6 +347,13 @@ class PrefillCore:
     def on_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = []
         for x in [x for x in self.leases.values() if x.expires and x.expires <= now]:
+            if x.state is LeaseState.COMPUTING:  # it ran; the decode node never answered
+                why = (
+                    f"decode node {x.target} did not answer within {self.config.lease:g}s "
+                    "whether it holds a slot for the handoff"
+                )
+                out += self._fail(x, ErrorCode.NODE_UNREACHABLE, why)
+                continue
             self.counts["expired"] += 1
             out += self._fail(
                 x,
@@ -375,7 +422,9 @@ class PrefillCore:
             self._finished.pop(next(iter(self._finished)))
         x.held, x.handoff, x.plan = None, None, []
         out: list[Effect] = [FreeCache(x.id)]
-        if leased and abort is not None:
+        if not leased and x.slot is not False:  # a slot held (or asked for) there: free it
+            abort = abort or "no handoff: the request ended at its first token"
+        if (leased or x.slot is not False) and abort is not None:
             verdict = HandoffVerdict(x.request.request_id, x.id, False, abort[:200])
             out.append(Send(x.target, verdict))
         return out

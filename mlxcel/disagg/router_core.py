@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.disagg.protocol import (
@@ -26,6 +25,7 @@ from mlxcel.disagg.protocol import (
     RouteEvent,
     RouteState,
 )
+from mlxcel.disagg.route import Route
 from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
 from mlxcel.effects import Deliver, Effect, Send, Warn
 from mlxcel.membership import MembershipLog
@@ -49,26 +49,6 @@ FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
 HANDOFF_CODES = frozenset(
     {ErrorCode.HANDOFF_TIMEOUT, ErrorCode.HANDOFF_FAILED, ErrorCode.NODE_UNREACHABLE}
 )
-
-
-@dataclass
-class Route:
-    request_id: str  # the frontend's id
-    wire: str  # the id the nodes see: the frontend's plus the nonce, unique across restarts
-    entry: RunEntry  # what the frontend asked (its nonce goes back with every result)
-    nonce: int  # the router's nonce for this request; results must carry it
-    prefill: str
-    decode: str
-    deadline: float
-    state: RouteState = RouteState.PREFILLING
-    prefill_busy: bool = True  # counted in the prefill node's load until token 0 is in
-    next_index: int = 0
-    early: dict[int, TokenResult] = field(default_factory=dict)
-    tried: set[str] = field(default_factory=set)
-    restarts: int = 0  # times it started over on other nodes after losing one
-    # Its decode node dropped a connection: tokens sent on it may be lost, so the stream must
-    # go on by this time (a live node's next token comes on a new connection at once).
-    quiet_by: float | None = None
 
 
 class RouterCore:
@@ -141,22 +121,10 @@ class RouterCore:
             )
             out += self._fail(r, ErrorCode.NODE_UNREACHABLE, why, cancel=(r.prefill, r.decode))
         for r in [r for r in self.routes.values() if r.deadline <= now]:
-            if r.state is RouteState.PREFILLING:
-                why = (
-                    f"no first token from {self.nodes[r.prefill].id} within "
-                    f"{self.prefill_timeout:g}s"
-                )
-            elif r.state is RouteState.HANDOFF:
-                why = (
-                    f"handoff timeout: {self.nodes[r.decode].id} did not start decoding "
-                    f"within {self.handoff_timeout:g}s of the first token"
-                )
+            p, d = self.nodes[r.prefill].id, self.nodes[r.decode].id
+            why = r.missed(p, d, self.prefill_timeout, self.handoff_timeout)
+            if r.state is RouteState.HANDOFF:
                 out += self._handoff_failed(r, why, now)
-            else:
-                why = (
-                    f"handoff timeout: {self.nodes[r.decode].id} sent no token for "
-                    f"{self.handoff_timeout:g}s"
-                )
             out += self._fail(r, ErrorCode.HANDOFF_TIMEOUT, why, cancel=(r.prefill, r.decode))
         return out
 
@@ -240,12 +208,14 @@ class RouterCore:
             )
         return out
 
-    def _restart(self, r: Route, lost: PeerNode, now: float, avoid: bool = True) -> list[Effect]:
+    def _restart(
+        self, r: Route, lost: PeerNode, now: float, avoid: bool = True, why: str = ""
+    ) -> list[Effect]:
         """Start ``r`` again under a new wire id, on nodes other than ``lost`` (``avoid``) or
         on any; what the old nodes hold of it is cancelled (their late results no longer
         match anything)."""
         skip = {lost.address} if avoid else set()
-        why = "was lost" if avoid else "dropped its connection"
+        why = why or ("was lost" if avoid else "dropped its connection")
         p = self.table.pick("prefill", now, exclude=skip)
         d = self.table.pick("decode", now, exclude=skip)
         if p is None or d is None:
@@ -396,6 +366,13 @@ class RouterCore:
             if msg.code == ErrorCode.DRAINING and source == r.prefill and not r.next_index:
                 node.draining = True  # shutting down, and it ran nothing: another one may
                 return self._failover(r, msg.message, now)
+            refused = msg.code == ErrorCode.DECODE_REFUSED and source == r.prefill
+            if refused and not r.next_index and r.restarts < MAX_RESTARTS:
+                # The decode node will not take it (full, draining), and the client has seen
+                # nothing: the request starts over on another decode node.
+                lines = self._handoff_failed(r, msg.message, now)
+                why = f"refused the handoff ({msg.message[:200]})"
+                return lines + self._restart(r, self.nodes[r.decode], now, why=why)
             other = r.decode if source == r.prefill else r.prefill
             out = self._handoff_failed(r, msg.message, now) if msg.code in HANDOFF_CODES else []
             return out + self._fail(r, msg.code, f"{node.id}: {msg.message}", cancel=(other,))

@@ -36,6 +36,8 @@ from mlxcel.messages import (
     QueryState,
     RunEntry,
     RunResult,
+    SlotAnswer,
+    SlotRequest,
     State,
     TokenResult,
 )
@@ -213,7 +215,9 @@ class PrefillService(_DisaggAdapter):
 
     def attach(self) -> None:
         self.subscribe(
-            [PrefillRequest, HandoffAck, CancelRequest, QueryState], Origin.REMOTE, maxsize=1024
+            [PrefillRequest, HandoffAck, SlotAnswer, CancelRequest, QueryState],
+            Origin.REMOTE,
+            maxsize=1024,
         )
         self.start()
 
@@ -271,7 +275,9 @@ class DecodeService(_DisaggAdapter):
 
     def attach(self) -> None:
         self.subscribe(
-            [KvHandoff, HandoffVerdict, CancelRequest, QueryState], Origin.REMOTE, maxsize=1024
+            [KvHandoff, HandoffVerdict, SlotRequest, CancelRequest, QueryState],
+            Origin.REMOTE,
+            maxsize=1024,
         )
         self.start()
 

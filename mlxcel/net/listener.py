@@ -154,7 +154,7 @@ class ClusterListener:
         self.channel = channel
         self.limits = limits or Limits()
         loop = asyncio.get_running_loop()
-        self.limiter = limiter or WarningLimiter(loop.time)
+        self.limiter = limiter or WarningLimiter(loop.time, schedule=loop.call_later)
         self.on_connection = on_connection
         self.publish = publish
         self._protection = protection or (lambda send, recv: AeadProtection(send, recv))

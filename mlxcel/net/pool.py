@@ -80,7 +80,8 @@ class ConnectionPool:
         self.identity = identity
         self.channel = channel
         self.backoff = backoff or Backoff()
-        self.limiter = limiter or WarningLimiter(asyncio.get_running_loop().time)
+        loop = asyncio.get_running_loop()
+        self.limiter = limiter or WarningLimiter(loop.time, schedule=loop.call_later)
         self.bind_ip = bind_ip
         self.handshake_timeout = handshake_timeout
         self.max_message = max_message

@@ -1,11 +1,14 @@
 """Rate-limited cluster warnings, in classes that cannot starve each other.
 
-Eight classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
+Classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
 mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop``,
-``at-capacity``, the pipeline's own drops (``coordinator-drop``, ``stage-drop``) and the HTTP
-port's refusals (``http-cap``: a connection cap; ``http-slow``: a header deadline) -- each may log ``per_window`` warnings per ``window`` seconds; the rest go to
-debug. The first warning of a class after a window that suppressed some reports how many and
-when that window ended. The clock is injected (the loop's clock in production).
+``at-capacity``, the pipeline's own drops (``coordinator-drop``, ``stage-drop``), a decode
+node's refusals (``decode-refusal``), discovery's drops and the HTTP port's refusals
+(``http-cap``: a connection cap; ``http-slow``: a header deadline; ``http-evict``: a
+connection closed for another address's) -- each may log ``per_window`` warnings per
+``window`` seconds; the rest go to debug. How many went to debug is said when their window
+ends (given ``schedule``, the loop's ``call_later``), else with the class's next warning.
+The clock is injected (the loop's clock in production).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ CLASSES = (
     "http-cap",
     "http-slow",
     "discovery-drop",
+    "decode-refusal",
+    "http-evict",
 )
 MAX_MESSAGE = 500
 
@@ -44,8 +49,10 @@ class WarningLimiter:
         per_window: int = 5,
         window: float = 60.0,
         emit: Callable[[str, str], None] | None = None,
+        schedule: Callable[[float, Callable[[], None]], object] | None = None,
     ) -> None:
         self.clock = clock
+        self._schedule = schedule
         self.per_window = per_window
         self.window = window
         self._emit = emit or (lambda level, msg: logger.log(level, msg))
@@ -81,7 +88,20 @@ class WarningLimiter:
         w.suppressed += 1
         self.debugged[cls] += 1
         self._emit("DEBUG", message)
+        if w.suppressed == 1 and self._schedule is not None:
+            self._schedule(max(0.0, w.start + self.window - now), lambda: self._window_end(cls, w))
         return False
+
+    def _window_end(self, cls: str, w: _Window) -> None:
+        """Say how many of ``cls`` went to debug as its window ends, not at the next one."""
+        if self._windows.get(cls) is not w or not w.suppressed:
+            return
+        self._emit(
+            "WARNING",
+            f"{w.suppressed} cluster warnings ({cls}) were logged at debug during the "
+            f"{self.window:g}s window that just ended",
+        )
+        w.suppressed = 0
 
     def debug(self, message: str) -> None:
         self._emit("DEBUG", message)

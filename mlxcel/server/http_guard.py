@@ -81,7 +81,8 @@ class HttpGuard:
         # A small share per IP: it takes dozens of addresses, not a handful, to fill the cap.
         self.max_per_source = max_per_source or max(8, self.max_connections // SOURCE_SHARE)
         self.header_timeout = header_timeout
-        self.limiter = WarningLimiter(asyncio.get_running_loop().time)
+        loop = asyncio.get_running_loop()
+        self.limiter = WarningLimiter(loop.time, schedule=loop.call_later)
         self.by_source: Counter[str] = Counter()
         self.open: dict[Any, _Guarded] = {}  # transport -> its guard
         # Each source's connections, oldest first: where an eviction looks.
