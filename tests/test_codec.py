@@ -41,6 +41,8 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
     Shutdown,
+    SlotAnswer,
+    SlotRequest,
     State,
     Tensor,
     TokenResult,
@@ -159,6 +161,8 @@ messages = st.one_of(
     ),
     st.builds(HandoffAck, ids, u64, st.booleans(), ids),
     st.builds(HandoffVerdict, ids, u64, st.booleans(), ids),
+    st.builds(SlotRequest, ids, u64, ids),
+    st.builds(SlotAnswer, ids, u64, st.booleans(), ids),
     st.builds(
         TokenResult,
         ids,
@@ -220,6 +224,8 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "KvHandoff",
         "HandoffAck",
         "HandoffVerdict",
+        "SlotRequest",
+        "SlotAnswer",
         "TokenResult",
         "Bundle",
     }

@@ -82,13 +82,15 @@ def test_no_module_over_500_lines() -> None:
 PURE_BASE = {
     "mlxcel.messages", "mlxcel.effects", "mlxcel.fsm", "mlxcel.deadlines", "mlxcel.errors",
     "mlxcel.error_codes", "mlxcel.tensor", "mlxcel.membership", "mlxcel.handoff",
-    "mlxcel.defaults",
+    "mlxcel.defaults", "mlxcel.sampling_params",
 }  # fmt: skip
 # Each core, and the modules of its own protocol it may add to that base.
 CORES = {
     "mlxcel.pipeline.coordinator_core": {"mlxcel.pipeline.coordinator_protocol"},
     "mlxcel.pipeline.stage_core": {"mlxcel.pipeline.stage_protocol", "mlxcel.pipeline.stage_gate"},
-    "mlxcel.disagg.router_core": {"mlxcel.disagg.protocol", "mlxcel.disagg.router_nodes"},
+    "mlxcel.disagg.router_core": {
+        "mlxcel.disagg.protocol", "mlxcel.disagg.router_nodes", "mlxcel.disagg.route"
+    },
     "mlxcel.disagg.prefill_core": {"mlxcel.disagg.protocol"},
     "mlxcel.disagg.decode_core": {"mlxcel.disagg.protocol"},
     "mlxcel.bringup.peer_core": {"mlxcel.bringup.protocol"},
