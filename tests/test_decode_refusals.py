@@ -10,7 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.protocol import MAX_PARTS, MAX_TOMBSTONES, ResumeJob, VerifyJob
+from mlxcel.disagg.protocol import (
+    MAX_PARTS,
+    MAX_TOMBSTONES,
+    PREFILL_TIMEOUT,
+    ResumeJob,
+    VerifyJob,
+)
 from mlxcel.effects import FreeCache, Send, StartCompute, Warn
 from mlxcel.handoff import digest_of, part_of, plan_parts, tensor_digest
 from mlxcel.messages import (
@@ -24,6 +30,8 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     SamplingParams,
+    SlotAnswer,
+    SlotRequest,
     Tensor,
     TokenResult,
 )
@@ -459,3 +467,45 @@ def test_every_ending_is_counted_one_by_one() -> None:
         "completed": 2,
         "parts": 2,
     }
+
+
+def test_a_slot_is_held_before_the_prompt_runs_and_refused_when_full_or_foreign() -> None:
+    """Asked as a prompt starts: a slot is held (and counted) until its handoff comes, an
+    abort frees it, it lapses after the longest a prompt may take; a full or draining node,
+    or a request for a router that never spoke to this node, is refused and logged."""
+    c = core(max_sequences=2)
+    assert c.handle(SlotRequest("a", 1, R), P0, 0.0) == [Send(P0, SlotAnswer("a", 1, True))]
+    assert c.handle(SlotRequest("a", 1, R), P0, 0.1) == [Send(P0, SlotAnswer("a", 1, True))]
+    assert c.handle(SlotRequest("b", 2, R), P1, 0.0) == [Send(P1, SlotAnswer("b", 2, True))]
+    full = "decode node full (2 sequences)"
+    assert c.handle(SlotRequest("c", 3, R), P0, 0.2) == [
+        Warn("decode-refusal", f"decode: refused a slot request from {P0} (request 'c'): {full}"),
+        Send(P0, SlotAnswer("c", 3, False, full)),
+    ]
+    # A handoff with no slot held for it finds the node full too; the held one gets its slot.
+    h = handoff("z", 9)
+    assert c.handle(h, P0, 0.3) == no(h, full)
+    mine = handoff("a", 1)
+    assert c.handle(mine, P0, 0.3) == [StartCompute(VerifyJob(1, mine))]
+    assert (P0, 1) not in c.held and c.active == 1
+    # An abort for a held slot frees it (the prompt ended at its first token).
+    assert c.handle(HandoffVerdict("b", 2, False, "ended"), P1, 0.4) == [] and not c.held
+    # A router that never spoke to this node: its tokens would go to an address a payload names.
+    stranger = f"router {STRANGER} has not connected to this decode node"
+    assert c.handle(SlotRequest("d", 4, STRANGER), P0, 0.5)[1] == Send(
+        P0, SlotAnswer("d", 4, False, stranger)
+    )
+    foreign = dataclasses.replace(handoff("e", 5), router=STRANGER)
+    assert c.handle(foreign, P0, 0.5) == no(foreign, stranger)
+    # A held slot lapses; a lost prefill node's are freed at once.
+    assert c.handle(SlotRequest("f", 6, R), P0, 1.0)[0] == Send(P0, SlotAnswer("f", 6, True))
+    assert c.held[(P0, 6)] == 1.0 + PREFILL_TIMEOUT  # the longest a prompt may take
+    c.on_timer(1.0 + PREFILL_TIMEOUT)
+    assert not c.held
+    c.handle(SlotRequest("g", 7, R), P1, 2.0)
+    c.peer_lost(P1, 2.1)
+    assert not c.held
+    c.draining = True
+    why = "this decode node is shutting down"
+    assert c.handle(SlotRequest("h", 8, R), P0, 3.0)[1] == Send(P0, SlotAnswer("h", 8, False, why))
+    assert c.counts["slots_refused"] == 3

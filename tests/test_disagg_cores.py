@@ -435,6 +435,33 @@ def test_the_router_routes_around_a_node_whose_handoffs_keep_failing() -> None:
     assert r.nodes[D1].strikes == 0 and not r.nodes[D1].avoided(t)
 
 
+def test_a_decode_node_that_refuses_a_slot_sends_the_request_to_another_before_any_token() -> None:
+    """The prefill node relays the decode node's refusal (full) before token 0: the client
+    has seen nothing, so the request starts over on the other decode node, under a new wire
+    id, and nothing runs twice under the old one."""
+    r = online_router()
+    (s,) = sends(r.handle(entry("q"), "local", 0.0), PrefillRequest)
+    full = f"decode node {s.msg.decode_target} will not take the handoff: decode node full"
+    out = r.handle(
+        Error(ErrorCode.DECODE_REFUSED, full, s.msg.request_id, s.msg.nonce), s.dest, 0.1
+    )
+    assert delivered(out) == []  # the client hears nothing of it
+    (again,) = sends(out, PrefillRequest)
+    assert again.msg.decode_target != s.msg.decode_target
+    assert again.msg.request_id != s.msg.request_id and r.counts["restarted"] == 1
+    cancels = {c.dest for c in sends(out, CancelRequest)}
+    assert cancels == {s.dest, s.msg.decode_target}  # what the old nodes hold of it is freed
+    # Refused everywhere: after MAX_RESTARTS, the client gets the refusal.
+    for _ in range(5):
+        if not sends(out, PrefillRequest):
+            break
+        (s,) = sends(out, PrefillRequest)
+        err = Error(ErrorCode.DECODE_REFUSED, "full", s.msg.request_id, s.msg.nonce)
+        out = r.handle(err, s.dest, 0.2)
+    (final,) = delivered(out)
+    assert final.code == ErrorCode.DECODE_REFUSED and r.active == 0
+
+
 def test_a_prefill_node_that_reports_progress_moves_the_handoff_deadline() -> None:
     r = online_router(handoff_timeout=10.0)
     (s,) = sends(r.handle(entry("p"), "local", 0.0), PrefillRequest)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, http_flood, slow_handoff
+from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, full_decode, http_flood, slow_handoff
 from mlxcel.bench.netns import unavailable
 from mlxcel.server.http_guard import raise_fd_limit
 
@@ -58,3 +58,15 @@ def test_a_long_prompt_crosses_a_one_megabit_prefill_link_and_short_ones_go_mean
     r = slow_handoff(tiny, tmp_path, prompt_tokens=2000, shorts=40, every=0.2, rate="1mbit")
     assert r.long_status == 200, r
     assert r.shorts_ok >= 38, r
+
+
+def test_a_member_that_fills_a_decode_node_sends_the_requests_to_the_other_one(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A member keeps decode-0's 256 slots busy with handoffs it never commits: each request
+    the router gives decode-0 is refused before its prompt's first token (the prefill node
+    asks for a slot as the prompt starts) and starts over on decode-1; every client is
+    served (before: a third failed with handoff_failed while decode-1 sat idle)."""
+    r = full_decode(tiny, tmp_path, requests=40, every=0.1)
+    assert r.filled >= 200, r  # the attack was real: decode-0 took the member's handoffs
+    assert r.ok == r.requests, r

@@ -14,11 +14,15 @@ them to the targets:
 - ``slow handoff``: a router, a prefill node whose link is shaped to ``rate`` (``tc tbf``)
   and one decode node; one prompt of ``prompt_tokens`` tokens (its KV cache must cross the
   slow link), and meanwhile ``shorts`` short requests, one every ``every`` seconds: whether
-  the long one completed, and how many short ones did and how fast.
+  the long one completed, and how many short ones did and how fast;
+- ``full decode``: a router, a prefill node and two decode nodes; a member holding the secret
+  fills decode-0's slots with handoffs of its own (valid, never committed, sent again as
+  they lapse) while clients send requests: how many succeeded, and what the others got.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import sys
@@ -313,6 +317,109 @@ def slow_handoff(
     )
 
 
+@dataclass
+class FullDecode:
+    requests: int
+    ok: int
+    codes: dict[str, int]
+    filled: int  # handoffs the member had taken by decode-0 (acknowledged)
+
+
+def _member_fills(
+    host: str, secret: Path, target: str, dims: tuple[int, int, int, int], n: int,
+    stop: threading.Event, acked: list[int],
+) -> None:  # fmt: skip
+    """A member (it holds the secret) that keeps ``n`` slots of the decode node ``target``
+    busy with handoffs it never commits, sending them again as they lapse."""
+    import asyncio
+
+    from mlxcel.bus import Envelope, Node
+    from mlxcel.deadlines import deadline_in
+    from mlxcel.handoff import digest_of, tensor_digest
+    from mlxcel.messages import HandoffAck, KvHandoff, QueryState, SamplingParams, Tensor
+    from mlxcel.net.listener import ClusterListener
+    from mlxcel.net.pool import ConnectionPool
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.wire.handshake import Identity
+
+    layers, heads, kdim, vdim = dims
+    k = Tensor("float32", (1, heads, 1, kdim), bytes(heads * kdim * 4))
+    v = Tensor("float32", (1, heads, 1, vdim), bytes(heads * vdim * 4))
+    keys, values = (k,) * layers, (v,) * layers
+    tensors = tensor_digest(keys, values)
+
+    async def run() -> None:
+        sec = load_cluster_secret(secret)
+        assert sec is not None
+        async with Node("member") as node:
+
+            async def on_ack(env: Envelope[HandoffAck]) -> None:
+                acked[0] += env.msg.ok
+
+            node.bus.subscribe(HandoffAck, on_ack)
+            listener = ClusterListener(node, sec, host, 0)
+            me = Identity(host, await listener.start(), "member")
+            pool = ConnectionPool(node, sec, me, bind_ip=host)
+            dhost, dport = target.rsplit(":", 1)
+            lease = 1
+            while not stop.is_set():
+                conn = await pool.get(dhost, int(dport))
+                await conn.send(QueryState(0), deadline_in(5))  # "a router", as a router polls
+                for _ in range(n):
+                    h = KvHandoff(f"fill-{lease}", lease, me.address, 1, 5,
+                                  SamplingParams(max_tokens=64), (), 1, keys, values, b"")  # fmt: skip
+                    h = dataclasses.replace(h, digest=digest_of(h, tensors))
+                    await conn.send(h, deadline_in(5))
+                    lease += 1
+                await asyncio.sleep(12.0)  # the unread ones lapse after 15 s: fill again
+
+    asyncio.run(run())
+
+
+def _kv_dims(model: Path) -> tuple[int, int, int, int]:
+    """(layers, kv heads, key dim, value dim) of a llama-shaped checkpoint's cache."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], heads, dim, dim
+
+
+def full_decode(model: Path, tmp: Path, requests: int = 60, every: float = 0.1) -> FullDecode:
+    """Requests while a member keeps decode-0 full (the node's 256 slots)."""
+    from mlxcel.bench.faults import disagg_cluster
+    from mlxcel.bench.netns_nodes import CLUSTER_PORT
+    from mlxcel.disagg.protocol import NODE_CAPACITY
+
+    secret = keygen(tmp / "cluster.secret")
+    body = json.dumps({"model": "m", "prompt": "full decode", "max_tokens": 4}).encode()
+    with disagg_cluster(model, secret, n_decode=2) as c:
+        url = c.client.base + "/v1/completions"
+        stop = threading.Event()
+        acked = [0]
+        target = f"{c.hosts.ip(2)}:{CLUSTER_PORT}"
+
+        def member() -> None:
+            enter_netns(c.hosts.names[0])
+            _member_fills(c.hosts.ip(0), secret, target, _kv_dims(model), NODE_CAPACITY, stop,
+                          acked)  # fmt: skip
+
+        t = threading.Thread(target=member, daemon=True)
+        t.start()
+        time.sleep(4.0)  # decode-0 is full by now
+        futures = []
+        for _ in range(requests):
+            futures.append(c.client.pool.submit(_post, url, body, 60.0))
+            time.sleep(every)
+        results = [f.result() for f in futures]
+        stop.set()
+    return FullDecode(
+        requests,
+        sum(1 for st, _ in results if st == 200),
+        dict(Counter(code or str(st) for st, code in results)),
+        acked[0],
+    )
+
+
 def run_bench(model: Path, json_lines: bool = False) -> int:
     from mlxcel.bench.netns import unavailable
 
@@ -329,10 +436,12 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     flood = http_flood(model, 5, 960, 20, *FLOOD_CAP)
     with tempfile.TemporaryDirectory() as tmp:
         slow = slow_handoff(model, Path(tmp))
+        full = full_decode(model, Path(tmp))
     if json_lines:
         print(json.dumps({"scenario": "big prompts", **asdict(big)}))
         print(json.dumps({"scenario": "http flood", **asdict(flood)}))
         print(json.dumps({"scenario": "slow handoff", **asdict(slow)}))
+        print(json.dumps({"scenario": "full decode", **asdict(full)}))
         return 0
     print(f"hostile clients on network namespaces, model {model.name}")
     print(f"{big.prompts} concurrent prompts of {big.chars:,} characters: answered {big.statuses} "
@@ -345,4 +454,6 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     print(f"a {slow.prompt_tokens}-token prompt over a {slow.rate}/s prefill link: {long} in "
           f"{slow.long_s:.1f} s; meanwhile {slow.shorts_ok}/{slow.shorts} short requests, p50 "
           f"{slow.short_p50_s:.2f} s, p95 {slow.short_p95_s:.2f} s {slow.short_codes}")  # fmt: skip
+    print(f"a member holding {full.filled} of decode-0's slots: {full.ok}/{full.requests} "
+          f"requests served {full.codes}")  # fmt: skip
     return 0
