@@ -306,6 +306,12 @@ class ServeSettings(ModelSettings, PipelineSettings):
         None,
         description="router: the decode nodes; prefill: its fallback decode target (first entry)",
     )
+    router_peers: str | None = Field(
+        None,
+        description="prefill/decode: the routers that use this node, IP:PORT, comma-separated: "
+        "their dials never wait behind strangers', and only they may receive its tokens "
+        "(unset: any router that polls it)",
+    )
     decode_allowlist: str | None = Field(
         None,
         description="prefill: the decode targets a request may name, numeric IP:PORT, "
@@ -336,6 +342,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
                 ("--serving-bind", self.serving_bind),
                 ("--prefill-peers", self.prefill_peers),
                 ("--decode-peers", self.decode_peers),
+                ("--router-peers", self.router_peers),
             ):
                 if value:
                     raise ValueError(f"{flag} needs --node-role prefill, decode or router")
@@ -355,6 +362,7 @@ class ServeSettings(ModelSettings, PipelineSettings):
         for field, flag in (
             ("prefill_peers", "--prefill-peers"),
             ("decode_peers", "--decode-peers"),
+            ("router_peers", "--router-peers"),
         ):
             peers = self.peer_list(field)
             for p in peers:
@@ -374,6 +382,8 @@ class ServeSettings(ModelSettings, PipelineSettings):
             raise ValueError("--prefill-peers is for --node-role router")
         if role == "decode" and self.decode_peers:
             raise ValueError("--decode-peers is for --node-role router or prefill")
+        if role == "router" and self.router_peers:
+            raise ValueError("--router-peers is for --node-role prefill or decode")
         if self.handoff_lease > self.handoff_lease_max:
             raise ValueError(
                 f"--handoff-lease ({self.handoff_lease:g}) exceeds --handoff-lease-max "

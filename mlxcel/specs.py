@@ -153,6 +153,8 @@ class DisaggSpec:
     peer_timeout: float = d.PEER_TIMEOUT  # a peer unheard this long is down
     prefill_timeout: float = d.PREFILL_TIMEOUT  # router: dispatch to first token
     decode_allowlist: str | None = None  # prefill: decode targets a request may name (None: any)
+    # prefill/decode: the routers that use it (None: any router that polls it; see DecodeCore)
+    router_peers: tuple[str, ...] | None = None
     handoff_lease: float = d.HANDOFF_LEASE  # prefill: a handoff's lease past its last progress
     handoff_lease_max: float = d.HANDOFF_LEASE_MAX  # prefill: and its whole life at most
     # router: node addresses in /router/stats, read per request (MLXCEL_ROUTER_STATS_VERBOSE).

@@ -491,7 +491,7 @@ def test_a_slot_is_held_before_the_prompt_runs_and_refused_when_full_or_foreign(
     # An abort for a held slot frees it (the prompt ended at its first token).
     assert c.handle(HandoffVerdict("b", 2, False, "ended"), P1, 0.4) == [] and not c.held
     # A router that never spoke to this node: its tokens would go to an address a payload names.
-    stranger = f"router {STRANGER} has not connected to this decode node"
+    stranger = f"router {STRANGER} is not a router of this decode node"
     assert c.handle(SlotRequest("d", 4, STRANGER), P0, 0.5)[1] == Send(
         P0, SlotAnswer("d", 4, False, stranger)
     )
@@ -509,3 +509,16 @@ def test_a_slot_is_held_before_the_prompt_runs_and_refused_when_full_or_foreign(
     why = "this decode node is shutting down"
     assert c.handle(SlotRequest("h", 8, R), P0, 3.0)[1] == Send(P0, SlotAnswer("h", 8, False, why))
     assert c.counts["slots_refused"] == 3
+
+
+def test_routers_it_was_told_of_are_the_only_ones_it_streams_to() -> None:
+    """With --router-peers, a router that polls the node is not enough: only those."""
+    c = core(routers=frozenset({R}))
+    c.handle(QueryState(0), STRANGER, 0.0)  # polls, but is not one of them
+    why = f"router {STRANGER} is not a router of this decode node"
+    assert c.handle(SlotRequest("a", 1, STRANGER), P0, 0.1)[1] == Send(
+        P0, SlotAnswer("a", 1, False, why)
+    )
+    fresh = DecodeCore(DecodeConfig(vocab=100, max_len=64, routers=frozenset({R})))
+    ok = fresh.handle(SlotRequest("b", 2, R), P0, 0.2)  # told of it: no poll needed first
+    assert ok == [Send(P0, SlotAnswer("b", 2, True))]

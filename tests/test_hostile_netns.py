@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, full_decode, http_flood, slow_handoff
+from mlxcel.bench.hostile import (
+    FLOOD_CAP,
+    big_prompts,
+    full_decode,
+    http_flood,
+    restart_under_flood,
+    slow_handoff,
+)
 from mlxcel.bench.netns import unavailable
 from mlxcel.server.http_guard import raise_fd_limit
 
@@ -70,3 +77,15 @@ def test_a_member_that_fills_a_decode_node_sends_the_requests_to_the_other_one(
     r = full_decode(tiny, tmp_path, requests=40, every=0.1)
     assert r.filled >= 200, r  # the attack was real: decode-0 took the member's handoffs
     assert r.ok == r.requests, r
+
+
+def test_a_restarted_decode_node_told_its_router_is_back_during_a_half_open_flood(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Seventy addresses hold every unfinished-handshake slot of decode-1's port while it
+    restarts. Told the router's address (--router-peers), decode-1 lets the router's dial in
+    from the members' pool: back in rotation in seconds, not when the flood ends (before, and
+    still without the flag: 39 s of a 40 s flood)."""
+    r = restart_under_flood(tiny, tmp_path, sources=70, flood_s=30.0, router_peers=True)
+    assert r.attacker.get("closed_by_server", 0) > 1000, r  # the flood was real
+    assert r.back_s is not None and r.back_s < 15.0, r

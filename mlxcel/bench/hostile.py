@@ -17,7 +17,10 @@ them to the targets:
   the long one completed, and how many short ones did and how fast;
 - ``full decode``: a router, a prefill node and two decode nodes; a member holding the secret
   fills decode-0's slots with handoffs of its own (valid, never committed, sent again as
-  they lapse) while clients send requests: how many succeeded, and what the others got.
+  they lapse) while clients send requests: how many succeeded, and what the others got;
+- ``restart under flood``: decode-1 restarts while an outsider with ``sources`` addresses
+  holds every unfinished-handshake slot of its port: how long until the router has it back
+  in rotation (``router_peers``: the decode nodes were told the router's address).
 """
 
 from __future__ import annotations
@@ -420,6 +423,64 @@ def full_decode(model: Path, tmp: Path, requests: int = 60, every: float = 0.1) 
     )
 
 
+@dataclass
+class RestartUnderFlood:
+    sources: int
+    flood_s: float
+    router_peers: bool
+    back_s: float | None  # from the restarted node's ready line to healthy at the router
+    attacker: dict[str, int]
+
+
+def restart_under_flood(
+    model: Path, tmp: Path, sources: int = 70, flood_s: float = 40.0, router_peers: bool = True
+) -> RestartUnderFlood:
+    """A router, a prefill node, two decode nodes (and an attacker host); decode-1 restarts
+    while the attacker holds its pending pool."""
+    import subprocess
+
+    from mlxcel.bench.faults import running
+    from mlxcel.bench.floods import ATTACK
+    from mlxcel.bench.netns_nodes import CLUSTER_PORT, wait_for
+
+    secret = keygen(tmp / "cluster.secret")
+    with Hosts(5, net=84) as hosts:
+        addr = [f"{hosts.ip(i)}:{CLUSTER_PORT}" for i in range(4)]
+        common = ["-m", str(model), "--cluster-secret-file", str(secret)]
+        told = ["--router-peers", addr[0]] if router_peers else []
+
+        def worker(role: str, i: int) -> list[str]:
+            return [*common, "--node-role", role, "--serving-bind", addr[i], *told]
+
+        router = [*common, "--node-role", "router", "--serving-bind", addr[0],
+                  "--prefill-peers", addr[1], "--decode-peers", f"{addr[2]},{addr[3]}",
+                  "--host", "127.0.0.1", "--port", str(HTTP_PORT), "--served-model-name", "m"]  # fmt: skip
+        starts = [("prefill", 1, worker("prefill", 1), "mlxcel prefill node"),
+                  ("decode-0", 2, worker("decode", 2), "mlxcel decode node"),
+                  ("decode-1", 3, worker("decode", 3), "mlxcel decode node"),
+                  ("router", 0, router, "mlxcel serving")]  # fmt: skip
+        with running(hosts, starts) as c:
+            from mlxcel.bench.faults import node_healthy
+
+            if wait_for(lambda: node_healthy(c, "decode-1") is True, 20.0) is None:
+                raise RuntimeError("decode-1 never came up at the router")
+            c.procs["decode-1"].stop()
+            wait_for(lambda: node_healthy(c, "decode-1") is False, 20.0)
+            srcs = hosts.add_addresses(4, sources)
+            attacker = hosts.spawn(4, [*ATTACK, "pending", hosts.ip(3), str(CLUSTER_PORT),
+                                       str(flood_s), "1", *srcs], stdout=subprocess.PIPE,
+                                   text=True)  # fmt: skip
+            try:
+                time.sleep(2.0)  # the pool is theirs
+                c.procs["decode-1"] = NodeProc(hosts, 3, worker("decode", 3), "mlxcel decode node")
+                back = wait_for(lambda: node_healthy(c, "decode-1") is True, flood_s + 20.0)
+            finally:
+                attacker.terminate()
+                out, _ = attacker.communicate(15)
+    stats = json.loads(out) if out.strip() else {}
+    return RestartUnderFlood(sources, flood_s, router_peers, back, stats)
+
+
 def run_bench(model: Path, json_lines: bool = False) -> int:
     from mlxcel.bench.netns import unavailable
 
@@ -437,11 +498,15 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         slow = slow_handoff(model, Path(tmp))
         full = full_decode(model, Path(tmp))
+        untold = restart_under_flood(model, Path(tmp), router_peers=False)
+        told = restart_under_flood(model, Path(tmp), router_peers=True)
     if json_lines:
         print(json.dumps({"scenario": "big prompts", **asdict(big)}))
         print(json.dumps({"scenario": "http flood", **asdict(flood)}))
         print(json.dumps({"scenario": "slow handoff", **asdict(slow)}))
         print(json.dumps({"scenario": "full decode", **asdict(full)}))
+        for r in (untold, told):
+            print(json.dumps({"scenario": "restart under flood", **asdict(r)}))
         return 0
     print(f"hostile clients on network namespaces, model {model.name}")
     print(f"{big.prompts} concurrent prompts of {big.chars:,} characters: answered {big.statuses} "
@@ -456,4 +521,9 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
           f"{slow.short_p50_s:.2f} s, p95 {slow.short_p95_s:.2f} s {slow.short_codes}")  # fmt: skip
     print(f"a member holding {full.filled} of decode-0's slots: {full.ok}/{full.requests} "
           f"requests served {full.codes}")  # fmt: skip
+    for r in (untold, told):
+        back = "not back" if r.back_s is None else f"back in {r.back_s:.1f} s"
+        how = "told the router (--router-peers)" if r.router_peers else "not told the router"
+        print(f"decode-1 restarted under a {r.flood_s:g} s pending flood from {r.sources} "
+              f"addresses, {how}: {back}")  # fmt: skip
     return 0

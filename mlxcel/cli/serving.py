@@ -84,6 +84,7 @@ def _disagg_spec(s: ServeSettings) -> DisaggSpec:
         s.peer_timeout if s.peer_timeout is not None else DEFAULT_PEER_TIMEOUT,
         s.prefill_timeout,
         s.decode_allowlist,
+        router_peers=tuple(s.peer_list("router_peers")) or None,
         handoff_lease=s.handoff_lease,
         handoff_lease_max=s.handoff_lease_max,
         verbose_stats=router_stats_verbose,

@@ -78,6 +78,8 @@ class DecodeConfig:
     # checked against it on arrival, so a slot never holds more than one model's cache (None:
     # no check)
     dims: tuple[int, int, int, int] | None = None
+    # The routers it serves (--router-peers); None: any router that polls this node.
+    routers: frozenset[str] | None = None
 
 
 class DecodeCore:
@@ -136,7 +138,7 @@ class DecodeCore:
             sid = self._by_request.get((source, msg.request_id))
             if sid is None:
                 self._remember_cancel((source, msg.request_id), now)
-                if source in self.routers:
+                if self._serves(source):
                     return []  # a cancel that overtook its handoff: remembered
                 why = "no router of this node sent it; remembered, nothing held was touched"
                 return [self._refused("cancel", msg.request_id, source, why)]
@@ -144,6 +146,12 @@ class DecodeCore:
             self._remember_cancel((source, msg.request_id), now)  # its late parts: refused
             return self._end(self.slots[sid], SlotEvent.CANCEL)
         return [Warn("debug", f"decode: ignoring {type(msg).__name__} from {source}")]
+
+    def _serves(self, router: str) -> bool:
+        """Whether tokens may go to ``router``: one this node was told of, else one that has
+        spoken to it over an authenticated connection -- never a payload's mere address."""
+        known = self.config.routers
+        return router in known if known is not None else router in self.routers
 
     def _router_seen(self, source: str) -> None:
         self.routers.pop(source, None)
@@ -170,8 +178,8 @@ class DecodeCore:
         """Why no new request fits here ("" if one does)."""
         if self.draining:
             return "this decode node is shutting down"
-        if router not in self.routers:
-            return f"router {router} has not connected to this decode node"
+        if not self._serves(router):
+            return f"router {router} is not a router of this decode node"
         if len(self.slots) + len(self.held) >= self.config.max_sequences:
             return f"decode node full ({self.config.max_sequences} sequences)"
         return ""
@@ -215,8 +223,8 @@ class DecodeCore:
             return "the router cancelled this request"
         if (h.router, h.request_id) in self._by_request:
             return "this node already decodes that request"
-        if h.router not in self.routers:
-            return f"router {h.router} has not connected to this decode node"
+        if not self._serves(h.router):
+            return f"router {h.router} is not a router of this decode node"
         if len(self.slots) + len(self.held) >= c.max_sequences:
             return f"decode node full ({c.max_sequences} sequences)"
         if not 0 <= h.first_token < c.vocab or h.sampling.max_tokens < 1:

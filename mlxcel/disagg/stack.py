@@ -148,8 +148,9 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
     try:
         loaded = await compute.run(load_model, spec.model)
         async with Node(spec.role) as node:
-            # It is not told the router's address: the router's first dial gets a slot by the
-            # listener's fair share, every later one from the members' pool.
+            # Routers it was told of (--router-peers) dial from the members' pool at once;
+            # another router's first dial gets a slot by the listener's fair share, every
+            # later one from the members' pool.
             section = ClusterSection(peer_timeout=spec.peer_timeout)
             listener, _pool, endpoint = cluster_net(
                 node,
@@ -158,7 +159,7 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
                 spec.role,
                 spec.secret,
                 spec.interface,
-                list(spec.decode_peers),
+                [*spec.decode_peers, *(spec.router_peers or ())],
             )
             engine = LocalEngine(
                 loaded,
@@ -230,5 +231,15 @@ async def _decode_service(
     dims = await compute.run(_kv_dims, engine.loaded)
     vocab, max_len = _model_bounds(engine.loaded)
     return DecodeService(
-        node, endpoint, engine, DecodeConfig(vocab, max_len, NODE_CAPACITY, dims=dims), dims
+        node,
+        endpoint,
+        engine,
+        DecodeConfig(
+            vocab,
+            max_len,
+            NODE_CAPACITY,
+            dims=dims,
+            routers=frozenset(spec.router_peers) if spec.router_peers else None,
+        ),
+        dims,
     )
