@@ -235,6 +235,9 @@ async def test_junk_and_probes_are_closed_and_the_listener_keeps_serving() -> No
         await until_true(lambda: srv.listener.failures[Failure.BAD_MAGIC] == 1)
         assert srv.listener.failures[Failure.PROBE] == 1
         assert not any("probe" in m for lvl, m in srv.lines if lvl == "WARNING")
+        # Bad magic closes silently, as the wire spec says: counted, at debug, no warning.
+        assert not any("magic" in m for lvl, m in srv.lines if lvl == "WARNING")
+        assert any("bad magic" in m for lvl, m in srv.lines if lvl == "DEBUG")
         conn = await client_pool(client, "127.0.0.2").get(SERVER_IP, port)
         await conn.send(Ack("ok", 1))
         await until_true(lambda: len(srv.received) == 1)

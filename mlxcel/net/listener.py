@@ -370,6 +370,9 @@ class ClusterListener:
         f = exc.failure
         if f is Failure.PROBE:
             self.limiter.debug(f"cluster: {ip} connected and closed before the handshake (probe)")
+        elif f is Failure.BAD_MAGIC:  # not mlxcel at all (a scanner, a browser): closed
+            # silently, as the wire spec says, and counted in failures; nothing to act on
+            self.limiter.debug(f"cluster: {ip} sent no mlxcel preamble (bad magic); closed")
         elif f is Failure.AT_CAPACITY:
             self.limiter.warn(
                 "at-capacity",

@@ -1,6 +1,6 @@
 """Rate-limited cluster warnings, in classes that cannot starve each other.
 
-Classes -- ``noise`` (junk, bad magic, stalls, pool refusals), ``diagnostic`` (secret
+Classes -- ``noise`` (junk, stalls, pool refusals), ``diagnostic`` (secret
 mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``router-drop``,
 ``at-capacity``, the pipeline's own drops (``coordinator-drop``, ``stage-drop``), a decode
 node's refusals (``decode-refusal``), discovery's drops and the HTTP port's refusals
