@@ -45,6 +45,11 @@ class ModelSettings(_Base):
     tp_rank: int | None = Field(
         None, ge=0, description="this process's rank with --tp-hostfile (default $MLX_RANK)"
     )
+    tp_allow_cleartext: bool = Field(
+        False,
+        description="let a --tp-hostfile span hosts: MLX's ring and NCCL send activations and "
+        "step messages between them unencrypted and unauthenticated",
+    )
     tp_backend: Literal["auto", "ring", "nccl"] = Field(
         "auto", description="collectives: auto (NCCL on CUDA, else the TCP ring), ring, nccl"
     )

@@ -96,6 +96,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
             "tp_size",
             "tp_hostfile",
             "tp_rank",
+            "tp_allow_cleartext",
             "tp_backend",
             "tp_moe_mode",
             "tp_embedding_mode",

@@ -73,6 +73,7 @@ class TensorParallelSpec:
     hostfile: Path | None = None
     startup_timeout: float = d.STARTUP_TIMEOUT
     backend: str = "auto"  # --tp-backend
+    allow_cleartext: bool = False  # --tp-allow-cleartext: a hostfile may span hosts
     mode = "tensor-parallel"
 
     def __post_init__(self) -> None:

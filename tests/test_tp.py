@@ -330,3 +330,35 @@ def test_a_hostfile_of_the_wrong_shape_is_one_line(tiny: Path, tmp_path: Path) -
         )
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert error_line(r.stderr).startswith("--tp-hostfile: ")
+
+
+def test_a_hostfile_that_spans_hosts_needs_the_cleartext_opt_in_on_every_rank(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """MLX's ring and NCCL carry activations and step messages in clear: a hostfile naming
+    another host is refused before anything loads, on rank 0 and on a follower, unless the
+    operator opts in; with the opt-in, each start logs a WARNING saying what crosses."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[["127.0.0.1:45871"], ["10.99.0.2:45872"]]')
+    for rank in ("0", "1"):
+        r = run("generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile", str(hosts),
+                "--tp-rank", rank)  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        line = error_line(r.stderr)
+        assert line.startswith("--tp-hostfile: the tensor-parallel ranks span hosts (10.99.0.2)")
+        assert "unencrypted and unauthenticated" in line and "--tp-allow-cleartext" in line
+    # Opted in: the warning, then the (absent) peer is waited for until the start-up timeout.
+    r = run("generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile", str(hosts),
+            "--tp-rank", "0", "--tp-allow-cleartext", "--startup-timeout", "2")  # fmt: skip
+    assert r.returncode != 0
+    warned = [ln for ln in r.stderr.splitlines() if "WARNING" in ln and "span hosts" in ln]
+    assert warned and "anyone on that network can read and alter them" in warned[0], r.stderr
+
+
+def test_local_ranks_need_no_opt_in() -> None:
+    from mlxcel.tp.group import cleartext_hosts
+
+    assert (
+        cleartext_hosts([["127.0.0.1:1"], ["127.0.0.2:2"], ["[::1]:3"], ["localhost:4"]], False)
+        is None
+    )

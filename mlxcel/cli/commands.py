@@ -136,6 +136,7 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         s.prefill_step_size,
         s.startup_timeout,
         s.tp_backend,
+        s.tp_allow_cleartext,
     )
     if code:
         raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
@@ -146,7 +147,9 @@ def single_host_spec(s: GenerateSettings | ServeSettings, path: Path) -> StackSp
     """What ``serve`` and ``generate`` run without a cluster: a tensor-parallel group, an
     in-process pipeline or one process, as the flags say."""
     if s.tp_size > 1 or s.tp_hostfile is not None:
-        return TensorParallelSpec(path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend)
+        return TensorParallelSpec(
+            path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend, s.tp_allow_cleartext
+        )
     if s.pp_size > 1 or s.pp_layers is not None:
         return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
     return LocalSpec(path)

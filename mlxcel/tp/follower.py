@@ -28,13 +28,23 @@ def run_follower(
     prefill_step_size: int = PREFILL_STEP_SIZE,
     startup_timeout: float = STARTUP_TIMEOUT,
     backend: str = "auto",
+    allow_cleartext: bool = False,
 ) -> int:
     """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
-    from mlxcel.tp.group import broadcast_step, init_group, load_sharded
+    from mlxcel.tp.group import (
+        broadcast_step,
+        cleartext_hosts,
+        init_group,
+        load_sharded,
+        read_hostfile,
+    )
 
+    warning = cleartext_hosts(read_hostfile(hostfile), allow_cleartext)  # refused: raises
+    if warning:
+        logger.warning("{}", warning)
     try:
         group = init_group(rank, hostfile, startup_timeout, backend)
         loaded = load_sharded(model, group)
@@ -76,6 +86,7 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT)
     # A rank started by hand on another host may still name it in its environment.
     ap.add_argument("--tp-backend", default=os.environ.get("MLXCEL_TP_BACKEND", "auto"))
+    ap.add_argument("--tp-allow-cleartext", action="store_true")
     # Rank 0's own settings, which its environment carries (see cli.main).
     ap.add_argument("--log-level", default=os.environ.get("MLXCEL_LOG_LEVEL", "INFO").upper())
     ap.add_argument("--log-format", default=os.environ.get("MLXCEL_LOG_FORMAT", "text"))
@@ -93,6 +104,7 @@ def main() -> int:
         a.prefill_step_size,
         a.startup_timeout,
         a.tp_backend,
+        a.tp_allow_cleartext,
     )
 
 

@@ -123,6 +123,37 @@ def read_hostfile(path: Path) -> list[list[str]]:
     return ranks
 
 
+def cleartext_hosts(ranks: list[list[str]], allowed: bool) -> str | None:
+    """The WARNING every start of a group spanning hosts logs (None: all on this host's
+    loopback). MLX's ring and NCCL have no encrypted or authenticated transport: refused
+    unless the operator opted in (``--tp-allow-cleartext``)."""
+    import ipaddress
+
+    def loopback(host: str) -> bool:
+        try:
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    remote = sorted(
+        {a.rpartition(":")[0] for r in ranks for a in r if not loopback(a.rpartition(":")[0])}
+    )
+    if not remote:
+        return None
+    what = (
+        f"the tensor-parallel ranks span hosts ({', '.join(remote)}): MLX's ring and NCCL carry "
+        "every all-reduce of activations and every step message (request ids, prompt token ids, "
+        "sampling parameters) between them unencrypted and unauthenticated"
+    )
+    if not allowed:
+        raise ConfigError(
+            "--tp-hostfile",
+            f"{what}; keep the ranks on one host, or pass --tp-allow-cleartext on every rank "
+            "to run them on a network you trust",
+        )
+    return f"{what}; anyone on that network can read and alter them (--tp-allow-cleartext)"
+
+
 BACKENDS = ("ring", "nccl")
 
 

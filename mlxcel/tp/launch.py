@@ -35,6 +35,7 @@ from mlxcel.stack import Serving, Stack
 from mlxcel.tp.engine import TpEngine
 from mlxcel.tp.group import (
     check_shardable,
+    cleartext_hosts,
     init_group,
     load_sharded,
     pick_backend,
@@ -55,7 +56,11 @@ def _group_size(spec: TensorParallelSpec) -> int:
     config = json.loads((spec.model / "config.json").read_text())
     size = spec.size
     if spec.hostfile is not None:
-        ranks = len(read_hostfile(spec.hostfile))
+        listed = read_hostfile(spec.hostfile)
+        warning = cleartext_hosts(listed, spec.allow_cleartext)
+        if warning:
+            logger.warning("{}", warning)
+        ranks = len(listed)
         if size not in (1, ranks):
             raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {size}")
         size = ranks
