@@ -256,6 +256,8 @@ async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limi
                 "http-cap": 0,
                 "http-slow": 0,
                 "discovery-drop": 0,
+                "decode-refusal": 0,
+                "http-evict": 0,
             }
 
             class Bogus:

@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.bench.hostile import (
-    FLOOD_CAP,
-    big_prompts,
-    full_decode,
-    http_flood,
-    restart_under_flood,
-    slow_handoff,
-)
+from mlxcel.bench.hostile import FLOOD_CAP, big_prompts, http_flood
+from mlxcel.bench.hostile_cluster import full_decode, restart_under_flood, slow_handoff
 from mlxcel.bench.netns import unavailable
 from mlxcel.server.http_guard import raise_fd_limit
 
