@@ -522,3 +522,13 @@ def test_routers_it_was_told_of_are_the_only_ones_it_streams_to() -> None:
     fresh = DecodeCore(DecodeConfig(vocab=100, max_len=64, routers=frozenset({R})))
     ok = fresh.handle(SlotRequest("b", 2, R), P0, 0.2)  # told of it: no poll needed first
     assert ok == [Send(P0, SlotAnswer("b", 2, True))]
+
+
+def test_the_abort_that_follows_a_refused_handoff_is_not_a_stray() -> None:
+    """The prefill node answers a refusal with an abort verdict: that one is expected, and
+    leaves no line (a verdict for a lease this node never saw does)."""
+    c = core()
+    bad = handoff(first=-1)
+    c.handle(bad, P0, 0.0)  # refused: out of range
+    assert c.handle(HandoffVerdict("r1", bad.lease, False, "refused"), P0, 0.1) == []
+    assert "stray_verdicts" not in c.counts

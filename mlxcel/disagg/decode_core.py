@@ -327,6 +327,8 @@ class DecodeCore:
         if sid is None:
             if not v.commit and self.held.pop((source, v.lease), None) is not None:
                 return []  # the prefill node will not hand it off after all: slot freed
+            if (source, v.lease) in self._ended:
+                return []  # a handoff that ended here (refused, timed out): its late verdict
             self.counts["stray_verdicts"] += 1
             why = "no handoff of that lease from that node is here"
             return [self._refused("verdict", v.request_id, source, why)]

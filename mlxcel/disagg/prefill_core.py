@@ -191,15 +191,19 @@ class PrefillCore:
             StartCompute(PrefillJob(lease.id, m.token_ids, one))
         ]
 
+    def _lease_at(
+        self, lease: int, request_id: str, source: str, state: LeaseState
+    ) -> Lease | None:
+        """Lease ``lease``, if it is ``request_id``'s, in ``state``, and ``source`` its decode
+        node: what an answer from a decode node must name (anything else is not for it)."""
+        x = self.leases.get(lease)
+        if x is None or x.target != source or x.request.request_id != request_id:
+            return None
+        return x if x.state is state else None
+
     def _slot_answer(self, a: SlotAnswer, source: str, now: float) -> list[Effect]:
-        x = self.leases.get(a.lease)
-        if (
-            x is None
-            or x.target != source
-            or x.request.request_id != a.request_id
-            or x.state is not LeaseState.COMPUTING
-            or x.slot is not None
-        ):
+        x = self._lease_at(a.lease, a.request_id, source, LeaseState.COMPUTING)
+        if x is None or x.slot is not None:
             self.counts["stray_slot_answers"] += 1
             return []
         if not a.ok:
@@ -321,13 +325,8 @@ class PrefillCore:
         return self._fail(x, ErrorCode.FORWARD_FAILED, f"prefill failed: {why}")
 
     def _ack(self, a: HandoffAck, source: str, now: float) -> list[Effect]:
-        x = self.leases.get(a.lease)
-        if (
-            x is None
-            or x.target != source
-            or x.request.request_id != a.request_id
-            or x.state is not LeaseState.LEASED
-        ):
+        x = self._lease_at(a.lease, a.request_id, source, LeaseState.LEASED)
+        if x is None:
             # Not a lease held for that node (expired, cancelled, someone else's): the decode
             # node must not read it.
             self.counts["late_acks"] += 1
