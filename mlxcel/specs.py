@@ -74,6 +74,8 @@ class TensorParallelSpec:
     startup_timeout: float = d.STARTUP_TIMEOUT
     backend: str = "auto"  # --tp-backend
     allow_cleartext: bool = False  # --tp-allow-cleartext: a hostfile may span hosts
+    # The cluster secret (a ClusterSecret): with a hostfile, the ranks' step key comes from it.
+    secret: Any = None
     mode = "tensor-parallel"
 
     def __post_init__(self) -> None:

@@ -25,14 +25,25 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mlxcel", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
+
+
+def with_secret(tmp_path: Path) -> dict[str, str]:
+    """The environment of ranks started by hand: the cluster secret their step key comes from."""
+    from mlxcel.net.secret import keygen
+
+    path = keygen(tmp_path / "cluster.secret")
+    return {**os.environ, "MLXCEL_CLUSTER_SECRET_FILE": str(path)}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -275,15 +286,17 @@ def test_tp_hostfile_joins_ranks_started_separately(tiny: Path, tmp_path: Path) 
         "--tp-hostfile",
         str(hostfile),
     ]
+    env = with_secret(tmp_path)
     follower = subprocess.Popen(
         [sys.executable, "-m", "mlxcel", *args, "--tp-rank", "1"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
-        lead = run(*args, "--tp-rank", "0")
+        lead = run(*args, "--tp-rank", "0", env=env)
         assert lead.returncode == 0, lead.stderr
         assert follower.wait(60) == 0
         single = run("generate", "-m", str(tiny), "-p", "Hello there", "-n", "12")
@@ -307,6 +320,7 @@ def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
         capture_output=True,
         text=True,
         timeout=120,
+        env=with_secret(tmp_path),
     )
     took = time.monotonic() - t0
     assert r.returncode != 0, r.stderr
@@ -362,3 +376,39 @@ def test_local_ranks_need_no_opt_in() -> None:
         cleartext_hosts([["127.0.0.1:1"], ["127.0.0.2:2"], ["[::1]:3"], ["localhost:4"]], False)
         is None
     )
+
+
+def test_ranks_started_by_hand_need_the_secret_their_step_key_comes_from(
+    tiny: Path, tmp_path: Path
+) -> None:
+    from mlxcel.tp.group import write_local_hostfile
+
+    hostfile = write_local_hostfile(2, tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
+    for rank in ("0", "1"):
+        r = run("generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile",
+                str(hostfile), "--tp-rank", rank, env=env)  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert error_line(r.stderr).startswith(
+            "--tp-hostfile: ranks started by hand need the cluster secret"
+        )
+
+
+def test_a_step_with_a_wrong_tag_a_replay_or_a_reorder_is_refused() -> None:
+    from mlxcel.tp.step_seal import StepForged, StepSeal, hostfile_key
+
+    key = bytes(range(32))
+    lead, follow = StepSeal(key), StepSeal(key)
+    first, second = lead.seal(b"step one"), lead.seal(b"step two")
+    assert follow.open(first) == b"step one"
+    with pytest.raises(StepForged, match="step 1 failed its MAC"):
+        follow.open(first)  # a replay
+    other = StepSeal(key)
+    with pytest.raises(StepForged):
+        other.open(second)  # out of order
+    with pytest.raises(StepForged):
+        StepSeal(key).open(b"step one" + bytes(16))  # forged: no key
+    with pytest.raises(StepForged):
+        StepSeal(bytes(32)).open(StepSeal(key).seal(b"x"))  # another launch's key
+    a, b = Path("/dev/null"), Path(__file__)
+    assert hostfile_key(key, a) != hostfile_key(key, b) != hostfile_key(bytes(32), b)

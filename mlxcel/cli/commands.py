@@ -127,7 +127,9 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         return False
     from mlxcel.errors import MlxcelError
     from mlxcel.tp.follower import run_follower
+    from mlxcel.tp.step_seal import hostfile_key
 
+    secret = _tp_secret(s)  # none: the follower says what is missing, after the hostfile
     code = run_follower(
         path,
         _tp_rank(s),
@@ -137,18 +139,35 @@ def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         s.startup_timeout,
         s.tp_backend,
         s.tp_allow_cleartext,
+        hostfile_key(secret.value, s.tp_hostfile) if secret is not None else None,
     )
     if code:
         raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
     return True
 
 
+def _tp_secret(s: GenerateSettings | ServeSettings) -> Any:
+    """The cluster secret for ranks started by hand (None: none given)."""
+    import os
+
+    from mlxcel.net.secret import load_cluster_secret
+
+    return load_cluster_secret(getattr(s, "cluster_secret_file", None), os.environ, required=False)
+
+
 def single_host_spec(s: GenerateSettings | ServeSettings, path: Path) -> StackSpec:
     """What ``serve`` and ``generate`` run without a cluster: a tensor-parallel group, an
     in-process pipeline or one process, as the flags say."""
     if s.tp_size > 1 or s.tp_hostfile is not None:
+        secret = _tp_secret(s) if s.tp_hostfile is not None else None
         return TensorParallelSpec(
-            path, s.tp_size, s.tp_hostfile, s.startup_timeout, s.tp_backend, s.tp_allow_cleartext
+            path,
+            s.tp_size,
+            s.tp_hostfile,
+            s.startup_timeout,
+            s.tp_backend,
+            s.tp_allow_cleartext,
+            secret,
         )
     if s.pp_size > 1 or s.pp_layers is not None:
         return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)

@@ -21,14 +21,16 @@ from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.engine_state import Insert, StepOutput
 from mlxcel.tp.group import broadcast_step
+from mlxcel.tp.step_seal import StepSeal
 
 STEP_TIMEOUT = 120.0  # a batch step (even a long CPU prefill) far below this; a wedged group above
 
 
 class TpEngine(LocalEngine):
-    def __init__(self, *args: Any, group: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, group: Any, seal: StepSeal, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        self.seal = seal  # tags every step this rank broadcasts
         self.step_timeout = STEP_TIMEOUT
         self.run_steps = 1  # followers replay one batch step per broadcast
         self.solo_enabled = False  # followers replay BatchGenerator steps: no lone decoding
@@ -58,12 +60,12 @@ class TpEngine(LocalEngine):
             ),
             tuple(removals),
         )
-        broadcast_step(self.group, step)
+        broadcast_step(self.group, step, self.seal)
         return super()._step(inserts, removals, by_uid, want_lp)
 
     def stop_followers(self) -> None:
         """Compute thread: tell the other ranks to exit (after the last step)."""
-        broadcast_step(self.group, TpStep((), (), stop=True))
+        broadcast_step(self.group, TpStep((), (), stop=True), self.seal)
 
     async def abort(self, why: str) -> None:
         """The group is broken: fail every request now, without waiting on the compute thread

@@ -29,8 +29,11 @@ def run_follower(
     startup_timeout: float = STARTUP_TIMEOUT,
     backend: str = "auto",
     allow_cleartext: bool = False,
+    key: bytes | None = None,
 ) -> int:
-    """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1)."""
+    """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1).
+    ``key``: the launch's step key (:mod:`mlxcel.tp.step_seal`); rank 0 puts it in the
+    environment of the ranks it starts."""
     from mlx_lm.generate import BatchGenerator
 
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
@@ -41,10 +44,18 @@ def run_follower(
         load_sharded,
         read_hostfile,
     )
+    from mlxcel.tp.step_seal import StepForged, StepSeal, key_from_env
 
     warning = cleartext_hosts(read_hostfile(hostfile), allow_cleartext)  # refused: raises
     if warning:
         logger.warning("{}", warning)
+    key = key or key_from_env()
+    if key is None:  # started by hand without the secret (rank 0 gives the ranks it starts one)
+        from mlxcel.errors import ConfigError
+        from mlxcel.tp.launch import HOSTFILE_NEEDS_SECRET
+
+        raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
+    seal = StepSeal(key)
     try:
         group = init_group(rank, hostfile, startup_timeout, backend)
         loaded = load_sharded(model, group)
@@ -57,7 +68,7 @@ def run_follower(
         )
         logger.info("tp rank {} of {} ready", rank, group.size())
         while True:
-            step = broadcast_step(group, None)
+            step = broadcast_step(group, None, seal)
             if step.stop:
                 return 0
             if step.removals:
@@ -71,6 +82,9 @@ def run_follower(
                     logits_processors=[logits_processors(i.sampling) for i in step.inserts],
                 )
             gen.next()
+    except StepForged as exc:
+        logger.error("tp rank {}: {}; leaving the group", rank, exc)
+        return 1
     except RuntimeError as exc:
         logger.error("tp rank {}: group failed: {}", rank, exc)
         return 1

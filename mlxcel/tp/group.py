@@ -18,6 +18,7 @@ from typing import Any
 from mlxcel.errors import ConfigError
 from mlxcel.messages import TpStep
 from mlxcel.runtime.families import TP_FAMILIES, adapter_for, family_of
+from mlxcel.tp.step_seal import StepSeal
 from mlxcel.wire.codec import decode, encode
 
 MODES = ("replicated", "sharded")
@@ -212,8 +213,9 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0, want: str = "au
         dog.wait()
 
 
-def broadcast_step(group: Any, step: TpStep | None) -> TpStep:
+def broadcast_step(group: Any, step: TpStep | None, seal: StepSeal) -> TpStep:
     """Rank 0 passes its step; the others pass None and receive it (two small all_sums).
+    ``seal`` tags each step on rank 0 and checks each on the others (:mod:`.step_seal`).
 
     The batch generator leaves the next forward pass (with its own collectives) running
     asynchronously on its stream; issuing these all_sums on that same stream keeps every
@@ -224,11 +226,11 @@ def broadcast_step(group: Any, step: TpStep | None) -> TpStep:
     from mlx_lm.generate import generation_stream
 
     with mx.stream(generation_stream):
-        return _broadcast(group, step, mx, np)
+        return _broadcast(group, step, seal, mx, np)
 
 
-def _broadcast(group: Any, step: TpStep | None, mx: Any, np: Any) -> TpStep:
-    payload = encode(step) if step is not None else b""
+def _broadcast(group: Any, step: TpStep | None, seal: StepSeal, mx: Any, np: Any) -> TpStep:
+    payload = seal.seal(encode(step)) if step is not None else b""
     n = mx.distributed.all_sum(mx.array([len(payload)], dtype=mx.int32), group=group)
     size = int(n.item())
     buf = np.zeros(size, dtype=np.int32)
@@ -236,7 +238,9 @@ def _broadcast(group: Any, step: TpStep | None, mx: Any, np: Any) -> TpStep:
         buf[:] = np.frombuffer(payload, dtype=np.uint8)
     got = mx.distributed.all_sum(mx.array(buf), group=group)
     data = np.array(got).astype(np.uint8).tobytes()
-    msg = decode(data)
+    if step is not None:
+        return step  # rank 0 knows what it sent
+    msg = decode(seal.open(data))
     if not isinstance(msg, TpStep):  # pragma: no cover - only rank 0 writes here
         raise RuntimeError(f"expected a TpStep, got {type(msg).__name__}")
     return msg

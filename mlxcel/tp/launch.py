@@ -42,6 +42,7 @@ from mlxcel.tp.group import (
     read_hostfile,
     write_local_hostfile,
 )
+from mlxcel.tp.step_seal import KEY_ENV, StepSeal, hostfile_key, launch_key
 
 
 @dataclass
@@ -49,6 +50,22 @@ class TpParts:
     loaded: LoadedModel
     engine: TpEngine
     size: int
+
+
+HOSTFILE_NEEDS_SECRET = (
+    "ranks started by hand need the cluster secret: the key that authenticates rank 0's "
+    "step messages is derived from it; pass --cluster-secret-file (serve) or set "
+    "MLXCEL_CLUSTER_SECRET_FILE, the same on every rank"
+)
+
+
+def step_key(spec: TensorParallelSpec) -> bytes:
+    """This launch's step key: a fresh one for the ranks this process starts, else the one
+    every rank derives from the cluster secret and the hostfile."""
+    if spec.hostfile is None:
+        return launch_key()
+    assert spec.secret is not None  # _group_size refused it otherwise
+    return hostfile_key(spec.secret.value, spec.hostfile)
 
 
 def _group_size(spec: TensorParallelSpec) -> int:
@@ -60,6 +77,8 @@ def _group_size(spec: TensorParallelSpec) -> int:
         warning = cleartext_hosts(listed, spec.allow_cleartext)
         if warning:
             logger.warning("{}", warning)
+        if spec.secret is None:
+            raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
         ranks = len(listed)
         if size not in (1, ranks):
             raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {size}")
@@ -79,6 +98,7 @@ async def _spawn_followers(
     hostfile: Path,
     size: int,
     followers: list[asyncio.subprocess.Process],
+    key: bytes,
 ) -> None:
     """Ranks 1..size-1 on this host, each a ``mlxcel.tp.follower`` process, appended to
     ``followers`` as each starts (a start cancelled midway still reaps those)."""
@@ -99,7 +119,9 @@ async def _spawn_followers(
                 "-m",
                 "mlxcel.tp.follower",
                 *argv,
-                env=device_env(rank, colocated_env(size)),
+                # The step key travels in the environment (readable only by this user),
+                # never on the command line (readable by anyone on the host).
+                env={**device_env(rank, colocated_env(size)), KEY_ENV: key.hex()},
             )
         )
 
@@ -133,10 +155,11 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
     engine: TpEngine | None = None
     with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
         hostfile = spec.hostfile
+        key = step_key(spec)
         try:
             if hostfile is None:
                 hostfile = write_local_hostfile(size, Path(tmp))
-                await _spawn_followers(spec, gen, hostfile, size, followers)
+                await _spawn_followers(spec, gen, hostfile, size, followers, key)
             group, loaded = await _join(compute, followers, hostfile, spec, size)
             async with Node("tensor-parallel") as node:
                 engine = TpEngine(
@@ -146,6 +169,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                     prefill_step_size=gen.prefill_step_size,
                     max_sequences=max(gen.parallel, 1),
                     group=group,
+                    seal=StepSeal(key),
                 )
                 await engine.attach(node)
                 for rank, proc in enumerate(followers, start=1):

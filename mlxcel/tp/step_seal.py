@@ -1,0 +1,72 @@
+"""Rank 0's step messages, sealed: a ``TpStep`` carries a MAC under a key of this launch.
+
+MLX's ring and NCCL authenticate nothing, so whoever reaches a rank's port could feed the
+followers steps of its own (other prompts, other sampling). Every step rank 0 broadcasts
+ends in a 16-byte HMAC-SHA256 tag over a step counter and the encoded step; a follower that
+finds a tag wrong, or a step replayed or out of order, stops with that error (the group then
+fails loudly, as for a lost rank). The activations the collectives carry are not covered:
+only the control path is (docs/tensor-parallel.md).
+
+The key: ranks this process starts get a fresh random one in their environment
+(:data:`KEY_ENV`, removed as soon as read); ranks started by hand with ``--tp-hostfile``
+derive it from the cluster secret and the hostfile, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+KEY_ENV = "MLXCEL_TP_STEP_KEY"
+TAG = 16
+
+
+class StepForged(RuntimeError):
+    """A step's tag did not verify: the group's control traffic was altered or injected."""
+
+
+class StepSeal:
+    """One side's sealing (rank 0) or opening (a follower) of the launch's step sequence."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("a step key needs at least 16 bytes")
+        self._key = key
+        self._count = 0  # the step number the next tag covers: a replay or reorder fails
+
+    def _tag(self, payload: bytes) -> bytes:
+        mac = hmac.new(self._key, self._count.to_bytes(8, "big") + payload, hashlib.sha256)
+        return mac.digest()[:TAG]
+
+    def seal(self, payload: bytes) -> bytes:
+        sealed = payload + self._tag(payload)
+        self._count += 1
+        return sealed
+
+    def open(self, data: bytes) -> bytes:
+        payload, tag = data[:-TAG], data[-TAG:]
+        if len(data) < TAG or not hmac.compare_digest(tag, self._tag(payload)):
+            raise StepForged(
+                f"step {self._count} failed its MAC: the group's control traffic was altered "
+                "or injected by something outside the group"
+            )
+        self._count += 1
+        return payload
+
+
+def launch_key() -> bytes:
+    return os.urandom(32)
+
+
+def hostfile_key(secret: bytes, hostfile: Path) -> bytes:
+    """The key of ranks started by hand: the cluster secret bound to this group's hostfile."""
+    group = hashlib.sha256(Path(hostfile).read_bytes()).digest()
+    return hmac.new(secret, b"mlxcel-tp-step-1|" + group, hashlib.sha256).digest()
+
+
+def key_from_env() -> bytes | None:
+    """The key rank 0 gave this process, taken out of the environment (None: not given)."""
+    raw = os.environ.pop(KEY_ENV, None)
+    return bytes.fromhex(raw) if raw else None
