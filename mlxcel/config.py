@@ -327,7 +327,8 @@ class ServeSettings(ModelSettings, PipelineSettings):
         ge=0.5,
         le=3600,
         description="prefill: seconds a KV handoff may go without writing a part to its "
-        "decode node (renewed by every part; after the last, the wait for the ack)",
+        "decode node (renewed by every part; after the last, the wait for the ack); decode: "
+        "the wait for a handoff's next part and its verdict is this plus 5 s",
     )
     handoff_lease_max: float = Field(
         d.HANDOFF_LEASE_MAX,

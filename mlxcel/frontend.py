@@ -102,6 +102,20 @@ class Usage:
     submitted_at: float = 0.0
 
 
+async def _to_the_end(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a worker thread. A thread cannot be stopped: a caller cancelled meanwhile
+    (its client went away) still waits for it to end, so what it holds -- its share of the
+    body budget -- is not given back while the work goes on."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # retrieved: nobody waits for its result any more
+        raise
+
+
 class Frontend:
     def __init__(
         self,
@@ -228,12 +242,12 @@ class Frontend:
     async def encode_prompt_async(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
-        return await asyncio.to_thread(self.encode_prompt, prompt)
+        return await _to_the_end(self.encode_prompt, prompt)
 
     async def apply_chat_template_async(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        return await asyncio.to_thread(self.apply_chat_template, messages, tools)
+        return await _to_the_end(self.apply_chat_template, messages, tools)
 
     async def stream(
         self,

@@ -216,7 +216,7 @@ def test_a_prompt_done_before_the_slot_answer_waits_for_it_and_not_for_ever() ->
     out = c.handle(SlotAnswer("r1", lease, True), D1, 2.0)  # now token 0 and the handoff go
     assert out == [
         Send(R, TokenResult("r1", 0, (9,), None, NONCE)),
-        Send(D1, handoff_of(m, lease, 3), deadline=7.0, notify=True),
+        Send(D1, handoff_of(m, lease, 3), deadline=602.0, notify=True),
     ]
     c.handle(HandoffAck("r1", lease, True), D1, 2.5)  # committed: that one is done
     late = request("r2")
@@ -237,11 +237,11 @@ def test_the_handoff_carries_the_rest_of_the_request_under_a_lease_deadline() ->
     h = handoff_of(m, lease, 3, (1, 2))
     assert out == [
         Send(R, TokenResult("r1", 0, (9,), None, NONCE, (-0.5,))),
-        Send(D1, h, deadline=7.0, notify=True),
+        Send(D1, h, deadline=602.0, notify=True),
     ]
     assert c.next_timer() == 7.0 and c.counts == {"accepted": 1, "handed_off": 1}
     # Written: the ack is awaited, with a second per 100 MB for the decode node's checks.
-    assert c.sent(Send(D1, h, deadline=7.0, notify=True), 3.0) == [Send(R, Progress((NONCE,)))]
+    assert c.sent(Send(D1, h, deadline=602.0, notify=True), 3.0) == [Send(R, Progress((NONCE,)))]
     assert c.next_timer() == 3.0 + 5.0 + PACKED.nbytes / 100e6
 
 
@@ -251,10 +251,10 @@ def test_a_handoff_in_parts_goes_a_part_at_a_time_and_each_part_written_renews_i
     lease = admit(c, m)
     out = c.compute_done(lease, (9,), "length", None, PACKED, (), 0.0)
     parts = [e for e in out if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]
-    assert [(p.msg.part, p.msg.parts, p.deadline, p.notify) for p in parts] == [(0, 6, 5.0, True)]
+    assert [(p.msg.part, p.msg.parts, p.deadline, p.notify) for p in parts] == [(0, 6, 100.0, True)]
     assert c.sent(Send(STRANGER, parts[0].msg), 0.5) == []  # not where it went: nothing
     nxt = c.sent(parts[0], 0.5)  # written at 0.5 s: the next part goes, the lease renewed
-    assert [(e.msg.part, e.deadline) for e in nxt] == [(1, 5.5)]
+    assert [(e.msg.part, e.deadline) for e in nxt] == [(1, 100.0)]
     assert c.next_timer() == 5.5
     more = c.sent(nxt[0], 1.5)  # a second later: the router hears the handoff moves
     assert [type(e.msg).__name__ for e in more] == ["KvHandoff", "Progress"]
@@ -447,3 +447,16 @@ def test_handoffs_and_commits_are_counted_one_by_one() -> None:
     c.handle(HandoffAck("a", a, True), D1, 0.1)
     c.handle(HandoffAck("b", b, True), D1, 0.1)
     assert c.counts == {"accepted": 2, "handed_off": 2, "committed": 2}
+
+
+def test_a_part_written_to_a_node_renews_every_handoff_still_going_to_it() -> None:
+    """Handoffs to one decode node share its queue: while any of their parts is written, the
+    link moves, and none of them expires for waiting its turn."""
+    c = core(part_bytes=8, lease_max=100.0)
+    a, b = admit(c, request("a")), admit(c, request("b"))
+    (pa,) = [e for e in c.compute_done(a, (9,), "length", None, PACKED, (), 0.0)
+             if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]  # fmt: skip
+    c.compute_done(b, (9,), "length", None, PACKED, (), 0.0)
+    assert c.leases[b].expires == 5.0
+    c.sent(pa, 4.0)  # a's part written: b's lease moves too
+    assert c.leases[a].expires == 9.0 and c.leases[b].expires == 9.0

@@ -96,3 +96,71 @@ async def test_the_header_deadline_shrinks_as_the_cap_fills() -> None:
         g.open = {object(): None for _ in range(n)}  # type: ignore[misc]
         assert g.header_deadline() == pytest.approx(want)
     assert HttpGuard(max_connections=3840).max_per_source == 120
+
+
+class _Transport:
+    def __init__(self, ip: str) -> None:
+        self.ip, self.aborted = ip, False
+
+    def get_extra_info(self, key: str) -> object:
+        return (self.ip, 1234) if key == "peername" else None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    close = abort
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Inner:
+    def connection_made(self, transport: object) -> None: ...
+
+    def connection_lost(self, exc: object) -> None: ...
+
+
+async def test_at_the_cap_eviction_looks_past_an_address_whose_connections_are_all_busy() -> None:
+    """The busiest address holds only connections inside requests: the next busiest pays."""
+    g = HttpGuard(max_connections=64)
+    make = g.factory(_Inner)  # type: ignore[arg-type]
+
+    def connect(ip: str) -> tuple[object, _Transport]:
+        conn, t = make(), _Transport(ip)
+        conn.connection_made(t)  # type: ignore[arg-type]
+        return conn, t
+
+    for _ in range(8):
+        conn, _ = connect("10.0.0.1")
+        conn.begin()  # type: ignore[attr-defined]  # headers in: inside a request
+    idle = {f"10.0.0.{a}": [connect(f"10.0.0.{a}")[1] for _ in range(7)] for a in range(2, 10)}
+    assert len(g.open) == 64
+    _, newcomer = connect("192.168.1.1")
+    assert not newcomer.aborted and g.evicted == 1
+    assert sum(t.aborted for ts in idle.values() for t in ts) == 1
+
+
+async def test_a_cancelled_tokenization_keeps_its_share_until_the_thread_ends() -> None:
+    """A client that leaves cannot stop the worker thread tokenizing its prompt, so the
+    caller (and the body budget it holds) waits for the thread before letting go."""
+    import threading
+
+    from mlxcel.frontend import _to_the_end
+
+    release = threading.Event()
+    done: list[str] = []
+
+    def slow() -> str:
+        release.wait(5)
+        done.append("x")
+        return "ids"
+
+    task = asyncio.create_task(_to_the_end(slow))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # still waiting for the thread
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done == ["x"]

@@ -518,3 +518,31 @@ async def test_a_failure_after_the_first_token_is_one_in_band_error_event(
             AdmissionRejected: "queue_full", RuntimeError: "internal_error"}[type(failure)]  # fmt: skip
     assert error["code"] == want and error["message"]
     assert all("choices" in json.loads(e) for e in events[:-1])  # tokens, then the error
+
+
+def test_bodies_trickled_slowly_hold_no_share_of_the_body_budget(server: ServerProcess) -> None:
+    """Nine clients announce bodies of the maximum size and trickle them: the budget is taken
+    only once a body has arrived, so a small request is served at once meanwhile."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    slow = []
+    try:
+        for _ in range(9):
+            s = socket.create_connection((host, int(port)), 5)
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {4 << 20}\r\n\r\n".encode()
+                + b'{"model": "'
+            )
+            slow.append(s)
+        time.sleep(0.3)
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=20) as r:
+            assert r.status == 200
+        assert time.monotonic() - t0 < 10  # not the 30 s of a body deadline
+    finally:
+        for s in slow:
+            s.close()

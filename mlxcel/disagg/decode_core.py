@@ -167,6 +167,7 @@ class DecodeCore:
             why = self._no_slot(m.router)
         if why:
             self.counts["slots_refused"] += 1
+            self._remember_end(key)  # the abort its prefill node may still send is expected
             return [
                 self._refused("slot request", m.request_id, source, why),
                 Send(source, SlotAnswer(m.request_id, m.lease, False, why)),

@@ -24,6 +24,7 @@ from mlxcel.disagg.protocol import (
     LEASE_BYTES_PER_S,
     LEASE_MAX,
     LEASE_TABLE,
+    MAX_PARTS,
     MAX_TOMBSTONES,
     PART_BYTES,
     PART_WINDOW,
@@ -271,9 +272,13 @@ class PrefillCore:
             context=m.token_ids[-PENALTY_CONTEXT:],
         )
         h = dataclasses.replace(h, digest=digest_of(h, packed.tensors))
+        plan = plan_parts(h, self._part_bytes(packed.nbytes))
+        if len(plan) > MAX_PARTS:  # half a terabyte: no decode node would take it
+            why = f"this prompt's KV cache ({packed.nbytes} bytes) needs {len(plan)} parts"
+            return out + self._fail(x, ErrorCode.HANDOFF_FAILED, f"{why}; at most {MAX_PARTS}")
         x.state = LEASE_TABLE.next(x.state, LeaseEvent.HANDED_OFF)
         x.held, x.sent_at, x.told_router = packed, now, now
-        x.handoff, x.plan = h, plan_parts(h, self._part_bytes(packed.nbytes))
+        x.handoff, x.plan = h, plan
         x.expires = now + self.config.lease  # renewed by every part written
         self.counts["handed_off"] += 1
         return out + self._write_parts(x, now)
@@ -291,8 +296,10 @@ class PrefillCore:
         assert x.handoff is not None
         while x.next_part < len(x.plan) and x.writing < PART_WINDOW:
             part = part_of(x.handoff, x.plan, x.next_part)
-            # Not worth sending once the lease could have ended: the outbox drops it unsent.
-            out.append(Send(x.target, part, deadline=x.expires, notify=True))
+            # Queued behind other handoffs' parts, it may wait longer than a lease (which
+            # every part written to that node renews); never past the handoff's maximum.
+            cap = x.sent_at + self.config.lease_max
+            out.append(Send(x.target, part, deadline=cap, notify=True))
             x.next_part += 1
             x.writing += 1
         return out
@@ -305,6 +312,11 @@ class PrefillCore:
             return []
         x.writing -= 1
         cap = x.sent_at + self.config.lease_max
+        # Bytes move on the link to that node: every handoff still being written to it is
+        # making progress too (theirs wait in the same queue), so all their leases renew.
+        for other in self.leases.values():
+            if other is not x and other.target == x.target and other.handoff is not None:
+                other.expires = min(other.sent_at + self.config.lease_max, now + self.config.lease)
         if x.next_part < len(x.plan) or x.writing:
             x.expires = min(cap, now + self.config.lease)
             out = self._write_parts(x, now)

@@ -370,7 +370,8 @@ class RouterCore:
             if refused and not r.next_index and r.restarts < MAX_RESTARTS:
                 # The decode node will not take it (full, draining), and the client has seen
                 # nothing: the request starts over on another decode node.
-                lines = self._handoff_failed(r, msg.message, now)
+                line = self.nodes[r.decode].handoff_failed(msg.message, now)  # not the prefill's
+                lines: list[Effect] = [Warn("warning", line)] if line else []
                 why = f"refused the handoff ({msg.message[:200]})"
                 return lines + self._restart(r, self.nodes[r.decode], now, why=why)
             other = r.decode if source == r.prefill else r.prefill

@@ -238,6 +238,8 @@ async def _decode_service(
             vocab,
             max_len,
             NODE_CAPACITY,
+            # A lease's progress bound is the wait for a handoff's next part (and verdict).
+            verdict_wait=spec.handoff_lease + 5.0,
             dims=dims,
             routers=frozenset(spec.router_peers) if spec.router_peers else None,
         ),

@@ -1,12 +1,13 @@
-"""A memory budget for request bodies in flight: read, parsed and tokenized at once.
+"""A memory budget for request bodies being handled: parsed, templated and tokenized at once.
 
-Each body is bounded (``--max-body-bytes``), but a body's cost is several times its size
-while it is parsed, rendered by the chat template and counted against the context, and
-nothing bounded how many were being handled at once: a few hundred concurrent 4 MB
-bodies were gigabytes. A request holds its body's size here (its Content-Length, or the
-cap when it does not say) from before the body is read until its prompt is token ids; one
-that cannot get it within the body deadline is refused with 503, and waiters are served in
-arrival order so a large body is not starved by a stream of small ones.
+Each body is bounded (``--max-body-bytes``), but a body costs several times its size while
+it is parsed, rendered by the chat template and counted against the context, and nothing
+bounded how many were handled at once: a few hundred concurrent 4 MB bodies were gigabytes.
+A request holds its body's size here from the moment the body has been read (a client that
+trickles its body holds nothing) until its prompt is token ids -- tokenizing that a client's
+departure cannot stop keeps holding it until it ends. One that cannot get its share within
+the body deadline is refused with 503; waiters are served in arrival order, so a large body
+is not starved by a stream of small ones.
 """
 
 from __future__ import annotations

@@ -126,12 +126,17 @@ class HttpGuard:
                 del self.of_source[conn.source]
 
     def _evict_for(self, source: str) -> bool:
-        busiest, most = max(self.by_source.items(), key=lambda kv: kv[1], default=("", 0))
-        if most <= self.by_source[source] + 1:
-            return False  # the newcomer's address holds as many: nobody pays for it
-        victim = next((c for c in self.of_source[busiest] if not c.busy), None)
+        mine = self.by_source[source]
+        victim, busiest, most = None, "", 0
+        # The busiest address first; if all of its connections are inside requests, the next.
+        for busiest, most in sorted(self.by_source.items(), key=lambda kv: -kv[1]):
+            if most <= mine + 1:
+                return False  # the newcomer's address holds as many: nobody pays for it
+            victim = next((c for c in self.of_source[busiest] if not c.busy), None)
+            if victim is not None:
+                break
         if victim is None:
-            return False  # every one of them is inside a request: none is slow
+            return False  # every connection is inside a request: none is slow
         self.evicted += 1
         self.limiter.warn(
             "http-evict",

@@ -81,15 +81,18 @@ def _validation_error(exc: ValidationError) -> RequestError:
     return RequestError(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_body(request: web.Request) -> bytes:
     wait = request.app[SETTINGS]["body_timeout"]
     try:
         async with asyncio.timeout(wait):  # a trickled body cannot hold a slot forever
-            raw = await request.read()  # aiohttp enforces client_max_size (413)
+            return await request.read()  # aiohttp enforces client_max_size (413)
     except TimeoutError:
         raise web.HTTPRequestTimeout(
             reason=f"the request body did not arrive within {wait:g}s"
         ) from None
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except UnicodeDecodeError as exc:
@@ -190,12 +193,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     app = request.app
     fe = app[FRONTEND]
     settings = app[SETTINGS]
-    # The body's memory is held from before it is read until its prompt is token ids.
-    size = request.content_length
-    if size is None or size > settings["max_body_bytes"]:
-        size = settings["max_body_bytes"]  # chunked: it may be as large as allowed
-    async with app[BODY_BUDGET].hold(size, settings["body_timeout"]):
-        req, params, tools, prompt_ids = await _prompt(request, kind)
+    raw = await _read_body(request)
+    # Parsing, templating and tokenizing cost several times the body: that is held in the
+    # budget, from the body read (a client trickling its body holds none) to token ids.
+    async with app[BODY_BUDGET].hold(len(raw), settings["body_timeout"]):
+        req, params, tools, prompt_ids = await _prompt(request, kind, raw)
     if requested_max_tokens(req) is None:
         params = fit_default(params, len(prompt_ids), fe.token_limit)
     out = Output(
@@ -253,13 +255,13 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def _prompt(
-    request: web.Request, kind: str
+    request: web.Request, kind: str, raw: bytes
 ) -> tuple[ChatCompletionRequest | CompletionRequest, SamplingParams, Any, list[int]]:
-    """The request's body, validated, as (request, sampling, tools, prompt token ids)."""
+    """The request's body ``raw``, validated, as (request, sampling, tools, prompt ids)."""
     app = request.app
     fe = app[FRONTEND]
     settings = app[SETTINGS]
-    body = await _read_json(request)
+    body = _parse_json(raw)
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     schema: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
