@@ -207,26 +207,20 @@ def test_a_decode_node_that_refuses_a_slot_fails_the_request_before_its_first_to
     assert c.counts["decode_refused"] == 1 and c.counts["stray_slot_answers"] == 2
 
 
-def test_a_prompt_done_before_the_slot_answer_waits_for_it_and_not_for_ever() -> None:
+def test_a_prompt_done_before_the_slot_answer_does_not_wait_for_it() -> None:
+    """On a slow or busy link the answer may come after the prompt ran: token 0 and the
+    handoff go at once (a round trip held back would be latency on every request), behind
+    the slot request on the same connection; a late refusal is the handoff's to answer."""
     c = core()
     m = request()
     lease = admit(c, m, slot=False)
-    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 1.0) == []  # not yet
-    assert c.next_timer() == 6.0
-    out = c.handle(SlotAnswer("r1", lease, True), D1, 2.0)  # now token 0 and the handoff go
+    out = c.compute_done(lease, (9,), "length", None, PACKED, (), 1.0)
     assert out == [
         Send(R, TokenResult("r1", 0, (9,), None, NONCE)),
-        Send(D1, handoff_of(m, lease, 3), deadline=602.0, notify=True),
+        Send(D1, handoff_of(m, lease, 3), deadline=601.0, notify=True),
     ]
-    c.handle(HandoffAck("r1", lease, True), D1, 2.5)  # committed: that one is done
-    late = request("r2")
-    lease2 = admit(c, late, slot=False)
-    c.compute_done(lease2, (9,), "length", None, PACKED, (), 3.0)
-    why = f"decode node {D1} did not answer within 5s whether it holds a slot for the handoff"
-    assert c.on_timer(8.0)[:2] == [
-        Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "r2", NONCE)),
-        FreeCache(lease2),
-    ]
+    assert c.handle(SlotAnswer("r1", lease, False, "full"), D1, 1.5) == []  # too late: stray
+    assert c.counts["stray_slot_answers"] == 1 and c.leases[lease].state.value == "leased"
 
 
 def test_the_handoff_carries_the_rest_of_the_request_under_a_lease_deadline() -> None:

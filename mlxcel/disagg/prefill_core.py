@@ -17,7 +17,6 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from mlxcel.disagg.protocol import (
     LEASE,
@@ -69,7 +68,6 @@ class Lease:
     writing: int = 0  # parts handed over and not yet written
     told_router: float = 0.0  # when a Progress last told the router it moves
     slot: bool | None = None  # the decode node holds a slot for it (None: not answered yet)
-    ready: dict[str, Any] | None = None  # compute_done's results, waiting for that answer
 
 
 @dataclass(frozen=True)
@@ -184,8 +182,9 @@ class PrefillCore:
         self._by_request[(source, m.request_id)] = lease.id
         self.counts["accepted"] += 1
         one = dataclasses.replace(m.sampling, max_tokens=1)
-        # The decode node is asked for a slot as the prompt starts: a full one says so before
-        # the first token reaches the client, and the router starts the request elsewhere.
+        # The decode node is asked for a slot as the prompt starts: a full one says so while
+        # the prompt runs -- before the first token reaches the client -- and the router
+        # starts the request elsewhere.
         ask = SlotRequest(m.request_id, lease.id, source) if m.sampling.max_tokens > 1 else None
         lease.slot = None if ask is not None else False
         return ([Send(target, ask)] if ask else []) + [
@@ -213,10 +212,7 @@ class PrefillCore:
             x.slot = False
             return self._fail(x, ErrorCode.DECODE_REFUSED, why)  # before token 0: retryable
         x.slot = True
-        if x.ready is None:
-            return []
-        ready, x.ready = x.ready, None
-        return self.compute_done(x.id, now=now, **ready)
+        return []
 
     def compute_done(
         self,
@@ -236,11 +232,9 @@ class PrefillCore:
             return [FreeCache(lease_id)]  # cancelled (or refused by the decode node) as it ran
         m = x.request
         final = finish == "stop" or m.sampling.max_tokens == 1
-        if not final and x.slot is None:  # the decode node has not answered yet: wait for it
-            x.ready = dict(token_ids=token_ids, finish=finish, logprobs=logprobs, packed=packed,
-                           key_state=key_state, top=top)  # fmt: skip
-            x.expires = now + self.config.lease
-            return []
+        # No answer from the decode node yet (a slow or busy link): go on rather than hold
+        # token 0 for a round trip. The slot request is ahead of the handoff on the same
+        # connection, so the decode node has answered it by the time the handoff arrives.
         first = TokenResult(
             m.request_id,
             0,
@@ -358,13 +352,6 @@ class PrefillCore:
     def on_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = []
         for x in [x for x in self.leases.values() if x.expires and x.expires <= now]:
-            if x.state is LeaseState.COMPUTING:  # it ran; the decode node never answered
-                why = (
-                    f"decode node {x.target} did not answer within {self.config.lease:g}s "
-                    "whether it holds a slot for the handoff"
-                )
-                out += self._fail(x, ErrorCode.NODE_UNREACHABLE, why)
-                continue
             self.counts["expired"] += 1
             out += self._fail(
                 x,
