@@ -4,9 +4,16 @@ A ``KvHandoff`` from any authenticated member is checked (shapes, dtype, digest)
 compute side, then acknowledged. It is *read* -- inserted into the decode batch -- only when
 the prefill node that holds its lease answers with a commit verdict; an abort, a verdict
 that never comes, or the prefill node's loss frees it unread. Tokens go to the router the
-handoff names (the identity the prefill node authenticated the request from), numbered from
-1 (the prefill node sent token 0). A cancel from that router frees the slot at any point; a
-cancel that overtakes its handoff is remembered for a while, so the late handoff is refused.
+handoff names (the identity the prefill node authenticated the request from) -- if that
+router has spoken to this node itself, or is one of its ``--router-peers``: an address a
+payload merely names is never dialled -- numbered from 1 (the prefill node sent token 0). A
+cancel from that router frees the slot at any point; a cancel that overtakes its handoff is
+remembered for a while, so the late handoff is refused.
+
+Before that, as a prompt starts, its prefill node asks for a slot (``SlotRequest``): one is
+held, counted against ``max_sequences``, until the handoff comes; a full or draining node,
+or a request for a router it does not serve, says why not while the prompt still runs. Every
+refusal leaves a rate-limited line naming its sender (``decode-refusal``).
 """
 
 from __future__ import annotations
@@ -104,8 +111,9 @@ class DecodeCore:
         # Slots promised to a prefill node's handoff before it ran the prompt: (prefill,
         # lease) -> when the promise lapses. They count against max_sequences.
         self.held: dict[tuple[str, int], float] = {}
-        # Routers that spoke to this node over an authenticated connection (state queries,
-        # cancels): tokens go only to one of them, never to an address a payload names.
+        # Routers that spoke to this node over an authenticated connection (their figures
+        # poll, QueryState): tokens go only to one of them (or to one of --router-peers),
+        # never to an address a payload names.
         self.routers: dict[str, None] = {}
 
     @property
