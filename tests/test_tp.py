@@ -360,13 +360,14 @@ def test_a_hostfile_that_spans_hosts_needs_the_cleartext_opt_in_on_every_rank(
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         line = error_line(r.stderr)
         assert line.startswith("--tp-hostfile: the tensor-parallel ranks span hosts (10.99.0.2)")
-        assert "unencrypted and unauthenticated" in line and "--tp-allow-cleartext" in line
+        assert "unencrypted, and the activations unauthenticated" in line
+        assert "--tp-allow-cleartext" in line
     # Opted in: the warning, then the (absent) peer is waited for until the start-up timeout.
     r = run("generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile", str(hosts),
             "--tp-rank", "0", "--tp-allow-cleartext", "--startup-timeout", "2")  # fmt: skip
     assert r.returncode != 0
     warned = [ln for ln in r.stderr.splitlines() if "WARNING" in ln and "span hosts" in ln]
-    assert warned and "anyone on that network can read and alter them" in warned[0], r.stderr
+    assert warned and "can read them, and alter the activations" in warned[0], r.stderr
 
 
 def test_local_ranks_need_no_opt_in() -> None:

@@ -144,7 +144,7 @@ def cleartext_hosts(ranks: list[list[str]], allowed: bool) -> str | None:
     what = (
         f"the tensor-parallel ranks span hosts ({', '.join(remote)}): MLX's ring and NCCL carry "
         "every all-reduce of activations and every step message (request ids, prompt token ids, "
-        "sampling parameters) between them unencrypted and unauthenticated"
+        "sampling parameters) between them unencrypted, and the activations unauthenticated"
     )
     if not allowed:
         raise ConfigError(
@@ -152,7 +152,10 @@ def cleartext_hosts(ranks: list[list[str]], allowed: bool) -> str | None:
             f"{what}; keep the ranks on one host, or pass --tp-allow-cleartext on every rank "
             "to run them on a network you trust",
         )
-    return f"{what}; anyone on that network can read and alter them (--tp-allow-cleartext)"
+    return (
+        f"{what}; anyone on that network can read them, and alter the activations "
+        "(--tp-allow-cleartext)"
+    )
 
 
 BACKENDS = ("ring", "nccl")
