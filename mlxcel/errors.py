@@ -248,3 +248,8 @@ class BeaconRejected(BringupError):
 
 class TpGroupFailed(MlxcelError):
     """A tensor-parallel rank died or the group broke."""
+
+
+class StepForged(MlxcelError):
+    """A tensor-parallel step's MAC did not verify: the group's control traffic was altered,
+    injected, replayed or reordered (mlxcel.tp.step_seal)."""

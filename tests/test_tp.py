@@ -396,7 +396,8 @@ def test_ranks_started_by_hand_need_the_secret_their_step_key_comes_from(
 
 
 def test_a_step_with_a_wrong_tag_a_replay_or_a_reorder_is_refused() -> None:
-    from mlxcel.tp.step_seal import StepForged, StepSeal, hostfile_key
+    from mlxcel.errors import StepForged
+    from mlxcel.tp.step_seal import StepSeal, hostfile_key
 
     key = bytes(range(32))
     lead, follow = StepSeal(key), StepSeal(key)

@@ -36,6 +36,7 @@ def run_follower(
     environment of the ranks it starts."""
     from mlx_lm.generate import BatchGenerator
 
+    from mlxcel.errors import StepForged
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
     from mlxcel.tp.group import (
         broadcast_step,
@@ -44,7 +45,7 @@ def run_follower(
         load_sharded,
         read_hostfile,
     )
-    from mlxcel.tp.step_seal import StepForged, StepSeal, key_from_env
+    from mlxcel.tp.step_seal import StepSeal, key_from_env
 
     warning = cleartext_hosts(read_hostfile(hostfile), allow_cleartext)  # refused: raises
     if warning:

@@ -19,12 +19,10 @@ import hmac
 import os
 from pathlib import Path
 
+from mlxcel.errors import StepForged
+
 KEY_ENV = "MLXCEL_TP_STEP_KEY"
 TAG = 16
-
-
-class StepForged(RuntimeError):
-    """A step's tag did not verify: the group's control traffic was altered or injected."""
 
 
 class StepSeal:
