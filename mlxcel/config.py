@@ -48,7 +48,7 @@ class ModelSettings(_Base):
     tp_allow_cleartext: bool = Field(
         False,
         description="let a --tp-hostfile span hosts: MLX's ring and NCCL send activations and "
-        "step messages between them unencrypted and unauthenticated",
+        "step messages between them unencrypted, and the activations unauthenticated",
     )
     tp_backend: Literal["auto", "ring", "nccl"] = Field(
         "auto", description="collectives: auto (NCCL on CUDA, else the TCP ring), ring, nccl"

@@ -25,8 +25,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxcel.bench.disagg import percentile
 from mlxcel.bench.netns import Hosts
 from mlxcel.bench.netns_nodes import HTTP_PORT, NodeProc, enter_netns, keygen
+from mlxcel.runtime.kv_usage import kv_heads_and_dim
+from mlxcel.runtime.model import layer_count
 
 
 def post(url: str, body: bytes, timeout: float) -> tuple[int, str]:
@@ -59,13 +62,6 @@ class SlowHandoff:
     short_p50_s: float
     short_p95_s: float
     short_codes: dict[str, int]
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def slow_handoff(
@@ -118,8 +114,8 @@ def slow_handoff(
         long_code,
         shorts,
         len(ok),
-        round(_quantile(ok, 0.5), 2),
-        round(_quantile(ok, 0.95), 2),
+        round(percentile(ok, 50), 2),
+        round(percentile(ok, 95), 2),
         dict(Counter(code or str(status) for status, code, _ in results)),
     )
 
@@ -184,11 +180,10 @@ def _member_fills(
 
 
 def _kv_dims(model: Path) -> tuple[int, int, int, int]:
-    """(layers, kv heads, key dim, value dim) of a llama-shaped checkpoint's cache."""
-    cfg = json.loads((model / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"], heads, dim, dim
+    """(layers, kv heads, key dim, value dim) of an attention model's cache, from config.json."""
+    config = json.loads((model / "config.json").read_text())
+    heads, dim = kv_heads_and_dim(config)
+    return layer_count(config), heads, dim, dim
 
 
 def full_decode(model: Path, tmp: Path, requests: int = 60, every: float = 0.1) -> FullDecode:

@@ -20,13 +20,19 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def bytes_per_token(config: dict[str, Any], n_layers: int, shards: int = 1) -> int:
     """Bytes of keys and values one token takes in ``n_layers`` layers of this model, split
     over ``shards`` tensor-parallel ranks (0: the config does not say)."""
+    kv_heads, head_dim = kv_heads_and_dim(config)
+    dtype = _DTYPE_BYTES.get(str(decoder_config(config).get("torch_dtype", "bfloat16")), 2)
+    per_layer = 2 * kv_heads * head_dim * dtype  # keys and values
+    return per_layer * n_layers // max(shards, 1)
+
+
+def kv_heads_and_dim(config: dict[str, Any]) -> tuple[int, int]:
+    """(key/value heads, head dim) of an attention layer of this model, from its config."""
     config = decoder_config(config)
     heads = int(config.get("num_attention_heads") or 0)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))
-    dtype = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
-    per_layer = 2 * kv_heads * head_dim * dtype  # keys and values
-    return per_layer * n_layers // max(shards, 1)
+    return kv_heads, head_dim
 
 
 def capacity(used_tokens: int, per_token: int) -> int:
