@@ -51,7 +51,9 @@ class ModelSettings(_Base):
         "step messages between them unencrypted, and the activations unauthenticated",
     )
     tp_backend: Literal["auto", "ring", "nccl"] = Field(
-        "auto", description="collectives: auto (NCCL on CUDA, else the TCP ring), ring, nccl"
+        "auto",
+        description="collectives: auto (NCCL on CUDA, else the TCP ring), ring, nccl; rank 0 "
+        "picks for the whole group",
     )
     tp_moe_mode: Literal["replicated", "sharded"] = Field(
         "replicated", description="expert layers under TP (sharded: not implemented yet)"

@@ -42,6 +42,8 @@ class ErrorCode(enum.StrEnum):
     HANDOFF_FAILED = "handoff_failed"  # the KV handoff was refused, corrupt or undeliverable
     HANDOFF_TIMEOUT = "handoff_timeout"  # a lease expired, or results stopped arriving
     DECODE_REFUSED = "decode_refused"  # the decode target will not take it (full, draining)
+    # tensor parallelism
+    TP_JOIN_REFUSED = "tp_join_refused"  # rank 0 will not take this rank into its group
 
 
 # Codes that mean "not now", not "broken": the client (or a load balancer) may retry.

@@ -222,6 +222,33 @@ class TpStep(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class TpJoin(Message):
+    """A tensor-parallel rank -> rank 0, before MLX's group forms, over an authenticated
+    connection (the secret proved): I am ``rank``; my ring listener will be ``ring``
+    (HOST:PORT); I hold the model whose config.json hashes to ``model`` and was started with
+    the hostfile hashing to ``hostfile`` ("": started by rank 0), running mlxcel ``version``."""
+
+    KIND: ClassVar[int] = 32
+    rank: int
+    ring: str
+    model: str
+    hostfile: str
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class TpRing(Message):
+    """Rank 0 -> each rank once every rank has joined: the ring to form (one HOST:PORT per
+    rank, rank 0 first), the collective backend, and this launch's step key
+    (:mod:`mlxcel.tp.step_seal`). It travels only inside the encrypted connection."""
+
+    KIND: ClassVar[int] = 33
+    ring: tuple[str, ...]
+    backend: str
+    step_key: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Undecodable(Message):
     """Local only (never on the wire): a message from the envelope's source failed to decode.
 

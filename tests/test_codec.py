@@ -47,6 +47,8 @@ from mlxcel.messages import (
     Tensor,
     TokenResult,
     TpInsert,
+    TpJoin,
+    TpRing,
     TpStep,
     Undecodable,
 )
@@ -119,6 +121,8 @@ messages = st.one_of(
         st.lists(small_ints, max_size=4).map(tuple),
         st.booleans(),
     ),
+    st.builds(TpJoin, small_ints, ids, ids, ids, ids),
+    st.builds(TpRing, st.lists(ids, max_size=4).map(tuple), ids, st.binary(max_size=32)),
     st.builds(
         AssignOffer,
         small_ints,
@@ -211,6 +215,8 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "QueryState",
         "Progress",
         "TpStep",
+        "TpJoin",
+        "TpRing",
         "AssignOffer",
         "AssignAccepted",
         "AssignRefused",

@@ -19,9 +19,8 @@ CONTRACTS = {
     "runtime/blas.py": "MLXCEL_BLAS, MLXCEL_BLAS_THREADS",
     # A child process learns its parent's pid from its launcher (process supervision).
     "loop.py": "MLXCEL_PARENT_PID",
-    # A tensor-parallel follower's own command line (a process entry point); a rank started
-    # by hand on another host may name its backend in its environment.
-    "tp/follower.py": "MLXCEL_LOG_LEVEL, MLXCEL_LOG_FORMAT, MLXCEL_TP_BACKEND",
+    # A tensor-parallel follower's own command line (a process entry point).
+    "tp/follower.py": "MLXCEL_LOG_LEVEL, MLXCEL_LOG_FORMAT",
 }
 
 

@@ -38,6 +38,15 @@ def run(
     )
 
 
+def local_hostfile(n: int, folder: Path) -> Path:
+    """A hostfile for ``n`` ranks started by hand on this host (free loopback ports)."""
+    from mlxcel.tp.rendezvous import free_port
+
+    path = folder / "tp-hostfile.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{free_port('127.0.0.1')}"] for _ in range(n)]))
+    return path
+
+
 def with_secret(tmp_path: Path) -> dict[str, str]:
     """The environment of ranks started by hand: the cluster secret their step key comes from."""
     from mlxcel.net.secret import keygen
@@ -272,9 +281,7 @@ def test_co_located_processes_get_a_gpu_each_only_where_there_are_several(
 
 def test_tp_hostfile_joins_ranks_started_separately(tiny: Path, tmp_path: Path) -> None:
     """The multi-host shape on one host: each rank is started by hand with --tp-rank."""
-    from mlxcel.tp.group import write_local_hostfile
-
-    hostfile = write_local_hostfile(2, tmp_path)
+    hostfile = local_hostfile(2, tmp_path)
     args = [
         "generate",
         "-m",
@@ -310,9 +317,7 @@ def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
     tiny: Path, tmp_path: Path
 ) -> None:
     """Rank 0 alone: it says what it waits for, then fails in one line (it hung for minutes)."""
-    from mlxcel.tp.group import write_local_hostfile
-
-    hostfile = write_local_hostfile(2, tmp_path)
+    hostfile = local_hostfile(2, tmp_path)
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny), "-p", "x", "-n", "2"]
@@ -324,11 +329,80 @@ def test_tp_hostfile_with_no_peer_fails_after_the_startup_timeout(
     )
     took = time.monotonic() - t0
     assert r.returncode != 0, r.stderr
-    assert "waiting for the ranks to join the group (rank 1 at 127.0.0.1:" in r.stderr
+    assert "waiting for rank(s) 1 to join rank 0 at 127.0.0.1:" in r.stderr
     errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "after 6s (--startup-timeout)" in errors[0]
     assert "Traceback" not in r.stderr
     assert took < 60
+
+
+HIJACK = """
+import socket, sys, time
+log, port = sys.argv[1], int(sys.argv[2])
+while "joined from" not in open(log).read():  # every rank has met rank 0: the ring comes next
+    time.sleep(0.001)
+held, end = [], time.time() + 30
+while time.time() < end:
+    s = socket.socket()
+    try:
+        s.connect(("127.0.0.1", port))
+        held.append(s)  # a connection MLX accepts as a rank, which never speaks
+    except OSError:
+        s.close()
+    time.sleep(0.002)
+"""
+
+
+def test_a_process_that_takes_a_ring_port_first_fails_the_group_in_seconds(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """MLX's ring authenticates nothing: a local process that connects to rank 0's ring port
+    before rank 1 does breaks the group. Every rank has met rank 0 by then, so each says so
+    after a few seconds (it waited 31 s, then raised a bare RuntimeError)."""
+    hostfile = local_hostfile(2, tmp_path)
+    port = json.loads(hostfile.read_text())[0][0].rpartition(":")[2]
+    env = with_secret(tmp_path)
+    log = tmp_path / "rank0.log"
+    log.write_text("")
+    args = ["generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile", str(hostfile)]
+    spy = subprocess.Popen([sys.executable, "-c", HIJACK, str(log), port])
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", *args, "--tp-rank", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    lead = None
+    try:
+        with log.open("w") as out:
+            lead = subprocess.Popen(
+                [sys.executable, "-m", "mlxcel", *args, "--tp-rank", "0"],
+                stderr=out,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+            assert lead.wait(60) != 0
+        joined = next(ln for ln in log.read_text().splitlines() if "joined from" in ln)
+        error = next(ln for ln in log.read_text().splitlines() if " ERROR " in ln)
+        assert "gave up waiting for MLX's ring group to form (rank 1 at" in error
+        assert "after 10s; every rank had met rank 0" in error
+        assert "another process may have connected to a ring port first" in error
+        took = _clock(error) - _clock(joined)
+        assert took < 20, (joined, error)
+        assert follower.wait(30) != 0
+        assert "gave up waiting for MLX's ring group to form (rank 0 at" in follower.stderr.read()
+    finally:
+        for p in (spy, follower, lead):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
+def _clock(line: str) -> float:
+    h, m, s = line.split()[0].split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
 
 
 def test_a_hostfile_of_the_wrong_shape_is_one_line(tiny: Path, tmp_path: Path) -> None:
@@ -382,9 +456,7 @@ def test_local_ranks_need_no_opt_in() -> None:
 def test_ranks_started_by_hand_need_the_secret_their_step_key_comes_from(
     tiny: Path, tmp_path: Path
 ) -> None:
-    from mlxcel.tp.group import write_local_hostfile
-
-    hostfile = write_local_hostfile(2, tmp_path)
+    hostfile = local_hostfile(2, tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
     for rank in ("0", "1"):
         r = run("generate", "-m", str(tiny), "-p", "x", "-n", "2", "--tp-hostfile",
@@ -397,7 +469,7 @@ def test_ranks_started_by_hand_need_the_secret_their_step_key_comes_from(
 
 def test_a_step_with_a_wrong_tag_a_replay_or_a_reorder_is_refused() -> None:
     from mlxcel.errors import StepForged
-    from mlxcel.tp.step_seal import StepSeal, hostfile_key
+    from mlxcel.tp.step_seal import StepSeal
 
     key = bytes(range(32))
     lead, follow = StepSeal(key), StepSeal(key)
@@ -412,5 +484,3 @@ def test_a_step_with_a_wrong_tag_a_replay_or_a_reorder_is_refused() -> None:
         StepSeal(key).open(b"step one" + bytes(16))  # forged: no key
     with pytest.raises(StepForged):
         StepSeal(bytes(32)).open(StepSeal(key).seal(b"x"))  # another launch's key
-    a, b = Path("/dev/null"), Path(__file__)
-    assert hostfile_key(key, a) != hostfile_key(key, b) != hostfile_key(bytes(32), b)

@@ -62,7 +62,7 @@ def checkpoint(s: CheckpointSettings) -> int:
 async def generate(s: GenerateSettings) -> int:
     prompt = _read_prompt(s.prompt)  # before the model loads: a bad prompt fails at once
     path = resolve_model(s.model)
-    if _tp_follower(s, path):
+    if await _tp_follower(s, path):
         return 0
     if s.dry_run:
         return _print_plan(path, s.pp_size, s.pp_layers)
@@ -121,28 +121,35 @@ def _tp_rank(s: GenerateSettings | ServeSettings) -> int:
     return int(_os.environ.get("MLX_RANK", "0"))
 
 
-def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
-    """With --tp-hostfile, every rank but 0 only follows: run that here and report True."""
+async def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
+    """With --tp-hostfile, every rank but 0 only follows: run that here and report True.
+    It meets rank 0 at rank 0's hostfile address and forms the ring at its own."""
     if s.tp_hostfile is None or _tp_rank(s) == 0:
         return False
-    from mlxcel.errors import MlxcelError
-    from mlxcel.tp.follower import run_follower
-    from mlxcel.tp.step_seal import hostfile_key
+    from mlxcel.errors import ConfigError, MlxcelError
+    from mlxcel.tp.follower import join_message, run_follower
+    from mlxcel.tp.group import cleartext_hosts, ring_of
+    from mlxcel.tp.launch import HOSTFILE_NEEDS_SECRET
+    from mlxcel.tp.rendezvous import attend
+    from mlxcel.tp.roll_call import file_digest
 
-    secret = _tp_secret(s)  # none: the follower says what is missing, after the hostfile
-    code = run_follower(
-        path,
-        _tp_rank(s),
-        s.tp_hostfile,
-        getattr(s, "max_batch_size", 1),  # generate runs one sequence
-        s.prefill_step_size,
-        s.startup_timeout,
-        s.tp_backend,
-        s.tp_allow_cleartext,
-        hostfile_key(secret.value, s.tp_hostfile) if secret is not None else None,
-    )
+    rank, ring = _tp_rank(s), ring_of(s.tp_hostfile)
+    if not 0 < rank < len(ring):
+        raise ConfigError("--tp-rank", f"{rank} is not a rank of the hostfile's {len(ring)}")
+    warning = cleartext_hosts([[a] for a in ring], s.tp_allow_cleartext)  # refused: raises
+    if warning:
+        from loguru import logger
+
+        logger.warning("{}", warning)
+    secret = _tp_secret(s)
+    if secret is None:
+        raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
+    join = join_message(path, rank, ring[rank], file_digest(s.tp_hostfile))
+    meeting = await attend(secret, ring[0], join, s.startup_timeout)  # TpGroupFailed: one line
+    # From here this process only follows rank 0's steps: nothing else runs on its loop.
+    code = run_follower(path, rank, meeting, getattr(s, "max_batch_size", 1), s.prefill_step_size)
     if code:
-        raise MlxcelError(f"tensor-parallel rank {_tp_rank(s)} left a failed group")
+        raise MlxcelError(f"tensor-parallel rank {rank} left a failed group")
     return True
 
 

@@ -61,7 +61,7 @@ async def _spec(s: ServeSettings) -> StackSpec | None:
 
         return await bringup_spec(s)
     path = resolve_model(s.model)
-    if _tp_follower(s, path):
+    if await _tp_follower(s, path):
         return None
     if s.dry_run:
         _print_plan(path, s.pp_size, s.pp_layers)

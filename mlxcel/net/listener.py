@@ -381,6 +381,12 @@ class ClusterListener:
         else:
             self.limiter.warn(f.rate_class, f"cluster: handshake from {ip} failed: {exc}")
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; connections already authenticated stay open."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

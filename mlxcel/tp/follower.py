@@ -1,7 +1,9 @@
 """A tensor-parallel rank other than 0: replay rank 0's batch steps until told to stop.
 
-``python -m mlxcel.tp.follower --model DIR --rank N --hostfile F``. It holds its shard of the
-weights and a batch generator configured like rank 0's; every step it receives a
+``python -m mlxcel.tp.follower --model DIR --rank N --rendezvous HOST:PORT``, started by rank
+0 (ranks started by hand come through ``generate``/``serve --tp-hostfile --tp-rank N``). It
+first meets rank 0 (:mod:`.rendezvous`), then holds its shard of the weights and a batch
+generator configured like rank 0's; every step it receives a
 :class:`~mlxcel.messages.TpStep`, applies the same joins and leaves, and runs the same batched
 forward (whose collectives need every rank). It exits 0 on a stop step and non-zero if the
 group breaks.
@@ -10,6 +12,7 @@ group breaks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -18,47 +21,39 @@ from loguru import logger
 
 import mlxcel  # noqa: F401  (BLAS before mlx)
 from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STARTUP_TIMEOUT
+from mlxcel.messages import TpJoin
+from mlxcel.tp.rendezvous import Meeting
+
+
+def join_message(model: Path, rank: int, ring: str, hostfile: str = "") -> TpJoin:
+    """What this rank tells rank 0 (``hostfile``: the digest of the one it was started
+    with; "" when rank 0 started it)."""
+    from mlxcel import __version__
+    from mlxcel.tp.roll_call import model_digest
+
+    return TpJoin(rank, ring, model_digest(model), hostfile, __version__)
 
 
 def run_follower(
     model: Path,
     rank: int,
-    hostfile: Path,
+    meeting: Meeting,
     max_batch_size: int = MAX_BATCH_SIZE,
     prefill_step_size: int = PREFILL_STEP_SIZE,
-    startup_timeout: float = STARTUP_TIMEOUT,
-    backend: str = "auto",
-    allow_cleartext: bool = False,
-    key: bytes | None = None,
 ) -> int:
-    """Join the group as ``rank`` and replay steps until the stop step (0) or a failure (1).
-    ``key``: the launch's step key (:mod:`mlxcel.tp.step_seal`); rank 0 puts it in the
-    environment of the ranks it starts."""
+    """Form the group rank 0 described (``meeting``, :mod:`.rendezvous`) and replay steps
+    until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
     from mlxcel.errors import StepForged
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
-    from mlxcel.tp.group import (
-        broadcast_step,
-        cleartext_hosts,
-        init_group,
-        load_sharded,
-        read_hostfile,
-    )
-    from mlxcel.tp.step_seal import StepSeal, key_from_env
+    from mlxcel.tp.group import broadcast_step, init_group, load_sharded
+    from mlxcel.tp.rendezvous import RING_BOUND
+    from mlxcel.tp.step_seal import StepSeal
 
-    warning = cleartext_hosts(read_hostfile(hostfile), allow_cleartext)  # refused: raises
-    if warning:
-        logger.warning("{}", warning)
-    key = key or key_from_env()
-    if key is None:  # started by hand without the secret (rank 0 gives the ranks it starts one)
-        from mlxcel.errors import ConfigError
-        from mlxcel.tp.launch import HOSTFILE_NEEDS_SECRET
-
-        raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
-    seal = StepSeal(key)
+    seal = StepSeal(meeting.step_key)
     try:
-        group = init_group(rank, hostfile, startup_timeout, backend)
+        group = init_group(rank, meeting.ring, meeting.backend, RING_BOUND)
         loaded = load_sharded(model, group)
         gen = BatchGenerator(
             loaded.model,
@@ -95,32 +90,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="mlxcel.tp.follower")
     ap.add_argument("--model", required=True)
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--hostfile", required=True)
+    ap.add_argument("--rendezvous", required=True, help="rank 0's HOST:PORT")
     ap.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE)
     ap.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE)
     ap.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT)
-    # A rank started by hand on another host may still name it in its environment.
-    ap.add_argument("--tp-backend", default=os.environ.get("MLXCEL_TP_BACKEND", "auto"))
-    ap.add_argument("--tp-allow-cleartext", action="store_true")
     # Rank 0's own settings, which its environment carries (see cli.main).
     ap.add_argument("--log-level", default=os.environ.get("MLXCEL_LOG_LEVEL", "INFO").upper())
     ap.add_argument("--log-format", default=os.environ.get("MLXCEL_LOG_FORMAT", "text"))
     a = ap.parse_args()
+    from mlxcel.errors import TpGroupFailed
     from mlxcel.logs import setup_logging
     from mlxcel.runtime.blas import ensure_blas
+    from mlxcel.tp.rendezvous import attend, free_port, ring_address, secret_from_env
 
     setup_logging(a.log_level, a.log_format)
+    secret = secret_from_env()
+    if secret is None:
+        logger.error("mlxcel.tp.follower is started by rank 0, which gives it a launch secret")
+        return 2
     logger.info("BLAS: {}", ensure_blas())
-    return run_follower(
-        Path(a.model),
-        a.rank,
-        Path(a.hostfile),
-        a.max_batch_size,
-        a.prefill_step_size,
-        a.startup_timeout,
-        a.tp_backend,
-        a.tp_allow_cleartext,
-    )
+    host = a.rendezvous.rpartition(":")[0].strip("[]")  # rank 0 started it on its own host
+    join = join_message(Path(a.model), a.rank, ring_address(host, free_port(host)))
+    try:
+        meeting = asyncio.run(attend(secret, a.rendezvous, join, a.startup_timeout))
+    except TpGroupFailed as exc:
+        logger.error("tp rank {}: {}", a.rank, exc)
+        return 1
+    return run_follower(Path(a.model), a.rank, meeting, a.max_batch_size, a.prefill_step_size)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,29 +54,13 @@ def check_shardable(config: dict[str, Any], n: int) -> None:
         )
 
 
-def write_local_hostfile(n: int, folder: Path) -> Path:
-    """A ring hostfile for ``n`` ranks on this host (free ports on 127.0.0.1)."""
-    ports = []
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    path = folder / "tp-hostfile.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    return path
-
-
 # A watchdog in a child process: MLX's ring ``init`` blocks while holding the GIL, so nothing
 # in this process -- reactor, timer, signal handler -- can report progress or give up. The
 # child prints what is being waited for every few seconds and, past the deadline, one error
 # line and a SIGKILL for the stuck process. Closing its stdin (or dying) releases it.
 _WATCHDOG = """
 import json, os, select, signal, sys, time
-timeout, pid, what, fmt = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+timeout, pid, what, fmt, hint = float(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
 def say(level, msg):
     if fmt == "json":
         line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
@@ -86,15 +70,21 @@ def say(level, msg):
     print(line, file=sys.stderr, flush=True)
 start = time.monotonic()
 while (left := start + timeout - time.monotonic()) > 0:
-    if select.select([sys.stdin], [], [], min(5.0, left))[0]:
+    if select.select([sys.stdin], [], [], min(2.0, left))[0]:
         sys.exit(0)
     say("INFO", "tensor parallel: waiting for %s (%.0fs of %gs)"
         % (what, time.monotonic() - start, timeout))
-say("ERROR", "tensor parallel: gave up waiting for %s after %gs (--startup-timeout); is every"
-    " rank of the hostfile started? (exit status 137: killed by the start-up watchdog)"
-    % (what, timeout))
+say("ERROR", "tensor parallel: gave up waiting for %s after %gs; %s (exit status 137: killed"
+    " by the start-up watchdog)" % (what, timeout, hint))
 os.kill(pid, signal.SIGKILL)
 """
+
+# Why a group whose ranks all met rank 0 would not form (the watchdog's last line).
+RING_HINT = (
+    "every rank had met rank 0, so it should form at once: another process may have "
+    "connected to a ring port first (on this host, or anyone on the ranks' network); "
+    "start the group again"
+)
 
 
 def read_hostfile(path: Path) -> list[list[str]]:
@@ -122,6 +112,22 @@ def read_hostfile(path: Path) -> list[list[str]]:
             'e.g. [["10.0.0.1:5000"], ["10.0.0.2:5000"]]',
         )
     return ranks
+
+
+def ring_of(path: Path) -> list[str]:
+    """Each rank's ring address from a hostfile. MLX lets a rank list several (one
+    connection each); a rank here meets rank 0 and forms the ring at exactly one."""
+    ranks = read_hostfile(path)
+    several = [i for i, r in enumerate(ranks) if len(r) != 1]
+    if several:
+        raise ConfigError(
+            "--tp-hostfile",
+            f"rank {several[0]} lists {len(ranks[several[0]])} addresses; give each rank one "
+            'HOST:PORT, e.g. [["10.0.0.1:5000"], ["10.0.0.2:5000"]]',
+        )
+    if len(ranks) < 2:
+        raise ConfigError("--tp-hostfile", f"{path} lists {len(ranks)} rank; a group needs two")
+    return [r[0] for r in ranks]
 
 
 def cleartext_hosts(ranks: list[list[str]], allowed: bool) -> str | None:
@@ -174,38 +180,35 @@ def pick_backend(want: str = "auto") -> str:
     return want if want != "auto" else ("nccl" if mx.cuda.is_available() else "ring")
 
 
-def init_group(rank: int, hostfile: Path, timeout: float = 60.0, want: str = "auto") -> Any:
-    """Join the group. Every rank must call this; it blocks until all are connected, or kills
-    this process after ``timeout`` seconds with one line saying which ranks never came.
-    Under NCCL, rank 0's hostfile address is the rendezvous (``NCCL_HOST_IP:NCCL_PORT``)."""
+def init_group(rank: int, ring: Sequence[str], backend: str, timeout: float) -> Any:
+    """Form MLX's group over ``ring`` (one HOST:PORT per rank, as rank 0 sent it). Every rank
+    calls this once every rank has met rank 0 (:mod:`.rendezvous`); it blocks until all are
+    connected, or kills this process after ``timeout`` seconds with one line saying so.
+    Under NCCL, rank 0's ring address is the rendezvous (``NCCL_HOST_IP:NCCL_PORT``)."""
+    import shutil
     import subprocess
     import sys
+    import tempfile
 
     import mlx.core as mx
 
     from mlxcel import logs
 
-    ranks = read_hostfile(hostfile)
-    backend = pick_backend(want)
+    folder = Path(tempfile.mkdtemp(prefix="mlxcel-ring-"))
+    hostfile = folder / "ring.json"
+    hostfile.write_text(json.dumps([[a] for a in ring]))
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
     if backend == "nccl":
-        host, _, port = ranks[0][0].rpartition(":")
+        host, _, port = ring[0].rpartition(":")
         os.environ.update(
-            NCCL_HOST_IP=host.strip("[]"), NCCL_PORT=port, MLX_WORLD_SIZE=str(len(ranks))
+            NCCL_HOST_IP=host.strip("[]"), NCCL_PORT=port, MLX_WORLD_SIZE=str(len(ring))
         )
-    peers = ", ".join(f"rank {i} at {','.join(a)}" for i, a in enumerate(ranks) if i != rank)
-    what = f"the ranks to join the group ({peers})"
+    peers = ", ".join(f"rank {i} at {a}" for i, a in enumerate(ring) if i != rank)
+    what = f"MLX's {backend} group to form ({peers})"
     dog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _WATCHDOG,
-            str(timeout),
-            str(os.getpid()),
-            what,
-            logs.FORMAT,
-        ],
+        [sys.executable, "-c", _WATCHDOG, str(timeout), str(os.getpid()), what, logs.FORMAT]
+        + [RING_HINT],
         stdin=subprocess.PIPE,
     )
     try:
@@ -214,6 +217,7 @@ def init_group(rank: int, hostfile: Path, timeout: float = 60.0, want: str = "au
         assert dog.stdin is not None
         dog.stdin.close()
         dog.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def broadcast_step(group: Any, step: TpStep | None, seal: StepSeal) -> TpStep:

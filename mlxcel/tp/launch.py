@@ -1,8 +1,9 @@
 """Rank 0 of a tensor-parallel group: start the local ranks, load the shard, run the engine.
 
-With no hostfile, ``tp_size - 1`` follower processes are started on this host with a
-generated ring hostfile. With ``--tp-hostfile`` the ranks are started by the operator on
-their hosts (each with ``--tp-rank``); this process is rank 0 and owns the bus and the API.
+With no hostfile, ``tp_size - 1`` follower processes are started on this host. With
+``--tp-hostfile`` the ranks are started by the operator on their hosts (each with
+``--tp-rank``). Either way every rank first proves the secret to this one and learns the ring
+from it (:mod:`.rendezvous`); this process is rank 0 and owns the bus and the API.
 A follower that exits while the group is serving makes the group fatal: in-flight requests
 fail with an error and the process exits non-zero instead of hanging.
 """
@@ -12,19 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
+from mlxcel import __version__
 from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, TpGroupFailed
 from mlxcel.frontend import Frontend
 from mlxcel.messages import EXTENDED_SAMPLING
+from mlxcel.net.secret import ClusterSecret
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.devices import device_env, gpu_ids
@@ -39,10 +40,17 @@ from mlxcel.tp.group import (
     init_group,
     load_sharded,
     pick_backend,
-    read_hostfile,
-    write_local_hostfile,
+    ring_of,
 )
-from mlxcel.tp.step_seal import KEY_ENV, StepSeal, hostfile_key, launch_key
+from mlxcel.tp.rendezvous import (
+    LAUNCH_SECRET_ENV,
+    RING_BOUND,
+    Meeting,
+    Rendezvous,
+    launch_secret,
+)
+from mlxcel.tp.roll_call import RollCall, file_digest, model_digest
+from mlxcel.tp.step_seal import StepSeal
 
 
 @dataclass
@@ -53,52 +61,43 @@ class TpParts:
 
 
 HOSTFILE_NEEDS_SECRET = (
-    "ranks started by hand need the cluster secret: the key that authenticates rank 0's "
-    "step messages is derived from it; pass --cluster-secret-file (serve) or set "
-    "MLXCEL_CLUSTER_SECRET_FILE, the same on every rank"
+    "ranks started by hand need the cluster secret: each proves it to rank 0 before the group "
+    "forms; pass --cluster-secret-file (serve) or set MLXCEL_CLUSTER_SECRET_FILE, the same on "
+    "every rank"
 )
 
 
-def step_key(spec: TensorParallelSpec) -> bytes:
-    """This launch's step key: a fresh one for the ranks this process starts, else the one
-    every rank derives from the cluster secret and the hostfile."""
-    if spec.hostfile is None:
-        return launch_key()
-    assert spec.secret is not None  # _group_size refused it otherwise
-    return hostfile_key(spec.secret.value, spec.hostfile)
-
-
-def _group_size(spec: TensorParallelSpec) -> int:
-    """The group's size (a hostfile's rank count wins), checked before any weights load."""
+def _group_size(spec: TensorParallelSpec) -> tuple[int, list[str] | None]:
+    """The group's size (a hostfile's rank count wins) and the hostfile's ring addresses,
+    checked before any weights load."""
     config = json.loads((spec.model / "config.json").read_text())
-    size = spec.size
+    size, listed = spec.size, None
     if spec.hostfile is not None:
-        listed = read_hostfile(spec.hostfile)
-        warning = cleartext_hosts(listed, spec.allow_cleartext)
+        listed = ring_of(spec.hostfile)
+        warning = cleartext_hosts([[a] for a in listed], spec.allow_cleartext)
         if warning:
             logger.warning("{}", warning)
         if spec.secret is None:
             raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
-        ranks = len(listed)
-        if size not in (1, ranks):
-            raise TpGroupFailed(f"--tp-hostfile lists {ranks} ranks but --tp-size is {size}")
-        size = ranks
+        if size not in (1, len(listed)):
+            raise TpGroupFailed(f"--tp-hostfile lists {len(listed)} ranks but --tp-size is {size}")
+        size = len(listed)
     check_shardable(config, size)
     gpus = gpu_ids()
     if spec.hostfile is None and pick_backend(spec.backend) == "nccl" and size > len(gpus):
         raise ConfigError(
             "--tp-size", f"{size} ranks but {len(gpus)} GPUs here: NCCL needs a GPU per rank"
         )
-    return size
+    return size, listed
 
 
 async def _spawn_followers(
     spec: TensorParallelSpec,
     gen: Generation,
-    hostfile: Path,
+    rendezvous: str,
     size: int,
     followers: list[asyncio.subprocess.Process],
-    key: bytes,
+    secret: ClusterSecret,
 ) -> None:
     """Ranks 1..size-1 on this host, each a ``mlxcel.tp.follower`` process, appended to
     ``followers`` as each starts (a start cancelled midway still reaps those)."""
@@ -106,11 +105,10 @@ async def _spawn_followers(
         args = {
             "--model": spec.model,
             "--rank": rank,
-            "--hostfile": hostfile,
+            "--rendezvous": rendezvous,
             "--max-batch-size": gen.max_batch_size,
             "--prefill-step-size": gen.prefill_step_size,
             "--startup-timeout": spec.startup_timeout,
-            "--tp-backend": spec.backend,
         }
         argv = [str(x) for pair in args.items() for x in pair]
         followers.append(
@@ -119,10 +117,40 @@ async def _spawn_followers(
                 "-m",
                 "mlxcel.tp.follower",
                 *argv,
-                # The step key travels in the environment (readable only by this user),
+                # The launch secret travels in the environment (readable only by this user),
                 # never on the command line (readable by anyone on the host).
-                env={**device_env(rank, colocated_env(size)), KEY_ENV: key.hex()},
+                env={
+                    **device_env(rank, colocated_env(size)),
+                    LAUNCH_SECRET_ENV: secret.value.hex(),
+                },
             )
+        )
+
+
+async def _meet(
+    spec: TensorParallelSpec,
+    gen: Generation,
+    size: int,
+    listed: list[str] | None,
+    followers: list[asyncio.subprocess.Process],
+) -> Meeting:
+    """Every rank proves the secret to this one and learns the ring (:mod:`.rendezvous`):
+    the ranks this process starts meet it on a loopback port under a fresh launch secret,
+    ranks started by hand at rank 0's hostfile address under the cluster secret."""
+    if listed is None:
+        secret, listen, digest = launch_secret(), "127.0.0.1:0", ""
+    else:
+        secret, listen, digest = spec.secret, listed[0], file_digest(spec.hostfile)
+    roll = RollCall(size, model_digest(spec.model), digest, __version__)
+    async with Rendezvous(secret, listen, roll) as rv:
+        if listed is None:
+            await _spawn_followers(spec, gen, rv.address, size, followers, secret)
+        own = listed[0] if listed is not None else None
+        return await _while_ranks_live(
+            rv.meet(own, pick_backend(spec.backend)),
+            followers,
+            rv.waiting_for,
+            spec.startup_timeout,
         )
 
 
@@ -148,83 +176,78 @@ def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, si
 
 @asynccontextmanager
 async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[Stack[TpParts]]:
-    size = _group_size(spec)
+    size, listed = _group_size(spec)
     compute = ComputeThread()
     followers: list[asyncio.subprocess.Process] = []
     stopping = startup_failed = False
     engine: TpEngine | None = None
-    with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as tmp:
-        hostfile = spec.hostfile
-        key = step_key(spec)
-        try:
-            if hostfile is None:
-                hostfile = write_local_hostfile(size, Path(tmp))
-                await _spawn_followers(spec, gen, hostfile, size, followers, key)
-            group, loaded = await _join(compute, followers, hostfile, spec, size)
-            async with Node("tensor-parallel") as node:
-                engine = TpEngine(
-                    loaded,
-                    compute,
-                    max_batch_size=gen.max_batch_size,
-                    prefill_step_size=gen.prefill_step_size,
-                    max_sequences=max(gen.parallel, 1),
-                    group=group,
-                    seal=StepSeal(key),
-                )
-                await engine.attach(node)
-                for rank, proc in enumerate(followers, start=1):
-                    node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
-                fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
-                summary = (
-                    f"tensor-parallel group of {size} ranks; decode path: batched forward on "
-                    f"every rank, up to {gen.max_batch_size} sequence(s) per step"
-                )
-                eng = engine
-                yield Stack(
-                    "tensor-parallel",
-                    _serving(node, fe, eng, loaded, size),
-                    loaded.name,
-                    summary,
-                    TpParts(loaded, eng, size),
-                    lambda: eng.fatal_reason or None,
-                )
-                stopping = True
-                if not engine.fatal.is_set():
-                    await compute.run(engine.stop_followers)
-        except TpGroupFailed:
-            startup_failed = engine is None
-            raise
-        finally:
+    try:
+        meeting = await _meet(spec, gen, size, listed, followers)
+        group, loaded = await _join(compute, followers, meeting, spec, size)
+        async with Node("tensor-parallel") as node:
+            engine = TpEngine(
+                loaded,
+                compute,
+                max_batch_size=gen.max_batch_size,
+                prefill_step_size=gen.prefill_step_size,
+                max_sequences=max(gen.parallel, 1),
+                group=group,
+                seal=StepSeal(meeting.step_key),
+            )
+            await engine.attach(node)
+            for rank, proc in enumerate(followers, start=1):
+                node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
+            fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
+            summary = (
+                f"tensor-parallel group of {size} ranks; decode path: batched forward on "
+                f"every rank, up to {gen.max_batch_size} sequence(s) per step"
+            )
+            eng = engine
+            yield Stack(
+                "tensor-parallel",
+                _serving(node, fe, eng, loaded, size),
+                loaded.name,
+                summary,
+                TpParts(loaded, eng, size),
+                lambda: eng.fatal_reason or None,
+            )
             stopping = True
-            # A group that never formed has nothing to wait for: its followers go at once.
-            await _reap(followers, patient=engine is not None)
-            # A failed group's compute thread may sit in a dead collective: do not join it.
-            if startup_failed or (engine is not None and engine.fatal.is_set()):
-                compute.abandon()
-            else:
-                compute.close()
+            if not engine.fatal.is_set():
+                await compute.run(engine.stop_followers)
+    except TpGroupFailed:
+        startup_failed = engine is None
+        raise
+    finally:
+        stopping = True
+        # A group that never formed has nothing to wait for: its followers go at once.
+        await _reap(followers, patient=engine is not None)
+        # A failed group's compute thread may sit in a dead collective: do not join it.
+        if startup_failed or (engine is not None and engine.fatal.is_set()):
+            compute.abandon()
+        else:
+            compute.close()
 
 
 async def _join(
     compute: ComputeThread,
     followers: list[asyncio.subprocess.Process],
-    hostfile: Path,
+    meeting: Meeting,
     spec: TensorParallelSpec,
     size: int,
 ) -> tuple[Any, LoadedModel]:
-    """Rank 0 joins the group and loads its shard, failing early when a follower exits."""
+    """Rank 0 forms the group and loads its shard, failing early when a follower exits."""
     group = await _while_ranks_live(
-        compute.run(init_group, 0, hostfile, spec.startup_timeout, spec.backend),
+        compute.run(init_group, 0, meeting.ring, meeting.backend, RING_BOUND),
         followers,
-        "join the group",
-        spec.startup_timeout,
+        lambda: "the ranks to form the group",
+        RING_BOUND + 5,  # the watchdog in init_group ends it first
     )
     if group.size() != size:
-        raise TpGroupFailed(f"the hostfile has {group.size()} ranks, --tp-size is {size}")
+        raise TpGroupFailed(f"the group has {group.size()} ranks, --tp-size is {size}")
     loaded = await _while_ranks_live(
         compute.run(load_sharded, spec.model, group),
         followers,
-        "load the shards",
+        lambda: "the ranks to load the shards",
         max(spec.startup_timeout, 120.0),
     )
     return group, loaded
@@ -243,10 +266,10 @@ PROGRESS_EVERY = 5.0  # seconds between "still waiting" lines
 
 
 async def _while_ranks_live(  # type: ignore[no-untyped-def]
-    work, followers: list[asyncio.subprocess.Process], what: str, timeout: float
+    work, followers: list[asyncio.subprocess.Process], what: Callable[[], str], timeout: float
 ):
     """Await ``work`` unless a follower exits first or it takes longer than ``timeout``;
-    say every few seconds what is being waited for."""
+    say every few seconds what is being waited for (``what()``)."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(work)
     exits = [asyncio.ensure_future(p.wait()) for p in followers]
@@ -266,19 +289,20 @@ async def _while_ranks_live(  # type: ignore[no-untyped-def]
             for rank, e in enumerate(exits, start=1):
                 if e in done:
                     raise TpGroupFailed(
-                        f"rank {rank} exited with status {e.result()} before the group could {what}"
+                        f"rank {rank} exited with status {e.result()} while waiting for {what()}"
                     )
             logger.info(
-                "tensor parallel: waiting for the ranks to {} ({:.0f}s of {:g}s)",
-                what,
+                "tensor parallel: waiting for {} ({:.0f}s of {:g}s)",
+                what(),
                 loop.time() - start,
                 timeout,
             )
         raise TpGroupFailed(
-            f"the ranks did not {what} within {timeout:g}s (--startup-timeout); "
-            "is every rank of the hostfile started?"
+            f"gave up waiting for {what()} after {timeout:g}s (--startup-timeout); "
+            "is every rank of the hostfile started, with the same cluster secret?"
         )
     finally:
+        task.cancel()
         for e in exits:
             e.cancel()
 

@@ -7,21 +7,17 @@ finds a tag wrong, or a step replayed or out of order, stops with that error (th
 fails loudly, as for a lost rank). The activations the collectives carry are not covered:
 only the control path is (docs/tensor-parallel.md).
 
-The key: ranks this process starts get a fresh random one in their environment
-(:data:`KEY_ENV`, removed as soon as read); ranks started by hand with ``--tp-hostfile``
-derive it from the cluster secret and the hostfile, the same on every rank.
+The key is fresh for every launch: rank 0 draws it and sends it to each rank inside the
+encrypted connection on which that rank proved the secret (:mod:`.rendezvous`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from pathlib import Path
 
 from mlxcel.errors import StepForged
 
-KEY_ENV = "MLXCEL_TP_STEP_KEY"
 TAG = 16
 
 
@@ -52,19 +48,3 @@ class StepSeal:
             )
         self._count += 1
         return payload
-
-
-def launch_key() -> bytes:
-    return os.urandom(32)
-
-
-def hostfile_key(secret: bytes, hostfile: Path) -> bytes:
-    """The key of ranks started by hand: the cluster secret bound to this group's hostfile."""
-    group = hashlib.sha256(Path(hostfile).read_bytes()).digest()
-    return hmac.new(secret, b"mlxcel-tp-step-1|" + group, hashlib.sha256).digest()
-
-
-def key_from_env() -> bytes | None:
-    """The key rank 0 gave this process, taken out of the environment (None: not given)."""
-    raw = os.environ.pop(KEY_ENV, None)
-    return bytes.fromhex(raw) if raw else None

@@ -31,6 +31,7 @@ LEN = struct.Struct("!H")
 class Channel(enum.IntEnum):
     TRANSPORT = 1
     ASSIGNMENT = 2
+    TENSOR_PARALLEL = 3  # ranks meeting rank 0 before MLX's group forms (mlxcel.tp)
 
 
 class Verdict(enum.IntEnum):

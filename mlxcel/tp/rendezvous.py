@@ -1,0 +1,204 @@
+"""Tensor-parallel ranks meet rank 0 over mlxcel's own handshake before MLX's group forms.
+
+MLX's ring and NCCL authenticate nothing: whoever connects to a rank's ring port first during
+start-up is taken for a rank. So no rank goes near MLX's group until it has met rank 0 on the
+cluster transport (channel ``TENSOR_PARALLEL``):
+
+1. rank 0 listens on its rendezvous address -- a loopback port for the ranks it starts
+   (which get a fresh launch secret in their environment), or its hostfile address for ranks
+   started by hand (which need the cluster secret);
+2. each rank dials it, proves the secret in the handshake, and sends a
+   :class:`~mlxcel.messages.TpJoin` naming its rank and ring listener; rank 0's
+   :class:`~mlxcel.tp.roll_call.RollCall` takes it or refuses it by name;
+3. once every rank has joined, rank 0 stops accepting and sends each a
+   :class:`~mlxcel.messages.TpRing`: the ring (so ports are learned only from rank 0, inside
+   the encrypted connection), the backend, and the launch's step key;
+4. then every rank forms MLX's group within :data:`RING_BOUND` seconds: all are known to be
+   up, so a group that does not form in that time was interfered with, and each rank says so
+   and stops instead of waiting out the start-up timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+from mlxcel.bus import Envelope, Node, Origin
+from mlxcel.error_codes import ErrorCode
+from mlxcel.errors import MlxcelError, SendFailed, TpGroupFailed
+from mlxcel.messages import Error, TpJoin, TpRing
+from mlxcel.net.listener import ClusterListener, Limits
+from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
+from mlxcel.net.pool import Backoff, ConnectionPool
+from mlxcel.net.secret import ClusterSecret
+from mlxcel.tp.roll_call import RollCall
+from mlxcel.wire.handshake import Channel, Identity
+
+RING_BOUND = 10.0  # seconds MLX's group may take to form once every rank has met rank 0
+ANSWER_BOUND = 5.0  # seconds to deliver a TpRing or a refusal to a joined rank
+LAUNCH_SECRET_ENV = "MLXCEL_TP_LAUNCH_SECRET"  # the rendezvous secret of ranks rank 0 starts
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (for a ring listener MLX binds a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def ring_address(host: str, port: int) -> str:
+    return Identity(host, port).address
+
+
+def launch_secret() -> ClusterSecret:
+    return ClusterSecret(os.urandom(32), "this launch")
+
+
+def secret_from_env() -> ClusterSecret | None:
+    """The launch secret rank 0 gave this process, taken out of the environment."""
+    raw = os.environ.pop(LAUNCH_SECRET_ENV, None)
+    return ClusterSecret(bytes.fromhex(raw), "rank 0 (environment)") if raw else None
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """What every rank knows once the roll is complete."""
+
+    ring: tuple[str, ...]
+    backend: str
+    step_key: bytes
+
+
+class Rendezvous:
+    """Rank 0's side: listen, take the roll, hand out the ring. ``async with`` it."""
+
+    def __init__(self, secret: ClusterSecret, listen: str, roll: RollCall) -> None:
+        self.secret = secret
+        self.host, self.port = split_hostport(listen)
+        self.roll = roll
+        self._node = Node("tp-rendezvous")
+        self._listener: ClusterListener | None = None
+        self._complete = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return ring_address(self.host, self.port)
+
+    async def __aenter__(self) -> Rendezvous:
+        node = await self._node.__aenter__()
+        n = self.roll.size
+        limits = Limits(max_connections=n + 4, max_pending=max(8, 2 * n), peer_timeout=None)
+        self._listener = ClusterListener(
+            node,
+            self.secret,
+            self.host,
+            self.port,
+            node_id="tp-rank-0",
+            channel=Channel.TENSOR_PARALLEL,
+            limits=limits,
+        )
+        self.port = await self._listener.start()
+        self._reply = ReplyEndpoint(self.address, self._listener)
+        self._listener.on_lost.append(self._lost)
+        node.bus.subscribe(TpJoin, self._on_join, origin=Origin.REMOTE, sync=True, maxsize=64)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._node.__aexit__(None, None, None)
+
+    def _lost(self, source: str) -> None:
+        if not self._complete.is_set():
+            self.roll.left(source)
+
+    def _on_join(self, env: Envelope[TpJoin]) -> None:
+        if self._complete.is_set():
+            return  # the ring went out: a late join is answered by the closed listener
+        why = self.roll.join(env.source, env.msg)
+        if why is not None:
+            assert self._listener is not None
+            self._listener.limiter.warn(
+                "diagnostic", f"tensor parallel: refused {env.source} joining: {why}"
+            )
+            self._node.spawn(self._answer(env.source, Error(ErrorCode.TP_JOIN_REFUSED, why)))
+            return
+        logger.info("tensor parallel: rank {} joined from {}", env.msg.rank, env.source)
+        if self.roll.complete:
+            self._complete.set()
+
+    async def _answer(self, dest: str, msg: Error | TpRing) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await self._reply.send(dest, msg, loop.time() + ANSWER_BOUND)
+        except SendFailed as exc:
+            logger.debug("tensor parallel: answer to {} lost: {}", dest, exc)
+
+    def waiting_for(self) -> str:
+        ranks = ", ".join(str(r) for r in self.roll.missing())
+        return f"rank(s) {ranks} to join rank 0 at {self.address}"
+
+    async def meet(self, own_ring: str | None, backend: str) -> Meeting:
+        """Wait for the full roll, then send every rank the ring; rank 0's own ring listener
+        is ``own_ring`` (None: a port free now on the rendezvous host). Accepting stops
+        first: once ranks dial MLX's ring, nothing of this listener may answer them."""
+        await self._complete.wait()
+        assert self._listener is not None
+        self._listener.stop_accepting()
+        own = own_ring or ring_address(self.host, free_port(self.host))
+        meeting = Meeting(self.roll.ring(own), backend, os.urandom(32))
+        ring = TpRing(meeting.ring, meeting.backend, meeting.step_key)
+        sends = [self._answer(src, ring) for src in self.roll.sources()]
+        await asyncio.gather(*sends)
+        return meeting
+
+
+async def attend(secret: ClusterSecret, rendezvous: str, join: TpJoin, timeout: float) -> Meeting:
+    """A rank other than 0: dial rank 0 (retrying until it listens), prove the secret, join,
+    and wait for the ring. Raises :class:`TpGroupFailed` saying why it cannot join."""
+    host, port = split_hostport(rendezvous)
+    own_host, own_port = split_hostport(join.ring)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with Node(f"tp-rank-{join.rank}") as node:
+        answer: asyncio.Future[TpRing | Error] = loop.create_future()
+
+        def on_answer(env: Envelope[Any]) -> None:
+            if env.source == ring_address(host, port) and not answer.done():
+                answer.set_result(env.msg)
+
+        node.bus.subscribe((TpRing, Error), on_answer, origin=Origin.REMOTE, sync=True)
+        pool = ConnectionPool(
+            node,
+            secret,
+            Identity(own_host, own_port, f"tp-rank-{join.rank}"),
+            channel=Channel.TENSOR_PARALLEL,
+            # Rank 0 may start after this rank: keep dialling until the start-up timeout.
+            backoff=Backoff(attempts=1 << 20, base_delay=0.2, max_delay=1.0),
+            bind_ip=own_host,  # the handshake binds the claimed host to the source IP
+            peer_timeout=None,
+        )
+        endpoint = TcpEndpoint(ring_address(own_host, own_port), pool)
+        try:
+            await endpoint.send(ring_address(host, port), join, deadline)
+            async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                got = await answer
+        except SendFailed as exc:
+            raise TpGroupFailed(
+                f"rank {join.rank} could not join rank 0: {exc.__cause__ or exc}"
+            ) from None
+        except TimeoutError:
+            raise TpGroupFailed(
+                f"rank {join.rank} joined rank 0 at {rendezvous} but the other ranks did not "
+                f"all join within {timeout:g}s (--startup-timeout)"
+            ) from None
+        except MlxcelError as exc:
+            raise TpGroupFailed(f"rank {join.rank}: {exc}") from None
+    if isinstance(got, Error):
+        raise TpGroupFailed(f"rank 0 at {rendezvous} refused rank {join.rank}: {got.message}")
+    if len(got.ring) < 2 or not 0 < join.rank < len(got.ring) or got.ring[join.rank] != join.ring:
+        raise TpGroupFailed(f"rank 0 at {rendezvous} sent a ring that does not hold this rank")
+    return Meeting(got.ring, got.backend, got.step_key)
