@@ -527,3 +527,42 @@ async def test_a_large_message_without_tensors_is_encoded_once(monkeypatch) -> N
         assert encoded == [entry, other]
         await until_true(lambda: len(got) == 2)
         assert got == [entry, other]
+
+
+def test_a_burst_of_large_messages_trims_the_heap_once_it_is_over() -> None:
+    """Freed memory goes back to the OS after a flood (it stayed at the peak's level): one
+    trim a quiet spell after large messages worth ENOUGH arrived, none for small ones."""
+    from mlxcel.net import heap
+
+    async def scenario() -> list[int]:
+        calls: list[int] = []
+        trimmer = heap.HeapTrimmer(lambda pad: calls.append(pad) or 1)
+        for _ in range(40):
+            trimmer.received(heap.LARGE - 1)  # small: never counted
+        assert trimmer.pending == 0
+        for _ in range(heap.ENOUGH // heap.LARGE - 1):
+            trimmer.received(heap.LARGE)
+        await asyncio.sleep(heap.QUIET * 1.5)
+        assert calls == []  # not enough yet
+        trimmer.received(heap.LARGE)  # enough: trims once the burst is over
+        await asyncio.sleep(heap.QUIET / 2)
+        trimmer.received(heap.LARGE)  # the burst goes on: the trim waits
+        await asyncio.sleep(heap.QUIET * 0.7)
+        assert calls == []
+        await asyncio.sleep(heap.QUIET)
+        assert trimmer.trims == 1 and trimmer.pending == 0
+        return calls
+
+    assert asyncio.run(scenario()) == [0]
+
+
+async def test_messages_received_over_a_connection_reach_the_heap_trimmer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mlxcel.net import heap
+
+    seen: list[int] = []
+    monkeypatch.setattr(heap.TRIMMER, "received", seen.append)
+    async with server() as srv, Node("client") as client:
+        conn = await client_pool(client, "127.0.0.2").get(SERVER_IP, srv.listener.port)
+        big = Tensor("uint8", (2 << 20,), bytes(2 << 20))
+        await conn.send(Activation("r1", 0, big, 0, SamplingParams(), 2))
+        await until_true(lambda: any(n > 2 << 20 for n in seen))

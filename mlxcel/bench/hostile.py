@@ -30,7 +30,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlxcel.bench.hostile_cluster import full_decode, post, restart_under_flood, slow_handoff
+from mlxcel.bench.hostile_cluster import (
+    full_decode,
+    message_flood,
+    post,
+    restart_under_flood,
+    slow_handoff,
+)
 from mlxcel.bench.netns import Hosts
 from mlxcel.bench.netns_nodes import HTTP_PORT, NodeProc, enter_netns
 
@@ -237,6 +243,7 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
         full = full_decode(model, Path(tmp))
         untold = restart_under_flood(model, Path(tmp), router_peers=False)
         told = restart_under_flood(model, Path(tmp), router_peers=True)
+        messages = message_flood(model, Path(tmp))
     if json_lines:
         print(json.dumps({"scenario": "big prompts", **asdict(big)}))
         print(json.dumps({"scenario": "http flood", **asdict(flood)}))
@@ -244,6 +251,7 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
         print(json.dumps({"scenario": "full decode", **asdict(full)}))
         for r in (untold, told):
             print(json.dumps({"scenario": "restart under flood", **asdict(r)}))
+        print(json.dumps({"scenario": "message flood", **asdict(messages)}))
         return 0
     print(f"hostile clients on network namespaces, model {model.name}")
     print(f"{big.prompts} concurrent prompts of {big.chars:,} characters: answered {big.statuses} "
@@ -263,4 +271,8 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
         how = "told the router (--router-peers)" if r.router_peers else "not told the router"
         print(f"decode-1 restarted under a {r.flood_s:g} s pending flood from {r.sources} "
               f"addresses, {how}: {back}")  # fmt: skip
+    m = messages
+    print(f"a member's {m.messages} messages of {m.mib} MiB over {m.connections} connections in "
+          f"{m.seconds:.1f} s: decode node resident {m.base_mib:.0f} MiB before, peak "
+          f"{m.peak_mib:.0f} MiB, kept +{m.kept_mib:.0f} MiB {m.settle_s:g} s after")  # fmt: skip
     return 0

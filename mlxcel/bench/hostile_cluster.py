@@ -10,7 +10,10 @@ member and a half-open flood, on network-namespace hosts (:mod:`mlxcel.bench.net
   they lapse) while clients send requests: how many succeeded, and what the others got;
 - ``restart under flood``: decode-1 restarts while an outsider with ``sources`` addresses
   holds every unfinished-handshake slot of its port: how long until the router has it back
-  in rotation (``router_peers``: the decode nodes were told the router's address).
+  in rotation (``router_peers``: the decode nodes were told the router's address);
+- ``message flood``: a member sends a decode node ``messages`` messages of ``mib`` MiB over
+  ``connections`` connections at once: the node's resident memory before, at the peak, and
+  ``settle_s`` seconds after the last one (``kept_mib``: what it did not give back).
 """
 
 from __future__ import annotations
@@ -278,3 +281,87 @@ def restart_under_flood(
                 out, _ = attacker.communicate(15)
     stats = json.loads(out) if out.strip() else {}
     return RestartUnderFlood(sources, flood_s, router_peers, back, stats)
+
+
+@dataclass
+class MessageFlood:
+    connections: int
+    messages: int
+    mib: int
+    seconds: float
+    base_mib: float
+    peak_mib: float
+    kept_mib: float  # resident memory settle_s after the flood, above the base
+    settle_s: float
+
+
+def message_flood(
+    model: Path, tmp: Path, connections: int = 16, per: int = 10, mib: int = 32
+) -> MessageFlood:
+    """A decode node on host 1; a member on host 0 floods it with large activations (which a
+    decode node refuses: only their memory matters here)."""
+    import asyncio
+
+    from mlxcel.bench.netns_nodes import CLUSTER_PORT
+    from mlxcel.messages import Activation, SamplingParams, Tensor
+    from mlxcel.net.pool import ConnectionPool
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.wire.handshake import Identity
+
+    secret = keygen(tmp / "cluster.secret")
+    settle = 5.0
+    with Hosts(2, net=86) as hosts:
+        target = (hosts.ip(1), CLUSTER_PORT)
+        args = ["-m", str(model), "--cluster-secret-file", str(secret), "--node-role", "decode",
+                "--serving-bind", f"{target[0]}:{target[1]}"]  # fmt: skip
+        node = NodeProc(hosts, 1, args, "mlxcel decode node")
+        try:
+            time.sleep(1.0)
+            base = _rss(node.p.pid)
+            data = bytes(mib << 20)
+            msg = Activation(
+                "flood", 0, Tensor("uint8", (len(data),), data), 0, SamplingParams(), 1
+            )
+
+            async def member() -> None:
+                from mlxcel.bus import Node
+
+                sec = load_cluster_secret(secret)
+                assert sec is not None
+                async with Node("member") as n:
+
+                    async def one(k: int) -> None:
+                        me = Identity(hosts.ip(0), 40000 + k, "member")
+                        pool = ConnectionPool(n, sec, me, bind_ip=hosts.ip(0))
+                        for _ in range(per):
+                            deadline = asyncio.get_running_loop().time() + 60
+                            conn = await pool.get(*target, deadline)
+                            await conn.send(msg, deadline)
+
+                    await asyncio.gather(*(one(k) for k in range(connections)))
+
+            def flood() -> None:
+                enter_netns(hosts.names[0])
+                asyncio.run(member())
+
+            t0 = time.monotonic()
+            t = threading.Thread(target=flood)
+            t.start()
+            t.join()
+            took = time.monotonic() - t0
+            time.sleep(settle)
+            status = Path(f"/proc/{node.p.pid}/status").read_text()
+            peak = _status_mib(status, "VmHWM")
+            kept = _rss(node.p.pid) - base
+        finally:
+            node.stop()
+    return MessageFlood(connections, connections * per, mib, took, base, peak, kept, settle)
+
+
+def _status_mib(status: str, key: str) -> float:
+    line = next(ln for ln in status.splitlines() if ln.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def _rss(pid: int) -> float:
+    return _status_mib(Path(f"/proc/{pid}/status").read_text(), "VmRSS")

@@ -38,6 +38,7 @@ from mlxcel.errors import (
     QueueFull,
 )
 from mlxcel.messages import Message, Undecodable
+from mlxcel.net.heap import TRIMMER
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.read_deadline import ReadDeadline
 from mlxcel.wire.codec import decode, encode, salvage, tensor_bytes
@@ -375,6 +376,7 @@ class SecureConnection:
             while True:
                 event = await self._next_event(self.idle_timeout)
                 if isinstance(event, MessageReceived):
+                    TRIMMER.received(len(event.payload))
                     return event.payload
                 if isinstance(event, FrameDropped):
                     # Authenticated, but not a kind this build handles here.
