@@ -275,14 +275,20 @@ class CoreAdapter:
                 items.clear()
 
     def _written(self, sends: list[Send]) -> None:
-        """Tell the core of the written sends it asked to hear of -- on the next turn, so the
-        effects it answers with never jump ahead of the rest of the batch being carried out."""
+        """Tell the core of the written sends it asked to hear of -- on a later turn, so the
+        effects it answers with never jump ahead of the rest of the batch being carried out;
+        over a network, once they have mostly left the host (``Endpoint.settled``)."""
         told = [s for s in sends if s.notify]
         hook = getattr(self.core, "sent", None)
         if told and hook is not None:
-            self.loop.call_soon(self._tell_written, hook, told)
+            self.node.spawn(self._tell_written(hook, told), name=f"{self.name}.written")
 
-    def _tell_written(self, hook: Callable[[Send, float], list[Effect]], told: list[Send]) -> None:
+    async def _tell_written(
+        self, hook: Callable[[Send, float], list[Effect]], told: list[Send]
+    ) -> None:
+        settled = getattr(self.endpoint, "settled", None)
+        if settled is not None:
+            await settled(told[0].dest)
         if not self.running:
             return
         now = self.now()

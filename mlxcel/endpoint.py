@@ -25,6 +25,11 @@ class Endpoint(Protocol):
     # room) and returns False, having sent nothing, otherwise. An endpoint without it (or
     # with it set to None) gets every message through ``send``.
 
+    # Optional: ``async settled(dest)`` returns once what was written to ``dest`` has
+    # mostly left this host (the kernel's send queue is within the link's share). The
+    # adapter awaits it before telling a core that a ``notify`` send was written, so a bulk
+    # transfer paced by those notices never fills the queue that other messages wait in.
+
     def reset(self, dest: str) -> None:
         """Drop every connection with ``dest`` (both directions); the next send redials."""
 

@@ -281,7 +281,7 @@ class PrefillCore:
         if self.config.part_bytes:
             return self.config.part_bytes
         low, high = PART_BYTES
-        return min(high, max(low, nbytes // 64))
+        return min(high, max(low, nbytes // 256))
 
     def _write_parts(self, x: Lease, now: float) -> list[Effect]:
         """Hand the outbox the next parts, up to PART_WINDOW of them unwritten: parts of other

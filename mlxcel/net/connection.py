@@ -38,6 +38,7 @@ from mlxcel.errors import (
     QueueFull,
 )
 from mlxcel.messages import Message, Undecodable
+from mlxcel.net import send_queue
 from mlxcel.net.heap import TRIMMER
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.read_deadline import ReadDeadline
@@ -223,6 +224,14 @@ class SecureConnection:
                 self._gone = True
                 self.close()
             raise
+
+    async def settled(self) -> None:
+        """Return once what this side wrote has mostly left the host: its unsent and
+        unacknowledged bytes are within the link's share (:mod:`.send_queue`). A bulk sender
+        awaits this before its next piece, so other messages never queue behind much."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            await send_queue.settled(sock, lambda: self.closed)
 
     def send_now(self, msg: Message) -> bool:
         """Write ``msg`` at once if that needs no waiting: a message of one record onto an idle

@@ -126,6 +126,16 @@ class TcpEndpoint:
                 f"send to {dest} failed: {exc}", unsent=conn.frames_out == written
             ) from exc
 
+    async def settled(self, dest: str) -> None:
+        """Return once what was written to ``dest`` has mostly left this host (see
+        :meth:`SecureConnection.settled`); at once when there is no connection to it."""
+        try:
+            conn = self.pool.ready(*_destination(dest))
+        except SendFailed:
+            return
+        if conn is not None:
+            await conn.settled()
+
     def reset(self, dest: str) -> None:
         """Close our connection to ``dest`` and its connection to us: a wedged stream (a
         damaged length, a stalled peer) is replaced instead of failing every later request."""
