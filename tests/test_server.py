@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -546,3 +547,48 @@ def test_bodies_trickled_slowly_hold_no_share_of_the_body_budget(server: ServerP
     finally:
         for s in slow:
             s.close()
+
+
+async def test_a_write_to_a_client_that_left_is_a_499_not_an_unhandled_error(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client is gone between two writes of a stream (aiohttp raises a
+    ConnectionResetError from the write): counted as 499, no ERROR line, no traceback. It was
+    logged as "unhandled error" and counted as a 500."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from loguru import logger
+    from prometheus_client import generate_latest
+
+    from mlxcel.assembly import LocalSpec, assemble
+    from mlxcel.server.metrics import Metrics
+    from mlxcel.server.openai_api import build_app
+
+    writes = [0]
+    real = web.StreamResponse.write
+
+    async def leaving(self: web.StreamResponse, data: bytes) -> None:
+        writes[0] += 1
+        if writes[0] > 1:  # the first chunk went out; then the client reset the connection
+            raise ConnectionResetError("Cannot write to closing transport")
+        await real(self, data)
+
+    errors: list[str] = []
+    sink = logger.add(lambda m: errors.append(str(m)), level="ERROR")
+    monkeypatch.setattr(web.StreamResponse, "write", leaving)
+    metrics = Metrics()
+    try:
+        async with assemble(LocalSpec(tiny)) as stack:
+            app = build_app(stack.frontend, metrics, model_name=MODEL, default_max_tokens=8,
+                            max_body_bytes=1 << 20)  # fmt: skip
+            async with TestClient(TestServer(app)) as http:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
+                r = await http.post("/v1/completions", json=body)
+                with contextlib.suppress(aiohttp.ClientError):  # not a timeout: it hung
+                    await asyncio.wait_for(r.read(), 20)
+    finally:
+        logger.remove(sink)
+    text = generate_latest(metrics.registry).decode()
+    assert 'endpoint="/v1/completions",status="499"} 1.0' in text
+    assert 'status="500"' not in text
+    assert errors == []
