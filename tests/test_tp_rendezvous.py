@@ -13,6 +13,7 @@ from mlxcel.messages import TpJoin
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.tp.rendezvous import Rendezvous, attend, free_port, ring_address
 from mlxcel.tp.roll_call import RollCall
+from tests.conftest import until_true
 
 M, H, V = "m" * 64, "h" * 64, "1.0"
 A, B, C = "127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.2:5003"
@@ -134,3 +135,64 @@ def test_the_launch_secret_leaves_the_environment_once_read(
     monkeypatch.setenv(LAUNCH_SECRET_ENV, os.urandom(32).hex())
     assert secret_from_env() is not None and LAUNCH_SECRET_ENV not in os.environ
     assert secret_from_env() is None
+
+
+async def test_a_second_copy_of_a_rank_is_refused_and_its_exit_forgets_nothing() -> None:
+    """Two processes started as rank 1 (one hostfile, so one ring address): the second is
+    refused, and when it goes the first is still in the roll."""
+    roll = RollCall(3, M, H, V)
+    ring = _ring()
+    async with Rendezvous(_secret(), "127.0.0.1:0", roll) as rv:
+        meet = asyncio.ensure_future(rv.meet(None, "ring"))
+        first = asyncio.ensure_future(attend(_secret(), rv.address, join(1, ring), 10))
+        await until_true(lambda: roll.missing() == [2])
+        with pytest.raises(TpGroupFailed, match="refused rank 1: rank 1 has already joined"):
+            await attend(_secret(), rv.address, join(1, ring), 10)
+        await asyncio.sleep(0.2)  # the refused copy's connection is gone by now
+        assert roll.missing() == [2]
+        await attend(_secret(), rv.address, join(2, _ring()), 10)
+        assert (await first) == (await meet)
+
+
+async def test_a_rank_whose_rank_0_went_away_joins_the_next_one() -> None:
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    roll = RollCall(3, M, H, V)  # rank 2 never comes: this rank 0 gives up
+    async with Rendezvous(_secret(), address, roll):
+        waiting = asyncio.ensure_future(attend(_secret(), address, join(1, _ring()), 20))
+        await until_true(lambda: roll.missing() == [2])
+    async with Rendezvous(_secret(), address, RollCall(2, M, H, V)) as again:
+        lead = await again.meet(address, "ring")
+    assert await waiting == lead
+
+
+def test_a_stranger_in_mlx_s_group_is_found_before_any_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each rank contributes its tag under the launch's key to one all-sum; a process that
+    took a rank's place in MLX's ring cannot make that rank's tag."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcel.tp.group import member_tag, prove_members
+
+    key = os.urandom(32)
+
+    class Group:
+        def size(self) -> int:
+            return 3
+
+    def summed(stranger: int | None):  # type: ignore[no-untyped-def]
+        def all_sum(x, group=None):  # type: ignore[no-untyped-def]
+            total = np.array(x).copy()
+            for r in (1, 2):  # what the other ranks added
+                if r != stranger:
+                    total[r] = np.frombuffer(member_tag(key, r, 3), dtype=np.uint8)
+                else:
+                    total[r] = np.frombuffer(os.urandom(16), dtype=np.uint8)
+            return mx.array(total)
+
+        return all_sum
+
+    monkeypatch.setattr(mx.distributed, "all_sum", summed(None))
+    prove_members(Group(), 0, key)  # everyone holds the key
+    monkeypatch.setattr(mx.distributed, "all_sum", summed(2))
+    with pytest.raises(TpGroupFailed, match=r"rank\(s\) 2 of MLX's group do not hold"):
+        prove_members(Group(), 0, key)

@@ -128,10 +128,9 @@ async def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
         return False
     from mlxcel.errors import ConfigError, MlxcelError
     from mlxcel.tp.follower import join_message, run_follower
-    from mlxcel.tp.group import cleartext_hosts, ring_of
+    from mlxcel.tp.group import cleartext_hosts, ring_digest, ring_of
     from mlxcel.tp.launch import HOSTFILE_NEEDS_SECRET
     from mlxcel.tp.rendezvous import attend
-    from mlxcel.tp.roll_call import file_digest
 
     rank, ring = _tp_rank(s), ring_of(s.tp_hostfile)
     if not 0 < rank < len(ring):
@@ -144,7 +143,7 @@ async def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
     secret = _tp_secret(s)
     if secret is None:
         raise ConfigError("--tp-hostfile", HOSTFILE_NEEDS_SECRET)
-    join = join_message(path, rank, ring[rank], file_digest(s.tp_hostfile))
+    join = join_message(path, rank, ring[rank], ring_digest(ring))
     meeting = await attend(secret, ring[0], join, s.startup_timeout)  # TpGroupFailed: one line
     # From here this process only follows rank 0's steps: nothing else runs on its loop.
     code = run_follower(path, rank, meeting, getattr(s, "max_batch_size", 1), s.prefill_step_size)

@@ -45,7 +45,7 @@ def run_follower(
     until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlxcel.errors import StepForged
+    from mlxcel.errors import StepForged, TpGroupFailed
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
     from mlxcel.tp.rendezvous import RING_BOUND
@@ -53,7 +53,7 @@ def run_follower(
 
     seal = StepSeal(meeting.step_key)
     try:
-        group = init_group(rank, meeting.ring, meeting.backend, RING_BOUND)
+        group = init_group(rank, meeting.ring, meeting.backend, RING_BOUND, meeting.step_key)
         loaded = load_sharded(model, group)
         gen = BatchGenerator(
             loaded.model,
@@ -78,7 +78,7 @@ def run_follower(
                     logits_processors=[logits_processors(i.sampling) for i in step.inserts],
                 )
             gen.next()
-    except StepForged as exc:
+    except (StepForged, TpGroupFailed) as exc:
         logger.error("tp rank {}: {}; leaving the group", rank, exc)
         return 1
     except RuntimeError as exc:

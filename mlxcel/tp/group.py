@@ -9,13 +9,15 @@ runs the identical batched forward pass.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxcel.errors import ConfigError
+from mlxcel.errors import ConfigError, TpGroupFailed
 from mlxcel.messages import TpStep
 from mlxcel.runtime.families import TP_FAMILIES, adapter_for, family_of
 from mlxcel.tp.step_seal import StepSeal
@@ -81,9 +83,9 @@ os.kill(pid, signal.SIGKILL)
 
 # Why a group whose ranks all met rank 0 would not form (the watchdog's last line).
 RING_HINT = (
-    "every rank had met rank 0, so it should form at once: another process may have "
-    "connected to a ring port first (on this host, or anyone on the ranks' network); "
-    "start the group again"
+    "every rank had met rank 0, so it should form at once: a rank stopped, or another "
+    "process connected to a ring port first (on this host, or anyone on the ranks' "
+    "network); start the group again"
 )
 
 
@@ -115,8 +117,12 @@ def read_hostfile(path: Path) -> list[list[str]]:
 
 
 def ring_of(path: Path) -> list[str]:
-    """Each rank's ring address from a hostfile. MLX lets a rank list several (one
-    connection each); a rank here meets rank 0 and forms the ring at exactly one."""
+    """Each rank's ring address from a hostfile: one IPv4 ``A.B.C.D:PORT`` per rank (what
+    MLX's ring can parse; a rank proves its host by the address it connects from). MLX lets a
+    rank list several addresses (one connection each); here a rank meets rank 0 and forms the
+    ring at exactly one."""
+    import ipaddress
+
     ranks = read_hostfile(path)
     several = [i for i, r in enumerate(ranks) if len(r) != 1]
     if several:
@@ -127,7 +133,25 @@ def ring_of(path: Path) -> list[str]:
         )
     if len(ranks) < 2:
         raise ConfigError("--tp-hostfile", f"{path} lists {len(ranks)} rank; a group needs two")
+    for i, (address,) in enumerate(ranks):
+        host, _, port = address.rpartition(":")
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(
+                "--tp-hostfile",
+                f"rank {i}'s address {address!r} is not an IPv4 address and port: MLX's ring "
+                "takes IPv4 addresses only (no host names, no IPv6)",
+            ) from None
+        if not 0 < int(port) < 65536:
+            raise ConfigError("--tp-hostfile", f"rank {i}'s port in {address!r} is out of range")
     return [r[0] for r in ranks]
+
+
+def ring_digest(ring: Sequence[str]) -> str:
+    """What ranks started by hand compare to know they were given one hostfile (its ranks,
+    not its bytes: spacing does not matter)."""
+    return hashlib.sha256(json.dumps(list(ring)).encode()).hexdigest()
 
 
 def cleartext_hosts(ranks: list[list[str]], allowed: bool) -> str | None:
@@ -180,9 +204,10 @@ def pick_backend(want: str = "auto") -> str:
     return want if want != "auto" else ("nccl" if mx.cuda.is_available() else "ring")
 
 
-def init_group(rank: int, ring: Sequence[str], backend: str, timeout: float) -> Any:
-    """Form MLX's group over ``ring`` (one HOST:PORT per rank, as rank 0 sent it). Every rank
-    calls this once every rank has met rank 0 (:mod:`.rendezvous`); it blocks until all are
+def init_group(rank: int, ring: Sequence[str], backend: str, timeout: float, key: bytes) -> Any:
+    """Form MLX's group over ``ring`` (one HOST:PORT per rank, as rank 0 sent it) and check
+    that every member holds this launch's ``key`` (:func:`prove_members`). Every rank calls
+    this once every rank has met rank 0 (:mod:`.rendezvous`); it blocks until all are
     connected, or kills this process after ``timeout`` seconds with one line saying so.
     Under NCCL, rank 0's ring address is the rendezvous (``NCCL_HOST_IP:NCCL_PORT``)."""
     import shutil
@@ -212,12 +237,47 @@ def init_group(rank: int, ring: Sequence[str], backend: str, timeout: float) -> 
         stdin=subprocess.PIPE,
     )
     try:
-        return mx.distributed.init(backend=backend, strict=True)
+        group = mx.distributed.init(backend=backend, strict=True)
+        prove_members(group, rank, key)
+        return group
+    except RuntimeError as exc:  # MLX's own: a peer closed its ring connection
+        raise TpGroupFailed(f"MLX's {backend} group did not form ({peers}): {exc}") from None
     finally:
         assert dog.stdin is not None
         dog.stdin.close()
         dog.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def member_tag(key: bytes, rank: int, size: int) -> bytes:
+    return hmac.new(key, b"mlxcel-tp-member|%d|%d" % (rank, size), hashlib.sha256).digest()[:16]
+
+
+def prove_members(group: Any, rank: int, key: bytes) -> None:
+    """Every rank shows the others it holds this launch's key, over MLX's group itself: one
+    all-sum of a tag per rank. MLX's connections authenticate nothing, so a process that won
+    a ring port before a rank did would otherwise take its place -- and see every step, so
+    every prompt, from then on. It cannot make that rank's tag: every rank then refuses the
+    group before any step crosses it."""
+    import mlx.core as mx
+    import numpy as np
+
+    n = group.size()
+    mine = np.zeros((n, 16), dtype=np.int32)  # int32: the sum of one tag and zeros stays exact
+    mine[rank] = np.frombuffer(member_tag(key, rank, n), dtype=np.uint8)
+    got = np.array(mx.distributed.all_sum(mx.array(mine), group=group))
+    bad = [
+        r
+        for r in range(n)
+        if not np.array_equal(got[r], np.frombuffer(member_tag(key, r, n), dtype=np.uint8))
+    ]
+    if bad:
+        raise TpGroupFailed(
+            f"rank(s) {', '.join(map(str, bad))} of MLX's group do not hold this launch's key: "
+            "another process took their place in the ring (its connections authenticate "
+            "nothing); no step was sent. Start the group again, and keep the ranks' ports "
+            "out of others' reach"
+        )
 
 
 def broadcast_step(group: Any, step: TpStep | None, seal: StepSeal) -> TpStep:

@@ -40,6 +40,7 @@ from mlxcel.tp.group import (
     init_group,
     load_sharded,
     pick_backend,
+    ring_digest,
     ring_of,
 )
 from mlxcel.tp.rendezvous import (
@@ -49,7 +50,7 @@ from mlxcel.tp.rendezvous import (
     Rendezvous,
     launch_secret,
 )
-from mlxcel.tp.roll_call import RollCall, file_digest, model_digest
+from mlxcel.tp.roll_call import RollCall, model_digest
 from mlxcel.tp.step_seal import StepSeal
 
 
@@ -140,7 +141,7 @@ async def _meet(
     if listed is None:
         secret, listen, digest = launch_secret(), "127.0.0.1:0", ""
     else:
-        secret, listen, digest = spec.secret, listed[0], file_digest(spec.hostfile)
+        secret, listen, digest = spec.secret, listed[0], ring_digest(listed)
     roll = RollCall(size, model_digest(spec.model), digest, __version__)
     async with Rendezvous(secret, listen, roll) as rv:
         if listed is None:
@@ -237,7 +238,7 @@ async def _join(
 ) -> tuple[Any, LoadedModel]:
     """Rank 0 forms the group and loads its shard, failing early when a follower exits."""
     group = await _while_ranks_live(
-        compute.run(init_group, 0, meeting.ring, meeting.backend, RING_BOUND),
+        compute.run(init_group, 0, meeting.ring, meeting.backend, RING_BOUND, meeting.step_key),
         followers,
         lambda: "the ranks to form the group",
         RING_BOUND + 5,  # the watchdog in init_group ends it first

@@ -13,9 +13,10 @@ cluster transport (channel ``TENSOR_PARALLEL``):
 3. once every rank has joined, rank 0 stops accepting and sends each a
    :class:`~mlxcel.messages.TpRing`: the ring (so ports are learned only from rank 0, inside
    the encrypted connection), the backend, and the launch's step key;
-4. then every rank forms MLX's group within :data:`RING_BOUND` seconds: all are known to be
-   up, so a group that does not form in that time was interfered with, and each rank says so
-   and stops instead of waiting out the start-up timeout.
+4. then every rank forms MLX's group within :data:`RING_BOUND` seconds and proves it holds
+   the step key over the group itself (:func:`~mlxcel.tp.group.prove_members`): all are known
+   to be up, so a group that does not form in that time, or holds a stranger, was interfered
+   with, and each rank says so and stops instead of waiting out the start-up timeout.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from loguru import logger
 
 from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.error_codes import ErrorCode
-from mlxcel.errors import MlxcelError, SendFailed, TpGroupFailed
+from mlxcel.errors import SendFailed, TpGroupFailed
 from mlxcel.messages import Error, TpJoin, TpRing
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
@@ -39,7 +40,9 @@ from mlxcel.net.secret import ClusterSecret
 from mlxcel.tp.roll_call import RollCall
 from mlxcel.wire.handshake import Channel, Identity
 
-RING_BOUND = 10.0  # seconds MLX's group may take to form once every rank has met rank 0
+# Seconds MLX's group may take to form once every rank has met rank 0 (its connects back off
+# 1, 2, 4 s while a slow rank 0 is not listening yet).
+RING_BOUND = 20.0
 ANSWER_BOUND = 5.0  # seconds to deliver a TpRing or a refusal to a joined rank
 LAUNCH_SECRET_ENV = "MLXCEL_TP_LAUNCH_SECRET"  # the rendezvous secret of ranks rank 0 starts
 
@@ -156,49 +159,76 @@ class Rendezvous:
         return meeting
 
 
+PROGRESS_EVERY = 5.0  # seconds between a waiting rank's "still waiting" lines
+
+
 async def attend(secret: ClusterSecret, rendezvous: str, join: TpJoin, timeout: float) -> Meeting:
     """A rank other than 0: dial rank 0 (retrying until it listens), prove the secret, join,
-    and wait for the ring. Raises :class:`TpGroupFailed` saying why it cannot join."""
-    host, port = split_hostport(rendezvous)
-    own_host, own_port = split_hostport(join.ring)
+    and wait for the ring -- joining again if rank 0 goes away meanwhile (a restarted one
+    takes the roll afresh). Raises :class:`TpGroupFailed` saying why it cannot join."""
+    own_host, _ = split_hostport(join.ring)
+    rank0 = ring_address(*split_hostport(rendezvous))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     async with Node(f"tp-rank-{join.rank}") as node:
-        answer: asyncio.Future[TpRing | Error] = loop.create_future()
+        answers: asyncio.Queue[TpRing | Error | None] = asyncio.Queue()
 
         def on_answer(env: Envelope[Any]) -> None:
-            if env.source == ring_address(host, port) and not answer.done():
-                answer.set_result(env.msg)
+            if env.source == rank0:
+                answers.put_nowait(env.msg)
 
         node.bus.subscribe((TpRing, Error), on_answer, origin=Origin.REMOTE, sync=True)
         pool = ConnectionPool(
             node,
             secret,
-            Identity(own_host, own_port, f"tp-rank-{join.rank}"),
+            # A port of this process's own, so two copies of one rank are two peers to rank 0.
+            Identity(own_host, free_port(own_host), f"tp-rank-{join.rank}"),
             channel=Channel.TENSOR_PARALLEL,
             # Rank 0 may start after this rank: keep dialling until the start-up timeout.
             backoff=Backoff(attempts=1 << 20, base_delay=0.2, max_delay=1.0),
             bind_ip=own_host,  # the handshake binds the claimed host to the source IP
             peer_timeout=None,
         )
-        endpoint = TcpEndpoint(ring_address(own_host, own_port), pool)
-        try:
-            await endpoint.send(ring_address(host, port), join, deadline)
-            async with asyncio.timeout(max(0.0, deadline - loop.time())):
-                got = await answer
-        except SendFailed as exc:
-            raise TpGroupFailed(
-                f"rank {join.rank} could not join rank 0: {exc.__cause__ or exc}"
-            ) from None
-        except TimeoutError:
-            raise TpGroupFailed(
-                f"rank {join.rank} joined rank 0 at {rendezvous} but the other ranks did not "
-                f"all join within {timeout:g}s (--startup-timeout)"
-            ) from None
-        except MlxcelError as exc:
-            raise TpGroupFailed(f"rank {join.rank}: {exc}") from None
+        endpoint = TcpEndpoint(rank0, pool)
+        endpoint.on_peer_lost(lambda who: answers.put_nowait(None) if who == rank0 else None)
+        got = await _join_until(endpoint, rank0, join, answers, deadline, timeout)
     if isinstance(got, Error):
         raise TpGroupFailed(f"rank 0 at {rendezvous} refused rank {join.rank}: {got.message}")
     if len(got.ring) < 2 or not 0 < join.rank < len(got.ring) or got.ring[join.rank] != join.ring:
         raise TpGroupFailed(f"rank 0 at {rendezvous} sent a ring that does not hold this rank")
     return Meeting(got.ring, got.backend, got.step_key)
+
+
+async def _join_until(
+    endpoint: TcpEndpoint,
+    rank0: str,
+    join: TpJoin,
+    answers: asyncio.Queue[TpRing | Error | None],
+    deadline: float,
+    timeout: float,
+) -> TpRing | Error:
+    loop = asyncio.get_running_loop()
+    me = f"tp rank {join.rank}"
+    while True:
+        logger.info("{}: joining rank 0 at {}", me, rank0)
+        try:
+            await endpoint.send(rank0, join, deadline)
+        except SendFailed as exc:
+            why = exc.__cause__ or exc
+            raise TpGroupFailed(f"rank {join.rank} could not join rank 0: {why}") from None
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TpGroupFailed(
+                    f"rank {join.rank} joined rank 0 at {rank0}, which did not send the ring "
+                    f"within {timeout:g}s (--startup-timeout): are all its ranks started?"
+                )
+            try:
+                got = await asyncio.wait_for(answers.get(), min(PROGRESS_EVERY, left))
+            except TimeoutError:
+                logger.info("{}: joined; rank 0 waits for the other ranks", me)
+                continue
+            if got is not None:
+                return got
+            logger.warning("{}: rank 0 at {} went away before sending the ring", me, rank0)
+            break  # dial again: a restarted rank 0 takes the roll afresh

@@ -23,10 +23,6 @@ def model_digest(model: Path) -> str:
     return hashlib.sha256((Path(model) / "config.json").read_bytes()).hexdigest()
 
 
-def file_digest(path: Path | None) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path is not None else ""
-
-
 def host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
