@@ -196,3 +196,10 @@ def test_a_stranger_in_mlx_s_group_is_found_before_any_step(monkeypatch) -> None
     monkeypatch.setattr(mx.distributed, "all_sum", summed(2))
     with pytest.raises(TpGroupFailed, match=r"rank\(s\) 2 of MLX's group do not hold"):
         prove_members(Group(), 0, key)
+
+
+async def test_a_second_rank_0_on_the_same_address_says_so() -> None:
+    async with Rendezvous(_secret(), "127.0.0.1:0", RollCall(2, M, H, V)) as rv:
+        with pytest.raises(TpGroupFailed, match="is another rank 0 of this hostfile running"):
+            async with Rendezvous(_secret(), rv.address, RollCall(2, M, H, V)):
+                pass

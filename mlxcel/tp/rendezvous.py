@@ -31,7 +31,7 @@ from loguru import logger
 
 from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.error_codes import ErrorCode
-from mlxcel.errors import SendFailed, TpGroupFailed
+from mlxcel.errors import ListenError, SendFailed, TpGroupFailed
 from mlxcel.messages import Error, TpJoin, TpRing
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
@@ -105,7 +105,14 @@ class Rendezvous:
             channel=Channel.TENSOR_PARALLEL,
             limits=limits,
         )
-        self.port = await self._listener.start()
+        try:
+            self.port = await self._listener.start()
+        except ListenError as exc:
+            await self._node.__aexit__(None, None, None)
+            raise TpGroupFailed(
+                f"rank 0 cannot listen where the ranks meet it: {exc} (is another rank 0 of "
+                "this hostfile running?)"
+            ) from None
         self._reply = ReplyEndpoint(self.address, self._listener)
         self._listener.on_lost.append(self._lost)
         node.bus.subscribe(TpJoin, self._on_join, origin=Origin.REMOTE, sync=True, maxsize=64)
