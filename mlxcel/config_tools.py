@@ -327,6 +327,11 @@ class BenchPipelineRunSettings(BenchPipelineSettings):
     reference: bool = Field(
         True, description="time plain mlx-lm's loop and two-halves split (the reference rows)"
     )
+    pin: bool = Field(
+        False,
+        description="one device against two on a CPU host: the one-process rows pinned to one "
+        "core, each stage process of remote-2 to a core of its own, BLAS at one thread (Linux)",
+    )
 
     @field_validator("streams")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -768,7 +769,7 @@ async def test_decode_overhead_is_step_time_minus_the_stages_compute(tiny: Path)
 def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "mlxcel", "bench", "pipeline", "--json", "-m", str(tiny)]
-        + ["--tokens", "8", "--streams", "1,3"],
+        + ["--tokens", "8", "--streams", "1,3", "--pin"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -793,6 +794,11 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
     assert rows[("inproc-2", 1)]["stages"][0]["copy_ms"] == 0
     assert rows[("remote-2", 1)]["stages"][0]["copy_ms"] > 0
     assert rows[("remote-2", 1)]["wire_bytes_per_token"] > 0
+    # --pin: one device against two -- every one-process row on one core, each stage of
+    # remote-2 on a core of its own.
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    assert rows[("single", 3)]["cores"] == rows[("inproc-2", 3)]["cores"] == [[first]]
+    assert rows[("remote-2", 3)]["cores"] == [[first], [second]]
 
 
 async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -> None:

@@ -16,6 +16,10 @@ over the measured steps and divided by their number: framing, encryption, the so
 reactors and the hand-offs to and from the compute threads -- never negative, because the
 compute happens inside the step. ``wire_bytes_per_token`` (one stream, remote) counts every byte the coordinator and both stages wrote to cluster
 connections per additional decoded token.
+
+``--pin`` compares one device with two on a CPU host (:mod:`mlxcel.bench.pinning`): the
+one-process rows run pinned to one core, each stage process of ``remote-2`` to a core of its
+own; every row says where it ran (``cores``, read back from the kernel).
 """
 
 from __future__ import annotations
@@ -138,16 +142,17 @@ async def run_bench(
     micro_batch_size: int | None = None,
     repeats: int = 2,
     reference: bool = True,
+    pin: bool = False,
 ) -> int:
-    """Every mode at every stream count in one run, with plain mlx-lm's split as reference."""
-    import time
+    """Every mode at every stream count in one run, with plain mlx-lm's split as reference.
+    ``pin``: one device against two (:mod:`mlxcel.bench.pinning`): every one-process row on
+    one core, each stage process of ``remote-2`` on a core of its own, the coordinator free."""
+    import os
+    from contextlib import AbstractContextManager, nullcontext
 
-    from mlxcel.assembly import Generation, LocalSpec, PipelineSpec, assemble
-    from mlxcel.runtime.blas import blas_name
-    from mlxcel.runtime.compute import ComputeThread
+    from mlxcel.bench.pinning import pinned, two_cores
 
     counts = sorted(set(streams or [1, 8]))
-    most = max(counts)
     rows: list[dict[str, Any]] = []
 
     async def rate(fe: Frontend, n: int) -> float:
@@ -158,9 +163,35 @@ async def run_bench(
         await aggregate_rate(fe, 8, n)
         return await aggregate_rate(fe, tokens, n)
 
+    cores = two_cores() if pin else None
+    if cores is not None:
+        os.environ["MLXCEL_BLAS_THREADS"] = "1"  # the stage processes' BLAS: one thread each
+
+    def one_device() -> AbstractContextManager[None]:
+        return pinned({cores[0]}) if cores is not None else nullcontext()
+
     def add(mode: str, n: int, tok_s: float, **extra: Any) -> None:
+        if cores is not None and "cores" not in extra:  # where this process ran, as it is now
+            extra["cores"] = [sorted(os.sched_getaffinity(0))]
         rows.append({"mode": mode, "streams": n, "tok_per_s": round(tok_s, 2), **extra})
 
+    with one_device():
+        await _one_process_rows(model, counts, tokens, reference, rate, add, micro_batch_size)
+    await _remote_rows(model, counts, tokens, micro_batch_size, rate, add, cores)
+    _report(rows, tokens, repeats, model, json_lines)
+    return 0
+
+
+async def _one_process_rows(  # type: ignore[no-untyped-def]
+    model: Path, counts: list[int], tokens: int, reference: bool, rate, add, micro_batch_size
+) -> None:
+    """The rows one device runs: mlx-lm's own loop and split, single, inproc-2."""
+    import time
+
+    from mlxcel.assembly import Generation, LocalSpec, PipelineSpec, assemble
+    from mlxcel.runtime.compute import ComputeThread
+
+    most = max(counts)
     if reference:
         from mlxcel.bench.reference import split_reference
 
@@ -202,7 +233,24 @@ async def run_bench(
                 micro_batch_size=coordinator.coord.micro_batch_size,
             )
 
-    async with loopback_pipeline(model, most, micro_batch_size) as (_cluster, rc):
+
+async def _remote_rows(  # type: ignore[no-untyped-def]
+    model: Path, counts: list[int], tokens: int, micro_batch_size, rate, add, cores
+) -> None:
+    """remote-2: two stage processes over the transport (each on a core of its own when
+    ``cores``), the coordinator in this process."""
+    import time
+
+    from mlxcel.bench.pinning import affinity, pin
+
+    async with loopback_pipeline(model, max(counts), micro_batch_size) as (cluster, rc):
+        pinned_to: dict[str, Any] = {}
+        if cores is not None:
+            stages = [proc for node, proc, _ in cluster.procs if node != "coordinator"]
+            for core, proc in zip(cores, stages, strict=True):
+                pin(proc.pid, {core})
+            # What each stage process's threads are now allowed: the pinning, read back.
+            pinned_to["cores"] = [sorted(affinity(p.pid)) for p in stages]
         await decode_rate(rc.frontend, 8)
         rcoord, rendpoint = rc.parts.coordinator, rc.parts.endpoint
 
@@ -240,7 +288,14 @@ async def run_bench(
                 stages=_stage_rows(before, after, wall),
                 micro_batch_size=rcoord.coord.micro_batch_size,
                 **extra,
+                **pinned_to,
             )
+
+
+def _report(
+    rows: list[dict[str, Any]], tokens: int, repeats: int, model: Path, json_lines: bool
+) -> None:
+    from mlxcel.runtime.blas import blas_name
 
     single = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "single"}
     for r in rows:
@@ -251,7 +306,6 @@ async def run_bench(
             print(json.dumps(r), flush=True)
     if not json_lines:
         _print_table(model, tokens, repeats, rows)
-    return 0
 
 
 def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, Any]]) -> None:

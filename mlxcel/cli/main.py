@@ -255,6 +255,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 streams=[int(x) for x in settings.streams.split(",") if x.strip()],
                 micro_batch_size=settings.pp_micro_batch_size,
                 reference=settings.reference,
+                pin=settings.pin,
             )
         )
     if args.command == "bench" and args.bench == "engine":
