@@ -9,7 +9,8 @@ unacknowledged bytes (``TIOCOUTQ``) are under :func:`share`: at least :data:`FLO
 the link delivers in twice the path's minimum round trip (or :data:`DELAY`), whichever is
 more -- so a fast or long link is never held below its bandwidth-delay product, and a slow
 one holds a fraction of a second. The kernel's own estimates (``TCP_INFO``'s delivery rate
-and minimum RTT) are used; where they are missing (not Linux) nothing waits.
+and minimum RTT) are used; where they are missing (not Linux, or a kernel before 4.9)
+nothing waits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import struct
 import sys
 import termios
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FLOOR = 24 << 10  # bytes a connection may always hold in its send queue
@@ -45,8 +47,8 @@ def read(sock: socket.socket) -> QueueState | None:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _INFO.size)
     except OSError:
         return None
-    if len(info) < _INFO.size:  # an old kernel: no rate to size the share by
-        return QueueState(queued, 0, 0.0)
+    if len(info) < _INFO.size:  # a kernel before 4.9: no rate to size the share by
+        return None
     _, min_rtt, rate = _INFO.unpack(info)
     return QueueState(queued, rate, min_rtt / 1e6)
 
@@ -56,10 +58,10 @@ def share(state: QueueState) -> int:
     return max(FLOOR, int(state.delivery_rate * max(DELAY, 2 * state.min_rtt)))
 
 
-async def settled(sock: socket.socket, closed: object) -> None:
+async def settled(sock: socket.socket, closed: Callable[[], bool]) -> None:
     """Return once ``sock``'s send queue is within its share (or the connection closed:
     ``closed()`` is true, or the queue cannot be read)."""
-    while not closed():  # type: ignore[operator]
+    while not closed():
         state = read(sock)
         if state is None:
             return
