@@ -239,11 +239,17 @@ def run_bench(model: Path, json_lines: bool = False) -> int:
     big = big_prompts(model)
     flood = http_flood(model, 5, 960, 20, *FLOOD_CAP)
     with tempfile.TemporaryDirectory() as tmp:
-        slow = slow_handoff(model, Path(tmp))
-        full = full_decode(model, Path(tmp))
-        untold = restart_under_flood(model, Path(tmp), router_peers=False)
-        told = restart_under_flood(model, Path(tmp), router_peers=True)
-        messages = message_flood(model, Path(tmp))
+
+        def folder(name: str) -> Path:
+            """A folder of its own per scenario: each writes its own cluster secret."""
+            (Path(tmp) / name).mkdir()
+            return Path(tmp) / name
+
+        slow = slow_handoff(model, folder("slow"))
+        full = full_decode(model, folder("full"))
+        untold = restart_under_flood(model, folder("untold"), router_peers=False)
+        told = restart_under_flood(model, folder("told"), router_peers=True)
+        messages = message_flood(model, folder("messages"))
     if json_lines:
         print(json.dumps({"scenario": "big prompts", **asdict(big)}))
         print(json.dumps({"scenario": "http flood", **asdict(flood)}))
