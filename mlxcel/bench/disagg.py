@@ -88,8 +88,9 @@ async def run_bench(
     json_lines: bool = False,
 ) -> int:
     from mlxcel.assembly import DisaggSpec, Generation, LocalSpec, assemble
+    from mlxcel.net.network import free_port
     from mlxcel.net.secret import keygen, load_cluster_secret
-    from mlxcel.pipeline.launch import free_port, start_serve
+    from mlxcel.pipeline.launch import start_serve
     from mlxcel.runtime.blas import blas_name, colocated_env
     from mlxcel.runtime.model import load_tokenizer_only
 

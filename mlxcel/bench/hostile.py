@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mlxcel.bench.hostile_cluster import (
     full_decode,
+    memory,
     message_flood,
     post,
     restart_under_flood,
@@ -57,16 +58,6 @@ class BigPrompts:
     kept_mib: float
 
 
-def _memory(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM of ``pid``, in MiB."""
-    out: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
-
-
 @contextmanager
 def one_node(model: Path, hosts: Hosts, host: int, *extra: str) -> Iterator[NodeProc]:
     """One serving node on ``host``, HTTP on all of its addresses."""
@@ -86,16 +77,16 @@ def big_prompts(model: Path, n: int = 6, chars: int = 3_900_000) -> BigPrompts:
     with Hosts(1, net=NET) as hosts, one_node(model, hosts, 0) as node:
         pid = node.p.pid
         time.sleep(1.0)  # let start-up's allocations settle before the baseline
-        before = _memory(pid)["VmRSS"]
+        before = memory(pid)["VmRSS"]
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts from here
         url = f"http://127.0.0.1:{HTTP_PORT}/v1/completions"
         t0 = time.monotonic()
         with ThreadPoolExecutor(n, initializer=enter_netns, initargs=(hosts.names[0],)) as pool:
             answers = list(pool.map(lambda _: post(url, body, 120.0), range(n)))
         seconds = time.monotonic() - t0
-        peak = _memory(pid)["VmHWM"]
+        peak = memory(pid)["VmHWM"]
         time.sleep(1.0)
-        after = _memory(pid)["VmRSS"]
+        after = memory(pid)["VmRSS"]
     return BigPrompts(
         n,
         chars,

@@ -35,6 +35,16 @@ from mlxcel.runtime.kv_usage import kv_heads_and_dim
 from mlxcel.runtime.model import layer_count
 
 
+def memory(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM of ``pid``, in MiB."""
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) / 1024
+    return out
+
+
 def post(url: str, body: bytes, timeout: float) -> tuple[int, str]:
     """POST ``body`` to ``url``: (status, the error's code) -- (0, the exception's name) when
     no answer came."""
@@ -317,7 +327,7 @@ def message_flood(
         node = NodeProc(hosts, 1, args, "mlxcel decode node")
         try:
             time.sleep(1.0)
-            base = _rss(node.p.pid)
+            base = memory(node.p.pid)["VmRSS"]
             data = bytes(mib << 20)
             msg = Activation(
                 "flood", 0, Tensor("uint8", (len(data),), data), 0, SamplingParams(), 1
@@ -350,18 +360,8 @@ def message_flood(
             t.join()
             took = time.monotonic() - t0
             time.sleep(settle)
-            status = Path(f"/proc/{node.p.pid}/status").read_text()
-            peak = _status_mib(status, "VmHWM")
-            kept = _rss(node.p.pid) - base
+            now = memory(node.p.pid)
+            peak, kept = now["VmHWM"], now["VmRSS"] - base
         finally:
             node.stop()
     return MessageFlood(connections, connections * per, mib, took, base, peak, kept, settle)
-
-
-def _status_mib(status: str, key: str) -> float:
-    line = next(ln for ln in status.splitlines() if ln.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-
-
-def _rss(pid: int) -> float:
-    return _status_mib(Path(f"/proc/{pid}/status").read_text(), "VmRSS")

@@ -9,6 +9,7 @@ nodes of one process (identity = the node's name) -- same messages, no sockets.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 from mlxcel.bus import Node
@@ -65,6 +66,13 @@ class LocalEndpoint:
     @property
     def wire_bytes(self) -> int:
         return 0
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (for a listener started a moment later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def split_hostport(address: str) -> tuple[str, int]:

@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 from pathlib import Path
 
 from mlxcel.errors import MlxcelError
+from mlxcel.net.network import free_port
 from mlxcel.net.secret import keygen
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.devices import device_env
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
 
 START_SILENCE_S = 120.0  # a starting node silent this long (no log line, not ready) is stuck
 START_LIMIT_S = 1800.0  # and one that is not ready after this long, however much it writes

@@ -100,8 +100,9 @@ def main() -> int:
     a = ap.parse_args()
     from mlxcel.errors import TpGroupFailed
     from mlxcel.logs import setup_logging
+    from mlxcel.net.network import free_port, split_hostport
     from mlxcel.runtime.blas import ensure_blas
-    from mlxcel.tp.rendezvous import attend, free_port, ring_address, secret_from_env
+    from mlxcel.tp.rendezvous import attend, ring_address, secret_from_env
 
     setup_logging(a.log_level, a.log_format)
     secret = secret_from_env()
@@ -109,7 +110,7 @@ def main() -> int:
         logger.error("mlxcel.tp.follower is started by rank 0, which gives it a launch secret")
         return 2
     logger.info("BLAS: {}", ensure_blas())
-    host = a.rendezvous.rpartition(":")[0].strip("[]")  # rank 0 started it on its own host
+    host, _ = split_hostport(a.rendezvous)  # rank 0 started it on its own host
     join = join_message(Path(a.model), a.rank, ring_address(host, free_port(host)))
     try:
         meeting = asyncio.run(attend(secret, a.rendezvous, join, a.startup_timeout))

@@ -123,6 +123,8 @@ def ring_of(path: Path) -> list[str]:
     ring at exactly one."""
     import ipaddress
 
+    from mlxcel.addresses import check_address
+
     ranks = read_hostfile(path)
     several = [i for i, r in enumerate(ranks) if len(r) != 1]
     if several:
@@ -134,17 +136,15 @@ def ring_of(path: Path) -> list[str]:
     if len(ranks) < 2:
         raise ConfigError("--tp-hostfile", f"{path} lists {len(ranks)} rank; a group needs two")
     for i, (address,) in enumerate(ranks):
-        host, _, port = address.rpartition(":")
         try:
-            ipaddress.IPv4Address(host)
+            check_address(address, "--tp-hostfile", port_zero=False)
+            ipaddress.IPv4Address(address.rpartition(":")[0])
         except ValueError:
             raise ConfigError(
                 "--tp-hostfile",
                 f"rank {i}'s address {address!r} is not an IPv4 address and port: MLX's ring "
                 "takes IPv4 addresses only (no host names, no IPv6)",
             ) from None
-        if not 0 < int(port) < 65536:
-            raise ConfigError("--tp-hostfile", f"rank {i}'s port in {address!r} is out of range")
     return [r[0] for r in ranks]
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ from mlxcel.error_codes import ErrorCode
 from mlxcel.errors import ListenError, SendFailed, TpGroupFailed
 from mlxcel.messages import Error, TpJoin, TpRing
 from mlxcel.net.listener import ClusterListener, Limits
-from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
+from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, free_port, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.tp.roll_call import RollCall
@@ -45,13 +44,6 @@ from mlxcel.wire.handshake import Channel, Identity
 RING_BOUND = 20.0
 ANSWER_BOUND = 5.0  # seconds to deliver a TpRing or a refusal to a joined rank
 LAUNCH_SECRET_ENV = "MLXCEL_TP_LAUNCH_SECRET"  # the rendezvous secret of ranks rank 0 starts
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (for a ring listener MLX binds a moment later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ring_address(host: str, port: int) -> str:
