@@ -330,7 +330,7 @@ class BenchPipelineRunSettings(BenchPipelineSettings):
     pin: bool = Field(
         False,
         description="one device against two on a CPU host: the one-process rows pinned to one "
-        "core, each stage process of remote-2 to a core of its own, BLAS at one thread (Linux)",
+        "core, each stage process of remote-2 to a core of its own with BLAS at one thread (Linux)",
     )
 
     @field_validator("streams")
