@@ -43,6 +43,9 @@ class PrepareSequence(Message):
     # The prompt's last tokens (as many as a penalty looks back on): the final stage's
     # logits processors see what a one-process engine's would.
     context: tuple[int, ...] = ()
+    # How the sequence samples, sent once: a StepEntry's rows carry none (None: the sequence
+    # runs only RunEntry steps, which carry their own).
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,55 @@ class RunResult(Message):
     top_ids: tuple[int, ...] | None = None
     top_logprobs: tuple[float, ...] | None = None
     cached_tokens: int = 0  # on a sequence's first result: prompt tokens served from cache
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry(Message):
+    """Coordinator -> entry stage: one decode step of a micro-batch, one row per sequence.
+
+    Row ``i`` runs ``token_ids[i]`` at ``start_pos[i]`` on ``request_ids[i]``'s cache under the
+    exchange ``nonces[i]``; the sequence samples as its PrepareSequence said. Each row is
+    authorised and answered on its own, as a RunEntry would be."""
+
+    KIND: ClassVar[int] = 34
+    micro_batch: int
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]  # one per row
+    start_pos: tuple[int, ...]
+    nonces: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepActivation(Message):
+    """Stage -> next stage: a StepEntry's rows passed on, their hidden states as one tensor
+    ``[rows, 1, width]`` (row ``i`` is ``request_ids[i]``'s), all of one ``owner``."""
+
+    KIND: ClassVar[int] = 35
+    micro_batch: int
+    request_ids: tuple[str, ...]
+    start_pos: tuple[int, ...]
+    nonces: tuple[int, ...]
+    hidden: Tensor
+    compute_us: int = 0  # time the stages upstream spent computing this step
+    owner: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult(Message):
+    """Final stage -> the owner: one sampled token per row of a StepEntry that went through.
+
+    ``logprobs[i]`` is row ``i``'s token's; ``top_ids``/``top_logprobs``, when any row asked
+    for alternatives, hold one tuple per row (empty for a row that asked none)."""
+
+    KIND: ClassVar[int] = 36
+    micro_batch: int
+    request_ids: tuple[str, ...]
+    nonces: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    compute_us: int = 0  # every stage's compute for this step, summed
+    top_ids: tuple[tuple[int, ...], ...] = ()
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,6 +546,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = tuple(
 )
 
 MAX_BUNDLE = 256  # items per Bundle: more is refused whole, before any item is built
+MAX_STEP_ROWS = 256  # rows per StepEntry, StepActivation or StepResult
 # What a Bundle may carry: the pipeline's per-sequence traffic.
 BUNDLED: tuple[type[Message], ...] = (PrepareSequence, RunEntry, Activation, RunResult)
-BUNDLED += (CancelRequest, ReleaseSequence, Ack, Error)
+BUNDLED += (StepEntry, StepActivation, StepResult, CancelRequest, ReleaseSequence, Ack, Error)

@@ -44,6 +44,9 @@ from mlxcel.messages import (
     SlotAnswer,
     SlotRequest,
     State,
+    StepActivation,
+    StepEntry,
+    StepResult,
     Tensor,
     TokenResult,
     TpInsert,
@@ -79,8 +82,34 @@ sampling = st.builds(
     logprobs=st.booleans(),
 )
 
+int_rows = st.lists(u64, max_size=6).map(tuple)
+
 messages = st.one_of(
-    st.builds(PrepareSequence, ids, small_ints, u64),
+    st.builds(PrepareSequence, ids, small_ints, u64, int_rows, st.none() | sampling),
+    st.builds(
+        StepEntry, small_ints, st.lists(ids, max_size=4).map(tuple), int_rows, int_rows, int_rows
+    ),
+    st.builds(
+        StepActivation,
+        small_ints,
+        st.lists(ids, max_size=4).map(tuple),
+        int_rows,
+        int_rows,
+        tensors(),
+        small_ints,
+        ids,
+    ),
+    st.builds(
+        StepResult,
+        small_ints,
+        st.lists(ids, max_size=4).map(tuple),
+        int_rows,
+        int_rows,
+        st.lists(floats, max_size=4).map(tuple),
+        small_ints,
+        st.lists(int_rows, max_size=3).map(tuple),
+        st.lists(st.lists(floats, max_size=3).map(tuple), max_size=3).map(tuple),
+    ),
     st.builds(
         RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64
     ),
@@ -205,6 +234,9 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "RunEntry",
         "Activation",
         "RunResult",
+        "StepEntry",
+        "StepActivation",
+        "StepResult",
         "CancelRequest",
         "ReleaseSequence",
         "Ack",

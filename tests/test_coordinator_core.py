@@ -23,6 +23,7 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
     State,
+    StepEntry,
     Tensor,
     Undecodable,
 )
@@ -40,7 +41,19 @@ def core(**kw) -> CoordinatorCore:  # type: ignore[no-untyped-def]
 
 
 def sent(effects: list, cls: type) -> list[Send]:  # type: ignore[type-arg]
-    return [e for e in effects if isinstance(e, Send) and isinstance(e.msg, cls)]
+    """The sends of ``cls``; asked for RunEntry, a StepEntry's rows count too, each as the
+    RunEntry it stands for (sampling aside: that went with PrepareSequence)."""
+    out = []
+    for e in effects:
+        if isinstance(e, Send) and isinstance(e.msg, StepEntry) and cls is RunEntry:
+            m = e.msg
+            cols = (m.request_ids, m.token_ids, m.start_pos, m.nonces)
+            for rid, tok, pos, nonce in zip(*cols, strict=True):
+                row = RunEntry(rid, m.micro_batch, (tok,), pos, SamplingParams(), nonce)
+                out.append(Send(e.dest, row, e.peer, e.deadline))
+        elif isinstance(e, Send) and isinstance(e.msg, cls):
+            out.append(e)
+    return out
 
 
 def delivered(effects: list) -> list:  # type: ignore[type-arg]
@@ -225,7 +238,7 @@ def test_progress_from_a_stage_restarts_the_deadlines_of_the_exchanges_it_holds(
     assert c.next_timer() == pytest.approx(3.5)
     c.handle(Progress((a.nonce,)), S1, 3.0)  # any stage of the pipeline may hold it
     assert delivered(c.on_timer(3.5)) == [] and c.next_timer() == pytest.approx(5.0)
-    assert c.kept_alive == 1 and len(c._deadlines) == 1  # counted once, one entry each
+    assert c.kept_alive == 1 and len(c.exchanges.deadlines) == 1  # counted once, one entry each
     out = c.handle(RunResult("a", a.micro_batch, (3,), None, a.nonce), S2, 4.5)  # still counts
     assert [m.token_ids for m in delivered(out)] == [(3,)]
     (a2,) = [s.msg for s in sent(out, RunEntry)]
@@ -245,7 +258,7 @@ def test_progress_from_a_stranger_or_for_other_exchanges_changes_nothing() -> No
     # More nonces than there are exchanges (a copy of one, a million times) is refused whole.
     c.handle(Progress((step.nonce,) * 1_000_000), S0, 1.5)
     assert c.dropped["Progress names more exchanges than are waiting"] == 1
-    assert len(delivered(c.on_timer(2.1))) == 1 and len(c._deadlines) == 0
+    assert len(delivered(c.on_timer(2.1))) == 1 and len(c.exchanges.deadlines) == 0
     # An exchange that waits for an Ack (preparing) is not kept alive by Progress.
     c2 = core()
     out = c2.handle(RunEntry("p", 0, (1,), 0, SamplingParams(max_tokens=2), 9), LOCAL, 0.0)

@@ -36,6 +36,8 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
     State,
+    StepEntry,
+    StepResult,
     Tensor,
     Undecodable,
 )
@@ -68,7 +70,7 @@ def preps(
     """The PrepareSequence sends of one admission: one nonce per stage, in stage order, each
     with the prompt's last 20 tokens (what the final stage's penalties look back on)."""
     return [
-        Send(s, PrepareSequence(rid, total, first + i, prompt[-20:]), deadline=deadline)
+        Send(s, PrepareSequence(rid, total, first + i, prompt[-20:], SP), deadline=deadline)
         for i, s in enumerate(STAGES)
     ]
 
@@ -90,7 +92,8 @@ def drop(msg: str, source: str, why: str, detail: str = "") -> Warn:
 
 
 def step(rid: str, tokens: tuple[int, ...], pos: int, nonce: int, deadline: float) -> Send:
-    return Send(S0, RunEntry(rid, 0, tokens, pos, SP, nonce), deadline=deadline)
+    """A one-row decode step (``tokens``: the one token it runs)."""
+    return Send(S0, StepEntry(0, (rid,), tokens, (pos,), (nonce,)), deadline=deadline)
 
 
 def chunk(tokens: tuple[int, ...], pos: int, nonce: int, deadline: float) -> Send:
@@ -228,7 +231,10 @@ def test_a_request_fills_caches_in_chunks_then_decodes_word_for_word() -> None:
     e = RunEntry("r", 0, tuple(range(1, 11)), 0, SamplingParams(max_tokens=2), 77)
     sp = e.sampling
     # 10 prompt + 2 new tokens; the whole prompt is the final stage's context
-    assert c.handle(e, LOCAL, 0.5) == preps("r", 12, 1, 2.5, e.token_ids)
+    assert c.handle(e, LOCAL, 0.5) == [
+        Send(s, PrepareSequence("r", 12, 1 + i, e.token_ids, sp), deadline=2.5)
+        for i, s in enumerate(STAGES)
+    ]
     req = c.reqs["r"]
     assert (req.state, c.held, c.peak_in_flight) == (ReqState.PREPARING, 1, 1)
     assert c.handle(Ack("r", 1), S0, 0.75) == []
@@ -243,16 +249,18 @@ def test_a_request_fills_caches_in_chunks_then_decodes_word_for_word() -> None:
     third = RunEntry("r", 0, (9,), 8, sp, 6, sample=False)
     assert c.handle(result("r", (), 5), S2, 1.5) == [Send(S0, third, deadline=3.5)]
     # The last prompt token is the first sampling step.
-    decode = RunEntry("r", 0, (10,), 9, sp, 7)
+    decode = StepEntry(0, ("r",), (10,), (9,), (7,))
     assert c.handle(result("r", (), 6), S2, 1.75) == [Send(S0, decode, deadline=3.75)]
     assert (req.state, c.steps, c.decode_steps) == (ReqState.DECODE, 3, 0)
-    # Logprobs pass through; compute is summed, wall is result time minus send time.
-    got = result("r", (7,), 7, logprobs=(-0.5,), compute_us=250_000)
+    # A StepResult row answers it; its logprob is not passed on (this request asked for
+    # none); compute is the message's, wall is result time minus send time.
+    got = StepResult(0, ("r",), (7,), (7,), (-0.5,), compute_us=250_000)
     assert c.handle(got, S2, 2.25) == [
-        Deliver(RunResult("r", 0, (7,), None, 77, logprobs=(-0.5,))),
-        Send(S0, RunEntry("r", 0, (7,), 10, sp, 8), deadline=4.25),
+        Deliver(RunResult("r", 0, (7,), None, 77)),
+        Send(S0, StepEntry(0, ("r",), (7,), (10,), (8,)), deadline=4.25),
     ]
     assert (c.decode_steps, c.decode_wall_s, c.decode_compute_s) == (1, 0.5, 0.25)
+    # A stage may still answer a row with a RunResult of its own.
     out = c.handle(result("r", (8,), 8, compute_us=500_000), S2, 3.25)
     assert out == [Deliver(RunResult("r", 0, (8,), "length", 77)), *releases("r", 3.25)]
     assert (c.steps, c.decode_steps, c.decode_wall_s, c.decode_compute_s) == (5, 2, 1.5, 0.75)
@@ -673,8 +681,7 @@ def test_a_request_parked_after_its_result_holds_no_exchange_and_fails_with_its_
     out = c.handle(result("a", (3,), 4), S2, 0.5)  # releases b1 and a2 together, in park order
     assert out == [
         Deliver(RunResult("a", 0, (3,), None, 71)),
-        step("b", (1,), 0, 8, 2.5),
-        step("a", (3,), 1, 9, 2.5),
+        Send(S0, StepEntry(0, ("b", "a"), (1, 3), (0, 1), (8, 9)), deadline=2.5),
     ]
     # b's result comes first: b parks behind a2, with nothing of its own pending.
     out = c.handle(result("b", (4,), 8), S2, 0.75)
@@ -702,7 +709,7 @@ def test_an_undeliverable_send_fails_its_exchange_or_is_logged() -> None:
         Warn("debug", f"coordinator: ReleaseSequence to {S0}: refused")
     ]
     assert c.undeliverable(send, "late", 0.75) == [
-        Warn("debug", f"coordinator: RunEntry to {S0}: late")
+        Warn("debug", f"coordinator: StepEntry to {S0}: late")
     ]
     token, (query,) = c.query(S2, 1.0, 1.0)
     assert isinstance(query, Send)

@@ -921,22 +921,22 @@ async def test_in_process_stages_hand_activations_over_on_the_device(
     """Stages sharing a compute thread pass device arrays (no host copy, no bytes); such a
     tensor can never be encoded for a socket."""
     from mlxcel.bus import Origin
-    from mlxcel.messages import Activation, Bundle, DeviceTensor
+    from mlxcel.messages import Activation, Bundle, DeviceTensor, StepActivation
     from mlxcel.wire.codec import encode
 
     async with assemble(PipelineSpec(tiny, 2), Generation(parallel=2)) as st:
-        seen: list[Activation] = []
+        seen: list[Activation | StepActivation] = []
+        kinds = (Activation, StepActivation)
 
         def spy(env):  # type: ignore[no-untyped-def]
             items = env.msg.items if isinstance(env.msg, Bundle) else (env.msg,)
-            seen.extend(m for m in items if isinstance(m, Activation))
+            seen.extend(m for m in items if isinstance(m, kinds))
 
-        st.parts.stages[1].node.bus.subscribe(
-            (Activation, Bundle), spy, origin=Origin.ANY, sync=True
-        )
+        st.parts.stages[1].node.bus.subscribe((*kinds, Bundle), spy, origin=Origin.ANY, sync=True)
         got = await asyncio.gather(*(collect(st.frontend, p) for p in PROMPTS[:2]))
         assert got == reference[:2]
         assert seen and all(isinstance(m.hidden, DeviceTensor) for m in seen)
+        assert {type(m) for m in seen} == {Activation, StepActivation}  # prompts; decode steps
         assert st.parts.stages[0].runtime.timing.copy_s == 0.0  # nothing went to the host
         with pytest.raises(TypeError, match="device tensor"):
             encode(seen[0])
@@ -969,7 +969,7 @@ def test_a_step_started_ahead_on_other_tokens_is_undone_exactly(tiny: Path) -> N
     import mlx.core as mx
 
     from mlxcel.messages import DeviceTensor
-    from mlxcel.pipeline.stage_protocol import ComputeJob, Step
+    from mlxcel.pipeline.stage_protocol import ComputeJob, Row, Step
     from mlxcel.pipeline.stage_runtime import StageRuntime
     from mlxcel.runtime.model import LayerRange, load_model
 
@@ -979,8 +979,8 @@ def test_a_step_started_ahead_on_other_tokens_is_undone_exactly(tiny: Path) -> N
     def run(rt: StageRuntime, tokens: tuple[int, ...], pos: int) -> mx.array:
         step = Step(("a", 1), 0, tokens, None, len(tokens), pos, greedy, 0, len(tokens) == 1)
         (out,) = rt.run(ComputeJob(0, (step,), True, False, False))[0]
-        assert isinstance(out, DeviceTensor)
-        return out.array[out.row]
+        assert isinstance(out, Row) and isinstance(out.tensor, DeviceTensor)
+        return out.tensor.array[out.tensor.rows[out.index]]  # type: ignore[index]
 
     results = []
     for ahead in (None, 5, 6):
@@ -1019,7 +1019,7 @@ def test_a_failed_sampling_evaluation_fails_rows_also_when_the_next_step_starts_
     def both(steps: list[Step]) -> list:
         hidden = first.run(ComputeJob(0, tuple(steps), True, False, False))[0]
         second = [
-            Step(s.key, 0, None, h, s.n, s.start_pos, s.sampling, 0, s.sample)
+            Step(s.key, 0, None, h.tensor, s.n, s.start_pos, s.sampling, 0, s.sample, row=h.index)
             for s, h in zip(steps, hidden, strict=True)
         ]
         return last.run(ComputeJob(0, tuple(second), False, True, False))[0]

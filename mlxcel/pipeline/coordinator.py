@@ -36,6 +36,7 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
     State,
+    StepResult,
     Tensor,
     Undecodable,
 )
@@ -140,7 +141,7 @@ class PipelineCoordinator(CoreAdapter):
         # to the frontend never come back to it.
         self.subscribe([RunEntry, CancelRequest], Origin.ANY, maxsize=max(self.max_sequences, 256))
         self.subscribe(
-            [RunResult, Ack, State, Progress, Error, Undecodable, Bundle],
+            [RunResult, StepResult, Ack, State, Progress, Error, Undecodable, Bundle],
             Origin.REMOTE,
             maxsize=1024,
         )

@@ -1,8 +1,9 @@
 """The coordinator protocol as a pure state machine: no I/O, no clock, no MLX.
 
 For each local RunEntry the core prepares the sequence on every stage (each answers Ack),
-then per step sends one RunEntry to the entry stage and waits for the final stage's
-RunResult. The prompt runs as mlx-lm's: ``prefill_step_size`` chunks that only fill caches
+then per step sends the entry stage one message -- a RunEntry per prompt chunk, a StepEntry
+per micro-batch decode step (a row per request) -- and waits for the final stage's RunResult
+or StepResult row. The prompt runs as mlx-lm's: ``prefill_step_size`` chunks that only fill caches
 (``sample=False``), then its last token as the first sampling step. A request that ends is
 released on every stage. At most ``max_in_flight`` sequences are in the stages (the rest
 wait in order); decode steps travel in micro-batches (``MicroBatches``, one per stage).
@@ -21,8 +22,6 @@ Per-request states and their transitions: :mod:`mlxcel.pipeline.coordinator_prot
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 from collections import Counter
 
 from mlxcel.defaults import PREFILL_STEP_SIZE
@@ -43,12 +42,16 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     State,
+    StepEntry,
+    StepResult,
     Undecodable,
 )
 from mlxcel.pipeline.coordinator_protocol import (
     REQ_TABLE,
     Exchange,
+    Exchanges,
     MicroBatches,
+    Picked,
     PickToken,
     Req,
     ReqEvent,
@@ -58,12 +61,14 @@ from mlxcel.pipeline.coordinator_protocol import (
     for_client,
     match_result,
     missed_text,
+    picked,
+    step_rows,
 )
 
 Missed = tuple[int, str] | None  # a timed-out exchange: its nonce, and why
 # What a stage may send the coordinator, and the method that takes it.
 _FROM_STAGE = dict.fromkeys((Ack, State), "_on_reply") | {Progress: "_on_progress"}
-_FROM_STAGE |= {RunResult: "_on_result", Error: "_on_error"}
+_FROM_STAGE |= {RunResult: "_on_result", StepResult: "_on_step_result", Error: "_on_error"}
 
 __all__ = ["CoordinatorCore", "PipelineError", "REQ_TABLE", "ReqEvent", "ReqState"]
 
@@ -112,16 +117,12 @@ class CoordinatorCore:
         self.inject = inject
         self.reqs: dict[str, Req] = {}
         self._waiting: collections.deque[str] = collections.deque()
-        self._exchanges: dict[int, Exchange] = {}
-        self._deadlines: list[tuple[float, int]] = []  # heap; entries of closed exchanges linger
-        # A restarted coordinator must not reuse its predecessor's nonces (a stage that missed
-        # the restart would take them for copies): the adapter starts from a random point.
-        self._nonces = itertools.count(first_nonce)
+        self.exchanges = Exchanges(first_nonce, step_timeout)
+        self._exchanges = self.exchanges.by_nonce
         self.peak_in_flight = 0
         # Keyed by a fixed reason (never by peer-supplied text), so it cannot grow unbounded.
         self.dropped: Counter[str] = Counter()
         self.completed = self.failed = self.steps = 0
-        self.kept_alive = 0  # exchanges a stage's Progress carried past a missed deadline
         # Decode steps measured at the hand-offs: wall time from sending the RunEntry to
         # receiving its RunResult, and the stages' compute for it. The difference is protocol.
         self.decode_steps, self.decode_wall_s, self.decode_compute_s = 0, 0.0, 0.0
@@ -166,16 +167,7 @@ class CoordinatorCore:
 
     def on_timer(self, now: float) -> list[Effect]:
         out: list[Effect] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, nonce = heapq.heappop(self._deadlines)
-            ex = self._exchanges.get(nonce)
-            if ex is None:
-                continue
-            if ex.deadline > now:  # extended by a stage's Progress: one entry per exchange
-                self.kept_alive += not ex.kept
-                ex.kept = True
-                heapq.heappush(self._deadlines, (ex.deadline, nonce))
-                continue
+        for nonce, ex in self.exchanges.missed(now):
             missed = missed_text(ex, self.final, self.step_timeout, now)
             # Nothing back on that path since the exchange was sent: the stream may be wedged
             # mid-frame. Replace it, so the next request dials afresh. The stage frees what it
@@ -190,9 +182,7 @@ class CoordinatorCore:
         return out
 
     def next_timer(self) -> float | None:
-        while self._deadlines and self._deadlines[0][1] not in self._exchanges:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        return self.exchanges.next_deadline()
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
         """A stage connection closed: the stage frees what it held for us, so every request
@@ -258,9 +248,11 @@ class CoordinatorCore:
 
     def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
         out: list[Effect] = []
-        nonce = getattr(send.msg, "nonce", None)
-        if nonce in self._exchanges:
-            self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, reason, now)
+        msg = send.msg
+        nonces = msg.nonces if isinstance(msg, StepEntry) else (getattr(msg, "nonce", None),)
+        if any(n in self._exchanges for n in nonces):
+            for nonce in nonces:
+                self._close(nonce, out, ErrorCode.STAGE_UNREACHABLE, reason, now)
         else:
             what = f"coordinator: {type(send.msg).__name__} to {send.dest}: {reason}"
             out.append(Warn("debug", what))
@@ -270,7 +262,7 @@ class CoordinatorCore:
         self, stage: str, now: float, timeout: float, reset: bool = True
     ) -> tuple[int, list[Effect]]:
         """Ask ``stage`` for its State; the answer comes as ``Answer(token, State | error)``."""
-        nonce = self._open(State, stage, "", 0, now, timeout=timeout, reset=reset)
+        nonce = self.exchanges.open(State, stage, "", 0, now, timeout=timeout, reset=reset)
         return nonce, [self._send(stage, QueryState(nonce))]
 
     def decode_overhead_ms(self) -> float:
@@ -307,7 +299,7 @@ class CoordinatorCore:
             self.micro.join(req)
             self.peak_in_flight = max(self.peak_in_flight, self.held)
             for stage in self.stages:
-                nonce = self._open(Ack, stage, rid, 0, now)
+                nonce = self.exchanges.open(Ack, stage, rid, 0, now)
                 req.pending.add(nonce)
                 out.append(self._send(stage, claim(req.entry, nonce)))
 
@@ -327,22 +319,31 @@ class CoordinatorCore:
         step = self.prefill_step_size
         piece, req.prefix = req.prefix[:step], req.prefix[step:]
         req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_CHUNK)
-        nonce = self._open(RunResult, self.stages[0], rid, req.micro_batch, now, len(piece), 0)
+        nonce = self.exchanges.open(
+            RunResult, self.stages[0], rid, req.micro_batch, now, len(piece), 0
+        )
         msg = RunEntry(rid, req.micro_batch, piece, req.pos, e.sampling, nonce, sample=False)
         req.pending = {nonce}
         out.append(self._send(self.stages[0], msg))
 
     def _flush(self, mb: int, now: float, out: list[Effect]) -> None:
-        """Send micro-batch ``mb``'s parked decode steps together once none is in the stages."""
-        for req in self.micro.release(mb):
-            e = req.entry
+        """Send micro-batch ``mb``'s parked decode steps, as one StepEntry, once none of them
+        is in the stages."""
+        ready = self.micro.release(mb)
+        if not ready:
+            return
+        nonces = []
+        for req in ready:
             req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
-            nonce = self._open(
-                RunResult, self.stages[0], e.request_id, mb, now, len(req.next_tokens), 1
+            nonce = self.exchanges.open(
+                RunResult, self.stages[0], req.entry.request_id, mb, now, 1, 1
             )
             req.pending = {nonce}
-            msg = RunEntry(e.request_id, mb, req.next_tokens, req.pos, e.sampling, nonce)
-            out.append(self._send(self.stages[0], msg))
+            nonces.append(nonce)
+        ids = tuple(r.entry.request_id for r in ready)
+        tokens = tuple(r.next_tokens[0] for r in ready)
+        msg = StepEntry(mb, ids, tokens, tuple(r.pos for r in ready), tuple(nonces))
+        out.append(self._send(self.stages[0], msg))
 
     def _end(self, req: Req, now: float, out: list[Effect]) -> None:
         """The request left (finished, failed or cancelled): free its slot and its stages."""
@@ -360,30 +361,14 @@ class CoordinatorCore:
         self._admit(now, out)
 
     # --- exchanges ----------------------------------------------------------------------------
-    def _open(
-        self,
-        kind: type[Message],
-        dest: str,
-        rid: str,
-        micro_batch: int,
-        now: float,
-        seq_len: int = 0,
-        tokens: int = 1,
-        *,
-        timeout: float | None = None,
-        reset: bool = True,
-    ) -> int:
-        nonce = next(self._nonces)
-        deadline = now + (timeout or self.step_timeout)
-        self._exchanges[nonce] = Exchange(
-            kind, dest, rid, micro_batch, deadline, seq_len, tokens, now, reset
-        )
-        heapq.heappush(self._deadlines, (deadline, nonce))
-        return nonce
+    @property
+    def kept_alive(self) -> int:
+        return self.exchanges.kept_alive
 
-    def _send(self, dest: str, msg: PrepareSequence | RunEntry | QueryState) -> Send:
-        """A message that opens an exchange: not worth sending after the exchange's deadline."""
-        return Send(dest, msg, deadline=self._exchanges[msg.nonce].deadline)
+    def _send(self, dest: str, msg: PrepareSequence | RunEntry | StepEntry | QueryState) -> Send:
+        """A message that opens exchanges: not worth sending after their deadline."""
+        nonce = msg.nonces[0] if isinstance(msg, StepEntry) else msg.nonce
+        return Send(dest, msg, deadline=self._exchanges[nonce].deadline)
 
     def _close(self, nonce: int, out: list[Effect], code: str, why: str, now: float) -> None:
         """Fail the exchange ``nonce``: its query is answered, or its request fails."""
@@ -421,7 +406,20 @@ class CoordinatorCore:
         if matched is None:
             assert problem is not None
             return self._drop(out, problem[0], m, source, problem[1])
-        nonce, ex = matched
+        self._took(*matched, picked(m), now, out)
+
+    def _on_step_result(self, m: StepResult, source: str, now: float, out: list[Effect]) -> None:
+        """A micro-batch's tokens: each row answers its own exchange; a row that answers none
+        is dropped on its own, the others count."""
+        rows, dropped = step_rows(m, source == self.final, self._exchanges, self.return_logits)
+        for why in dropped:
+            self._drop(out, why, m, source)
+        for nonce, ex, answer in rows:
+            if nonce in self._exchanges:  # not ended by an earlier row's effects
+                self._took(nonce, ex, answer, now, out)
+
+    def _took(self, nonce: int, ex: Exchange, m: Picked, now: float, out: list[Effect]) -> None:
+        """Exchange ``nonce`` was answered by ``m``: the request moves on."""
         del self._exchanges[nonce]
         req = self.reqs[ex.request_id]
         req.state = REQ_TABLE.next(req.state, ReqEvent.RESULT)
@@ -441,7 +439,8 @@ class CoordinatorCore:
             token, req.picker = self.pick_token(m.logits, e.sampling, req.picker)
             lp = None
         else:
-            token, lp = m.token_ids[0], m.logprobs
+            assert m.token is not None
+            token, lp = m.token, m.logprobs
         req.pos += ex.seq_len
         req.generated += 1
         rid = e.request_id

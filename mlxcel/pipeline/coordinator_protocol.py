@@ -9,18 +9,22 @@ table raises from the lookup.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.fsm import Table
 from mlxcel.messages import (
+    MAX_STEP_ROWS,
     ErrorCode,
     Message,
     PrepareSequence,
     RunEntry,
     RunResult,
     SamplingParams,
+    StepResult,
     Tensor,
 )
 
@@ -85,6 +89,51 @@ class Exchange:
     reset: bool = True  # a missed deadline replaces the connections (not for health probes)
     kept: bool = False  # a stage's Progress carried it past a deadline it would have missed
     reported: bool = False  # a stage's Progress restarted its deadline
+
+
+class Exchanges:
+    """The exchanges in flight by nonce, with their deadlines on a heap (an entry of a closed
+    exchange lingers until it comes up; one that a stage's Progress extended goes back on at
+    its new deadline, once per exchange)."""
+
+    def __init__(self, first_nonce: int, step_timeout: float) -> None:
+        self.by_nonce: dict[int, Exchange] = {}
+        self.deadlines: list[tuple[float, int]] = []
+        # A restarted coordinator must not reuse its predecessor's nonces (a stage that missed
+        # the restart would take them for copies): the adapter starts from a random point.
+        self._nonces = itertools.count(first_nonce)
+        self.step_timeout = step_timeout
+        self.kept_alive = 0  # exchanges a stage's Progress carried past a missed deadline
+
+    def open(self, kind: type[Message], dest: str, rid: str, micro_batch: int, now: float,
+             seq_len: int = 0, tokens: int = 1, timeout: float | None = None,
+             reset: bool = True) -> int:  # fmt: skip
+        nonce = next(self._nonces)
+        deadline = now + (timeout or self.step_timeout)
+        self.by_nonce[nonce] = Exchange(
+            kind, dest, rid, micro_batch, deadline, seq_len, tokens, now, reset
+        )
+        heapq.heappush(self.deadlines, (deadline, nonce))
+        return nonce
+
+    def missed(self, now: float) -> Iterator[tuple[int, Exchange]]:
+        """The open exchanges whose deadline has passed (each once; still open)."""
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, nonce = heapq.heappop(self.deadlines)
+            ex = self.by_nonce.get(nonce)
+            if ex is None:
+                continue
+            if ex.deadline > now:  # extended by a stage's Progress: one entry per exchange
+                self.kept_alive += not ex.kept
+                ex.kept = True
+                heapq.heappush(self.deadlines, (ex.deadline, nonce))
+                continue
+            yield nonce, ex
+
+    def next_deadline(self) -> float | None:
+        while self.deadlines and self.deadlines[0][1] not in self.by_nonce:
+            heapq.heappop(self.deadlines)
+        return self.deadlines[0][0] if self.deadlines else None
 
 
 @dataclass
@@ -238,22 +287,72 @@ def missed_text(ex: Exchange, final: str, step_timeout: float, now: float) -> st
 
 
 def claim(e: RunEntry, nonce: int) -> PrepareSequence:
-    """A stage's claim on ``e``: its whole length, and the prompt's tail that the final
-    stage's logits processors look back on (as the one-process engine's would)."""
+    """A stage's claim on ``e``: its whole length, the prompt's tail that the final stage's
+    logits processors look back on (as the one-process engine's would), and how it samples
+    (sent once: the decode steps' StepEntry rows carry none)."""
     total = len(e.token_ids) + e.sampling.max_tokens
-    return PrepareSequence(e.request_id, total, nonce, tuple(e.token_ids[-PENALTY_CONTEXT:]))
+    tail = tuple(e.token_ids[-PENALTY_CONTEXT:])
+    return PrepareSequence(e.request_id, total, nonce, tail, e.sampling)
 
 
-def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, m: RunResult) -> RunResult:
-    """What the frontend gets for one decoded token: the final stage's logprob and its
-    top_logprobs alternatives travel on."""
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """One decode step's answer for one request: from a RunResult, or a row of a StepResult."""
+
+    token: int | None  # None: the final stage returned logits
+    logprobs: tuple[float, ...] | None
+    logits: Tensor | None
+    compute_us: int
+    top_ids: tuple[int, ...] | None = None
+    top_logprobs: tuple[float, ...] | None = None
+
+
+def picked(m: RunResult) -> Picked:
+    token = m.token_ids[0] if m.token_ids else None
+    return Picked(token, m.logprobs, m.logits, m.compute_us, m.top_ids, m.top_logprobs)
+
+
+def step_rows(
+    m: StepResult, from_final: bool, exchanges: dict[int, Exchange], return_logits: bool
+) -> tuple[list[tuple[int, Exchange, Picked]], list[str]]:
+    """The rows of ``m`` that answer waiting decode exchanges, as (nonce, exchange, answer),
+    and why each other row is dropped (fixed reasons, so the drop counters stay bounded). A
+    StepResult malformed as a whole is dropped whole."""
+    n = len(m.request_ids)
+    columns = (m.nonces, m.token_ids, m.logprobs)
+    if not from_final:
+        return [], ["not from the final stage"]
+    if return_logits:
+        return [], ["a StepResult where logits were asked for"]
+    if (
+        not 1 <= n <= MAX_STEP_ROWS
+        or any(len(c) != n for c in columns)
+        or any(len(t) not in (0, n) for t in (m.top_ids, m.top_logprobs))
+    ):
+        return [], ["a malformed StepResult"]
+    rows, dropped = [], []
+    for i, (rid, nonce, token, lp) in enumerate(zip(m.request_ids, *columns, strict=True)):
+        ex = exchanges.get(nonce)
+        if ex is None or ex.kind is not RunResult:
+            dropped.append("stale or unknown nonce")
+        elif ex.request_id != rid or ex.micro_batch != m.micro_batch or ex.tokens != 1:
+            dropped.append("request or micro-batch does not match the exchange")
+        else:
+            top = (m.top_ids[i], m.top_logprobs[i]) if m.top_ids else (None, None)
+            rows.append((nonce, ex, Picked(token, (lp,), None, m.compute_us, *top)))
+    return rows, dropped
+
+
+def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, p: Picked) -> RunResult:
+    """What the frontend gets for one decoded token: the final stage's logprob (when the
+    request asked for logprobs) and its top_logprobs alternatives travel on."""
     return RunResult(
         e.request_id,
         e.micro_batch,
         (token,),
         finish,
         e.nonce,
-        logprobs=lp,
-        top_ids=m.top_ids,
-        top_logprobs=m.top_logprobs,
+        logprobs=lp if e.sampling.logprobs else None,
+        top_ids=p.top_ids or None,
+        top_logprobs=p.top_logprobs or None,
     )

@@ -6,10 +6,15 @@ current time as an argument and returns a list of :mod:`mlxcel.effects`.
 
 Authorization (by the authenticated source of each message) is the table ``MAY_SEND``:
 
-* commands -- PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain,
-  Shutdown, QueryState -- only from the configured coordinator (``not_coordinator``);
-* activations only from the upstream stage (``not_upstream``, told to the sequence's owner,
-  without the sender's nonce, so a stranger cannot fail a live exchange by guessing it);
+* commands -- PrepareSequence, RunEntry, StepEntry, CancelRequest, ReleaseSequence,
+  BeginDrain, Shutdown, QueryState -- only from the configured coordinator (``not_coordinator``);
+* activations (Activation, StepActivation) only from the upstream stage (``not_upstream``,
+  told to the sequence's owner without the sender's nonce, so a stranger cannot fail a live
+  exchange by guessing it);
+* a StepEntry or StepActivation (a micro-batch's decode step, one row per sequence; see
+  :mod:`.stage_batch`) is refused whole only when malformed as a whole (rows over the bound,
+  columns of different lengths, an id twice, a tensor of another row count); otherwise each
+  row is authorised, checked and answered as a RunEntry or Activation of its own would be;
 * the identity that prepared a request id owns it here: a command for that id from anyone
   else is answered ``not_owner`` and changes nothing; re-preparing discards older caches;
 * results go to the owner (the authenticated source of PrepareSequence), never to an address
@@ -30,6 +35,7 @@ from collections.abc import Callable
 from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
 from mlxcel.errors import ProtocolError
 from mlxcel.messages import (
+    MAX_STEP_ROWS,
     Ack,
     Activation,
     BeginDrain,
@@ -42,12 +48,14 @@ from mlxcel.messages import (
     QueryState,
     ReleaseSequence,
     RunEntry,
-    RunResult,
+    SamplingParams,
     Shutdown,
     State,
-    Tensor,
+    StepActivation,
+    StepEntry,
     Undecodable,
 )
+from mlxcel.pipeline.stage_batch import Passing, rows_problem
 from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.pipeline.stage_protocol import (
     MAY_SEND,
@@ -55,7 +63,6 @@ from mlxcel.pipeline.stage_protocol import (
     SEQ_TABLE,
     ComputeJob,
     KeepAlive,
-    Sampled,
     Seq,
     SeqEvent,
     SeqKey,
@@ -71,6 +78,9 @@ from mlxcel.pipeline.stage_protocol import (
 )
 
 __all__ = ["StageConfig", "StageCore", "StageState"]
+
+# A row's sampling on a stage that does not sample (only the final stage reads it).
+NOT_SAMPLING = SamplingParams()
 
 
 class StageCore(StageGate):
@@ -135,7 +145,7 @@ class StageCore(StageGate):
             self._on_undecodable(msg, source, out)
         elif type(msg) not in MAY_SEND:
             self._refuse(out, msg, source, ErrorCode.BAD_MESSAGE, "not a stage message")
-        elif isinstance(msg, RunEntry) and not self.is_first:
+        elif isinstance(msg, RunEntry | StepEntry) and not self.is_first:
             self._refuse(out, msg, source, ErrorCode.NOT_ENTRY, "this stage is not the entry stage")
         elif not self._sender_ok(msg, source):
             self._refused_sender(out, msg, source)
@@ -157,6 +167,7 @@ class StageCore(StageGate):
         self._job = None
         self.stats.ran(len(job.steps), took)
         spent = int(took * 1e6)
+        passing = Passing(self.config.downstream, self.is_last)
         for step, result in zip(job.steps, outputs, strict=True):
             seq = self._live(step.key)
             if seq is None:
@@ -169,7 +180,9 @@ class StageCore(StageGate):
                 continue
             seq.state = SEQ_TABLE.next(seq.state, SeqEvent.DONE)
             seq.tokens += step.n
-            self._pass_on(out, seq, step, result, step.compute_us + spent)
+            passing.add(step, result, step.compute_us + spent)
+        for dest, msg in passing.messages():
+            self._send(out, dest, msg)
         self._start_next(now, out)
         self._maybe_stopped(out)
         return out
@@ -238,19 +251,15 @@ class StageCore(StageGate):
         self.stats.dropped += 1
         out.append(Warn("stage-drop", f"{self._me}: could not send to {send.dest}: {reason}"))
         msg = send.msg
+        rows: list[tuple[str, int]] = []
         if isinstance(msg, Activation):
-            seq = self.seqs.get(msg.request_id)
-            if seq is not None:
-                self._send(
-                    out,
-                    seq.owner,
-                    Error(
-                        ErrorCode.DOWNSTREAM_UNREACHABLE,
-                        f"{self._me} cannot reach {send.dest}",
-                        msg.request_id,
-                        msg.nonce,
-                    ),
-                )
+            rows = [(msg.request_id, msg.nonce)]
+        elif isinstance(msg, StepActivation):
+            rows = list(zip(msg.request_ids, msg.nonces, strict=False))
+        for rid, nonce in rows:
+            if (seq := self.seqs.get(rid)) is not None:
+                why = f"{self._me} cannot reach {send.dest}"
+                self._send(out, seq.owner, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, why, rid, nonce))
         return out
 
     def shutdown(self, now: float) -> list[Effect]:
@@ -280,7 +289,9 @@ class StageCore(StageGate):
             self._free(out, [m.request_id], quiet=True)
         self._generation += 1
         key = (m.request_id, self._generation)
-        self.seqs[m.request_id] = Seq(key, source, m.max_len, now, nonce=m.nonce, context=m.context)
+        self.seqs[m.request_id] = Seq(
+            key, source, m.max_len, now, nonce=m.nonce, context=m.context, sampling=m.sampling
+        )
         self._send(out, source, Ack(m.request_id, m.nonce))
 
     def _on_ReleaseSequence(
@@ -326,61 +337,77 @@ class StageCore(StageGate):
         if not m.token_ids or any(not 0 <= t < self.vocab for t in m.token_ids):
             problem = f"token ids empty or outside the vocabulary [0, {self.vocab})"
             raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
-        n = len(m.token_ids)
-        step = Step(
-            seq.key,
-            m.micro_batch,
-            tuple(m.token_ids),
-            None,
-            n,
-            m.start_pos,
-            m.sampling,
-            m.nonce,
-            m.sample,
-            owner=seq.owner,
-            context=seq.context,
-        )
+        step = Step(seq.key, m.micro_batch, tuple(m.token_ids), None, len(m.token_ids), m.start_pos,
+                    m.sampling, m.nonce, m.sample, owner=seq.owner, context=seq.context)  # fmt: skip
         self._accept_step(seq, step, now)
 
     def _on_Activation(self, m: Activation, source: str, now: float, out: list[Effect]) -> None:
         seq = self.seqs.get(m.request_id)
-        if seq is None:
-            self.stats.dropped += 1
-            self._warn(out, f"activation for unprepared request {m.request_id[:64]!r}; dropped")
-            return
         problem = self._check_hidden(m.hidden)
-        if problem is not None:
+        if seq is not None and problem is not None:
             self.stats.errors += 1
-            self._send(
-                out, seq.owner, Error(ErrorCode.BAD_ACTIVATION, problem, m.request_id, m.nonce)
-            )
+            err = Error(ErrorCode.BAD_ACTIVATION, problem, m.request_id, m.nonce)
+            self._send(out, seq.owner, err)
             return
-        if m.owner != seq.owner and "skip-owner-check" not in self.inject:
-            # The entry stage ran this for another identity than the one that prepared it
-            # here: joining the two would feed one owner's tokens into the other's cache.
-            self._count_refusal(ErrorCode.NOT_OWNER)
-            self._warn(out, f"activation for {m.request_id[:64]!r} of another owner; dropped")
+        seq = self._joinable(m.request_id, m.owner, out)
+        if seq is None:
             return
-        n = m.hidden.shape[1]
-        step = Step(
-            seq.key,
-            m.micro_batch,
-            None,
-            m.hidden,
-            n,
-            m.start_pos,
-            m.sampling,
-            m.nonce,
-            m.sample,
-            m.compute_us,
-            seq.owner,
-            seq.context,
-        )
+        step = Step(seq.key, m.micro_batch, None, m.hidden, m.hidden.shape[1], m.start_pos,
+                    m.sampling, m.nonce, m.sample, m.compute_us, seq.owner, seq.context)  # fmt: skip
+        self._accept_from_upstream(seq, step, now, out)
+
+    def _accept_from_upstream(self, seq: Seq, step: Step, now: float, out: list[Effect]) -> None:
         try:
             self._accept_step(seq, step, now)
         except ProtocolError as exc:  # told to the owner: the sender is the upstream stage
             self.stats.errors += 1
-            self._send(out, seq.owner, Error(exc.code, str(exc), m.request_id, m.nonce))
+            self._send(out, seq.owner, Error(exc.code, str(exc), step.request_id, step.nonce))
+
+    def _on_StepEntry(self, m: StepEntry, source: str, now: float, out: list[Effect]) -> None:
+        """A micro-batch's decode step: each row is checked and refused on its own, exactly as
+        a RunEntry of its own would be; the rest run."""
+        problem = rows_problem(m)
+        if problem is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
+        rows = zip(m.request_ids, m.token_ids, m.start_pos, m.nonces, strict=True)
+        for rid, token, start, nonce in rows:
+            try:
+                seq = self._owned_id(rid, source)
+                if seq is None:
+                    raise ProtocolError(ErrorCode.NOT_PREPARED, f"no sequence {rid!r} here")
+                if not 0 <= token < self.vocab:
+                    why = f"token id outside the vocabulary [0, {self.vocab})"
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+                if seq.sampling is None and self.is_last:
+                    why = f"{rid!r} was prepared without sampling parameters"
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+                sampling = seq.sampling or NOT_SAMPLING
+                step = Step(seq.key, m.micro_batch, (token,), None, 1, start, sampling, nonce,
+                            owner=seq.owner, context=seq.context, batched=True)  # fmt: skip
+                self._accept_step(seq, step, now)
+            except ProtocolError as exc:
+                self._refuse_row(out, m, source, exc.code, str(exc), rid, nonce)
+
+    def _on_StepActivation(
+        self, m: StepActivation, source: str, now: float, out: list[Effect]
+    ) -> None:
+        problem = rows_problem(m) or self._check_hidden(m.hidden, len(m.request_ids))
+        if problem is not None:  # the whole message: every row's owner hears it
+            self.stats.errors += 1
+            for rid, nonce in zip(m.request_ids[:MAX_STEP_ROWS], m.nonces, strict=False):
+                if (seq := self.seqs.get(rid)) is not None:
+                    err = Error(ErrorCode.BAD_ACTIVATION, problem, rid, nonce)
+                    self._send(out, seq.owner, err)
+            return
+        rows = zip(m.request_ids, m.start_pos, m.nonces, strict=True)
+        for i, (rid, start, nonce) in enumerate(rows):
+            seq = self._joinable(rid, m.owner, out)
+            if seq is None:
+                continue
+            sampling = seq.sampling or NOT_SAMPLING
+            step = Step(seq.key, m.micro_batch, None, m.hidden, 1, start, sampling, nonce, True,
+                        m.compute_us, seq.owner, seq.context, row=i, batched=True)  # fmt: skip
+            self._accept_from_upstream(seq, step, now, out)
 
     def _accept_step(self, seq: Seq, step: Step, now: float) -> None:
         if step.nonce == seq.step_nonce:
@@ -441,40 +468,6 @@ class StageCore(StageGate):
                 self._fail_to_owner(out, seq, step, code, why)
         self._start_next(now, out)
         return out
-
-    def _pass_on(
-        self, out: list[Effect], seq: Seq, step: Step, result: StepOutput, spent: int
-    ) -> None:
-        rid = step.request_id
-        if not self.is_last:
-            assert self.config.downstream is not None and isinstance(result, Tensor)
-            act = Activation(
-                rid,
-                step.micro_batch,
-                result,
-                step.start_pos,
-                step.sampling,
-                step.nonce,
-                step.sample,
-                spent,
-                step.owner,
-            )
-            self._send(out, self.config.downstream, act)
-            return
-        tokens: tuple[int, ...] = ()
-        logprobs = logits = None
-        if not step.sample:
-            pass  # a cache-filling prompt chunk: progress, no token
-        elif isinstance(result, Tensor):
-            logits = result
-        elif isinstance(result, Sampled):
-            tokens = (result.token,)
-            logprobs = (result.logprob,) if step.sampling.logprobs else None
-        top = result.top if isinstance(result, Sampled) and result.top else (None, None)
-        res = RunResult(
-            rid, step.micro_batch, tokens, None, step.nonce, logprobs, logits, spent, *top
-        )
-        self._send(out, seq.owner, res)
 
     # --- helpers ------------------------------------------------------------------------------
     def _live(self, key: SeqKey) -> Seq | None:

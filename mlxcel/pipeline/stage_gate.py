@@ -14,7 +14,16 @@ from typing import Any
 
 from mlxcel.effects import Effect, Send, Warn
 from mlxcel.errors import ProtocolError
-from mlxcel.messages import Activation, Error, ErrorCode, Message, Tensor, Undecodable
+from mlxcel.messages import (
+    MAX_STEP_ROWS,
+    Activation,
+    Error,
+    ErrorCode,
+    Message,
+    StepActivation,
+    Tensor,
+    Undecodable,
+)
 from mlxcel.pipeline.stage_protocol import (
     FLOAT_DTYPES,
     MAX_ACTIVATION_TOKENS,
@@ -72,10 +81,14 @@ class StageGate:
             return self.is_coordinator(source)
         return source == self.config.upstream
 
-    def _check_hidden(self, t: Tensor) -> str | None:
+    def _check_hidden(self, t: Tensor, rows: int | None = None) -> str | None:
+        """Why ``t`` cannot be an activation's hidden states: ``[1, n, width]``, or with
+        ``rows`` (a StepActivation's) ``[rows, 1, width]``."""
         if t.dtype not in FLOAT_DTYPES:
             return f"hidden states must be float, got {t.dtype}"
-        if len(t.shape) != 3 or t.shape[0] != 1:
+        if rows is not None and (len(t.shape) != 3 or t.shape[:2] != (rows, 1)):
+            return f"hidden states must be [{rows}, 1, width] for {rows} rows, got {list(t.shape)}"
+        if len(t.shape) != 3 or (rows is None and t.shape[0] != 1):
             return f"hidden states must be [1, n, width], got {list(t.shape)}"
         if not 1 <= t.shape[1] <= MAX_ACTIVATION_TOKENS:
             return f"hidden states claim {t.shape[1]} tokens (1..{MAX_ACTIVATION_TOKENS})"
@@ -89,11 +102,29 @@ class StageGate:
     def _owned(self, msg: Any, source: str) -> Seq | None:
         """The sequence named by ``msg`` if ``source`` owns it; raises for another owner (the
         identity that prepared a request id owns it here)."""
-        seq = self.seqs.get(msg.request_id)
+        return self._owned_id(msg.request_id, source)
+
+    def _owned_id(self, rid: str, source: str) -> Seq | None:
+        seq = self.seqs.get(rid)
         if seq is not None and seq.owner != source and "skip-owner-check" not in self.inject:
             raise ProtocolError(
                 ErrorCode.NOT_OWNER, f"request {seq.key[0]!r} is owned by another identity"
             )
+        return seq
+
+    def _joinable(self, rid: str, owner: str, out: list[Effect]) -> Seq | None:
+        """The sequence an activation's row runs on, if it is here and ``owner``'s."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            self.stats.dropped += 1
+            self._warn(out, f"activation for unprepared request {rid[:64]!r}; dropped")
+            return None
+        if owner != seq.owner and "skip-owner-check" not in self.inject:
+            # The entry stage ran this for another identity than the one that prepared it
+            # here: joining the two would feed one owner's tokens into the other's cache.
+            self._count_refusal(ErrorCode.NOT_OWNER)
+            self._warn(out, f"activation for {rid[:64]!r} of another owner; dropped")
+            return None
         return seq
 
     def _fail_to_owner(self, out: list[Effect], seq: Seq, step: Step, code: str, why: str) -> None:
@@ -113,15 +144,27 @@ class StageGate:
         self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
 
     def _refuse(self, out: list[Effect], msg: Message, source: str, code: str, why: str) -> None:
+        rid = getattr(msg, "request_id", None)
+        self._refuse_row(out, msg, source, code, why, rid, getattr(msg, "nonce", None))
+
+    def _refuse_row(
+        self,
+        out: list[Effect],
+        msg: Message,
+        source: str,
+        code: str,
+        why: str,
+        rid: str | None,
+        nonce: int | None,
+    ) -> None:
+        """Refuse ``msg`` (or one row of it: ``rid`` and ``nonce``) to ``source``."""
         self._count_refusal(code)
         self._warn(out, f"refusing {type(msg).__name__} from {source}: {why}")
-        rid = getattr(msg, "request_id", None)
-        nonce = getattr(msg, "nonce", None)
         self._send(out, source, Error(code, why, rid, nonce))
 
     def _refused_sender(self, out: list[Effect], msg: Message, source: str) -> None:
         code = REFUSAL[MAY_SEND[type(msg)]]
-        if not isinstance(msg, Activation):
+        if not isinstance(msg, Activation | StepActivation):
             self._refuse(
                 out,
                 msg,
@@ -134,13 +177,10 @@ class StageGate:
         # without the sender's nonce: a stranger must not fail a live exchange by guessing it.
         self._count_refusal(code)
         self._warn(out, f"activation from {source} is not from the upstream stage")
-        seq = self.seqs.get(msg.request_id)
-        if seq is not None:
-            self._send(
-                out,
-                seq.owner,
-                Error(code, f"activation from {source} refused", msg.request_id, None),
-            )
+        ids = (msg.request_id,) if isinstance(msg, Activation) else msg.request_ids
+        for rid in ids[:MAX_STEP_ROWS]:
+            if (seq := self.seqs.get(rid)) is not None:
+                self._send(out, seq.owner, Error(code, f"activation from {source} refused", rid))
 
     def _on_undecodable(self, m: Undecodable, source: str, out: list[Effect]) -> None:
         """A message that failed to decode: answer its exchange now instead of at its deadline."""

@@ -29,6 +29,8 @@ from mlxcel.messages import (
     RunEntry,
     SamplingParams,
     Shutdown,
+    StepActivation,
+    StepEntry,
     Tensor,
 )
 
@@ -47,12 +49,14 @@ class Sender(enum.Enum):
 MAY_SEND: dict[type[Message], Sender] = {
     PrepareSequence: Sender.COORDINATOR,
     RunEntry: Sender.COORDINATOR,
+    StepEntry: Sender.COORDINATOR,
     CancelRequest: Sender.COORDINATOR,
     ReleaseSequence: Sender.COORDINATOR,
     BeginDrain: Sender.COORDINATOR,
     Shutdown: Sender.COORDINATOR,
     QueryState: Sender.COORDINATOR,
     Activation: Sender.UPSTREAM,
+    StepActivation: Sender.UPSTREAM,
 }
 REFUSAL = {Sender.COORDINATOR: ErrorCode.NOT_COORDINATOR, Sender.UPSTREAM: ErrorCode.NOT_UPSTREAM}
 
@@ -169,7 +173,7 @@ class Step:
     key: SeqKey
     micro_batch: int
     tokens: tuple[int, ...] | None  # the entry stage's input
-    hidden: Tensor | None  # every other stage's input
+    hidden: Tensor | None  # every other stage's input: row ``row`` of it is this step's
     n: int
     start_pos: int
     sampling: SamplingParams
@@ -178,6 +182,9 @@ class Step:
     compute_us: int = 0  # spent upstream on this step
     owner: str = ""  # who prepared the sequence on the entry stage
     context: tuple[int, ...] = ()  # the prompt's tail (final stage: what penalties look back on)
+    row: int = 0
+    # A row of a StepEntry or StepActivation: passed on in one batched message per owner.
+    batched: bool = False
 
     @property
     def request_id(self) -> str:
@@ -236,6 +243,15 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Row:
+    """A step's hidden states: row ``index`` of ``tensor``, which holds its whole job's (so a
+    job's output is copied to the host once, and passed on as one tensor where it can be)."""
+
+    tensor: Tensor
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepFailed:
     """One sequence's step failed while the rest of its job completed."""
 
@@ -243,7 +259,7 @@ class StepFailed:
     why: str
 
 
-StepOutput = Tensor | Sampled | StepFailed | None
+StepOutput = Tensor | Row | Sampled | StepFailed | None
 
 
 @dataclass(eq=False)  # a sequence is itself: identity, not a field-by-field comparison
@@ -258,6 +274,7 @@ class Seq:
     nonce: int = 0  # of the PrepareSequence that claimed it: a copy of that claim is a no-op
     step_nonce: int | None = None  # of the last step accepted: a copy of it is a no-op
     context: tuple[int, ...] = ()  # the prompt's tail, from PrepareSequence
+    sampling: SamplingParams | None = None  # from PrepareSequence: a StepEntry row's
 
 
 @dataclass

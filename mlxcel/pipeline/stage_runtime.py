@@ -17,13 +17,22 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcel.messages import DeviceTensor, ErrorCode, Tensor
-from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, Step, StepFailed, StepOutput
+from mlxcel.pipeline.stage_protocol import (
+    ComputeJob,
+    Row,
+    Sampled,
+    SeqKey,
+    Step,
+    StepFailed,
+    StepOutput,
+)
 from mlxcel.pipeline.stage_sampling import SamplingExtras
 from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
 from mlxcel.runtime.kv_usage import figures as kv_figures
 from mlxcel.runtime.model import LayerRange, cache_arrays, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
-from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors
+from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors, to_tensor
+from mlxcel.tensor import join_rows, take_rows
 
 SPANS_KEPT = 1024  # job timestamps a stage keeps for its timeline
 # Start the entry stage's next step early only for this many rows or fewer. Measured on one
@@ -261,14 +270,13 @@ class StageRuntime:
             if self.device_handoff:
                 mx.async_eval(h)  # the next stage's job, next on this thread, builds on it
                 timing.add(t0)
-                name, shape = dtype_name(h.dtype), (1, *h.shape[1:])
-                return [DeviceTensor(name, shape, b"", h, r) for r in rows]
+                return [Row(_on_device(h), r) for r in rows]
             t1 = time.perf_counter()
             mx.eval(h)
             t2 = time.perf_counter()
-            outs: list[StepOutput] = [*row_tensors(h, rows)]
+            whole = to_tensor(h)  # one copy to the host for the whole job
             timing.add(t0, t1, t2)
-            return outs
+            return [Row(whole, r) for r in rows]
         if head == "none":
             t1 = time.perf_counter()
             mx.eval(cache_arrays(cache))
@@ -279,7 +287,7 @@ class StageRuntime:
             t1 = time.perf_counter()
             mx.eval(logits)
             t2 = time.perf_counter()
-            outs = [*row_tensors(logits, rows)]
+            outs: list[StepOutput] = [*row_tensors(logits, rows)]
             timing.add(t0, t1, t2)
             return outs
         last = h[:, -1, :]
@@ -402,8 +410,8 @@ class StageRuntime:
         self.ahead_used += 1
         for s in steps:
             self._pos[s.key] = s.start_pos + 1
-        name, shape = dtype_name(a.hidden.dtype), (1, *a.hidden.shape[1:])
-        return [DeviceTensor(name, shape, b"", a.hidden, row[s.key]) for s in steps]
+        whole = _on_device(a.hidden)
+        return [Row(whole, row[s.key]) for s in steps]
 
     def _undo_ahead(self) -> None:
         a, self._ahead = self._ahead, None
@@ -442,39 +450,35 @@ class StageRuntime:
 
 def _inputs(steps: list[Step]) -> mx.array:
     """Token ids ``[B, n]`` (entry stage) or hidden states ``[B, n, width]``, in this order:
-    rows of one shape and dtype are joined on the host and cross to MLX as one array; device
-    tensors that are the rows of one array, in its order, are that array."""
+    the rows of one message's tensor, in its order, are that tensor as it is; rows of one
+    shape and dtype are joined on the host (or on one device array) and cross to MLX as one
+    array."""
     if steps[0].tokens is not None:
         return mx.array([list(s.tokens or ()) for s in steps], dtype=mx.int32)
-    hs = [s.hidden for s in steps]
-    first = hs[0]
+    first = steps[0].hidden
     assert first is not None
-    whole = _whole_array(hs)  # type: ignore[arg-type]
-    if whole is not None:
-        return whole
-    if len(hs) == 1 or any(
-        h is None or isinstance(h, DeviceTensor) or (h.dtype, h.shape) != (first.dtype, first.shape)
-        for h in hs
-    ):
-        arrays = [_array_of(h) for h in hs]  # type: ignore[arg-type]
-        return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
-    joined = b"".join(h.data for h in hs)  # type: ignore[union-attr]
-    return from_tensor(Tensor(first.dtype, (len(hs) * first.shape[0], *first.shape[1:]), joined))
+    if all(s.hidden is first for s in steps):
+        return _array_of(take_rows(first, [s.row for s in steps]))
+    parts = [take_rows(s.hidden, [s.row]) for s in steps if s.hidden is not None]
+    arrays = {id(p.array) if isinstance(p, DeviceTensor) else None for p in parts}
+    if len({(p.dtype, p.shape[1:]) for p in parts}) == 1 and len(arrays) == 1:
+        return _array_of(join_rows(parts))
+    return mx.concatenate([_array_of(p) for p in parts], axis=0)
 
 
-def _whole_array(hs: list[Tensor]) -> mx.array | None:
-    """The device array ``hs`` are all the rows of, in its order; None otherwise."""
-    whole = getattr(hs[0], "array", None)
-    rows = [h.row if isinstance(h, DeviceTensor) and h.array is whole else -1 for h in hs]
-    return whole if whole is not None and rows == list(range(whole.shape[0])) else None
+def _on_device(h: mx.array) -> DeviceTensor:
+    """All of ``h`` as a tensor that stays on the device (an in-process hand-off)."""
+    return DeviceTensor(dtype_name(h.dtype), tuple(h.shape), b"", h, tuple(range(h.shape[0])))
 
 
 def _array_of(t: Tensor) -> mx.array:
-    if isinstance(t, DeviceTensor):
-        whole = t.array
-        assert isinstance(whole, mx.array)
-        return whole[t.row : t.row + 1]
-    return from_tensor(t)
+    if not isinstance(t, DeviceTensor):
+        return from_tensor(t)
+    whole, rows = t.array, list(t.rows)
+    assert isinstance(whole, mx.array)
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows: a slice
+        return whole if len(rows) == whole.shape[0] else whole[rows[0] : rows[0] + len(rows)]
+    return whole[mx.array(rows)]
 
 
 def _failed(exc: Exception) -> StepFailed:

@@ -14,7 +14,15 @@ from typing import Any
 
 from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.effects import Effect
-from mlxcel.messages import CancelRequest, Error, Message, RunEntry, RunResult, SamplingParams
+from mlxcel.messages import (
+    CancelRequest,
+    Error,
+    Message,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+    StepResult,
+)
 from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
 from mlxcel.pipeline.stage import StageService
@@ -126,11 +134,13 @@ class StageHost(SimProcess):
         service.attach()
 
     def check_send(self, dest: str, msg: Message) -> None:
-        if self.entry_owner is not None and isinstance(msg, RunResult):
-            fed_by = self.entry_owner(msg.request_id)
+        if self.entry_owner is None or not isinstance(msg, RunResult | StepResult):
+            return
+        for rid in msg.request_ids if isinstance(msg, StepResult) else (msg.request_id,):
+            fed_by = self.entry_owner(rid)
             if fed_by is not None and fed_by != dest:
                 self.violations.append(
-                    f"{self.identity}: a result for {msg.request_id!r} went to {dest}, "
+                    f"{self.identity}: a result for {rid!r} went to {dest}, "
                     f"but {fed_by} owns the sequence on the entry stage"
                 )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from mlxcel.messages import ErrorCode, Tensor
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, StepFailed, StepOutput
+from mlxcel.tensor import take_rows
 
 MASK = (1 << 64) - 1
 PRIME = 0x100000001B3
@@ -72,7 +73,8 @@ class FakeStage:
                 xs = list(step.tokens)
             else:
                 assert step.hidden is not None
-                data, row = step.hidden.data, step.hidden.shape[2] * 4
+                data = take_rows(step.hidden, [step.row]).data
+                row = step.hidden.shape[2] * 4
                 xs = [int.from_bytes(data[i * row : i * row + 8], "little") for i in range(step.n)]
             ys = []
             for x in xs:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlxcel.errors import ConnectFailed
-from mlxcel.messages import Activation, Bundle, Message, RunResult
+from mlxcel.messages import Activation, Bundle, Message, RunResult, StepActivation
 from mlxcel.sim.clock import Scheduler
 from mlxcel.wire.handshake_fields import Failure
 
@@ -54,7 +54,7 @@ def size_of(msg: Message) -> int:
     """Bytes on the wire, roughly: a header plus any tensor."""
     if isinstance(msg, Bundle):
         return 96 + sum(size_of(m) for m in msg.items)
-    if isinstance(msg, Activation):
+    if isinstance(msg, Activation | StepActivation):
         return 96 + msg.hidden.nbytes
     if isinstance(msg, RunResult) and msg.logits is not None:
         return 96 + msg.logits.nbytes
