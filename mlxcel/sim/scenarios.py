@@ -29,6 +29,9 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     SamplingParams,
+    StepActivation,
+    StepEntry,
+    StepResult,
     Tensor,
 )
 from mlxcel.pipeline.coordinator import PipelineCoordinator
@@ -246,21 +249,20 @@ def _intrude(
             return rng.choice(
                 [
                     RunResult(rid, 0, (rng.randint(0, 63),), None, nonce),
+                    StepResult(0, (rid,), (nonce,), (rng.randint(0, 63),), (0.0,)),
                     Error("forged", "evil", rid, nonce),
                 ]
             )
-        sp = SamplingParams(max_tokens=4)
-        pos = rng.randint(0, 8)
+        sp, pos = SamplingParams(max_tokens=4), rng.randint(0, 8)
         hidden = Tensor("float32", (1, 1, width), bytes(4 * width))
-        return rng.choice(
-            [
-                PrepareSequence(rid, 64, nonce),
-                RunEntry(rid, 0, (1, 2), pos, sp, nonce),
-                ReleaseSequence(rid),
-                CancelRequest(rid, "evil"),
-                Activation(rid, 0, hidden, pos, sp, nonce),
-            ]
-        )
+        commands = [PrepareSequence(rid, 64, nonce), ReleaseSequence(rid), CancelRequest(rid, "")]
+        steps = [
+            RunEntry(rid, 0, (1, 2), pos, sp, nonce),
+            StepEntry(0, (rid,), (1,), (pos,), (nonce,)),
+        ]
+        acts = [Activation(rid, 0, hidden, pos, sp, nonce),
+                StepActivation(0, (rid,), (pos,), (nonce,), hidden, 0, COORDINATOR)]  # fmt: skip
+        return rng.choice([*commands, *steps, *acts])
 
     def strike() -> None:
         live = [rid for rid, o in outcomes.items() if o.finish is None] or ["nobody"]
@@ -268,7 +270,8 @@ def _intrude(
         dest = COORDINATOR if to_coordinator else rng.choice(stages)
         msgs = [forge(rng.choice(live), to_coordinator) for _ in range(rng.choice((1, 1, 3)))]
         for m in msgs:
-            cluster.targeted.add(m.request_id)  # type: ignore[attr-defined]
+            ids = getattr(m, "request_ids", None) or (m.request_id,)  # type: ignore[attr-defined]
+            cluster.targeted.update(ids)
         evil.inject(dest, msgs[0] if len(msgs) == 1 else Bundle(tuple(msgs)))
 
     for _ in range(rng.randint(5, 30)):

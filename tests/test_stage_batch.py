@@ -1,0 +1,377 @@
+"""The batched step messages on a stage, pinned word for word: StepEntry, StepActivation and
+what a job's rows leave as (one StepActivation or StepResult per owner and micro-batch).
+
+Every refusal of the per-sequence forms has its batched form here: a message malformed as a
+whole is refused whole; otherwise each row is refused on its own (same code, same text) and
+the other rows run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel.effects import Send, StartCompute, Warn
+from mlxcel.messages import (
+    MAX_STEP_ROWS,
+    Error,
+    ErrorCode,
+    PrepareSequence,
+    ReleaseSequence,
+    RunResult,
+    SamplingParams,
+    StepActivation,
+    StepEntry,
+    StepResult,
+    Tensor,
+)
+from mlxcel.pipeline.stage_core import StageCore
+from mlxcel.pipeline.stage_protocol import ComputeJob, Row, Sampled, StageConfig, Step, StepFailed
+
+C, UP, DOWN, EVE, OTHER = (
+    "10.0.0.1:7000",
+    "10.0.1.1:7100",
+    "10.0.1.3:7100",
+    "10.0.0.66:7000",
+    "10.0.0.2:7000",
+)
+WILD = "0.0.0.0:7000"
+W = 4
+SP = SamplingParams(max_tokens=8, logprobs=True)
+GREEDY = SamplingParams()
+
+
+def make(index: int = 0, n: int = 1, coordinator: str = C) -> StageCore:
+    cfg = StageConfig(
+        f"s{index}",
+        index,
+        n,
+        coordinator,
+        upstream=UP if index else None,
+        downstream=DOWN if index + 1 < n else None,
+    )
+    return StageCore(cfg, width=W, vocab=16, layers=(0, 4))
+
+
+def prepare(
+    c: StageCore, *rids: str, owner: str = C, sp: SamplingParams | None = SP, cached: int = 5
+) -> None:
+    """Prepare ``rids``, each with ``cached`` positions in its cache (its prompt ran): a step at
+    that position is a decode step, and decode steps of one micro-batch run as one batch."""
+    for i, rid in enumerate(rids):
+        got = c.handle(PrepareSequence(rid, 64, 100 + i, (1, 2), sp), owner, 0.0)
+        assert len(got) == 1
+        c.seqs[rid].tokens = cached
+
+
+def rows(n: int, fill: int = 0) -> Tensor:
+    return Tensor("float32", (n, 1, W), bytes(range(fill, fill + 4 * W * n)))
+
+
+def refusal(c: StageCore, kind: str, source: str, why: str) -> Warn:
+    return Warn("stage-drop", f"stage {c.config.index}: refusing {kind} from {source}: {why}")
+
+
+def row_step(c: StageCore, rid: str, token: int, pos: int, nonce: int, **kw: object) -> Step:
+    seq = c.seqs[rid]
+    opts: dict[str, object] = dict(owner=seq.owner, context=(1, 2), batched=True)
+    opts.update(kw)
+    return Step(seq.key, 0, (token,), None, 1, pos, seq.sampling or GREEDY, nonce, **opts)  # type: ignore[arg-type]
+
+
+# --- a StepEntry ------------------------------------------------------------------------------
+
+
+def test_a_step_entry_runs_its_rows_as_one_job_in_order() -> None:
+    c = make()
+    prepare(c, "a", "b")
+    out = c.handle(StepEntry(0, ("b", "a"), (3, 4), (5, 5), (7, 8)), C, 1.0)
+    # The batch runs in a fixed order (by sequence), whatever the order of the rows.
+    steps = (row_step(c, "a", 4, 5, 8), row_step(c, "b", 3, 5, 7))
+    assert out == [StartCompute(ComputeJob(1, steps, True, True, False))]
+
+
+def test_a_step_entry_at_a_later_stage_or_from_a_stranger_is_refused_whole() -> None:
+    c = make(1, 2)
+    prepare(c, "a")
+    why = "this stage is not the entry stage"
+    assert c.handle(StepEntry(0, ("a",), (1,), (0,), (5,)), C, 1.0) == [
+        refusal(c, "StepEntry", C, why),
+        Send(C, Error(ErrorCode.NOT_ENTRY, why, None, None)),
+    ]
+    c = make()
+    prepare(c, "a")
+    why = "StepEntry is accepted only from the coordinator"
+    assert c.handle(StepEntry(0, ("a",), (1,), (0,), (5,)), EVE, 1.0) == [
+        refusal(c, "StepEntry", EVE, why),
+        Send(EVE, Error(ErrorCode.NOT_COORDINATOR, why, None, None), False),
+    ]
+    assert not c.busy
+
+
+@pytest.mark.parametrize(
+    "msg, why",
+    [
+        (StepEntry(0, (), (), (), ()), "StepEntry with 0 rows (1..256)"),
+        (
+            StepEntry(0, tuple(f"r{i}" for i in range(257)), (1,) * 257, (0,) * 257, (1,) * 257),
+            "StepEntry with 257 rows (1..256)",
+        ),
+        (
+            StepEntry(0, ("a", "b"), (1,), (0, 0), (1, 2)),
+            "StepEntry columns of different lengths for 2 rows",
+        ),
+        (
+            StepEntry(0, ("a", "b"), (1, 1), (0, 0), (1,)),
+            "StepEntry columns of different lengths for 2 rows",
+        ),
+        (StepEntry(0, ("a", "a"), (1, 2), (0, 0), (1, 2)), "StepEntry names a request id twice"),
+    ],
+    ids=["empty", "over-the-bound", "tokens", "nonces", "duplicate"],
+)
+def test_a_malformed_step_entry_is_refused_whole(msg: StepEntry, why: str) -> None:
+    c = make()
+    prepare(c, "a", "b")
+    assert c.handle(msg, C, 1.0) == [
+        refusal(c, "StepEntry", C, why),
+        Send(C, Error(ErrorCode.BAD_REQUEST, why, None, None)),
+    ]
+    assert not c.busy and c.stats.by_code == {ErrorCode.BAD_REQUEST: 1}
+    assert MAX_STEP_ROWS == 256
+
+
+def test_each_bad_row_is_refused_on_its_own_and_the_others_run() -> None:
+    c = make(coordinator=WILD)
+    prepare(c, "ok", "far", "big")
+    prepare(c, "theirs", owner=OTHER)
+    c.handle(PrepareSequence("short", 1, 9, (), SP), C, 0.0)
+    msg = StepEntry(
+        0,
+        ("nope", "ok", "theirs", "far", "vocab", "short"),
+        (1, 2, 3, 4, 16, 5),
+        (5, 5, 5, 3, 5, 1),
+        (11, 12, 13, 14, 15, 16),
+    )
+    prepare(c, "vocab")
+    out = c.handle(msg, C, 1.0)
+    whys = [
+        ("nope", 11, ErrorCode.NOT_PREPARED, "no sequence 'nope' here"),
+        ("theirs", 13, ErrorCode.NOT_OWNER, "request 'theirs' is owned by another identity"),
+        (
+            "far",
+            14,
+            ErrorCode.BAD_REQUEST,
+            "start_pos 3 does not follow the 5 positions cached for 'far'",
+        ),
+        ("vocab", 15, ErrorCode.BAD_REQUEST, "token id outside the vocabulary [0, 16)"),
+        (
+            "short",
+            16,
+            ErrorCode.BAD_REQUEST,
+            "start_pos 1 does not follow the 0 positions cached for 'short'",
+        ),
+    ]
+    expected: list[object] = []
+    for rid, nonce, code, why in whys:
+        expected += [refusal(c, "StepEntry", C, why), Send(C, Error(code, why, rid, nonce))]
+    job = ComputeJob(1, (row_step(c, "ok", 2, 5, 12),), True, True, False)
+    assert out == [*expected, StartCompute(job)]
+    assert c.stats.refused == 5
+
+
+def test_a_row_past_the_prepared_length_and_a_row_with_no_sampling_at_the_final_stage() -> None:
+    c = make()
+    c.handle(PrepareSequence("short", 1, 9, (), SP), C, 0.0)
+    prepare(c, "plain", sp=None)
+    c.handle(StepEntry(0, ("short",), (1,), (0,), (20,)), C, 1.0)
+    c.compute_done(1, [Sampled(3, -0.5)], 0.0, 1.0)
+    out = c.handle(StepEntry(0, ("short", "plain"), (3, 4), (1, 0), (21, 22)), C, 2.0)
+    past, unset = (
+        "token ids beyond the prepared length",
+        "'plain' was prepared without sampling parameters",
+    )
+    assert out == [
+        refusal(c, "StepEntry", C, past),
+        Send(C, Error(ErrorCode.BAD_REQUEST, past, "short", 21)),
+        refusal(c, "StepEntry", C, unset),
+        Send(C, Error(ErrorCode.BAD_REQUEST, unset, "plain", 22)),
+    ]
+
+
+def test_a_copy_of_a_step_entry_runs_once() -> None:
+    c = make()
+    prepare(c, "a", "b")
+    msg = StepEntry(0, ("a", "b"), (3, 4), (5, 5), (7, 8))
+    assert len(c.handle(msg, C, 1.0)) == 1
+    assert c.handle(msg, C, 1.1) == [] and c.stats.duplicates == 2
+
+
+# --- what a job's rows leave as -----------------------------------------------------------------
+
+
+def test_a_middle_stage_passes_its_rows_on_as_one_activation() -> None:
+    c = make(0, 3)
+    prepare(c, "a", "b")
+    (start,) = c.handle(StepEntry(0, ("b", "a"), (3, 4), (5, 5), (7, 8)), C, 1.0)
+    assert isinstance(start, StartCompute)
+    whole = rows(2)
+    # The runtime hands back rows of one job tensor: here the job's second row is its first.
+    out = c.compute_done(1, [Row(whole, 1), Row(whole, 0)], 0.25, 1.5)
+    swapped = Tensor("float32", (2, 1, W), whole.data[4 * W :] + whole.data[: 4 * W])
+    assert out == [
+        Send(DOWN, StepActivation(0, ("a", "b"), (5, 5), (8, 7), swapped, 250_000, C), True)
+    ]
+    # In order, the tensor goes on as it is.
+    c2 = make(0, 3)
+    prepare(c2, "a", "b")
+    c2.handle(StepEntry(0, ("a", "b"), (3, 4), (5, 5), (7, 8)), C, 1.0)
+    (send,) = c2.compute_done(1, [Row(whole, 0), Row(whole, 1)], 0.25, 1.5)
+    assert isinstance(send, Send) and send.msg.hidden is whole  # type: ignore[union-attr]
+
+
+def test_the_final_stage_answers_each_owner_with_one_step_result() -> None:
+    c = make(1, 2)
+    prepare(c, "a", "b", "c")
+    act = StepActivation(0, ("a", "b", "c"), (5, 5, 5), (7, 8, 9), rows(3), 1_000, C)
+    (start,) = c.handle(act, UP, 1.0)
+    assert isinstance(start, StartCompute)
+    assert [s.row for s in start.job.steps] == [0, 1, 2]
+    assert all(s.hidden is act.hidden and s.batched for s in start.job.steps)
+    outs = [
+        Sampled(3, -0.5, ((3, 4), (-0.5, -1.0))),
+        StepFailed(ErrorCode.SAMPLING_FAILED, "sampling failed: boom"),
+        Sampled(5, -0.25),
+    ]
+    assert c.compute_done(1, outs, 0.002, 1.5) == [
+        Send(C, Error(ErrorCode.SAMPLING_FAILED, "stage 1: sampling failed: boom", "b", 8), True),
+        Send(
+            C,
+            StepResult(
+                0,
+                ("a", "c"),
+                (7, 9),
+                (3, 5),
+                (-0.5, -0.25),
+                3_000,
+                ((3, 4), ()),
+                ((-0.5, -1.0), ()),
+            ),
+            True,
+        ),
+    ]
+
+
+def test_logits_rows_go_back_one_run_result_each() -> None:
+    cfg = StageConfig("s0", 0, 1, C, return_logits=True)
+    c = StageCore(cfg, width=W, vocab=16, layers=(0, 4))
+    prepare(c, "a")
+    c.handle(StepEntry(0, ("a",), (3,), (5,), (7,)), C, 1.0)
+    logits = Tensor("float32", (1, 1, 16), bytes(64))
+    assert c.compute_done(1, [logits], 0.0, 1.5) == [
+        Send(C, RunResult("a", 0, (), None, 7, None, logits, 0), True)
+    ]
+
+
+def test_releasing_one_row_while_its_step_runs_keeps_the_others() -> None:
+    c = make()
+    prepare(c, "a", "b")
+    c.handle(StepEntry(0, ("a", "b"), (3, 4), (5, 5), (7, 8)), C, 1.0)
+    freed = c.handle(ReleaseSequence("a"), C, 1.1)
+    assert len(freed) == 1
+    out = c.compute_done(1, [Sampled(1, -0.1), Sampled(2, -0.2)], 0.0, 1.2)
+    assert out == [Send(C, StepResult(0, ("b",), (8,), (2,), (-0.2,)), True)]
+
+
+# --- a StepActivation -----------------------------------------------------------------------------
+
+
+def test_a_step_activation_from_a_stranger_is_told_to_each_rows_owner_without_its_nonce() -> None:
+    c = make(1, 2)
+    prepare(c, "a", "b")
+    act = StepActivation(0, ("a", "b", "x"), (0, 0, 0), (7, 8, 9), rows(3), 0, C)
+    why = f"activation from {EVE} refused"
+    assert c.handle(act, EVE, 1.0) == [
+        Warn("stage-drop", f"stage 1: activation from {EVE} is not from the upstream stage"),
+        Send(C, Error(ErrorCode.NOT_UPSTREAM, why, "a"), True),
+        Send(C, Error(ErrorCode.NOT_UPSTREAM, why, "b"), True),
+    ]
+    assert not c.busy
+
+
+@pytest.mark.parametrize(
+    "hidden, why",
+    [
+        (
+            Tensor("float32", (3, 1, W), bytes(48)),
+            "hidden states must be [2, 1, width] for 2 rows, got [3, 1, 4]",
+        ),
+        (
+            Tensor("float32", (1, 2, W), bytes(32)),
+            "hidden states must be [2, 1, width] for 2 rows, got [1, 2, 4]",
+        ),
+        (Tensor("int32", (2, 1, W), bytes(32)), "hidden states must be float, got int32"),
+        (Tensor("float32", (2, 1, W + 1), bytes(40)), "hidden width 5 differs from the model's 4"),
+    ],
+    ids=["rows", "tokens", "dtype", "width"],
+)
+def test_a_step_activation_whose_tensor_does_not_fit_its_rows_fails_every_row(
+    hidden: Tensor, why: str
+) -> None:
+    c = make(1, 2)
+    prepare(c, "a", "b")
+    act = StepActivation(0, ("a", "b"), (0, 0), (7, 8), hidden, 0, C)
+    assert c.handle(act, UP, 1.0) == [
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "a", 7), True),
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "b", 8), True),
+    ]
+    assert not c.busy
+
+
+def test_a_step_activation_with_duplicate_rows_is_refused_whole() -> None:
+    c = make(1, 2)
+    prepare(c, "a")
+    act = StepActivation(0, ("a", "a"), (0, 0), (7, 8), rows(2), 0, C)
+    why = "StepActivation names a request id twice"
+    assert c.handle(act, UP, 1.0) == [
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "a", 7), True),
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "a", 8), True),
+    ]
+    assert not c.busy
+
+
+def test_rows_unprepared_or_of_another_owner_are_dropped_and_the_rest_run() -> None:
+    c = make(1, 2, coordinator=WILD)
+    prepare(c, "a", "b")
+    prepare(c, "theirs", owner=OTHER)
+    act = StepActivation(0, ("gone", "a", "theirs", "b"), (5, 5, 5, 3), (6, 7, 8, 9), rows(4), 0, C)
+    out = c.handle(act, UP, 1.0)
+    assert out[:3] == [
+        Warn("stage-drop", "stage 1: activation for unprepared request 'gone'; dropped"),
+        Warn("stage-drop", "stage 1: activation for 'theirs' of another owner; dropped"),
+        Send(
+            C,
+            Error(
+                ErrorCode.BAD_REQUEST,
+                "start_pos 3 does not follow the 5 positions cached for 'b'",
+                "b",
+                9,
+            ),
+            True,
+        ),
+    ]
+    (start,) = out[3:]
+    assert isinstance(start, StartCompute)
+    (step,) = start.job.steps
+    assert (step.request_id, step.row, step.nonce) == ("a", 1, 7)
+    assert c.stats.dropped == 1 and c.stats.by_code == {ErrorCode.NOT_OWNER: 1}
+
+
+def test_an_undeliverable_step_activation_fails_each_rows_exchange() -> None:
+    c = make(0, 2)
+    prepare(c, "a", "b")
+    act = StepActivation(0, ("a", "b", "gone"), (0, 0, 0), (7, 8, 9), rows(3), 0, C)
+    why = f"stage 0 cannot reach {DOWN}"
+    assert c.undeliverable(Send(DOWN, act), "refused", 1.0) == [
+        Warn("stage-drop", f"stage 0: could not send to {DOWN}: refused"),
+        Send(C, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, why, "a", 7), True),
+        Send(C, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, why, "b", 8), True),
+    ]
