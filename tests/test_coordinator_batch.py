@@ -75,10 +75,11 @@ def test_one_step_entry_per_micro_batch_and_one_step_result_back() -> None:
     # Both rows in one message, in the order they became ready, a nonce each.
     assert step == StepEntry(0, ("b", "a"), (2, 9), (0, 1), (6, 7))
     got = StepResult(0, ("a", "b"), (7, 6), (4, 3), (-0.1, -0.2), 2_000)
+    # The next step leaves first; then the tokens go to the frontend, in row order.
     assert c.handle(got, S1, 0.5) == [
+        Send(S0, StepEntry(0, ("a", "b"), (4, 3), (2, 1), (8, 9)), deadline=2.5),
         Deliver(RunResult("a", 0, (4,), None, 70)),
         Deliver(RunResult("b", 0, (3,), None, 71)),
-        Send(S0, StepEntry(0, ("a", "b"), (4, 3), (2, 1), (8, 9)), deadline=2.5),
     ]
     assert (c.decode_steps, c.decode_compute_s) == (3, 0.004)
 
@@ -88,7 +89,7 @@ def test_logprobs_and_alternatives_go_to_the_requests_that_asked() -> None:
     asked = SamplingParams(max_tokens=3, logprobs=True, top_logprobs=2)
     step = admit(c, "a", sp=asked)
     got = StepResult(0, ("a",), step.nonces, (3,), (-0.5,), 0, ((3, 4),), ((-0.5, -1.5),))
-    (token, _) = c.handle(got, S1, 0.5)
+    (_, token) = c.handle(got, S1, 0.5)
     assert token == Deliver(
         RunResult("a", 0, (3,), None, 70, (-0.5,), top_ids=(3, 4), top_logprobs=(-0.5, -1.5))
     )

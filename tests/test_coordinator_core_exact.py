@@ -256,8 +256,8 @@ def test_a_request_fills_caches_in_chunks_then_decodes_word_for_word() -> None:
     # none); compute is the message's, wall is result time minus send time.
     got = StepResult(0, ("r",), (7,), (7,), (-0.5,), compute_us=250_000)
     assert c.handle(got, S2, 2.25) == [
-        Deliver(RunResult("r", 0, (7,), None, 77)),
         Send(S0, StepEntry(0, ("r",), (7,), (10,), (8,)), deadline=4.25),
+        Deliver(RunResult("r", 0, (7,), None, 77)),
     ]
     assert (c.decode_steps, c.decode_wall_s, c.decode_compute_s) == (1, 0.5, 0.25)
     # A stage may still answer a row with a RunResult of its own.

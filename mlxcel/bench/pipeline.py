@@ -19,7 +19,8 @@ connections per additional decoded token.
 
 ``--pin`` compares one device with two on a CPU host (:mod:`mlxcel.bench.pinning`): the
 one-process rows run pinned to one core, each stage process of ``remote-2`` to a core of its
-own; every row says where it ran (``cores``, read back from the kernel).
+own, and the coordinator to the last stage's core (it works when that stage has just answered);
+every row says where it ran (``cores``, read back from the kernel).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ async def run_bench(
 ) -> int:
     """Every mode at every stream count in one run, with plain mlx-lm's split as reference.
     ``pin``: one device against two (:mod:`mlxcel.bench.pinning`): every one-process row on
-    one core, each stage process of ``remote-2`` on a core of its own, the coordinator free."""
+    one core, each stage process of ``remote-2`` on a core of its own, the coordinator on the
+    last stage's."""
     import os
     from contextlib import AbstractContextManager, nullcontext
 
@@ -239,18 +241,26 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
 ) -> None:
     """remote-2: two stage processes over the transport (each on a core of its own when
     ``cores``), the coordinator in this process."""
+    import os
     import time
 
     from mlxcel.bench.pinning import affinity, pin
 
     async with loopback_pipeline(model, max(counts), micro_batch_size) as (cluster, rc):
         pinned_to: dict[str, Any] = {}
+        here = os.getpid()
+        before = affinity(here)
         if cores is not None:
             stages = [proc for node, proc, _ in cluster.procs if node != "coordinator"]
             for core, proc in zip(cores, stages, strict=True):
                 pin(proc.pid, {core})
-            # What each stage process's threads are now allowed: the pinning, read back.
+            # The coordinator shares the last stage's core: it works when that stage has just
+            # answered (a step's tokens) and never takes the entry stage's core from under the
+            # step it has just sent. Left free, the kernel often ran it there.
+            pin(here, {cores[-1]})
+            # Where each process's threads are now allowed: the pinning, read back.
             pinned_to["cores"] = [sorted(affinity(p.pid)) for p in stages]
+            pinned_to["coordinator_cores"] = sorted(affinity(here))
         await decode_rate(rc.frontend, 8)
         rcoord, rendpoint = rc.parts.coordinator, rc.parts.endpoint
 
@@ -290,6 +300,7 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
                 **extra,
                 **pinned_to,
             )
+        pin(here, before)
 
 
 def _report(

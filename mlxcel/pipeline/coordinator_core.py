@@ -62,6 +62,7 @@ from mlxcel.pipeline.coordinator_protocol import (
     match_result,
     missed_text,
     picked,
+    sends_first,
     step_rows,
 )
 
@@ -327,8 +328,7 @@ class CoordinatorCore:
         out.append(self._send(self.stages[0], msg))
 
     def _flush(self, mb: int, now: float, out: list[Effect]) -> None:
-        """Send micro-batch ``mb``'s parked decode steps, as one StepEntry, once none of them
-        is in the stages."""
+        """Micro-batch ``mb``'s parked decode steps as one StepEntry, once none is out."""
         ready = self.micro.release(mb)
         if not ready:
             return
@@ -409,14 +409,15 @@ class CoordinatorCore:
         self._took(*matched, picked(m), now, out)
 
     def _on_step_result(self, m: StepResult, source: str, now: float, out: list[Effect]) -> None:
-        """A micro-batch's tokens: each row answers its own exchange; a row that answers none
-        is dropped on its own, the others count."""
+        """A micro-batch's tokens: each row answers its own exchange (or is dropped alone)."""
         rows, dropped = step_rows(m, source == self.final, self._exchanges, self.return_logits)
         for why in dropped:
             self._drop(out, why, m, source)
+        took: list[Effect] = []
         for nonce, ex, answer in rows:
             if nonce in self._exchanges:  # not ended by an earlier row's effects
-                self._took(nonce, ex, answer, now, out)
+                self._took(nonce, ex, answer, now, took)
+        out += sends_first(took)
 
     def _took(self, nonce: int, ex: Exchange, m: Picked, now: float, out: list[Effect]) -> None:
         """Exchange ``nonce`` was answered by ``m``: the request moves on."""

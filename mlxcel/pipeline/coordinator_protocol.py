@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxcel.effects import Effect, Send
 from mlxcel.fsm import Table
 from mlxcel.messages import (
     MAX_STEP_ROWS,
@@ -341,6 +342,15 @@ def step_rows(
             top = (m.top_ids[i], m.top_logprobs[i]) if m.top_ids else (None, None)
             rows.append((nonce, ex, Picked(token, (lp,), None, m.compute_us, *top)))
     return rows, dropped
+
+
+def sends_first(effects: list[Effect]) -> list[Effect]:
+    """``effects`` with the sends first (each group in its order): a step's next step leaves
+    before its tokens go to the frontend, so the stages compute while this process hands
+    them over."""
+    return [e for e in effects if isinstance(e, Send)] + [
+        e for e in effects if not isinstance(e, Send)
+    ]
 
 
 def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, p: Picked) -> RunResult:
