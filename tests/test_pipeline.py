@@ -795,10 +795,11 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
     assert rows[("remote-2", 1)]["stages"][0]["copy_ms"] > 0
     assert rows[("remote-2", 1)]["wire_bytes_per_token"] > 0
     # --pin: one device against two -- every one-process row on one core, each stage of
-    # remote-2 on a core of its own.
+    # remote-2 on a core of its own, the coordinator beside the last stage.
     first, second = sorted(os.sched_getaffinity(0))[:2]
     assert rows[("single", 3)]["cores"] == rows[("inproc-2", 3)]["cores"] == [[first]]
     assert rows[("remote-2", 3)]["cores"] == [[first], [second]]
+    assert rows[("remote-2", 3)]["coordinator_cores"] == [second]  # the last stage's core
 
 
 async def test_bounded_stage_state_sequences_leases_and_owner_loss(tiny: Path) -> None:

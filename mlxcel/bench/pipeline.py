@@ -249,7 +249,7 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
     async with loopback_pipeline(model, max(counts), micro_batch_size) as (cluster, rc):
         pinned_to: dict[str, Any] = {}
         here = os.getpid()
-        before = affinity(here)
+        home = affinity(here)
         if cores is not None:
             stages = [proc for node, proc, _ in cluster.procs if node != "coordinator"]
             for core, proc in zip(cores, stages, strict=True):
@@ -300,7 +300,7 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
                 **extra,
                 **pinned_to,
             )
-        pin(here, before)
+        pin(here, home)
 
 
 def _report(
