@@ -6,6 +6,7 @@ the serving settings stay readable.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -332,6 +333,19 @@ class BenchPipelineRunSettings(BenchPipelineSettings):
         description="one device against two on a CPU host: the one-process rows pinned to one "
         "core, each stage process of remote-2 to a core of its own with BLAS at one thread (Linux)",
     )
+    netns_rate: str | None = Field(
+        None,
+        description="run remote-2's stages on two network-namespace hosts whose links are shaped "
+        "to this rate (tc tbf: 1gbit, 100mbit ...), the coordinator on the last stage's host "
+        "(Linux, root)",
+    )
+
+    @field_validator("netns_rate")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)", v):
+            raise ValueError(f"{v!r} is not a tc rate such as 1gbit, 100mbit or 512kbit")
+        return v
 
     @field_validator("streams")
     @classmethod

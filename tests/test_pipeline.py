@@ -1074,3 +1074,15 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
     async with assemble(PipelineSpec(tiny, 2)) as st:
         got = await parity.served(st.serving)
     parity.assert_same(got, want, "in-process pipeline")
+
+
+def test_bench_pipeline_refuses_a_link_rate_tc_would_not_take() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "bench", "pipeline", "--netns-rate", "1gb"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2
+    assert "'1gb' is not a tc rate such as 1gbit, 100mbit or 512kbit" in r.stderr

@@ -115,8 +115,9 @@ class Hosts:
     def heal(self, i: int) -> None:
         _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0")
 
-    def slow(self, i: int, rate: str = "1mbit") -> None:
-        """Shape host ``i``'s outgoing traffic to ``rate`` (a token bucket; ``unslow`` ends it)."""
+    def slow(self, i: int, rate: str = "1mbit", burst: str = "32kbit") -> None:
+        """Shape host ``i``'s outgoing traffic to ``rate`` (a token bucket of ``burst``: at
+        gigabit rates it must hold a timer tick's worth, hundreds of KB; ``unslow`` ends it)."""
         r = subprocess.run(
             [
                 "tc",
@@ -131,7 +132,7 @@ class Hosts:
                 "rate",
                 rate,
                 "burst",
-                "32kbit",
+                burst,
                 "latency",
                 "400ms",
             ],  # fmt: skip

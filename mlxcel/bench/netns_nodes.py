@@ -19,8 +19,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,6 +46,23 @@ def enter_netns(name: str) -> None:
             raise OSError(err, f"setns({name}): {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+@contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """The calling thread in namespace ``name`` for the block, then back where it was."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+    try:
+        enter_netns(name)
+        try:
+            yield
+        finally:
+            if libc.setns(home, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns(back from {name}): {os.strerror(err)}")
+    finally:
+        os.close(home)
 
 
 class NodeProc:

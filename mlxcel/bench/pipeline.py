@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +86,11 @@ def per_step_ms(
 
 @asynccontextmanager
 async def loopback_pipeline(
-    model: Path, streams: int, micro_batch_size: int | None = None
+    model: Path, streams: int, micro_batch_size: int | None = None, placement: Any = None
 ) -> AsyncIterator[tuple[Any, Any]]:
-    """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 over
-    the full transport and a coordinator in this process, all batching up to ``streams`` rows
-    like the one-process engine they are compared with."""
+    """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 (or
+    where ``placement`` puts them) over the full transport and a coordinator in this process,
+    all batching up to ``streams`` rows like the one-process engine they are compared with."""
     from mlxcel.assembly import CoordinatorSpec, Generation, assemble
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
@@ -99,7 +99,7 @@ async def loopback_pipeline(
     with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
         batch = ("--max-batch-size", str(streams))
         async with LoopbackCluster(
-            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch
+            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch, placement=placement
         ) as cl:
             cfg = load_cluster_config(cl.config)
             secret = load_cluster_secret(None, {}, cl.config)
@@ -144,6 +144,7 @@ async def run_bench(
     repeats: int = 2,
     reference: bool = True,
     pin: bool = False,
+    netns_rate: str | None = None,
 ) -> int:
     """Every mode at every stream count in one run, with plain mlx-lm's split as reference.
     ``pin``: one device against two (:mod:`mlxcel.bench.pinning`): every one-process row on
@@ -179,7 +180,8 @@ async def run_bench(
 
     with one_device():
         await _one_process_rows(model, counts, tokens, reference, rate, add, micro_batch_size)
-    await _remote_rows(model, counts, tokens, micro_batch_size, rate, add, cores)
+    with _hosts(netns_rate) as placement:
+        await _remote_rows(model, counts, tokens, micro_batch_size, rate, add, cores, placement)
     _report(rows, tokens, repeats, model, json_lines)
     return 0
 
@@ -236,8 +238,30 @@ async def _one_process_rows(  # type: ignore[no-untyped-def]
             )
 
 
+@contextmanager
+def _hosts(rate: str | None) -> Iterator[Any]:
+    """With ``rate``: two network-namespace hosts whose links are shaped to it, this thread (the
+    coordinator's) on the second, beside the last stage; yields where the stages go."""
+    if rate is None:
+        yield None
+        return
+    from mlxcel.bench.netns import Hosts, unavailable
+    from mlxcel.bench.netns_nodes import in_netns
+    from mlxcel.errors import ConfigError
+    from mlxcel.pipeline.launch import Placement
+
+    why = unavailable()
+    if why is not None:
+        raise ConfigError("--netns-rate", why)
+    with Hosts(2, net=78) as hosts:
+        for i in range(2):
+            hosts.slow(i, rate, burst="512kb")  # a gigabit link needs a tick's worth of burst
+        with in_netns(hosts.names[1]):
+            yield Placement([hosts.ip(i) for i in range(2)], hosts.command)
+
+
 async def _remote_rows(  # type: ignore[no-untyped-def]
-    model: Path, counts: list[int], tokens: int, micro_batch_size, rate, add, cores
+    model: Path, counts: list[int], tokens: int, micro_batch_size, rate, add, cores, placement
 ) -> None:
     """remote-2: two stage processes over the transport (each on a core of its own when
     ``cores``), the coordinator in this process."""
@@ -246,7 +270,8 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
 
     from mlxcel.bench.pinning import affinity, pin
 
-    async with loopback_pipeline(model, max(counts), micro_batch_size) as (cluster, rc):
+    link = {} if placement is None else {"hosts": list(placement.ips)}
+    async with loopback_pipeline(model, max(counts), micro_batch_size, placement) as (cluster, rc):
         pinned_to: dict[str, Any] = {}
         here = os.getpid()
         home = affinity(here)
@@ -299,6 +324,7 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
                 micro_batch_size=rcoord.coord.micro_batch_size,
                 **extra,
                 **pinned_to,
+                **link,
             )
         pin(here, home)
 

@@ -256,6 +256,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 micro_batch_size=settings.pp_micro_batch_size,
                 reference=settings.reference,
                 pin=settings.pin,
+                netns_rate=settings.netns_rate,
             )
         )
     if args.command == "bench" and args.bench == "engine":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.errors import MlxcelError
@@ -24,6 +26,20 @@ START_SILENCE_S = 120.0  # a starting node silent this long (no log line, not re
 START_LIMIT_S = 1800.0  # and one that is not ready after this long, however much it writes
 
 
+# Ports of a cluster placed on hosts of its own (fresh network namespaces: nothing else binds).
+STAGE_PORT, COORDINATOR_PORT = 7100, 7000
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stages on hosts other than this one's loopback (network-namespace hosts): stage ``i``
+    listens on ``ips[i]`` and starts through ``command(i, argv)``; the coordinator listens
+    beside the last stage."""
+
+    ips: Sequence[str]
+    command: Callable[[int, list[str]], list[str]]
+
+
 class LoopbackCluster:
     def __init__(
         self,
@@ -34,6 +50,7 @@ class LoopbackCluster:
         http_port: int | None = None,
         spawn_coordinator: bool = True,
         extra_args: tuple[str, ...] = (),
+        placement: Placement | None = None,
     ) -> None:
         self.model = model
         self.n_stages = n_stages
@@ -41,6 +58,7 @@ class LoopbackCluster:
         self.spawn_coordinator = spawn_coordinator
         self.http_port = http_port or free_port("127.0.0.1")
         self.extra_args = extra_args
+        self.placement = placement
         self.procs: list[tuple[str, asyncio.subprocess.Process, Path]] = []
         self.config = workdir / "cluster.toml"
         self.secret = workdir / "cluster.secret"
@@ -48,7 +66,12 @@ class LoopbackCluster:
 
     def write_config(self) -> None:
         keygen(self.secret, force=True)
-        self.coordinator_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        where = self.placement
+        self.coordinator_address = (
+            f"127.0.0.1:{free_port('127.0.0.1')}"
+            if where is None
+            else f"{where.ips[self.n_stages - 1]}:{COORDINATOR_PORT}"
+        )
         lines = [
             f'name = "loopback-{self.n_stages}"',
             f"pipeline_parallel_size = {self.n_stages}",
@@ -63,12 +86,15 @@ class LoopbackCluster:
         ]
         for i in range(self.n_stages):
             host = f"127.0.0.{i + 2}"
+            address = (
+                f"{host}:{free_port(host)}" if where is None else f"{where.ips[i]}:{STAGE_PORT}"
+            )
             lines += [
                 "",
                 "[[nodes]]",
                 f'id = "stage-{i}"',
                 'role = "stage"',
-                f'address = "{host}:{free_port(host)}"',
+                f'address = "{address}"',
             ]
         self.config.write_text("\n".join(lines) + "\n")
 
@@ -76,7 +102,9 @@ class LoopbackCluster:
         args = ["-m", str(self.model), "--distributed-config", str(self.config)]
         args += ["--node-id", node_id, *extra, *self.extra_args]
         log = self.workdir / f"{node_id}.log"
-        proc = await start_serve(args, log, ready, device_env(index, self._env()))
+        where = self.placement
+        prefix = [] if where is None or node_id == "coordinator" else where.command(index, [])
+        proc = await start_serve(args, log, ready, device_env(index, self._env()), prefix)
         self.procs.append((node_id, proc, log))
 
     def _env(self) -> dict[str, str]:
@@ -117,14 +145,16 @@ class LoopbackCluster:
 
 
 async def start_serve(
-    args: list[str], log: Path, ready: str, env: dict[str, str]
+    args: list[str], log: Path, ready: str, env: dict[str, str], prefix: Sequence[str] = ()
 ) -> asyncio.subprocess.Process:
-    """``python -m mlxcel serve ARGS`` with its output in ``log``; returns once a line
-    containing ``ready`` is there (or raises with the log's tail)."""
+    """``python -m mlxcel serve ARGS`` (after ``prefix``: say, ``ip netns exec HOST``) with its
+    output in ``log``; returns once a line containing ``ready`` is there (or raises with the
+    log's tail)."""
     if env.get("MLXCEL_LOG_LEVEL", "INFO").upper() not in ("TRACE", "DEBUG", "INFO"):
         env = {**env, "MLXCEL_LOG_LEVEL": "INFO"}  # the ready line is an INFO line
     fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
     proc = await asyncio.create_subprocess_exec(
+        *prefix,
         sys.executable,
         "-m",
         "mlxcel",
