@@ -785,6 +785,8 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
             row = rows[(mode, n)]
             assert row["tok_per_s"] > 0 and row["overhead_ms_per_step"] >= 0
             assert row["stage_compute_ms_per_step"] > 0
+            # With its busiest stage always computing it would do at least as well.
+            assert row["saturated_ratio"] >= row["ratio_vs_single"]
             # Each stage ran jobs; its compute splits into build, eval and copy.
             for st in row["stages"]:
                 assert st["jobs"] > 0 and st["compute_ms"] > 0 and 0 < st["busy"] <= 1

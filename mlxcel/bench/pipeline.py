@@ -17,6 +17,10 @@ reactors and the hand-offs to and from the compute threads -- never negative, be
 compute happens inside the step. ``wire_bytes_per_token`` (one stream, remote) counts every byte the coordinator and both stages wrote to cluster
 connections per additional decoded token.
 
+``saturated_ratio`` is the ratio the row would reach with its busiest stage computing all the
+time, at the compute it measured: the gap between it and ``ratio_vs_single`` is what overlap and
+protocol still lose; below it, the stages' compute itself is what costs.
+
 ``--pin`` compares one device with two on a CPU host (:mod:`mlxcel.bench.pinning`): the
 one-process rows run pinned to one core, each stage process of ``remote-2`` to a core of its
 own, and the coordinator to the last stage's core (it works when that stage has just answered);
@@ -337,6 +341,12 @@ def _report(
     single = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "single"}
     for r in rows:
         r["ratio_vs_single"] = round(r["tok_per_s"] / single[r["streams"]], 3)
+        busiest = max((st["busy"] for st in r.get("stages", ())), default=0.0)
+        if busiest > 0:
+            # Where this pipeline would stand with its busiest stage computing all the time
+            # (its compute as measured): what overlap and protocol could still win; the rest
+            # is compute.
+            r["saturated_ratio"] = round(r["tok_per_s"] / busiest / single[r["streams"]], 3)
         r["tokens"] = tokens
         r["blas"] = blas_name()
         if json_lines:
@@ -348,8 +358,8 @@ def _report(
 def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, Any]]) -> None:
     print(f"model {model} | {tokens} greedy tokens per stream; one stream: best of {repeats}")
     print(
-        f"{'mode':<18}{'streams':>8}{'tok/s':>10}{'x single':>10}{'protocol ms':>13}"
-        f"  per stage ms/job: compute (build+eval+copy) busy"
+        f"{'mode':<18}{'streams':>8}{'tok/s':>10}{'x single':>10}{'saturated':>10}"
+        f"{'protocol ms':>13}  per stage ms/job: compute (build+eval+copy) busy"
     )
     for r in rows:
         stages = "  ".join(
@@ -357,8 +367,8 @@ def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, An
             f" {s['busy']:.2f}"
             for s in r.get("stages", ())
         )
-        proto = r.get("overhead_ms_per_step")
+        proto, sat = r.get("overhead_ms_per_step"), r.get("saturated_ratio", "")
         print(
             f"{r['mode']:<18}{r['streams']:>8}{r['tok_per_s']:>10}{r['ratio_vs_single']:>10}"
-            f"{'' if proto is None else proto:>13}  {stages}"
+            f"{sat:>10}{'' if proto is None else proto:>13}  {stages}"
         )
