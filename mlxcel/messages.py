@@ -313,6 +313,9 @@ class Undecodable(Message):
     request_id: str | None
     nonce: int | None
     reason: str
+    # A batched message's (request id, nonce) rows, as far as they could be read: each row's
+    # exchange is answered.
+    rows: tuple[tuple[str, int], ...] = ()
 
 
 # --- zero-config bring-up (mlxcel.bringup): the assignment channel and discovery beacons -----

@@ -469,9 +469,14 @@ def test_an_item_that_cannot_travel_in_a_bundle_is_named_with_what_was_salvaged(
     assert b.items[0].reason == "kind 99 cannot travel in a Bundle"  # type: ignore[attr-defined]
     assert b.items[1].reason == "kind 'x' cannot travel in a Bundle"  # type: ignore[attr-defined]
     assert b.items[2].reason.startswith("Bundle.items[2].RunEntry")  # type: ignore[attr-defined]
-    assert salvage(cbor2.dumps({"kind": 3, "request_id": "r", "nonce": 1})) == (3, "r", 1)
-    assert salvage(cbor2.dumps([1, 2])) == (None, None, None)
-    assert salvage(b"\xff\xff") == (None, None, None)
+    assert salvage(cbor2.dumps({"kind": 3, "request_id": "r", "nonce": 1})) == (3, "r", 1, ())
+    assert salvage(cbor2.dumps([1, 2])) == (None, None, None, ())
+    assert salvage(b"\xff\xff") == (None, None, None, ())
+    # A batched message's rows: the pairs that read well, each once, at most 256.
+    rows = {"kind": 35, "request_ids": ["a", "b", 7, "a", "c"], "nonces": [1, 2, 3, 1, "x"]}
+    assert salvage(cbor2.dumps(rows)) == (35, None, None, (("a", 1), ("b", 2)))
+    many = {"kind": 34, "request_ids": [f"r{i}" for i in range(300)], "nonces": list(range(300))}
+    assert len(salvage(cbor2.dumps(many))[3]) == 256
 
 
 @pytest.mark.parametrize(
@@ -514,4 +519,4 @@ def test_odd_bundle_items_and_old_encoders_are_handled_without_a_crash() -> None
     deep: object = 1
     for _ in range(40):
         deep = [deep]
-    assert salvage(cbor2.dumps({"kind": 3, "x": deep})) == (None, None, None)
+    assert salvage(cbor2.dumps({"kind": 3, "x": deep})) == (None, None, None, ())

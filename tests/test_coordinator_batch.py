@@ -59,14 +59,17 @@ def together(c: CoordinatorCore, *rids: str) -> StepEntry:
     first = admit(c, rids[0])
     out: list[Effect] = []
     for i, rid in enumerate(rids[1:], 1):
-        out = c.handle(RunEntry(rid, 0, (i + 1,), 0, SP, 70 + i), LOCAL, 0.0)
+        out = c.handle(RunEntry(rid, 0, (i % 14 + 1,), 0, SP, 70 + i), LOCAL, 0.0)
         for send in [e for e in out if isinstance(e, Send)]:
             out = c.handle(Ack(rid, send.msg.nonce), send.dest, 0.1)  # type: ignore[union-attr]
         assert out == []  # parked: the micro-batch has a step in the stages
     out = c.handle(StepResult(0, rids[:1], first.nonces, (9,), (0.0,)), S1, 0.2)
-    (send,) = [e for e in out if isinstance(e, Send)]
-    assert isinstance(send.msg, StepEntry)
-    return send.msg
+    sends = [e.msg for e in out if isinstance(e, Send)]
+    assert all(isinstance(m, StepEntry) for m in sends)
+    # At most MAX_STEP_ROWS rows per message: a larger micro-batch goes as several.
+    assert [len(m.request_ids) for m in sends[:-1]] == [256] * (len(sends) - 1)  # type: ignore[union-attr]
+    assert sum(len(m.request_ids) for m in sends) == len(rids)  # type: ignore[union-attr]
+    return sends[-1]  # type: ignore[return-value]
 
 
 def test_one_step_entry_per_micro_batch_and_one_step_result_back() -> None:
@@ -168,3 +171,46 @@ def test_an_undeliverable_step_entry_fails_every_rows_request() -> None:
         ("a", ErrorCode.STAGE_UNREACHABLE),
     ]
     assert c.reqs == {} and c.failed == 2
+
+
+def test_alternatives_that_do_not_pair_up_are_dropped_whole_and_nothing_escapes() -> None:
+    c = core(max_in_flight=2, micro_batch_size=2)
+    step = together(c, "a", "b")
+    malformed = drop("a malformed StepResult")
+    for top_ids, top_lps in [
+        (((1,), (2,)), ()),  # ids without logprobs
+        ((), ((0.0,), (0.0,))),  # logprobs without ids
+        (((1, 2), (3,)), ((0.0,), (0.0,))),  # a row's ids and logprobs of different lengths
+    ]:
+        msg = StepResult(0, step.request_ids, step.nonces, (4, 3), (0.0, 0.0), 0, top_ids, top_lps)
+        assert c.handle(msg, S1, 0.5) == [malformed]
+    assert set(c.exchanges.by_nonce) == set(step.nonces)  # still waiting for a real answer
+    # The per-sequence form is held to the same pairing.
+    (n,) = step.nonces[:1]
+    odd = RunResult("b", 0, (4,), None, n, top_ids=(1, 2), top_logprobs=(0.0,))
+    assert c.handle(odd, S1, 0.5) == [
+        drop("top_logprobs alternatives that do not pair up", "RunResult")
+    ]
+
+
+def test_a_micro_batch_larger_than_a_message_goes_as_several_step_entries() -> None:
+    from mlxcel.messages import MAX_STEP_ROWS
+
+    n = MAX_STEP_ROWS + 44
+    c = core(max_in_flight=n, micro_batch_size=n)
+    last = together(c, *(f"r{i}" for i in range(n)))  # 256 rows, then this one
+    assert len(last.request_ids) == 44 and last.request_ids[-1] == "r0"
+
+
+def test_an_undecodable_batched_answer_fails_each_row_it_named_at_once() -> None:
+    from mlxcel.messages import Undecodable
+
+    c = core(max_in_flight=2, micro_batch_size=2)
+    step = together(c, "a", "b")
+    rows = tuple(zip(step.request_ids, step.nonces, strict=True))
+    out = c.handle(Undecodable(36, None, None, "bad token_ids", rows), S1, 0.5)
+    errors = [e.msg for e in out if isinstance(e, Deliver)]
+    assert [(m.request_id, m.code) for m in errors] == [  # type: ignore[union-attr]
+        ("b", ErrorCode.BAD_MESSAGE),
+        ("a", ErrorCode.BAD_MESSAGE),
+    ]

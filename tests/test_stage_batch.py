@@ -94,9 +94,10 @@ def test_a_step_entry_at_a_later_stage_or_from_a_stranger_is_refused_whole() -> 
     c = make(1, 2)
     prepare(c, "a")
     why = "this stage is not the entry stage"
-    assert c.handle(StepEntry(0, ("a",), (1,), (0,), (5,)), C, 1.0) == [
+    assert c.handle(StepEntry(0, ("a", "b"), (1, 2), (0, 0), (5, 6)), C, 1.0) == [
         refusal(c, "StepEntry", C, why),
-        Send(C, Error(ErrorCode.NOT_ENTRY, why, None, None)),
+        Send(C, Error(ErrorCode.NOT_ENTRY, why, "a", 5)),  # each row's exchange hears it
+        Send(C, Error(ErrorCode.NOT_ENTRY, why, "b", 6)),
     ]
     c = make()
     prepare(c, "a")
@@ -129,14 +130,22 @@ def test_a_step_entry_at_a_later_stage_or_from_a_stranger_is_refused_whole() -> 
     ids=["empty", "over-the-bound", "tokens", "nonces", "duplicate"],
 )
 def test_a_malformed_step_entry_is_refused_whole(msg: StepEntry, why: str) -> None:
+    """Refused whole, and each (request id, nonce) row it names hears it (once each, at most
+    256 of them), so no exchange of the coordinator's waits out its deadline."""
     c = make()
     prepare(c, "a", "b")
-    assert c.handle(msg, C, 1.0) == [
-        refusal(c, "StepEntry", C, why),
-        Send(C, Error(ErrorCode.BAD_REQUEST, why, None, None)),
-    ]
+    rows = dict.fromkeys(zip(msg.request_ids[:256], msg.nonces[:256], strict=False))
+    errors = [Send(C, Error(ErrorCode.BAD_REQUEST, why, r, n)) for r, n in rows or [(None, None)]]
+    assert c.handle(msg, C, 1.0) == [refusal(c, "StepEntry", C, why), *errors]
+    assert len(errors) == {"empty": 1, "over-the-bound": 256}.get(_id(msg), len(errors))
     assert not c.busy and c.stats.by_code == {ErrorCode.BAD_REQUEST: 1}
     assert MAX_STEP_ROWS == 256
+
+
+def _id(msg: StepEntry) -> str:
+    return (
+        "empty" if not msg.request_ids else "over-the-bound" if len(msg.request_ids) > 256 else ""
+    )
 
 
 def test_each_bad_row_is_refused_on_its_own_and_the_others_run() -> None:
@@ -374,4 +383,41 @@ def test_an_undeliverable_step_activation_fails_each_rows_exchange() -> None:
         Warn("stage-drop", f"stage 0: could not send to {DOWN}: refused"),
         Send(C, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, why, "a", 7), True),
         Send(C, Error(ErrorCode.DOWNSTREAM_UNREACHABLE, why, "b", 8), True),
+    ]
+
+
+def test_the_final_stage_refuses_an_activation_row_of_a_sequence_prepared_without_sampling() -> (
+    None
+):
+    c = make(1, 2)
+    prepare(c, "plain", sp=None)
+    prepare(c, "ok")
+    act = StepActivation(0, ("plain", "ok"), (5, 5), (7, 8), rows(2), 0, C)
+    out = c.handle(act, UP, 1.0)
+    why = "'plain' was prepared without sampling parameters"
+    assert out[0] == Send(C, Error(ErrorCode.BAD_REQUEST, why, "plain", 7), True)
+    (start,) = out[1:]
+    assert isinstance(start, StartCompute) and [s.request_id for s in start.job.steps] == ["ok"]
+
+
+def test_a_stranger_naming_one_live_request_many_times_gets_its_owner_told_once() -> None:
+    c = make(1, 2)
+    prepare(c, "a")
+    act = StepActivation(0, ("a",) * 256, (5,) * 256, tuple(range(256)), rows(1), 0, C)
+    out = c.handle(act, EVE, 1.0)
+    assert out[1:] == [
+        Send(C, Error(ErrorCode.NOT_UPSTREAM, f"activation from {EVE} refused", "a"), True)
+    ]
+
+
+def test_an_undecodable_batched_message_answers_each_row_it_named() -> None:
+    from mlxcel.messages import Undecodable
+
+    c = make(1, 2)
+    prepare(c, "a", "b")
+    bad = Undecodable(35, None, None, "bad start_pos", (("a", 7), ("b", 8), ("gone", 9)))
+    why = "stage 1: undecodable message (kind 35): bad start_pos"
+    assert c.handle(bad, UP, 1.0) == [
+        Send(C, Error(ErrorCode.BAD_MESSAGE, why, "a", 7), True),
+        Send(C, Error(ErrorCode.BAD_MESSAGE, why, "b", 8), True),
     ]

@@ -419,10 +419,10 @@ class SecureConnection:
                     self.limiter.warn(
                         "diagnostic", f"cluster: undecodable message from {self.source}: {exc}"
                     )
-                    kind, request_id, nonce = salvage(payload)
-                    if nonce is None:
+                    kind, request_id, nonce, rows = salvage(payload)
+                    if nonce is None and not rows:
                         continue  # nothing anyone waits on can be named
-                    msg = Undecodable(kind, request_id, nonce, str(exc)[:300])
+                    msg = Undecodable(kind, request_id, nonce, str(exc)[:300], rows)
                 try:
                     await node.bus.publish(
                         msg, source=self.source, deadline=loop.time() + deadline_s

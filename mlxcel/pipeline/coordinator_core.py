@@ -63,6 +63,7 @@ from mlxcel.pipeline.coordinator_protocol import (
     missed_text,
     picked,
     sends_first,
+    step_entries,
     step_rows,
 )
 
@@ -157,8 +158,8 @@ class CoordinatorCore:
             self._drop(out, "not from a stage of this pipeline", msg, source)
         elif isinstance(msg, Undecodable):
             why = f"undecodable message (kind {msg.kind}): {msg.reason}"
-            err = Error(ErrorCode.BAD_MESSAGE, why, msg.request_id, msg.nonce)
-            self._on_error(err, source, now, out)
+            for rid, nonce in msg.rows or ((msg.request_id, msg.nonce),):
+                self._on_error(Error(ErrorCode.BAD_MESSAGE, why, rid, nonce), source, now, out)
         elif (on := _FROM_STAGE.get(type(msg))) is None:
             self._drop(out, "not a coordinator message", msg, source)
         else:
@@ -340,10 +341,8 @@ class CoordinatorCore:
             )
             req.pending = {nonce}
             nonces.append(nonce)
-        ids = tuple(r.entry.request_id for r in ready)
-        tokens = tuple(r.next_tokens[0] for r in ready)
-        msg = StepEntry(mb, ids, tokens, tuple(r.pos for r in ready), tuple(nonces))
-        out.append(self._send(self.stages[0], msg))
+        for msg in step_entries(mb, ready, nonces):
+            out.append(self._send(self.stages[0], msg))
 
     def _end(self, req: Req, now: float, out: list[Effect]) -> None:
         """The request left (finished, failed or cancelled): free its slot and its stages."""

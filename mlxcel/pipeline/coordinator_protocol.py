@@ -25,6 +25,7 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
     SamplingParams,
+    StepEntry,
     StepResult,
     Tensor,
 )
@@ -213,6 +214,8 @@ def result_problem(
             return "logits of the wrong shape", f"{shape}, expected [1, {ex.seq_len}, {vocab}]"
     elif len(m.token_ids) != 1:
         return "a sampled RunResult carries exactly one token", ""
+    elif len(m.top_ids or ()) != len(m.top_logprobs or ()):
+        return "top_logprobs alternatives that do not pair up", ""
     return None
 
 
@@ -313,6 +316,17 @@ def picked(m: RunResult) -> Picked:
     return Picked(token, m.logprobs, m.logits, m.compute_us, m.top_ids, m.top_logprobs)
 
 
+def step_entries(mb: int, ready: list[Req], nonces: list[int]) -> list[StepEntry]:
+    """Micro-batch ``mb``'s decode step for the ``ready`` requests (each under its exchange's
+    nonce): one StepEntry, or several where there are more rows than one may hold."""
+    out = []
+    for i in range(0, len(ready), MAX_STEP_ROWS):
+        rows, cut = ready[i : i + MAX_STEP_ROWS], tuple(nonces[i : i + MAX_STEP_ROWS])
+        ids, tokens = tuple(r.entry.request_id for r in rows), tuple(r.next_tokens[0] for r in rows)
+        out.append(StepEntry(mb, ids, tokens, tuple(r.pos for r in rows), cut))
+    return out
+
+
 def step_rows(
     m: StepResult, from_final: bool, exchanges: dict[int, Exchange], return_logits: bool
 ) -> tuple[list[tuple[int, Exchange, Picked]], list[str]]:
@@ -328,7 +342,9 @@ def step_rows(
     if (
         not 1 <= n <= MAX_STEP_ROWS
         or any(len(c) != n for c in columns)
-        or any(len(t) not in (0, n) for t in (m.top_ids, m.top_logprobs))
+        or len(m.top_ids) not in (0, n)
+        or len(m.top_logprobs) != len(m.top_ids)
+        or any(len(i) != len(v) for i, v in zip(m.top_ids, m.top_logprobs, strict=True))
     ):
         return [], ["a malformed StepResult"]
     rows, dropped = [], []

@@ -404,6 +404,10 @@ class StageCore(StageGate):
             seq = self._joinable(rid, m.owner, out)
             if seq is None:
                 continue
+            if seq.sampling is None and self.is_last:
+                why = f"{rid!r} was prepared without sampling parameters"
+                self._send(out, seq.owner, Error(ErrorCode.BAD_REQUEST, why, rid, nonce))
+                continue
             sampling = seq.sampling or NOT_SAMPLING
             step = Step(seq.key, m.micro_batch, None, m.hidden, 1, start, sampling, nonce, True,
                         m.compute_us, seq.owner, seq.context, row=i, batched=True)  # fmt: skip

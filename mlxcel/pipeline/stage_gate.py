@@ -21,6 +21,7 @@ from mlxcel.messages import (
     ErrorCode,
     Message,
     StepActivation,
+    StepEntry,
     Tensor,
     Undecodable,
 )
@@ -144,6 +145,15 @@ class StageGate:
         self.stats.by_code[code] = self.stats.by_code.get(code, 0) + 1
 
     def _refuse(self, out: list[Effect], msg: Message, source: str, code: str, why: str) -> None:
+        if isinstance(msg, StepEntry) and self.is_coordinator(source):
+            # Refused whole: every row's exchange hears it (each distinct row once, at most
+            # MAX_STEP_ROWS), so none waits out its deadline.
+            rows = zip(msg.request_ids[:MAX_STEP_ROWS], msg.nonces[:MAX_STEP_ROWS], strict=False)
+            self._count_refusal(code)
+            self._warn(out, f"refusing StepEntry from {source}: {why}")
+            for rid, nonce in dict.fromkeys(rows) or {(None, None): None}:
+                self._send(out, source, Error(code, why, rid, nonce))
+            return
         rid = getattr(msg, "request_id", None)
         self._refuse_row(out, msg, source, code, why, rid, getattr(msg, "nonce", None))
 
@@ -178,23 +188,25 @@ class StageGate:
         self._count_refusal(code)
         self._warn(out, f"activation from {source} is not from the upstream stage")
         ids = (msg.request_id,) if isinstance(msg, Activation) else msg.request_ids
-        for rid in ids[:MAX_STEP_ROWS]:
+        for rid in dict.fromkeys(ids[:MAX_STEP_ROWS]):  # each named sequence's owner once
             if (seq := self.seqs.get(rid)) is not None:
                 self._send(out, seq.owner, Error(code, f"activation from {source} refused", rid))
 
     def _on_undecodable(self, m: Undecodable, source: str, out: list[Effect]) -> None:
-        """A message that failed to decode: answer its exchange now instead of at its deadline."""
-        seq = self.seqs.get(m.request_id) if m.request_id is not None else None
-        err = Error(
-            ErrorCode.BAD_MESSAGE,
-            f"{self._me}: undecodable message (kind {m.kind}): {m.reason}",
-            m.request_id,
-            m.nonce,
-        )
+        """A message that failed to decode: answer its exchange (each of a batched message's
+        rows) now instead of at its deadline."""
+        why = f"{self._me}: undecodable message (kind {m.kind}): {m.reason}"
         self.stats.errors += 1
-        if source == self.config.upstream and seq is not None:
-            self._send(out, seq.owner, err)  # a bad activation: its owner's exchange fails
-        elif self.is_coordinator(source):
-            self._send(out, source, err)
-        else:
+        rows = m.rows or ((m.request_id, m.nonce),)
+        told = False
+        for rid, nonce in rows:
+            seq = self.seqs.get(rid) if rid is not None else None
+            err = Error(ErrorCode.BAD_MESSAGE, why, rid, nonce)
+            if source == self.config.upstream and seq is not None:
+                self._send(out, seq.owner, err)  # a bad activation: its owner's exchange fails
+                told = True
+            elif self.is_coordinator(source):
+                self._send(out, source, err)
+                told = True
+        if not told:
             self._warn(out, f"undecodable message from {source}: {m.reason}")

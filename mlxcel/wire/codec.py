@@ -29,6 +29,7 @@ from mlxcel.messages import (
     ALL_MESSAGES,
     BUNDLED,
     MAX_BUNDLE,
+    MAX_STEP_ROWS,
     Bundle,
     DeviceTensor,
     Message,
@@ -159,31 +160,44 @@ def _build_bundle(raw: dict[Any, Any]) -> Bundle:
             del body["kind"]
             out.append(_build(cls, body, f"Bundle.items[{i}].{cls.__name__}"))
         except DecodeError as exc:
-            k, rid, nonce = _salvage_map(item)
-            out.append(Undecodable(k, rid, nonce, str(exc)[:300]))
+            k, rid, nonce, rows = _salvage_map(item)
+            out.append(Undecodable(k, rid, nonce, str(exc)[:300], rows))
     return Bundle(tuple(out))
 
 
-def salvage(data: bytes | bytearray | memoryview) -> tuple[int | None, str | None, int | None]:
-    """(kind, request_id, nonce) of a message that failed :func:`decode`, where its CBOR
-    still parses; Nones otherwise. Only for answering the sender; never trusted further."""
+Salvaged = tuple[int | None, str | None, int | None, tuple[tuple[str, int], ...]]
+
+
+def salvage(data: bytes | bytearray | memoryview) -> Salvaged:
+    """(kind, request_id, nonce, rows) of a message that failed :func:`decode`, where its CBOR
+    still parses (``rows``: a batched message's (request id, nonce) pairs, as many as read
+    well, at most MAX_STEP_ROWS); Nones otherwise. Only for answering the sender; never
+    trusted further."""
     try:
         raw = cbor2.CBORDecoder(io.BytesIO(data), max_depth=MAX_DEPTH).decode()
     except Exception:
-        return None, None, None
+        return None, None, None, ()
     if not isinstance(raw, dict):
-        return None, None, None
+        return None, None, None, ()
     return _salvage_map(raw)
 
 
-def _salvage_map(raw: dict[Any, Any]) -> tuple[int | None, str | None, int | None]:
+def _salvage_map(raw: dict[Any, Any]) -> Salvaged:
+    def ok(v: Any, tp: type) -> bool:
+        if type(v) is not tp:
+            return False
+        return _INT_MIN <= v <= _INT_MAX if tp is int else tp is not str or len(v) <= 256
+
     def pick(key: str, tp: type) -> Any:
         v = raw.get(key)
-        if type(v) is not tp or (tp is int and not _INT_MIN <= v <= _INT_MAX):
-            return None
-        return v if tp is not str or len(v) <= 256 else None
+        return v if ok(v, tp) else None
 
-    return pick("kind", int), pick("request_id", str), pick("nonce", int)
+    ids, nonces = raw.get("request_ids"), raw.get("nonces")
+    rows: tuple[tuple[str, int], ...] = ()
+    if isinstance(ids, list) and isinstance(nonces, list):
+        pairs = zip(ids[:MAX_STEP_ROWS], nonces[:MAX_STEP_ROWS], strict=False)
+        rows = tuple(dict.fromkeys((r, n) for r, n in pairs if ok(r, str) and ok(n, int)))
+    return pick("kind", int), pick("request_id", str), pick("nonce", int), rows
 
 
 # --- decoding: a checker per field, built once per class ----------------------------------------
