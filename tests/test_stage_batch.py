@@ -27,29 +27,11 @@ from mlxcel.messages import (
 from mlxcel.pipeline.stage_core import StageCore
 from mlxcel.pipeline.stage_protocol import ComputeJob, Row, Sampled, StageConfig, Step, StepFailed
 
-C, UP, DOWN, EVE, OTHER = (
-    "10.0.0.1:7000",
-    "10.0.1.1:7100",
-    "10.0.1.3:7100",
-    "10.0.0.66:7000",
-    "10.0.0.2:7000",
-)
-WILD = "0.0.0.0:7000"
-W = 4
+# Stage cores of width W (4) and vocabulary 16, and the identities they know.
+from tests.test_stage_core_exact import DOWN, EVE, OTHER, UP, WILD, C, W, make
+
 SP = SamplingParams(max_tokens=8, logprobs=True)
 GREEDY = SamplingParams()
-
-
-def make(index: int = 0, n: int = 1, coordinator: str = C) -> StageCore:
-    cfg = StageConfig(
-        f"s{index}",
-        index,
-        n,
-        coordinator,
-        upstream=UP if index else None,
-        downstream=DOWN if index + 1 < n else None,
-    )
-    return StageCore(cfg, width=W, vocab=16, layers=(0, 4))
 
 
 def prepare(

@@ -38,31 +38,33 @@ READY_WAIT = 180.0
 
 def enter_netns(name: str) -> None:
     """Move the calling *thread* into network namespace ``name`` (its sockets live there)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({name}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
+    _setns(f"/var/run/netns/{name}", name)
 
 
 @contextmanager
 def in_netns(name: str) -> Iterator[None]:
     """The calling thread in namespace ``name`` for the block, then back where it was."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    home = os.open(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+    home = f"/proc/{os.getpid()}/task/{threading.get_native_id()}/ns/net"
+    keep = os.open(home, os.O_RDONLY)  # held open: the namespace to come back to
     try:
         enter_netns(name)
         try:
             yield
         finally:
-            if libc.setns(home, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns(back from {name}): {os.strerror(err)}")
+            _setns(f"/proc/self/fd/{keep}", f"back from {name}")
     finally:
-        os.close(home)
+        os.close(keep)
+
+
+def _setns(path: str, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({what}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 class NodeProc:
