@@ -214,3 +214,14 @@ def test_an_undecodable_batched_answer_fails_each_row_it_named_at_once() -> None
         ("b", ErrorCode.BAD_MESSAGE),
         ("a", ErrorCode.BAD_MESSAGE),
     ]
+
+
+def test_with_return_logits_the_picked_token_goes_without_a_logprob_even_when_asked() -> None:
+    def pick(logits: Tensor, sp: SamplingParams, state: object) -> tuple[int, object]:
+        return 3, state
+
+    c = core(return_logits=True, pick_token=pick)
+    step = admit(c, "a", sp=SamplingParams(max_tokens=3, logprobs=True))
+    logits = Tensor("float32", (1, 1, 16), bytes(64))
+    got = RunResult("a", 0, (), None, step.nonces[0], (-1.0,), logits)
+    assert c.handle(got, S1, 0.5)[0] == Deliver(RunResult("a", 0, (3,), None, 70))

@@ -13,10 +13,12 @@ import pytest
 from mlxcel.effects import Send, StartCompute, Warn
 from mlxcel.messages import (
     MAX_STEP_ROWS,
+    Activation,
     Error,
     ErrorCode,
     PrepareSequence,
     ReleaseSequence,
+    RunEntry,
     RunResult,
     SamplingParams,
     StepActivation,
@@ -402,4 +404,97 @@ def test_an_undecodable_batched_message_answers_each_row_it_named() -> None:
     assert c.handle(bad, UP, 1.0) == [
         Send(C, Error(ErrorCode.BAD_MESSAGE, why, "a", 7), True),
         Send(C, Error(ErrorCode.BAD_MESSAGE, why, "b", 8), True),
+    ]
+
+
+# --- every field of what a row becomes and leaves as ------------------------------------------
+
+
+def test_activation_rows_become_steps_with_every_field() -> None:
+    last, middle = make(1, 2), make(1, 3)
+    prepare(last, "a")
+    prepare(middle, "a", sp=None)
+    act = StepActivation(0, ("a",), (5,), (7,), rows(1), 1_000, C)
+    for c, sampling in ((last, SP), (middle, GREEDY)):  # a middle stage samples nothing
+        (start,) = c.handle(act, UP, 1.0)
+        want = Step(c.seqs["a"].key, 0, None, act.hidden, 1, 5, sampling, 7, True, 1_000, C,
+                    (1, 2), row=0, batched=True)  # fmt: skip
+        assert start == StartCompute(ComputeJob(1, (want,), False, c.is_last, False))
+    # The per-sequence form carries the prompt's tail too.
+    c = make(1, 2)
+    prepare(c, "b")
+    one = Activation("b", 0, Tensor("float32", (1, 1, W), bytes(16)), 5, SP, 9, owner=C)
+    (start,) = c.handle(one, UP, 1.0)
+    assert isinstance(start, StartCompute) and start.job.steps[0].context == (1, 2)
+
+
+def test_tokens_at_both_ends_of_the_vocabulary_and_exactly_256_rows_run() -> None:
+    c = make()
+    ids = tuple(f"r{i}" for i in range(256))
+    prepare(c, *ids)
+    tokens = (0, 15) + (1,) * 254
+    out = c.handle(StepEntry(0, ids, tokens, (5,) * 256, tuple(range(256))), C, 1.0)
+    (start,) = out
+    assert isinstance(start, StartCompute) and c.stats.refused == 0
+    assert sum(s.state.value == "queued" for s in c.seqs.values()) == 256 - len(start.job.steps)
+
+
+def test_a_malformed_step_activation_counts_one_error_and_tells_the_rows_it_can_pair() -> None:
+    c = make(1, 2)
+    prepare(c, "a", "b")
+    act = StepActivation(0, ("a", "b", "c"), (5, 5, 5), (7, 8), rows(3), 0, C)
+    why = "StepActivation columns of different lengths for 3 rows"
+    assert c.handle(act, UP, 1.0) == [
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "a", 7), True),
+        Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "b", 8), True),
+    ]
+    assert c.stats.errors == 1
+
+
+def test_plain_row_tensors_join_in_order_and_a_lone_step_takes_its_row() -> None:
+    c = make(0, 3)
+    prepare(c, "a", "b", "c")
+    c.handle(StepEntry(0, ("a", "b", "c"), (3, 4, 5), (5, 5, 5), (7, 8, 9)), C, 1.0)
+    two = rows(2, fill=1)
+    plain = Tensor("float32", (1, 1, W), bytes(range(100, 116)))
+    (send,) = c.compute_done(1, [Row(two, 1), plain, Row(two, 0)], 0.0, 1.5)
+    chunk = 4 * W
+    want = two.data[chunk:] + plain.data + two.data[:chunk]
+    assert send == Send(
+        DOWN,
+        StepActivation(
+            0, ("a", "b", "c"), (5, 5, 5), (7, 8, 9), Tensor("float32", (3, 1, W), want), 0, C
+        ),
+        True,
+    )
+    # A step that came alone leaves alone, with just its row of the job's tensor.
+    c.handle(RunEntry("a", 0, (3,), 6, SP, 10), C, 2.0)
+    (send,) = c.compute_done(2, [Row(two, 1)], 0.0, 2.5)
+    assert isinstance(send, Send) and isinstance(send.msg, Activation)
+    assert send.msg.hidden == Tensor("float32", (1, 1, W), two.data[chunk:])
+
+
+def test_a_lone_final_step_passes_its_alternatives_on() -> None:
+    c = make()
+    prepare(c, "a")
+    c.handle(RunEntry("a", 0, (3,), 5, SP, 10), C, 1.0)
+    (send,) = c.compute_done(1, [Sampled(3, -0.5, ((3, 4), (-0.5, -1.5)))], 0.0, 1.5)
+    assert send == Send(
+        C, RunResult("a", 0, (3,), None, 10, (-0.5,), None, 0, (3, 4), (-0.5, -1.5)), True
+    )
+
+
+def test_rows_of_two_owners_in_one_job_leave_as_one_result_each() -> None:
+    c = make(coordinator=WILD)
+    prepare(c, "x", "a")
+    prepare(c, "b", owner=OTHER)
+    c.handle(RunEntry("x", 0, (1, 2), 5, SP, 6), C, 1.0)  # a prompt chunk keeps the stage busy
+    assert c.handle(StepEntry(0, ("a",), (3,), (5,), (7,)), C, 1.1) == []
+    assert c.handle(StepEntry(0, ("b",), (4,), (5,), (8,)), OTHER, 1.1) == []
+    out = c.compute_done(1, [None], 0.0, 1.5)
+    (nxt,) = [e for e in out if isinstance(e, StartCompute)]
+    assert [s.request_id for s in nxt.job.steps] == ["a", "b"]  # one job, two owners
+    assert c.compute_done(nxt.job.id, [Sampled(1, 0.0), Sampled(2, 0.0)], 0.0, 2.0) == [
+        Send(C, StepResult(0, ("a",), (7,), (1,), (0.0,)), True),
+        Send(OTHER, StepResult(0, ("b",), (8,), (2,), (0.0,)), True),
     ]

@@ -336,9 +336,7 @@ class CoordinatorCore:
         nonces = []
         for req in ready:
             req.state = REQ_TABLE.next(req.state, ReqEvent.SEND_STEP)
-            nonce = self.exchanges.open(
-                RunResult, self.stages[0], req.entry.request_id, mb, now, 1, 1
-            )
+            nonce = self.exchanges.open(RunResult, self.stages[0], req.entry.request_id, mb, now, 1)
             req.pending = {nonce}
             nonces.append(nonce)
         for msg in step_entries(mb, ready, nonces):
