@@ -444,11 +444,19 @@ def test_a_malformed_step_activation_counts_one_error_and_tells_the_rows_it_can_
     prepare(c, "a", "b")
     act = StepActivation(0, ("a", "b", "c"), (5, 5, 5), (7, 8), rows(3), 0, C)
     why = "StepActivation columns of different lengths for 3 rows"
-    assert c.handle(act, UP, 1.0) == [
+    told = [
         Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "a", 7), True),
         Send(C, Error(ErrorCode.BAD_ACTIVATION, why, "b", 8), True),
     ]
-    assert c.stats.errors == 1
+    assert c.handle(act, UP, 1.0) == told and c.stats.errors == 1
+    assert c.handle(act, UP, 1.1) == told and c.stats.errors == 2  # one count per message
+    # More nonces than rows: only the rows are read.
+    extra = StepActivation(0, ("a",), (5,), (7, 8), rows(1), 0, C)
+    assert len(c.handle(extra, UP, 1.2)) == 1
+    # Past 256 rows nothing more is read: a live sequence named at row 290 is not told.
+    ids = tuple(f"x{i}" for i in range(290)) + ("a",)
+    over = StepActivation(0, ids, (5,) * 291, tuple(range(291)), rows(1), 0, C)
+    assert c.handle(over, UP, 1.3) == []
 
 
 def test_plain_row_tensors_join_in_order_and_a_lone_step_takes_its_row() -> None:

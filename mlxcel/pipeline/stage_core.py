@@ -369,8 +369,8 @@ class StageCore(StageGate):
         problem = rows_problem(m)
         if problem is not None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
-        rows = zip(m.request_ids, m.token_ids, m.start_pos, m.nonces, strict=True)
-        for rid, token, start, nonce in rows:
+        for i, rid in enumerate(m.request_ids):  # columns of one length (rows_problem)
+            token, start, nonce = m.token_ids[i], m.start_pos[i], m.nonces[i]
             try:
                 seq = self._owned_id(rid, source)
                 if seq is None:
@@ -394,13 +394,14 @@ class StageCore(StageGate):
         problem = rows_problem(m) or self._check_hidden(m.hidden, len(m.request_ids))
         if problem is not None:  # the whole message: every row's owner hears it
             self.stats.errors += 1
-            for rid, nonce in zip(m.request_ids[:MAX_STEP_ROWS], m.nonces, strict=False):
+            for i in range(min(len(m.request_ids), len(m.nonces), MAX_STEP_ROWS)):
+                rid, nonce = m.request_ids[i], m.nonces[i]
                 if (seq := self.seqs.get(rid)) is not None:
                     err = Error(ErrorCode.BAD_ACTIVATION, problem, rid, nonce)
                     self._send(out, seq.owner, err)
             return
-        rows = zip(m.request_ids, m.start_pos, m.nonces, strict=True)
-        for i, (rid, start, nonce) in enumerate(rows):
+        for i, rid in enumerate(m.request_ids):  # columns of one length (rows_problem)
+            start, nonce = m.start_pos[i], m.nonces[i]
             seq = self._joinable(rid, m.owner, out)
             if seq is None:
                 continue
