@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -105,20 +104,20 @@ def test_the_cluster_view_status_and_metrics_show_every_node_and_a_stage_that_di
     assert "  stage-1: " in table.stdout and "127.0.0." not in table.stdout  # why, by id
 
 
+# Set by .ci/run, which installs the browser first: there a missing browser fails the test
+# instead of skipping it, so CI cannot pass without having run it.
+REQUIRE_BROWSER = "MLXCEL_REQUIRE_BROWSER"
+
+
 def chromium_or_skip() -> None:
-    """Debian's chromium and its driver: installed if they are missing and apt can (root);
-    otherwise the test says why it cannot run."""
+    """Debian's chromium and its driver, or the test says why it cannot run. A test never
+    installs anything: ``.ci/run`` does, before the suite."""
     if os.path.exists(CHROMIUM) and os.path.exists(DRIVER):
         return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("no /usr/bin/chromium and no apt-get as root to install it")
-    r = subprocess.run(
-        ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-    )  # fmt: skip
-    if r.returncode != 0 or not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-        pytest.skip(f"could not install chromium: {r.stderr.strip()[-300:]}")
+    why = f"no browser: {CHROMIUM} and {DRIVER} (apt install chromium chromium-driver)"
+    if os.environ.get(REQUIRE_BROWSER):
+        pytest.fail(f"{why}; {REQUIRE_BROWSER} is set")
+    pytest.skip(why)
 
 
 def test_the_dashboard_draws_the_cluster_and_shows_a_stage_going_down_within_5_s(
@@ -189,3 +188,17 @@ def test_a_routers_view_links_it_to_its_prefill_and_decode_nodes() -> None:
         ["decode-0", "router"], ["decode-1", "router"],
     ]  # fmt: skip
     assert nodes[0]["in_flight"] == 2 and nodes[2]["failed"] == 1
+
+
+def test_without_a_browser_the_test_skips_and_names_it_or_fails_where_ci_requires_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tests.test_cluster_view as me
+
+    monkeypatch.setattr(me, "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv(REQUIRE_BROWSER, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no browser: /nonexistent/chromium"):
+        chromium_or_skip()
+    monkeypatch.setenv(REQUIRE_BROWSER, "1")
+    with pytest.raises(pytest.fail.Exception, match="MLXCEL_REQUIRE_BROWSER is set"):
+        chromium_or_skip()
