@@ -132,6 +132,17 @@ class StatusSettings(_Base):
         "the first argument: status URL",
     )
     watch: bool = Field(False, description="redraw every --interval seconds until Ctrl-C")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        """``HOST:PORT`` as typed means http://HOST:PORT; another scheme is refused."""
+        scheme, sep, rest = v.partition("://")
+        if not sep:
+            return f"http://{v}"
+        if scheme.lower() not in ("http", "https") or not rest:
+            raise ValueError(f"{v!r}: give http://HOST:PORT, https://HOST:PORT or HOST:PORT")
+        return v
     interval: float = Field(2.0, ge=0.2, le=3600, description="seconds between redraws")
     api_key: SecretStr | None = Field(None, description="the server's --api-key, if it has one")
 

@@ -94,14 +94,21 @@ def test_the_cluster_view_status_and_metrics_show_every_node_and_a_stage_that_di
     took = wait_until(lambda: not node(get(port, "/cluster"), "stage-1")["up"], 10.0)
     assert took < 5.0, took
     assert 'mlxcel_node_up{node="stage-1",role="stage"} 0.0' in get(port, "/metrics")
-    table = subprocess.run(
-        [sys.executable, "-m", "mlxcel", "status", f"http://127.0.0.1:{port}"],
+    table = subprocess.run(  # HOST:PORT as typed: http is understood
+        [sys.executable, "-m", "mlxcel", "status", f"127.0.0.1:{port}"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert "2/3 nodes up" in table.stdout
     (row,) = [ln for ln in table.stdout.splitlines() if ln.startswith("stage-1 ")]
     assert row.split()[:4] == ["stage-1", "stage", "2-3", "DOWN"]
     assert "  stage-1: " in table.stdout and "127.0.0." not in table.stdout  # why, by id
+    # A reader that leaves (`| head -1`) ends the watch quietly: no BrokenPipe traceback.
+    watch = f"{sys.executable} -m mlxcel status 127.0.0.1:{port} --watch --interval 0.2 | head -1"
+    head = subprocess.run(["bash", "-o", "pipefail", "-c", watch], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert head.returncode == 0, head.stderr
+    assert head.stdout.count("\n") == 1 and "nodes up" in head.stdout
+    assert "Traceback" not in head.stderr and "BrokenPipe" not in head.stderr
 
 
 # Set by .ci/run, which installs the browser first: there a missing browser fails the test
@@ -120,14 +127,11 @@ def chromium_or_skip() -> None:
     pytest.skip(why)
 
 
-def test_the_dashboard_draws_the_cluster_and_shows_a_stage_going_down_within_5_s(
-    pipeline: tuple[int, list[Any], Any], tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def headless_chromium(tmp_path_factory: pytest.TempPathFactory) -> Any:
     chromium_or_skip()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    port, stages, _coord = pipeline
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -135,7 +139,36 @@ def test_the_dashboard_draws_the_cluster_and_shows_a_stage_going_down_within_5_s
                  "--disable-component-update", "--disable-sync", "--window-size=1200,800",
                  f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):  # fmt: skip
         opts.add_argument(flag)
-    browser = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    return webdriver.Chrome(service=Service(DRIVER), options=opts)
+
+
+def test_a_dashboard_without_the_servers_key_says_how_to_give_it(
+    tiny: Path, start_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = start_server(["-m", str(tiny), "--api-key", "sesame"])
+    browser = headless_chromium(tmp_path_factory)
+    base = f"http://127.0.0.1:{server.port}/dashboard"
+
+    def status(address: str, want: str) -> str:
+        browser.get(address)
+        browser.refresh()  # a new #fragment alone does not load the page again
+        wait_until(lambda: want in browser.find_element("id", "status").text, 10.0)
+        return str(browser.find_element("id", "status").text)
+
+    try:
+        text = status(base, "needs its API key")
+        assert "/dashboard#key=" in text and "unreachable" not in text
+        assert "not this server's --api-key" in status(base + "#key=wrong", "--api-key")
+        assert "all nodes up" in status(base + "#key=sesame", "all nodes up")
+    finally:
+        browser.quit()
+
+
+def test_the_dashboard_draws_the_cluster_and_shows_a_stage_going_down_within_5_s(
+    pipeline: tuple[int, list[Any], Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    port, stages, _coord = pipeline
+    browser = headless_chromium(tmp_path_factory)
     try:
         browser.get(f"http://127.0.0.1:{port}/dashboard")
 

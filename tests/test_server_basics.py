@@ -182,3 +182,14 @@ def test_status_takes_its_url_wherever_it_is_typed() -> None:
         "status", "--interval", "5", "--watch"
     ]  # fmt: skip
     assert _status_url(["serve", "x"]) == ["serve", "x"]
+
+
+def test_status_understands_host_port_and_refuses_other_schemes() -> None:
+    from pydantic import ValidationError
+
+    from mlxcel.config_tools import StatusSettings
+
+    assert StatusSettings(url="127.0.0.1:8080").url == "http://127.0.0.1:8080"
+    assert StatusSettings(url="https://h:1").url == "https://h:1"
+    with pytest.raises(ValidationError, match="give http://HOST:PORT, https://HOST:PORT or HOST"):
+        StatusSettings(url="ftp://h:1")

@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         code = _dispatch(args, settings)
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        # The reader left (`mlxcel status URL | head -1`): what it wanted was printed. Point
+        # stdout at nothing so the exit's flush does not raise again, and end quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     except (ConfigError, PartitionError) as exc:
         logger.error("{}", exc)  # logging is up: the one format, like every other line
         code = 2

@@ -160,6 +160,13 @@ function figures(view) {
 async function poll() {
   try {
     const r = await fetch("/cluster", {headers, cache: "no-store"});
+    if (r.status === 401) {
+      // Reached, but the server has --api-key: say how to give it, not "unreachable".
+      document.getElementById("status").textContent = key
+        ? "the key after #key= in this address is not this server's --api-key"
+        : "this server needs its API key: open this page as /dashboard#key=YOUR_KEY";
+      return;
+    }
     if (!r.ok) throw new Error("HTTP " + r.status);
     const view = await r.json();
     document.getElementById("model").textContent = view.model;
