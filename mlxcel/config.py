@@ -165,6 +165,15 @@ class ServeSettings(ModelSettings, PipelineSettings):
     max_batch_size: int = Field(
         d.MAX_BATCH_SIZE, ge=1, le=1024, description="sequences per batched forward pass"
     )
+    stream_interval: int = Field(
+        d.STREAM_INTERVAL,
+        ge=1,
+        le=256,
+        description="decode steps the engine runs per hand-off, shared by the batch's rows (a "
+        "run also ends after about 25 ms): a stream's tokens reach it in bursts of up to this "
+        "many; 1 sends each token as soon as it is sampled, at some cost in throughput "
+        "(vLLM's --stream-interval)",
+    )
     prompt_cache_bytes: ByteSize = Field(
         "1GiB",  # type: ignore[assignment]  # validated into a ByteSize
         description="one-process serving: memory for KV caches of finished requests, reused "

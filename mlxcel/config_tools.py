@@ -143,6 +143,7 @@ class StatusSettings(_Base):
         if scheme.lower() not in ("http", "https") or not rest:
             raise ValueError(f"{v!r}: give http://HOST:PORT, https://HOST:PORT or HOST:PORT")
         return v
+
     interval: float = Field(2.0, ge=0.2, le=3600, description="seconds between redraws")
     api_key: SecretStr | None = Field(None, description="the server's --api-key, if it has one")
 

@@ -17,6 +17,9 @@ PARALLEL = 8
 QUEUE_SIZE = 64
 REQUEST_TIMEOUT = 600.0
 MAX_BATCH_SIZE = 8
+# Decode steps the one-process engine runs per hand-off to the reactor (and so per burst of
+# tokens to clients), divided among the batch's rows; a run also ends after about 25 ms.
+STREAM_INTERVAL = 16
 
 # Seconds to wait for pipeline stages, tensor-parallel ranks or disaggregated peers at start.
 STARTUP_TIMEOUT = 60.0

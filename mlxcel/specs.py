@@ -41,6 +41,8 @@ class Generation:
     max_batch_size: int = d.MAX_BATCH_SIZE
     prefill_step_size: int = d.PREFILL_STEP_SIZE
     prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
+    # Decode steps per hand-off from the engine (one process and disaggregated nodes).
+    stream_interval: int = d.STREAM_INTERVAL
 
     def __post_init__(self) -> None:
         _positive(self, "parallel", "request_timeout", "max_batch_size")
@@ -48,6 +50,7 @@ class Generation:
             ("queue_size", 0, None),
             ("prefill_step_size", 16, 65536),
             ("prompt_cache_bytes", 0, None),
+            ("stream_interval", 1, 256),
         ):
             value, field = getattr(self, name), f"Generation.{name}"
             integer = isinstance(value, int) and not isinstance(value, bool)

@@ -11,7 +11,7 @@ import pytest
 from mlxcel.assembly import Generation, LocalSpec, assemble
 from mlxcel.bus import Envelope
 from mlxcel.deadlines import deadline_in
-from mlxcel.errors import AdmissionRejected, DeadlineExceeded, RequestError
+from mlxcel.errors import AdmissionRejected, ConfigError, DeadlineExceeded, RequestError
 from mlxcel.frontend import Usage
 from mlxcel.loop import run_async
 from mlxcel.messages import Error, RunEntry, SamplingParams
@@ -311,3 +311,16 @@ async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there
         await wait_for(
             lambda: stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
         )
+
+
+async def test_a_stream_interval_of_one_hands_every_token_over_as_it_is_sampled(tiny: Path) -> None:
+    """serve --stream-interval 1: no bursts, each token leaves the compute thread alone."""
+    async with assemble(LocalSpec(tiny), Generation(stream_interval=1)) as stack:
+        assert stack.parts.engine.run_steps == 1
+        stack.parts.engine.run_seconds = 60.0  # only the step count ends a run
+        calls = _count_handoffs(stack)
+        tokens, _, finish = await collect(stack, PROMPTS[0], SamplingParams(max_tokens=32))
+        assert finish == "length" and len(tokens) == 32
+        assert len(calls) >= 32
+    with pytest.raises(ConfigError, match="Generation.stream_interval: 0 is below 1"):
+        Generation(stream_interval=0)

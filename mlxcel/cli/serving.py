@@ -36,6 +36,7 @@ async def serve(s: ServeSettings) -> int:
         s.max_batch_size,
         s.prefill_step_size,
         int(s.prompt_cache_bytes),
+        s.stream_interval,
     )
     async with assemble(spec, gen) as stack:
         logger.info("{}", stack.summary)

@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlxcel.bus import Envelope, Node
 from mlxcel.deadlines import deadline_in
-from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE
+from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STREAM_INTERVAL
 from mlxcel.handoff import Packed
 from mlxcel.messages import (
     CancelRequest,
@@ -59,8 +59,9 @@ from mlxcel.runtime.sampling import (
 )
 from mlxcel.runtime.solo import Solo
 
-# At most this many decode steps, and about this long, per hand-off to the compute thread.
-RUN_STEPS = 16
+# At most this many decode steps (serve's --stream-interval), and about this long, per
+# hand-off to the compute thread.
+RUN_STEPS = STREAM_INTERVAL
 RUN_SECONDS = 0.025
 
 

@@ -40,6 +40,7 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 max_sequences=max(gen.parallel, 1),
                 prompt_cache_bytes=gen.prompt_cache_bytes,
             )
+            engine.run_steps = gen.stream_interval
             await engine.attach(node)
             fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
             pc = engine.prompt_cache
