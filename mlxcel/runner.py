@@ -114,6 +114,7 @@ class NodeRunner:
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))
         add_cluster_routes(app, self._cluster_view(metrics))
+        add_text_routes(app, has_dashboard=True)
         self._app_runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE
         )
@@ -228,6 +229,13 @@ class NodeRunner:
             await runner.cleanup()
         if "cluster" in self.addresses and self.serving.listener is not None:
             await self.serving.listener.close()  # stops accepting and closes its connections
+
+
+def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
+    """/tokenize, /detokenize, /version and / (:mod:`mlxcel.server.text_routes`)."""
+    from mlxcel.server.text_routes import add_text_routes as add
+
+    add(app, has_dashboard=has_dashboard)
 
 
 def add_cluster_routes(app: web.Application, view: Any) -> None:

@@ -193,3 +193,52 @@ def test_status_understands_host_port_and_refuses_other_schemes() -> None:
     assert StatusSettings(url="https://h:1").url == "https://h:1"
     with pytest.raises(ValidationError, match="give http://HOST:PORT, https://HOST:PORT or HOST"):
         StatusSettings(url="ftp://h:1")
+
+
+def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_them(
+    server: ServerProcess, tiny: Path
+) -> None:
+    import http.client
+
+    from mlxcel.runtime.model import load_tokenizer_only
+
+    tok, _ = load_tokenizer_only(tiny)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, body: Any) -> tuple[int, Any]:
+        status, _, data = raw(server, "POST", path, body, **auth)
+        return status, json.loads(data)
+
+    status, got = post("/tokenize", {"prompt": "hello world"})
+    assert status == 200 and got["tokens"] == tok.encode("hello world")
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 64
+    plain = tok.encode("hello world", add_special_tokens=False)
+    assert post("/tokenize", {"content": "hello world", "add_special": False})[1]["tokens"] == plain
+    # The chat template applies, as for a chat completion (this one joins the contents).
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "hello world"}]})[1]
+    assert chat["tokens"] == plain
+    status, text = post("/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and text["prompt"] == text["content"] == tok.decode(got["tokens"])
+    for path, body, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "content": "b"}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": "hi"}, "messages"),
+        ("/tokenize", [1, 2], None),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [1, 1 << 40]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ]:
+        status, err = post(path, body)
+        assert status == 400 and err["error"]["param"] == param, (path, body, err)
+    # The key is asked for, as on every data route.
+    assert raw(server, "POST", "/tokenize", {"prompt": "x"})[0] == 401
+    status, _, data = raw(server, "GET", "/version", **auth)
+    assert status == 200 and json.loads(data)["version"] and json.loads(data)["model"] == "tiny"
+    # A browser opening the server lands on the dashboard (no key needed for the redirect).
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/")
+    r = conn.getresponse()
+    assert (r.status, r.getheader("Location")) == (302, "/dashboard")
+    conn.close()

@@ -1,8 +1,8 @@
 """Who may call the HTTP API: an API key, and the browser origins allowed to (CORS).
 
 - ``--api-key``: every request but ``GET /health/live`` (a liveness probe carries no
-  credentials), ``GET /dashboard`` (a page without data; its polls send the key) and a CORS
-  preflight must send ``Authorization: Bearer KEY``; the key is
+  credentials), ``GET /dashboard`` (a page without data; its polls send the key), ``GET /``
+  (a redirect to it) and a CORS preflight must send ``Authorization: Bearer KEY``; the key is
   compared in constant time, and a missing or wrong one gets 401 in the OpenAI error shape
   with ``WWW-Authenticate: Bearer``. The key is never logged.
 - ``--allowed-origins``: a comma-separated list of origins (``https://app.example``), or
@@ -26,7 +26,7 @@ from mlxcel.errors import ConfigError
 
 # Liveness carries no credentials; the dashboard page holds no data (its polls of /cluster
 # send the key).
-EXEMPT = frozenset({"/health/live", "/dashboard"})
+EXEMPT = frozenset({"/health/live", "/dashboard", "/"})  # "/" only sends to the dashboard
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type"
 PREFLIGHT_MAX_AGE = "600"
