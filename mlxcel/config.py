@@ -165,6 +165,12 @@ class ServeSettings(ModelSettings, PipelineSettings):
     max_batch_size: int = Field(
         d.MAX_BATCH_SIZE, ge=1, le=1024, description="sequences per batched forward pass"
     )
+    warmup: bool = Field(
+        True,
+        description="a pipeline stage serves throwaway sequences before serving (kernels "
+        "compiled for a full prompt chunk and decode batches); --no-warmup serves at once and "
+        "the first requests pay for it",
+    )
     stream_interval: int = Field(
         d.STREAM_INTERVAL,
         ge=1,

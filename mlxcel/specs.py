@@ -141,6 +141,9 @@ class CoordinatorSpec(_ClusterNodeSpec):
 class StageSpec(_ClusterNodeSpec):
     """One stage process of a multi-process pipeline."""
 
+    # Serve throwaway sequences first (kernels compiled for a full prompt chunk and decode
+    # batches); False (--no-warmup): serve at once, the first requests pay for it.
+    warm_up: bool = True
     mode = "stage"
 
 

@@ -168,7 +168,10 @@ def cluster(
 ) -> Iterator[tuple[int, list[Proc], Proc, Path]]:
     n = request.param
     cfg, _ = write_cluster(secret.parent, n, secret)
-    stages = [start_stage(tiny, cfg, i) for i in range(n)]
+    # The 3-stage cluster's middle stage starts as the seed's stage command does: --no-warmup.
+    stages = [
+        start_stage(tiny, cfg, i, *(["--no-warmup"] if (n, i) == (3, 1) else [])) for i in range(n)
+    ]
     port = free_port()
     coord = start_coordinator(tiny, cfg, port)
     yield port, stages, coord, cfg
@@ -207,6 +210,8 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
     )
     full = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)  # type: ignore[arg-type]
     assert full.choices[0].message.content == reference["chat"]
+    warmed = ["no warm-up" not in "".join(s.lines) for s in stages]
+    assert warmed == [True, False, True][: len(stages)] if len(stages) == 3 else all(warmed)
     streamed = "".join(
         ch.choices[0].delta.content or ""
         for ch in c.chat.completions.create(

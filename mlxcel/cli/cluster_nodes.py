@@ -23,8 +23,9 @@ def cluster_node_spec(
         cfg = cfg.model_copy(update={"cluster": cluster})
     if me.role == "stage":
         return StageSpec(
-            cfg, me, path, secret, s.pp_return_logits, s.cluster_interface, s.trust_weights
-        )
+            cfg, me, path, secret, s.pp_return_logits, s.cluster_interface, s.trust_weights,
+            warm_up=s.warmup,
+        )  # fmt: skip
     return CoordinatorSpec(
         cfg,
         me,

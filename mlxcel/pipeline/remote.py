@@ -168,7 +168,11 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
                 ),
             )
             service.attach()
-            await service.warm_up()
+            if spec.warm_up:
+                await service.warm_up()
+            else:
+                logger.info("stage {}: no warm-up (--no-warmup): the first requests compile "
+                            "its kernels", me.id)  # fmt: skip
             serving = Serving(
                 node,
                 inflight=lambda: len(service.seqs),
