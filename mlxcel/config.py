@@ -37,7 +37,11 @@ class ModelSettings(_Base):
         d.PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     tp_size: int = Field(
-        1, ge=1, le=64, description="tensor-parallel ranks (processes on mx.distributed)"
+        1,
+        ge=1,
+        le=64,
+        description="tensor-parallel ranks (processes on mx.distributed)",
+        json_schema_extra={"aliases": ("--tensor-parallel-size",)},  # vLLM's spelling
     )
     tp_hostfile: Path | None = Field(
         None, description="ring hostfile to join ranks on several hosts (with --tp-rank)"
@@ -65,7 +69,10 @@ class ModelSettings(_Base):
         "replicated", description="LM head under TP (sharded: not implemented yet)"
     )
     pp_size: int = Field(
-        1, ge=1, description="pipeline stages in this process (see --distributed-config for hosts)"
+        1,
+        ge=1,
+        description="pipeline stages in this process (see --distributed-config for hosts)",
+        json_schema_extra={"aliases": ("--pipeline-parallel-size",)},  # vLLM's spelling
     )
     startup_timeout: float = Field(
         d.STARTUP_TIMEOUT,
@@ -98,6 +105,9 @@ class SamplingSettings(_Base):
         0, ge=0, le=(1 << 31) - 1, description="sample from the k most likely tokens (0 = all)"
     )
     seed: int | None = Field(None, ge=0, lt=2**63, description="random seed for sampling")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="drop tokens below this fraction of the top one's prob"
+    )
 
 
 class PipelineSettings(_Base):
@@ -222,7 +232,23 @@ class ServeSettings(ModelSettings, PipelineSettings):
     request_timeout: float = Field(
         d.REQUEST_TIMEOUT, gt=0, description="seconds before a request fails"
     )
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    default_max_tokens: int = Field(
+        256,
+        ge=1,
+        description="max_tokens when a request gives none",
+        json_schema_extra={"aliases": ("--max-tokens",)},  # mlx-lm's server spelling
+    )
+    # What a request that gives none of these samples with (mlx_lm.server's --temp, --top-p and
+    # --min-p). Unset: the OpenAI defaults (temperature 1, top_p 1, no min_p).
+    temp: float | None = Field(
+        None, ge=0.0, le=2.0, description="temperature when a request gives none (OpenAI: 1)"
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="top_p when a request gives none (OpenAI: 1)"
+    )
+    min_p: float | None = Field(
+        None, ge=0.0, le=1.0, description="min_p when a request gives none (none: 0)"
+    )
     served_model_name: str | None = Field(
         None, description="model id in the API (default: folder name)"
     )

@@ -150,6 +150,32 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(self.prog, message)
 
 
+def unknown_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]
+) -> str:
+    """What argparse says of ``unknown`` arguments, with the closest flag the command has for
+    each unknown one ("did you mean") and where its flags are listed."""
+    import difflib
+
+    words = [getattr(args, "command", None), getattr(args, "bench", None)]
+    words = [w for w in words if w]
+    for word in words:  # the (sub)command's own parser: its flags
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    hints = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("-"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+    command = " ".join(["mlxcel", *words])
+    return "; ".join(
+        [f"unrecognized arguments: {' '.join(unknown)}", *hints, f"see `{command} --help`"]
+    )
+
+
 def _group_of(name: str, required: bool, extra: dict[str, Any] | None = None) -> str:
     if required:
         return "required"
@@ -196,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
     fields = [kv for _, kv in sorted(enumerate(cls.model_fields.items()), key=position)]
     for name, f in fields:
         extra = _extra(f)
-        flags = [flag_of(name, cls)]
+        flags = [flag_of(name, cls), *map(str, extra.get("aliases", ()))]
         if "short" in extra:
             flags.insert(0, str(extra["short"]))
         required = f.is_required()

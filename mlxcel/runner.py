@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -41,6 +41,9 @@ class HttpOptions:
     max_connections: int | None = None  # open HTTP connections (None: below the fd limit)
     api_key: str | None = None  # every request but /health/live needs it (Bearer)
     allowed_origins: tuple[str, ...] = ()  # CORS: origins, or ("*",); () sends no CORS header
+    # Sampling for a request that gives none: "temperature", "top_p", "min_p" (serve's --temp,
+    # --top-p, --min-p); what is missing here is OpenAI's default.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 class NodeRunner:
@@ -110,6 +113,7 @@ class NodeRunner:
             body_timeout=self.http.body_timeout,
             api_key=self.http.api_key,
             allowed_origins=self.http.allowed_origins,
+            sampling_defaults=self.http.sampling_defaults,
         )
         for path, answer in self.serving.extra_get.items():
             app.router.add_get(path, _json_route(answer))

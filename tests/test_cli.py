@@ -533,3 +533,28 @@ def test_checkpoint_never_overwrites_by_surprise(tmp_path: Path) -> None:
     afile.write_text("x")
     r = run_cli("checkpoint", "--out", str(afile))
     assert r.returncode == 2 and "is a file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unknown_flag_gets_the_closest_one_and_where_the_flags_are() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "serve", "--tensor-paralel-size", "2", "--zzz"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "error: mlxcel: unrecognized arguments: --tensor-paralel-size 2 --zzz; "
+        "--tensor-paralel-size: did you mean --tensor-parallel-size?; see `mlxcel serve --help`"
+    )
+    r = subprocess.run([sys.executable, "-m", "mlxcel", "bench", "pipeline", "--pinn"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "--pinn: did you mean --pin?; see `mlxcel bench pipeline --help`" in r.stderr
+
+
+def test_vllms_parallel_size_flags_are_the_same_settings() -> None:
+    from mlxcel.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert args.tp_size == "2"
+    args = parser.parse_args(["generate", "--pipeline-parallel-size", "3"])
+    assert args.pp_size == "3"

@@ -242,3 +242,37 @@ def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_
     r = conn.getresponse()
     assert (r.status, r.getheader("Location")) == (302, "/dashboard")
     conn.close()
+
+
+def test_serve_samples_a_request_that_gives_none_as_its_flags_say(
+    tiny: Path, start_server: Any
+) -> None:
+    """mlx_lm.server's --temp, --top-p, --min-p and --max-tokens: what a request that gives
+    none of them gets; a request's own values still win."""
+    srv = start_server(["-m", str(tiny), "--temp", "0", "--max-tokens", "5", "--min-p", "0.1"])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    bare = [c.completions.create(model=tiny.name, prompt="Hello there") for _ in range(2)]
+    assert bare[0].choices[0].text == bare[1].choices[0].text  # greedy: the same twice
+    assert bare[0].usage is not None and bare[0].usage.completion_tokens == 5
+    greedy = c.completions.create(
+        model=tiny.name, prompt="Hello there", temperature=0, max_tokens=9
+    )
+    assert greedy.choices[0].text.startswith(bare[0].choices[0].text)
+    assert greedy.usage is not None and greedy.usage.completion_tokens == 9
+
+
+def test_the_sampling_defaults_stand_in_only_for_what_a_request_leaves_out() -> None:
+    from mlxcel.messages import EXTENDED_SAMPLING
+    from mlxcel.server.params import sampling_params
+    from mlxcel.server.schemas import CompletionRequest
+
+    def params(body: dict[str, Any], defaults: dict[str, float] | None) -> tuple[float, ...]:
+        req = CompletionRequest.model_validate({"model": "m", "prompt": "x", **body})
+        p = sampling_params(req, default_max=7, vocab=100, supported=EXTENDED_SAMPLING,
+                            mode="one process", defaults=defaults)  # fmt: skip
+        return p.temperature, p.top_p, p.min_p, p.max_tokens
+
+    assert params({}, None) == (1.0, 1.0, 0.0, 7)  # OpenAI's
+    given = {"temperature": 0.0, "top_p": 0.9, "min_p": 0.05}
+    assert params({}, given) == (0.0, 0.9, 0.05, 7)
+    assert params({"temperature": 0.7, "top_p": 1, "min_p": 0}, given) == (0.7, 1.0, 0.0, 7)

@@ -72,7 +72,12 @@ async def generate(s: GenerateSettings) -> int:
         fe = stack.frontend
         ids = _prompt_ids(fe, s, prompt)
         params = SamplingParams(
-            temperature=s.temp, top_p=s.top_p, top_k=s.top_k, seed=s.seed, max_tokens=s.max_tokens
+            temperature=s.temp,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            max_tokens=s.max_tokens,
+            min_p=s.min_p,
         )
         from mlxcel.frontend import Usage
 

@@ -15,7 +15,13 @@ from loguru import logger
 
 from mlxcel import __version__
 from mlxcel.config import GenerateSettings, ServeSettings
-from mlxcel.config_cli import OneLineParser, add_arguments, die, load_settings
+from mlxcel.config_cli import (
+    OneLineParser,
+    add_arguments,
+    die,
+    load_settings,
+    unknown_arguments,
+)
 from mlxcel.config_tools import (
     BenchBatchingSettings,
     BenchBringupSettings,
@@ -148,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = _status_url(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise ConfigError(parser.prog, unknown_arguments(parser, args, unknown))
         if args.command is None:
             parser.print_help()
             raise SystemExit(2)

@@ -129,6 +129,7 @@ def _serves_http(spec: StackSpec) -> bool:
 
 async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
+    from mlxcel.errors import ConfigError
     from mlxcel.runner import HttpOptions, NodeRunner
     from mlxcel.runtime.hub import is_hub_id
 
@@ -138,6 +139,8 @@ async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> N
     from mlxcel.server.http_guard import raise_fd_limit
 
     raise_fd_limit()  # the HTTP connection cap is set below it
+    if s.min_p and "min_p" not in stack.serving.sampling:  # every request would be refused
+        raise ConfigError("--min-p", f"this mode ({stack.serving.mode}) does not apply min_p")
     http = HttpOptions(
         s.host,
         s.port,
@@ -149,6 +152,11 @@ async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> N
         max_connections=s.max_http_connections,
         api_key=api.api_key,
         allowed_origins=api.origins,
+        sampling_defaults={
+            k: v
+            for k, v in (("temperature", s.temp), ("top_p", s.top_p), ("min_p", s.min_p))
+            if v is not None
+        },
     )
     fe = stack.frontend
     fe.max_model_len = api.max_model_len

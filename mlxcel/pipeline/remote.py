@@ -168,11 +168,7 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
                 ),
             )
             service.attach()
-            if spec.warm_up:
-                await service.warm_up()
-            else:
-                logger.info("stage {}: no warm-up (--no-warmup): the first requests compile "
-                            "its kernels", me.id)  # fmt: skip
+            await _warm_up(service, spec.warm_up, me.id)
             serving = Serving(
                 node,
                 inflight=lambda: len(service.seqs),
@@ -333,3 +329,12 @@ def check_model(stage: str, st: State, ours: ModelIdentity) -> None:
         raise MlxcelError(differ)
     if not (st.weights and ours.weights):
         logger.info("stage {}: weights not compared (--trust-weights on one side)", stage)
+
+
+async def _warm_up(service: StageService, wanted: bool, node_id: str) -> None:
+    """Serve throwaway sequences before serving, unless told not to (``--no-warmup``)."""
+    if wanted:
+        await service.warm_up()
+    else:
+        logger.info("stage {}: no warm-up (--no-warmup): the first requests compile its "
+                    "kernels", node_id)  # fmt: skip

@@ -275,6 +275,7 @@ async def _prompt(
     params = sampling_params(
         req,
         default_max=settings["default_max_tokens"],
+        defaults=settings["sampling_defaults"],
         vocab=fe.vocab_size,
         supported=settings["sampling"],
         mode=settings["mode"],
@@ -398,6 +399,7 @@ def build_app(
     body_timeout: float = 30.0,
     api_key: str | None = None,
     allowed_origins: tuple[str, ...] = (),
+    sampling_defaults: dict[str, float] | None = None,
 ) -> web.Application:
     # The guard first: a request whose headers arrived is busy, not slow (http_guard). Then
     # the access log (it sees 401s and 403s too), CORS (a 401 carries its headers), the key.
@@ -423,6 +425,7 @@ def build_app(
         "mode": mode,
         "body_timeout": body_timeout,
         "max_body_bytes": max_body_bytes,
+        "sampling_defaults": dict(sampling_defaults or {}),
     }
     app[BODY_BUDGET] = BodyBudget(BODIES_IN_FLIGHT * max_body_bytes)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -87,8 +87,11 @@ def sampling_params(
     vocab: int,
     supported: frozenset[str],
     mode: str,
+    defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
-    """The request's sampling, checked against the model's vocabulary and this node's mode."""
+    """The request's sampling, checked against the model's vocabulary and this node's mode;
+    ``defaults`` (temperature, top_p, min_p) stand in for what the request leaves out."""
+    given = defaults or {}
     max_tokens = requested_max_tokens(req)
     if isinstance(req, ChatCompletionRequest):
         want_lp, top = req.logprobs, req.top_logprobs or 0
@@ -109,14 +112,16 @@ def sampling_params(
             code="invalid_value",
         )
     params = SamplingParams(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
+        temperature=given.get("temperature", 1.0)
+        if req.temperature is None
+        else float(req.temperature),
+        top_p=given.get("top_p", 1.0) if req.top_p is None else float(req.top_p),
         top_k=min(req.top_k or 0, MAX_INT),
         seed=req.seed,
         max_tokens=max_tokens or default_max,
         logprobs=want_lp,
         top_logprobs=top,
-        min_p=float(req.min_p or 0.0),
+        min_p=given.get("min_p", 0.0) if req.min_p is None else float(req.min_p),
         logit_bias_ids=tuple(bias),
         logit_bias_values=tuple(bias.values()),
         presence_penalty=float(req.presence_penalty or 0.0),
