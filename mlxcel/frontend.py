@@ -214,9 +214,13 @@ class Frontend:
         return list(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        """The prompt's token ids; ``variables``: a request's chat_template_kwargs."""
+        kwargs: dict[str, Any] = {**(variables or {}), "add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools
         if self.chat_template is not None:
@@ -245,9 +249,12 @@ class Frontend:
         return await _to_the_end(self.encode_prompt, prompt)
 
     async def apply_chat_template_async(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        return await _to_the_end(self.apply_chat_template, messages, tools)
+        return await _to_the_end(self.apply_chat_template, messages, tools, variables)
 
     async def stream(
         self,

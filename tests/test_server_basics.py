@@ -276,3 +276,40 @@ def test_the_sampling_defaults_stand_in_only_for_what_a_request_leaves_out() -> 
     given = {"temperature": 0.0, "top_p": 0.9, "min_p": 0.05}
     assert params({}, given) == (0.0, 0.9, 0.05, 7)
     assert params({"temperature": 0.7, "top_p": 1, "min_p": 0}, given) == (0.7, 1.0, 0.0, 7)
+
+
+def test_chat_template_variables_and_usage_in_every_chunk(
+    tiny: Path, start_server: Any, tmp_path: Path
+) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, for one) reach the template;
+    stream_options.continuous_usage_stats puts the usage so far in every chunk."""
+    tpl = tmp_path / "thinking.jinja"
+    tpl.write_text(  # (mlx-lm's tokenizer itself sets enable_thinking: a variable of our own)
+        "{% if persona is defined %}You are {{ persona }}. {% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    srv = start_server(["-m", str(tiny), "--chat-template", str(tpl)])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hello"}]
+
+    def prompt_tokens(**extra: Any) -> int:
+        r = c.chat.completions.create(model=tiny.name, messages=msgs, max_tokens=1, **extra)  # type: ignore[arg-type]
+        assert r.usage is not None
+        return r.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    pirate = prompt_tokens(extra_body={"chat_template_kwargs": {"persona": "a pirate"}})
+    assert pirate > plain  # the template saw the variable
+    assert prompt_tokens(extra_body={"chat_template_kwargs": {}}) == plain
+    with pytest.raises(openai.BadRequestError) as bad:
+        prompt_tokens(extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert bad.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    chunks = list(
+        c.chat.completions.create(
+            model=tiny.name, messages=msgs, max_tokens=4, temperature=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )  # fmt: skip
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.usage is not None]
+    assert len(counts) == len(chunks)  # every chunk, the role chunk and the last included
+    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1].usage.prompt_tokens == plain  # type: ignore[union-attr]

@@ -215,8 +215,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     request[USAGE] = usage
     stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await sse(request, stream, out, usage, include_usage, app[METRICS])
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        return await sse(request, stream, out, usage, include_usage, app[METRICS], continuous)
     text: list[str] = []
     calls: list[dict[str, Any]] = []
     lps: list[lp.Entry] = []
@@ -287,7 +289,7 @@ async def _prompt(
             messages = [m.for_template() for m in req.messages]
         except ValueError as exc:
             raise RequestError(str(exc), param="messages", code="invalid_value") from None
-        prompt_ids = await fe.apply_chat_template_async(messages, tools)
+        prompt_ids = await fe.apply_chat_template_async(messages, tools, req.chat_template_kwargs)
     else:
         prompt_ids = await fe.encode_prompt_async(req.prompt)
     return req, params, tools, prompt_ids

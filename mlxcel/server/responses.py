@@ -106,13 +106,18 @@ async def sse(
     usage: Usage,
     include_usage: bool,
     metrics: Metrics,
+    continuous: bool = False,
 ) -> web.StreamResponse:
+    """The stream as server-sent events; ``continuous`` (stream_options'
+    continuous_usage_stats): every chunk carries the usage so far."""
     resp: web.StreamResponse | None = None
     made_calls = False
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {**out.head(final=False), "choices": choices}
-        if include_usage:
+        if continuous:
+            body["usage"] = usage_body(usage)
+        elif include_usage:
             body["usage"] = None
         return body
 

@@ -53,6 +53,8 @@ class _Request(_Strict):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (prompt, completion and total tokens).
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(_Strict):
@@ -219,10 +221,28 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (vLLM's; Qwen3's enable_thinking, for one).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Known, not implemented: a request naming them gets a 400 (see params.refusals).
     response_format: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in v or {}:
+            if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+                raise ValueError(f"{key!r} cannot be set through the chat template's variables")
+        if v is not None and _depth(v) > MAX_ARG_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_ARG_DEPTH} levels")
+        return v
+
+
+# What the server itself passes to the template: a request cannot set these through it.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "chat_template", "tokenize", "conversation"}
+)
 
 
 class CompletionRequest(_Sampling):
