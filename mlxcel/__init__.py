@@ -5,11 +5,15 @@ Importing the package never imports MLX, but it does choose the BLAS that MLX wi
 ``import mlxcel.…`` runs this file first.
 """
 
+from mlxcel.runtime.blas import MLX_FIRST as _MLX_FIRST
 from mlxcel.runtime.blas import ensure_blas as _ensure_blas
 
 __version__ = "0.1.0"
 
-_ensure_blas()
+if _ensure_blas() == _MLX_FIRST:  # an embedding program imported mlx first: say so, once
+    from loguru import logger as _logger
+
+    _logger.warning("BLAS: {}", _MLX_FIRST)
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:

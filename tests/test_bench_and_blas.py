@@ -327,3 +327,18 @@ def test_mlx_lm_batch_ttft_reaches_the_first_tokens(tiny: Path, monkeypatch) -> 
     assert calls[0] == 2  # both streams' first tokens came from the first step
     assert row["ttft_ms"] >= 100
     assert row["tokens"] >= 2 and row["decode_tok_per_s"] > 0
+
+
+def test_a_program_that_imports_mlx_first_is_told_in_one_warning_line() -> None:
+    if sys.platform != "linux":
+        pytest.skip("the BLAS choice is Linux's (macOS uses Accelerate)")
+    first = subprocess.run([sys.executable, "-c", "import mlx.core; import mlxcel"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = first.stderr.strip().splitlines()
+    assert len(lines) == 1 and "WARNING" in lines[0], first.stderr
+    assert (
+        "mlx.core was imported before mlxcel" in lines[0] and "import mlxcel before mlx" in lines[0]
+    )
+    ok = subprocess.run([sys.executable, "-c", "import mlxcel; import mlx.core"],
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.stderr == ""

@@ -32,6 +32,11 @@ _OPENBLAS_SYSTEM = (
 )
 
 _state: dict[str, str] = {}
+# What a program that imported mlx.core before mlxcel runs on (MLX binds its BLAS at import).
+MLX_FIRST = (
+    "bundled reference BLAS (slow): mlx.core was imported before mlxcel, so mlxcel could not "
+    "load a faster one (10-30x on CPU); import mlxcel before mlx"
+)
 
 
 def _lib_dirs() -> list[Path]:
@@ -144,7 +149,7 @@ def _choose() -> str:
     if sys.platform != "linux":
         return "platform BLAS (Accelerate/Metal)" if sys.platform == "darwin" else "bundled BLAS"
     if "mlx.core" in sys.modules:
-        return "bundled reference BLAS (mlx was imported before mlxcel could choose)"
+        return MLX_FIRST
     choice = os.environ.get("MLXCEL_BLAS", "").strip()
     if choice.lower() in ("bundled", "mkl", "openblas"):
         choice = choice.lower()
