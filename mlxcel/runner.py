@@ -83,71 +83,15 @@ class NodeRunner:
         if self.http is None:
             return
         from mlxcel.server.http_guard import HttpGuard
-        from mlxcel.server.metrics import Metrics
-        from mlxcel.server.openai_api import build_app
 
-        fe, node = self.serving.frontend, self.serving.node
-        assert fe is not None
-        metrics = Metrics()
         self.guard = HttpGuard(
             max_connections=self.http.max_connections, header_timeout=self.http.header_timeout
         )
-        metrics.bind(
-            queue_depth=lambda: fe.waiting,
-            inflight=self.serving.inflight,
-            inflight_requests=lambda: fe.in_flight,
-            handler_errors=lambda: sum(node.bus.handler_errors.values()),
-        )
-        if self.serving.prompt_cache is not None:
-            metrics.bind_prompt_cache(self.serving.prompt_cache)
-        app = build_app(
-            fe,
-            metrics,
-            model_name=self.http.model_name,
-            default_max_tokens=self.http.default_max_tokens,
-            max_body_bytes=self.http.max_body_bytes,
-            health_extra=self.serving.health,
-            sampling=self.serving.sampling,
-            mode=self.serving.mode,
-            guard=self.guard,
-            body_timeout=self.http.body_timeout,
-            api_key=self.http.api_key,
-            allowed_origins=self.http.allowed_origins,
-            sampling_defaults=self.http.sampling_defaults,
-        )
-        for path, answer in self.serving.extra_get.items():
-            app.router.add_get(path, _json_route(answer))
-        add_cluster_routes(app, self._cluster_view(metrics))
-        add_text_routes(app, has_dashboard=True)
+        app = openai_app(self.serving, self.http, self.guard)
         self._app_runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE
         )
         await self._app_runner.setup()
-
-    def _cluster_view(self, metrics: Any) -> Any:
-        from mlxcel.server.cluster_view import ClusterView, ttft_p50_ms
-        from mlxcel.topology import single_topology
-
-        fe, serving = self.serving.frontend, self.serving
-        assert fe is not None and self.http is not None
-
-        async def alone() -> Any:
-            return single_topology(serving.mode, fe.in_flight, serving.kv and serving.kv())
-
-        def totals() -> dict[str, Any]:
-            return {
-                "generated_tokens": metrics.generated_total,
-                "prompt_tokens": metrics.prompt_total,
-                "requests": metrics.requests_done,
-                "running": fe.in_flight,
-                "waiting": fe.waiting,
-                "ttft_ms_p50": ttft_p50_ms(list(metrics.recent_ttft)),
-            }
-
-        view = ClusterView(self.http.model_name, serving.mode, serving.topology or alone, totals)
-        metrics.bind_cluster(lambda: view.last, self.http.model_name)
-        metrics.refresh = view.snapshot
-        return view
 
     async def start(self) -> dict[str, str]:
         """Bind every site; ``started`` (and the return value) name what is listening."""
@@ -233,6 +177,78 @@ class NodeRunner:
             await runner.cleanup()
         if "cluster" in self.addresses and self.serving.listener is not None:
             await self.serving.listener.close()  # stops accepting and closes its connections
+
+
+def openai_app(
+    stack: Stack[Any] | Serving, http: HttpOptions | None = None, guard: Any = None
+) -> web.Application:
+    """The HTTP API of a serving stack as an aiohttp application, bound to nothing: what
+    :class:`NodeRunner` serves, for a service that mounts it in its own application
+    (``app.add_subapp("/llm", openai_app(stack))``) and runs its own sites. ``guard``: the
+    runner's connection guard (its middleware runs first)."""
+    from mlxcel.server.metrics import Metrics
+    from mlxcel.server.openai_api import build_app
+
+    serving = stack.serving if isinstance(stack, Stack) else stack
+    http = http or HttpOptions()
+    fe, node = serving.frontend, serving.node
+    if fe is None:
+        raise ValueError(f"a {serving.mode} node serves no HTTP API (it has no frontend)")
+    metrics = Metrics()
+    metrics.bind(
+        queue_depth=lambda: fe.waiting,
+        inflight=serving.inflight,
+        inflight_requests=lambda: fe.in_flight,
+        handler_errors=lambda: sum(node.bus.handler_errors.values()),
+    )
+    if serving.prompt_cache is not None:
+        metrics.bind_prompt_cache(serving.prompt_cache)
+    app = build_app(
+        fe,
+        metrics,
+        model_name=http.model_name,
+        default_max_tokens=http.default_max_tokens,
+        max_body_bytes=http.max_body_bytes,
+        health_extra=serving.health,
+        sampling=serving.sampling,
+        mode=serving.mode,
+        guard=guard,
+        body_timeout=http.body_timeout,
+        api_key=http.api_key,
+        allowed_origins=http.allowed_origins,
+        sampling_defaults=http.sampling_defaults,
+    )
+    for path, answer in serving.extra_get.items():
+        app.router.add_get(path, _json_route(answer))
+    add_cluster_routes(app, _cluster_view(serving, http.model_name, metrics))
+    add_text_routes(app, has_dashboard=True)
+    return app
+
+
+def _cluster_view(serving: Serving, model_name: str, metrics: Any) -> Any:
+    from mlxcel.server.cluster_view import ClusterView, ttft_p50_ms
+    from mlxcel.topology import single_topology
+
+    fe = serving.frontend
+    assert fe is not None
+
+    async def alone() -> Any:
+        return single_topology(serving.mode, fe.in_flight, serving.kv and serving.kv())
+
+    def totals() -> dict[str, Any]:
+        return {
+            "generated_tokens": metrics.generated_total,
+            "prompt_tokens": metrics.prompt_total,
+            "requests": metrics.requests_done,
+            "running": fe.in_flight,
+            "waiting": fe.waiting,
+            "ttft_ms_p50": ttft_p50_ms(list(metrics.recent_ttft)),
+        }
+
+    view = ClusterView(model_name, serving.mode, serving.topology or alone, totals)
+    metrics.bind_cluster(lambda: view.last, model_name)
+    metrics.refresh = view.snapshot
+    return view
 
 
 def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:

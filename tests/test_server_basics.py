@@ -313,3 +313,41 @@ def test_chat_template_variables_and_usage_in_every_chunk(
     counts = [ch.usage.completion_tokens for ch in chunks if ch.usage is not None]
     assert len(counts) == len(chunks)  # every chunk, the role chunk and the last included
     assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1].usage.prompt_tokens == plain  # type: ignore[union-attr]
+
+
+async def test_the_openai_routes_mount_in_a_services_own_aiohttp_application(tiny: Path) -> None:
+    """docs/embedding.md's recipe: the stack's HTTP API as a sub-application of one's own
+    aiohttp app, on one's own site; the official client talks to it under the prefix."""
+    import asyncio
+
+    from aiohttp import web
+
+    from mlxcel.assembly import Generation, LocalSpec, assemble
+    from mlxcel.runner import HttpOptions, openai_app
+    from tests.conftest import free_port
+
+    async def hello(_request: web.Request) -> web.Response:
+        return web.Response(text="my service")
+
+    async with assemble(LocalSpec(tiny), Generation()) as stack:
+        app = web.Application()
+        app.router.add_get("/hello", hello)
+        app.add_subapp("/llm", openai_app(stack, HttpOptions(model_name="tiny")))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/llm/v1", api_key="x", max_retries=0
+            )
+            r = await client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+            assert r.usage is not None and r.usage.completion_tokens == 3
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/hello").read()
+            )
+            assert body == b"my service"
+        finally:
+            await runner.cleanup()
