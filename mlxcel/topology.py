@@ -73,5 +73,11 @@ def router_topology(stats: dict[str, Any]) -> Topology:
 
 
 def single_topology(mode: str, in_flight: int, kv: dict[str, int] | None = None) -> Topology:
-    node = {"id": "this node", "role": mode, "up": True, "in_flight": in_flight, **(kv or {})}
+    """A node with no cluster behind it: named by its host, its role a word ("engine" for
+    one process, else the mode with dashes), as every node of a cluster is labelled."""
+    import socket
+
+    role = "engine" if mode == "one process" else mode.replace(" ", "-")
+    node = {"id": socket.gethostname() or "localhost", "role": role, "up": True,
+            "in_flight": in_flight, **(kv or {})}  # fmt: skip
     return [node], []

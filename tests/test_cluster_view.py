@@ -89,6 +89,7 @@ def test_the_cluster_view_status_and_metrics_show_every_node_and_a_stage_that_di
     # Each stage's KV cache: nothing held once the request is done, room for more.
     assert node(view, "stage-0")["kv_tokens"] == 0 and node(view, "stage-0")["kv_capacity"] > 0
     assert 'mlxcel_node_kv_capacity_tokens{node="stage-0",role="stage"}' in metrics
+    assert 'mlxcel_node_kv_usage_ratio{node="stage-0",role="stage"} 0.0' in metrics
     assert lines[4].split()[:4] == ["stage-0", "stage", "0-1", "up"]
     stages[1].p.kill()
     took = wait_until(lambda: not node(get(port, "/cluster"), "stage-1")["up"], 10.0)

@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -351,3 +352,44 @@ async def test_the_openai_routes_mount_in_a_services_own_aiohttp_application(tin
             assert body == b"my service"
         finally:
             await runner.cleanup()
+
+
+def test_figures_move_while_a_stream_runs_and_name_nodes_by_id(
+    tiny: Path, start_server: Any
+) -> None:
+    """Tokens are counted as they are sent (the dashboard's tok/s moves during a long stream);
+    /metrics has time per output token and inter-token latency, no `_created` series, and a
+    one-process node labelled by its host, as a cluster's nodes are by their ids."""
+    import socket
+    import threading
+
+    srv = start_server(["-m", str(tiny), "--stream-interval", "1"])
+    c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    done = threading.Event()
+
+    def long_stream() -> None:
+        for _ in c.completions.create(model=tiny.name, prompt="go", max_tokens=3000,
+                                      temperature=0, stream=True):  # fmt: skip
+            pass
+        done.set()
+
+    threading.Thread(target=long_stream, daemon=True).start()
+
+    def counted() -> int:
+        with urllib.request.urlopen(srv.base_url + "/cluster", timeout=10) as r:
+            return int(json.loads(r.read())["totals"]["generated_tokens"])
+
+    deadline = time.monotonic() + 60
+    while counted() == 0:
+        assert time.monotonic() < deadline and not done.is_set(), "no tokens counted mid-stream"
+        time.sleep(0.05)
+    assert not done.is_set()  # counted while the stream still ran
+    assert done.wait(120)
+    with urllib.request.urlopen(srv.base_url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert "mlxcel_generated_tokens_total 3000.0" in metrics
+    assert "mlxcel_time_per_output_token_seconds_count 1.0" in metrics
+    assert "mlxcel_inter_token_latency_seconds_count 2999.0" in metrics
+    assert "_created" not in metrics
+    host = socket.gethostname()
+    assert f'mlxcel_node_up{{node="{host}",role="engine"}} 1.0' in metrics

@@ -6,10 +6,22 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Per token: from a millisecond up to seconds (a stream waiting behind a long prompt chunk).
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
+
+# A `_created` timestamp beside every counter and histogram is noise on a dashboard.
+disable_created_metrics()
 
 
 class Metrics:
@@ -37,6 +49,19 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.tpot = Histogram(
+            "mlxcel_time_per_output_token_seconds",
+            "per request: time after its first token, over the tokens after it",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mlxcel_inter_token_latency_seconds",
+            "time between a stream's tokens as they reach the HTTP layer (tokens handed over "
+            "together count the wait once)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "mlxcel_queue_depth", "requests waiting for a generation slot", registry=r
         )
@@ -52,6 +77,16 @@ class Metrics:
         self.prompt_total = self.generated_total = 0  # the counters' values, for the view
         # Called before each scrape (the cluster view, refreshed from its nodes).
         self.refresh: Callable[[], Awaitable[Any]] | None = None
+
+    def tokens_out(self, n: int, gap: float | None) -> None:
+        """``n`` tokens of a stream reached the HTTP layer, ``gap`` seconds after its previous
+        ones (None: its first): counted as they go, so the figures move while streams run."""
+        self.generated_tokens.inc(n)
+        self.generated_total += n
+        if gap is not None and n:
+            self.itl.observe(gap)
+            for _ in range(n - 1):
+                self.itl.observe(0.0)
 
     def bind(
         self,
@@ -115,6 +150,7 @@ class _ClusterCollector:
         ("completed", "mlxcel_node_completed", "requests the node completed"),
         ("failed", "mlxcel_node_failed", "requests that failed on the node"),
         ("kv_tokens", "mlxcel_node_kv_tokens", "KV-cache positions the node holds"),
+        ("kv_usage", "mlxcel_node_kv_usage_ratio", "KV-cache positions held over capacity"),
         (
             "kv_capacity",
             "mlxcel_node_kv_capacity_tokens",
@@ -139,7 +175,7 @@ class _ClusterCollector:
         for key, name, doc in self.GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["node", "role"])
             for n in v.get("nodes", []):
-                value = n.get(key)
+                value = _kv_usage(n) if key == "kv_usage" else n.get(key)
                 if value is not None:
                     g.add_metric([str(n["id"]), str(n["role"])], float(value))
             yield g
@@ -157,3 +193,8 @@ class _ClusterCollector:
             g = GaugeMetricFamily(name, doc, labels=["model"])
             g.add_metric([self._model], float(totals.get(key, 0)))
             yield g
+
+
+def _kv_usage(node: dict[str, Any]) -> float | None:
+    used, capacity = node.get("kv_tokens"), node.get("kv_capacity")
+    return used / capacity if used is not None and capacity else None

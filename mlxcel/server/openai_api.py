@@ -37,7 +37,7 @@ from mlxcel.server.params import (
     sampling_params,
     template_tools,
 )
-from mlxcel.server.responses import Output, account, sse, usage_body
+from mlxcel.server.responses import Output, TokenMeter, account, sse, usage_body
 from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxcel.server.tools import tool_text_for
 
@@ -223,15 +223,17 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     calls: list[dict[str, Any]] = []
     lps: list[lp.Entry] = []
     finish = None
+    meter = TokenMeter(app[METRICS], usage)
     async with aclosing(stream) as it:
         async for d in it:
+            meter.seen()
             shown, new_calls = out.split(d.text)
             text.append(shown)
             calls.extend(new_calls)
             lps.extend(lp.entries(d))
             finish = d.finish_reason
     text.append(out.rest())
-    account(app[METRICS], usage)
+    account(app[METRICS], usage, meter)
     content = "".join(text)
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -74,15 +74,35 @@ def usage_body(u: Usage) -> dict[str, Any]:
     }
 
 
-def account(metrics: Metrics, u: Usage) -> None:
+class TokenMeter:
+    """A request's tokens counted as they reach the HTTP layer (:meth:`Metrics.tokens_out`)."""
+
+    def __init__(self, metrics: Metrics, usage: Usage) -> None:
+        self.metrics, self.usage = metrics, usage
+        self.counted = 0
+        self.at: float | None = None  # when its previous tokens came
+
+    def seen(self) -> None:
+        now, n = self.usage.last_token_at, self.usage.completion_tokens - self.counted
+        if n <= 0 or now is None:
+            return
+        self.metrics.tokens_out(n, None if self.at is None else now - self.at)
+        self.counted, self.at = self.usage.completion_tokens, now
+
+
+def account(metrics: Metrics, u: Usage, meter: TokenMeter) -> None:
+    """The request ended: its prompt, its time to first token and per output token (its
+    generated tokens were counted as they went)."""
+    meter.seen()
     metrics.prompt_tokens.inc(u.prompt_tokens)
-    metrics.generated_tokens.inc(u.completion_tokens)
     metrics.requests_done += 1
     metrics.prompt_total += u.prompt_tokens
-    metrics.generated_total += u.completion_tokens
     if u.first_token_at is not None:
         metrics.ttft.observe(u.first_token_at - u.submitted_at)
         metrics.recent_ttft.append(u.first_token_at - u.submitted_at)
+        if u.last_token_at is not None and u.completion_tokens > 1:
+            after = u.last_token_at - u.first_token_at
+            metrics.tpot.observe(after / (u.completion_tokens - 1))
 
 
 def _in_band(exc: Exception) -> tuple[str, str, str]:
@@ -112,6 +132,7 @@ async def sse(
     continuous_usage_stats): every chunk carries the usage so far."""
     resp: web.StreamResponse | None = None
     made_calls = False
+    meter = TokenMeter(metrics, usage)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {**out.head(final=False), "choices": choices}
@@ -149,6 +170,7 @@ async def sse(
                                 ]
                             )
                         )
+                meter.seen()
                 text, calls = out.split(d.text)
                 if d.finish_reason is not None:
                     text += out.rest()
@@ -173,7 +195,7 @@ async def sse(
         return resp
     if resp is None:  # pragma: no cover - a stream always yields its final delta
         raise RequestError("generation produced nothing")
-    account(metrics, usage)
+    account(metrics, usage, meter)
     if include_usage:
         await send({**out.head(final=False), "choices": [], "usage": usage_body(usage)})
     await send("[DONE]")
