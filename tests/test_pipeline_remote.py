@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1037,3 +1038,21 @@ def test_a_starting_node_is_waited_for_while_it_writes_and_given_up_when_silent(
     half = "import sys, time\nsys.stdout.buffer.write(b'\\xc3'); sys.stdout.flush()\n"
     ok, _ = asyncio.run(run(half + f"time.sleep(1)\n{serve}", silence=5.0))
     assert ok  # a UTF-8 character cut in half by a read is no error
+
+
+def test_a_stage_whose_cluster_port_is_taken_says_so_before_loading_the_model(
+    tiny: Path, secret: Path
+) -> None:
+    cfg, stages = write_cluster(secret.parent, 2, secret)
+    host, port = stages[0].rsplit(":", 1)
+    with socket.socket() as busy:
+        busy.bind((host, int(port)))
+        busy.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), "--distributed-config",
+             str(cfg), "--node-id", "stage-0"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen for cluster connections on {host}:{port}" in r.stderr
+    assert "loaded model" not in r.stderr  # found before the weights were read

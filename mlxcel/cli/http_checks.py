@@ -77,8 +77,9 @@ def check_context(options: ApiOptions, model: Path) -> None:
         )
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail now, in one line, if the HTTP port is taken (the runner binds it later)."""
+def check_port(host: str, port: int, what: str = "serve HTTP") -> None:
+    """Fail now, in one line, if a port this node will listen on is taken (it binds later,
+    after loading the model)."""
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -88,4 +89,4 @@ def check_port(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as exc:
             why = (exc.strerror or str(exc)).lower()  # as the event loop words it later
-            raise ListenError(f"cannot serve HTTP on {host}:{port}: {why}") from None
+            raise ListenError(f"cannot {what} on {host}:{port}: {why}") from None

@@ -24,6 +24,10 @@ async def serve(s: ServeSettings) -> int:
     spec = await _spec(s)
     if spec is None:
         return 0  # a dry run, or a tensor-parallel follower that has finished
+    cluster = getattr(getattr(spec, "me", None), "address", None)  # a pipeline node's listener
+    if cluster is not None:
+        host, _, port = cluster.rpartition(":")
+        check_port(host.strip("[]"), int(port), "listen for cluster connections")
     if _serves_http(spec):
         check_context(api, spec.model)
         check_port(s.host, s.port)  # before the model loads, not after
