@@ -24,12 +24,26 @@ MAX_TOKENS_IN = 1 << 20  # ids one /detokenize may name (a body limit bounds it 
 
 
 def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
-    from mlxcel.server.openai_api import FRONTEND, SETTINGS, _parse_json, _read_body, error_response
+    from mlxcel.server.openai_api import (
+        BODY_BUDGET,
+        FRONTEND,
+        SETTINGS,
+        _parse_json,
+        _read_body,
+        error_response,
+    )
 
     async def tokenize(request: web.Request) -> web.Response:
+        raw = await _read_body(request)
+        # Parsing and tokenizing cost several times the body: held in the same budget as a
+        # completion's, so a flood of large bodies cannot take the memory.
+        async with request.app[BODY_BUDGET].hold(len(raw), request.app[SETTINGS]["body_timeout"]):
+            return await _tokenize(request, raw)
+
+    async def _tokenize(request: web.Request, raw: bytes) -> web.Response:
         fe = request.app[FRONTEND]
         try:
-            body = _object(_parse_json(await _read_body(request)))
+            body = _object(_parse_json(raw))
             given = [k for k in ("prompt", "content", "messages") if k in body]
             if len(given) != 1:
                 raise RequestError("give one of prompt, content or messages", param="prompt")
@@ -52,9 +66,14 @@ def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
         )
 
     async def detokenize(request: web.Request) -> web.Response:
+        raw = await _read_body(request)
+        async with request.app[BODY_BUDGET].hold(len(raw), request.app[SETTINGS]["body_timeout"]):
+            return await _detokenize(request, raw)
+
+    async def _detokenize(request: web.Request, raw: bytes) -> web.Response:
         fe = request.app[FRONTEND]
         try:
-            body = _object(_parse_json(await _read_body(request)))
+            body = _object(_parse_json(raw))
             ids = body.get("tokens")
             vocab = fe.vocab_size
             if (
