@@ -393,3 +393,15 @@ def test_figures_move_while_a_stream_runs_and_name_nodes_by_id(
     assert "_created" not in metrics
     host = socket.gethostname()
     assert f'mlxcel_node_up{{node="{host}",role="engine"}} 1.0' in metrics
+
+
+def test_tokens_handed_over_together_count_their_wait_once() -> None:
+    from mlxcel.server.metrics import Metrics
+
+    m = Metrics()
+    m.tokens_out(3, None)  # a stream's first three, in one burst: two gaps of 0
+    m.tokens_out(2, 0.05)  # the next two, 50 ms later: 0.05 and 0
+    text = m.render().decode()
+    assert "mlxcel_generated_tokens_total 5.0" in text
+    assert "mlxcel_inter_token_latency_seconds_count 4.0" in text
+    assert "mlxcel_inter_token_latency_seconds_sum 0.05" in text

@@ -83,10 +83,8 @@ class Metrics:
         ones (None: its first): counted as they go, so the figures move while streams run."""
         self.generated_tokens.inc(n)
         self.generated_total += n
-        if gap is not None and n:
-            self.itl.observe(gap)
-            for _ in range(n - 1):
-                self.itl.observe(0.0)
+        for wait in ([] if gap is None else [gap]) + [0.0] * (n - 1):  # a burst's others: 0
+            self.itl.observe(wait)
 
     def bind(
         self,
