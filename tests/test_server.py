@@ -306,16 +306,23 @@ def test_metrics_count_requests_and_tokens(server: ServerProcess, client: openai
 def test_full_admission_queue_gets_503_with_retry_after(
     tiny: Path, start_server: type[ServerProcess]
 ) -> None:
+    from mlxcel.runtime.model import load_model
+
+    eos = load_model(tiny).eos_token_ids()
     srv = start_server(
         ["-m", str(tiny), "--parallel", "1", "--queue-size", "0", "--served-model-name", MODEL]
     )
 
     async def run() -> tuple[int, str | None, int]:
         async with aiohttp.ClientSession() as s:
+            # It must outlast the second request: its end-of-sequence tokens are ruled out
+            # (sampled at random, one could end it within the first tokens).
+            no_eos = {str(t): -100 for t in eos}
             long = await s.post(
                 srv.base_url + "/v1/completions",
-                json={"model": MODEL, "prompt": "x", "max_tokens": 3000, "stream": True},
-            )
+                json={"model": MODEL, "prompt": "x", "max_tokens": 3000, "stream": True,
+                      "logit_bias": no_eos},
+            )  # fmt: skip
             async for line in long.content:
                 if line.startswith(b"data: {"):
                     break
