@@ -9,6 +9,7 @@ nodes of one process (identity = the node's name) -- same messages, no sockets.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Callable
 
@@ -68,11 +69,44 @@ class LocalEndpoint:
         return 0
 
 
+# Ports the kernel hands out on its own (connections' source ports, bind(0)); read once.
+_EPHEMERAL: tuple[int, int] | None = None
+FIXED_PORTS = (20000, 32767)  # where free_port looks first: below Linux's default ephemeral range
+
+
 def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (for a listener started a moment later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    """A TCP port free on ``host`` now (for a listener started a moment later). Taken, where
+    it can be, outside the kernel's ephemeral range: a port from that range may be handed to
+    some connection's source side before the listener binds it (a busy host did so to a
+    tensor-parallel ring port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, high = _ephemeral()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randint(*FIXED_PORTS)
+        if low <= port <= high:
+            continue
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral() -> tuple[int, int]:
+    global _EPHEMERAL
+    if _EPHEMERAL is None:
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                low, high = (int(x) for x in f.read().split())
+            _EPHEMERAL = (low, high)
+        except (OSError, ValueError):
+            _EPHEMERAL = (32768, 65535)  # elsewhere: stay below the usual ranges
+    return _EPHEMERAL
 
 
 def split_hostport(address: str) -> tuple[str, int]:
