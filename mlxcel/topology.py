@@ -4,6 +4,7 @@ answer: what ``/cluster``, ``/dashboard`` and the per-node metrics show
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 Node = dict[str, Any]
@@ -75,9 +76,14 @@ def router_topology(stats: dict[str, Any]) -> Topology:
 def single_topology(mode: str, in_flight: int, kv: dict[str, int] | None = None) -> Topology:
     """A node with no cluster behind it: named by its host, its role a word ("engine" for
     one process, else the mode with dashes), as every node of a cluster is labelled."""
+    role = "engine" if mode == "one process" else mode.replace(" ", "-")
+    node = {"id": _host(), "role": role, "up": True, "in_flight": in_flight, **(kv or {})}
+    return [node], []
+
+
+@functools.cache
+def _host() -> str:
+    """This host's name (asked once: the view is drawn every second)."""
     import socket
 
-    role = "engine" if mode == "one process" else mode.replace(" ", "-")
-    node = {"id": socket.gethostname() or "localhost", "role": role, "up": True,
-            "in_flight": in_flight, **(kv or {})}  # fmt: skip
-    return [node], []
+    return socket.gethostname() or "localhost"

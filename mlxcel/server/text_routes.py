@@ -13,6 +13,7 @@ body naming the field; nothing is generated, so no slot is taken.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -33,60 +34,46 @@ def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
         error_response,
     )
 
-    async def tokenize(request: web.Request) -> web.Response:
-        raw = await _read_body(request)
-        # Parsing and tokenizing cost several times the body: held in the same budget as a
-        # completion's, so a flood of large bodies cannot take the memory.
-        async with request.app[BODY_BUDGET].hold(len(raw), request.app[SETTINGS]["body_timeout"]):
-            return await _tokenize(request, raw)
+    def budgeted(answer: Callable[[Any, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
+        """A POST route whose JSON body is held in the same budget as a completion's (parsing
+        and tokenizing cost several times the body: a flood of large bodies cannot take the
+        memory); a bad body is a 400 naming its field."""
 
-    async def _tokenize(request: web.Request, raw: bytes) -> web.Response:
-        fe = request.app[FRONTEND]
-        try:
-            body = _object(_parse_json(raw))
-            given = [k for k in ("prompt", "content", "messages") if k in body]
-            if len(given) != 1:
-                raise RequestError("give one of prompt, content or messages", param="prompt")
-            field = given[0]
-            if field == "messages":
-                messages = body["messages"]
-                if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                    raise RequestError("messages: a list of message objects", param="messages")
-                ids = await asyncio.to_thread(fe.apply_chat_template, messages)
-            else:
-                text = body[field]
-                if not isinstance(text, str):
-                    raise RequestError(f"{field}: a string", param=field)
-                special = _flag(body, "add_special_tokens" if field == "prompt" else "add_special")
-                ids = await asyncio.to_thread(_encode, fe.tokenizer, text, special)
-        except RequestError as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
-        return web.json_response(
-            {"tokens": ids, "count": len(ids), "max_model_len": fe.token_limit}
-        )
+        async def handler(request: web.Request) -> web.Response:
+            raw = await _read_body(request)
+            app_ = request.app
+            async with app_[BODY_BUDGET].hold(len(raw), app_[SETTINGS]["body_timeout"]):
+                try:
+                    body = await answer(app_[FRONTEND], _object(_parse_json(raw)))
+                except RequestError as exc:
+                    code = exc.code or "invalid_value"
+                    return error_response(400, str(exc), param=exc.param, code=code)
+            return web.json_response(body)
 
-    async def detokenize(request: web.Request) -> web.Response:
-        raw = await _read_body(request)
-        async with request.app[BODY_BUDGET].hold(len(raw), request.app[SETTINGS]["body_timeout"]):
-            return await _detokenize(request, raw)
+        return handler
 
-    async def _detokenize(request: web.Request, raw: bytes) -> web.Response:
-        fe = request.app[FRONTEND]
-        try:
-            body = _object(_parse_json(raw))
-            ids = body.get("tokens")
-            vocab = fe.vocab_size
-            if (
-                not isinstance(ids, list)
-                or len(ids) > MAX_TOKENS_IN
-                or not all(type(t) is int and 0 <= t < vocab for t in ids)
-            ):
-                why = f"tokens: a list of at most {MAX_TOKENS_IN} token ids in [0, {vocab})"
-                raise RequestError(why, param="tokens")
-            text = await asyncio.to_thread(fe.tokenizer.decode, ids)
-        except RequestError as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
-        return web.json_response({"prompt": text, "content": text})
+    async def tokenize(fe: Any, body: dict[str, Any]) -> dict[str, Any]:
+        given = [k for k in ("prompt", "content", "messages") if k in body]
+        if len(given) != 1:
+            raise RequestError("give one of prompt, content or messages", param="prompt")
+        field = given[0]
+        if field == "messages":
+            messages = body["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise RequestError("messages: a list of message objects", param="messages")
+            ids = await asyncio.to_thread(fe.apply_chat_template, messages)
+        else:
+            text = body[field]
+            if not isinstance(text, str):
+                raise RequestError(f"{field}: a string", param=field)
+            special = _flag(body, "add_special_tokens" if field == "prompt" else "add_special")
+            ids = await asyncio.to_thread(_encode, fe.tokenizer, text, special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": fe.token_limit}
+
+    async def detokenize(fe: Any, body: dict[str, Any]) -> dict[str, Any]:
+        # Checking up to a million ids and decoding them: on a worker, not the reactor.
+        text = await asyncio.to_thread(_decode, fe.tokenizer, body.get("tokens"), fe.vocab_size)
+        return {"prompt": text, "content": text}
 
     async def version(request: web.Request) -> web.Response:
         settings = request.app[SETTINGS]
@@ -102,8 +89,8 @@ def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
         page = f"<!doctype html><title>mlxcel</title><h1>mlxcel {__version__}</h1><ul>{items}</ul>"
         return web.Response(text=page, content_type="text/html", charset="utf-8")
 
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/tokenize", budgeted(tokenize))
+    app.router.add_post("/detokenize", budgeted(detokenize))
     app.router.add_get("/version", version)
     app.router.add_get("/", index)
 
@@ -119,6 +106,17 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise RequestError(f"{name}: true or false", param=name)
     return value
+
+
+def _decode(tokenizer: Any, ids: Any, vocab: int) -> str:
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_TOKENS_IN
+        or not all(type(t) is int and 0 <= t < vocab for t in ids)
+    ):
+        why = f"tokens: a list of at most {MAX_TOKENS_IN} token ids in [0, {vocab})"
+        raise RequestError(why, param="tokens")
+    return str(tokenizer.decode(ids))
 
 
 def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
