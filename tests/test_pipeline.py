@@ -1088,3 +1088,16 @@ def test_bench_pipeline_refuses_a_link_rate_tc_would_not_take() -> None:
     )
     assert r.returncode == 2
     assert "'1gb' is not a tc rate such as 1gbit, 100mbit or 512kbit" in r.stderr
+
+
+def test_saturation_is_the_busiest_stage_only_where_stages_overlap() -> None:
+    from mlxcel.bench.pipeline import _saturation
+
+    def row(mode: str, streams: int, batches: int) -> dict[str, object]:
+        stages = [{"busy": 0.5}, {"busy": 0.3}]
+        return {"mode": mode, "streams": streams, "micro_batches": batches, "stages": stages}
+
+    assert _saturation(row("remote-2", 8, 2)) == 0.5  # a micro-batch per stage: they overlap
+    assert _saturation(row("remote-2", 1, 2)) == 0.8  # one stream: they take turns
+    assert _saturation(row("remote-2", 8, 1)) == 0.8  # one micro-batch: turns too
+    assert _saturation(row("inproc-2", 8, 2)) == 0.8  # one compute thread for both

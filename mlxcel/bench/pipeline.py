@@ -17,9 +17,11 @@ reactors and the hand-offs to and from the compute threads -- never negative, be
 compute happens inside the step. ``wire_bytes_per_token`` (one stream, remote) counts every byte the coordinator and both stages wrote to cluster
 connections per additional decoded token.
 
-``saturated_ratio`` is the ratio the row would reach with its busiest stage computing all the
-time, at the compute it measured: the gap between it and ``ratio_vs_single`` is what overlap and
-protocol still lose; below it, the stages' compute itself is what costs.
+``saturated_ratio`` is the ratio the row would reach with no idle time at its bottleneck, at
+the compute it measured: the busiest stage where stage processes overlap (a micro-batch per
+stage), the stages' compute together where they take turns (one stream, or in-process stages
+on one compute thread). The gap between it and ``ratio_vs_single`` is what overlap and protocol
+still lose; below it, the stages' compute itself is what costs.
 
 ``--pin`` compares one device with two on a CPU host (:mod:`mlxcel.bench.pinning`): the
 one-process rows run pinned to one core, each stage process of ``remote-2`` to a core of its
@@ -239,6 +241,7 @@ async def _one_process_rows(  # type: ignore[no-untyped-def]
                 stage_compute_ms_per_step=round(compute_ms, 3),
                 stages=_stage_rows(before, snap(), wall),
                 micro_batch_size=coordinator.coord.micro_batch_size,
+                micro_batches=len(coordinator.coord.micro.members),
             )
 
 
@@ -326,11 +329,27 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
                 stage_compute_ms_per_step=round(compute_ms, 3),
                 stages=_stage_rows(before, after, wall),
                 micro_batch_size=rcoord.coord.micro_batch_size,
+                micro_batches=len(rcoord.coord.micro.members),
                 **extra,
                 **pinned_to,
                 **link,
             )
         pin(here, home)
+
+
+def _saturation(row: dict[str, Any]) -> float:
+    """The fraction of the run the pipeline's bottleneck computed. Stage processes with a
+    micro-batch each to work on overlap, so the bottleneck is the busiest stage; with fewer
+    micro-batches than stages (one stream), or stages sharing one compute thread (in-process),
+    they take turns, and the bottleneck is their compute together. Dividing by it gives where
+    the row would stand with no idle time at all, at the compute it measured."""
+    busy = [st["busy"] for st in row.get("stages", ())]
+    if not busy:
+        return 0.0
+    # Requests join the emptiest micro-batch: this many have work at once.
+    batches = min(row["streams"], row.get("micro_batches", 1))
+    overlap = row["mode"] == "remote-2" and batches >= len(busy)
+    return max(busy) if overlap else sum(busy)
 
 
 def _report(
@@ -341,12 +360,9 @@ def _report(
     single = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "single"}
     for r in rows:
         r["ratio_vs_single"] = round(r["tok_per_s"] / single[r["streams"]], 3)
-        busiest = max((st["busy"] for st in r.get("stages", ())), default=0.0)
-        if busiest > 0:
-            # Where this pipeline would stand with its busiest stage computing all the time
-            # (its compute as measured): what overlap and protocol could still win; the rest
-            # is compute.
-            r["saturated_ratio"] = round(r["tok_per_s"] / busiest / single[r["streams"]], 3)
+        bound = _saturation(r)
+        if bound > 0:
+            r["saturated_ratio"] = round(r["tok_per_s"] / bound / single[r["streams"]], 3)
         r["tokens"] = tokens
         r["blas"] = blas_name()
         if json_lines:
