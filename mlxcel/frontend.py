@@ -42,7 +42,7 @@ from mlxcel.messages import (
     RunResult,
     SamplingParams,
 )
-from mlxcel.prompts import encode_within, render_chat
+from mlxcel.prompts import encode_within, render_chat, special_token_ids
 from mlxcel.runtime.sampling import StopStrings
 from mlxcel.specs import Generation
 
@@ -263,8 +263,10 @@ class Frontend:
         stop: Sequence[str] = (),
         usage: Usage | None = None,
         deadline: float | None = None,
+        skip_special: bool = False,
     ) -> AsyncIterator[Delta]:
-        """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``."""
+        """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``.
+        ``skip_special`` leaves special tokens' text out (their ids and logprobs stay)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
         limit = self.token_limit
@@ -304,6 +306,7 @@ class Frontend:
             entry = RunEntry(request_id, 0, tuple(prompt_ids), 0, params, next(self._nonces))
             await self.node.bus.publish(entry, deadline=deadline)
             detok = self.tokenizer.detokenizer
+            hidden = special_token_ids(self.tokenizer) if skip_special else frozenset()
             stops = StopStrings(stop)
             while True:
                 async with until(deadline, f"request {request_id}"):
@@ -325,7 +328,8 @@ class Frontend:
                 for part in _per_token(msg) if several else (msg,):
                     usage.completion_tokens += len(part.token_ids)
                     for t in part.token_ids:
-                        detok.add_token(t)
+                        if t not in hidden:
+                            detok.add_token(t)
                     if part.finish_reason is not None:
                         finished = True
                         detok.finalize()

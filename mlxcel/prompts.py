@@ -17,6 +17,7 @@ Chat messages are rendered by the template to text first and counted the same wa
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from mlxcel.errors import RequestError
@@ -56,3 +57,20 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -
     if not isinstance(text, str):  # a template that renders a batch, or a wrapper's dict
         raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
     return text
+
+
+_SPECIAL: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids whose text ``skip_special_tokens`` leaves out: the tokenizer's named special
+    tokens and every added token marked special (``<|im_start|>`` is one, though not named),
+    as ``decode(skip_special_tokens=True)`` drops them. Worked out once per tokenizer."""
+    found = _SPECIAL.get(tokenizer)
+    if found is None:
+        inner = getattr(tokenizer, "_tokenizer", tokenizer)
+        ids = set(getattr(inner, "all_special_ids", ()))
+        added = getattr(inner, "added_tokens_decoder", {})
+        ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+        found = _SPECIAL[tokenizer] = frozenset(ids)
+    return found

@@ -28,6 +28,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # End-of-sequence tokens are held back (their logits set to -inf) for the first
+    # ``min_tokens`` sampled tokens, or for all of them with ``ignore_eos`` (llama.cpp's and
+    # vLLM's fields). A node that samples only some of a sequence's tokens (a disaggregated
+    # prefill) hands on ``min_tokens`` less what it sampled.
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def extended(self) -> list[str]:
         """The EXTENDED_SAMPLING parameters these params ask for (non-neutral values)."""
@@ -38,6 +44,8 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
             "repetition_penalty": self.repetition_penalty != 1.0,
+            "min_tokens": self.min_tokens > 0,
+            "ignore_eos": self.ignore_eos,
         }
         return [name for name, on in asked.items() if on]
 
@@ -52,5 +60,7 @@ EXTENDED_SAMPLING = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
     }
 )

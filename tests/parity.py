@@ -9,6 +9,8 @@ from typing import Any
 
 import openai
 
+from mlxcel.runtime.checkpoint import SPECIAL_TOKENS
+
 TOOLS = [
     {
         "type": "function",
@@ -20,6 +22,7 @@ TOOLS = [
     }
 ]
 CHAT = [{"role": "user", "content": "Tell me about clusters that span machines"}]
+EOS = str(SPECIAL_TOKENS.index("<|im_end|>"))  # the test checkpoints' end of sequence
 
 
 def requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
@@ -75,6 +78,17 @@ def requests(model: str) -> list[tuple[str, str, dict[str, Any]]]:
             },
         ),  # fmt: skip
         ("stop", "completions", {**comp, "max_tokens": 24, "stop": ["e", "a"]}),
+        # EOS made the greedy token, then held back: for 4 tokens, and for all of them.
+        (
+            "min_tokens",
+            "completions",
+            {**comp, "logit_bias": {EOS: 100}, "extra_body": {"min_tokens": 4}},
+        ),
+        (
+            "ignore_eos",
+            "completions",
+            {**comp, "logit_bias": {EOS: 100}, "extra_body": {"ignore_eos": True}},
+        ),
         ("tools", "chat", {**chat, "tools": TOOLS}),
     ]
 

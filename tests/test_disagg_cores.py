@@ -297,6 +297,28 @@ def test_prefill_allowlist_refuses_targets_outside_it_and_never_sends_the_cache(
     assert sends(out, KvHandoff)[0].dest == D0
 
 
+def test_the_handoff_carries_what_is_left_of_min_tokens() -> None:
+    """The prefill node held EOS back for the first token: the decode node holds it for the
+    rest (and for every token with ignore_eos)."""
+    core = prefill()
+    for sampling, left in (
+        (SamplingParams(max_tokens=4, min_tokens=3), 2),
+        (SamplingParams(max_tokens=4, min_tokens=1), 0),
+        (SamplingParams(max_tokens=4), 0),
+    ):
+        m = dataclasses.replace(request(f"r{left}{sampling.min_tokens}"), sampling=sampling)
+        (job,) = [e.job for e in core.handle(m, R, 0.0) if isinstance(e, StartCompute)]
+        assert job.sampling.min_tokens == sampling.min_tokens  # the first token held too
+        core.handle(SlotAnswer(m.request_id, job.lease, True), D1, 0.0)
+        out = core.compute_done(job.lease, (9,), "length", None, packed(), (), 0.0)
+        assert sends(out, KvHandoff)[0].msg.sampling.min_tokens == left
+    m = dataclasses.replace(request("ig"), sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    lease = [e.job for e in core.handle(m, R, 0.0) if isinstance(e, StartCompute)][0].lease
+    core.handle(SlotAnswer("ig", lease, True), D1, 0.0)
+    out = core.compute_done(lease, (9,), "length", None, packed(), (), 0.0)
+    assert sends(out, KvHandoff)[0].msg.sampling.ignore_eos
+
+
 def test_unset_or_empty_allowlist_is_permissive() -> None:
     assert parse_allowlist(None) == (None, []) and parse_allowlist(" , ") == (None, [])
     assert parse_allowlist("host:1")[0] is None

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from mlxcel.runtime.checkpoint import SPECIAL_TOKENS
 from tests.conftest import ServerProcess
 from tests.rigged import CALL, Rigged, write_rigged
 
@@ -240,6 +241,53 @@ def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Ri
 # --- refusals ---------------------------------------------------------------------------------
 
 
+# --- min_tokens, ignore_eos, skip_special_tokens ------------------------------------------------
+
+
+def test_min_tokens_and_ignore_eos_hold_the_end_of_sequence_back(
+    client: openai.OpenAI, rig: Rigged
+) -> None:
+    """With EOS pushed to be the greedy token, a completion ends at once; min_tokens holds
+    EOS back for that many tokens (then it ends), ignore_eos until max_tokens."""
+
+    def done(**extra: Any) -> tuple[int, str | None]:
+        r = client.completions.create(
+            model=MODEL, prompt=[rig.x], max_tokens=8, temperature=0,
+            logit_bias={str(rig.eos): 100}, extra_body=extra,
+        )  # fmt: skip
+        assert r.usage is not None
+        return r.usage.completion_tokens, r.choices[0].finish_reason
+
+    assert done() == (0, "stop")  # (EOS itself is not counted, nor shown)
+    assert done(min_tokens=5) == (5, "stop")  # five held, the sixth is EOS
+    assert done(ignore_eos=True) == (8, "length")
+    assert done(min_tokens=8) == (8, "length")
+    with pytest.raises(openai.BadRequestError) as err:
+        done(min_tokens=9)
+    assert err.value.body["param"] == "min_tokens"  # type: ignore[index]
+    assert "min_tokens (9) must not exceed max_tokens (8)" in err.value.body["message"]  # type: ignore[index]
+
+
+def test_skip_special_tokens_drops_their_text_not_their_count(
+    client: openai.OpenAI, rig: Rigged
+) -> None:
+    """Special tokens' text is shown by default (as mlx-lm's server does); with
+    skip_special_tokens it is left out, and the tokens still count."""
+    forced = {str(SPECIAL_TOKENS.index("<|im_start|>")): 100}  # a special token, not EOS
+
+    def text(**extra: Any) -> tuple[str, int]:
+        r = client.completions.create(
+            model=MODEL, prompt=[rig.x], max_tokens=3, temperature=0, logit_bias=forced,
+            extra_body=extra,
+        )  # fmt: skip
+        assert r.usage is not None
+        return r.choices[0].text, r.usage.completion_tokens
+
+    assert text() == ("<|im_start|>" * 3, 3)
+    assert text(skip_special_tokens=True) == ("", 3)
+    assert text(skip_special_tokens=False) == ("<|im_start|>" * 3, 3)
+
+
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
@@ -280,6 +328,9 @@ def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Ri
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
+        ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
+        ({"extra_body": {"skip_special_tokens": 1}}, "skip_special_tokens"),
         ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ],

@@ -250,7 +250,11 @@ class PrefillCore:
             return out + self._end(x, LeaseEvent.FINISHED)
         if packed is None or not token_ids:
             return out + self._fail(x, ErrorCode.FORWARD_FAILED, "the prompt left no KV cache")
-        rest = dataclasses.replace(m.sampling, max_tokens=m.sampling.max_tokens - 1)
+        rest = dataclasses.replace(
+            m.sampling,
+            max_tokens=m.sampling.max_tokens - 1,
+            min_tokens=max(0, m.sampling.min_tokens - 1),  # the first token was held too
+        )
         h = KvHandoff(
             m.request_id,
             x.id,

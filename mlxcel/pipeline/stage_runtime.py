@@ -131,7 +131,9 @@ class StageRuntime:
         self.regroups = 0  # rows moved into or out of a batch
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
-        self.extras = SamplingExtras()  # logits processors and top_logprobs (final stage)
+        self.extras = SamplingExtras(
+            layers.loaded.eos_token_ids()
+        )  # logits processors and top_logprobs (final stage)
         self.timing = StageTiming()
         self.ahead_to: StageRuntime | None = None
         self._ahead: Ahead | None = None

@@ -9,6 +9,7 @@ sees (it gets hidden states): the coordinator sends the prompt's tail with Prepa
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +21,8 @@ HISTORY = 20  # tokens the penalties look back on (mlx-lm's default context size
 
 
 class SamplingExtras:
-    def __init__(self) -> None:
+    def __init__(self, eos: Collection[int]) -> None:
+        self.eos = eos  # the tokens min_tokens and ignore_eos hold back
         self._procs: dict[SeqKey, list[Any]] = {}
         self._history: dict[SeqKey, list[int]] = {}
 
@@ -31,7 +33,7 @@ class SamplingExtras:
     def _processors(self, step: Step) -> list[Any]:
         procs = self._procs.get(step.key)
         if procs is None:
-            procs = self._procs[step.key] = logits_processors(step.sampling)
+            procs = self._procs[step.key] = logits_processors(step.sampling, self.eos)
             self._history[step.key] = list(step.context[-HISTORY:])
         return procs
 

@@ -38,7 +38,11 @@ class SoloSteps:
         if not self.solo_enabled or len(inserts) != 1 or self.batch_cache_rows():
             return False
         i = inserts[0]
-        return i.cache is None and not i.keep_cache and not logits_processors(i.entry.sampling)
+        return (
+            i.cache is None
+            and not i.keep_cache
+            and not logits_processors(i.entry.sampling, self.eos)
+        )
 
     def _start_solo(self, i: Insert, out: StepOutput) -> None:
         cache, n = self._start(i)

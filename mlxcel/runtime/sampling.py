@@ -13,7 +13,7 @@ Call :func:`make_sampler` on the thread that will run the sampler: the key is an
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -77,20 +77,48 @@ def sampling_problem(p: SamplingParams, vocab: int) -> str | None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(p, name) <= 2:
             return f"{name} must be within [-2, 2]"
+    if p.min_tokens < 0:
+        return "min_tokens must not be negative"
     return None
 
 
-def logits_processors(p: SamplingParams) -> list[LogitsProcessor]:
-    """mlx-lm's processors for logit_bias and the three penalties (empty: none asked for).
+def logits_processors(p: SamplingParams, eos: Collection[int]) -> list[LogitsProcessor]:
+    """mlx-lm's processors for logit_bias and the three penalties, then the hold on the
+    end-of-sequence tokens ``eos`` that min_tokens and ignore_eos ask for (empty: none).
 
     They see the sequence's tokens (prompt included) and run before the logprobs are taken,
-    so the returned logprobs are those of the distribution actually sampled, as in mlx-lm."""
-    return make_logits_processors(
+    so the returned logprobs are those of the distribution actually sampled, as in mlx-lm.
+    Build them once per sequence: the EOS hold counts the tokens it was applied to."""
+    procs = make_logits_processors(
         logit_bias=dict(zip(p.logit_bias_ids, p.logit_bias_values, strict=True)) or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None,
     )
+    if eos and (p.ignore_eos or p.min_tokens > 0):
+        procs.append(EosHold(eos, None if p.ignore_eos else p.min_tokens))
+    return procs
+
+
+class EosHold:
+    """Sets the end-of-sequence tokens' logits to -inf for the next ``steps`` sampled tokens
+    (None: for every token), so the sequence cannot end before then.
+
+    It counts its own calls, one per sampled token, instead of reading the token history:
+    the history a node passes differs (the whole sequence in the engine, a recent window at a
+    pipeline's final stage, the rest after a handoff). Applied last, a logit_bias on an EOS
+    token cannot undo it."""
+
+    def __init__(self, eos: Collection[int], steps: int | None) -> None:
+        self.ids = mx.array(sorted(eos), dtype=mx.int32)
+        self.left = steps
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.left is not None:
+            if self.left <= 0:
+                return logits
+            self.left -= 1
+        return logits.at[:, self.ids].add(-mx.inf)
 
 
 def top_alternatives(logprobs: mx.array, k: int) -> tuple[list[int], list[float]]:

@@ -213,7 +213,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         await asyncio.to_thread(lp.prepare, fe.tokenizer)  # once per tokenizer, then cached
     usage = Usage()
     request[USAGE] = usage
-    stream = fe.stream(prompt_ids, params, req.stop_list(), usage)
+    stream = fe.stream(
+        prompt_ids, params, req.stop_list(), usage, skip_special=req.skip_special_tokens
+    )
     if req.stream:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)

@@ -127,7 +127,15 @@ def sampling_params(
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         repetition_penalty=float(req.repetition_penalty or 1.0),
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
     )
+    if params.min_tokens > params.max_tokens:
+        raise RequestError(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+            param="min_tokens",
+            code="invalid_value",
+        )
     for name in params.extended():
         if name not in supported:
             completions = isinstance(req, CompletionRequest)

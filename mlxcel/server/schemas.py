@@ -172,6 +172,12 @@ class _Sampling(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # vLLM's and llama.cpp's: hold back the end-of-sequence tokens (for the first min_tokens
+    # tokens, or for all of them); show or drop special tokens' text (shown by default, as
+    # mlx-lm's server does).
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = False
     # Accepted and without effect on generation: they label the request for its sender.
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -55,9 +55,10 @@ def run_follower(
     try:
         group = init_group(rank, meeting.ring, meeting.backend, RING_BOUND, meeting.step_key)
         loaded = load_sharded(model, group)
+        eos = loaded.eos_token_ids()
         gen = BatchGenerator(
             loaded.model,
-            stop_tokens=[[t] for t in sorted(loaded.eos_token_ids())],
+            stop_tokens=[[t] for t in sorted(eos)],
             completion_batch_size=max_batch_size,
             prefill_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
@@ -75,7 +76,7 @@ def run_follower(
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
                     samplers=[guarded_sampler(i.sampling, {}, i.request_id) for i in step.inserts],
                     # The same processors as rank 0, or the ranks' next inputs would differ.
-                    logits_processors=[logits_processors(i.sampling) for i in step.inserts],
+                    logits_processors=[logits_processors(i.sampling, eos) for i in step.inserts],
                 )
             gen.next()
     except (StepForged, TpGroupFailed) as exc:
