@@ -335,3 +335,52 @@ def test_roles_refuse_to_start_without_the_secret(tiny: Path, tmp_path: Path) ->
         )
         assert out.returncode != 0
         assert "secret" in (out.stdout + out.stderr).lower(), out.stderr
+
+
+def test_a_router_with_another_secret_fails_at_once_and_idle_nodes_stop_promptly(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A secret mismatch cannot heal: the router fails at startup naming the node, well
+    before its --startup-timeout, as a pipeline's coordinator does; the idle prefill and
+    decode nodes it never reached then stop on SIGTERM as quickly as any node."""
+    secret, other = keygen(tmp_path / "a.key"), keygen(tmp_path / "b.key")
+    at = {"prefill": addr(2), "decode": addr(3)}
+    nodes = {role: worker(role, tiny, secret, bind) for role, bind in at.items()}
+    try:
+        started = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), "--node-role", "router",
+             "--serving-bind", addr(4), "--prefill-peers", at["prefill"], "--decode-peers",
+             at["decode"], "--cluster-secret-file", str(other), "--startup-timeout", "300"],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        took = time.monotonic() - started
+        assert out.returncode != 0
+        assert "refused the connection, which retrying cannot heal" in out.stderr, out.stderr
+        assert "--cluster-secret-file" in out.stderr
+        print(f"router with another secret exited in {took:.1f}s (--startup-timeout 300)")
+    finally:
+        for role, p in nodes.items():
+            started = time.monotonic()
+            assert p.stop() == 0, p.output[-2000:]
+            print(f"idle {role} node stopped in {time.monotonic() - started:.1f}s")
+
+
+def test_a_decode_node_whose_cluster_port_is_taken_says_so_before_loading_the_model(
+    tiny: Path, tmp_path: Path
+) -> None:
+    import socket
+
+    secret, bind = keygen(tmp_path / "a.key"), addr(3)
+    host, port = bind.rsplit(":", 1)
+    with socket.socket() as busy:
+        busy.bind((host, int(port)))
+        busy.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny), "--node-role", "decode",
+             "--serving-bind", bind, "--cluster-secret-file", str(secret)],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen for cluster connections on {host}:{port}" in r.stderr
+    assert "loaded model" not in r.stderr  # found before the weights were read

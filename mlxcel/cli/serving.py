@@ -24,7 +24,8 @@ async def serve(s: ServeSettings) -> int:
     spec = await _spec(s)
     if spec is None:
         return 0  # a dry run, or a tensor-parallel follower that has finished
-    cluster = getattr(getattr(spec, "me", None), "address", None)  # a pipeline node's listener
+    # The cluster listener: a pipeline node's, or a disaggregated role's --serving-bind.
+    cluster = getattr(getattr(spec, "me", None), "address", None) or getattr(spec, "bind", None)
     if cluster is not None:
         host, _, port = cluster.rpartition(":")
         check_port(host.strip("[]"), int(port), "listen for cluster connections")

@@ -97,6 +97,7 @@ class DecodeCore:
         # come for requests it was given before (their prompts were running): taken.
         self.draining = False
         self.told_draining = False  # a State saying so went out
+        self.queried = False  # a router asked for a State: one may be sending it work
         self.slots: dict[int, Slot] = {}
         self._by_lease: dict[tuple[str, int], int] = {}
         self._by_request: dict[tuple[str, str], int] = {}
@@ -141,6 +142,7 @@ class DecodeCore:
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
             st = State("decode", (), self.active, self.draining, msg.nonce, **self.counters())
             self.told_draining |= self.draining
+            self.queried = True
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             sid = self._by_request.get((source, msg.request_id))

@@ -97,6 +97,7 @@ class PrefillCore:
         self.counters = counters  # State fields the node keeps: its KV cache
         self.draining = False  # shutting down: no new prompts (the router stops sending)
         self.told_draining = False  # a State saying so went out
+        self.queried = False  # a router asked for a State: one may be sending it work
         self.handoff_s = 0.0  # total time of acknowledged handoffs, send to ack
         self.leases: dict[int, Lease] = {}
         self._by_request: dict[tuple[str, str], int] = {}
@@ -125,6 +126,7 @@ class PrefillCore:
                 handoffs=self.counts["committed"], handoff_us=int(self.handoff_s * 1e6),
             )  # fmt: skip
             self.told_draining |= self.draining
+            self.queried = True
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
             lid = self._by_request.get((source, msg.request_id))

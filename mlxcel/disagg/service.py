@@ -23,7 +23,7 @@ from mlxcel.disagg.protocol import PROBE_INTERVAL, PrefillJob, ResumeJob, Verify
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.effects import Deliver, Effect, FreeCache, Send, StartCompute
 from mlxcel.endpoint import Endpoint
-from mlxcel.errors import BusError, MlxcelError, PeerSilent, SendFailed
+from mlxcel.errors import BusError, ConnectFailed, MlxcelError, PeerSilent, SendFailed
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -68,11 +68,13 @@ class _DisaggAdapter(CoreAdapter):
         and wait until what is in flight is done or ``deadline``; returns what is left.
         An idle node still waits until a State has told the router (or a few probe
         intervals): what the router sends meanwhile is refused unrun and moves elsewhere,
-        never lost to a closed connection. Then what is queued to peers is flushed."""
+        never lost to a closed connection. A node no router has asked for a State is sent
+        nothing and need not wait. Then what is queued to peers is flushed."""
         self.core.draining = True
         heard_by = min(deadline, self.now() + 3 * PROBE_INTERVAL)
+        core = self.core
         while self.now() < deadline and (
-            self.core.active or (not self.core.told_draining and self.now() < heard_by)
+            core.active or (core.queried and not core.told_draining and self.now() < heard_by)
         ):
             await asyncio.sleep(0.05)
         await self.flush(deadline)
@@ -95,6 +97,9 @@ class RouterService(_DisaggAdapter):
         self.report_expired = True  # a prompt that never left fails over (or fails) at once
         self.probe_interval = probe_interval
         self._local = LocalOutbox(node, "router")
+        # Nodes whose handshake refused this router for a reason retrying cannot heal (another
+        # cluster secret, protocol version or channel), by address: startup fails on them.
+        self.refused: dict[str, str] = {}
 
     def attach(self) -> None:
         self.subscribe([RunEntry, CancelRequest], Origin.LOCAL, maxsize=1024)
@@ -134,6 +139,8 @@ class RouterService(_DisaggAdapter):
             why = str(exc) or "its connection went silent"
             self.feed(self.router.probe_result(address, False, why, self.now(), lost=True))
         except (MlxcelError, OSError, TimeoutError) as exc:
+            if isinstance(exc, ConnectFailed) and exc.failure and not exc.failure.retryable:
+                self.refused[address] = str(exc)
             why = str(exc) or (
                 f"no answer to a probe within {wait:g}s"
                 if isinstance(exc, TimeoutError)
@@ -141,6 +148,7 @@ class RouterService(_DisaggAdapter):
             )
             self.feed(self.router.probe_result(address, False, why, self.now()))
         else:
+            self.refused.pop(address, None)
             self.feed(self.router.probe_result(address, True, "", self.now()))
             self.feed(self.router.ask_figures(address, self.now()))
 
@@ -154,6 +162,7 @@ class RouterService(_DisaggAdapter):
         then up to STARTUP_SETTLE more for the other nodes."""
         deadline = self.now() + timeout
         while not (self.router.online("prefill") and self.router.online("decode")):
+            self._fail_on_refusal()
             if self.now() >= deadline:
                 down = [
                     f"{n.id} at {n.address}: {n.last_error or 'no answer yet'}"
@@ -169,7 +178,18 @@ class RouterService(_DisaggAdapter):
         # probe): serving before they answer would send all the first requests to one node.
         settle = min(deadline, self.now() + STARTUP_SETTLE)
         while any(not n.online for n in self.router.nodes.values()) and self.now() < settle:
+            self._fail_on_refusal()
             await asyncio.sleep(0.1)
+
+    def _fail_on_refusal(self) -> None:
+        """At startup a node that refused this router for good fails it at once (as a
+        pipeline's coordinator fails on a stage), not after --startup-timeout."""
+        for address, why in self.refused.items():
+            raise MlxcelError(
+                f"router: node {self.router.nodes[address].id} refused the connection, which "
+                f"retrying cannot heal: {why} (every node needs the same --cluster-secret-file "
+                "and mlxcel version)"
+            )
 
     def stats(self, verbose: bool) -> dict[str, Any]:
         """GET /router/stats: addresses only when ``verbose`` (MLXCEL_ROUTER_STATS_VERBOSE)."""
