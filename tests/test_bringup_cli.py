@@ -199,11 +199,60 @@ def test_static_bring_up_serves_like_one_process(
             assert text.endswith(body) and not text.startswith(planned.decode()[:40])
             node_id = written.stem.removeprefix("cluster-")
             assert load_cluster_config(written).node(node_id).address == addrs[i]
+        # The same command again: its stages serve (no peer waits), so it takes them back.
+        assert coord.stop() == 0, coord.text
+        coord = coordinator(tiny, secret, tmp_path, 2, *common, "--port", str(port))
+        coord.wait_for("are serving (written by an earlier bring-up): serving as their coordinator")
+        coord.wait_for("mlxcel serving")
+        assert chat(port) == reference
+        # With one stage gone it says which serve and what to do, at once.
+        assert coord.stop() == 0, coord.text
+        assert peers[0].stop() == 0
+        again = coordinator(tiny, secret, tmp_path, 2, *common, "--port", str(port))
+        assert again.finish(60) == 1, again.text
+        assert (
+            f"1 of 2 stages of the cluster in .mlxcel/cluster.toml are still serving ({addrs[1]}; not {addrs[0]})"
+            in again.text
+        )
+        assert "--distributed-config .mlxcel/cluster.toml --node-id coordinator" in again.text
     finally:
         code = coord.stop()
         for p in peers:  # stopped whatever the coordinator did: never leak a peer
             p.stop()
         assert code == 0, coord.text
+
+
+def test_ports_are_checked_before_any_peer_is_assigned_and_a_waiting_peer_ends_cleanly(
+    tiny: Path, secret: Path, tmp_path: Path
+) -> None:
+    """A coordinator whose HTTP or control port is taken fails before it offers anything (no
+    stage left running); a peer waiting for an assignment exits 0 on SIGTERM."""
+    import socket
+
+    at = f"127.0.0.2:{free_port('127.0.0.2')}"
+    p = peer(tiny, secret, tmp_path / "p", "--cluster-control-addr", at)
+    http, control = free_port(), free_port()
+    try:
+        for busy, flags, what in (
+            (http, [], f"cannot serve HTTP on 127.0.0.1:{http}"),
+            (control, [], f"cannot listen for cluster connections on 127.0.0.1:{control}"),
+        ):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", busy))
+                s.listen()
+                coord = coordinator(
+                    tiny, secret, tmp_path, 1, "--cluster-peers", at, "--port", str(http),
+                    "--cluster-control-addr", f"127.0.0.1:{control}", *flags,
+                )  # fmt: skip
+                assert coord.finish(60) == 1, coord.text
+            assert what in coord.text, coord.text
+        time.sleep(0.3)
+        assert p.p.poll() is None  # still waiting: nothing was offered to it
+    finally:
+        assert p.stop() == 0, p.text
+    # never offered anything: an offer made and then given up would have been aborted
+    assert "assignment aborted" not in p.text and "mlxcel stage" not in p.text
+    assert "stopped while waiting for a stage assignment" in p.text
 
 
 def test_beacon_bring_up_serves_like_one_process(

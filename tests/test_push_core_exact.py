@@ -440,6 +440,29 @@ def test_a_peer_that_does_not_say_its_memory_keeps_the_first_split() -> None:
     assert out == [Send(a, AssignCommit(ATTEMPT), deadline=10.1) for a in ALL]
 
 
+def test_progress_says_what_the_push_still_waits_for() -> None:
+    core = PushCore(config(peers=(), beacon_key=KEY, discovery_window=30.0), 0.0)
+    core.start(0.0)
+    assert core.progress(10.0) == (
+        "discovery: 0 of 3 peers after 10 s of 30 s; listening for beacons"
+    )
+    core.found = [S0]
+    assert core.progress(15.2) == (
+        f"discovery: 1 of 3 peers ({S0}) after 15 s of 30 s; listening for beacons"
+    )
+    core = started()
+    core.handle(accepted(S0), S0, 0.1)
+    assert core.progress(5.0) == (
+        f"assignment: waiting for {ID[S1]} at {S1}, {ID[S2]} at {S2} to accept (5 s of 60 s)"
+    )
+    core.handle(accepted(S1), S1, 6.0)
+    core.handle(accepted(S2), S2, 6.0)
+    assert core.progress(7.0) == (
+        f"assignment: waiting for {ID[S0]} at {S0}, {ID[S1]} at {S1}, {ID[S2]} at {S2} to "
+        "commit (7 s of 60 s)"
+    )
+
+
 # --- offering ----------------------------------------------------------------------------------
 def test_offers_are_repeated_at_their_retry_time_only_to_peers_that_did_not_answer() -> None:
     core = started()

@@ -30,7 +30,7 @@ from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND, ModelIdentity
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import PeerService, PushService, beacon_announcer
 from mlxcel.bus import Node
-from mlxcel.errors import AssignmentRefused, BringupFailed, ConfigError
+from mlxcel.errors import AssignmentRefused, BringupFailed, ConfigError, MlxcelError
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
@@ -295,6 +295,79 @@ def _announcer(
     return beacon_announcer(sender, key, __version__, cluster_name, Identity(ip, port).address)
 
 
+@dataclass(frozen=True)
+class Previous:
+    """The cluster a ``--pp-auto`` coordinator wrote last time, and which of its stages serve
+    now (a stage outlives its coordinator: a peer, once activated, no longer waits for an
+    assignment, so a second bring-up could never find it)."""
+
+    path: Path
+    cluster: ClusterConfig
+    up: tuple[str, ...]  # stage addresses where a stage of this cluster answers
+    down: tuple[str, ...]  # nothing there, or a peer still waiting for an assignment
+
+
+async def previous_cluster(
+    path: Path, secret: ClusterSecret, timeout: float = HANDSHAKE_BOUND
+) -> Previous | None:
+    """``path``'s cluster and the state of its stages; None when there is no such file (or
+    it is no cluster: then the bring-up simply writes it again). A stage serves where a
+    handshake on the cluster's transport channel succeeds, dialed as the coordinator from
+    its address: a waiting peer (same address, assignment channel) or anything else does
+    not count."""
+    try:
+        cfg = parse_cluster_toml(path.read_text())
+    except (OSError, ValueError):
+        return None
+    me = cfg.coordinator
+    async with Node("bringup-recheck") as node:
+        pool = ConnectionPool(
+            node,
+            secret,
+            Identity(me.host, me.port, me.id),
+            backoff=Backoff(attempts=1, base_delay=0.1),
+            bind_ip=me.host,
+            handshake_timeout=timeout,
+        )
+
+        async def serves(address: str) -> bool:
+            try:
+                await pool.get(*split_hostport(address), node_now() + timeout, attempts=1)
+            except (MlxcelError, OSError):
+                return False
+            return True
+
+        stages = [n.address for n in cfg.stages]
+        states = await asyncio.gather(*(serves(a) for a in stages))
+    up = tuple(a for a, ok in zip(stages, states, strict=True) if ok)
+    return Previous(path, cfg, up, tuple(a for a in stages if a not in up))
+
+
+def readopt(previous: Previous, n_peers: int) -> ClusterConfig | None:
+    """The previous cluster to serve again when all its stages run (a restarted coordinator
+    takes them back; the coordinator checks their layers and weights as always); None when
+    none runs (a fresh bring-up). Raises :class:`BringupFailed`, saying what to do, when only
+    some run or they are not the ``n_peers`` asked for: a bring-up would find none of them."""
+    cfg, up, down = previous.cluster, previous.up, previous.down
+    if not up:
+        return None
+    again = f"--distributed-config {previous.path} --node-id {cfg.coordinator.id}"
+    if down:
+        raise BringupFailed(
+            f"{len(up)} of {len(cfg.stages)} stages of the cluster in {previous.path} are still "
+            f"serving ({', '.join(up)}; not {', '.join(down)}): restart the missing ones with "
+            f"the same --distributed-config and --node-id and serve with {again}, or stop "
+            "them all and start every peer again with --pp-peer"
+        )
+    if len(up) != n_peers:
+        raise BringupFailed(
+            f"the {len(up)} stages of the cluster in {previous.path} are serving, but "
+            f"--pp-auto asks for {n_peers}: serve them with {again}, or stop them and start "
+            "every peer again with --pp-peer"
+        )
+    return cfg
+
+
 def write_config(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,10 +380,13 @@ __all__ = [
     "AssignmentRefused",
     "BringupFailed",
     "Discovery",
+    "Previous",
     "Received",
     "await_assignment",
     "check_local",
     "control_address",
+    "previous_cluster",
     "push_assignments",
+    "readopt",
     "write_config",
 ]

@@ -32,6 +32,7 @@ PUSH_WINDOW = 60.0  # the coordinator's whole push; the offer phase ends FRAME_B
 PHASE_WAIT = 60.0  # a peer's wait between Accepted and Commit, and Committed and Activate
 ASSIGNMENT_WAIT = 600.0  # a peer's wait for any assignment
 DISCOVERY_WINDOW = 30.0  # how long a coordinator listens for beacons
+PROGRESS_EVERY = 5.0  # a waiting coordinator says what it waits for this often
 OFFER_RETRY = 0.5  # connect + handshake + offer again, while a peer is unanswered
 PHASE_RETRY = 1.0  # Commit / Activate again, while a peer has not answered
 BEACON_EVERY = 1.0  # a waiting peer announces itself this often (mdns discovery)

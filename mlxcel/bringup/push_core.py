@@ -477,6 +477,24 @@ class PushCore:
             text += f"; not committed: {', '.join(missing)}; no stage was started"
         return text + self._running()
 
+    def progress(self, now: float) -> str:
+        """What the coordinator still waits for, and how long it has waited (the service
+        logs it every few seconds while the push runs)."""
+        if self.phase is Phase.DISCOVERING:
+            found = f" ({', '.join(self.found)})" if self.found else ""
+            return (
+                f"discovery: {len(self.found)} of {self.cfg.n_peers} peers{found} after "
+                f"{now - self.started:.0f} s of {self.cfg.discovery_window:g} s; listening for "
+                "beacons"
+            )
+        late = ", ".join(f"{p.node_id} at {p.address}" for p in self.peers.values()
+                         if self._waiting_on(p))  # fmt: skip
+        what = {Phase.OFFERING: "accept", Phase.COMMITTING: "commit"}.get(self.phase, "activate")
+        return (
+            f"assignment: waiting for {late or 'no peer'} to {what} "
+            f"({now - self.push_start:.0f} s of {self.cfg.push_window:g} s)"
+        )
+
     def _running(self) -> str:
         """During activation, peers that already activated keep serving their stage."""
         up = [p.node_id for p in self.peers.values() if p.step is PeerStep.ACTIVE]

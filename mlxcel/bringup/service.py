@@ -21,6 +21,7 @@ from mlxcel.bringup.beacon import BeaconGate, make_beacon
 from mlxcel.bringup.peer_core import PeerCore
 from mlxcel.bringup.protocol import (
     FRAME_BOUND,
+    PROGRESS_EVERY,
     Activated,
     Announce,
     PeerEnded,
@@ -164,7 +165,17 @@ class PushService(CoreAdapter):
         if self.receiver is not None:
             self.node.spawn(self._beacons(self.receiver), name="assignment-push.beacons")
             self.node.spawn(self._report_floods(self.receiver), name="assignment-push.floods")
+        self.node.spawn(self._report_progress(), name="assignment-push.progress")
         self.feed(self.push.start(self.now()))
+
+    async def _report_progress(self) -> None:
+        """Every few seconds while the push runs: what it still waits for (discovery alone
+        may take its whole window, and an operator should not wonder whether it hung)."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY)
+            if self.push.outcome is not None:
+                return
+            logger.info("{}", self.push.progress(self.now()))
 
     async def _beacons(self, receiver: BeaconReceiver) -> None:
         while True:

@@ -3,6 +3,7 @@ and hand the resulting cluster node to the ordinary serve path (docs/bringup.md)
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import tomllib
@@ -16,12 +17,17 @@ from mlxcel.bringup.launch import (
     await_assignment,
     check_local,
     control_address,
+    previous_cluster,
     push_assignments,
+    readopt,
     write_config,
 )
 from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import resolve_model
+from mlxcel.cli.http_checks import check_port
 from mlxcel.config import ServeSettings
+from mlxcel.loop import signals
+from mlxcel.net.network import split_hostport
 from mlxcel.pipeline.cluster_config import ClusterConfig
 
 COORDINATOR_OUT = Path(".mlxcel/cluster.toml")
@@ -70,15 +76,24 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         # worker thread that touched MLX can abort the process at exit (a refused peer exits
         # within a second, and did, under load, with SIGABRT).
         _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
-        got = await await_assignment(
-            path,
-            secret,
-            s.cluster_control_addr,
-            discovery,
-            memory=_offered_memory(int(s.usable_memory)),
-            cluster_name=s.cluster_name,
-            trust_weights=s.trust_weights,
+        waiting = asyncio.ensure_future(
+            await_assignment(
+                path,
+                secret,
+                s.cluster_control_addr,
+                discovery,
+                memory=_offered_memory(int(s.usable_memory)),
+                cluster_name=s.cluster_name,
+                trust_weights=s.trust_weights,
+            )
         )
+        # A peer that is still waiting has nothing to drain: a signal ends it, with status 0.
+        with signals(waiting.cancel):
+            try:
+                got = await waiting
+            except asyncio.CancelledError:
+                logger.info("stopped while waiting for a stage assignment")
+                return None
         out = s.cluster_config_out or Path(f".mlxcel/cluster-{got.node_id}.toml")
         write_config(out, got.text)
         logger.info("assigned {}: cluster written to {}", got.node_id, out)
@@ -89,6 +104,22 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     # imported transformers while the main thread did broke its lazy module for both.
     control = control_address(s.cluster_control_addr, s.host, discovery)
     check_local(control)
+    out = s.cluster_config_out or COORDINATOR_OUT
+    if not s.dry_run:
+        previous = await previous_cluster(out, secret)
+        again = readopt(previous, s.pp_auto) if previous else None
+        if again is not None:
+            logger.info(
+                "the {} stages of the cluster in {} are serving (written by an earlier "
+                "bring-up): serving as their coordinator again",
+                len(again.stages),
+                out,
+            )
+            return cluster_node_spec(s, again, again.coordinator, path, secret)
+        # Every port this node will listen on, before any peer is assigned a stage.
+        host, port = split_hostport(control)
+        check_port(host, port, "listen for cluster connections")
+        check_port(s.host, s.port)
     plan = await push_assignments(
         s.pp_auto,
         path,
@@ -100,7 +131,6 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
         dry_run=s.dry_run,
         trust_weights=s.trust_weights,
     )
-    out = s.cluster_config_out or COORDINATOR_OUT
     text = plan.coordinator_file(f"serve --pp-auto {s.pp_auto}")
     write_config(out, text)
     if s.dry_run:
