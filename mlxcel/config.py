@@ -332,9 +332,14 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings):
             raise ValueError(f"--node-role {role} needs --serving-bind IP:PORT")
         check_address(self.serving_bind, "--serving-bind", port_zero=False)
         if self.serving_bind.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::"):
+            port = self.serving_bind.rpartition(":")[2]
             raise ValueError(
-                "--serving-bind is this node's identity: give the IP the other nodes see it "
-                f"connect from, not {self.serving_bind}"
+                f"--serving-bind {self.serving_bind}: this address is the node's identity in "
+                "every cluster handshake, and the other side checks it against the "
+                "connection's source IP, so it must be the IP the other nodes see this node "
+                f"connect from (for example --serving-bind 10.0.0.2:{port}; --cluster-interface "
+                "NAME takes it from a network interface). An unspecified address would "
+                "fail every handshake from a multi-homed host, so it is refused here"
             )
         if self.distributed_config is not None or self.pp_auto is not None or self.pp_peer:
             raise ValueError(f"--node-role {role} does not combine with a pipeline")

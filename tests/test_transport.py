@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -337,13 +338,28 @@ async def test_bus_backpressure_pauses_reading() -> None:
 
 def test_interface_lookup_and_rdma_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert interface_ipv4("lo") == "127.0.0.1"
-    with pytest.raises(InterfaceError, match="no interface named"):
+    with pytest.raises(InterfaceError, match="no interface named 'nonexistent0' \\(have: .*lo"):
         interface_ipv4("nonexistent0")
     probe = probe_rdma(tmp_path / "none")
     assert probe.transport == "tcp" and probe.devices == () and "using TCP" in probe.detail
     (tmp_path / "ib" / "mlx5_0").mkdir(parents=True)
     probe = probe_rdma(tmp_path / "ib")
     assert probe.devices == ("mlx5_0",) and probe.transport == "tcp"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates a veth pair (root)")
+def test_an_interface_is_found_by_name_with_its_address_or_refused_without_one() -> None:
+    """A veth pair made for the test: without an IPv4 address it is refused by name; with
+    one, that address is what --cluster-interface binds."""
+    subprocess.run(["ip", "link", "add", "mlxcif0", "type", "veth", "peer", "name", "mlxcif1"],
+                   check=True)  # fmt: skip
+    try:
+        with pytest.raises(InterfaceError, match="'mlxcif0' has no IPv4 address"):
+            interface_ipv4("mlxcif0")
+        subprocess.run(["ip", "addr", "add", "10.79.0.1/24", "dev", "mlxcif0"], check=True)
+        assert interface_ipv4("mlxcif0") == "10.79.0.1"
+    finally:
+        subprocess.run(["ip", "link", "del", "mlxcif0"], check=False)
 
 
 async def test_cluster_interface_binds_outbound_connections() -> None:

@@ -4,38 +4,33 @@
 does for Thunderbolt bridges): the listener binds that interface's IPv4 address and outbound
 connections use it as their source address. RDMA is probed and reported; the transport falls
 back to TCP, which is all this build speaks.
+
+Interfaces and their addresses come from psutil, which reads them the same way on Linux and
+macOS (where most MLX clusters run: a Thunderbolt bridge is ``bridge0`` there), rather than
+through an ioctl that only Linux has.
 """
 
 from __future__ import annotations
 
-import fcntl
 import socket
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.errors import InterfaceError
 
-SIOCGIFADDR = 0x8915
-
 
 def interface_ipv4(name: str) -> str:
-    """The IPv4 address of interface ``name`` (Linux ioctl SIOCGIFADDR)."""
-    try:
-        socket.if_nametoindex(name)
-    except OSError:
-        names = ", ".join(n for _, n in socket.if_nameindex())
-        raise InterfaceError(
-            f"--cluster-interface: no interface named {name!r} (have: {names})"
-        ) from None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            raise InterfaceError(
-                f"--cluster-interface: interface {name!r} has no IPv4 address"
-            ) from None
-    return socket.inet_ntoa(packed[20:24])
+    """The (first) IPv4 address of interface ``name``."""
+    import psutil  # only a node given --cluster-interface needs it
+
+    table = psutil.net_if_addrs()
+    if name not in table:
+        names = ", ".join(sorted(table))
+        raise InterfaceError(f"--cluster-interface: no interface named {name!r} (have: {names})")
+    for addr in table[name]:
+        if addr.family == socket.AF_INET:
+            return str(addr.address)
+    raise InterfaceError(f"--cluster-interface: interface {name!r} has no IPv4 address")
 
 
 @dataclass(frozen=True)
