@@ -440,7 +440,10 @@ def test_busy_http_port_is_one_line_naming_the_address(tiny: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--node-role", "decode", "--serving-bind", "0.0.0.0:9"], "not 0.0.0.0:9"),
+        (
+            ["--node-role", "decode", "--serving-bind", "0.0.0.0:9"],
+            "--serving-bind 0.0.0.0:9: this address is the node's identity",
+        ),
         (["--node-role", "decode"], "needs --serving-bind"),
         (["--node-role", "router", "--serving-bind", "127.0.0.1:9"], "needs --prefill-peers"),
         (
