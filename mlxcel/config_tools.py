@@ -351,6 +351,11 @@ class BenchPipelineRunSettings(BenchPipelineSettings):
         "to this rate (tc tbf: 1gbit, 100mbit ...), the coordinator on the last stage's host "
         "(Linux, root)",
     )
+    protection_cost: bool = Field(
+        True,
+        description="also run remote-2 with frame protection off (framing alone, bench "
+        "processes only) at the smallest and largest stream count: what AES-256-GCM costs",
+    )
 
     @field_validator("netns_rate")
     @classmethod

@@ -777,8 +777,19 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
     )
     assert r.returncode == 0, r.stderr
     rows = {(row["mode"], row["streams"]): row for row in map(json.loads, r.stdout.splitlines())}
-    modes = ("mlx-lm loop", "mlx-lm split", "mlx-lm split_host", "single", "inproc-2", "remote-2")
+    modes = ("mlx-lm loop", "mlx-lm split", "mlx-lm split_host", "single", "inproc-2", "remote-2",
+             "remote-2 unprotected")  # fmt: skip
     assert set(rows) == {(m, n) for m in modes for n in (1, 3)}
+    for n in (1, 3):  # the same pipeline with its frames unprotected: what protection costs
+        bare = rows[("remote-2 unprotected", n)]
+        assert bare["protection_cost"] == round(
+            1 - rows[("remote-2", n)]["tok_per_s"] / bare["tok_per_s"], 4
+        )
+    # Really off: no 16-byte tag on its frames.
+    assert (
+        rows[("remote-2 unprotected", 1)]["wire_bytes_per_token"]
+        < rows[("remote-2", 1)]["wire_bytes_per_token"]
+    )
     for n in (1, 3):
         assert rows[("single", n)]["ratio_vs_single"] == 1.0
         for mode in ("inproc-2", "remote-2"):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -92,21 +92,32 @@ def per_step_ms(
 
 @asynccontextmanager
 async def loopback_pipeline(
-    model: Path, streams: int, micro_batch_size: int | None = None, placement: Any = None
+    model: Path,
+    streams: int,
+    micro_batch_size: int | None = None,
+    placement: Any = None,
+    unprotected: bool = False,
 ) -> AsyncIterator[tuple[Any, Any]]:
     """(the cluster, the coordinator stack): two stage processes on 127.0.0.2/127.0.0.3 (or
     where ``placement`` puts them) over the full transport and a coordinator in this process,
-    all batching up to ``streams`` rows like the one-process engine they are compared with."""
+    all batching up to ``streams`` rows like the one-process engine they are compared with.
+    ``unprotected``: every connection's frames without AES-256-GCM (attribution only, see
+    :mod:`mlxcel.bench.unprotected`)."""
     from mlxcel.assembly import CoordinatorSpec, Generation, assemble
+    from mlxcel.bench.unprotected import MODULE, frames_unprotected
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
     from mlxcel.pipeline.launch import LoopbackCluster
 
-    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp,
+        frames_unprotected() if unprotected else nullcontext(),
+    ):
         batch = ("--max-batch-size", str(streams))
         async with LoopbackCluster(
-            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch, placement=placement
-        ) as cl:
+            model, 2, Path(tmp), spawn_coordinator=False, extra_args=batch, placement=placement,
+            module=MODULE if unprotected else "mlxcel",
+        ) as cl:  # fmt: skip
             cfg = load_cluster_config(cl.config)
             secret = load_cluster_secret(None, {}, cl.config)
             assert secret is not None
@@ -151,13 +162,14 @@ async def run_bench(
     reference: bool = True,
     pin: bool = False,
     netns_rate: str | None = None,
+    protection_cost: bool = False,
 ) -> int:
     """Every mode at every stream count in one run, with plain mlx-lm's split as reference.
     ``pin``: one device against two (:mod:`mlxcel.bench.pinning`): every one-process row on
     one core, each stage process of ``remote-2`` on a core of its own, the coordinator on the
     last stage's."""
     import os
-    from contextlib import AbstractContextManager, nullcontext
+    from contextlib import AbstractContextManager
 
     from mlxcel.bench.pinning import pinned, two_cores
 
@@ -188,6 +200,11 @@ async def run_bench(
         await _one_process_rows(model, counts, tokens, reference, rate, add, micro_batch_size)
     with _hosts(netns_rate) as placement:
         await _remote_rows(model, counts, tokens, micro_batch_size, rate, add, cores, placement)
+        if protection_cost:  # the same pipeline, frames unprotected: what the AEAD costs
+            ends = sorted({counts[0], counts[-1]})
+            await _remote_rows(
+                model, ends, tokens, micro_batch_size, rate, add, cores, placement, True
+            )
     _report(rows, tokens, repeats, model, json_lines)
     return 0
 
@@ -268,17 +285,30 @@ def _hosts(rate: str | None) -> Iterator[Any]:
 
 
 async def _remote_rows(  # type: ignore[no-untyped-def]
-    model: Path, counts: list[int], tokens: int, micro_batch_size, rate, add, cores, placement
+    model: Path,
+    counts: list[int],
+    tokens: int,
+    micro_batch_size,
+    rate,
+    add,
+    cores,
+    placement,
+    unprotected: bool = False,
 ) -> None:
     """remote-2: two stage processes over the transport (each on a core of its own when
-    ``cores``), the coordinator in this process."""
+    ``cores``), the coordinator in this process; ``unprotected``: the row
+    ``remote-2 unprotected``, the same with frames unprotected."""
     import os
     import time
 
     from mlxcel.bench.pinning import affinity, pin
 
     link = {} if placement is None else {"hosts": list(placement.ips)}
-    async with loopback_pipeline(model, max(counts), micro_batch_size, placement) as (cluster, rc):
+    mode = "remote-2 unprotected" if unprotected else "remote-2"
+    async with loopback_pipeline(model, max(counts), micro_batch_size, placement, unprotected) as (
+        cluster,
+        rc,
+    ):
         pinned_to: dict[str, Any] = {}
         here = os.getpid()
         home = affinity(here)
@@ -322,7 +352,7 @@ async def _remote_rows(  # type: ignore[no-untyped-def]
                 w2 = await wire_total()
                 extra["wire_bytes_per_token"] = round(((w2 - w1) - (w1 - w0)) / (tokens - half))
             add(
-                "remote-2",
+                mode,
                 n,
                 tok_s,
                 overhead_ms_per_step=round(overhead, 3),
@@ -348,7 +378,7 @@ def _saturation(row: dict[str, Any]) -> float:
         return 0.0
     # Requests join the emptiest micro-batch: this many have work at once.
     batches = min(row["streams"], row.get("micro_batches", 1))
-    overlap = row["mode"] == "remote-2" and batches >= len(busy)
+    overlap = row["mode"].startswith("remote-2") and batches >= len(busy)
     return max(busy) if overlap else sum(busy)
 
 
@@ -358,8 +388,12 @@ def _report(
     from mlxcel.runtime.blas import blas_name
 
     single = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "single"}
+    protected = {r["streams"]: r["tok_per_s"] for r in rows if r["mode"] == "remote-2"}
     for r in rows:
         r["ratio_vs_single"] = round(r["tok_per_s"] / single[r["streams"]], 3)
+        if r["mode"] == "remote-2 unprotected" and r["streams"] in protected:
+            # What frame protection costs end to end: 1 - protected / unprotected tok/s.
+            r["protection_cost"] = round(1 - protected[r["streams"]] / r["tok_per_s"], 4)
         bound = _saturation(r)
         if bound > 0:
             r["saturated_ratio"] = round(r["tok_per_s"] / bound / single[r["streams"]], 3)
@@ -374,7 +408,7 @@ def _report(
 def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, Any]]) -> None:
     print(f"model {model} | {tokens} greedy tokens per stream; one stream: best of {repeats}")
     print(
-        f"{'mode':<18}{'streams':>8}{'tok/s':>10}{'x single':>10}{'saturated':>10}"
+        f"{'mode':<22}{'streams':>8}{'tok/s':>10}{'x single':>10}{'saturated':>10}"
         f"{'protocol ms':>13}  per stage ms/job: compute (build+eval+copy) busy"
     )
     for r in rows:
@@ -385,6 +419,12 @@ def _print_table(model: Path, tokens: int, repeats: int, rows: list[dict[str, An
         )
         proto, sat = r.get("overhead_ms_per_step"), r.get("saturated_ratio", "")
         print(
-            f"{r['mode']:<18}{r['streams']:>8}{r['tok_per_s']:>10}{r['ratio_vs_single']:>10}"
+            f"{r['mode']:<22}{r['streams']:>8}{r['tok_per_s']:>10}{r['ratio_vs_single']:>10}"
             f"{sat:>10}{'' if proto is None else proto:>13}  {stages}"
         )
+    for r in rows:
+        if "protection_cost" in r:
+            print(
+                f"frame protection (AES-256-GCM) costs remote-2 {100 * r['protection_cost']:.1f}% "
+                f"of its tok/s at {r['streams']} stream(s)"
+            )

@@ -270,6 +270,7 @@ def _dispatch(args: argparse.Namespace, settings: Any) -> int:
                 reference=settings.reference,
                 pin=settings.pin,
                 netns_rate=settings.netns_rate,
+                protection_cost=settings.protection_cost,
             )
         )
     if args.command == "bench" and args.bench == "engine":

@@ -51,8 +51,10 @@ class LoopbackCluster:
         spawn_coordinator: bool = True,
         extra_args: tuple[str, ...] = (),
         placement: Placement | None = None,
+        module: str = "mlxcel",
     ) -> None:
         self.model = model
+        self.module = module  # its nodes run as ``python -m MODULE serve`` (see start_serve)
         self.n_stages = n_stages
         self.workdir = workdir
         self.spawn_coordinator = spawn_coordinator
@@ -104,7 +106,8 @@ class LoopbackCluster:
         log = self.workdir / f"{node_id}.log"
         where = self.placement
         prefix = [] if where is None or node_id == "coordinator" else where.command(index, [])
-        proc = await start_serve(args, log, ready, device_env(index, self._env()), prefix)
+        env = device_env(index, self._env())
+        proc = await start_serve(args, log, ready, env, prefix, self.module)
         self.procs.append((node_id, proc, log))
 
     def _env(self) -> dict[str, str]:
@@ -145,11 +148,17 @@ class LoopbackCluster:
 
 
 async def start_serve(
-    args: list[str], log: Path, ready: str, env: dict[str, str], prefix: Sequence[str] = ()
+    args: list[str],
+    log: Path,
+    ready: str,
+    env: dict[str, str],
+    prefix: Sequence[str] = (),
+    module: str = "mlxcel",
 ) -> asyncio.subprocess.Process:
-    """``python -m mlxcel serve ARGS`` (after ``prefix``: say, ``ip netns exec HOST``) with its
-    output in ``log``; returns once a line containing ``ready`` is there (or raises with the
-    log's tail)."""
+    """``python -m mlxcel serve ARGS`` (after ``prefix``: say, ``ip netns exec HOST``; another
+    ``module`` with mlxcel's command line: the bench's unprotected nodes) with its output in
+    ``log``; returns once a line containing ``ready`` is there (or raises with the log's
+    tail)."""
     if env.get("MLXCEL_LOG_LEVEL", "INFO").upper() not in ("TRACE", "DEBUG", "INFO"):
         env = {**env, "MLXCEL_LOG_LEVEL": "INFO"}  # the ready line is an INFO line
     fh = open(log, "w")  # noqa: SIM115 - the child owns it until it exits
@@ -157,7 +166,7 @@ async def start_serve(
         *prefix,
         sys.executable,
         "-m",
-        "mlxcel",
+        module,
         "serve",
         *args,
         stdout=fh,
