@@ -86,13 +86,29 @@ class BenchFramesSettings(_Base):
         False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
     )
     sizes: str = Field(
-        "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 1M, 2M, 16M or bytes)"
+        "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 256K, 1M, 2M, 4M, 16M or bytes)"
     )
     scale: float = Field(1.0, gt=0, le=100, description="multiply every iteration count by this")
     modes: str = Field(
         "reference,unprotected,hmac-sha256,aes-256-gcm,chacha20-poly1305",
         description="modes to measure (reference: a bare length-prefixed uvloop stream)",
     )
+    netns: bool = Field(
+        False,
+        description="the peer on a second host: two network namespaces over veth links and a "
+        "bridge (Linux, root); an activation's transfer between two hosts",
+    )
+    netns_rate: str | None = Field(
+        None,
+        description="with --netns (implied): shape both hosts' links to this rate (tc tbf: "
+        "1gbit, 100mbit ...)",
+    )
+
+    @field_validator("netns_rate")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        return BenchPipelineRunSettings._rate(v)
+
     log_level: LogLevel = Field(
         "WARNING",
         description="log level on stderr (any case)",
@@ -104,7 +120,7 @@ class BenchFramesSettings(_Base):
     def _sizes(cls, v: str) -> str:
         for part in v.split(","):
             p = part.strip().upper()
-            if p not in ("8K", "64K", "1M", "2M", "16M") and not (
+            if p not in ("8K", "64K", "256K", "1M", "2M", "4M", "16M") and not (
                 p.isdigit() and 0 < int(p) <= 1 << 28
             ):
                 raise ValueError(f"bad size {part!r}")

@@ -127,6 +127,30 @@ def test_bench_batching_small_full() -> None:
     assert [row["streams"] for row in rows] == [1, 4, 8]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_bench_frames_moves_activations_between_two_namespace_hosts() -> None:
+    """--netns-rate: the peer on a second host behind a shaped link; a 1 MiB activation takes
+    its time on a 100 Mbit/s wire (about 42 ms one way, past the bucket's 512 KiB burst)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "bench", "frames", "--json", "--scale", "0.02",
+         "--sizes", "8K,1M", "--modes", "reference,aes-256-gcm", "--netns-rate", "100mbit"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {
+        (row["mode"], row["payload_bytes"]): row for row in map(json.loads, r.stdout.splitlines())
+    }
+    assert {m for m, _ in rows} == {"reference", "aes-256-gcm", "handshake"}
+    big = rows[("aes-256-gcm", 1 << 20)]
+    assert big["link"] == "two netns hosts, tc tbf 100mbit"
+    assert big["p50_us"] > 20_000  # shaped: far slower than loopback's ~1 ms
+    bad = subprocess.run(
+        [sys.executable, "-m", "mlxcel", "bench", "frames", "--netns-rate", "fast"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "'fast' is not a tc rate" in bad.stderr
+
+
 def test_bench_frames_prints_json_lines_for_every_mode() -> None:
     r = subprocess.run(
         [

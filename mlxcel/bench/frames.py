@@ -6,6 +6,12 @@ the peer echoes it back on B, so one-way latency is half the round trip and incl
 ends' frame work. Both connections use the mode's protection with the keys their handshakes
 derived. ``handshake`` times a fresh TCP connect plus the cluster handshake.
 
+``--netns`` puts the peer on a second host: two network namespaces joined by veth links
+through a bridge (:mod:`mlxcel.bench.netns`), this process's reactor thread in the first and
+the peer process in the second, each link shaped by ``tc tbf`` to ``--netns-rate`` when it is
+given. That is an activation's transfer between two hosts: a decode row of an 8B model
+(hidden 4096, bf16) is 8 KiB, 32 rows 256 KiB, a 512-token prompt chunk 4 MiB.
+
 ``reference`` is what a user would write without mlxcel: the same payloads echoed over one
 plain uvloop stream with a 4-byte length prefix (a peer started from a short script that
 imports nothing of mlxcel). Reference vs unprotected is the framework's cost; unprotected vs
@@ -22,7 +28,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from mlxcel.bus import Node
 from mlxcel.errors import ConnectionClosed, FrameError
@@ -40,9 +48,39 @@ MODES: dict[str, Callable[[bytes, bytes], Protection]] = {
     "chacha20-poly1305": ChaChaSuite,
 }
 ORDER = ["reference", *MODES, "handshake"]
-SIZES = {"8K": 8 << 10, "64K": 64 << 10, "1M": 1 << 20, "2M": 2 << 20, "16M": 16 << 20}
-ITERATIONS = {8 << 10: 3000, 64 << 10: 1500, 1 << 20: 300, 2 << 20: 150, 16 << 20: 40}
+SIZES = {
+    "8K": 8 << 10,
+    "64K": 64 << 10,
+    "256K": 256 << 10,
+    "1M": 1 << 20,
+    "2M": 2 << 20,
+    "4M": 4 << 20,
+    "16M": 16 << 20,
+}
+ITERATIONS = {
+    8 << 10: 3000,
+    64 << 10: 1500,
+    256 << 10: 600,
+    1 << 20: 300,
+    2 << 20: 150,
+    4 << 20: 80,
+    16 << 20: 40,
+}
 HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the two ends run: this process at ``here``, the peer at ``peer``, started after
+    ``prefix`` (``ip netns exec HOST`` for a second host)."""
+
+    here: str = HOST
+    peer: str = HOST
+    prefix: tuple[str, ...] = ()
+    link: str = "loopback"
+
+
+LOOPBACK = Where()
 BENCH_SECRET = ClusterSecret(b"mlxcel-frame-benchmark-secret-0123456789", "benchmark")
 
 # The reference peer: a length-prefixed echo on a bare uvloop stream, no mlxcel code at all.
@@ -84,14 +122,15 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def _inbound(
-    node: Node, factory: Callable[[bytes, bytes], Protection]
+    node: Node, factory: Callable[[bytes, bytes], Protection], host: str
 ) -> tuple[asyncio.Queue[SecureConnection], int]:
-    """A listener whose authenticated connections are handed over raw (not to the bus)."""
+    """A listener on ``host`` whose authenticated connections are handed over raw (not to
+    the bus)."""
     inbound: asyncio.Queue[SecureConnection] = asyncio.Queue(1)
     listener = ClusterListener(
         node,
         BENCH_SECRET,
-        HOST,
+        host,
         0,
         publish=False,
         protection=factory,
@@ -100,17 +139,18 @@ async def _inbound(
     return inbound, await listener.start()
 
 
-async def run_peer(mode: str, parent_port: int) -> None:
-    """Echo every message received on A back on B (runs in the peer process)."""
+async def run_peer(mode: str, parent: str, parent_port: int, host: str) -> None:
+    """Echo every message received on A back on B (runs in the peer process, at ``host``)."""
     factory = MODES[mode]
     async with Node("bench-peer") as node:
-        inbound, port = await _inbound(node, factory)
+        inbound, port = await _inbound(node, factory, host)
         print(port, flush=True)
         conn_a = await inbound.get()
         pool = ConnectionPool(
-            node, BENCH_SECRET, Identity(HOST, port), publish=False, protection=factory
-        )
-        conn_b = await pool.connect(HOST, parent_port)
+            node, BENCH_SECRET, Identity(host, port), publish=False, protection=factory,
+            bind_ip=host,
+        )  # fmt: skip
+        conn_b = await pool.connect(parent, parent_port)
         try:
             while True:
                 payload = await conn_a.recv_payload()
@@ -135,15 +175,19 @@ def _row(mode: str, size: int, samples: list[float]) -> dict[str, object]:
     }
 
 
-async def measure_reference(sizes: list[int], scale: float) -> list[dict[str, object]]:
+async def measure_reference(
+    sizes: list[int], scale: float, where: Where = LOOPBACK
+) -> list[dict[str, object]]:
     """One-way latency over a bare length-prefixed stream (the reference row)."""
     peer = subprocess.Popen(
-        [sys.executable, "-c", REFERENCE_PEER, HOST], stdout=subprocess.PIPE, text=True
+        [*where.prefix, sys.executable, "-c", REFERENCE_PEER, where.peer],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert peer.stdout is not None
         port = int(await asyncio.to_thread(peer.stdout.readline))
-        reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 20)
+        reader, writer = await asyncio.open_connection(where.peer, port, limit=1 << 20)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -192,22 +236,26 @@ async def _reap(peer: subprocess.Popen[str]) -> None:
         peer.kill()
 
 
-async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[str, object]]:
+async def measure_mode(
+    mode: str, sizes: list[int], scale: float, where: Where = LOOPBACK
+) -> list[dict[str, object]]:
     factory = MODES[mode]
     async with Node("bench") as node:
-        inbound, port = await _inbound(node, factory)
+        inbound, port = await _inbound(node, factory, where.here)
         peer = subprocess.Popen(
-            [sys.executable, "-m", "mlxcel.bench.frames", "--peer", mode, str(port)],
+            [*where.prefix, sys.executable, "-m", "mlxcel.bench.frames", "--peer", mode,
+             where.here, str(port), "--at", where.peer],
             stdout=subprocess.PIPE,
             text=True,
-        )
+        )  # fmt: skip
         try:
             assert peer.stdout is not None
             peer_port = int(await asyncio.to_thread(peer.stdout.readline))
             pool = ConnectionPool(
-                node, BENCH_SECRET, Identity(HOST, port), publish=False, protection=factory
-            )
-            conn_a = await pool.connect(HOST, peer_port)
+                node, BENCH_SECRET, Identity(where.here, port), publish=False,
+                protection=factory, bind_ip=where.here,
+            )  # fmt: skip
+            conn_a = await pool.connect(where.peer, peer_port)
             conn_b = await inbound.get()
 
             async def once(payload: bytes) -> int:
@@ -221,17 +269,17 @@ async def measure_mode(mode: str, sizes: list[int], scale: float) -> list[dict[s
     return rows
 
 
-async def measure_handshake(iterations: int) -> dict[str, object]:
+async def measure_handshake(iterations: int, host: str = HOST) -> dict[str, object]:
     async with Node("bench-hs") as node:
-        listener = ClusterListener(node, BENCH_SECRET, HOST, 0, publish=False)
+        listener = ClusterListener(node, BENCH_SECRET, host, 0, publish=False)
         port = await listener.start()
         pool = ConnectionPool(
-            node, BENCH_SECRET, Identity(HOST, 1), publish=False, backoff=Backoff(attempts=1)
+            node, BENCH_SECRET, Identity(host, 1), publish=False, backoff=Backoff(attempts=1)
         )
         samples = []
         for _ in range(iterations):
             t0 = time.perf_counter()
-            conn = await pool.connect(HOST, port)
+            conn = await pool.connect(host, port)
             samples.append(time.perf_counter() - t0)
             await conn.wait_closed()
     return {
@@ -249,22 +297,48 @@ def human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: list[str]) -> int:
+@contextmanager
+def two_hosts(netns: bool, rate: str | None) -> Iterator[Where]:
+    """Loopback, or (``netns``) two namespace hosts with links shaped to ``rate`` (if given),
+    the calling thread on the first for the block."""
+    if not netns:
+        yield LOOPBACK
+        return
+    from mlxcel.bench.netns import Hosts
+    from mlxcel.bench.netns_nodes import in_netns
+
+    with Hosts(2, net=81, tag="fr") as hosts:
+        if rate is not None:
+            for i in range(2):
+                hosts.slow(i, rate, burst="512kb")  # a gigabit link needs a tick's worth
+        with in_netns(hosts.names[0]):
+            link = f"two netns hosts, tc tbf {rate}" if rate else "two netns hosts, unshaped"
+            yield Where(hosts.ip(0), hosts.ip(1), tuple(hosts.command(1, [])), link)
+
+
+async def run_bench(
+    json_lines: bool,
+    sizes: list[int],
+    scale: float,
+    modes: list[str],
+    where: Where = LOOPBACK,
+) -> int:
     rows: list[dict[str, object]] = []
     await measure_mode(
-        "unprotected", sizes, min(scale, 0.1)
+        "unprotected", sizes, min(scale, 0.1), where
     )  # warm-up, discarded: first runs pay for it
     for mode in modes:
         measured = (
-            await measure_reference(sizes, scale)
+            await measure_reference(sizes, scale, where)
             if mode == "reference"
-            else await measure_mode(mode, sizes, scale)
+            else await measure_mode(mode, sizes, scale, where)
         )
         for row in measured:
+            row["link"] = where.link
             rows.append(row)
             if json_lines:
                 print(json.dumps(row), flush=True)
-    hs = await measure_handshake(max(10, int(200 * scale)))
+    hs = await measure_handshake(max(10, int(200 * scale)), where.here)
     rows.append(hs)
     if json_lines:
         print(json.dumps(hs), flush=True)
@@ -277,6 +351,7 @@ async def run_bench(json_lines: bool, sizes: list[int], scale: float, modes: lis
             return ""
         return f"{float(r['p50_us']) / float(base[r['payload_bytes']]):.2f}"  # type: ignore[arg-type]
 
+    print(f"link: {where.link}")
     print(
         f"{'mode':<19}{'payload':>9}{'iters':>7}{'p50':>11}{'p95':>11}{'p99':>11}{'GiB/s':>8}"
         f"{'x unprot.':>10}{'x ref.':>8}"
@@ -303,13 +378,14 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
-if __name__ == "__main__":  # the echo peer: python -m mlxcel.bench.frames --peer MODE PORT
+if __name__ == "__main__":  # the echo peer: python -m mlxcel.bench.frames --peer MODE IP PORT
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peer", nargs=2, metavar=("MODE", "PORT"), required=True)
+    ap.add_argument("--peer", nargs=3, metavar=("MODE", "IP", "PORT"), required=True)
+    ap.add_argument("--at", default=HOST, help="the peer's own address")
     a = ap.parse_args()
     from loguru import logger
 
     from mlxcel.loop import run_async
 
     logger.remove()
-    run_async(run_peer(a.peer[0], int(a.peer[1])))
+    run_async(run_peer(a.peer[0], a.peer[1], int(a.peer[2]), a.at))

@@ -278,10 +278,18 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
 
 
 async def bench_frames(s: BenchFramesSettings) -> int:
-    from mlxcel.bench.frames import parse_sizes, run_bench
+    from mlxcel.bench.frames import parse_sizes, run_bench, two_hosts
 
     modes = [m.strip() for m in s.modes.split(",")]
-    return await run_bench(s.json_lines, parse_sizes(s.sizes), s.scale, modes)
+    netns = s.netns or s.netns_rate is not None
+    if netns:
+        from mlxcel.bench.netns import unavailable
+
+        why = unavailable()
+        if why is not None:
+            raise ConfigError("--netns", why)
+    with two_hosts(netns, s.netns_rate) as where:
+        return await run_bench(s.json_lines, parse_sizes(s.sizes), s.scale, modes, where)
 
 
 def keygen(s: KeygenSettings) -> int:
