@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import (
     ByteSize,
@@ -23,7 +23,8 @@ from pydantic import (
 from mlxcel import defaults as d
 from mlxcel.addresses import check_address
 from mlxcel.config_http import HttpApiSettings
-from mlxcel.config_sources import _Base, _short
+from mlxcel.config_mlx_lm import MlxLmSettings
+from mlxcel.config_sources import _Base, _short, check_model
 
 
 class ModelSettings(_Base):
@@ -86,15 +87,6 @@ class ModelSettings(_Base):
         return check_model(v)
 
 
-def check_model(v: str | None) -> str | None:
-    """A local model folder, or a Hugging Face ``org/name`` id (resolved when used)."""
-    from mlxcel.runtime.hub import is_hub_id
-
-    if v is not None and (not v.strip() or not Path(v).expanduser().is_dir()) and not is_hub_id(v):
-        raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
-    return v
-
-
 class SamplingSettings(_Base):
     max_tokens: int = Field(
         100, ge=1, le=1 << 20, description="tokens to generate", json_schema_extra=_short("-n")
@@ -149,7 +141,7 @@ class PipelineSettings(_Base):
     )
 
 
-class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
+class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings, MlxLmSettings):
     prompt: str = Field(
         "Hello", description="prompt text ('-' reads it from stdin)", json_schema_extra=_short("-p")
     )
@@ -171,7 +163,9 @@ class GenerateSettings(ModelSettings, SamplingSettings, PipelineSettings):
         return self
 
 
-class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings):
+class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSettings):
+    serves_batches: ClassVar[bool] = True  # (mlx-lm's one-stream-only options are refused)
+
     max_batch_size: int = Field(
         d.MAX_BATCH_SIZE, ge=1, le=1024, description="sequences per batched forward pass"
     )

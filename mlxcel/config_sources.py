@@ -5,6 +5,7 @@ See :mod:`mlxcel.config` for the precedence."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator
@@ -98,3 +99,12 @@ def _short(flag: str) -> dict[str, Any]:
 def flag_of(name: str, cls: type[BaseSettings]) -> str:
     extra = cls.model_fields[name].json_schema_extra or {}
     return str(extra.get("flag", "--" + name.replace("_", "-")))  # type: ignore[union-attr]
+
+
+def check_model(v: str | None) -> str | None:
+    """A local model folder, or a Hugging Face ``org/name`` id (resolved when used)."""
+    from mlxcel.runtime.hub import is_hub_id
+
+    if v is not None and (not v.strip() or not Path(v).expanduser().is_dir()) and not is_hub_id(v):
+        raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
+    return v

@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from mlxcel.config import check_model
-from mlxcel.config_sources import LogLevel, _Base, _short
+from mlxcel.config_sources import LogLevel, _Base, _short, check_model
 from mlxcel.defaults import PREFILL_STEP_SIZE
 
 Shape = Literal["tiny", "small", "qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b"]

@@ -64,6 +64,8 @@ class LocalSpec:
     """One process: the whole model, one engine."""
 
     model: Path
+    adapter: Path | None = None  # a LoRA adapter folder mlx-lm applies on load
+    max_kv_size: int | None = None  # mlx-lm's rotating KV cache of this many tokens
     mode = "local"
 
 

@@ -32,9 +32,7 @@ def frames_unprotected() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    from mlxcel.cli.main import main
-    from mlxcel.loop import die_with_parent
+    import runpy
 
-    die_with_parent()
     with frames_unprotected():
-        main()
+        runpy.run_module("mlxcel", run_name="__main__")  # mlxcel's own command line

@@ -478,8 +478,7 @@ class PushCore:
         return text + self._running()
 
     def progress(self, now: float) -> str:
-        """What the coordinator still waits for, and how long it has waited (the service
-        logs it every few seconds while the push runs)."""
+        """What it still waits for, and for how long (logged every few seconds)."""
         if self.phase is Phase.DISCOVERING:
             found = f" ({', '.join(self.found)})" if self.found else ""
             return (

@@ -66,6 +66,11 @@ async def generate(s: GenerateSettings) -> int:
         return 0
     if s.dry_run:
         return _print_plan(path, s.pp_size, s.pp_layers)
+    if s.one_stream_only:  # a quantized KV cache or a draft model: mlx-lm's own path
+        from mlxcel.cli.one_stream import generate_one_stream
+
+        draft = resolve_model(s.draft_model) if s.draft_model is not None else None
+        return await generate_one_stream(s, path, draft, prompt)
     gen = Generation(parallel=1, max_batch_size=1, prefill_step_size=s.prefill_step_size)
     async with assemble(single_host_spec(s, path), gen) as stack:
         logger.info("{}", stack.summary)
@@ -182,7 +187,7 @@ def single_host_spec(s: GenerateSettings | ServeSettings, path: Path) -> StackSp
         )
     if s.pp_size > 1 or s.pp_layers is not None:
         return PipelineSpec(path, s.pp_size, s.pp_layers, s.pp_return_logits, s.pp_micro_batch_size)
-    return LocalSpec(path)
+    return LocalSpec(path, s.adapter_path, s.max_kv_size)
 
 
 def _print_plan(

@@ -7,8 +7,7 @@ decode steps (a run ends at any sequence's first token, so that one is not held 
 sequences join between decode steps; finished or cancelled ones leave without stalling the
 rest; up to ``max_batch_size`` sequences share one batched forward pass.
 
-All MLX work happens in :meth:`_step` on the compute thread; the reactor only moves
-messages.
+All MLX work happens in :meth:`_step` on the compute thread; the reactor moves messages.
 """
 
 from __future__ import annotations
@@ -77,8 +76,10 @@ class LocalEngine(SoloSteps, CacheSteps):
         prefill_step_size: int = PREFILL_STEP_SIZE,
         max_sequences: int = 64,
         prompt_cache_bytes: int = 0,
+        max_kv_size: int | None = None,
     ) -> None:
         self.loaded = loaded
+        self.max_kv_size = max_kv_size  # rotating caches, which only the batch generator makes
         self.compute = compute
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
@@ -98,7 +99,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         self.run_steps = RUN_STEPS
         self.run_seconds = RUN_SECONDS
         # Compute thread: the sequence decoding alone, if any (runtime/solo.py).
-        self.solo_enabled = True
+        self.solo_enabled = max_kv_size is None
         self._solo: Solo | None = None
         self._solo_uids = 0
         self._gen: BatchGenerator | None = None
@@ -129,8 +130,7 @@ class LocalEngine(SoloSteps, CacheSteps):
     def batch_cache_rows(self) -> int:
         """Sequences holding KV caches on the compute side (the batch generator's rows and
         the one decoding alone); 0 once every sequence has left."""
-        gen = self._gen
-        if gen is None:
+        if (gen := self._gen) is None:
             return 0
         alone = 1 if self._solo is not None else 0
         return (
@@ -174,6 +174,7 @@ class LocalEngine(SoloSteps, CacheSteps):
             completion_batch_size=self.max_batch_size,
             prefill_batch_size=self.max_batch_size,
             prefill_step_size=self.prefill_step_size,
+            max_kv_size=self.max_kv_size,
         )
 
     async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:

@@ -69,11 +69,13 @@ def context_length(config: dict[str, Any]) -> int:
     return int(decoder_config(config).get("max_position_embeddings", 1 << 30))
 
 
-def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
+def load_model(
+    path: str | Path, lazy: bool = False, adapter_path: Path | None = None
+) -> LoadedModel:
     """Load a checkpoint from a local folder, never from a hub.
 
     ``lazy`` leaves weights memory-mapped until first used: a pipeline stage then only ever
-    reads the layers it runs.
+    reads the layers it runs. ``adapter_path``: a LoRA adapter mlx-lm applies on load.
     """
     from mlx_lm.utils import load
 
@@ -90,15 +92,17 @@ def load_model(path: str | Path, lazy: bool = False) -> LoadedModel:
     started = time.perf_counter()
     try:
         with slow_task(f"loading {p.name}"):
-            model, tokenizer = load(str(p), lazy=lazy)
+            adapter = str(adapter_path) if adapter_path is not None else None
+            model, tokenizer = load(str(p), lazy=lazy, adapter_path=adapter)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
     adopt_library_logging()
     logger.info(
-        "loaded model {} ({:.1f} MiB of weights{}) in {:.2f}s",
+        "loaded model {} ({:.1f} MiB of weights{}{}) in {:.2f}s",
         p,
         size / 2**20,
         ", mapped lazily" if lazy else "",
+        f", LoRA adapter {adapter_path}" if adapter_path is not None else "",
         time.perf_counter() - started,
     )
     return LoadedModel(p, model, tokenizer, config)

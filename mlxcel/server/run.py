@@ -30,7 +30,7 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
     """Load the model on the compute thread and run engine + frontend on a fresh Node."""
     compute = ComputeThread()
     try:
-        loaded = await compute.run(load_model, spec.model)
+        loaded = await compute.run(load_model, spec.model, False, spec.adapter)
         async with Node("local") as node:
             engine = LocalEngine(
                 loaded,
@@ -38,7 +38,9 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
                 max_sequences=max(gen.parallel, 1),
-                prompt_cache_bytes=gen.prompt_cache_bytes,
+                # A rotated cache has no prefix left to reuse: no prompt cache with one.
+                prompt_cache_bytes=gen.prompt_cache_bytes if spec.max_kv_size is None else 0,
+                max_kv_size=spec.max_kv_size,
             )
             engine.run_steps = gen.stream_interval
             await engine.attach(node)
@@ -57,7 +59,10 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 f"model {loaded.name} ({loaded.family}, {loaded.n_layers} layers); decode path: "
                 f"batched forward, up to {gen.max_batch_size} sequence(s) per step; prompt cache: "
                 + (ByteSize(pc.max_bytes).human_readable() if pc is not None else "off")
-            )
+                + (f"; KV cache: at most {spec.max_kv_size} tokens a sequence (rotating)"
+                   if spec.max_kv_size is not None else "")
+                + (f"; LoRA adapter {spec.adapter}" if spec.adapter is not None else "")
+            )  # fmt: skip
             yield Stack("local", serving, loaded.name, summary, LocalParts(loaded, engine))
     finally:
         compute.close()
