@@ -34,6 +34,9 @@ class SamplingParams:
     # prefill) hands on ``min_tokens`` less what it sampled.
     min_tokens: int = 0
     ignore_eos: bool = False
+    # Structured output: llguidance's grammar (mlxcel.grammar) the logits are masked to; empty:
+    # none. What the API's response_format becomes.
+    grammar: str = ""
 
     def extended(self) -> list[str]:
         """The EXTENDED_SAMPLING parameters these params ask for (non-neutral values)."""
@@ -46,6 +49,7 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty != 1.0,
             "min_tokens": self.min_tokens > 0,
             "ignore_eos": self.ignore_eos,
+            "response_format": bool(self.grammar),
         }
         return [name for name, on in asked.items() if on]
 
@@ -62,5 +66,6 @@ EXTENDED_SAMPLING = frozenset(
         "repetition_penalty",
         "min_tokens",
         "ignore_eos",
+        "response_format",
     }
 )

@@ -355,3 +355,34 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
             Serving(r.node, r.frontend, sampling=EXTENDED_SAMPLING, mode="disaggregated router")
         )
     parity.assert_same(got, want, "disaggregated")
+
+
+async def test_a_structured_output_request_is_refused_by_name_by_the_router(tiny: Path) -> None:
+    """The grammar's matcher would have to cross the KV handoff: the router says so."""
+    import openai
+
+    from mlxcel.runner import HttpOptions, NodeRunner
+
+    secret = ClusterSecret(bytes(range(32)), "test")
+    pa, da, ra = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (18, 19, 20))
+    async with AsyncExitStack() as stack:
+        for spec in (
+            DisaggSpec("prefill", tiny, secret, pa, decode_peers=(da,)),
+            DisaggSpec("decode", tiny, secret, da),
+            DisaggSpec("router", tiny, secret, ra, (pa,), (da,)),
+        ):
+            node = await stack.enter_async_context(assemble(spec))
+            runner = NodeRunner(node.serving, HttpOptions(port=0, model_name="tiny"))
+            await runner.setup()
+            urls = await runner.start()
+            stack.push_async_callback(runner.stop)
+        c = openai.AsyncOpenAI(base_url=urls["http"] + "/v1", api_key="x", max_retries=0)
+        stack.push_async_callback(c.close)
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                response_format={"type": "json_object"},
+            )  # fmt: skip
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "response_format"
+    assert "not supported by this server's mode" in body["message"]

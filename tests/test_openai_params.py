@@ -241,6 +241,53 @@ def test_min_p_1_keeps_only_the_most_likely_token(client: openai.OpenAI, rig: Ri
 # --- refusals ---------------------------------------------------------------------------------
 
 
+# --- response_format ---------------------------------------------------------------------------
+COLOR = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "color",
+        "schema": {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "boolean"}},
+            "required": ["color", "n"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_constrains_the_output_to_the_schema(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """The rigged model wants to call a tool; masked by llguidance's grammar of the schema it
+    writes an object the schema accepts, and stops there."""
+    plain = chat(client, max_tokens=12).choices[0].message.content
+    assert not plain.startswith("{")
+    if stream:
+        text, _, finish, _ = streamed_chat(client, max_tokens=40, response_format=COLOR)
+    else:
+        c = chat(client, max_tokens=40, response_format=COLOR).choices[0]
+        text, finish = c.message.content, c.finish_reason
+    got = json.loads(text)
+    assert set(got) == {"color", "n"} and got["color"] in ("red", "green", "blue")
+    assert isinstance(got["n"], bool) and finish == "stop"
+    any_object = chat(client, max_tokens=40, response_format={"type": "json_object"})
+    text = any_object.choices[0].message.content
+    assert text.startswith("{")  # an object begins (40 tokens may not close it)
+    assert chat(client, max_tokens=4, response_format={"type": "text"}).choices[0].finish_reason
+
+
+def test_a_pipeline_s_final_stage_applies_the_grammar_as_one_process_does(
+    client: openai.OpenAI, rig: Rigged, start_server
+) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server(["-m", str(rig.path), "--served-model-name", MODEL, "--pp-size", "2"])
+    pipe = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    for fmt in (COLOR, {"type": "json_object"}):
+        want = chat(client, max_tokens=30, response_format=fmt).choices[0].message.content
+        assert chat(pipe, max_tokens=30, response_format=fmt).choices[0].message.content == want
+
+
 # --- min_tokens, ignore_eos, skip_special_tokens ------------------------------------------------
 
 
@@ -291,15 +338,23 @@ def test_skip_special_tokens_drops_their_text_not_their_count(
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
         (
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {}},
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
                 }
             },
             "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"min_tokens": 3}},
+            "min_tokens",
         ),
         ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         (

@@ -115,7 +115,9 @@ def _router_serving(
         listener,
         # The prefill and decode nodes sample with the one-process engine, and the handoff
         # carries what its penalties and PRNG need: every parameter.
-        sampling=EXTENDED_SAMPLING,
+        # Not response_format: the grammar's matcher would have to cross the handoff (or
+        # run on every rank): refused by name.
+        sampling=EXTENDED_SAMPLING - {"response_format"},
         mode="disaggregated router",
         topology=topology,
         # Read per request: an operator may flip it without a restart.

@@ -132,7 +132,7 @@ class StageRuntime:
         self._next_id = 0
         self.samplers: dict[SeqKey, Sampler | None] = {}
         self.extras = SamplingExtras(
-            layers.loaded.eos_token_ids()
+            layers.loaded.eos_token_ids(), layers.loaded.tokenizer
         )  # logits processors and top_logprobs (final stage)
         self.timing = StageTiming()
         self.ahead_to: StageRuntime | None = None

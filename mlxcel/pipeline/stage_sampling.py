@@ -21,8 +21,9 @@ HISTORY = 20  # tokens the penalties look back on (mlx-lm's default context size
 
 
 class SamplingExtras:
-    def __init__(self, eos: Collection[int]) -> None:
+    def __init__(self, eos: Collection[int], tokenizer: Any = None) -> None:
         self.eos = eos  # the tokens min_tokens and ignore_eos hold back
+        self.tokenizer = tokenizer  # what a structured output's grammar is over
         self._procs: dict[SeqKey, list[Any]] = {}
         self._history: dict[SeqKey, list[int]] = {}
 
@@ -33,7 +34,9 @@ class SamplingExtras:
     def _processors(self, step: Step) -> list[Any]:
         procs = self._procs.get(step.key)
         if procs is None:
-            procs = self._procs[step.key] = logits_processors(step.sampling, self.eos)
+            procs = self._procs[step.key] = logits_processors(
+                step.sampling, self.eos, self.tokenizer
+            )
             self._history[step.key] = list(step.context[-HISTORY:])
         return procs
 

@@ -384,7 +384,10 @@ class LocalEngine(SoloSteps, CacheSteps):
                 caches=caches,
                 all_tokens=seen,
                 samplers=samplers,
-                logits_processors=[logits_processors(i.entry.sampling, self.eos) for i in inserts],
+                logits_processors=[
+                    logits_processors(i.entry.sampling, self.eos, self.loaded.tokenizer)
+                    for i in inserts
+                ],
             )
             for i, uid, sampler, cached in zip(inserts, uids, samplers, seen, strict=True):
                 rid = i.entry.request_id

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.runtime.engine_state import Insert, StepOutput
-from mlxcel.runtime.sampling import logits_processors
+from mlxcel.runtime.sampling import needs_processors
 from mlxcel.runtime.solo import Solo
 
 if TYPE_CHECKING:
@@ -38,11 +38,7 @@ class SoloSteps:
         if not self.solo_enabled or len(inserts) != 1 or self.batch_cache_rows():
             return False
         i = inserts[0]
-        return (
-            i.cache is None
-            and not i.keep_cache
-            and not logits_processors(i.entry.sampling, self.eos)
-        )
+        return i.cache is None and not i.keep_cache and not needs_processors(i.entry.sampling)
 
     def _start_solo(self, i: Insert, out: StepOutput) -> None:
         cache, n = self._start(i)

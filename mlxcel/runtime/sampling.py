@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from mlxcel.grammar import MAX_GRAMMAR
 from mlxcel.messages import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -79,12 +81,23 @@ def sampling_problem(p: SamplingParams, vocab: int) -> str | None:
             return f"{name} must be within [-2, 2]"
     if p.min_tokens < 0:
         return "min_tokens must not be negative"
+    if len(p.grammar) > MAX_GRAMMAR:
+        return f"the grammar is longer than {MAX_GRAMMAR} characters"
     return None
 
 
-def logits_processors(p: SamplingParams, eos: Collection[int]) -> list[LogitsProcessor]:
+def needs_processors(p: SamplingParams) -> bool:
+    """Whether :func:`logits_processors` would return any (without building them)."""
+    asked = set(p.extended())
+    return bool(asked - {"top_logprobs", "min_p"})
+
+
+def logits_processors(
+    p: SamplingParams, eos: Collection[int], tokenizer: Any = None
+) -> list[LogitsProcessor]:
     """mlx-lm's processors for logit_bias and the three penalties, then the hold on the
-    end-of-sequence tokens ``eos`` that min_tokens and ignore_eos ask for (empty: none).
+    end-of-sequence tokens ``eos`` that min_tokens and ignore_eos ask for, then the mask of
+    a structured output's grammar (over ``tokenizer``'s tokens); empty: none.
 
     They see the sequence's tokens (prompt included) and run before the logprobs are taken,
     so the returned logprobs are those of the distribution actually sampled, as in mlx-lm.
@@ -97,6 +110,10 @@ def logits_processors(p: SamplingParams, eos: Collection[int]) -> list[LogitsPro
     )
     if eos and (p.ignore_eos or p.min_tokens > 0):
         procs.append(EosHold(eos, None if p.ignore_eos else p.min_tokens))
+    if p.grammar:
+        from mlxcel.runtime.grammar_mask import GrammarMask
+
+        procs.append(GrammarMask(p.grammar, tokenizer))
     return procs
 
 

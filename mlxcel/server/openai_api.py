@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from mlxcel.error_codes import http_status
 from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
 from mlxcel.frontend import Frontend, Usage
+from mlxcel.grammar import check_grammar
 from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
@@ -35,6 +36,7 @@ from mlxcel.server.params import (
     refuse_unimplemented,
     requested_max_tokens,
     sampling_params,
+    structured_grammar,
     template_tools,
 )
 from mlxcel.server.responses import Output, TokenMeter, account, sse, usage_body
@@ -285,7 +287,16 @@ async def _prompt(
         vocab=fe.vocab_size,
         supported=settings["sampling"],
         mode=settings["mode"],
+        grammar=structured_grammar(req),
     )
+    if params.grammar:  # compiled against the tokenizer, off the reactor (a schema may be big)
+        problem = await asyncio.to_thread(check_grammar, params.grammar, fe.tokenizer)
+        if problem is not None:
+            raise RequestError(
+                f"response_format: the JSON schema does not compile: {problem}",
+                param="response_format",
+                code="invalid_value",
+            )
     tools = None
     if isinstance(req, ChatCompletionRequest):
         tools = template_tools(req, bool(getattr(fe.tokenizer, "has_tool_calling", False)))

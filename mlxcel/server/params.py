@@ -34,12 +34,6 @@ def refuse_unimplemented(req: ChatCompletionRequest | CompletionRequest) -> None
         if req.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
         return
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type") != "text":
-        raise unsupported(
-            "response_format",
-            f"type {fmt.get('type')!r} (structured output) is not supported; only 'text'",
-        )
     if req.functions is not None or req.function_call is not None:
         name = "functions" if req.functions is not None else "function_call"
         raise unsupported(name, "the deprecated functions API is not supported; send tools")
@@ -80,6 +74,25 @@ def fit_default(params: SamplingParams, prompt_len: int, limit: int | None) -> S
     return dataclasses.replace(params, max_tokens=room)
 
 
+def structured_grammar(req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The llguidance grammar of the request's response_format ("" for none or 'text');
+    the schema itself is compiled against the tokenizer later (mlxcel.grammar.check_grammar)."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is None or fmt.get("type") == "text":
+        return ""
+    if req.min_tokens or req.ignore_eos:
+        name = "min_tokens" if req.min_tokens else "ignore_eos"
+        raise unsupported(name, "does not combine with response_format: the grammar ends it")
+    from mlxcel.grammar import grammar_for
+
+    try:
+        return grammar_for(fmt)
+    except ValueError as exc:
+        raise RequestError(
+            f"response_format: {exc}", param="response_format", code="invalid_value"
+        ) from None
+
+
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     *,
@@ -88,9 +101,11 @@ def sampling_params(
     supported: frozenset[str],
     mode: str,
     defaults: dict[str, float] | None = None,
+    grammar: str = "",
 ) -> SamplingParams:
     """The request's sampling, checked against the model's vocabulary and this node's mode;
-    ``defaults`` (temperature, top_p, min_p) stand in for what the request leaves out."""
+    ``defaults`` (temperature, top_p, min_p) stand in for what the request leaves out;
+    ``grammar``: :func:`structured_grammar`'s."""
     given = defaults or {}
     max_tokens = requested_max_tokens(req)
     if isinstance(req, ChatCompletionRequest):
@@ -129,6 +144,7 @@ def sampling_params(
         repetition_penalty=float(req.repetition_penalty or 1.0),
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
+        grammar=grammar,
     )
     if params.min_tokens > params.max_tokens:
         raise RequestError(

@@ -229,8 +229,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template (vLLM's; Qwen3's enable_thinking, for one).
     chat_template_kwargs: dict[str, Any] | None = None
-    # Known, not implemented: a request naming them gets a 400 (see params.refusals).
+    # Structured output: {"type": "text" | "json_object" | "json_schema"} (mlxcel.grammar).
     response_format: dict[str, Any] | None = None
+    # Known, not implemented: a request naming them gets a 400 (see params.refusals).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 

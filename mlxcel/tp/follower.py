@@ -76,7 +76,9 @@ def run_follower(
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
                     samplers=[guarded_sampler(i.sampling, {}, i.request_id) for i in step.inserts],
                     # The same processors as rank 0, or the ranks' next inputs would differ.
-                    logits_processors=[logits_processors(i.sampling, eos) for i in step.inserts],
+                    logits_processors=[
+                        logits_processors(i.sampling, eos, loaded.tokenizer) for i in step.inserts
+                    ],
                 )
             gen.next()
     except (StepForged, TpGroupFailed) as exc:

@@ -169,7 +169,9 @@ def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, si
         lambda: engine.active,
         health,
         done=engine.fatal,
-        sampling=EXTENDED_SAMPLING,
+        # Not response_format: the grammar's matcher would have to cross the handoff (or
+        # run on every rank): refused by name.
+        sampling=EXTENDED_SAMPLING - {"response_format"},
         mode="tensor parallel",
         kv=lambda: figures(engine.kv_tokens(), loaded.config, loaded.n_layers, size),
     )
