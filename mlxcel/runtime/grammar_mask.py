@@ -4,7 +4,9 @@ llguidance's matcher allows (see :mod:`mlxcel.grammar`).
 Like the other processors it runs once per sampled token. It reads the token sampled at the
 previous call from the history the node passes (the last entry, whatever window precedes
 it), so it needs no view of the whole sequence. The mask is applied with ``mx.where`` on any
-device (llguidance's own MLX helper is a Metal kernel).
+device (llguidance's own MLX helper is a Metal kernel). A grammar the matcher cannot run (it
+never passed the API's check, or the output left it) puts the matcher in its error state,
+whose mask allows only the end-of-sequence tokens: that sequence ends, the batch goes on.
 """
 
 from __future__ import annotations

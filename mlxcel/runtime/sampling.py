@@ -123,8 +123,8 @@ class EosHold:
 
     It counts its own calls, one per sampled token, instead of reading the token history:
     the history a node passes differs (the whole sequence in the engine, a recent window at a
-    pipeline's final stage, the rest after a handoff). Applied last, a logit_bias on an EOS
-    token cannot undo it."""
+    pipeline's final stage, the rest after a handoff). Applied after logit_bias, a bias on an
+    EOS token cannot undo it."""
 
     def __init__(self, eos: Collection[int], steps: int | None) -> None:
         self.ids = mx.array(sorted(eos), dtype=mx.int32)
