@@ -106,5 +106,8 @@ def check_model(v: str | None) -> str | None:
     from mlxcel.runtime.hub import is_hub_id
 
     if v is not None and (not v.strip() or not Path(v).expanduser().is_dir()) and not is_hub_id(v):
-        raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}")
+        hint = ""
+        if v.strip().isdigit():  # mlx_lm generate's -m is --max-tokens: here it is the model
+            hint = " (-m is the model here; the token count is -n/--max-tokens, as in mlx-lm)"
+        raise ValueError(f"no such model folder (nor a Hugging Face org/name id): {v}{hint}")
     return v

@@ -133,6 +133,10 @@ def test_a_quantized_kv_cache_in_generate(tmp_path: Path) -> None:
         ),
         (["serve", "--max-kv-size", "64", "--pp-size", "2"], "--max-kv-size is for one process"),
         (["serve", "--max-kv-size", "8"], "--max-kv-size"),
+        (
+            ["generate", "-p", "hi", "-m", "100"],
+            "100 (-m is the model here; the token count is -n/--max-tokens",
+        ),
         (["generate", "--adapter-path", "."], "not a LoRA adapter folder (no adapter_config.json)"),
         (["generate", "--adapter-path", "/nonexistent/lora"], "/nonexistent/lora: no such folder"),
     ],
