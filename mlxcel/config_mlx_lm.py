@@ -23,6 +23,13 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 KV_GROUP_SIZES = (32, 64, 128)
 
 
+def _one_stream(flag: str, what: str) -> str:
+    return (
+        f"{flag}: serve batches requests with mlx-lm's BatchGenerator, which has no {what}; "
+        f"mlx-lm has it for one stream only (mlxcel generate {flag} ...)"
+    )
+
+
 class MlxLmSettings(_Base):
     adapter_path: Path | None = Field(
         None, description="a LoRA adapter folder (adapter_config.json + adapters.safetensors)"
@@ -88,6 +95,14 @@ class MlxLmSettings(_Base):
 
     @model_validator(mode="after")
     def _kv_flags_need_bits(self) -> MlxLmSettings:
+        serve = getattr(self, "serves_batches", False)
+        for field, flag, what in (
+            ("kv_group_size", "--kv-group-size", "quantized KV cache"),
+            ("quantized_kv_start", "--quantized-kv-start", "quantized KV cache"),
+            ("num_draft_tokens", "--num-draft-tokens", "speculative decoding"),
+        ):
+            if serve and field in self.model_fields_set:
+                raise ValueError(_one_stream(flag, what))
         for field, flag in (
             ("kv_group_size", "--kv-group-size"),
             ("quantized_kv_start", "--quantized-kv-start"),
@@ -128,11 +143,16 @@ class MlxLmSettings(_Base):
                 ("--draft-model", "speculative decoding"),
             ):
                 if flag in self.given("kv_bits", "draft_model"):
-                    raise ValueError(
-                        f"{flag}: serve batches requests with mlx-lm's BatchGenerator, which "
-                        f"has no {what}; mlx-lm has it for one stream only (mlxcel generate "
-                        f"{flag} ...)"
-                    )
+                    raise ValueError(_one_stream(flag, what))
+        if (
+            self.max_kv_size is not None
+            and "prompt_cache_bytes" in self.model_fields_set
+            and getattr(self, "prompt_cache_bytes", 0)
+        ):
+            raise ValueError(
+                "--prompt-cache-bytes does not combine with --max-kv-size: a rotated cache "
+                "has no prefix left to reuse"
+            )
         return self
 
     def given(self, *fields: str) -> list[str]:

@@ -66,6 +66,21 @@ def test_a_lora_adapter_changes_generate_and_serve_alike(
     assert r.choices[0].text == tuned  # the engine serves what generate printed
 
 
+def test_an_adapter_for_another_model_is_refused_by_its_flag(
+    tiny: Path, adapter: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(adapter, wrong)
+    cfg = json.loads((wrong / "adapter_config.json").read_text())
+    cfg["lora_parameters"]["rank"] = 8  # its tensors are rank 4
+    (wrong / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run_cli("generate", "-m", str(tiny), "-p", "hi", "--adapter-path", str(wrong))
+    assert r.returncode == 2 and "--adapter-path" in r.stderr and "does not fit tiny" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_a_bounded_kv_cache_rotates_in_generate_and_serve(tiny: Path, start_server) -> None:  # type: ignore[no-untyped-def]
     full, _ = generate(tiny)
     bounded, stats = generate(tiny, "--max-kv-size", "16")
@@ -133,6 +148,14 @@ def test_a_quantized_kv_cache_in_generate(tmp_path: Path) -> None:
         ),
         (["serve", "--max-kv-size", "64", "--pp-size", "2"], "--max-kv-size is for one process"),
         (["serve", "--max-kv-size", "8"], "--max-kv-size"),
+        (
+            ["serve", "--num-draft-tokens", "2"],
+            "--num-draft-tokens: serve batches requests with mlx-lm's BatchGenerator, which has no speculative decoding",
+        ),
+        (
+            ["serve", "--max-kv-size", "64", "--prompt-cache-bytes", "1MiB"],
+            "--prompt-cache-bytes does not combine with --max-kv-size",
+        ),
         (
             ["generate", "-p", "hi", "-m", "100"],
             "100 (-m is the model here; the token count is -n/--max-tokens",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -272,10 +273,29 @@ def test_response_format_constrains_the_output_to_the_schema(
     got = json.loads(text)
     assert set(got) == {"color", "n"} and got["color"] in ("red", "green", "blue")
     assert isinstance(got["n"], bool) and finish == "stop"
+    assert "\n" not in text and ", " not in text  # compact JSON: no whitespace to spend
     any_object = chat(client, max_tokens=40, response_format={"type": "json_object"})
     text = any_object.choices[0].message.content
     assert text.startswith("{")  # an object begins (40 tokens may not close it)
     assert chat(client, max_tokens=4, response_format={"type": "text"}).choices[0].finish_reason
+
+
+def test_tokens_a_grammar_rules_out_have_a_finite_logprob_in_valid_json(
+    server: ServerProcess,
+) -> None:
+    """-inf (a token the mask forbids) is not JSON: strict parsers would refuse the body."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"}}  # fmt: skip
+    req = urllib.request.Request(
+        server.base_url + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        raw = resp.read().decode()
+    assert "Infinity" not in raw and "NaN" not in raw
+    tops = json.loads(raw)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    lps = [t["logprob"] for t in tops]  # few tokens can open an object: the rest are floored
+    assert lps[0] > -9999.0 and lps[-1] == -9999.0  # (vLLM's floor)
 
 
 def test_a_pipeline_s_final_stage_applies_the_grammar_as_one_process_does(
@@ -333,6 +353,12 @@ def test_skip_special_tokens_drops_their_text_not_their_count(
     assert text() == ("<|im_start|>" * 3, 3)
     assert text(skip_special_tokens=True) == ("", 3)
     assert text(skip_special_tokens=False) == ("<|im_start|>" * 3, 3)
+    # The offsets are into the text returned: hidden tokens add nothing to them.
+    r = client.completions.create(
+        model=MODEL, prompt=[rig.x], max_tokens=3, temperature=0, logprobs=1,
+        logit_bias=forced, extra_body={"skip_special_tokens": True},
+    )  # fmt: skip
+    assert r.choices[0].logprobs.text_offset == [0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -355,6 +381,39 @@ def test_skip_special_tokens_drops_their_text_not_their_count(
         (
             {"response_format": {"type": "json_object"}, "extra_body": {"min_tokens": 3}},
             "min_tokens",
+        ),
+        ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+        (
+            {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}, "strict": "yes"},
+                }
+            },
+            "response_format.json_schema.strict",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"enum": ["x" * 40000]}},
+                }
+            },
+            "response_format",
         ),
         ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         (

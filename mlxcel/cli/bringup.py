@@ -28,6 +28,7 @@ from mlxcel.cli.http_checks import check_port
 from mlxcel.config import ServeSettings
 from mlxcel.loop import signals
 from mlxcel.net.network import split_hostport
+from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig
 
 COORDINATOR_OUT = Path(".mlxcel/cluster.toml")
@@ -44,6 +45,40 @@ def _secret_file(s: ServeSettings) -> str | None:
     """Recorded in the written TOML (as an absolute path) when the secret came from a file."""
     path = s.cluster_secret_file or os.environ.get("MLXCEL_CLUSTER_SECRET_FILE")
     return str(Path(path).expanduser().resolve()) if path else None
+
+
+async def _peer_spec(
+    s: ServeSettings, path: Path, secret: ClusterSecret, discovery: Discovery
+) -> StackSpec | None:
+    """``--pp-peer``: wait for an assignment, then serve the stage it names (None: stopped
+    while waiting)."""
+    # What the stage needs once activated (MLX, mlx-lm, the runner) is loaded before the
+    # peer starts waiting: an activated stage then starts at once. On this thread: a worker
+    # thread that touched MLX can abort the process at exit (a refused peer exits within a
+    # second, and did, under load, with SIGABRT).
+    _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
+    waiting = asyncio.ensure_future(
+        await_assignment(
+            path,
+            secret,
+            s.cluster_control_addr,
+            discovery,
+            memory=_offered_memory(int(s.usable_memory)),
+            cluster_name=s.cluster_name,
+            trust_weights=s.trust_weights,
+        )
+    )
+    # A peer that is still waiting has nothing to drain: a signal ends it, with status 0.
+    with signals(waiting.cancel):
+        try:
+            got = await waiting
+        except asyncio.CancelledError:
+            logger.info("stopped while waiting for a stage assignment")
+            return None
+    out = s.cluster_config_out or Path(f".mlxcel/cluster-{got.node_id}.toml")
+    write_config(out, got.text)
+    logger.info("assigned {}: cluster written to {}", got.node_id, out)
+    return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
 
 
 def _load(modules: tuple[str, ...]) -> None:
@@ -71,33 +106,7 @@ async def bringup_spec(s: ServeSettings) -> StackSpec | None:
     secret = cluster_secret(s, None)
     discovery = _discovery(s)
     if s.pp_peer:
-        # What the stage needs once activated (MLX, mlx-lm, the runner) is loaded before the
-        # peer starts waiting: an activated stage then starts at once. On this thread: a
-        # worker thread that touched MLX can abort the process at exit (a refused peer exits
-        # within a second, and did, under load, with SIGABRT).
-        _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
-        waiting = asyncio.ensure_future(
-            await_assignment(
-                path,
-                secret,
-                s.cluster_control_addr,
-                discovery,
-                memory=_offered_memory(int(s.usable_memory)),
-                cluster_name=s.cluster_name,
-                trust_weights=s.trust_weights,
-            )
-        )
-        # A peer that is still waiting has nothing to drain: a signal ends it, with status 0.
-        with signals(waiting.cancel):
-            try:
-                got = await waiting
-            except asyncio.CancelledError:
-                logger.info("stopped while waiting for a stage assignment")
-                return None
-        out = s.cluster_config_out or Path(f".mlxcel/cluster-{got.node_id}.toml")
-        write_config(out, got.text)
-        logger.info("assigned {}: cluster written to {}", got.node_id, out)
-        return cluster_node_spec(s, got.cluster, got.cluster.node(got.node_id), path, secret)
+        return await _peer_spec(s, path, secret, discovery)
     assert s.pp_auto is not None
     # The serving side's imports are not overlapped with the push on a worker thread: a
     # thread that imported mlx-lm aborted the process at exit now and then, and one that

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.config import GenerateSettings
+from mlxcel.config_mlx_lm import KV_GROUP_SIZES
 from mlxcel.errors import ConfigError
 from mlxcel.runtime.compute import ComputeThread
 
@@ -97,10 +98,12 @@ def _check_groups(loaded: Any, group: int) -> None:
     cfg = decoder_config(loaded.config)
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if dim % group:
+        fits = [str(g) for g in KV_GROUP_SIZES if dim % g == 0]
+        what = f"use {' or '.join(fits)}" if fits else "none of 32, 64, 128 does, so it cannot"
         raise ConfigError(
             "--kv-group-size",
             f"{group} does not divide {loaded.path.name}'s head dimension {dim}: a quantized "
-            "KV cache needs a group size that does",
+            f"KV cache groups along it ({what})",
         )
 
 

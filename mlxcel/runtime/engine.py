@@ -58,8 +58,7 @@ from mlxcel.runtime.sampling import (
 )
 from mlxcel.runtime.solo import Solo
 
-# At most this many decode steps (serve's --stream-interval), and about this long, per
-# hand-off to the compute thread.
+# At most this many decode steps (--stream-interval), and about this long, per hand-off.
 RUN_STEPS = STREAM_INTERVAL
 RUN_SECONDS = 0.025
 
@@ -93,8 +92,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         self._wake = asyncio.Event()
         # Set by the reactor when sequences join or leave: ends a run of decode steps early.
         self._interrupt = threading.Event()
-        # Compute thread: batch uids that have produced a token (a new one is a first token,
-        # which ends a run: its time to first token).
+        # Compute thread: uids that produced a token (a new one's first token ends a run).
         self._started: set[int] = set()
         self.run_steps = RUN_STEPS
         self.run_seconds = RUN_SECONDS
@@ -128,8 +126,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         return kv_tokens(self._seqs.values())
 
     def batch_cache_rows(self) -> int:
-        """Sequences holding KV caches on the compute side (the batch generator's rows and
-        the one decoding alone); 0 once every sequence has left."""
+        """Sequences holding KV caches on the compute side (batch rows, the one alone)."""
         if (gen := self._gen) is None:
             return 0
         alone = 1 if self._solo is not None else 0
@@ -378,6 +375,7 @@ class LocalEngine(SoloSteps, CacheSteps):
                 # A cached prefix (or a handed-off cache's context) is what penalties see.
                 seen.append([*i.context, *i.entry.token_ids[:n]])
                 prompts.append(list(i.entry.token_ids[n:]))
+            tok = self.loaded.tokenizer
             uids = gen.insert(
                 prompts,
                 max_tokens=[i.entry.sampling.max_tokens for i in inserts],
@@ -385,8 +383,7 @@ class LocalEngine(SoloSteps, CacheSteps):
                 all_tokens=seen,
                 samplers=samplers,
                 logits_processors=[
-                    logits_processors(i.entry.sampling, self.eos, self.loaded.tokenizer)
-                    for i in inserts
+                    logits_processors(i.entry.sampling, self.eos, tok) for i in inserts
                 ],
             )
             for i, uid, sampler, cached in zip(inserts, uids, samplers, seen, strict=True):

@@ -16,14 +16,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.grammar import ll_tokenizer
+from mlxcel.grammar import matcher_for
 
 
 class GrammarMask:
     def __init__(self, grammar: str, tokenizer: Any) -> None:
-        from llguidance import LLMatcher
-
-        self.matcher = LLMatcher(ll_tokenizer(tokenizer), grammar)
+        self.matcher = matcher_for(grammar, tokenizer)  # compiled once per process
         self.started = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from loguru import logger
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxcel.errors import ModelLoadError
+from mlxcel.errors import ConfigError, ModelLoadError
 from mlxcel.logs import adopt_library_logging
 from mlxcel.model_config import decoder_config, vocab_size
 from mlxcel.progress import slow_task
@@ -92,10 +92,19 @@ def load_model(
     started = time.perf_counter()
     try:
         with slow_task(f"loading {p.name}"):
-            adapter = str(adapter_path) if adapter_path is not None else None
-            model, tokenizer = load(str(p), lazy=lazy, adapter_path=adapter)
+            model, tokenizer = load(str(p), lazy=lazy)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, FileNotFoundError...
         raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
+    if adapter_path is not None:
+        from mlx_lm.tuner.utils import load_adapters
+
+        try:  # as mlx-lm's load(adapter_path=) does, with the failure named by its flag
+            model = load_adapters(model, str(adapter_path))
+        except Exception as exc:  # an adapter for another model: shapes or names differ
+            raise ConfigError(
+                "--adapter-path", f"{adapter_path} does not fit {p.name}: {exc}"
+            ) from None
+        model.eval()
     adopt_library_logging()
     logger.info(
         "loaded model {} ({:.1f} MiB of weights{}{}) in {:.2f}s",

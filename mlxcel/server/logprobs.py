@@ -15,6 +15,9 @@ from mlxcel.frontend import Delta
 
 # (token id, its logprob, its most likely alternatives as (id, logprob), best first)
 Entry = tuple[int, float, tuple[tuple[int, float], ...]]
+# What a token the distribution rules out (logprob -inf: a grammar's mask, a -100 bias) is
+# reported as: -Infinity is not JSON, and strict parsers refuse the body (vLLM's value).
+FLOOR = -9999.0
 
 _SPM_SPACE = "\u2581".encode()
 _tables: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) -> (tokenizer, byte lookup)
@@ -24,7 +27,10 @@ def entries(d: Delta) -> list[Entry]:
     if not d.logprobs:
         return []
     tops = d.top or tuple(() for _ in d.token_ids)
-    return list(zip(d.token_ids, d.logprobs, tops, strict=False))
+    return [
+        (t, max(lp, FLOOR), tuple((a, max(alp, FLOOR)) for a, alp in top))
+        for t, lp, top in zip(d.token_ids, d.logprobs, tops, strict=False)
+    ]
 
 
 def prepare(tokenizer: Any) -> None:
@@ -91,17 +97,22 @@ def chat_logprobs(tokenizer: Any, items: list[Entry]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    tokenizer: Any, items: list[Entry], before: bytearray | None = None
+    tokenizer: Any,
+    items: list[Entry],
+    before: bytearray | None = None,
+    hidden: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """``before``: the completion's bytes so far (a stream passes the same buffer each chunk,
-    and it grows by these tokens)."""
+    and it grows by these tokens); ``hidden``: tokens whose text the completion leaves out
+    (skip_special_tokens), which add nothing to the offsets."""
     lookup = _lookup(tokenizer)
     seen = before if before is not None else bytearray()
     tokens, offsets, tops = [], [], []
     for t, _, top in items:
         raw = lookup(t)
         offsets.append(len(seen.decode("utf-8", "ignore")))  # characters completed so far
-        seen.extend(raw)
+        if t not in hidden:
+            seen.extend(raw)
         tokens.append(_shown(raw))
         alternatives: dict[str, float] = {}
         for a, alp in top:  # best first: a later token shown the same way never overwrites

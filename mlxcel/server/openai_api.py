@@ -26,6 +26,7 @@ from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, Requ
 from mlxcel.frontend import Frontend, Usage
 from mlxcel.grammar import check_grammar
 from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
+from mlxcel.prompts import special_token_ids
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
 from mlxcel.server.access_log import USAGE, access_log
@@ -211,6 +212,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         params.logprobs,
         tool_text_for(fe.tokenizer, tools),
     )
+    if req.skip_special_tokens:
+        out.hidden = special_token_ids(fe.tokenizer)
     if params.logprobs:
         await asyncio.to_thread(lp.prepare, fe.tokenizer)  # once per tokenizer, then cached
     usage = Usage()
@@ -255,7 +258,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             "index": 0,
             "text": content,
             "finish_reason": finish,
-            "logprobs": lp.completion_logprobs(fe.tokenizer, lps) if params.logprobs else None,
+            "logprobs": (
+                lp.completion_logprobs(fe.tokenizer, lps, hidden=out.hidden)
+                if params.logprobs
+                else None
+            ),
         }
     return web.json_response(
         {**out.head(final=True), "choices": [choice], "usage": usage_body(usage)}

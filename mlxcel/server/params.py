@@ -78,15 +78,18 @@ def structured_grammar(req: ChatCompletionRequest | CompletionRequest) -> str:
     """The llguidance grammar of the request's response_format ("" for none or 'text');
     the schema itself is compiled against the tokenizer later (mlxcel.grammar.check_grammar)."""
     fmt = getattr(req, "response_format", None)
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None or fmt.type == "text":
         return ""
     if req.min_tokens or req.ignore_eos:
         name = "min_tokens" if req.min_tokens else "ignore_eos"
         raise unsupported(name, "does not combine with response_format: the grammar ends it")
+    if req.stop:
+        raise unsupported("stop", "does not combine with response_format: it would cut the JSON")
     from mlxcel.grammar import grammar_for
 
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
     try:
-        return grammar_for(fmt)
+        return grammar_for(fmt.type, schema)
     except ValueError as exc:
         raise RequestError(
             f"response_format: {exc}", param="response_format", code="invalid_value"

@@ -36,6 +36,7 @@ class Output:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.tokenizer, self.logprobs, self.tool_text = tokenizer, logprobs, tool_text
         self.sent = bytearray()  # completion bytes so far, for a stream's text_offset
+        self.hidden: frozenset[int] = frozenset()  # tokens left out of the text (special)
 
     def head(self, final: bool) -> dict[str, Any]:
         if self.kind == "chat":
@@ -61,7 +62,7 @@ class Output:
             return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         logprobs = None
         if self.logprobs and items:
-            logprobs = lp.completion_logprobs(self.tokenizer, items, self.sent)
+            logprobs = lp.completion_logprobs(self.tokenizer, items, self.sent, self.hidden)
         return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 

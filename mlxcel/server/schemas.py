@@ -154,6 +154,25 @@ class Tool(_Request):
     function: ToolFunction
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" would shadow pydantic's own attribute: the field is read under that key.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # llguidance always holds the output to the schema
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class _Sampling(_Request):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
@@ -229,8 +248,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template (vLLM's; Qwen3's enable_thinking, for one).
     chat_template_kwargs: dict[str, Any] | None = None
-    # Structured output: {"type": "text" | "json_object" | "json_schema"} (mlxcel.grammar).
-    response_format: dict[str, Any] | None = None
+    # Structured output (mlxcel.grammar).
+    response_format: ResponseFormat | None = None
     # Known, not implemented: a request naming them gets a 400 (see params.refusals).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
