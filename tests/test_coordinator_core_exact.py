@@ -42,6 +42,7 @@ from mlxcel.messages import (
     Undecodable,
 )
 from mlxcel.pipeline.coordinator_core import CoordinatorCore, ReqState
+from mlxcel.sim.bugs import planted
 
 S0, S1, S2 = "10.0.1.1:7100", "10.0.1.2:7100", "10.0.1.3:7100"
 STAGES = [S0, S1, S2]
@@ -742,7 +743,7 @@ def test_a_waiting_request_cancels_without_releases() -> None:
 
 # --- the simulator's injected bug ----------------------------------------------------------------
 def test_accept_stale_nonce_takes_a_result_with_any_nonce_of_its_request() -> None:
-    c = core(inject=frozenset({"accept-stale-nonce"}))
+    c = core()
     c.handle(entry(), LOCAL, 0.0)
     ack_all(c, "r", 1, 0.25)
     # A right nonce is still checked as usual.
@@ -752,7 +753,11 @@ def test_accept_stale_nonce_takes_a_result_with_any_nonce_of_its_request() -> No
     assert c.handle(result("x", (3,), 99), S2, 0.5) == [
         drop("RunResult", S2, "stale or unknown nonce")
     ]
-    # An unknown nonce of this request: taken for its waiting exchange (the bug).
-    out = c.handle(result("r", (3,), 99), S2, 0.5)
+    # An unknown nonce of this request: dropped, unless the bug is planted (mlxcel.sim.bugs).
+    assert c.handle(result("r", (3,), 99), S2, 0.5) == [
+        drop("RunResult", S2, "stale or unknown nonce")
+    ]
+    with planted(frozenset({"accept-stale-nonce"})):
+        out = c.handle(result("r", (3,), 99), S2, 0.5)
     assert out == [Deliver(RunResult("r", 0, (3,), None, 77)), step("r", (3,), 1, 5, 2.5)]
     assert c.reqs["r"].pending == {5}

@@ -38,6 +38,7 @@ from mlxcel.messages import (
     CancelRequest,
 )
 from mlxcel.pipeline.partition import LayerCosts
+from mlxcel.sim.bugs import planted
 
 COSTS = LayerCosts((100,) * 8, 50, 50, 0)
 MODEL = ModelIdentity("ab" * 32, 8)
@@ -679,9 +680,12 @@ def test_answers_after_the_outcome_are_ignored() -> None:
 
 
 def test_activate_early_injection_moves_on_after_one_answer() -> None:
-    core = started(inject=frozenset({"activate-early"}))
-    assert core.handle(accepted(S0), S0, 1.0) == sends(AssignCommit(ATTEMPT), 11.0)
+    core = started()
+    with planted(frozenset({"activate-early"})):  # as the simulator plants it
+        assert core.handle(accepted(S0), S0, 1.0) == sends(AssignCommit(ATTEMPT), 11.0)
     assert core.phase is Phase.COMMITTING
+    fair = started()  # and only there
+    assert fair.handle(accepted(S0), S0, 1.0) == [] and fair.phase is Phase.OFFERING
 
 
 # --- undeliverable sends -----------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_steps_queued_behind_a_slow_stage_outlive_the_step_deadline(keep_alive: 
     from mlxcel.sim.scenarios import REQUEST_TIMEOUT, STEP_TIMEOUT, build, check
 
     rng = random.Random(11)
-    cluster = build(rng, 11, 2, frozenset(), False)
+    cluster = build(rng, 11, 2, False)
     for host in cluster.stages:
         host.slow = 60.0  # a decode job ~0.25 s, a prompt chunk up to ~0.7 s (< 1 s timeout)
         if not keep_alive:  # its service is built on the loop's first turn, from this config

@@ -42,12 +42,13 @@ from mlxcel.pipeline.stage_protocol import (
     Step,
     StepFailed,
 )
+from mlxcel.sim.bugs import planted
 
 C, UP, DOWN, EVE = "10.0.0.1:7000", "10.0.1.1:7100", "10.0.1.3:7100", "10.0.0.66:7000"
 WILD, OWNER, OTHER = "0.0.0.0:7000", "10.0.0.1:7000", "10.0.0.2:7000"
 SP = SamplingParams(max_tokens=8)
 W = 4
-SKIP = frozenset({"skip-owner-check"})
+SKIP = frozenset({"skip-owner-check"})  # planted by mlxcel.sim.bugs, as the simulator does
 
 
 def make(
@@ -55,7 +56,6 @@ def make(
     n: int = 1,
     *,
     coordinator: str = C,
-    inject: frozenset[str] = frozenset(),
     counters: Callable[[], dict[str, int]] = dict,
     layers: tuple[int, int] = (4, 9),
     **kw: float | int | bool,
@@ -69,7 +69,7 @@ def make(
         downstream=DOWN if index + 1 < n else None,
         **kw,  # type: ignore[arg-type]
     )
-    return StageCore(cfg, width=W, vocab=16, layers=layers, counters=counters, inject=inject)
+    return StageCore(cfg, width=W, vocab=16, layers=layers, counters=counters)
 
 
 def hidden(n: int = 1, fill: int = 0) -> Tensor:
@@ -218,19 +218,27 @@ def test_copies_of_a_claim_and_of_a_step_are_each_counted() -> None:
 
 
 def test_skip_owner_check_lets_another_identity_release() -> None:
-    c = make(coordinator=WILD, inject=SKIP)
+    c = make(coordinator=WILD)
     prepare(c, owner=OWNER)
-    assert c.handle(ReleaseSequence("r"), OTHER, 1.0) == [FreeCache(("r", 1))]
+    with planted(SKIP):
+        assert c.handle(ReleaseSequence("r"), OTHER, 1.0) == [FreeCache(("r", 1))]
     assert not c.seqs
 
 
 def test_skip_owner_check_lets_another_owners_activation_run() -> None:
-    c = make(1, 2, inject=SKIP)
+    c = make(1, 2)
     prepare(c)
     h = hidden()
-    assert c.handle(Activation("r", 0, h, 0, SP, 5, owner=EVE), UP, 1.0) == [
-        job(1, Step(("r", 1), 0, None, h, 1, 0, SP, 5, True, 0, C), first=False)
-    ]
+    with planted(SKIP):
+        assert c.handle(Activation("r", 0, h, 0, SP, 5, owner=EVE), UP, 1.0) == [
+            job(1, Step(("r", 1), 0, None, h, 1, 0, SP, 5, True, 0, C), first=False)
+        ]
+    # Planted for the block only: the check is back.
+    prepare(c, "q")
+    assert (
+        "of another owner; dropped"
+        in c.handle(Activation("q", 0, h, 0, SP, 6, owner=EVE), UP, 1.0)[0].text
+    )
 
 
 # --- activations ------------------------------------------------------------------------------

@@ -77,9 +77,6 @@ class PushConfig:
     push_window: float = PUSH_WINDOW
     # Resolve the peers, offer, plan by their memory, then abort: nothing is committed.
     dry_run: bool = False
-    # Deliberate bugs for the simulator to find (never set outside it): "activate-early"
-    # moves to the next phase as soon as one peer answered instead of every peer.
-    inject: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -329,6 +326,11 @@ class PushCore:
             c.model.weights,
         )
 
+    @staticmethod
+    def all_reached(steps: set[PeerStep], step: PeerStep) -> bool:
+        """Every peer took ``step``: the phase may end (the simulator plants a bug here)."""
+        return steps == {step}
+
     def _advance(self, now: float) -> list[Effect]:
         steps = {p.step for p in self.peers.values()}
         target = {
@@ -338,10 +340,7 @@ class PushCore:
         }.get(self.phase)
         if target is None:
             return []
-        if "activate-early" in self.cfg.inject:
-            if target[0] not in steps:
-                return []
-        elif steps != {target[0]}:
+        if not self.all_reached(steps, target[0]):
             return []
         if self.phase is Phase.OFFERING and not self.by_memory:
             return self._by_memory(now)

@@ -86,7 +86,6 @@ class PipelineCoordinator(CoreAdapter):
         prefill_step_size: int = PREFILL_STEP_SIZE,
         micro_batch_size: int | None = None,
         stage_max_batch: int | None = None,
-        inject: frozenset[str] = frozenset(),
         first_nonce: int | None = None,
     ) -> None:
         core = CoordinatorCore(
@@ -103,7 +102,6 @@ class PipelineCoordinator(CoreAdapter):
             pick_token=pick_token if return_logits else None,
             # Unpredictable per process (the simulator draws it from its seed).
             first_nonce=secrets.randbits(48) + 1 if first_nonce is None else first_nonce,
-            inject=inject,
         )
         super().__init__(node, endpoint, core, "coordinator", step_timeout)
         self.coord = core

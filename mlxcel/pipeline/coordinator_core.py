@@ -76,7 +76,7 @@ __all__ = ["CoordinatorCore", "PipelineError", "REQ_TABLE", "ReqEvent", "ReqStat
 
 
 class CoordinatorCore:
-    """The coordinator protocol. ``inject`` names deliberate bugs, for the simulator's tests."""
+    """The coordinator protocol."""
 
     def __init__(
         self,
@@ -93,7 +93,6 @@ class CoordinatorCore:
         prefill_step_size: int = PREFILL_STEP_SIZE,
         pick_token: PickToken | None = None,
         first_nonce: int = 1,
-        inject: frozenset[str] = frozenset(),
     ) -> None:
         if return_logits and pick_token is None:
             raise ValueError("return_logits needs a pick_token function")
@@ -116,7 +115,6 @@ class CoordinatorCore:
         self.micro = MicroBatches(max(1, -(-max_in_flight // self.micro_batch_size)))
         self.prefill_step_size = prefill_step_size
         self.pick_token = pick_token
-        self.inject = inject
         self.reqs: dict[str, Req] = {}
         self._waiting: collections.deque[str] = collections.deque()
         self.exchanges = Exchanges(first_nonce, step_timeout)
@@ -396,9 +394,8 @@ class CoordinatorCore:
 
     # --- replies ------------------------------------------------------------------------------
     def _on_result(self, m: RunResult, source: str, now: float, out: list[Effect]) -> None:
-        stale = "accept-stale-nonce" in self.inject
         matched, problem = match_result(
-            m, source == self.final, self._exchanges, self.return_logits, self.vocab, stale
+            m, source == self.final, self._exchanges, self.return_logits, self.vocab
         )
         if matched is None:
             assert problem is not None

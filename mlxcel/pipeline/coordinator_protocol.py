@@ -254,28 +254,17 @@ def match_result(
     exchanges: dict[int, Exchange],
     return_logits: bool,
     vocab: int,
-    accept_stale: bool = False,
 ) -> tuple[tuple[int, Exchange] | None, tuple[str, str] | None]:
     """The waiting exchange a RunResult answers, or why it is dropped (reason, detail)."""
     if not from_final:
         return None, ("not from the final stage", "")
     ex = exchanges.get(m.nonce)
-    if ex is None and accept_stale:
-        if (stale := stale_exchange(exchanges, m.request_id)) is not None:
-            return stale, None
     if ex is None or ex.kind is not RunResult:
         return None, ("stale or unknown nonce", "")
     problem = result_problem(m, ex, return_logits, vocab)
     if problem is not None:
         return None, problem
     return (m.nonce, ex), None
-
-
-def stale_exchange(exchanges: dict[int, Exchange], rid: str) -> tuple[int, Exchange] | None:
-    """The ``accept-stale-nonce`` bug (for the simulator's tests): any RunResult exchange of
-    the request, whatever nonce the result carries."""
-    stale = [(n, x) for n, x in exchanges.items() if x.request_id == rid and x.kind is RunResult]
-    return stale[0] if stale else None
 
 
 def missed_text(ex: Exchange, final: str, step_timeout: float, now: float) -> str:

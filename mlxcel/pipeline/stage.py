@@ -56,7 +56,6 @@ class StageService(CoreAdapter):
         runtime: StageRuntime,
         compute: Compute | ComputeThread,
         config: StageConfig,
-        inject: frozenset[str] = frozenset(),
     ) -> None:
         self.layers = layers = runtime.layers
         self.runtime = runtime
@@ -72,7 +71,6 @@ class StageService(CoreAdapter):
                 "weights": config.weights,
                 **runtime.kv_figures(sum(s.tokens for s in self.stage.seqs.values())),
             },
-            inject=inject,
         )
         super().__init__(node, endpoint, core, f"stage{config.index}", config.reply_deadline)
         self.stage = core

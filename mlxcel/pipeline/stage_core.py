@@ -84,7 +84,7 @@ NOT_SAMPLING = SamplingParams()
 
 
 class StageCore(StageGate):
-    """The stage protocol. ``inject`` names deliberate bugs, for the simulator's own tests."""
+    """The stage protocol."""
 
     def __init__(
         self,
@@ -94,14 +94,12 @@ class StageCore(StageGate):
         vocab: int,
         layers: tuple[int, int],
         counters: Callable[[], dict[str, int | str]] = dict,
-        inject: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.width = width
         self.vocab = vocab
         self.layers = layers
         self.counters = counters  # State fields the node keeps: wire bytes, timing, model
-        self.inject = inject
         self.state = StageState.SERVING
         self._drain_ends: float | None = None  # a BeginDrain's bound (None: none asked)
         self.seqs: dict[str, Seq] = {}

@@ -44,7 +44,6 @@ class StageGate:
     seqs: dict[str, Seq]
     stats: StageStats
     handle_many: Callable[[tuple[Message, ...], str, float], list[Effect]]  # the core's
-    inject: frozenset[str]
 
     @property
     def _me(self) -> str:
@@ -100,6 +99,10 @@ class StageGate:
     def _send(self, out: list[Effect], dest: str, msg: Message) -> None:
         out.append(Send(dest, msg, self.is_peer(dest)))
 
+    def owns(self, seq: Seq, source: str) -> bool:
+        """Whether ``source`` owns ``seq``: the identity that prepared a request id here."""
+        return seq.owner == source
+
     def _owned(self, msg: Any, source: str) -> Seq | None:
         """The sequence named by ``msg`` if ``source`` owns it; raises for another owner (the
         identity that prepared a request id owns it here)."""
@@ -107,7 +110,7 @@ class StageGate:
 
     def _owned_id(self, rid: str, source: str) -> Seq | None:
         seq = self.seqs.get(rid)
-        if seq is not None and seq.owner != source and "skip-owner-check" not in self.inject:
+        if seq is not None and not self.owns(seq, source):
             raise ProtocolError(
                 ErrorCode.NOT_OWNER, f"request {seq.key[0]!r} is owned by another identity"
             )
@@ -120,7 +123,7 @@ class StageGate:
             self.stats.dropped += 1
             self._warn(out, f"activation for unprepared request {rid[:64]!r}; dropped")
             return None
-        if owner != seq.owner and "skip-owner-check" not in self.inject:
+        if not self.owns(seq, owner):
             # The entry stage ran this for another identity than the one that prepared it
             # here: joining the two would feed one owner's tokens into the other's cache.
             self._count_refusal(ErrorCode.NOT_OWNER)

@@ -58,7 +58,6 @@ BRINGUP_FAULTS = (
     "tight-memory",
 )
 # A fault that may legitimately make a bring-up fail (the others must never).
-BRINGUP_BUGS = ("activate-early",)
 SPOILERS = frozenset(
     {"crash-peer", "crash-coordinator", "other-secret", "other-model", "skew", "tight-memory"}
 )
@@ -217,9 +216,7 @@ class BringupRun:
     spoiled: set[str] = field(default_factory=set)
 
 
-def build_bringup(
-    rng: random.Random, seed: int, n_peers: int, faults: list[str], inject: frozenset[str]
-) -> BringupRun:
+def build_bringup(rng: random.Random, seed: int, n_peers: int, faults: list[str]) -> BringupRun:
     sched = Scheduler()
     net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.01])))
     n_layers = n_peers * rng.randint(1, 3) + rng.randint(0, 3)
@@ -238,7 +235,6 @@ def build_bringup(
         costs=costs,
         peers=tuple(addresses) if static else (),
         gate=None if static else BeaconGate(beacon_key(SECRET), __version__, "mlxcel-cluster"),
-        inject=inject,
     )
     push = PushHost(COORDINATOR, sched, net, cfg)
     net.add(push)
@@ -317,14 +313,12 @@ def _memory(rng: random.Random, total: int, n_peers: int, tight: bool) -> int:
     return 0 if rng.random() < 0.25 else int(total * rng.uniform(1.0, 3.0))
 
 
-def run_bringup(
-    seed: int, n_peers: int | None = None, inject: frozenset[str] = frozenset()
-) -> tuple[BringupRun, list[str]]:
+def run_bringup(seed: int, n_peers: int | None = None) -> tuple[BringupRun, list[str]]:
     rng = random.Random(f"bringup:{seed}")
     n = n_peers or rng.randint(2, 16)
     faults = [BRINGUP_FAULTS[seed % len(BRINGUP_FAULTS)]]
     faults += [k for k in ("drop", "delay", "duplicate") if k not in faults and rng.random() < 0.25]
-    run = build_bringup(rng, seed, n, faults, inject & frozenset(BRINGUP_BUGS))
+    run = build_bringup(rng, seed, n, faults)
     run.spoiled = set(faults) & SPOILERS
     if "skew" in faults and run.static:
         run.spoiled.discard("skew")  # static discovery reads no clocks

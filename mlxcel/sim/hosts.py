@@ -86,14 +86,12 @@ class StageHost(SimProcess):
         config: StageConfig,
         model: FakeModel,  # or mlxcel.sim.real_model.RealModel: same interface
         layers: tuple[int, int],
-        inject: frozenset[str] = frozenset(),
         skew: float = 0.0,
     ) -> None:
         super().__init__(identity, sched, net, skew)
         self.config = config
         self.model = model
         self.layers = layers
-        self.inject = inject
         self.violations: list[str] = []
         # The final stage's results must go to whoever fed the inputs on the entry stage.
         self.entry_owner: Callable[[str], str | None] | None = None
@@ -126,7 +124,7 @@ class StageHost(SimProcess):
         self.runtime = runtime = SimStageRuntime(backend, self.model, self.layers)
         runtime.slow = self._slow
         self._compute = SimCompute(self.sched, runtime.cost)
-        svc = StageService(node, endpoint, runtime, self._compute, self.config, self.inject)  # type: ignore[arg-type]
+        svc = StageService(node, endpoint, runtime, self._compute, self.config)  # type: ignore[arg-type]
         svc.core = OwnershipCheck(svc.stage, self)
         return svc
 

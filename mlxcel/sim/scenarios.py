@@ -36,16 +36,18 @@ from mlxcel.messages import (
 )
 from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.stage_protocol import StageConfig, keep_alive_interval
+from mlxcel.sim.bugs import planted
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
 from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import Link, SimNetwork
-from mlxcel.sim.process import RUNNER_BUGS, logged_errors, runner_bugs
+from mlxcel.sim.process import RUNNER_BUGS, logged_errors
 from mlxcel.sim.real_model import real_model
 
 FAULT_KINDS = ("drop", "delay", "duplicate", "reorder", "partition", "crash", "slow", "skew")
 FAULT_KINDS += ("outsider", "insider")
 SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg", "engine")
+# The pipeline scenarios' own bugs (mlxcel.sim.bugs plants them; test_sim runs each).
 BUGS = ("skip-owner-check", "accept-stale-nonce", *RUNNER_BUGS)
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
@@ -104,7 +106,6 @@ def build(
     rng: random.Random,
     seed: int,
     n_stages: int,
-    inject: frozenset[str],
     wildcard: bool,
     model: Any = None,
 ) -> Cluster:
@@ -138,7 +139,7 @@ def build(
             forward_timeout=FORWARD_TIMEOUT,
             progress_interval=keep_alive_interval(STEP_TIMEOUT, n_stages),
         )
-        host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per), inject)
+        host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per))
         stages.append(host)
         net.add(host)
     max_in_flight = rng.randint(1, 8)
@@ -156,7 +157,6 @@ def build(
             step_timeout=STEP_TIMEOUT,
             max_sequences=max_in_flight,
             prefill_step_size=chunk,
-            inject=inject,
             first_nonce=1 if incarnation == 1 else rng.randrange(1 << 48),
         )
 
@@ -297,7 +297,7 @@ def run_scenario(
 ) -> Result:
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r} (known: {', '.join(SCENARIOS)})")
-    with runner_bugs(inject):
+    with planted(inject):
         return _run_scenario(name, seed, stages, inject, model_path)
 
 
@@ -330,7 +330,7 @@ def _run_scenario(
         n_stages = stages or rng.randint(2, 8)
         kinds = [FAULT_KINDS[seed % len(FAULT_KINDS)]]
         kinds += [k for k in FAULT_KINDS if k not in kinds and rng.random() < 0.12]
-    cluster = build(rng, seed, n_stages, inject, "insider" in kinds, model)
+    cluster = build(rng, seed, n_stages, "insider" in kinds, model)
     low, high = {"scale": (8, 24), "tiny": (2, 5)}.get(name, (3, 12))
     n_requests = rng.randint(low, high)
     horizon = 3.0
@@ -378,7 +378,7 @@ def _bringup_result(seed: int, peers: int | None, inject: frozenset[str], wall0:
 
     if peers is not None and peers > 64:
         raise ValueError("a bring-up scenario takes at most 64 peers")
-    run, violations = run_bringup(seed, peers, inject)
+    run, violations = run_bringup(seed, peers)
     done = run.coordinator.done
     return Result(
         "bringup",

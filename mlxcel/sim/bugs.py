@@ -1,0 +1,64 @@
+"""The deliberate bugs ``sim --inject`` plants in production code, from here: the simulator's
+own tests show its invariants catch each one. Production code has no switch for them; for
+one scenario this module replaces the one method or function each bug lives in, and puts
+it back after.
+
+- ``skip-owner-check``: a stage takes any identity for the owner of any sequence.
+- ``accept-stale-nonce``: the coordinator takes a RunResult with an unknown nonce as the
+  answer to any exchange of the same request.
+- ``activate-early``: a ``--pp-auto`` coordinator ends a phase when one peer answered, not
+  every peer.
+- ``runner-drop-delivery``: the effect runner loses the first message a role takes off the
+  network (:func:`mlxcel.sim.process.runner_bugs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from mlxcel.bringup.push_core import PushCore
+from mlxcel.messages import RunResult
+from mlxcel.pipeline import coordinator_core
+from mlxcel.pipeline.stage_gate import StageGate
+from mlxcel.sim.process import RUNNER_BUGS, runner_bugs
+
+PRODUCTION_BUGS = ("skip-owner-check", "accept-stale-nonce", "activate-early", *RUNNER_BUGS)
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _stale_matching(real: Any) -> Any:
+    def match(m: RunResult, from_final: bool, exchanges: Any, *args: Any) -> Any:
+        if from_final and exchanges.get(m.nonce) is None:
+            for nonce, x in exchanges.items():
+                if x.request_id == m.request_id and x.kind is RunResult:
+                    return (nonce, x), None
+        return real(m, from_final, exchanges, *args)
+
+    return match
+
+
+@contextmanager
+def planted(inject: frozenset[str]) -> Iterator[None]:
+    """The bugs named in ``inject`` live in production code for the block."""
+    with ExitStack() as stack:
+        if "skip-owner-check" in inject:
+            stack.enter_context(_replaced(StageGate, "owns", lambda self, seq, source: True))
+        if "accept-stale-nonce" in inject:
+            real = coordinator_core.match_result
+            stack.enter_context(_replaced(coordinator_core, "match_result", _stale_matching(real)))
+        if "activate-early" in inject:
+            early = staticmethod(lambda steps, step: step in steps)
+            stack.enter_context(_replaced(PushCore, "all_reached", early))
+        stack.enter_context(runner_bugs(inject))
+        yield
