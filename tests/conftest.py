@@ -225,7 +225,8 @@ async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ign
     return toks
 
 
-async def until_true(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def until_true(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Until ``cond()`` holds, polled on the loop; fails the test at ``timeout``."""
     end = asyncio.get_running_loop().time() + timeout
     while not cond():
         assert asyncio.get_running_loop().time() < end, "condition not reached"
@@ -251,3 +252,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.stem in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+
+
+@pytest.fixture(scope="module")
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cluster secret written by ``mlxcel keygen``, in a folder of its own (tests write
+    cluster files beside it), one per test module."""
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    subprocess.run(
+        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)],
+        check=True, capture_output=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    return path

@@ -113,11 +113,6 @@ def keygen(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return keygen(tmp_path_factory.mktemp("bringup") / "cluster.secret")
-
-
-@pytest.fixture(scope="module")
 def other_secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return keygen(tmp_path_factory.mktemp("other") / "other.secret")
 

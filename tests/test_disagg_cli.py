@@ -115,11 +115,6 @@ async def stream_chat(base: str, i: int, max_tokens: int = 16) -> str:
     return text
 
 
-@pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return keygen(tmp_path_factory.mktemp("disagg") / "cluster.secret")
-
-
 def test_router_two_prefill_two_decode_serves_32_streaming_chats_like_one_node(
     tiny: Path, secret: Path
 ) -> None:

@@ -21,7 +21,6 @@ from mlxcel.bench.faults import (
     FaultResult,
     bringup_cluster,
     disagg_cluster,
-    keygen,
     node_healthy,
     pipeline_cluster,
     pipeline_ready,
@@ -37,11 +36,6 @@ pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
 
 DETECT = 6.5  # the 5 s, plus the poll interval and a loaded host's slack
 LONGEST = 10.0  # no client waits anywhere near --request-timeout (600 s) or 30 s
-
-
-@pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return keygen(tmp_path_factory.mktemp("faults") / "cluster.secret")
 
 
 def check_silent(r: FaultResult, *, refused: bool) -> None:

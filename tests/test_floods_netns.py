@@ -10,15 +10,9 @@ import pytest
 
 from mlxcel.bench.floods import discovery_runs, pending_flood, replayed_departed_peer
 from mlxcel.bench.netns import unavailable
-from mlxcel.bench.netns_nodes import keygen
 
 why = unavailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
-
-
-@pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return keygen(tmp_path_factory.mktemp("floods") / "cluster.secret")
 
 
 def test_an_outsider_holding_a_stages_pending_slots_cannot_fail_the_first_requests(

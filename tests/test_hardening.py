@@ -18,19 +18,13 @@ from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.frames import KIND_END, KIND_PART
 from mlxcel.wire.handshake import LEN, PREAMBLE_LEN, Failure, Identity
+from tests.conftest import until_true
 from tests.test_transport import raw_client_handshake
 from tests.wiretap import WireTap
 
 SECRET = ClusterSecret(b"hardening-tests-cluster-secret-01", "test")
 SERVER = "127.0.0.3"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-async def until_true(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def listening(node: Node, limits: Limits | None = None) -> tuple[ClusterListener, int]:

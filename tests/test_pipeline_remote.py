@@ -126,16 +126,6 @@ def start_coordinator(model: Path, cfg: Path, port: int, *extra: str) -> Proc:
 
 
 @pytest.fixture(scope="module")
-def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("cluster")
-    path = d / "cluster.secret"
-    subprocess.run(
-        [sys.executable, "-m", "mlxcel", "keygen", "--out", str(path)], check=True, timeout=60
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(tiny: Path) -> dict[str, str]:
     """Single-process greedy answers, through the same HTTP API."""
     port = free_port()

@@ -25,6 +25,7 @@ from mlxcel.net.secret import ClusterSecret
 from mlxcel.wire.codec import encode
 from mlxcel.wire.frames import HEADER_LEN, KIND_MESSAGE
 from mlxcel.wire.handshake import Channel, ClientHandshake, Failure, Identity
+from tests.conftest import until_true
 
 SECRET = ClusterSecret(b"the-cluster-secret-for-tests-0001", "test")
 OTHER = ClusterSecret(b"a-different-cluster-secret-000002", "test")
@@ -93,13 +94,6 @@ def client_pool(
         bind_ip=ip,
         backoff=Backoff(attempts=attempts, base_delay=base_delay),
     )
-
-
-async def until_true(cond: object, timeout: float = 5.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_messages_reach_the_bus_with_the_bound_identity() -> None:
