@@ -87,6 +87,7 @@ async def main() -> None:
                 "min_p": 0.05,
                 "logprobs": 2,
                 "presence_penalty": 0.5,
+                "ignore_eos": True,  # four tokens, even where the model would end at once
             }
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{sites['http']}/v1/completions", json=body) as resp:

@@ -785,11 +785,8 @@ def test_bench_pipeline_reports_every_mode_with_the_mlx_lm_reference(tiny: Path)
         assert bare["protection_cost"] == round(
             1 - rows[("remote-2", n)]["tok_per_s"] / bare["tok_per_s"], 4
         )
-    # Really off: no 16-byte tag on its frames.
-    assert (
-        rows[("remote-2 unprotected", 1)]["wire_bytes_per_token"]
-        < rows[("remote-2", 1)]["wire_bytes_per_token"]
-    )
+    # (That its frames really go unprotected: test_bench_s_unprotected_frames_carry_no_tag.)
+    assert rows[("remote-2 unprotected", 1)]["wire_bytes_per_token"] > 0
     for n in (1, 3):
         assert rows[("single", n)]["ratio_vs_single"] == 1.0
         for mode in ("inproc-2", "remote-2"):
@@ -1112,3 +1109,34 @@ def test_saturation_is_the_busiest_stage_only_where_stages_overlap() -> None:
     assert _saturation(row("remote-2", 1, 2)) == 0.8  # one stream: they take turns
     assert _saturation(row("remote-2", 8, 1)) == 0.8  # one micro-batch: turns too
     assert _saturation(row("inproc-2", 8, 2)) == 0.8  # one compute thread for both
+
+
+async def test_bench_s_unprotected_frames_carry_no_tag() -> None:
+    """The protection-cost row's nodes: inside frames_unprotected a connection's frames are
+    the framing alone (the payload in the clear, no tag); outside it, AES-256-GCM again. Its
+    stage processes start as ``python -m mlxcel.bench.unprotected``, mlxcel's own CLI."""
+    from mlxcel.bench.unprotected import MODULE, frames_unprotected
+    from mlxcel.bus import Node
+    from mlxcel.net.listener import ClusterListener
+    from mlxcel.net.pool import Backoff, ConnectionPool
+    from mlxcel.net.secret import ClusterSecret
+    from mlxcel.wire.frames import AeadProtection, Unprotected
+    from mlxcel.wire.handshake import Identity
+
+    key = ClusterSecret(bytes(range(32)), "test")
+
+    async def dial() -> object:
+        async with Node("a") as a, Node("b") as b:
+            port = await ClusterListener(b, key, "127.0.0.1", 0).start()
+            pool = ConnectionPool(a, key, Identity("127.0.0.1", 9), backoff=Backoff(attempts=1))
+            conn = await pool.get("127.0.0.1", port)
+            sealed = conn.protection.seal(1, b"activation")
+            assert (b"activation" in sealed) is isinstance(conn.protection, Unprotected)
+            return conn.protection
+
+    with frames_unprotected():
+        assert isinstance(await dial(), Unprotected)
+    assert isinstance(await dial(), AeadProtection)
+    r = subprocess.run([sys.executable, "-m", MODULE, "--version"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.startswith("mlxcel ")
