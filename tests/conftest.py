@@ -73,9 +73,12 @@ def error_line(stderr: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now, outside the kernel's ephemeral range (mlxcel's own pick):
+    a port from that range can be taken as some connection's source side before the test's
+    listener binds it."""
+    from mlxcel.net.network import free_port as pick
+
+    return pick(host)
 
 
 class ServerProcess:
