@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from mlxcel.errors import RequestError
+from mlxcel.errors import ConfigError, RequestError
 
 CHUNK_CHARS = 1 << 16
 SEAM_SLACK = 32  # a special token's text cut at a seam encodes as a few ordinary tokens
@@ -74,3 +74,19 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
         ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
         found = _SPECIAL[tokenizer] = frozenset(ids)
     return found
+
+
+def generate_messages(
+    tokenizer: Any, prompt: str, raw: bool, system: str | None
+) -> list[dict[str, str]] | None:
+    """What ``generate`` feeds the model, as ``mlx_lm generate`` does: the prompt as chat
+    messages for the template when the tokenizer has one and ``raw`` is off, else None (the
+    prompt as is). A system message needs the template."""
+    if raw or getattr(tokenizer, "chat_template", None) is None:
+        if system is not None:
+            raise ConfigError("--system-prompt", "this model's tokenizer has no chat template")
+        return None
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return messages

@@ -30,6 +30,7 @@ from mlxcel.config_tools import (
 )
 from mlxcel.errors import ConfigError
 from mlxcel.home import embedded_model
+from mlxcel.prompts import generate_messages
 
 if TYPE_CHECKING:
     from mlxcel.frontend import Usage
@@ -113,14 +114,8 @@ def _read_prompt(prompt: str) -> str:
 
 def _prompt_ids(fe: Any, s: GenerateSettings, prompt: str) -> list[int]:
     """As ``mlx_lm generate``: the chat template when the tokenizer has one, unless --raw."""
-    if s.raw or getattr(fe.tokenizer, "chat_template", None) is None:
-        if s.system_prompt is not None:
-            raise ConfigError("--system-prompt", "this model's tokenizer has no chat template")
-        return fe.encode_prompt(prompt)
-    messages = [{"role": "user", "content": prompt}]
-    if s.system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": s.system_prompt})
-    return fe.apply_chat_template(messages)
+    messages = generate_messages(fe.tokenizer, prompt, s.raw, s.system_prompt)
+    return fe.encode_prompt(prompt) if messages is None else fe.apply_chat_template(messages)
 
 
 def _tp_rank(s: GenerateSettings | ServeSettings) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 from mlxcel.config import GenerateSettings
 from mlxcel.config_mlx_lm import KV_GROUP_SIZES
 from mlxcel.errors import ConfigError
+from mlxcel.prompts import generate_messages
 from mlxcel.runtime.compute import ComputeThread
 
 
@@ -112,12 +113,8 @@ def _vocab(tokenizer: Any) -> dict[str, int]:
 
 
 def _prompt_ids(tokenizer: Any, s: GenerateSettings, prompt: str) -> list[int]:
-    """As the engine's ``generate`` builds it: the chat template unless --raw or none."""
-    if s.raw or getattr(tokenizer, "chat_template", None) is None:
-        if s.system_prompt is not None:
-            raise ConfigError("--system-prompt", "this model's tokenizer has no chat template")
+    """As the engine's ``generate`` builds it (the same messages, mlx-lm's encoding)."""
+    messages = generate_messages(tokenizer, prompt, s.raw, s.system_prompt)
+    if messages is None:
         return list(tokenizer.encode(prompt))
-    messages = [{"role": "user", "content": prompt}]
-    if s.system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": s.system_prompt})
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
