@@ -49,10 +49,10 @@ MODES: dict[str, Mode] = {
     "tensor-parallel": Mode(TensorParallelSpec, "mlxcel.tp.launch:tp_stack"),  # rank 0
     "pipeline": Mode(PipelineSpec, "mlxcel.pipeline.inproc:pipeline_stack"),  # in-process
     "coordinator": Mode(CoordinatorSpec, "mlxcel.pipeline.remote:coordinator_stack"),
-    "stage": Mode(StageSpec, "mlxcel.pipeline.remote:stage_stack"),
+    "stage": Mode(StageSpec, "mlxcel.pipeline.stage_node:stage_stack"),
     "router": Mode(DisaggSpec, "mlxcel.disagg.stack:router_stack"),
-    "prefill": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack"),
-    "decode": Mode(DisaggSpec, "mlxcel.disagg.stack:worker_stack"),
+    "prefill": Mode(DisaggSpec, "mlxcel.disagg.worker_stack:worker_stack"),
+    "decode": Mode(DisaggSpec, "mlxcel.disagg.worker_stack:worker_stack"),
 }
 
 

@@ -43,7 +43,6 @@ from mlxcel.messages import (
     SamplingParams,
 )
 from mlxcel.prompts import encode_within, render_chat, special_token_ids
-from mlxcel.runtime.sampling import StopStrings
 from mlxcel.specs import Generation
 
 SHUTDOWN_MESSAGE = "the server is shutting down: the request was still running when its drain ended"
@@ -114,6 +113,36 @@ async def _to_the_end(fn: Any, *args: Any) -> Any:
         if not work.cancelled():
             work.exception()  # retrieved: nobody waits for its result any more
         raise
+
+
+class StopStrings:
+    """Finds stop strings in streamed text and holds back what might be the start of one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
 
 
 class Frontend:

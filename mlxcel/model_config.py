@@ -23,6 +23,11 @@ def vocab_size(config: dict[str, Any]) -> int:
     return int(decoder_config(config)["vocab_size"])
 
 
+def context_length(config: dict[str, Any]) -> int:
+    """The longest sequence (prompt + generated tokens) the model's config allows."""
+    return int(decoder_config(config).get("max_position_embeddings", 1 << 30))
+
+
 def active_fraction(config: dict[str, Any]) -> float:
     """The share of an MoE layer's routed experts one token runs through (1: dense)."""
     experts = next(

@@ -81,6 +81,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return pick(host)
 
 
+def mlx_mapped(pid: int) -> bool:
+    """Whether process ``pid`` has MLX's library mapped (it imported mlx.core)."""
+    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
+
+
 class ServerProcess:
     def __init__(
         self,

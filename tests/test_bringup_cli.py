@@ -26,7 +26,7 @@ from mlxcel.net.pool import ConnectionPool
 from mlxcel.net.secret import load_cluster_secret
 from mlxcel.pipeline.cluster_config import load_cluster_config
 from mlxcel.wire.handshake import Channel, Identity
-from tests.conftest import free_port, free_udp_port
+from tests.conftest import free_port, free_udp_port, mlx_mapped
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3"
@@ -175,6 +175,8 @@ def test_static_bring_up_serves_like_one_process(
         for p in peers:
             p.wait_for("mlxcel stage")
         assert chat(port) == reference
+        # The coordinator brought the cluster up and serves it with no model: no MLX loaded.
+        assert not mlx_mapped(coord.p.pid)
         # The one client script: every parameter, one node's answers.
         from tests import parity
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import ROOT, ServerProcess, free_port
+from tests.conftest import ROOT, ServerProcess, free_port, mlx_mapped
 
 N_CHATS = 32
 
@@ -151,6 +151,9 @@ def test_router_two_prefill_two_decode_serves_32_streaming_chats_like_one_node(
 
         got = asyncio.run(all_chats())
         assert got == want
+        # The router holds no model and never loads MLX; the nodes that run one do.
+        assert not mlx_mapped(rt.proc.pid)
+        assert all(mlx_mapped(p.proc.pid) for p in procs)
         body = stats(rt)
         assert body["addresses_redacted"] is True
         assert {n["id"]: n["dispatched"] for n in body["nodes"]} == {

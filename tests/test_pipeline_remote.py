@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import error_line, free_port
+from tests.conftest import error_line, free_port, mlx_mapped
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3"
@@ -243,6 +243,9 @@ def test_pipeline_answers_like_one_process(cluster, reference: dict[str, str]) -
     # Every process says at start which BLAS it computes on (the stages too).
     for proc in [*stages, cluster[2]]:
         assert "BLAS: " in "".join(proc.lines), "".join(proc.lines)[-2000:]
+    # The coordinator holds no model and never loads MLX; the stages do.
+    assert not mlx_mapped(cluster[2].p.pid)
+    assert all(mlx_mapped(s.p.pid) for s in stages)
 
 
 def test_the_openai_client_script_gets_what_one_node_gives_every_parameter(

@@ -10,14 +10,14 @@ import pytest
 
 from mlxcel.errors import AdmissionRejected, RequestError
 from mlxcel.prompts import CHUNK_CHARS, encode_within, render_chat
-from mlxcel.runtime.model import load_tokenizer_only
 from mlxcel.server.body_budget import BodyBudget
 from mlxcel.server.http_guard import MIN_HEADER_TIMEOUT, HttpGuard
+from mlxcel.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tiny: Path):  # type: ignore[no-untyped-def]
-    return load_tokenizer_only(tiny)[0]
+    return load_tokenizer(tiny)[0]
 
 
 WORDS = "hello world <|im_start|> ünïcödé 日本語 12345\n  the quick brown fox "

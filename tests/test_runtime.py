@@ -10,11 +10,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.errors import ModelLoadError
+from mlxcel.frontend import StopStrings
 from mlxcel.messages import SamplingParams
 from mlxcel.runtime.checkpoint import write_checkpoint
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, load_model, split_even
-from mlxcel.runtime.sampling import StopStrings, make_sampler
+from mlxcel.runtime.sampling import make_sampler
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])

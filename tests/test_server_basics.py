@@ -201,9 +201,9 @@ def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_
 ) -> None:
     import http.client
 
-    from mlxcel.runtime.model import load_tokenizer_only
+    from mlxcel.tokenizer import load_tokenizer
 
-    tok, _ = load_tokenizer_only(tiny)
+    tok, _ = load_tokenizer(tiny)
     auth = {"Authorization": f"Bearer {KEY}"}
 
     def post(path: str, body: Any) -> tuple[int, Any]:

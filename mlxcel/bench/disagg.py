@@ -92,9 +92,9 @@ async def run_bench(
     from mlxcel.net.secret import keygen, load_cluster_secret
     from mlxcel.pipeline.launch import start_serve
     from mlxcel.runtime.blas import blas_name, colocated_env
-    from mlxcel.runtime.model import load_tokenizer_only
+    from mlxcel.tokenizer import load_tokenizer
 
-    _tok, config = load_tokenizer_only(model)
+    _tok, config = load_tokenizer(model)
     vocab = vocab_size(config)
     args = (streams, tokens, long_prompts, long_len)
     rows: list[dict[str, Any]] = []

@@ -31,8 +31,8 @@ from pathlib import Path
 from mlxcel.bench.disagg import percentile
 from mlxcel.bench.netns import Hosts
 from mlxcel.bench.netns_nodes import HTTP_PORT, NodeProc, enter_netns, keygen
+from mlxcel.runtime.families import layer_count
 from mlxcel.runtime.kv_usage import kv_heads_and_dim
-from mlxcel.runtime.model import layer_count
 
 
 def memory(pid: int) -> dict[str, float]:

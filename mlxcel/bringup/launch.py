@@ -118,7 +118,7 @@ def control_address(explicit: str | None, http_host: str, discovery: Discovery) 
 async def _model_facts(path: Path, trust_weights: bool) -> tuple[ModelIdentity, LayerCosts]:
     # A family no stage can run is refused here, from config.json, before anything is hashed,
     # offered or loaded.
-    from mlxcel.runtime.model import check_splittable
+    from mlxcel.runtime.families import check_splittable
 
     check_splittable(path)
     ident = await asyncio.to_thread(model_identity, path, not trust_weights)

@@ -193,8 +193,8 @@ def _print_plan(
     sources: tuple[str, str] | None = None,
 ) -> int:
     """The plan a pipeline of this checkpoint would run (checked as a real start checks it)."""
-    from mlxcel.pipeline.inproc import FLAG_SOURCES, make_plan
     from mlxcel.pipeline.partition import format_plan
+    from mlxcel.pipeline.split import FLAG_SOURCES, make_plan
 
     plan = make_plan(path, pp_size, pp_layers, memory, sources=sources or FLAG_SOURCES)
     print(format_plan(plan))

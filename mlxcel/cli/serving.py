@@ -110,7 +110,7 @@ def _distributed_spec(s: ServeSettings) -> StackSpec | None:
     else:
         path = resolve_model(None)
     if s.dry_run:
-        from mlxcel.pipeline.inproc import CLUSTER_SOURCES
+        from mlxcel.pipeline.split import CLUSTER_SOURCES
 
         _print_plan(
             path,

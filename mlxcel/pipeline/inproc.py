@@ -8,26 +8,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from mlxcel.bus import Node
-from mlxcel.errors import PartitionError
 from mlxcel.frontend import Frontend
+from mlxcel.model_config import context_length
 from mlxcel.net.network import LocalFabric
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
-from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
+from mlxcel.pipeline.partition import StagePlan
+from mlxcel.pipeline.split import make_plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import (
-    LayerRange,
-    LoadedModel,
-    check_splittable,
-    context_length,
-    layer_count,
-    load_model,
-)
+from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
 from mlxcel.specs import Generation, PipelineSpec
 from mlxcel.stack import Stack
 
@@ -41,33 +34,6 @@ class PipelineParts:
     stages: list[StageService]
     plan: list[StagePlan]
     fabric: LocalFabric
-
-
-# What names the stage count and the ranges in an error: the flags, or the cluster TOML's keys.
-FLAG_SOURCES = ("--pp-size", "--pp-layers")
-CLUSTER_SOURCES = ("the cluster's pipeline_parallel_size", "the cluster's stage layers")
-
-
-def make_plan(
-    model_path: Path,
-    pp_size: int,
-    pp_layers: str | None,
-    memory: list[float] | None = None,
-    *,
-    sources: tuple[str, str] = FLAG_SOURCES,
-) -> list[StagePlan]:
-    """The stages of a split of the checkpoint at ``model_path``, from its config.json and
-    safetensors headers alone: an unsupported family, a bad range or a stage count the layers
-    cannot take is refused before any weight loads. ``sources`` names the stage count and the
-    ranges in errors (flags, or the cluster TOML's keys)."""
-    n_layers = layer_count(check_splittable(model_path))
-    costs = layer_costs(model_path, n_layers)
-    if pp_layers:
-        return plan(costs, parse_layers(pp_layers, n_layers, sources[1]), memory)
-    try:
-        return auto_split(costs, pp_size, memory)
-    except PartitionError as exc:
-        raise PartitionError(f"{sources[0]} {pp_size}: {exc}") from None
 
 
 @asynccontextmanager

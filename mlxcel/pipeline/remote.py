@@ -1,7 +1,8 @@
 """Multi-host pipeline processes: ``serve --distributed-config cluster.toml --node-id ID``.
 
-A stage process listens on its address, loads its layer range lazily, and serves the stage
-protocol. The coordinator process listens on its address (stages send results there),
+A stage process (:mod:`.stage_node`) listens on its address, loads its layer range lazily,
+and serves the stage protocol. The coordinator process (here) holds no model: it reads the
+tokenizer and plans the split from the checkpoint's files, and never imports MLX. It listens on its address (stages send results there),
 connects to every stage at start-up -- so a wrong secret or address fails it at once, naming
 the problem -- checks that each stage runs the planned layers, then serves the HTTP API.
 Every node of a pipeline with two or more stages requires the cluster secret.
@@ -10,7 +11,7 @@ Every node of a pipeline with two or more stages requires the cluster secret.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from mlxcel.bus import Node
 from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
 from mlxcel.frontend import Frontend
 from mlxcel.messages import State
-from mlxcel.model_config import vocab_size
+from mlxcel.model_config import context_length, vocab_size
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
@@ -32,20 +33,11 @@ from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSpec
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
-from mlxcel.pipeline.inproc import CLUSTER_SOURCES, make_plan
 from mlxcel.pipeline.partition import StagePlan
-from mlxcel.pipeline.stage import StageConfig, StageService
-from mlxcel.pipeline.stage_protocol import keep_alive_interval
-from mlxcel.pipeline.stage_runtime import StageRuntime
-from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.model import (
-    LayerRange,
-    context_length,
-    load_model,
-    load_tokenizer_only,
-)
-from mlxcel.specs import CoordinatorSpec, Generation, StageSpec
-from mlxcel.stack import Serving, Stack
+from mlxcel.pipeline.split import CLUSTER_SOURCES, make_plan
+from mlxcel.specs import CoordinatorSpec, Generation
+from mlxcel.stack import Stack
+from mlxcel.tokenizer import load_tokenizer
 from mlxcel.wire.handshake import Identity
 
 
@@ -60,7 +52,7 @@ def cluster_plan(cfg: ClusterConfig, model_path: Path) -> list[StagePlan]:
     )
 
 
-def _net(
+def node_net(
     node: Node, cfg: ClusterConfig, me: NodeSpec, secret: ClusterSecret, interface: str | None
 ) -> tuple[ClusterListener, ConnectionPool, TcpEndpoint]:
     members = [n.address for n in cfg.nodes if n.id != me.id]
@@ -120,87 +112,6 @@ def cluster_net(
     return listener, pool, TcpEndpoint(address, pool, listener)
 
 
-@asynccontextmanager
-async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[StageService]]:
-    """A stage node of ``spec.cfg``, warmed up; its cluster listener (in ``serving``) is bound
-    by the runner."""
-    cfg, me = spec.cfg, spec.me
-    stages = cfg.stages
-    index = [s.id for s in stages].index(me.id)
-    plans = cluster_plan(cfg, spec.model)
-    compute = ComputeThread()
-    try:
-        # Hashing the weights (the first time: seconds per GB) overlaps loading them.
-        hashing = asyncio.ensure_future(
-            asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
-        )
-        try:
-            loaded = await compute.run(load_model, spec.model, True)
-        finally:
-            ident = await hashing
-        stage_plan = plans[index]
-        async with Node(me.id) as node:
-            listener, _pool, endpoint = _net(node, cfg, me, spec.secret, spec.interface)
-            service = StageService(
-                node,
-                endpoint,
-                StageRuntime(
-                    LayerRange(loaded, stage_plan.start, stage_plan.end),
-                    device_handoff=False,
-                ),
-                compute,
-                StageConfig(
-                    me.id,
-                    index,
-                    len(stages),
-                    cfg.coordinator.address,
-                    upstream=stages[index - 1].address if index else None,
-                    downstream=stages[index + 1].address if index + 1 < len(stages) else None,
-                    return_logits=spec.return_logits,
-                    max_batch=gen.max_batch_size,
-                    warm_up_tokens=gen.prefill_step_size,
-                    max_sequences=cfg.cluster.max_sequences_per_stage,
-                    lease=cfg.cluster.sequence_lease,
-                    forward_timeout=cfg.cluster.forward_timeout,
-                    progress_interval=keep_alive_interval(cfg.cluster.step_timeout, len(stages)),
-                    model=ident.sha256,
-                    weights=ident.weights,
-                ),
-            )
-            service.attach()
-            await _warm_up(service, spec.warm_up, me.id)
-            serving = Serving(
-                node,
-                inflight=lambda: len(service.seqs),
-                listener=listener,
-                done=service.stopped,
-                drain=_stage_drain(service),
-            )
-            summary = f"stage {me.id} (layers {stage_plan.spec})"
-            yield Stack("stage", serving, spec.model.name, summary, service)
-    finally:
-        compute.close()
-
-
-def _stage_drain(service: StageService) -> Callable[[float], Awaitable[int]]:
-    """A stage told to stop finishes its sequences (the coordinator sends it nothing new)
-    until the deadline; returns how many are left."""
-
-    async def drain(deadline: float) -> int:
-        if not service.stopped.is_set():
-            me = service.config.node_id
-            logger.info("stage {}: draining {} sequences", me, len(service.seqs))
-            service.request_shutdown()
-            left = deadline - asyncio.get_running_loop().time()
-            try:
-                await asyncio.wait_for(service.stopped.wait(), max(left, 0.0))
-            except TimeoutError:
-                pass
-        return len(service.seqs)
-
-    return drain
-
-
 @dataclass
 class CoordinatorParts:
     coordinator: PipelineCoordinator
@@ -220,9 +131,9 @@ async def coordinator_stack(
     hashing = asyncio.ensure_future(
         asyncio.to_thread(model_identity, spec.model, not spec.trust_weights)
     )
-    tokenizer, config = load_tokenizer_only(spec.model)
+    tokenizer, config = load_tokenizer(spec.model)
     async with Node(spec.me.id) as node:
-        listener, pool, endpoint = _net(node, cfg, spec.me, spec.secret, spec.interface)
+        listener, pool, endpoint = node_net(node, cfg, spec.me, spec.secret, spec.interface)
         coordinator = PipelineCoordinator(
             node,
             endpoint,
@@ -329,12 +240,3 @@ def check_model(stage: str, st: State, ours: ModelIdentity) -> None:
         raise MlxcelError(differ)
     if not (st.weights and ours.weights):
         logger.info("stage {}: weights not compared (--trust-weights on one side)", stage)
-
-
-async def _warm_up(service: StageService, wanted: bool, node_id: str) -> None:
-    """Serve throwaway sequences before serving, unless told not to (``--no-warmup``)."""
-    if wanted:
-        await service.warm_up()
-    else:
-        logger.info("stage {}: no warm-up (--no-warmup): the first requests compile its "
-                    "kernels", node_id)  # fmt: skip

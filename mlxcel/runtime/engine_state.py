@@ -10,8 +10,7 @@ from typing import Any
 
 from mlxcel.handoff import Packed
 from mlxcel.messages import Error, RunEntry, RunResult
-from mlxcel.model_config import vocab_size
-from mlxcel.runtime.model import context_length
+from mlxcel.model_config import context_length, vocab_size
 from mlxcel.runtime.sampling import sampling_problem
 
 # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)

@@ -20,19 +20,27 @@ Everything else -- the layers, their caches (``model.make_cache()`` where the fa
 it), the masks themselves, the final norm and the LM head -- is mlx-lm's own code, so a new
 mlx-lm family costs an adapter here, not a new executor. The families' forwards follow mlx-lm's
 ``PipelineMixin`` models, which cut at exactly these places.
+
+Which families run, and whether a checkpoint splits, is read from config.json alone
+(:func:`check_splittable`): a pipeline coordinator plans a split with it and never runs a
+layer. So MLX is imported inside the few methods that compute, not with this module, and a
+coordinator that holds no model never loads MLX.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
+from mlxcel.errors import ModelLoadError
 from mlxcel.model_config import decoder_config
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,8 @@ class MaskKind:
     array: bool = False  # a boolean array even where "causal" would do (MLA attention)
 
     def make(self, h: mx.array, cache: Any) -> Any:
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
         if self.linear:
             return create_ssm_mask(h, cache)
         return create_attention_mask(h, cache, window_size=self.window, return_array=self.array)
@@ -106,6 +116,8 @@ class Family:
         # for most, always for DeepSeek, GLM and gpt-oss; Gemma drops its own when the
         # checkpoint has none, Kimi K3 sets it to None.
         lm_head = getattr(text, "lm_head", None)
+        import mlx.nn as nn
+
         if isinstance(lm_head, nn.Module):
             return lm_head(h)
         return text.model.embed_tokens.as_linear(h)
@@ -246,6 +258,8 @@ class Gemma3(Family):
     names = ("gemma3_text",)
 
     def embed(self, decoder: nn.Module, tokens: mx.array) -> mx.array:
+        import mlx.core as mx
+
         h = decoder.embed_tokens(tokens)
         return h * mx.array(decoder.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
 
@@ -331,6 +345,7 @@ class KimiK3(Family):
     def finish(self, decoder: nn.Module, h: mx.array, carry: Any) -> mx.array:
         if carry is None:
             return h
+        import mlx.core as mx
         from mlx_lm.models.kimi_k3 import _attn_res_mix
 
         if decoder._output_res_w_eff is None:
@@ -348,6 +363,8 @@ class KimiK3(Family):
     def pack(self, h: mx.array, carry: Any) -> mx.array:
         if carry is None or carry.raw is None:
             return h
+        import mlx.core as mx
+
         raw = carry.raw.astype(h.dtype)  # [K, B, L, D]
         k, b, n, d = raw.shape
         flat = raw.transpose(1, 2, 0, 3).reshape(b, n, k * d)
@@ -362,6 +379,8 @@ class KimiK3(Family):
         k = width // d - 1
         parts = x.reshape(b, n, k + 1, d)
         carry.raw = parts[:, :, :k, :].transpose(2, 0, 1, 3)
+        import mlx.core as mx
+
         xf = carry.raw.astype(mx.float32)
         carry.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + decoder.args.rms_norm_eps)
         return parts[:, :, k, :], carry
@@ -390,3 +409,50 @@ def family_of(config: dict[str, Any]) -> str:
 
 def adapter_for(config: dict[str, Any]) -> Family | None:
     return FAMILIES.get(family_of(config))
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json, which must be a JSON object."""
+    p = Path(path).expanduser() / "config.json"
+    try:
+        config = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{p}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{p}: not a JSON object but a {type(config).__name__}")
+    return config
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The decoder's layer count, which must be a positive integer."""
+    n = decoder_config(config).get("num_hidden_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ModelLoadError(
+            f"config.json: num_hidden_layers must be a positive integer, not {n!r}"
+        )
+    return n
+
+
+def check_splittable(path: str | Path) -> dict[str, Any]:
+    """The config.json of the checkpoint at ``path``, once its family is known to have a
+    layer-range executor: a family none runs is refused before any weight loads."""
+    config = read_config(path)
+    require_family(config)
+    layer_count(config)
+    return config
+
+
+def require_family(config: dict[str, Any]) -> Family:
+    """The family's adapter, or a ModelLoadError naming the family and the supported list
+    (checked from config.json, before any weight loads)."""
+    if not config.get("model_type"):
+        raise ModelLoadError(
+            f"config.json names no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    family = adapter_for(config)
+    if family is None:
+        raise ModelLoadError(
+            f"family {family_of(config)!r} has no layer-range executor "
+            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    return family

@@ -22,13 +22,7 @@ from mlxcel.errors import ConfigError, ModelLoadError
 from mlxcel.logs import adopt_library_logging
 from mlxcel.model_config import decoder_config, vocab_size
 from mlxcel.progress import slow_task
-from mlxcel.runtime.families import (
-    SUPPORTED_FAMILIES,
-    Family,
-    MaskKind,
-    adapter_for,
-    family_of,
-)
+from mlxcel.runtime.families import MaskKind, require_family
 
 SUBMIT_MIN_LAYERS = 8  # a range this long submits its first half early (see LayerRange)
 
@@ -62,11 +56,6 @@ class LoadedModel:
 
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
-
-
-def context_length(config: dict[str, Any]) -> int:
-    """The longest sequence (prompt + generated tokens) the model's config allows."""
-    return int(decoder_config(config).get("max_position_embeddings", 1 << 30))
 
 
 def load_model(
@@ -190,53 +179,6 @@ class LayerRange:
         return fam.head(self.loaded.model, h)
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's config.json, which must be a JSON object."""
-    p = Path(path).expanduser() / "config.json"
-    try:
-        config = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{p}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{p}: not a JSON object but a {type(config).__name__}")
-    return config
-
-
-def layer_count(config: dict[str, Any]) -> int:
-    """The decoder's layer count, which must be a positive integer."""
-    n = decoder_config(config).get("num_hidden_layers")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ModelLoadError(
-            f"config.json: num_hidden_layers must be a positive integer, not {n!r}"
-        )
-    return n
-
-
-def check_splittable(path: str | Path) -> dict[str, Any]:
-    """The config.json of the checkpoint at ``path``, once its family is known to have a
-    layer-range executor: a family none runs is refused before any weight loads."""
-    config = read_config(path)
-    require_family(config)
-    layer_count(config)
-    return config
-
-
-def require_family(config: dict[str, Any]) -> Family:
-    """The family's adapter, or a ModelLoadError naming the family and the supported list
-    (checked from config.json, before any weight loads)."""
-    if not config.get("model_type"):
-        raise ModelLoadError(
-            f"config.json names no model_type (supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
-    family = adapter_for(config)
-    if family is None:
-        raise ModelLoadError(
-            f"family {family_of(config)!r} has no layer-range executor "
-            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
-    return family
-
-
 def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal ranges covering ``[0, n_layers)``."""
     if not 1 <= parts <= n_layers:
@@ -248,20 +190,6 @@ def split_even(n_layers: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
-
-
-def load_tokenizer_only(path: str | Path) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer and config of a checkpoint without its weights (a coordinator's needs)."""
-    from mlx_lm.utils import load_tokenizer
-
-    p = Path(path).expanduser()
-    try:
-        config = json.loads((p / "config.json").read_text())
-        tokenizer = load_tokenizer(p, eos_token_ids=config.get("eos_token_id"))
-    except Exception as exc:
-        raise ModelLoadError(f"{p}: {type(exc).__name__}: {exc}") from None
-    adopt_library_logging()
-    return tokenizer, config
 
 
 def extract_row(batch: list[Any], row: int) -> list[Any]:

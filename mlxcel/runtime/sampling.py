@@ -189,33 +189,3 @@ def guarded_sampler(
     """The request's sampler behind a :class:`GuardedSampler` (None: greedy, nothing to guard)."""
     inner = make_sampler(p, key_state) if key_state else make_sampler(p)
     return None if inner is None else GuardedSampler(inner, failures, key)
-
-
-class StopStrings:
-    """Finds stop strings in streamed text and holds back what might be the start of one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return (text safe to emit, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buf[: min(hits)], True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], False
-
-    def flush(self) -> str:
-        out, self._held = self._held, ""
-        return out

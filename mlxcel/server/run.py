@@ -11,10 +11,11 @@ from pydantic import ByteSize
 from mlxcel.bus import Node
 from mlxcel.frontend import Frontend
 from mlxcel.messages import EXTENDED_SAMPLING
+from mlxcel.model_config import context_length
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
-from mlxcel.runtime.model import LoadedModel, context_length, load_model
+from mlxcel.runtime.model import LoadedModel, load_model
 from mlxcel.specs import Generation, LocalSpec
 from mlxcel.stack import Serving, Stack
 

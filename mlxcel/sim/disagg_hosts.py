@@ -21,7 +21,8 @@ from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import ResumeJob
 from mlxcel.disagg.router_core import RouterCore
-from mlxcel.disagg.service import DecodeService, PrefillService, RouterService
+from mlxcel.disagg.service import RouterService
+from mlxcel.disagg.worker_service import DecodeService, PrefillService
 from mlxcel.handoff import Packed, digest_of, tensor_digest
 from mlxcel.messages import (
     CancelRequest,
