@@ -17,6 +17,8 @@ from mlxcel.errors import TensorSizeError
 from mlxcel.messages import KvHandoff, Tensor
 from mlxcel.tensor import DTYPE_SIZES
 
+KV_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+
 
 def tensor_digest(keys: Sequence[Tensor], values: Sequence[Tensor]) -> bytes:
     h = hashlib.sha256()
@@ -43,6 +45,26 @@ def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
     d.update(repr(fields).encode())
     d.update(tensors)
     return d.digest()
+
+
+def check(h: KvHandoff, n_layers: int, kv_heads: int, key_dim: int, value_dim: int) -> str | None:
+    """Why ``h`` cannot be resumed on a model whose cache has these dimensions (None: it can).
+    Cheap checks first, then the digest over every byte: a decode node runs this on a worker
+    thread, never on the compute thread that decodes its other streams (hashlib releases the
+    GIL while it hashes)."""
+    if len(h.keys) != n_layers or len(h.values) != n_layers:
+        return f"handoff has {len(h.keys)}/{len(h.values)} layers, the model has {n_layers}"
+    dtypes = {t.dtype for t in (*h.keys, *h.values)}
+    if len(dtypes) != 1 or not dtypes <= KV_DTYPES:
+        return f"handoff tensors must share one float dtype, got {sorted(dtypes)}"
+    for ts, dim in ((h.keys, key_dim), (h.values, value_dim)):
+        want = (1, kv_heads, h.prompt_len, dim)
+        for t in ts:
+            if tuple(t.shape) != want:
+                return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
+    if digest_of(h, tensor_digest(h.keys, h.values)) != h.digest:
+        return "handoff digest mismatch: the KV cache is not the one the prefill node sent"
+    return None
 
 
 # One piece of a split handoff: rows [start, end) of tensor ``index`` (2l: layer l's keys,

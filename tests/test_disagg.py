@@ -181,7 +181,8 @@ def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel.runtime.kv_handoff import check, pack, unpack
+    from mlxcel.handoff import check
+    from mlxcel.runtime.kv_handoff import pack, unpack
     from mlxcel.runtime.model import load_model
 
     loaded = load_model(tiny)

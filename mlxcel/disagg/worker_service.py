@@ -6,8 +6,9 @@ listen on the bus (requests reach it only through the core).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mlxcel.bus import Node, Origin
@@ -17,6 +18,7 @@ from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.service import DisaggAdapter
 from mlxcel.effects import Effect, FreeCache, StartCompute
 from mlxcel.endpoint import Endpoint
+from mlxcel.handoff import check as check_handoff
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -33,6 +35,9 @@ from mlxcel.messages import (
 )
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures as kv_figures
+
+# Runs a function off the reactor and off the compute thread: a worker thread.
+Offload = Callable[..., Awaitable[Any]]
 
 
 class PrefillService(DisaggAdapter):
@@ -99,16 +104,24 @@ class DecodeService(DisaggAdapter):
         engine: LocalEngine,
         config: DecodeConfig,
         dims: tuple[int, int, int, int],
-        load: Callable[[KvHandoff], tuple[str | None, Any]] | None = None,
+        *,
+        check: Callable[[KvHandoff], str | None] | None = None,
+        offload: Offload = asyncio.to_thread,
+        load: Callable[[KvHandoff], Any] | None = None,
     ) -> None:
         core = DecodeCore(config, counters=lambda: _engine_figures(self.engine))
         super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
         self.dims = dims  # (layers, kv heads, key dim, value dim) a handoff must match
-        # On the compute thread: a handoff's problem, or its caches (the simulator's model
-        # supplies its own).
-        self.load = load or self._load
+        # A handoff's problem (its shapes, and the SHA-256 over every byte: about a second per
+        # GB of cache), found by ``offload`` off the compute thread, which meanwhile keeps
+        # stepping the streams it decodes.
+        self.check = check or (lambda h: check_handoff(h, *dims))
+        self.offload = offload
+        # A checked handoff as caches, on the compute thread (MLX arrays belong to it). The
+        # simulator's model supplies its own check, worker and load.
+        self.load = load or _unpack
         self.staged: dict[int, Any] = {}  # slot -> verified caches, not yet read
 
     def attach(self) -> None:
@@ -130,15 +143,12 @@ class DecodeService(DisaggAdapter):
         else:
             super().apply(effect)
 
-    def _load(self, handoff: KvHandoff) -> tuple[str | None, Any]:
-        from mlxcel.runtime.kv_handoff import check, unpack
-
-        problem = check(handoff, *self.dims)
-        return (problem, None) if problem else (None, unpack(handoff))
-
     async def _verify(self, job: VerifyJob) -> None:
+        caches = None
         try:
-            problem, caches = await self.engine.compute.run(self.load, job.handoff)
+            problem = await self.offload(self.check, job.handoff)
+            if problem is None:
+                caches = await self.engine.compute.run(self.load, job.handoff)
         except Exception as exc:  # a malformed tensor the checks missed: refuse, keep serving
             problem, caches = f"could not load the handoff: {exc}", None
         if caches is not None and job.slot in self.decode.slots:
@@ -163,6 +173,12 @@ class DecodeService(DisaggAdapter):
         if problem is not None:
             err = Error(ErrorCode.ENGINE_FAILED, problem, rid)
             self.feed(self.decode.token(slot, err, self.now()))
+
+
+def _unpack(handoff: KvHandoff) -> Any:
+    from mlxcel.runtime.kv_handoff import unpack
+
+    return unpack(handoff)
 
 
 def _engine_figures(engine: LocalEngine, more_tokens: int = 0) -> dict[str, int]:

@@ -1,11 +1,11 @@
-"""The KV cache a prefill node hands to a decode node: pack, digest, check, unpack.
+"""The KV cache a prefill node hands to a decode node: pack and digest it, unpack it.
 
 Only a plain per-layer ``KVCache`` can travel: its state is two dense arrays per layer.
 Rotating (sliding-window) caches, SSM/recurrent state and composite caches cannot be
 serialised into that shape, so :func:`unsupported_reason` names them and the prefill node
 refuses those requests before any work. Everything here runs on the compute thread (MLX
-arrays belong to the thread that made them; hashing megabytes does not belong on the
-reactor).
+arrays belong to the thread that made them). Checking a received handoff needs no MLX and
+runs elsewhere (:func:`mlxcel.handoff.check`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcel.handoff import Packed, digest_of, tensor_digest
+from mlxcel.handoff import Packed, tensor_digest
 from mlxcel.messages import KvHandoff
 from mlxcel.runtime.tensors import from_tensor, to_tensor
-
-KV_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
 
 def unsupported_reason(model: Any, family: str) -> str | None:
@@ -50,24 +48,6 @@ def pack(cache: Sequence[Any], prompt_len: int, first_token: int) -> Packed:
         keys.append(to_tensor(k))
         values.append(to_tensor(v))
     return Packed(prompt_len, first_token, tuple(keys), tuple(values), tensor_digest(keys, values))
-
-
-def check(h: KvHandoff, n_layers: int, kv_heads: int, key_dim: int, value_dim: int) -> str | None:
-    """Why ``h`` cannot be resumed on this model (None: it can). Cheap checks first, then the
-    digest over every byte."""
-    if len(h.keys) != n_layers or len(h.values) != n_layers:
-        return f"handoff has {len(h.keys)}/{len(h.values)} layers, the model has {n_layers}"
-    dtypes = {t.dtype for t in (*h.keys, *h.values)}
-    if len(dtypes) != 1 or not dtypes <= KV_DTYPES:
-        return f"handoff tensors must share one float dtype, got {sorted(dtypes)}"
-    for ts, dim in ((h.keys, key_dim), (h.values, value_dim)):
-        want = (1, kv_heads, h.prompt_len, dim)
-        for t in ts:
-            if tuple(t.shape) != want:
-                return f"handoff tensor shape {list(t.shape)}, expected {list(want)}"
-    if digest_of(h, tensor_digest(h.keys, h.values)) != h.digest:
-        return "handoff digest mismatch: the KV cache is not the one the prefill node sent"
-    return None
 
 
 def unpack(h: KvHandoff) -> list[KVCache]:

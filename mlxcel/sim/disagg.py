@@ -235,21 +235,7 @@ def check_disagg(run: DisaggRun) -> list[str]:
     bad: list[str] = []
     for o in run.router.outcomes.values():
         want = reference(o.prompt, o.max_tokens)
-        if o.finish is None or o.ended_at is None:
-            bad.append(f"{o.request_id} never ended")
-            continue
-        if o.finish == "error:client_deadline":
-            bad.append(f"{o.request_id} hung until the client's deadline")
-        elif o.finish.startswith("error:") and o.request_id not in run.targeted:
-            why = run.plan.unexplained(o.submitted, o.ended_at)
-            if why:
-                bad.append(f"{o.request_id} failed ({o.finish}) {why}")
-        elif o.finish in ("stop", "length"):
-            expect = "stop" if len(want) < o.max_tokens else "length"
-            if o.tokens != want or o.finish != expect:
-                bad.append(f"{o.request_id} completed with {o.tokens[:8]}, expected {want[:8]}")
-        if o.tokens != want[: len(o.tokens)]:
-            bad.append(f"{o.request_id} streamed tokens that are not the reference")
+        bad.extend(o.problems(want, o.request_id in run.targeted, run.plan))
     for prefill, lease, decode, at in run.ledger.reads:
         committed = run.ledger.commits.get((prefill, lease))
         if committed is None or committed > at:

@@ -242,23 +242,26 @@ class PrefillHost(SimProcess):
 
 
 class DecodeEngine:
-    """What :class:`DecodeService` asks of its engine, over the fake model: verifying a
-    handoff takes ``verify_s`` on the compute "thread"; decoding streams one token a step."""
+    """What :class:`DecodeService` asks of its engine, over the fake model: checking a
+    handoff takes ``verify_s`` on a worker "thread" (loading it then takes no time on the
+    compute "thread"); decoding streams one token a step."""
 
     def __init__(self, host: DecodeHost) -> None:
         self.host = host
         self.loaded = _NO_MODEL
-        self.compute = SimCompute(host.sched, lambda _fn, _args: host.verify_s)
+        self.worker = SimCompute(host.sched, lambda _fn, _args: host.verify_s)
+        self.compute = SimCompute(host.sched, lambda _fn, _args: 0.0)
         self.running: dict[int, tuple[int, int]] = {}  # slot -> (cache hash, tokens left)
         self.alive = True
 
     def kv_tokens(self) -> int:
         return 0
 
-    def load(self, h: KvHandoff) -> tuple[str | None, Any]:
+    def check(self, h: KvHandoff) -> str | None:
         ok = digest_of(h, tensor_digest(h.keys, h.values)) == h.digest
-        if not ok:
-            return "digest mismatch", None
+        return None if ok else "digest mismatch"
+
+    def load(self, h: KvHandoff) -> int:
         host = self.host
         if "read-uncommitted" in host.inject:  # the bug: decode before the prefill committed
             slot = next(
@@ -266,7 +269,7 @@ class DecodeEngine:
             )
             if slot is not None:  # once the service staged it (a moment later: 0.1 ms)
                 host.sched.after(1e-4, self._early, slot, h)
-        return None, cache_hash(h.keys[0])
+        return cache_hash(h.keys[0])
 
     def _early(self, slot: int, h: KvHandoff) -> None:
         svc = self.host.service
@@ -338,7 +341,16 @@ class DecodeHost(SimProcess):
 
     def build(self, node: Node, endpoint: SimEndpoint) -> DecodeService:
         self.engine = engine = DecodeEngine(self)
-        return DecodeService(node, endpoint, engine, self.cfg, (1, 1, 1), load=engine.load)  # type: ignore[arg-type]
+        return DecodeService(
+            node,
+            endpoint,
+            engine,  # type: ignore[arg-type]
+            self.cfg,
+            (1, 1, 1, 1),
+            check=engine.check,
+            offload=engine.worker.run,
+            load=engine.load,
+        )
 
     def started(self, service: DecodeService) -> None:
         service.attach()

@@ -14,6 +14,7 @@ from typing import Any
 
 from mlxcel.bus import Envelope, Node, Origin
 from mlxcel.effects import Effect
+from mlxcel.faults import FaultPlan
 from mlxcel.messages import (
     CancelRequest,
     Error,
@@ -170,6 +171,31 @@ class Outcome:
             self.tokens.extend(msg.token_ids)
             if msg.finish_reason is not None:
                 self.finish, self.ended_at = msg.finish_reason, now
+
+    def problems(self, want: list[int], targeted: bool, plan: FaultPlan) -> list[str]:
+        """What is wrong with what the client saw, against the reference tokens ``want``:
+        it never ended, or hung until its own deadline; it failed where no planned fault
+        explains a failure (a request an attack ``targeted`` may fail); it completed with
+        other tokens or the wrong finish; it streamed tokens that are not the reference."""
+        rid = self.request_id
+        if self.finish is None or self.ended_at is None:
+            return [f"{rid} never ended"]
+        if self.finish == "error:client_deadline":
+            return [f"{rid} hung until the client's deadline"]
+        if self.finish.startswith("error:") and not targeted:
+            why = plan.unexplained(self.submitted, self.ended_at)
+            if why:
+                return [f"{rid} failed ({self.finish}) {why}"]
+        if self.finish in ("stop", "length"):
+            expect = "stop" if len(want) < self.max_tokens else "length"
+            if self.tokens != want or self.finish != expect:
+                return [
+                    f"{rid} completed ({self.finish}) with {self.tokens[:12]}..., "
+                    f"expected ({expect}) {want[:12]}..."
+                ]
+        elif self.tokens != want[: len(self.tokens)]:
+            return [f"{rid} ({self.finish}) streamed tokens that are not the reference"]
+        return []
 
 
 class CoordinatorHost(SimProcess):

@@ -446,24 +446,7 @@ def check(cluster: Cluster) -> list[str]:
     n = len(cluster.stages)
     for o in cluster.coordinator.outcomes.values():
         want = cluster.model.reference(n, o.prompt, o.max_tokens)
-        if o.finish is None or o.ended_at is None:
-            bad.append(f"{o.request_id} never ended")
-            continue
-        if o.finish == "error:client_deadline":
-            bad.append(f"{o.request_id} hung until the client's deadline")
-        elif o.finish.startswith("error:") and o.request_id not in cluster.targeted:
-            why = cluster.plan.unexplained(o.submitted, o.ended_at)
-            if why:
-                bad.append(f"{o.request_id} failed ({o.finish}) {why}")
-        if o.finish in ("stop", "length"):
-            expect = "stop" if len(want) < o.max_tokens else "length"
-            if o.tokens != want or o.finish != expect:
-                bad.append(
-                    f"{o.request_id} completed ({o.finish}) with {o.tokens[:12]}..., "
-                    f"expected ({expect}) {want[:12]}..."
-                )
-        elif o.tokens != want[: len(o.tokens)]:
-            bad.append(f"{o.request_id} ({o.finish}) streamed tokens that are not the reference")
+        bad.extend(o.problems(want, o.request_id in cluster.targeted, cluster.plan))
     for host in [*cluster.stages, cluster.coordinator]:
         bad.extend(host.errors + host.conservation())
     for host in cluster.stages:
