@@ -25,6 +25,31 @@ Family = Literal[
 ]  # fmt: skip
 
 
+def json_lines_field() -> Any:
+    """``--json``: the figures as one JSON object per line instead of a table."""
+    return Field(
+        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
+    )
+
+
+def quiet_log_level_field() -> Any:
+    """A tool that prints figures logs only warnings unless told otherwise."""
+    return Field(
+        "WARNING",
+        description="log level on stderr (any case)",
+        json_schema_extra={"group": "logging and configuration"},
+    )
+
+
+def model_field(default: str) -> Any:
+    """``-m``: the model a tool runs, or (None) an embedded checkpoint it writes itself."""
+    return Field(
+        None,
+        description=f"model folder or Hub id org/name (default: {default})",
+        json_schema_extra=_short("-m"),
+    )
+
+
 class _HasModel(_Base):
     """A command with a ``model`` field: a local folder or a Hub id, checked up front."""
 
@@ -54,19 +79,13 @@ class CheckpointSettings(_Base):
 
 
 class BenchBatchingSettings(_HasModel):
-    model: str | None = Field(
-        None,
-        description="model folder or org/name (default: the embedded small checkpoint)",
-        json_schema_extra=_short("-m"),
-    )
+    model: str | None = model_field("the embedded small checkpoint")
     prefill_step_size: int = Field(
         PREFILL_STEP_SIZE, ge=16, le=65536, description="prompt tokens per prefill chunk"
     )
     streams: str = Field("1,4,8", description="comma-separated concurrent stream counts")
     tokens: int = Field(64, ge=1, description="tokens generated per stream")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
+    json_lines: bool = json_lines_field()
 
     @field_validator("streams")
     @classmethod
@@ -81,9 +100,7 @@ class BenchBatchingSettings(_HasModel):
 
 
 class BenchFramesSettings(_Base):
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
+    json_lines: bool = json_lines_field()
     sizes: str = Field(
         "8K,64K,1M,2M,16M", description="payload sizes (8K, 64K, 256K, 1M, 2M, 4M, 16M or bytes)"
     )
@@ -108,11 +125,7 @@ class BenchFramesSettings(_Base):
     def _rate(cls, v: str | None) -> str | None:
         return BenchPipelineRunSettings._rate(v)
 
-    log_level: LogLevel = Field(
-        "WARNING",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
+    log_level: LogLevel = quiet_log_level_field()
 
     @field_validator("sizes")
     @classmethod
@@ -191,9 +204,7 @@ class SimSettings(_HasModel):
         "bringup: activate-early; disagg: read-uncommitted; any scenario, in the effect "
         "runner: runner-drop-delivery)",
     )
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
+    json_lines: bool = json_lines_field()
 
     @field_validator("inject")
     @classmethod
@@ -249,11 +260,7 @@ class ClusterCheckSettings(_Base):
 class BenchPipelineSettings(_HasModel):
     """A model-level benchmark: which model (default small), how many tokens, JSON or table."""
 
-    model: str | None = Field(
-        None,
-        description="model folder or Hub id org/name (default: the embedded small checkpoint)",
-        json_schema_extra=_short("-m"),
-    )
+    model: str | None = model_field("the embedded small checkpoint")
     shape: Shape = Field(
         "small",
         description="without -m: the embedded random-weight checkpoint of this shape (written "
@@ -265,24 +272,14 @@ class BenchPipelineSettings(_HasModel):
         "--shape qwen3-30b-a3b: Qwen3-30B-A3B's shapes)",
     )
     tokens: int = Field(64, ge=2, le=4096, description="greedy tokens per measured run")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    log_level: LogLevel = Field(
-        "WARNING",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
+    json_lines: bool = json_lines_field()
+    log_level: LogLevel = quiet_log_level_field()
 
 
 class BenchDisaggSettings(_HasModel):
     """TTFT and inter-token latency under a mixed workload, hybrid vs 1 prefill + 1 decode."""
 
-    model: str | None = Field(
-        None,
-        description="model folder or Hub id org/name (default: the embedded small checkpoint)",
-        json_schema_extra=_short("-m"),
-    )
+    model: str | None = model_field("the embedded small checkpoint")
     shape: Shape = Field(
         "small", description="without -m: the embedded random-weight checkpoint of this shape"
     )
@@ -290,14 +287,8 @@ class BenchDisaggSettings(_HasModel):
     tokens: int = Field(64, ge=2, le=4096, description="tokens each short stream decodes")
     long_prompts: int = Field(3, ge=0, le=64, description="long prompts arriving meanwhile")
     long_len: int = Field(1536, ge=16, le=65536, description="tokens in each long prompt")
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    log_level: LogLevel = Field(
-        "WARNING",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
+    json_lines: bool = json_lines_field()
+    log_level: LogLevel = quiet_log_level_field()
 
 
 class DemoSettings(_HasModel):
@@ -305,16 +296,8 @@ class DemoSettings(_HasModel):
         "Explain pipeline parallelism in one sentence.", description="the chat message to send"
     )
     max_tokens: int = Field(32, ge=1, le=4096, description="tokens to stream")
-    model: str | None = Field(
-        None,
-        description="model folder or Hub id org/name (default: the embedded tiny model)",
-        json_schema_extra=_short("-m"),
-    )
-    log_level: LogLevel = Field(
-        "WARNING",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
+    model: str | None = model_field("the embedded tiny model")
+    log_level: LogLevel = quiet_log_level_field()
 
 
 class BenchEngineSettings(BenchPipelineSettings):
@@ -390,19 +373,9 @@ class BenchTpSettings(BenchStagesSettings):
 
 
 class BenchBringupSettings(_HasModel):
-    model: str | None = Field(
-        None,
-        description="model folder or Hub id org/name (default: the embedded tiny model)",
-        json_schema_extra=_short("-m"),
-    )
-    json_lines: bool = Field(
-        False, description="print one JSON object per line", json_schema_extra={"flag": "--json"}
-    )
-    log_level: LogLevel = Field(
-        "WARNING",
-        description="log level on stderr (any case)",
-        json_schema_extra={"group": "logging and configuration"},
-    )
+    model: str | None = model_field("the embedded tiny model")
+    json_lines: bool = json_lines_field()
+    log_level: LogLevel = quiet_log_level_field()
 
 
 class BenchFaultsSettings(BenchBringupSettings):

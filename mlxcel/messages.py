@@ -63,6 +63,26 @@ class RunEntry(Message):
     sample: bool = True
 
 
+def prompt_problem(
+    token_ids: tuple[int, ...], max_tokens: int, vocab: int, max_len: int
+) -> str | None:
+    """Why a prompt of ``token_ids`` with ``max_tokens`` to generate cannot run on a model with
+    this vocabulary and context (None: it can), in the one wording every node that admits a
+    request (the engine, a coordinator, a router, a prefill node) answers with."""
+    if not token_ids:
+        return "empty prompt"
+    if any(not 0 <= t < vocab for t in token_ids):
+        return f"token id outside the vocabulary [0, {vocab})"
+    if max_tokens < 1:
+        return "max_tokens must be >= 1"
+    if len(token_ids) + max_tokens > max_len:
+        return (
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {max_len}"
+        )
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Activation(Message):
     """Stage -> next stage: hidden states for the tokens of one exchange."""

@@ -188,9 +188,9 @@ def test_a_running_request_id_is_refused_without_counting_a_failure() -> None:
 @pytest.mark.parametrize(
     "prompt, why",
     [
-        ((), "prompt empty or token id outside the vocabulary [0, 16)"),
-        ((16,), "prompt empty or token id outside the vocabulary [0, 16)"),
-        ((-1,), "prompt empty or token id outside the vocabulary [0, 16)"),
+        ((), "empty prompt"),
+        ((16,), "token id outside the vocabulary [0, 16)"),
+        ((-1,), "token id outside the vocabulary [0, 16)"),
         ((1,) * 62, "prompt (62 tokens) + max_tokens (3) exceeds the model's context of 64"),
     ],
 )

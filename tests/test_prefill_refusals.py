@@ -97,21 +97,29 @@ def refused(m: PrefillRequest, code: str, why: str) -> list:
 
 def test_each_refusal_comes_before_any_work_with_its_own_code_and_reason() -> None:
     c = core(decode_peers=())
-    ctx = "must fit the model's context of 64"
+    ctx = "exceeds the model's context of 64"
     cases = [
         (
             request(target=""),
             ErrorCode.HANDOFF_FAILED,
             "no decode target: the request names none and this node has no --decode-peers",
         ),
-        (request("e", tokens=()), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
-        (request("n", tokens=(0, -1)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
-        (request("v", tokens=(100,)), ErrorCode.BAD_REQUEST, "token ids must be in [0, 100)"),
-        (request("z", max_tokens=0), ErrorCode.BAD_REQUEST, f"prompt (3) + max_tokens (0) {ctx}"),
+        (request("e", tokens=()), ErrorCode.BAD_REQUEST, "empty prompt"),
+        (
+            request("n", tokens=(0, -1)),
+            ErrorCode.BAD_REQUEST,
+            "token id outside the vocabulary [0, 100)",
+        ),
+        (
+            request("v", tokens=(100,)),
+            ErrorCode.BAD_REQUEST,
+            "token id outside the vocabulary [0, 100)",
+        ),
+        (request("z", max_tokens=0), ErrorCode.BAD_REQUEST, "max_tokens must be >= 1"),
         (
             request("l", tokens=(1,) * 60, max_tokens=5),
             ErrorCode.BAD_REQUEST,
-            f"prompt (60) + max_tokens (5) {ctx}",
+            f"prompt (60 tokens) + max_tokens (5) {ctx}",
         ),
     ]
     for m, code, why in cases:

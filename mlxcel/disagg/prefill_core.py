@@ -49,6 +49,7 @@ from mlxcel.messages import (
     SlotRequest,
     State,
     TokenResult,
+    prompt_problem,
 )
 
 
@@ -169,14 +170,9 @@ class PrefillCore:
                 "diagnostic", f"prefill: refused request {m.request_id!r} from {source}: {why}"
             )
             return [log, *refuse(ErrorCode.DECODE_TARGET_REFUSED, why)]
-        if not m.token_ids or any(not 0 <= t < c.vocab for t in m.token_ids):
-            return refuse(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {c.vocab})")
-        if m.sampling.max_tokens < 1 or len(m.token_ids) + m.sampling.max_tokens > c.max_len:
-            return refuse(
-                ErrorCode.BAD_REQUEST,
-                f"prompt ({len(m.token_ids)}) + max_tokens ({m.sampling.max_tokens}) must fit "
-                f"the model's context of {c.max_len}",
-            )
+        problem = prompt_problem(m.token_ids, m.sampling.max_tokens, c.vocab, c.max_len)
+        if problem is not None:
+            return refuse(ErrorCode.BAD_REQUEST, problem)
         if len(self.leases) >= c.max_sequences:
             return refuse(ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full")
         lease = Lease(next(self._ids), source, m, target)

@@ -42,6 +42,7 @@ from mlxcel.messages import (
     RunResult,
     State,
     TokenResult,
+    prompt_problem,
 )
 
 FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
@@ -297,13 +298,9 @@ class RouterCore:
         problem = ""
         if e.request_id in self.routes:
             problem = "duplicate request id"
-        elif not e.token_ids or any(not 0 <= t < self.vocab for t in e.token_ids):
-            problem = f"token ids must be in [0, {self.vocab})"
-        elif e.sampling.max_tokens < 1 or len(e.token_ids) + e.sampling.max_tokens > self.max_len:
-            problem = (
-                f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
-                f"exceeds the model's context of {self.max_len}"
-            )
+        else:
+            max_tokens = e.sampling.max_tokens
+            problem = prompt_problem(e.token_ids, max_tokens, self.vocab, self.max_len) or ""
         if problem:  # refused here, as a single node would: no node sees it
             return [Deliver(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))]
         p = self.table.pick("prefill", now)

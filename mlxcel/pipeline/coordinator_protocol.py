@@ -28,6 +28,7 @@ from mlxcel.messages import (
     StepEntry,
     StepResult,
     Tensor,
+    prompt_problem,
 )
 
 PENALTY_CONTEXT = 20  # prompt tokens the final stage's penalties look back on (mlx-lm's)
@@ -226,25 +227,12 @@ def admission_problem(
     a stage is ``down``, any entry (it could only wait out a deadline; the client may retry)."""
     if not m.request_id:
         return ErrorCode.BAD_REQUEST, "empty request id"
-    problem = entry_problem(m, vocab, max_len)
+    problem = prompt_problem(m.token_ids, m.sampling.max_tokens, vocab, max_len)
     if problem is not None:
         return ErrorCode.BAD_REQUEST, problem
     if down:
         stage, why = next(iter(down.items()))
         return ErrorCode.STAGE_UNREACHABLE, f"stage {stage} is unreachable: {why}"
-    return None
-
-
-def entry_problem(m: RunEntry, vocab: int, max_len: int) -> str | None:
-    """Why a local RunEntry cannot run on this pipeline, or None."""
-    if not m.token_ids or any(not 0 <= t < vocab for t in m.token_ids):
-        return f"prompt empty or token id outside the vocabulary [0, {vocab})"
-    total = len(m.token_ids) + m.sampling.max_tokens
-    if total > max_len:
-        return (
-            f"prompt ({len(m.token_ids)} tokens) + max_tokens ({m.sampling.max_tokens}) "
-            f"exceeds the model's context of {max_len}"
-        )
     return None
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.handoff import Packed
-from mlxcel.messages import Error, RunEntry, RunResult
+from mlxcel.messages import Error, RunEntry, RunResult, prompt_problem
 from mlxcel.model_config import context_length, vocab_size
 from mlxcel.runtime.sampling import sampling_problem
 
@@ -77,22 +77,8 @@ def entry_problem(e: RunEntry, config: dict[str, Any]) -> str | None:
     """Why the engine cannot run ``e`` on a model of this config (None: it can). Checked for
     every sender: the API validates the same ranges, this guards the cluster's messages."""
     vocab = vocab_size(config)
-    if not e.token_ids:
-        return "empty prompt"
-    if any(not 0 <= t < vocab for t in e.token_ids):
-        return f"token id outside the vocabulary [0, {vocab})"
-    if e.sampling.max_tokens < 1:
-        return "max_tokens must be >= 1"
-    problem = sampling_problem(e.sampling, vocab)
-    if problem is not None:
-        return problem
-    limit = context_length(config)
-    if len(e.token_ids) + e.sampling.max_tokens > limit:
-        return (
-            f"prompt ({len(e.token_ids)} tokens) + max_tokens ({e.sampling.max_tokens}) "
-            f"exceeds the model's context of {limit}"
-        )
-    return None
+    problem = prompt_problem(e.token_ids, e.sampling.max_tokens, vocab, context_length(config))
+    return problem if problem is not None else sampling_problem(e.sampling, vocab)
 
 
 def by_sequence(tokens: list[StepToken]) -> dict[str, list[StepToken]]:
