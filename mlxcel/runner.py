@@ -193,7 +193,7 @@ def openai_app(
     http = http or HttpOptions()
     fe, node = serving.frontend, serving.node
     if fe is None:
-        raise ValueError(f"a {serving.mode} node serves no HTTP API (it has no frontend)")
+        raise ValueError(f"a {serving.label} node serves no HTTP API (it has no frontend)")
     metrics = Metrics()
     metrics.bind(
         queue_depth=lambda: fe.waiting,
@@ -211,7 +211,7 @@ def openai_app(
         max_body_bytes=http.max_body_bytes,
         health_extra=serving.health,
         sampling=serving.sampling,
-        mode=serving.mode,
+        mode=serving.label,
         guard=guard,
         body_timeout=http.body_timeout,
         api_key=http.api_key,
@@ -233,7 +233,7 @@ def _cluster_view(serving: Serving, model_name: str, metrics: Any) -> Any:
     assert fe is not None
 
     async def alone() -> Any:
-        return single_topology(serving.mode, fe.in_flight, serving.kv and serving.kv())
+        return single_topology(serving.label, fe.in_flight, serving.kv and serving.kv())
 
     def totals() -> dict[str, Any]:
         return {
@@ -245,7 +245,7 @@ def _cluster_view(serving: Serving, model_name: str, metrics: Any) -> Any:
             "ttft_ms_p50": ttft_p50_ms(list(metrics.recent_ttft)),
         }
 
-    view = ClusterView(model_name, serving.mode, serving.topology or alone, totals)
+    view = ClusterView(model_name, serving.label, serving.topology or alone, totals)
     metrics.bind_cluster(lambda: view.last, model_name)
     metrics.refresh = view.snapshot
     return view

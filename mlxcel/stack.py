@@ -43,7 +43,7 @@ class Serving:
     extra_get: dict[str, Callable[[], Any]] = field(default_factory=dict)
     # Which of messages.EXTENDED_SAMPLING this node applies; requests for others get a 400.
     sampling: frozenset[str] = frozenset()
-    mode: str = "one process"  # how this node generates, as a refusal names it
+    label: str = "one process"  # how this node generates, as a refusal names it
     # The nodes behind this one and their links, for /cluster, /dashboard and the per-node
     # metrics (None: this node alone).
     topology: Callable[[], Awaitable[tuple[list[dict[str, Any]], list[list[str]]]]] | None = None

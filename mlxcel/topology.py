@@ -7,19 +7,19 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-Node = dict[str, Any]
-Topology = tuple[list[Node], list[list[str]]]
+NodeView = dict[str, Any]
+Topology = tuple[list[NodeView], list[list[str]]]
 
 
 def pipeline_topology(health: dict[str, Any]) -> Topology:
     """A pipeline coordinator's stages (from its /health details): coordinator -> stage-0 ->
     ... -> stage-N -> coordinator (the results come back)."""
     p = health.get("pipeline", {})
-    nodes: list[Node] = [
+    nodes: list[NodeView] = [
         {"id": "coordinator", "role": "coordinator", "up": True, "in_flight": p.get("active", 0)}
     ]
     for st in p.get("stages", []):
-        node: Node = {
+        node: NodeView = {
             "id": st.get("id", "?"),
             "role": "stage",
             "up": "error" not in st,
@@ -45,7 +45,7 @@ def router_topology(stats: dict[str, Any]) -> Topology:
     """A disaggregated router's nodes (from /router/stats): router -> prefill -> decode ->
     router."""
     m = stats.get("metrics", {})
-    nodes: list[Node] = [
+    nodes: list[NodeView] = [
         {"id": "router", "role": "router", "up": True, "in_flight": m.get("in_flight", 0)}
     ]
     for n in stats.get("nodes", []):

@@ -353,7 +353,7 @@ async def test_the_openai_client_script_gets_what_one_node_gives_every_parameter
     async with trio(tiny) as t:
         r = t.router
         got = await parity.served(
-            Serving(r.node, r.frontend, sampling=EXTENDED_SAMPLING, mode="disaggregated router")
+            Serving(r.node, r.frontend, sampling=EXTENDED_SAMPLING, label="disaggregated router")
         )
     parity.assert_same(got, want, "disaggregated")
 

@@ -210,11 +210,11 @@ def test_a_recorded_reply_does_not_complete_another_handshake() -> None:
 
 def test_timeout_and_probe_and_bad_magic() -> None:
     c, s = pair(server_kw={"timeout": 5.0})
-    assert s.get_timer() == 5.0
-    s.handle_timer(4.9)
+    assert s.next_timer() == 5.0
+    s.on_timer(4.9)
     assert not s.finished
-    s.handle_timer(5.0)
-    assert s.error is not None and s.error.failure is Failure.TIMEOUT and s.get_timer() is None
+    s.on_timer(5.0)
+    assert s.error is not None and s.error.failure is Failure.TIMEOUT and s.next_timer() is None
     _, s = pair()
     s.connection_lost()
     assert (

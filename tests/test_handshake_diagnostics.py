@@ -258,9 +258,9 @@ def test_malformed_input_is_named_precisely() -> None:
 
 def test_timeouts_and_closes_are_told_apart() -> None:
     s = server()
-    s.handle_timer(4.999)
+    s.on_timer(4.999)
     assert s.error is None
-    s.handle_timer(5.0)
+    s.on_timer(5.0)
     assert failed(s) == (Failure.TIMEOUT, "handshake did not finish within its deadline")
     s = server()
     s.connection_lost()
@@ -284,16 +284,16 @@ def test_a_finished_handshake_ignores_later_timers_closes_and_bytes() -> None:
     run(c, s)
     assert c.result is not None and s.result is not None
     for side in (c, s):
-        side.handle_timer(1e9)
+        side.on_timer(1e9)
         side.connection_lost()
         side.receive_data(b"junk")
-        assert side.error is None and side.bytes_needed == 0 and side.get_timer() is None
+        assert side.error is None and side.bytes_needed == 0 and side.next_timer() is None
     assert c.result.peer == Identity("", 0, "coord")
     assert s.peer == s.result.peer == ME and s.verdict is Verdict.ACCEPT
     # A failed one keeps its first error.
     s = server()
     s.receive_data(b"GET")
-    s.handle_timer(1e9)
+    s.on_timer(1e9)
     assert failed(s) == (Failure.BAD_MAGIC, "bad magic")
 
 

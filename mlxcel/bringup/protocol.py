@@ -187,7 +187,9 @@ class PeerStep(enum.Enum):
     FAILED = "failed"
 
 
-class Answer(enum.Enum):
+class PeerAnswer(enum.Enum):
+    """What a peer answered the offer with (the push core moves its step by it)."""
+
     ACCEPTED = "accepted"
     COMMITTED = "committed"
     ACTIVATED = "activated"
@@ -199,20 +201,20 @@ class Answer(enum.Enum):
 U, PA, PC, PX = PeerStep.UNANSWERED, PeerStep.ACCEPTED, PeerStep.COMMITTED, PeerStep.ACTIVE
 # (phase, where the peer stands, its answer) -> where it stands now. Anything else is a
 # message that does not fit (a stale or misdirected answer): logged, not acted on.
-STEP_TABLE: Table[PeerStep, Answer] = Table(
+STEP_TABLE: Table[PeerStep, PeerAnswer] = Table(
     "assignment push peer",
     {
-        (U, Answer.ACCEPTED): PA,
-        (PA, Answer.ACCEPTED): PA,
-        (PA, Answer.REPLANNED): U,
-        (PA, Answer.COMMITTED): PC,
-        (PC, Answer.COMMITTED): PC,
-        (PC, Answer.ACTIVATED): PX,
-        (PX, Answer.ACTIVATED): PX,
+        (U, PeerAnswer.ACCEPTED): PA,
+        (PA, PeerAnswer.ACCEPTED): PA,
+        (PA, PeerAnswer.REPLANNED): U,
+        (PA, PeerAnswer.COMMITTED): PC,
+        (PC, PeerAnswer.COMMITTED): PC,
+        (PC, PeerAnswer.ACTIVATED): PX,
+        (PX, PeerAnswer.ACTIVATED): PX,
         # late copies of earlier answers change nothing
-        (PC, Answer.ACCEPTED): PC,
-        (PX, Answer.ACCEPTED): PX,
-        (PX, Answer.COMMITTED): PX,
+        (PC, PeerAnswer.ACCEPTED): PC,
+        (PX, PeerAnswer.ACCEPTED): PX,
+        (PX, PeerAnswer.COMMITTED): PX,
     },
     {},
     "unexpected_answer",

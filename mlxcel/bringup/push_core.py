@@ -33,9 +33,9 @@ from mlxcel.bringup.protocol import (
     PUSH_WINDOW,
     STEP_TABLE,
     VERIFY_AGAIN,
-    Answer,
     BeaconCheck,
     ModelIdentity,
+    PeerAnswer,
     PeerStep,
     Phase,
     PhaseEvent,
@@ -192,9 +192,9 @@ class PushCore:
         if isinstance(msg, AssignRefused):
             return self._peer_failed(peer, f"refused: {msg.reason}", now)
         answer = {
-            AssignAccepted: Answer.ACCEPTED,
-            AssignCommitted: Answer.COMMITTED,
-            AssignActivated: Answer.ACTIVATED,
+            AssignAccepted: PeerAnswer.ACCEPTED,
+            AssignCommitted: PeerAnswer.COMMITTED,
+            AssignActivated: PeerAnswer.ACTIVATED,
         }.get(type(msg))
         if answer is None:
             return [Warn("debug", f"assignment: ignoring {type(msg).__name__} from {source}")]
@@ -386,7 +386,7 @@ class PushCore:
             Warn("info", "assignment: split by the peers' memory: " + self._stages_text())
         ]
         for p in self.peers.values():
-            p.step = STEP_TABLE.next(p.step, Answer.REPLANNED)
+            p.step = STEP_TABLE.next(p.step, PeerAnswer.REPLANNED)
             out += self._send_phase(p, now)
         return out
 

@@ -145,7 +145,7 @@ async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> N
 
     raise_fd_limit()  # the HTTP connection cap is set below it
     if s.min_p and "min_p" not in stack.serving.sampling:  # every request would be refused
-        raise ConfigError("--min-p", f"this mode ({stack.serving.mode}) does not apply min_p")
+        raise ConfigError("--min-p", f"this mode ({stack.serving.label}) does not apply min_p")
     http = HttpOptions(
         s.host,
         s.port,

@@ -113,7 +113,7 @@ def _router_serving(
         # Not response_format: the grammar's matcher would have to cross the handoff (or
         # run on every rank): refused by name.
         sampling=EXTENDED_SAMPLING - {"response_format"},
-        mode="disaggregated router",
+        label="disaggregated router",
         topology=topology,
         # Read per request: an operator may flip it without a restart.
         extra_get={"/router/stats": lambda: service.stats(verbose())},

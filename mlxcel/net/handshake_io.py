@@ -26,18 +26,18 @@ async def drive(
                     async with asyncio.timeout_at(hs.deadline):
                         await writer.drain()
                 except TimeoutError:
-                    hs.handle_timer(loop.time())  # the handshake's own timeout failure
+                    hs.on_timer(loop.time())  # the handshake's own timeout failure
                     if hs.finished:
                         break
                     continue
             if hs.finished:
                 break
-            timer = hs.get_timer()
+            timer = hs.next_timer()
             try:
                 async with asyncio.timeout_at(timer):
                     data = await reader.readexactly(hs.bytes_needed)
             except TimeoutError:
-                hs.handle_timer(loop.time())
+                hs.on_timer(loop.time())
                 continue
             except asyncio.IncompleteReadError as exc:
                 hs.receive_data(exc.partial)

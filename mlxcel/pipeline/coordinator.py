@@ -315,6 +315,6 @@ def coordinator_serving(
         # The final stage samples with every parameter (processors, top_logprobs); with
         # --pp-return-logits the coordinator samples the returned logits itself, plainly.
         sampling=frozenset() if return_logits else EXTENDED_SAMPLING,
-        mode="pipeline",
+        label="pipeline",
         topology=topology,
     )

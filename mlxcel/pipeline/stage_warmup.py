@@ -19,7 +19,7 @@ from mlxcel.pipeline.stage_protocol import ComputeJob, SeqKey, Step
 from mlxcel.runtime.tensors import to_tensor
 
 
-class StageRuntime(Protocol):
+class WarmUpTarget(Protocol):
     """What warming up needs of :class:`~mlxcel.pipeline.stage_runtime.StageRuntime`."""
 
     width: int
@@ -38,7 +38,7 @@ TILE_CLASS_ROWS = (16, 32, 64)
 WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0)
 
 
-def warm_up(rt: StageRuntime, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
+def warm_up(rt: WarmUpTarget, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
     """Serve throwaway sequences through ``rt.run``, as the coordinator would, then free
     them: one ``tokens``-long prompt and its first decode step alone (sampled with top-p,
     top-k and min-p filters); then up to ``WARM_UP_ROWS`` short prompts whose decode steps
@@ -81,7 +81,7 @@ def warm_up(rt: StageRuntime, tokens: int, first: bool, last: bool, batch: int =
 
 
 def _warm_step(
-    rt: StageRuntime, key: SeqKey, n: int, start: int, first: bool, sample: bool
+    rt: WarmUpTarget, key: SeqKey, n: int, start: int, first: bool, sample: bool
 ) -> Step:
     tokens = (0,) * n if first else None
     hidden = None if first else to_tensor(mx.zeros((1, n, rt.width), rt.layers.dtype))

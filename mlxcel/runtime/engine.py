@@ -36,11 +36,11 @@ from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine_caches import CacheSteps
 from mlxcel.runtime.engine_solo import SoloSteps
 from mlxcel.runtime.engine_state import (
+    EngineSeq,
+    EngineSeqState,
+    EngineStep,
     Insert,
-    Seq,
-    SeqState,
     Sink,
-    StepOutput,
     StepToken,
     by_sequence,
     entry_problem,
@@ -86,7 +86,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         # Compute thread: caches of finished prompts for later requests sharing their prefix.
         self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.eos = loaded.eos_token_ids()
-        self._seqs: dict[str, Seq] = {}
+        self._seqs: dict[str, EngineSeq] = {}
         self._by_uid: dict[int, str] = {}
         self._to_remove: list[int] = []
         self._wake = asyncio.Event()
@@ -202,7 +202,7 @@ class LocalEngine(SoloSteps, CacheSteps):
             problem = f"the engine holds its maximum of {self.max_sequences} sequences"
         if problem is not None:
             return problem
-        self._seqs[e.request_id] = Seq(
+        self._seqs[e.request_id] = EngineSeq(
             e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink,
             context=context, resumed=int(getattr(cache[0], "offset", 0)) if cache else 0,
         )  # fmt: skip
@@ -232,7 +232,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         self._interrupt.set()
         self._wake.set()
 
-    async def _reply(self, msg: Any, seq: Seq | None = None) -> None:
+    async def _reply(self, msg: Any, seq: EngineSeq | None = None) -> None:
         if seq is not None and seq.sink is not None:
             seq.sink(msg)
             return
@@ -247,9 +247,9 @@ class LocalEngine(SoloSteps, CacheSteps):
                 await self._wake.wait()
                 continue
             self._interrupt.clear()  # before the snapshot: a later change stops the run
-            inserts = [s for s in self._seqs.values() if s.state is SeqState.QUEUED]
+            inserts = [s for s in self._seqs.values() if s.state is EngineSeqState.QUEUED]
             for s in inserts:
-                s.state = SeqState.RUNNING
+                s.state = EngineSeqState.RUNNING
             removals, self._to_remove = self._to_remove, []
             want_lp = {
                 r: s.entry.sampling.top_logprobs
@@ -306,7 +306,7 @@ class LocalEngine(SoloSteps, CacheSteps):
                     continue  # cancelled while the step ran
                 await self._reply(self._result(seq, items), seq)
 
-    def _result(self, seq: Seq, items: list[StepToken]) -> RunResult:
+    def _result(self, seq: EngineSeq, items: list[StepToken]) -> RunResult:
         """One message for what a run produced for ``seq`` (in order; a finish can only be
         the last): fewer hops per token than a message each, the same tokens."""
         first = seq.generated == 0
@@ -339,7 +339,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         removals: list[int],
         by_uid: dict[int, str],
         want_lp: dict[str, int],
-    ) -> StepOutput:
+    ) -> EngineStep:
         """Compute thread: apply joins and leaves, then run a run of steps (batched, or the
         sequence decoding alone).
 
@@ -347,7 +347,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         """
         gen = self._gen
         assert gen is not None
-        out = StepOutput()
+        out = EngineStep()
         if removals:
             # What a cancelled sequence computed still serves a later prompt: a client that
             # stops at a stop string (the frontend cancels it) or retries after leaving.
@@ -427,7 +427,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         responses: list[Any],
         by_uid: dict[int, str],
         want_lp: dict[str, int],
-        out: StepOutput,
+        out: EngineStep,
     ) -> bool:
         """Compute thread: one step's tokens into ``out``; True when a sequence produced its
         first token or finished."""
@@ -462,7 +462,7 @@ class LocalEngine(SoloSteps, CacheSteps):
         finish: str | None,
         logprobs: Any,
         want_lp: dict[str, int],
-        out: StepOutput,
+        out: EngineStep,
     ) -> None:
         lp = top = None
         if request_id in want_lp:

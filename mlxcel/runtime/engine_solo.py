@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel.runtime.engine_state import Insert, StepOutput
+from mlxcel.runtime.engine_state import EngineStep, Insert
 from mlxcel.runtime.sampling import needs_processors
 from mlxcel.runtime.solo import Solo
 
@@ -40,7 +40,7 @@ class SoloSteps:
         i = inserts[0]
         return i.cache is None and not i.keep_cache and not needs_processors(i.entry.sampling)
 
-    def _start_solo(self, i: Insert, out: StepOutput) -> None:
+    def _start_solo(self, i: Insert, out: EngineStep) -> None:
         cache, n = self._start(i)
         rid, tokens = i.entry.request_id, list(i.entry.token_ids)
         self._solo_uids -= 1  # negative: never one of the batch generator's uids
@@ -61,7 +61,7 @@ class SoloSteps:
         if n:
             out.cached[rid] = n
 
-    def _solo_step(self, solo: Solo, want_lp: dict[str, int], out: StepOutput) -> bool:
+    def _solo_step(self, solo: Solo, want_lp: dict[str, int], out: EngineStep) -> bool:
         t = solo.step()
         if t is None:
             return False  # a prefill chunk
@@ -76,7 +76,7 @@ class SoloSteps:
         solo: Solo,
         by_uid: dict[int, str],
         want_lp: dict[str, int],
-        out: StepOutput,
+        out: EngineStep,
     ) -> None:
         assert self._gen is not None
         t, rest = solo.hand_over()

@@ -17,7 +17,7 @@ from mlxcel.runtime.sampling import sampling_problem
 StepToken = tuple[str, int, str | None, float | None, tuple[list[int], list[float]] | None]
 
 
-class SeqState(enum.Enum):
+class EngineSeqState(enum.Enum):
     QUEUED = "queued"  # accepted, not yet handed to the batch generator
     RUNNING = "running"  # inside the batch generator (prefill or decode)
 
@@ -26,10 +26,10 @@ Sink = Callable[[RunResult | Error], None]
 
 
 @dataclass
-class Seq:
+class EngineSeq:
     entry: RunEntry
     source: str
-    state: SeqState = SeqState.QUEUED
+    state: EngineSeqState = EngineSeqState.QUEUED
     uid: int | None = None
     generated: int = 0
     # Disaggregated serving: a sequence may start from a handed-off cache (decode node) or
@@ -43,12 +43,12 @@ class Seq:
     resumed: int = 0  # positions a handed-off cache brought
 
 
-def kv_tokens(seqs: Iterable[Seq]) -> int:
+def kv_tokens(seqs: Iterable[EngineSeq]) -> int:
     """Positions the running sequences' caches hold (what the metrics call KV tokens)."""
     return sum(
         s.resumed + len(s.entry.token_ids) + s.generated
         for s in seqs
-        if s.state is SeqState.RUNNING
+        if s.state is EngineSeqState.RUNNING
     )
 
 
@@ -62,7 +62,7 @@ class Insert:
 
 
 @dataclass
-class StepOutput:
+class EngineStep:
     tokens: list[StepToken] = field(default_factory=list)
     prompt_tokens: int = 0
     steps: int = 0  # steps run: batched ones, and a lone sequence's (prefill chunks too)

@@ -19,7 +19,7 @@ from loguru import logger
 from mlxcel.bus import Envelope
 from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
 from mlxcel.runtime.engine import LocalEngine
-from mlxcel.runtime.engine_state import Insert, StepOutput
+from mlxcel.runtime.engine_state import EngineStep, Insert
 from mlxcel.tp.group import broadcast_step
 from mlxcel.tp.step_seal import StepSeal
 
@@ -53,7 +53,7 @@ class TpEngine(LocalEngine):
         removals: list[int],
         by_uid: dict[int, str],
         want_lp: dict[str, int],
-    ) -> StepOutput:
+    ) -> EngineStep:
         step = TpStep(
             tuple(
                 TpInsert(i.entry.request_id, i.entry.token_ids, i.entry.sampling) for i in inserts

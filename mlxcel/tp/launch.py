@@ -173,7 +173,7 @@ def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, si
         # Not response_format: the grammar's matcher would have to cross the handoff (or
         # run on every rank): refused by name.
         sampling=EXTENDED_SAMPLING - {"response_format"},
-        mode="tensor parallel",
+        label="tensor parallel",
         kv=lambda: figures(engine.kv_tokens(), loaded.config, loaded.n_layers, size),
     )
 

@@ -151,10 +151,10 @@ class _Side:
         out, self._out = bytes(self._out), bytearray()
         return out
 
-    def get_timer(self) -> float | None:
+    def next_timer(self) -> float | None:
         return None if self.finished else self.deadline
 
-    def handle_timer(self, now: float) -> None:
+    def on_timer(self, now: float) -> None:
         if not self.finished and now >= self.deadline:
             self._fail(Failure.TIMEOUT, "handshake did not finish within its deadline")
 
