@@ -17,10 +17,17 @@ from pathlib import Path
 import aiohttp
 
 import mlxcel
-from mlxcel.assembly import Generation, LocalSpec, start
-from mlxcel.bus import Envelope, Overflow
-from mlxcel.messages import RunResult, SamplingParams
-from mlxcel.runner import HttpOptions, NodeRunner
+from mlxcel import (
+    Envelope,
+    Generation,
+    HttpOptions,
+    LocalSpec,
+    NodeRunner,
+    Overflow,
+    RunResult,
+    SamplingParams,
+    start,
+)
 from mlxcel.runtime.checkpoint import write_checkpoint
 
 

@@ -1,5 +1,5 @@
 from mlxcel.cli.main import main
-from mlxcel.loop import die_with_parent
+from mlxcel.process.loop import die_with_parent
 
 if __name__ == "__main__":
     die_with_parent()

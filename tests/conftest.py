@@ -222,7 +222,7 @@ def start_server() -> Iterator[type[ServerProcess]]:
 
 
 async def collect(fe, prompt: str, n: int = 16, **kw) -> list[int]:  # type: ignore[no-untyped-def]
-    from mlxcel.messages import SamplingParams
+    from mlxcel.base.messages import SamplingParams
 
     toks: list[int] = []
     async with aclosing(

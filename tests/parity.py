@@ -169,7 +169,7 @@ async def against(url: str, model: str = "tiny") -> dict[str, dict[str, Any]]:
 
 async def served(serving: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
     """The script against ``serving`` behind a NodeRunner on a free port of this loop."""
-    from mlxcel.runner import HttpOptions, NodeRunner
+    from mlxcel.serving.runner import HttpOptions, NodeRunner
 
     runner = NodeRunner(serving, HttpOptions(port=0, model_name=model))
     await runner.setup()
@@ -186,7 +186,7 @@ _REFERENCE: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
 async def one_node(path: Any, model: str = "tiny") -> dict[str, dict[str, Any]]:
     """What one process answers: the reference every mode is held to (computed once per
     checkpoint in a test session: it never changes)."""
-    from mlxcel.assembly import LocalSpec, assemble
+    from mlxcel.serving.assembly import LocalSpec, assemble
 
     key = (str(path), model)
     if key not in _REFERENCE:

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxcel.base.errors import MlxcelError
 from mlxcel.bench.pipeline import aggregate_rate, loopback_pipeline, per_step_ms, step_totals
-from mlxcel.errors import MlxcelError
-from mlxcel.loop import run_async
+from mlxcel.process.loop import run_async
 
 
 def cpu_seconds(pid: int) -> float:
@@ -45,7 +45,7 @@ async def steady(fe: Any, streams: int, tokens: int, seconds: float) -> float:
 async def run(model: Path, mode: str, streams: int, tokens: int, seconds: float) -> dict:
     row: dict[str, Any] = {"mode": mode, "streams": streams, "tokens": tokens}
     if mode == "single":
-        from mlxcel.assembly import Generation, LocalSpec, assemble
+        from mlxcel.serving.assembly import Generation, LocalSpec, assemble
 
         gen = Generation(parallel=streams, max_batch_size=streams)
         async with assemble(LocalSpec(model), gen) as st:

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from mlxcel.assembly import Generation, PipelineSpec, assemble
 from mlxcel.bench.pipeline import aggregate_rate, decode_rate
+from mlxcel.serving.assembly import Generation, PipelineSpec, assemble
 
 
 async def one(

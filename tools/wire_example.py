@@ -6,7 +6,7 @@ recomputes these values and compares them with the document.
 
 from __future__ import annotations
 
-from mlxcel.messages import Ack
+from mlxcel.base.messages import Ack
 from mlxcel.wire.codec import encode
 from mlxcel.wire.frames import KIND_CONFIRM, KIND_MESSAGE, FrameSealer
 from mlxcel.wire.handshake import (

@@ -22,9 +22,9 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from mlxcel.frontend import Frontend, Usage
-from mlxcel.messages import SamplingParams
-from mlxcel.model_config import vocab_size
+from mlxcel.base.messages import SamplingParams
+from mlxcel.base.model_config import vocab_size
+from mlxcel.serving.frontend import Frontend, Usage
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -87,12 +87,12 @@ async def run_bench(
     long_len: int = 1536,
     json_lines: bool = False,
 ) -> int:
-    from mlxcel.assembly import DisaggSpec, Generation, LocalSpec, assemble
     from mlxcel.net.network import free_port
     from mlxcel.net.secret import keygen, load_cluster_secret
     from mlxcel.pipeline.launch import start_serve
     from mlxcel.runtime.blas import blas_name, colocated_env
-    from mlxcel.tokenizer import load_tokenizer
+    from mlxcel.serving.assembly import DisaggSpec, Generation, LocalSpec, assemble
+    from mlxcel.serving.tokenizer import load_tokenizer
 
     _tok, config = load_tokenizer(model)
     vocab = vocab_size(config)

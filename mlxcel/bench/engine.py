@@ -50,9 +50,9 @@ def mlx_lm_stream(
 
 async def mlxcel_stream(fe: Any, ids: list[int], tokens: int) -> tuple[Any, list[int]]:
     """One greedy request through mlxcel's frontend (the path ``serve`` takes): its
-    :class:`~mlxcel.frontend.Usage` and tokens."""
-    from mlxcel.frontend import Usage
-    from mlxcel.messages import SamplingParams
+    :class:`~mlxcel.serving.frontend.Usage` and tokens."""
+    from mlxcel.base.messages import SamplingParams
+    from mlxcel.serving.frontend import Usage
 
     u = Usage()
     out: list[int] = []
@@ -130,8 +130,8 @@ async def run_bench(
 
     from mlx_lm.utils import load
 
-    from mlxcel.assembly import Generation, LocalSpec, assemble
     from mlxcel.runtime.blas import blas_name
+    from mlxcel.serving.assembly import Generation, LocalSpec, assemble
 
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256

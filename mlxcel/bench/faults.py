@@ -39,7 +39,7 @@ from mlxcel.bench.netns_nodes import (
     keygen,
     wait_for,
 )
-from mlxcel.faults import Fault, applied
+from mlxcel.reactor.faults import Fault, applied
 
 __all__ = [
     "Client",

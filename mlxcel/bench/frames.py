@@ -32,12 +32,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from mlxcel.bus import Node
-from mlxcel.errors import ConnectionClosed, FrameError
+from mlxcel.base.errors import ConnectionClosed, FrameError
 from mlxcel.net.connection import SecureConnection
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
+from mlxcel.reactor.bus import Node
 from mlxcel.wire.frames import AeadProtection, ChaChaSuite, HmacSha256, Protection, Unprotected
 from mlxcel.wire.handshake import Identity
 
@@ -385,7 +385,7 @@ if __name__ == "__main__":  # the echo peer: python -m mlxcel.bench.frames --pee
     a = ap.parse_args()
     from loguru import logger
 
-    from mlxcel.loop import run_async
+    from mlxcel.process.loop import run_async
 
     logger.remove()
     run_async(run_peer(a.peer[0], a.peer[1], int(a.peer[2]), a.at))

@@ -149,13 +149,13 @@ def _member_fills(
     busy with handoffs it never commits, sending them again as they lapse."""
     import asyncio
 
-    from mlxcel.bus import Envelope, Node
-    from mlxcel.deadlines import deadline_in
-    from mlxcel.handoff import digest_of, tensor_digest
-    from mlxcel.messages import HandoffAck, KvHandoff, QueryState, SamplingParams, Tensor
+    from mlxcel.base.deadlines import deadline_in
+    from mlxcel.base.handoff import digest_of, tensor_digest
+    from mlxcel.base.messages import HandoffAck, KvHandoff, QueryState, SamplingParams, Tensor
     from mlxcel.net.listener import ClusterListener
     from mlxcel.net.pool import ConnectionPool
     from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.reactor.bus import Envelope, Node
     from mlxcel.wire.handshake import Identity
 
     layers, heads, kdim, vdim = dims
@@ -312,8 +312,8 @@ def message_flood(
     decode node refuses: only their memory matters here)."""
     import asyncio
 
+    from mlxcel.base.messages import Activation, SamplingParams, Tensor
     from mlxcel.bench.netns_nodes import CLUSTER_PORT
-    from mlxcel.messages import Activation, SamplingParams, Tensor
     from mlxcel.net.pool import ConnectionPool
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.wire.handshake import Identity
@@ -334,7 +334,7 @@ def message_flood(
             )
 
             async def member() -> None:
-                from mlxcel.bus import Node
+                from mlxcel.reactor.bus import Node
 
                 sec = load_cluster_secret(secret)
                 assert sec is not None

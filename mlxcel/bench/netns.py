@@ -10,7 +10,7 @@ machine's own networking is never touched), and can:
   failure, a laptop that slept;
 - ``slow(i, rate)``: shape host ``i``'s outgoing traffic with a token bucket (``tc tbf``);
 - ``cable_pulled(i, name)``, ``slow_link(i, rate, name)``: the same as
-  :class:`~mlxcel.faults.Fault` objects (apply and undo), for ``run_fault`` and ``applied``;
+  :class:`~mlxcel.reactor.faults.Fault` objects (apply and undo), for ``run_fault`` and ``applied``;
 - ``spawn(i, argv)``: start a process inside host ``i``.
 
 Needs root and ``ip``/``tc`` (iproute2). :func:`unavailable` says why not, when not.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from mlxcel.faults import Fault
+from mlxcel.reactor.faults import Fault
 
 
 def unavailable() -> str | None:

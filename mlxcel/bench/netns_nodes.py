@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.bench.netns import Hosts
-from mlxcel.faults import Fault
+from mlxcel.reactor.faults import Fault
 
 CLONE_NEWNET = 0x40000000
 HTTP_PORT = 8080

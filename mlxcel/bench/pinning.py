@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mlxcel.errors import ConfigError
+from mlxcel.base.errors import ConfigError
 
 
 def two_cores() -> tuple[int, int]:

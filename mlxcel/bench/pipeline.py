@@ -38,9 +38,9 @@ from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontex
 from pathlib import Path
 from typing import Any
 
-from mlxcel.frontend import Frontend, Usage
-from mlxcel.messages import SamplingParams
+from mlxcel.base.messages import SamplingParams
 from mlxcel.pipeline.coordinator import PipelineCoordinator
+from mlxcel.serving.frontend import Frontend, Usage
 
 PROMPT = "Pipeline benchmark: the quick brown fox jumps over the lazy dog"
 
@@ -103,11 +103,11 @@ async def loopback_pipeline(
     all batching up to ``streams`` rows like the one-process engine they are compared with.
     ``unprotected``: every connection's frames without AES-256-GCM (attribution only, see
     :mod:`mlxcel.bench.unprotected`)."""
-    from mlxcel.assembly import CoordinatorSpec, Generation, assemble
     from mlxcel.bench.unprotected import MODULE, frames_unprotected
     from mlxcel.net.secret import load_cluster_secret
     from mlxcel.pipeline.cluster_config import load_cluster_config
     from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.serving.assembly import CoordinatorSpec, Generation, assemble
 
     with (
         tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp,
@@ -215,8 +215,8 @@ async def _one_process_rows(  # type: ignore[no-untyped-def]
     """The rows one device runs: mlx-lm's own loop and split, single, inproc-2."""
     import time
 
-    from mlxcel.assembly import Generation, LocalSpec, PipelineSpec, assemble
     from mlxcel.runtime.compute import ComputeThread
+    from mlxcel.serving.assembly import Generation, LocalSpec, PipelineSpec, assemble
 
     most = max(counts)
     if reference:
@@ -269,9 +269,9 @@ def _hosts(rate: str | None) -> Iterator[Any]:
     if rate is None:
         yield None
         return
+    from mlxcel.base.errors import ConfigError
     from mlxcel.bench.netns import Hosts, unavailable
     from mlxcel.bench.netns_nodes import in_netns
-    from mlxcel.errors import ConfigError
     from mlxcel.pipeline.launch import Placement
 
     why = unavailable()

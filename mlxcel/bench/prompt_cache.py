@@ -42,8 +42,8 @@ async def _mlxcel_turn(fe: Any, ids: list[int], tokens: int) -> tuple[float, lis
 async def run_bench(model: Path, s: Any) -> int:
     from mlx_lm.utils import load
 
-    from mlxcel.assembly import Generation, LocalSpec, assemble
     from mlxcel.runtime.blas import blas_name
+    from mlxcel.serving.assembly import Generation, LocalSpec, assemble
 
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256

@@ -11,8 +11,14 @@ from mlxcel.bench.pipeline import aggregate_rate, decode_rate
 async def run_bench(
     model: Path, tokens: int, json_lines: bool, sizes: tuple[int, ...] = (1, 2), streams: int = 4
 ) -> int:
-    from mlxcel.assembly import Generation, LocalSpec, StackSpec, TensorParallelSpec, assemble
     from mlxcel.runtime.blas import blas_name
+    from mlxcel.serving.assembly import (
+        Generation,
+        LocalSpec,
+        StackSpec,
+        TensorParallelSpec,
+        assemble,
+    )
     from mlxcel.tp.group import pick_backend
 
     rows = []

@@ -1,7 +1,7 @@
 """Discovery beacons, sans-I/O: build a signed beacon, and judge one that arrived.
 
 A peer announces its assignment listener once a second over UDP. The beacon (a CBOR
-:class:`~mlxcel.messages.Beacon`) carries the mlxcel version, the advertised address, the
+:class:`~mlxcel.base.messages.Beacon`) carries the mlxcel version, the advertised address, the
 peer's wall-clock time and a random nonce, plus an HMAC-SHA256 over the encoding of all of
 them under a key derived from the cluster secret (HKDF, its own info string, so it shares no
 key with any connection). :class:`BeaconGate` checks, MAC first so that nobody without the
@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.hmac import HMAC
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from mlxcel.base.errors import BeaconRejected, DecodeError
+from mlxcel.base.messages import Beacon
 from mlxcel.bringup.protocol import Rejection
-from mlxcel.errors import BeaconRejected, DecodeError
-from mlxcel.messages import Beacon
 from mlxcel.net.network import split_hostport
 from mlxcel.wire.codec import decode, encode
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from mlxcel.base.errors import ModelLoadError
 from mlxcel.bringup.protocol import ModelIdentity
-from mlxcel.errors import ModelLoadError
 
 CHUNK = 8 << 20  # bytes read per update: large enough that hashlib releases the GIL
 CACHE_NAME = "weight-digests.json"
@@ -65,7 +65,7 @@ def model_identity(path: Path, weights: bool = True, cache: Path | None = None) 
 
 
 def default_cache() -> Path:
-    from mlxcel.home import home
+    from mlxcel.process.home import home
 
     return home() / CACHE_NAME
 
@@ -144,7 +144,7 @@ def _hash_files(files: list[Path]) -> dict[Path, str]:
 def _reporter(total: int, desc: str) -> Callable[..., None]:
     """Progress for a hash that takes over a second: a bar at a terminal, else a log line
     every 10 s."""
-    from mlxcel.progress import DELAY, bars_wanted
+    from mlxcel.process.progress import DELAY, bars_wanted
 
     if bars_wanted():
         from tqdm import tqdm

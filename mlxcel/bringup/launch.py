@@ -22,6 +22,7 @@ from pathlib import Path
 from loguru import logger
 
 from mlxcel import __version__
+from mlxcel.base.errors import AssignmentRefused, BringupFailed, ConfigError, MlxcelError
 from mlxcel.bringup.beacon import BEACON_PORT, BeaconGate, beacon_key, looks_like_beacon
 from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
@@ -29,8 +30,6 @@ from mlxcel.bringup.plan import BringupPlan, derived_range, peer_file
 from mlxcel.bringup.protocol import FRAME_BOUND, HANDSHAKE_BOUND, ModelIdentity
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import PeerService, PushService, beacon_announcer
-from mlxcel.bus import Node
-from mlxcel.errors import AssignmentRefused, BringupFailed, ConfigError, MlxcelError
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
@@ -38,6 +37,7 @@ from mlxcel.net.secret import ClusterSecret
 from mlxcel.net.udp import BeaconReceiver, BeaconSender
 from mlxcel.pipeline.cluster_config import ClusterConfig, parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, human_bytes, layer_costs
+from mlxcel.reactor.bus import Node
 from mlxcel.wire.handshake import Channel, Identity
 
 CONTROL_PORT = 19000  # the coordinator's control port when --cluster-control-addr is not given

@@ -14,6 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlxcel.base.effects import Effect, Send, Warn
+from mlxcel.base.errors import IllegalTransition, OfferRefused, PartitionError
+from mlxcel.base.messages import (
+    AssignAbort,
+    AssignAccepted,
+    AssignActivate,
+    AssignActivated,
+    AssignCommit,
+    AssignCommitted,
+    AssignOffer,
+    AssignRefused,
+    Message,
+)
 from mlxcel.bringup.protocol import (
     ASSIGNMENT_WAIT,
     BEACON_EVERY,
@@ -29,19 +42,6 @@ from mlxcel.bringup.protocol import (
     PeerState,
     Refusal,
     weights_mismatch,
-)
-from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import IllegalTransition, OfferRefused, PartitionError
-from mlxcel.messages import (
-    AssignAbort,
-    AssignAccepted,
-    AssignActivate,
-    AssignActivated,
-    AssignCommit,
-    AssignCommitted,
-    AssignOffer,
-    AssignRefused,
-    Message,
 )
 
 

@@ -12,7 +12,7 @@ Coordinator -> peer, per peer::
 
 Both sides are pure cores (:mod:`mlxcel.bringup.peer_core`, :mod:`mlxcel.bringup.push_core`)
 whose legal moves are the tables below; a message that does not fit raises
-:class:`~mlxcel.errors.IllegalTransition` from the lookup.
+:class:`~mlxcel.base.errors.IllegalTransition` from the lookup.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxcel.fsm import Table
+from mlxcel.base.fsm import Table
 
 PROTOCOL = 2  # the assignment protocol version; anything else is refused
 
@@ -221,7 +221,7 @@ STEP_TABLE: Table[PeerStep, PeerAnswer] = Table(
 )
 
 
-# --- effects only bring-up emits (the shared ones are in mlxcel.effects) ----------------------
+# --- effects only bring-up emits (the shared ones are in mlxcel.base.effects) ----------------------
 @dataclass(frozen=True, slots=True)
 class Announce:
     """Peer: send one discovery beacon now."""

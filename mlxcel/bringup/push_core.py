@@ -21,6 +21,19 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from mlxcel.base.effects import Effect, Send, Warn
+from mlxcel.base.errors import BeaconRejected, IllegalTransition, PartitionError
+from mlxcel.base.messages import (
+    AssignAbort,
+    AssignAccepted,
+    AssignActivate,
+    AssignActivated,
+    AssignCommit,
+    AssignCommitted,
+    AssignOffer,
+    AssignRefused,
+    Message,
+)
 from mlxcel.bringup.plan import BringupPlan, make_plan
 from mlxcel.bringup.protocol import (
     DISCOVERY_WINDOW,
@@ -42,19 +55,6 @@ from mlxcel.bringup.protocol import (
     PushDone,
     Rejection,
     Verify,
-)
-from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import BeaconRejected, IllegalTransition, PartitionError
-from mlxcel.messages import (
-    AssignAbort,
-    AssignAccepted,
-    AssignActivate,
-    AssignActivated,
-    AssignCommit,
-    AssignCommitted,
-    AssignOffer,
-    AssignRefused,
-    Message,
 )
 from mlxcel.pipeline.partition import LayerCosts, human_bytes
 

@@ -16,7 +16,18 @@ from collections.abc import Awaitable, Callable
 
 from loguru import logger
 
-from mlxcel.adapter import CoreAdapter
+from mlxcel.base.effects import Effect, Send
+from mlxcel.base.errors import AssignmentRefused, ConnectFailed, MlxcelError
+from mlxcel.base.messages import (
+    AssignAbort,
+    AssignAccepted,
+    AssignActivate,
+    AssignActivated,
+    AssignCommit,
+    AssignCommitted,
+    AssignOffer,
+    AssignRefused,
+)
 from mlxcel.bringup.beacon import BeaconGate, make_beacon
 from mlxcel.bringup.peer_core import PeerCore
 from mlxcel.bringup.protocol import (
@@ -31,21 +42,10 @@ from mlxcel.bringup.protocol import (
     Verify,
 )
 from mlxcel.bringup.push_core import PushCore
-from mlxcel.bus import Node, Origin
-from mlxcel.effects import Effect, Send
-from mlxcel.endpoint import Endpoint
-from mlxcel.errors import AssignmentRefused, ConnectFailed, MlxcelError
-from mlxcel.messages import (
-    AssignAbort,
-    AssignAccepted,
-    AssignActivate,
-    AssignActivated,
-    AssignCommit,
-    AssignCommitted,
-    AssignOffer,
-    AssignRefused,
-)
 from mlxcel.net.udp import SOURCE_RATE, BeaconReceiver, BeaconSender
+from mlxcel.reactor.adapter import CoreAdapter
+from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.endpoint import Endpoint
 from mlxcel.wire.handshake import Failure
 
 FLOOD_REPORT_EVERY = 5.0  # seconds between summaries of what discovery refused, while it does

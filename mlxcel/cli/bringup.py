@@ -11,7 +11,6 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.assembly import StackSpec
 from mlxcel.bringup.launch import (
     Discovery,
     await_assignment,
@@ -25,11 +24,12 @@ from mlxcel.bringup.launch import (
 from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import resolve_model
 from mlxcel.cli.http_checks import check_port
-from mlxcel.config import ServeSettings
-from mlxcel.loop import signals
+from mlxcel.config.settings import ServeSettings
 from mlxcel.net.network import split_hostport
 from mlxcel.net.secret import ClusterSecret
 from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.process.loop import signals
+from mlxcel.serving.assembly import StackSpec
 
 COORDINATOR_OUT = Path(".mlxcel/cluster.toml")
 
@@ -56,7 +56,7 @@ async def _peer_spec(
     # peer starts waiting: an activated stage then starts at once. On this thread: a worker
     # thread that touched MLX can abort the process at exit (a refused peer exits within a
     # second, and did, under load, with SIGABRT).
-    _load(("mlxcel.pipeline.remote", "mlxcel.runner"))
+    _load(("mlxcel.pipeline.remote", "mlxcel.serving.runner"))
     waiting = asyncio.ensure_future(
         await_assignment(
             path,

@@ -15,16 +15,16 @@ import time
 
 from loguru import logger
 
-from mlxcel.bus import Envelope, Node
-from mlxcel.config_tools import ClusterCheckSettings
-from mlxcel.deadlines import deadline_in, until
-from mlxcel.errors import ConfigError, MlxcelError
-from mlxcel.loop import signals
-from mlxcel.messages import Ack
+from mlxcel.base.deadlines import deadline_in, until
+from mlxcel.base.errors import ConfigError, MlxcelError
+from mlxcel.base.messages import Ack
+from mlxcel.config.tools import ClusterCheckSettings
 from mlxcel.net.interfaces import interface_ipv4, probe_rdma
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import load_cluster_secret
+from mlxcel.process.loop import signals
+from mlxcel.reactor.bus import Envelope, Node
 from mlxcel.wire.handshake import Identity
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.assembly import CoordinatorSpec, StackSpec, StageSpec
-from mlxcel.config import ServeSettings, router_stats_verbose
+from mlxcel.config.settings import ServeSettings, router_stats_verbose
 from mlxcel.net.secret import ClusterSecret, load_cluster_secret
 from mlxcel.pipeline.cluster_config import ClusterConfig, NodeSpec
+from mlxcel.serving.assembly import CoordinatorSpec, StackSpec, StageSpec
 
 
 def cluster_node_spec(

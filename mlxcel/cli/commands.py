@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from mlxcel.assembly import (
+from mlxcel.base.errors import ConfigError
+from mlxcel.config.settings import GenerateSettings, ServeSettings
+from mlxcel.config.tools import (
+    BenchBatchingSettings,
+    BenchFramesSettings,
+    CheckpointSettings,
+    DemoSettings,
+    KeygenSettings,
+)
+from mlxcel.process.home import embedded_model
+from mlxcel.serving.assembly import (
     Generation,
     LocalSpec,
     PipelineSpec,
@@ -20,21 +30,11 @@ from mlxcel.assembly import (
     TensorParallelSpec,
     assemble,
 )
-from mlxcel.config import GenerateSettings, ServeSettings
-from mlxcel.config_tools import (
-    BenchBatchingSettings,
-    BenchFramesSettings,
-    CheckpointSettings,
-    DemoSettings,
-    KeygenSettings,
-)
-from mlxcel.errors import ConfigError
-from mlxcel.home import embedded_model
-from mlxcel.prompts import generate_messages
+from mlxcel.serving.prompts import generate_messages
 
 if TYPE_CHECKING:
-    from mlxcel.frontend import Usage
-from mlxcel.messages import SamplingParams
+    from mlxcel.serving.frontend import Usage
+from mlxcel.base.messages import SamplingParams
 
 
 def resolve_model(model: str | None, shape: str = "tiny", family: str = "qwen3") -> Path:
@@ -52,7 +52,7 @@ def checkpoint(s: CheckpointSettings) -> int:
         raise ConfigError("--out", f"{s.out} is a file, not a folder")
     if s.out.is_dir() and any(s.out.iterdir()) and not s.force:
         raise ConfigError("--out", f"{s.out} is not empty (--force writes into it anyway)")
-    from mlxcel.progress import log_step
+    from mlxcel.process.progress import log_step
     from mlxcel.runtime.checkpoint import write_checkpoint
 
     write_checkpoint(s.out, s.shape, s.family, s.seed, s.quantize, progress=log_step)
@@ -85,7 +85,7 @@ async def generate(s: GenerateSettings) -> int:
             max_tokens=s.max_tokens,
             min_p=s.min_p,
         )
-        from mlxcel.frontend import Usage
+        from mlxcel.serving.frontend import Usage
 
         usage = Usage()
         async with aclosing(fe.stream(ids, params, usage=usage)) as it:
@@ -131,7 +131,7 @@ async def _tp_follower(s: GenerateSettings | ServeSettings, path: Path) -> bool:
     It meets rank 0 at rank 0's hostfile address and forms the ring at its own."""
     if s.tp_hostfile is None or _tp_rank(s) == 0:
         return False
-    from mlxcel.errors import ConfigError, MlxcelError
+    from mlxcel.base.errors import ConfigError, MlxcelError
     from mlxcel.tp.follower import join_message, run_follower
     from mlxcel.tp.group import cleartext_hosts, ring_digest, ring_of
     from mlxcel.tp.launch import HOSTFILE_NEEDS_SECRET
@@ -228,7 +228,7 @@ async def bench_batching(s: BenchBatchingSettings) -> int:
     async with assemble(LocalSpec(path), gen) as stack:
         fe = stack.frontend
 
-        from mlxcel.frontend import Usage
+        from mlxcel.serving.frontend import Usage
 
         async def one(i: int, n: int) -> Usage:
             u = Usage()
@@ -307,8 +307,8 @@ async def demo(s: DemoSettings) -> int:
 
     import aiohttp
 
-    from mlxcel.home import RANDOM_WEIGHTS_NOTE, is_embedded
     from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.process.home import RANDOM_WEIGHTS_NOTE, is_embedded
     from mlxcel.runtime.blas import ensure_blas
 
     model = resolve_model(s.model)

@@ -14,8 +14,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.config import ServeSettings
-from mlxcel.errors import ConfigError, ListenError
+from mlxcel.base.errors import ConfigError, ListenError
+from mlxcel.config.settings import ServeSettings
 from mlxcel.server.access import parse_origins
 
 

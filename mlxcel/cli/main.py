@@ -1,6 +1,6 @@
 """``python -m mlxcel`` / ``mlxcel`` / ``mlxcel-server``: the entry points.
 
-It configures logging and starts the loop through :mod:`mlxcel.loop` (the one place that
+It configures logging and starts the loop through :mod:`mlxcel.process.loop` (the one place that
 picks uvloop and handles signals); everything below runs on whatever loop it is given.
 """
 
@@ -14,15 +14,16 @@ from typing import Any
 from loguru import logger
 
 from mlxcel import __version__
-from mlxcel.config import GenerateSettings, ServeSettings
-from mlxcel.config_cli import (
+from mlxcel.base.errors import ConfigError, MlxcelError, PartitionError, PlatformUnsupported
+from mlxcel.config.cli import (
     OneLineParser,
     add_arguments,
     die,
     load_settings,
     unknown_arguments,
 )
-from mlxcel.config_tools import (
+from mlxcel.config.settings import GenerateSettings, ServeSettings
+from mlxcel.config.tools import (
     BenchBatchingSettings,
     BenchBringupSettings,
     BenchDisaggSettings,
@@ -41,10 +42,9 @@ from mlxcel.config_tools import (
     SimSettings,
     StatusSettings,
 )
-from mlxcel.errors import ConfigError, MlxcelError, PartitionError, PlatformUnsupported
-from mlxcel.logs import setup_logging
-from mlxcel.loop import run_async
-from mlxcel.platform_guard import DISTRIBUTED_FLAGS, refuse_distributed_on_windows
+from mlxcel.process.logs import setup_logging
+from mlxcel.process.loop import run_async
+from mlxcel.process.platform_guard import DISTRIBUTED_FLAGS, refuse_distributed_on_windows
 
 COMMANDS: dict[str, tuple[type, str]] = {
     "demo": (DemoSettings, "start a loopback 2-stage cluster, stream a chat completion, shut down"),
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(settings.log_level, settings.log_format)
     # Processes this one starts (stages, ranks, nodes) log in the same format.
     os.environ["MLXCEL_LOG_FORMAT"] = settings.log_format
-    for note in settings._notes:
+    for note in settings.notes:
         logger.info("note: {}", note)
     _enable_stack_dumps()
     if args.command not in ("keygen", "cluster-check", "status"):

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlxcel.config import GenerateSettings
-from mlxcel.config_mlx_lm import KV_GROUP_SIZES
-from mlxcel.errors import ConfigError
-from mlxcel.prompts import generate_messages
+from mlxcel.base.errors import ConfigError
+from mlxcel.config.mlx_lm import KV_GROUP_SIZES
+from mlxcel.config.settings import GenerateSettings
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.serving.prompts import generate_messages
 
 
 async def generate_one_stream(
@@ -94,7 +94,7 @@ def _generate(s: GenerateSettings, path: Path, draft_path: Path | None, prompt: 
 def _check_groups(loaded: Any, group: int) -> None:
     """mx.quantize groups the KV cache along its head dimension: refused here, by name, not
     as MLX's error from inside the first quantized step."""
-    from mlxcel.model_config import decoder_config
+    from mlxcel.base.model_config import decoder_config
 
     cfg = decoder_config(loaded.config)
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

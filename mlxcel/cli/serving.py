@@ -8,15 +8,15 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.assembly import DisaggSpec, Generation, StackSpec, assemble
 from mlxcel.cli.cluster_nodes import cluster_node_spec, cluster_secret
 from mlxcel.cli.commands import _print_plan, _tp_follower, resolve_model, single_host_spec
 from mlxcel.cli.http_checks import ApiOptions, api_options, check_context, check_port
-from mlxcel.config import ServeSettings, router_stats_verbose
-from mlxcel.home import RANDOM_WEIGHTS_NOTE, is_embedded
-from mlxcel.loop import signals
+from mlxcel.config.settings import ServeSettings, router_stats_verbose
 from mlxcel.net.connection import DEFAULT_PEER_TIMEOUT
-from mlxcel.stack import Stack
+from mlxcel.process.home import RANDOM_WEIGHTS_NOTE, is_embedded
+from mlxcel.process.loop import signals
+from mlxcel.serving.assembly import DisaggSpec, Generation, StackSpec, assemble
+from mlxcel.serving.stack import Stack
 
 
 async def serve(s: ServeSettings) -> int:
@@ -51,7 +51,7 @@ async def serve(s: ServeSettings) -> int:
             await _serve_http(s, stack, api)
         failure = stack.failure()
     if failure:
-        from mlxcel.errors import TpGroupFailed
+        from mlxcel.base.errors import TpGroupFailed
 
         raise TpGroupFailed(f"tensor-parallel group failed: {failure}")
     return 0
@@ -98,7 +98,7 @@ def _disagg_spec(s: ServeSettings) -> DisaggSpec:
 
 
 def _distributed_spec(s: ServeSettings) -> StackSpec | None:
-    from mlxcel.errors import ConfigError
+    from mlxcel.base.errors import ConfigError
     from mlxcel.pipeline.cluster_config import load_cluster_config
 
     assert s.distributed_config is not None
@@ -134,9 +134,9 @@ def _serves_http(spec: StackSpec) -> bool:
 
 async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> None:
     """Serve the HTTP API until a signal (or the stack is done), then drain and close."""
-    from mlxcel.errors import ConfigError
-    from mlxcel.runner import HttpOptions, NodeRunner
+    from mlxcel.base.errors import ConfigError
     from mlxcel.runtime.hub import is_hub_id
+    from mlxcel.serving.runner import HttpOptions, NodeRunner
 
     # A Hub model is served under its id, not its snapshot folder's hash.
     hub = s.model if s.model is not None and is_hub_id(s.model) else None
@@ -180,7 +180,7 @@ async def _serve_cluster_port(stack: Stack[Any], drain_timeout: float) -> None:
     """A stage, prefill or decode node: its cluster port only, until a signal (or a stage's
     shutdown order); then what it holds runs to its end (up to ``drain_timeout``)."""
     from mlxcel.net.interfaces import probe_rdma
-    from mlxcel.runner import NodeRunner
+    from mlxcel.serving.runner import NodeRunner
 
     runner = NodeRunner(stack, drain_timeout=drain_timeout)
     await runner.start()

@@ -7,9 +7,9 @@ import json
 import time
 from collections import Counter
 
-from mlxcel.config_tools import SimSettings
-from mlxcel.errors import ConfigError
-from mlxcel.logs import setup_logging
+from mlxcel.base.errors import ConfigError
+from mlxcel.config.tools import SimSettings
+from mlxcel.process.logs import setup_logging
 from mlxcel.sim.scenarios import Result, run_scenario
 
 

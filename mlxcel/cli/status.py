@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from mlxcel.config_tools import StatusSettings
-from mlxcel.errors import MlxcelError
+from mlxcel.base.errors import MlxcelError
+from mlxcel.config.tools import StatusSettings
 
 COLUMNS = ("node", "role", "layers", "health", "in flight", "sequences", "KV tokens", "last seen")
 

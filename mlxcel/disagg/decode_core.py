@@ -25,22 +25,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxcel.disagg.protocol import (
-    MAX_PARTS,
-    MAX_TOMBSTONES,
-    PREFILL_TIMEOUT,
-    SLOT_TABLE,
-    TOMBSTONE_TTL,
-    VERDICT_WAIT,
-    ResumeJob,
-    SlotEvent,
-    SlotState,
-    VerifyJob,
-)
-from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
-from mlxcel.errors import IllegalTransition
-from mlxcel.handoff import header, join
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, FreeCache, Send, StartCompute, Warn
+from mlxcel.base.errors import IllegalTransition
+from mlxcel.base.handoff import header, join
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
@@ -54,6 +42,18 @@ from mlxcel.messages import (
     SlotRequest,
     State,
     TokenResult,
+)
+from mlxcel.disagg.protocol import (
+    MAX_PARTS,
+    MAX_TOMBSTONES,
+    PREFILL_TIMEOUT,
+    SLOT_TABLE,
+    TOMBSTONE_TTL,
+    VERDICT_WAIT,
+    ResumeJob,
+    SlotEvent,
+    SlotState,
+    VerifyJob,
 )
 
 MAX_ROUTERS = 64  # router identities remembered (the newest that spoke to this node)
@@ -120,6 +120,16 @@ class DecodeCore:
     @property
     def active(self) -> int:
         return len(self.slots)
+
+    @property
+    def tombstones(self) -> int:
+        """How many cancelled requests it remembers (bounded)."""
+        return len(self._tombstones)
+
+    @property
+    def ended(self) -> int:
+        """How many ended handoffs it remembers (bounded)."""
+        return len(self._ended)
 
     def next_timer(self) -> float | None:
         times = [s.deadline for s in self.slots.values() if s.deadline is not None]

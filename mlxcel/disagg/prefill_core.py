@@ -18,23 +18,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxcel.disagg.protocol import (
-    LEASE,
-    LEASE_BYTES_PER_S,
-    LEASE_MAX,
-    LEASE_TABLE,
-    MAX_PARTS,
-    MAX_TOMBSTONES,
-    PART_BYTES,
-    PART_WINDOW,
-    PENALTY_CONTEXT,
-    LeaseEvent,
-    LeaseState,
-    PrefillJob,
-)
-from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Warn
-from mlxcel.handoff import Packed, Piece, digest_of, part_of, plan_parts
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, FreeCache, Send, StartCompute, Warn
+from mlxcel.base.handoff import Packed, Piece, digest_of, part_of, plan_parts
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
@@ -50,6 +36,20 @@ from mlxcel.messages import (
     State,
     TokenResult,
     prompt_problem,
+)
+from mlxcel.disagg.protocol import (
+    LEASE,
+    LEASE_BYTES_PER_S,
+    LEASE_MAX,
+    LEASE_TABLE,
+    MAX_PARTS,
+    MAX_TOMBSTONES,
+    PART_BYTES,
+    PART_WINDOW,
+    PENALTY_CONTEXT,
+    LeaseEvent,
+    LeaseState,
+    PrefillJob,
 )
 
 
@@ -105,6 +105,11 @@ class PrefillCore:
         self._ids = itertools.count(first_lease)
         self._finished: dict[tuple[str, str, int], None] = {}  # bounded, oldest first
         self.counts: Counter[str] = Counter()
+
+    @property
+    def finished(self) -> int:
+        """How many finished requests it remembers (bounded: a late duplicate is refused)."""
+        return len(self._finished)
 
     @property
     def active(self) -> int:

@@ -20,10 +20,10 @@ import enum
 from dataclasses import dataclass
 
 # router: dispatch -> first token (a long prompt takes a while); a setting, --prefill-timeout
-from mlxcel.defaults import HANDOFF_LEASE, HANDOFF_LEASE_MAX
-from mlxcel.defaults import PREFILL_TIMEOUT as PREFILL_TIMEOUT
-from mlxcel.fsm import Table
-from mlxcel.messages import ErrorCode, KvHandoff, SamplingParams
+from mlxcel.base.defaults import HANDOFF_LEASE, HANDOFF_LEASE_MAX
+from mlxcel.base.defaults import PREFILL_TIMEOUT as PREFILL_TIMEOUT
+from mlxcel.base.fsm import Table
+from mlxcel.base.messages import ErrorCode, KvHandoff, SamplingParams
 
 # --- bounds (seconds) ---------------------------------------------------------------------------
 HANDOFF_TIMEOUT = 30.0  # router: first token -> decode's first token, and between tokens

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlxcel.base.messages import RunEntry, TokenResult
 from mlxcel.disagg.protocol import RouteState
-from mlxcel.messages import RunEntry, TokenResult
 
 
 @dataclass

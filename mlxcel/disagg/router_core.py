@@ -1,7 +1,7 @@
 """The router's protocol core: node registry, balancing, failover, admission, result demux.
 
 Pure: ``handle(msg, source, now)``, ``on_timer(now)``, ``probe_result(...)``, ``peer_lost``
-and ``undeliverable`` return effects (see :mod:`mlxcel.effects`). The frontend's ``RunEntry``
+and ``undeliverable`` return effects (see :mod:`mlxcel.base.effects`). The frontend's ``RunEntry``
 and ``CancelRequest`` arrive with source ``local``; results arrive from the network with the
 sender's handshake-bound identity, and count only when that identity is one of the configured
 peers *and* the node this request was given to.
@@ -13,23 +13,9 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from mlxcel.disagg.protocol import (
-    DROP_GRACE,
-    HANDOFF_TIMEOUT,
-    MAX_EARLY,
-    MAX_RESTARTS,
-    NODE_CAPACITY,
-    PREFILL_TIMEOUT,
-    ROUTE_TABLE,
-    SEND_WAIT,
-    RouteEvent,
-    RouteState,
-)
-from mlxcel.disagg.route import Route
-from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
-from mlxcel.effects import Deliver, Effect, Send, Warn
-from mlxcel.membership import MembershipLog
-from mlxcel.messages import (
+from mlxcel.base.effects import Deliver, Effect, Send, Warn
+from mlxcel.base.membership import MembershipLog
+from mlxcel.base.messages import (
     LOCAL,
     CancelRequest,
     Error,
@@ -44,6 +30,20 @@ from mlxcel.messages import (
     TokenResult,
     prompt_problem,
 )
+from mlxcel.disagg.protocol import (
+    DROP_GRACE,
+    HANDOFF_TIMEOUT,
+    MAX_EARLY,
+    MAX_RESTARTS,
+    NODE_CAPACITY,
+    PREFILL_TIMEOUT,
+    ROUTE_TABLE,
+    SEND_WAIT,
+    RouteEvent,
+    RouteState,
+)
+from mlxcel.disagg.route import Route
+from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
 
 FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
 # Errors from a node that say a handoff between the two nodes failed (the link, or one of them)
@@ -81,6 +81,11 @@ class RouterCore:
     @property
     def active(self) -> int:
         return len(self.routes)
+
+    @property
+    def wire_ids(self) -> dict[str, str]:
+        """Each request in flight by the id it travels under (wire id -> request id)."""
+        return dict(self._wire)
 
     def online(self, role: str) -> list[str]:
         return [a for a in self.table.by_role[role] if self.nodes[a].online]

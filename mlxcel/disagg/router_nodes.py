@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.messages import State
+from mlxcel.base.messages import State
 
 AVOID_AFTER = 3  # handoffs failed in a row before the router routes around a node
 AVOID_FIRST = 5.0  # seconds it is routed around the first time; doubling each failure after

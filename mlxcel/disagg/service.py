@@ -1,6 +1,6 @@
 """The asyncio side of the disaggregated roles (bus, network, timers), and the router's.
 
-Each service is a :class:`~mlxcel.adapter.CoreAdapter` around its core; :class:`DisaggAdapter`
+Each service is a :class:`~mlxcel.reactor.adapter.CoreAdapter` around its core; :class:`DisaggAdapter`
 holds what the three share. The router service stands where the engine stands on a
 one-process node, between the frontend and the network, and probes its peers in the
 background. It holds no model, and nothing here imports MLX: the prefill and decode services,
@@ -13,15 +13,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mlxcel.adapter import CoreAdapter, LocalOutbox
-from mlxcel.bus import Node, Origin
-from mlxcel.deadlines import deadline_in
-from mlxcel.disagg.protocol import PROBE_INTERVAL
-from mlxcel.disagg.router_core import RouterCore
-from mlxcel.effects import Deliver, Effect, Send
-from mlxcel.endpoint import Endpoint
-from mlxcel.errors import BusError, ConnectFailed, MlxcelError, PeerSilent, SendFailed
-from mlxcel.messages import (
+from mlxcel.base.deadlines import deadline_in
+from mlxcel.base.effects import Deliver, Effect, Send
+from mlxcel.base.errors import BusError, ConnectFailed, MlxcelError, PeerSilent, SendFailed
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     Progress,
@@ -29,6 +24,11 @@ from mlxcel.messages import (
     State,
     TokenResult,
 )
+from mlxcel.disagg.protocol import PROBE_INTERVAL
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.reactor.adapter import CoreAdapter, LocalOutbox
+from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.endpoint import Endpoint
 
 # (address, deadline, fresh): raises if unreachable; ``fresh`` dials anew instead of trusting
 # an open connection (after a connection with the node dropped).

@@ -15,21 +15,21 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mlxcel.bus import Node
+from mlxcel.base.messages import EXTENDED_SAMPLING
+from mlxcel.base.model_config import context_length, vocab_size
+from mlxcel.base.topology import Topology, router_topology
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import RouterService
-from mlxcel.frontend import Frontend
-from mlxcel.messages import EXTENDED_SAMPLING
-from mlxcel.model_config import context_length, vocab_size
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.network import split_hostport
 from mlxcel.net.pool import ConnectionPool
 from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
-from mlxcel.specs import DisaggSpec, Generation
-from mlxcel.stack import Serving, Stack
-from mlxcel.tokenizer import load_tokenizer
-from mlxcel.topology import Topology, router_topology
+from mlxcel.reactor.bus import Node
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.specs import DisaggSpec, Generation
+from mlxcel.serving.stack import Serving, Stack
+from mlxcel.serving.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from mlxcel.runtime.engine import LocalEngine

@@ -11,15 +11,9 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mlxcel.bus import Node, Origin
-from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
-from mlxcel.disagg.service import DisaggAdapter
-from mlxcel.effects import Effect, FreeCache, StartCompute
-from mlxcel.endpoint import Endpoint
-from mlxcel.handoff import check as check_handoff
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, FreeCache, StartCompute
+from mlxcel.base.handoff import check as check_handoff
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
@@ -33,6 +27,12 @@ from mlxcel.messages import (
     SlotAnswer,
     SlotRequest,
 )
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
+from mlxcel.disagg.service import DisaggAdapter
+from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.endpoint import Endpoint
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures as kv_figures
 

@@ -8,21 +8,21 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.bus import Node
+from mlxcel.base.model_config import context_length, vocab_size
 from mlxcel.disagg.decode_core import DecodeConfig
 from mlxcel.disagg.prefill_core import PrefillConfig
 from mlxcel.disagg.protocol import NODE_CAPACITY, parse_allowlist
 from mlxcel.disagg.stack import RoleParts
 from mlxcel.disagg.worker_service import DecodeService, PrefillService
-from mlxcel.model_config import context_length, vocab_size
 from mlxcel.pipeline.cluster_config import ClusterSection
 from mlxcel.pipeline.remote import cluster_net
+from mlxcel.reactor.bus import Node
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel, load_model
-from mlxcel.specs import DisaggSpec, Generation
-from mlxcel.stack import Serving, Stack
+from mlxcel.serving.specs import DisaggSpec, Generation
+from mlxcel.serving.stack import Serving, Stack
 
 
 def _kv_dims(loaded: LoadedModel) -> tuple[int, int, int, int]:

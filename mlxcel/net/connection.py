@@ -25,10 +25,9 @@ import sys
 
 from loguru import logger
 
-from mlxcel.bus import Node
-from mlxcel.deadlines import until
-from mlxcel.defaults import PEER_TIMEOUT
-from mlxcel.errors import (
+from mlxcel.base.deadlines import until
+from mlxcel.base.defaults import PEER_TIMEOUT
+from mlxcel.base.errors import (
     ConnectionClosed,
     DeadlineExceeded,
     DecodeError,
@@ -37,11 +36,12 @@ from mlxcel.errors import (
     PeerSilent,
     QueueFull,
 )
-from mlxcel.messages import Message, Undecodable
+from mlxcel.base.messages import Message, Undecodable
 from mlxcel.net import send_queue
 from mlxcel.net.heap import TRIMMER
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.read_deadline import ReadDeadline
+from mlxcel.reactor.bus import Node
 from mlxcel.wire.codec import decode, encode, salvage, tensor_bytes
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -288,7 +288,7 @@ class SecureConnection:
                 pass
             if self.closed or loop.time() - self._last_write < interval:
                 continue
-            self._send_empty(KIND_KEEPALIVE)
+            self.send_control(KIND_KEEPALIVE)
 
     async def ping(self, deadline: float) -> float:
         """A round trip on this connection: ask the peer for a frame (PING) and wait until one
@@ -298,7 +298,7 @@ class SecureConnection:
         the peer is not answering) and :class:`ConnectionClosed` if it closes."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
-        self._send_empty(KIND_PING)
+        self.send_control(KIND_PING)
         try:
             async with until(deadline, f"an answer from {self.source}"):
                 while self.heard_at <= sent:
@@ -316,10 +316,10 @@ class SecureConnection:
 
     async def confirm(self) -> None:
         """The dialing side's first frame: proof that it holds the session keys."""
-        if not self._send_empty(KIND_CONFIRM):
+        if not self.send_control(KIND_CONFIRM):
             raise ConnectionClosed(f"{self!r} closed before confirming")
 
-    def _send_empty(self, kind: int) -> bool:
+    def send_control(self, kind: int) -> bool:
         """Write an empty control frame now, never waiting: not while a message is being
         written (it could land between that message's records -- and the records flowing
         already tell the peer this side is alive), not onto a closed stream. Nothing awaits
@@ -396,7 +396,7 @@ class SecureConnection:
                         f"{event.kind} from {self.source}",
                     )
                 elif isinstance(event, PingReceived):
-                    self._send_empty(KIND_KEEPALIVE)  # (a message being written answers too)
+                    self.send_control(KIND_KEEPALIVE)  # (a message being written answers too)
                 # KeepaliveReceived: it has done its job by arriving (the idle wait restarts).
         except BaseException:
             self._stream.close()

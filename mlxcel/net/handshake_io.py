@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mlxcel.errors import HandshakeError
+from mlxcel.base.errors import HandshakeError
 from mlxcel.wire.handshake import ClientHandshake, Established, Failure, ServerHandshake
 
 

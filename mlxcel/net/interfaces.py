@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.errors import InterfaceError
+from mlxcel.base.errors import InterfaceError
 
 
 def interface_ipv4(name: str) -> str:

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from mlxcel.bus import Node
-from mlxcel.errors import (
+from mlxcel.base.errors import (
     ConnectionClosed,
     DeadlineExceeded,
     FrameError,
@@ -55,6 +54,7 @@ from mlxcel.net.connection import (
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
+from mlxcel.reactor.bus import Node
 from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, Protection
 from mlxcel.wire.handshake import (
     HANDSHAKE_TIMEOUT,
@@ -176,6 +176,12 @@ class ClusterListener:
         self.refused_at_accept = 0
         self.evicted = 0  # outsiders' slots given to a source that held none
         self._server: asyncio.Server | None = None
+
+    @property
+    def slot_sources(self) -> list[str]:
+        """The sources the listener keeps pending-handshake slots for now (a source whose
+        last slot ended has no entry)."""
+        return list(self._slots)
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()

@@ -9,16 +9,17 @@ nodes of one process (identity = the node's name) -- same messages, no sockets.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from collections.abc import Callable
 
-from mlxcel.bus import Node
-from mlxcel.endpoint import Endpoint
-from mlxcel.errors import MlxcelError, SendFailed
-from mlxcel.messages import Message
+from mlxcel.base.errors import MlxcelError, SendFailed
+from mlxcel.base.messages import Message
 from mlxcel.net.listener import ClusterListener
 from mlxcel.net.pool import ConnectionPool
+from mlxcel.reactor.bus import Node
+from mlxcel.reactor.endpoint import Endpoint
 
 __all__ = ["Endpoint", "LocalEndpoint", "LocalFabric", "ReplyEndpoint", "SendFailed", "TcpEndpoint"]
 
@@ -107,6 +108,30 @@ def _ephemeral() -> tuple[int, int]:
         except (OSError, ValueError):
             _EPHEMERAL = (32768, 65535)  # elsewhere: stay below the usual ranges
     return _EPHEMERAL
+
+
+def check_address(address: str, flag: str, port_zero: bool) -> None:
+    """IP:PORT with a literal IP (identities are bound to source IPs, so no host names), in
+    the one form identities are compared in: no leading zeros, IPv6 in brackets."""
+    host, sep, port = address.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        canonical = f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+        ok = (
+            bool(sep)
+            and port.isdigit()
+            and (port_zero or int(port) > 0)
+            and int(port) < 65536
+            and address == canonical
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        zero = " (port 0: any free port)" if port_zero else ""
+        raise ValueError(
+            f"{flag}: expected IP:PORT with a literal IP{zero} (IPv6 as [IP]:PORT, no leading "
+            f"zeros), got {address!r}"
+        )
 
 
 def split_hostport(address: str) -> tuple[str, int]:

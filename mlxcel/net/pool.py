@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from mlxcel.bus import Node
-from mlxcel.deadlines import until
-from mlxcel.errors import ConnectFailed, ConnectionClosed, DeadlineExceeded, HandshakeError
+from mlxcel.base.deadlines import until
+from mlxcel.base.errors import ConnectFailed, ConnectionClosed, DeadlineExceeded, HandshakeError
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_PEER_TIMEOUT,
@@ -32,6 +31,7 @@ from mlxcel.net.connection import (
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.ratelimit import WarningLimiter
 from mlxcel.net.secret import ClusterSecret
+from mlxcel.reactor.bus import Node
 from mlxcel.wire.frames import DEFAULT_MAX_MESSAGE, AeadProtection, Protection
 from mlxcel.wire.handshake import HANDSHAKE_TIMEOUT, Channel, ClientHandshake, Failure, Identity
 
@@ -114,6 +114,12 @@ class ConnectionPool:
                 c.close()
 
         node.on_close(close_all)
+
+    @property
+    def dialing(self) -> set[tuple[str, int]]:
+        """The destinations whose dial lock the pool keeps now (one per dial in flight or
+        connection open; a destination that refused keeps none)."""
+        return set(self._locks)
 
     @property
     def bytes_out(self) -> int:

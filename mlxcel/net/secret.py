@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.errors import SecretError
+from mlxcel.base.errors import SecretError
 
 MIN_SECRET_BYTES = 16
 SOURCES = (

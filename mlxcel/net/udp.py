@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
-from mlxcel.errors import ListenError
+from mlxcel.base.errors import ListenError
 
 MAX_DATAGRAM = 2048  # a beacon is far smaller: a larger datagram is dropped unread (and counted)
 SOURCE_RATE = 10.0  # datagrams a second one source may have judged ...
@@ -81,6 +81,11 @@ class SourceBudget:
         # ip -> [tokens, when last heard], least recently heard first
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()
         self.shared = [burst, 0.0]  # the newcomers' bucket while every other one is in use
+
+    @property
+    def sources(self) -> list[str]:
+        """The sources that have a bucket now, least recently heard first."""
+        return list(self._buckets)
 
     def allow(self, ip: str, now: float) -> bool:
         b = self._buckets.get(ip)

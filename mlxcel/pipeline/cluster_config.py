@@ -22,7 +22,7 @@ memory_gb = 8                      # optional: weight the automatic split, refus
 ```
 
 Stages run in the order they are listed. Validation is by pydantic; an invalid file is a
-:class:`~mlxcel.errors.ConfigError` naming the field.
+:class:`~mlxcel.base.errors.ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from mlxcel.errors import ConfigError
+from mlxcel.base.errors import ConfigError
 from mlxcel.net.connection import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_MEMORY_BUDGET,

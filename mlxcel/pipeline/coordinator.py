@@ -18,14 +18,10 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.adapter import CoreAdapter, LocalOutbox
-from mlxcel.bus import Node, Origin
-from mlxcel.defaults import PREFILL_STEP_SIZE
-from mlxcel.effects import Answer, Deliver, Effect
-from mlxcel.endpoint import Endpoint
-from mlxcel.errors import BusError, MlxcelError, PipelineError
-from mlxcel.frontend import Frontend
-from mlxcel.messages import (
+from mlxcel.base.defaults import PREFILL_STEP_SIZE
+from mlxcel.base.effects import Answer, Deliver, Effect
+from mlxcel.base.errors import BusError, MlxcelError, PipelineError
+from mlxcel.base.messages import (
     EXTENDED_SAMPLING,
     Ack,
     Bundle,
@@ -40,9 +36,13 @@ from mlxcel.messages import (
     Tensor,
     Undecodable,
 )
+from mlxcel.base.topology import Topology, pipeline_topology
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
-from mlxcel.stack import Serving
-from mlxcel.topology import Topology, pipeline_topology
+from mlxcel.reactor.adapter import CoreAdapter, LocalOutbox
+from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.endpoint import Endpoint
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.stack import Serving
 
 __all__ = ["PipelineCoordinator", "PipelineError", "coordinator_serving"]
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import collections
 from collections import Counter
 
-from mlxcel.defaults import PREFILL_STEP_SIZE
-from mlxcel.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
-from mlxcel.errors import PipelineError
-from mlxcel.membership import MembershipLog
-from mlxcel.messages import (
+from mlxcel.base.defaults import PREFILL_STEP_SIZE
+from mlxcel.base.effects import Answer, Deliver, Effect, ResetPeer, Send, Warn
+from mlxcel.base.errors import PipelineError
+from mlxcel.base.membership import MembershipLog
+from mlxcel.base.messages import (
     LOCAL,
     Ack,
     CancelRequest,

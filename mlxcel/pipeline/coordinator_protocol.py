@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.effects import Effect, Send
-from mlxcel.fsm import Table
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, Send
+from mlxcel.base.fsm import Table
+from mlxcel.base.messages import (
     MAX_STEP_ROWS,
     ErrorCode,
     Message,

@@ -9,9 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from mlxcel.bus import Node
-from mlxcel.frontend import Frontend
-from mlxcel.model_config import context_length
+from mlxcel.base.model_config import context_length
 from mlxcel.net.network import LocalFabric
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
 from mlxcel.pipeline.partition import StagePlan
@@ -19,10 +17,12 @@ from mlxcel.pipeline.split import make_plan
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
+from mlxcel.reactor.bus import Node
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
-from mlxcel.specs import Generation, PipelineSpec
-from mlxcel.stack import Stack
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.specs import Generation, PipelineSpec
+from mlxcel.serving.stack import Stack
 
 STEP_TIMEOUT = 30.0  # the coordinator's step deadline (its stages report progress within it)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.errors import MlxcelError
+from mlxcel.base.errors import MlxcelError
 from mlxcel.net.network import free_port
 from mlxcel.net.secret import keygen
 from mlxcel.runtime.blas import colocated_env

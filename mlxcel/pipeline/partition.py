@@ -20,8 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel.errors import PartitionError
-from mlxcel.model_config import active_fraction, decoder_config
+from mlxcel.base.errors import PartitionError
+from mlxcel.base.model_config import active_fraction, decoder_config
 
 # The decoder's prefix in multimodal-shaped checkpoints (Qwen 3.5, Kimi K3): mlx-lm saves
 # ``language_model.model.``, Hugging Face ships ``model.language_model.``.

@@ -18,13 +18,11 @@ from pathlib import Path
 
 from loguru import logger
 
+from mlxcel.base.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
+from mlxcel.base.messages import State
+from mlxcel.base.model_config import context_length, vocab_size
 from mlxcel.bringup.identity import model_identity
 from mlxcel.bringup.protocol import ModelIdentity, weights_mismatch
-from mlxcel.bus import Node
-from mlxcel.errors import ConfigError, ConnectFailed, MlxcelError, PipelineError
-from mlxcel.frontend import Frontend
-from mlxcel.messages import State
-from mlxcel.model_config import context_length, vocab_size
 from mlxcel.net.connection import MemoryBudget
 from mlxcel.net.interfaces import interface_ipv4
 from mlxcel.net.listener import ClusterListener, Limits
@@ -35,9 +33,11 @@ from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterSection, NodeSp
 from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
 from mlxcel.pipeline.partition import StagePlan
 from mlxcel.pipeline.split import CLUSTER_SOURCES, make_plan
-from mlxcel.specs import CoordinatorSpec, Generation
-from mlxcel.stack import Stack
-from mlxcel.tokenizer import load_tokenizer
+from mlxcel.reactor.bus import Node
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.specs import CoordinatorSpec, Generation
+from mlxcel.serving.stack import Stack
+from mlxcel.serving.tokenizer import load_tokenizer
 from mlxcel.wire.handshake import Identity
 
 

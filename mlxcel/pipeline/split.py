@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlxcel.errors import PartitionError
+from mlxcel.base.errors import PartitionError
 from mlxcel.pipeline.partition import StagePlan, auto_split, layer_costs, parse_layers, plan
 from mlxcel.runtime.families import check_splittable, layer_count
 

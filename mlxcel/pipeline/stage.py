@@ -17,11 +17,8 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from mlxcel.adapter import CoreAdapter
-from mlxcel.bus import Node, Origin
-from mlxcel.effects import Effect, FreeCache, StartCompute, Stopped
-from mlxcel.endpoint import Endpoint
-from mlxcel.messages import Bundle, Undecodable
+from mlxcel.base.effects import Effect, FreeCache, StartCompute, Stopped
+from mlxcel.base.messages import Bundle, Undecodable
 from mlxcel.pipeline.stage_core import StageCore
 from mlxcel.pipeline.stage_protocol import (
     MAY_SEND,
@@ -33,6 +30,9 @@ from mlxcel.pipeline.stage_protocol import (
     StepOutput,
 )
 from mlxcel.pipeline.stage_runtime import StageRuntime
+from mlxcel.reactor.adapter import CoreAdapter
+from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.endpoint import Endpoint
 from mlxcel.runtime.compute import ComputeThread
 
 __all__ = ["StageConfig", "StageService", "StageState"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlxcel.messages import (
+from mlxcel.base.messages import (
     MAX_STEP_ROWS,
     Activation,
     Message,
@@ -21,9 +21,10 @@ from mlxcel.messages import (
     StepEntry,
     StepResult,
     Tensor,
+    join_rows,
+    take_rows,
 )
 from mlxcel.pipeline.stage_protocol import Row, Sampled, Step, StepOutput
-from mlxcel.tensor import join_rows, take_rows
 
 
 def rows_problem(m: StepEntry | StepActivation) -> str | None:

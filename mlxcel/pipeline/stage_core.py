@@ -2,7 +2,7 @@
 
 :class:`StageCore` decides; :class:`mlxcel.pipeline.stage.StageService` (over the bus) and
 :mod:`mlxcel.sim` (on a virtual clock) carry out what it decides. Every entry point takes the
-current time as an argument and returns a list of :mod:`mlxcel.effects`.
+current time as an argument and returns a list of :mod:`mlxcel.base.effects`.
 
 Authorization (by the authenticated source of each message) is the table ``MAY_SEND``:
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from mlxcel.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
-from mlxcel.errors import ProtocolError
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
+from mlxcel.base.errors import ProtocolError
+from mlxcel.base.messages import (
     MAX_STEP_ROWS,
     Ack,
     Activation,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mlxcel.effects import Effect, Send, Warn
-from mlxcel.errors import ProtocolError
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect, Send, Warn
+from mlxcel.base.errors import ProtocolError
+from mlxcel.base.messages import (
     MAX_STEP_ROWS,
     Activation,
     Error,

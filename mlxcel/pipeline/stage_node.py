@@ -10,15 +10,15 @@ from contextlib import asynccontextmanager
 from loguru import logger
 
 from mlxcel.bringup.identity import model_identity
-from mlxcel.bus import Node
 from mlxcel.pipeline.remote import cluster_plan, node_net
 from mlxcel.pipeline.stage import StageConfig, StageService
 from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
+from mlxcel.reactor.bus import Node
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.model import LayerRange, load_model
-from mlxcel.specs import Generation, StageSpec
-from mlxcel.stack import Serving, Stack
+from mlxcel.serving.specs import Generation, StageSpec
+from mlxcel.serving.stack import Serving, Stack
 
 
 @asynccontextmanager

@@ -15,9 +15,9 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
-from mlxcel.defaults import PREFILL_STEP_SIZE
-from mlxcel.fsm import Table
-from mlxcel.messages import (
+from mlxcel.base.defaults import PREFILL_STEP_SIZE
+from mlxcel.base.fsm import Table
+from mlxcel.base.messages import (
     Activation,
     BeginDrain,
     CancelRequest,

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcel.messages import DeviceTensor, ErrorCode, Tensor
+from mlxcel.base.messages import DeviceTensor, ErrorCode, Tensor, join_rows, take_rows
 from mlxcel.pipeline.stage_protocol import (
     ComputeJob,
     Row,
@@ -32,7 +32,6 @@ from mlxcel.runtime.kv_usage import figures as kv_figures
 from mlxcel.runtime.model import LayerRange, cache_arrays, extract_row, merge_rows
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors, to_tensor
-from mlxcel.tensor import join_rows, take_rows
 
 SPANS_KEPT = 1024  # job timestamps a stage keeps for its timeline
 # Start the entry stage's next step early only for this many rows or fewer. Measured on one
@@ -111,7 +110,7 @@ class StageRuntime:
 
     With ``device_handoff`` (the next stage is in this process and runs its jobs on the same
     compute thread) an activation is not evaluated here: the job submits it and returns a
-    :class:`~mlxcel.messages.DeviceTensor`, and the next stage builds its graph on it while the
+    :class:`~mlxcel.base.messages.DeviceTensor`, and the next stage builds its graph on it while the
     device computes it. Otherwise a step is evaluated once and copied to the host once.
 
     ``ahead_to`` (the last stage of an in-process pipeline, pointing at the entry stage's
@@ -140,6 +139,11 @@ class StageRuntime:
         self._pos: dict[SeqKey, int] = {}  # positions each sequence's cache holds
         self.ahead_used = 0  # decode steps served from a step started ahead
         self.ahead_undone = 0
+
+    @property
+    def started_ahead(self) -> tuple[SeqKey, ...]:
+        """The rows of the decode step started ahead, not yet asked for (none: ())."""
+        return () if self._ahead is None else self._ahead.keys
 
     def kv_figures(self, tokens: int) -> dict[str, int]:
         """The KV-cache figures a State reports for ``tokens`` held by this layer range."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from loguru import logger
 
-from mlxcel.messages import SamplingParams
+from mlxcel.base.messages import SamplingParams
 from mlxcel.pipeline.stage_protocol import ComputeJob, SeqKey, Step
 from mlxcel.runtime.tensors import to_tensor
 

@@ -206,7 +206,7 @@ def colocated_env(processes: int) -> dict[str, str]:
     They take turns on the same cores: each gets its share of BLAS threads, and OpenBLAS's
     idle worker threads sleep after a short spin (2^4 cycles) instead of busy-waiting, which
     would steal the cores the working process needs. Values the user set win. The process
-    also goes when this one goes (:func:`mlxcel.loop.die_with_parent`).
+    also goes when this one goes (:func:`mlxcel.process.loop.die_with_parent`).
     """
     env = dict(os.environ)
     env["MLXCEL_PARENT_PID"] = str(os.getpid())

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxcel.model_config import decoder_config
-from mlxcel.progress import slow_task, step_bar
+from mlxcel.base.model_config import decoder_config
+from mlxcel.process.progress import slow_task, step_bar
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

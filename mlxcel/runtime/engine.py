@@ -20,11 +20,10 @@ from typing import Any
 from loguru import logger
 from mlx_lm.generate import BatchGenerator
 
-from mlxcel.bus import Envelope, Node
-from mlxcel.deadlines import deadline_in
-from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STREAM_INTERVAL
-from mlxcel.handoff import Packed
-from mlxcel.messages import (
+from mlxcel.base.deadlines import deadline_in
+from mlxcel.base.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STREAM_INTERVAL
+from mlxcel.base.handoff import Packed
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
@@ -32,6 +31,7 @@ from mlxcel.messages import (
     RunEntry,
     RunResult,
 )
+from mlxcel.reactor.bus import Envelope, Node
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine_caches import CacheSteps
 from mlxcel.runtime.engine_solo import SoloSteps
@@ -124,6 +124,11 @@ class LocalEngine(SoloSteps, CacheSteps):
 
     def kv_tokens(self) -> int:
         return kv_tokens(self._seqs.values())
+
+    @property
+    def decoding_alone(self) -> bool:
+        """Whether a request decodes on its own cache now, outside the batch generator."""
+        return self._solo is not None
 
     def batch_cache_rows(self) -> int:
         """Sequences holding KV caches on the compute side (batch rows, the one alone)."""

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.handoff import Packed
-from mlxcel.messages import Error, RunEntry, RunResult, prompt_problem
-from mlxcel.model_config import context_length, vocab_size
+from mlxcel.base.handoff import Packed
+from mlxcel.base.messages import Error, RunEntry, RunResult, prompt_problem
+from mlxcel.base.model_config import context_length, vocab_size
 from mlxcel.runtime.sampling import sampling_problem
 
 # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxcel.errors import ModelLoadError
-from mlxcel.model_config import decoder_config
+from mlxcel.base.errors import ModelLoadError
+from mlxcel.base.model_config import decoder_config
 
 if TYPE_CHECKING:
     import mlx.core as mx

@@ -1,5 +1,5 @@
 """The logits processor of structured output: each step's logits masked to the tokens
-llguidance's matcher allows (see :mod:`mlxcel.grammar`).
+llguidance's matcher allows (see :mod:`mlxcel.serving.grammar`).
 
 Like the other processors it runs once per sampled token. It reads the token sampled at the
 previous call from the history the node passes (the last entry, whatever window precedes
@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.grammar import matcher_for
+from mlxcel.serving.grammar import matcher_for
 
 
 class GrammarMask:

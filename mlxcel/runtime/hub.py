@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from mlxcel.errors import ConfigError
+from mlxcel.base.errors import ConfigError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt"]

@@ -5,7 +5,7 @@ Rotating (sliding-window) caches, SSM/recurrent state and composite caches canno
 serialised into that shape, so :func:`unsupported_reason` names them and the prefill node
 refuses those requests before any work. Everything here runs on the compute thread (MLX
 arrays belong to the thread that made them). Checking a received handoff needs no MLX and
-runs elsewhere (:func:`mlxcel.handoff.check`).
+runs elsewhere (:func:`mlxcel.base.handoff.check`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcel.handoff import Packed, tensor_digest
-from mlxcel.messages import KvHandoff
+from mlxcel.base.handoff import Packed, tensor_digest
+from mlxcel.base.messages import KvHandoff
 from mlxcel.runtime.tensors import from_tensor, to_tensor
 
 

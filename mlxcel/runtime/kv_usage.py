@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.model_config import decoder_config
+from mlxcel.base.model_config import decoder_config
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -18,10 +18,10 @@ import mlx.nn as nn
 from loguru import logger
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxcel.errors import ConfigError, ModelLoadError
-from mlxcel.logs import adopt_library_logging
-from mlxcel.model_config import decoder_config, vocab_size
-from mlxcel.progress import slow_task
+from mlxcel.base.errors import ConfigError, ModelLoadError
+from mlxcel.base.model_config import decoder_config, vocab_size
+from mlxcel.process.logs import adopt_library_logging
+from mlxcel.process.progress import slow_task
 from mlxcel.runtime.families import MaskKind, require_family
 
 SUBMIT_MIN_LAYERS = 8  # a range this long submits its first half early (see LayerRange)

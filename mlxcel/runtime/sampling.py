@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlxcel.grammar import MAX_GRAMMAR
-from mlxcel.messages import SamplingParams
+from mlxcel.base.messages import SamplingParams
+from mlxcel.serving.grammar import MAX_GRAMMAR
 
 Sampler = Callable[[mx.array], mx.array]
 

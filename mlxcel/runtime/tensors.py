@@ -1,4 +1,4 @@
-"""Conversion between MLX arrays and wire :class:`~mlxcel.messages.Tensor` values.
+"""Conversion between MLX arrays and wire :class:`~mlxcel.base.messages.Tensor` values.
 
 bfloat16 has no NumPy dtype, so it travels as its raw 16-bit patterns (a ``view`` as
 uint16): bit-exact both ways.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.messages import Tensor
+from mlxcel.base.messages import Tensor
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mlxcel.errors import ConfigError
+from mlxcel.base.errors import ConfigError
 
 # Liveness carries no credentials; the dashboard page holds no data (its polls of /cluster
 # send the key).

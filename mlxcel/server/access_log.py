@@ -12,8 +12,8 @@ from typing import Any
 from aiohttp import web
 from loguru import logger
 
-from mlxcel.frontend import Usage
 from mlxcel.server.responses import STREAM_ERROR
+from mlxcel.serving.frontend import Usage
 
 # What a generation request used, for its access line (a typed key where aiohttp has them).
 USAGE: Any = web.RequestKey("usage", Usage) if hasattr(web, "RequestKey") else "usage"

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from mlxcel.errors import AdmissionRejected
+from mlxcel.base.errors import AdmissionRejected
 
 BODIES_IN_FLIGHT = 8  # bodies of the maximum size handled at once (smaller ones: more)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mlxcel.topology import Topology
+from mlxcel.base.topology import Topology
 
 
 class ClusterView:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.frontend import Delta
+from mlxcel.serving.frontend import Delta
 
 # (token id, its logprob, its most likely alternatives as (id, logprob), best first)
 Entry = tuple[int, float, tuple[tuple[int, float], ...]]

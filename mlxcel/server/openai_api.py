@@ -2,7 +2,7 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (plain JSON or SSE streaming),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Handlers only translate: a request
-becomes a :class:`~mlxcel.frontend.Frontend` stream; every refusal is a typed error mapped to
+becomes a :class:`~mlxcel.serving.frontend.Frontend` stream; every refusal is a typed error mapped to
 an OpenAI-style body. A client that disconnects cancels its handler (aiohttp's
 ``handler_cancellation``), which closes the stream, which cancels the sequence and frees its
 cache.
@@ -21,12 +21,9 @@ from aiohttp import web
 from loguru import logger
 from pydantic import BaseModel, ValidationError
 
-from mlxcel.error_codes import http_status
-from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
-from mlxcel.frontend import Frontend, Usage
-from mlxcel.grammar import check_grammar
-from mlxcel.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
-from mlxcel.prompts import special_token_ids
+from mlxcel.base.error_codes import http_status
+from mlxcel.base.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
+from mlxcel.base.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
 from mlxcel.server import logprobs as lp
 from mlxcel.server.access import Cors, api_key_middleware
 from mlxcel.server.access_log import USAGE, access_log
@@ -43,6 +40,9 @@ from mlxcel.server.params import (
 from mlxcel.server.responses import Output, TokenMeter, account, sse, usage_body
 from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxcel.server.tools import tool_text_for
+from mlxcel.serving.frontend import Frontend, Usage
+from mlxcel.serving.grammar import check_grammar
+from mlxcel.serving.prompts import special_token_ids
 
 FRONTEND = web.AppKey("frontend", Frontend)
 METRICS = web.AppKey("metrics", Metrics)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlxcel.errors import RequestError
-from mlxcel.messages import SamplingParams
+from mlxcel.base.errors import RequestError
+from mlxcel.base.messages import SamplingParams
 from mlxcel.server.schemas import MAX_INT, ChatCompletionRequest, CompletionRequest
 
 
@@ -76,7 +76,7 @@ def fit_default(params: SamplingParams, prompt_len: int, limit: int | None) -> S
 
 def structured_grammar(req: ChatCompletionRequest | CompletionRequest) -> str:
     """The llguidance grammar of the request's response_format ("" for none or 'text');
-    the schema itself is compiled against the tokenizer later (mlxcel.grammar.check_grammar)."""
+    the schema itself is compiled against the tokenizer later (mlxcel.serving.grammar.check_grammar)."""
     fmt = getattr(req, "response_format", None)
     if fmt is None or fmt.type == "text":
         return ""
@@ -85,7 +85,7 @@ def structured_grammar(req: ChatCompletionRequest | CompletionRequest) -> str:
         raise unsupported(name, "does not combine with response_format: the grammar ends it")
     if req.stop:
         raise unsupported("stop", "does not combine with response_format: it would cut the JSON")
-    from mlxcel.grammar import grammar_for
+    from mlxcel.serving.grammar import grammar_for
 
     schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
     try:

@@ -9,12 +9,12 @@ from typing import Any
 from aiohttp import web
 from loguru import logger
 
-from mlxcel.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
-from mlxcel.frontend import Usage
-from mlxcel.messages import ErrorCode
+from mlxcel.base.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
+from mlxcel.base.messages import ErrorCode
 from mlxcel.server import logprobs as lp
 from mlxcel.server.metrics import Metrics
 from mlxcel.server.tools import ToolCallText
+from mlxcel.serving.frontend import Usage
 
 # The error code a stream ended with after its 200 went out (for the access log).
 STREAM_ERROR: Any = web.RequestKey("stream_error", str) if hasattr(web, "RequestKey") else "se"

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 from pydantic import ByteSize
 
-from mlxcel.bus import Node
-from mlxcel.frontend import Frontend
-from mlxcel.messages import EXTENDED_SAMPLING
-from mlxcel.model_config import context_length
+from mlxcel.base.messages import EXTENDED_SAMPLING
+from mlxcel.base.model_config import context_length
+from mlxcel.reactor.bus import Node
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel, load_model
-from mlxcel.specs import Generation, LocalSpec
-from mlxcel.stack import Serving, Stack
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.specs import Generation, LocalSpec
+from mlxcel.serving.stack import Serving, Stack
 
 
 @dataclass

@@ -248,7 +248,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template (vLLM's; Qwen3's enable_thinking, for one).
     chat_template_kwargs: dict[str, Any] | None = None
-    # Structured output (mlxcel.grammar).
+    # Structured output (mlxcel.serving.grammar).
     response_format: ResponseFormat | None = None
     # Known, not implemented: a request naming them gets a 400 (see params.refusals).
     functions: list[Any] | None = None

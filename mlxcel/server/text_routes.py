@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from mlxcel import __version__
-from mlxcel.errors import RequestError
+from mlxcel.base.errors import RequestError
 
 MAX_TOKENS_IN = 1 << 20  # ids one /detokenize may name (a body limit bounds it too)
 
@@ -120,6 +120,6 @@ def _decode(tokenizer: Any, ids: Any, vocab: int) -> str:
 
 
 def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
-    from mlxcel.prompts import encode_within
+    from mlxcel.serving.prompts import encode_within
 
     return encode_within(tokenizer, text, None, special=special)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel import __version__
+from mlxcel.base.effects import Effect
+from mlxcel.base.messages import Message
 from mlxcel.bringup.beacon import BeaconGate, beacon_key, make_beacon
 from mlxcel.bringup.peer_core import PeerCore, PeerFacts
 from mlxcel.bringup.protocol import (
@@ -33,12 +35,10 @@ from mlxcel.bringup.protocol import (
 )
 from mlxcel.bringup.push_core import PushConfig, PushCore
 from mlxcel.bringup.service import PeerService, PushService
-from mlxcel.bus import Node
-from mlxcel.effects import Effect
-from mlxcel.faults import Fault, FaultPlan
-from mlxcel.messages import Message
 from mlxcel.pipeline.cluster_config import parse_cluster_toml
 from mlxcel.pipeline.partition import LayerCosts, auto_split
+from mlxcel.reactor.bus import Node
+from mlxcel.reactor.faults import Fault, FaultPlan
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.network import Link, SimNetwork
 from mlxcel.sim.process import SimEndpoint, SimProcess, logged_errors

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from mlxcel.base.messages import RunResult
 from mlxcel.bringup.push_core import PushCore
-from mlxcel.messages import RunResult
 from mlxcel.pipeline import coordinator_core
 from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.sim.process import RUNNER_BUGS, runner_bugs

@@ -18,12 +18,8 @@ import random
 from dataclasses import dataclass, field
 from functools import partial
 
-from mlxcel.disagg.decode_core import DecodeConfig
-from mlxcel.disagg.prefill_core import PrefillConfig
-from mlxcel.disagg.protocol import LEASE
-from mlxcel.faults import Fault, FaultPlan, window
-from mlxcel.handoff import digest_of, tensor_digest
-from mlxcel.messages import (
+from mlxcel.base.handoff import digest_of, tensor_digest
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     HandoffAck,
@@ -33,6 +29,10 @@ from mlxcel.messages import (
     SamplingParams,
     TokenResult,
 )
+from mlxcel.disagg.decode_core import DecodeConfig
+from mlxcel.disagg.prefill_core import PrefillConfig
+from mlxcel.disagg.protocol import LEASE
+from mlxcel.reactor.faults import Fault, FaultPlan, window
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.disagg_hosts import (
     CLIENT_TIMEOUT,

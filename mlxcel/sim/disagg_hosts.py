@@ -16,15 +16,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from mlxcel.bus import Envelope, Node, Origin
-from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import ResumeJob
-from mlxcel.disagg.router_core import RouterCore
-from mlxcel.disagg.service import RouterService
-from mlxcel.disagg.worker_service import DecodeService, PrefillService
-from mlxcel.handoff import Packed, digest_of, tensor_digest
-from mlxcel.messages import (
+from mlxcel.base.handoff import Packed, digest_of, tensor_digest
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     HandoffVerdict,
@@ -35,6 +28,13 @@ from mlxcel.messages import (
     SamplingParams,
     Tensor,
 )
+from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
+from mlxcel.disagg.protocol import ResumeJob
+from mlxcel.disagg.router_core import RouterCore
+from mlxcel.disagg.service import RouterService
+from mlxcel.disagg.worker_service import DecodeService, PrefillService
+from mlxcel.reactor.bus import Envelope, Node, Origin
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.compute import SimCompute
 from mlxcel.sim.hosts import Outcome

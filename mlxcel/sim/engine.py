@@ -1,8 +1,8 @@
 """The serving engine under the simulator: ``python -m mlxcel sim --scenario engine``.
 
 The one-process node's own code -- :class:`~mlxcel.runtime.engine.LocalEngine` (mlx-lm's
-batch generator, the solo path, joins and leaves) and the :class:`~mlxcel.frontend.Frontend`
-(admission, per-request streams, deadlines, cancellation) on a :class:`~mlxcel.bus.Node` --
+batch generator, the solo path, joins and leaves) and the :class:`~mlxcel.serving.frontend.Frontend`
+(admission, per-request streams, deadlines, cancellation) on a :class:`~mlxcel.reactor.bus.Node` --
 runs on the virtual loop over the real tiny checkpoint. Only its compute thread is simulated
 (:class:`~mlxcel.sim.compute.SimCompute`: each job runs on the simulator's thread and takes
 ``STEP_S`` of virtual time, or more while a ``slow`` fault is on), and a run of decode steps
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from mlxcel.bus import Node
-from mlxcel.errors import AdmissionRejected, DeadlineExceeded
-from mlxcel.faults import Fault, FaultPlan, window
-from mlxcel.frontend import Frontend
-from mlxcel.messages import SamplingParams
+from mlxcel.base.errors import AdmissionRejected, DeadlineExceeded
+from mlxcel.base.messages import SamplingParams
+from mlxcel.reactor.bus import Node
+from mlxcel.reactor.faults import Fault, FaultPlan, window
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.model import LoadedModel
+from mlxcel.serving.frontend import Frontend
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.compute import SimCompute
 from mlxcel.sim.process import logged_errors

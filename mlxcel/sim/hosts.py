@@ -2,7 +2,7 @@
 
 Each host is a :class:`~mlxcel.sim.process.SimProcess` running what ``serve`` runs --
 :class:`StageService` or :class:`PipelineCoordinator`, their cores, the one effect runner
-(:class:`~mlxcel.adapter.CoreAdapter`) -- on the virtual loop, with a skewable clock. Only the
+(:class:`~mlxcel.reactor.adapter.CoreAdapter`) -- on the virtual loop, with a skewable clock. Only the
 compute (the fake model on a simulated compute thread) and the network are simulated.
 """
 
@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.bus import Envelope, Node, Origin
-from mlxcel.effects import Effect
-from mlxcel.faults import FaultPlan
-from mlxcel.messages import (
+from mlxcel.base.effects import Effect
+from mlxcel.base.messages import (
     CancelRequest,
     Error,
     Message,
@@ -28,6 +26,8 @@ from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.coordinator_core import CoordinatorCore
 from mlxcel.pipeline.stage import StageService
 from mlxcel.pipeline.stage_core import StageConfig, StageCore
+from mlxcel.reactor.bus import Envelope, Node, Origin
+from mlxcel.reactor.faults import FaultPlan
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.compute import SimCompute, SimStageRuntime
 from mlxcel.sim.model import FakeModel

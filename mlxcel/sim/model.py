@@ -6,7 +6,7 @@ token is the last output modulo the vocabulary. So a step run twice, skipped, ru
 sequence's cache or out of order changes every later token -- and :func:`reference` computes
 the right tokens without any network, for the invariant checks.
 
-Activations are real :class:`~mlxcel.messages.Tensor` messages of a configurable width (the
+Activations are real :class:`~mlxcel.base.messages.Tensor` messages of a configurable width (the
 bytes the simulated links carry); the first 8 bytes of each row hold the position's value.
 """
 
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlxcel.messages import ErrorCode, Tensor
+from mlxcel.base.messages import ErrorCode, Tensor, take_rows
 from mlxcel.pipeline.stage_protocol import ComputeJob, Sampled, SeqKey, StepFailed, StepOutput
-from mlxcel.tensor import take_rows
 
 MASK = (1 << 64) - 1
 PRIME = 0x100000001B3

@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxcel.errors import ConnectFailed
-from mlxcel.messages import Activation, Bundle, Message, RunResult, StepActivation
+from mlxcel.base.errors import ConnectFailed
+from mlxcel.base.messages import Activation, Bundle, Message, RunResult, StepActivation
 from mlxcel.sim.clock import Scheduler
 from mlxcel.wire.handshake_fields import Failure
 

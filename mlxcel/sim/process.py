@@ -1,8 +1,8 @@
-"""A simulated process: a production :class:`~mlxcel.bus.Node` and role service on the
+"""A simulated process: a production :class:`~mlxcel.reactor.bus.Node` and role service on the
 virtual loop, reaching the others through a :class:`SimEndpoint` on the simulated network.
 
 What a scenario builds here is what ``serve`` builds: the role's service (a
-:class:`~mlxcel.adapter.CoreAdapter`) subscribes its core to the node's bus and carries out
+:class:`~mlxcel.reactor.adapter.CoreAdapter`) subscribes its core to the node's bus and carries out
 its effects -- outboxes, bundling, timers, failed sends told back -- with the code that runs
 over sockets. The simulator supplies only the clock (the virtual loop, and a host's skewed
 clock), the fabric (this endpoint over :class:`~mlxcel.sim.network.SimNetwork`) and the
@@ -20,16 +20,16 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.adapter import CoreAdapter
-from mlxcel.bus import Node
-from mlxcel.errors import BusError, ConnectFailed, SendFailed
-from mlxcel.messages import LOCAL, Bundle, Message
+from mlxcel.base.errors import BusError, ConnectFailed, SendFailed
+from mlxcel.base.messages import LOCAL, Bundle, Message
+from mlxcel.reactor.adapter import CoreAdapter
+from mlxcel.reactor.bus import Node
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.network import SimNetwork, size_of
 
 
 class SimEndpoint:
-    """The :class:`~mlxcel.endpoint.Endpoint` of one incarnation of a simulated process.
+    """The :class:`~mlxcel.reactor.endpoint.Endpoint` of one incarnation of a simulated process.
 
     A first send to a peer dials it: a handshake round trip, refused by a dead port or by a
     host without the secret, unanswered across a partition until the send's deadline. Once

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxcel.messages import SamplingParams
+from mlxcel.base.messages import SamplingParams
 from mlxcel.pipeline.stage_protocol import ComputeJob, Step, StepOutput
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model, split_even

@@ -16,9 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mlxcel.bus import Node
-from mlxcel.faults import Fault, FaultPlan, window
-from mlxcel.messages import (
+from mlxcel.base.messages import (
     Activation,
     Bundle,
     CancelRequest,
@@ -36,6 +34,8 @@ from mlxcel.messages import (
 )
 from mlxcel.pipeline.coordinator import PipelineCoordinator
 from mlxcel.pipeline.stage_protocol import StageConfig, keep_alive_interval
+from mlxcel.reactor.bus import Node
+from mlxcel.reactor.faults import Fault, FaultPlan, window
 from mlxcel.sim.bugs import planted
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost

@@ -16,8 +16,8 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.bus import Envelope
-from mlxcel.messages import Error, RunEntry, TpInsert, TpStep
+from mlxcel.base.messages import Error, RunEntry, TpInsert, TpStep
+from mlxcel.reactor.bus import Envelope
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.engine_state import EngineStep, Insert
 from mlxcel.tp.group import broadcast_step

@@ -4,7 +4,7 @@
 0 (ranks started by hand come through ``generate``/``serve --tp-hostfile --tp-rank N``). It
 first meets rank 0 (:mod:`.rendezvous`), then holds its shard of the weights and a batch
 generator configured like rank 0's; every step it receives a
-:class:`~mlxcel.messages.TpStep`, applies the same joins and leaves, and runs the same batched
+:class:`~mlxcel.base.messages.TpStep`, applies the same joins and leaves, and runs the same batched
 forward (whose collectives need every rank). It exits 0 on a stop step and non-zero if the
 group breaks.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 from loguru import logger
 
 import mlxcel  # noqa: F401  (BLAS before mlx)
-from mlxcel.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STARTUP_TIMEOUT
-from mlxcel.messages import TpJoin
+from mlxcel.base.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STARTUP_TIMEOUT
+from mlxcel.base.messages import TpJoin
 from mlxcel.tp.rendezvous import Meeting
 
 
@@ -45,7 +45,7 @@ def run_follower(
     until the stop step (0) or a failure (1)."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlxcel.errors import StepForged, TpGroupFailed
+    from mlxcel.base.errors import StepForged, TpGroupFailed
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
     from mlxcel.tp.group import broadcast_step, init_group, load_sharded
     from mlxcel.tp.rendezvous import RING_BOUND
@@ -101,9 +101,9 @@ def main() -> int:
     ap.add_argument("--log-level", default=os.environ.get("MLXCEL_LOG_LEVEL", "INFO").upper())
     ap.add_argument("--log-format", default=os.environ.get("MLXCEL_LOG_FORMAT", "text"))
     a = ap.parse_args()
-    from mlxcel.errors import TpGroupFailed
-    from mlxcel.logs import setup_logging
+    from mlxcel.base.errors import TpGroupFailed
     from mlxcel.net.network import free_port, split_hostport
+    from mlxcel.process.logs import setup_logging
     from mlxcel.runtime.blas import ensure_blas
     from mlxcel.tp.rendezvous import attend, ring_address, secret_from_env
 
@@ -124,7 +124,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from mlxcel.loop import die_with_parent
+    from mlxcel.process.loop import die_with_parent
 
     die_with_parent()
     sys.exit(main())

@@ -3,7 +3,7 @@ ring backend over TCP (``--tp-backend`` picks one).
 
 Ranks are processes. Weights are sharded by mlx-lm's ``Model.shard(group)``; the collectives
 inside the sharded layers are MLX's. Rank 0 drives: before each batch step it sends the
-other ranks a :class:`~mlxcel.messages.TpStep` (CBOR) through the same group, so every rank
+other ranks a :class:`~mlxcel.base.messages.TpStep` (CBOR) through the same group, so every rank
 runs the identical batched forward pass.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxcel.errors import ConfigError, TpGroupFailed
-from mlxcel.messages import TpStep
+from mlxcel.base.errors import ConfigError, TpGroupFailed
+from mlxcel.base.messages import TpStep
 from mlxcel.runtime.families import TP_FAMILIES, adapter_for, family_of
 from mlxcel.tp.step_seal import StepSeal
 from mlxcel.wire.codec import decode, encode
@@ -123,7 +123,7 @@ def ring_of(path: Path) -> list[str]:
     ring at exactly one."""
     import ipaddress
 
-    from mlxcel.addresses import check_address
+    from mlxcel.net.network import check_address
 
     ranks = read_hostfile(path)
     several = [i for i, r in enumerate(ranks) if len(r) != 1]
@@ -217,7 +217,7 @@ def init_group(rank: int, ring: Sequence[str], backend: str, timeout: float, key
 
     import mlx.core as mx
 
-    from mlxcel import logs
+    from mlxcel.process import logs
 
     folder = Path(tempfile.mkdtemp(prefix="mlxcel-ring-"))
     hostfile = folder / "ring.json"

@@ -21,19 +21,19 @@ from typing import Any
 from loguru import logger
 
 from mlxcel import __version__
-from mlxcel.bus import Node
-from mlxcel.errors import ConfigError, TpGroupFailed
-from mlxcel.frontend import Frontend
-from mlxcel.messages import EXTENDED_SAMPLING
-from mlxcel.model_config import context_length
+from mlxcel.base.errors import ConfigError, TpGroupFailed
+from mlxcel.base.messages import EXTENDED_SAMPLING
+from mlxcel.base.model_config import context_length
 from mlxcel.net.secret import ClusterSecret
+from mlxcel.reactor.bus import Node
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.devices import device_env, gpu_ids
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.specs import Generation, TensorParallelSpec
-from mlxcel.stack import Serving, Stack
+from mlxcel.serving.frontend import Frontend
+from mlxcel.serving.specs import Generation, TensorParallelSpec
+from mlxcel.serving.stack import Serving, Stack
 from mlxcel.tp.engine import TpEngine
 from mlxcel.tp.group import (
     check_shardable,

@@ -8,10 +8,10 @@ cluster transport (channel ``TENSOR_PARALLEL``):
    (which get a fresh launch secret in their environment), or its hostfile address for ranks
    started by hand (which need the cluster secret);
 2. each rank dials it, proves the secret in the handshake, and sends a
-   :class:`~mlxcel.messages.TpJoin` naming its rank and ring listener; rank 0's
+   :class:`~mlxcel.base.messages.TpJoin` naming its rank and ring listener; rank 0's
    :class:`~mlxcel.tp.roll_call.RollCall` takes it or refuses it by name;
 3. once every rank has joined, rank 0 stops accepting and sends each a
-   :class:`~mlxcel.messages.TpRing`: the ring (so ports are learned only from rank 0, inside
+   :class:`~mlxcel.base.messages.TpRing`: the ring (so ports are learned only from rank 0, inside
    the encrypted connection), the backend, and the launch's step key;
 4. then every rank forms MLX's group within :data:`RING_BOUND` seconds and proves it holds
    the step key over the group itself (:func:`~mlxcel.tp.group.prove_members`): all are known
@@ -28,14 +28,14 @@ from typing import Any
 
 from loguru import logger
 
-from mlxcel.bus import Envelope, Node, Origin
-from mlxcel.error_codes import ErrorCode
-from mlxcel.errors import ListenError, SendFailed, TpGroupFailed
-from mlxcel.messages import Error, TpJoin, TpRing
+from mlxcel.base.error_codes import ErrorCode
+from mlxcel.base.errors import ListenError, SendFailed, TpGroupFailed
+from mlxcel.base.messages import Error, TpJoin, TpRing
 from mlxcel.net.listener import ClusterListener, Limits
 from mlxcel.net.network import ReplyEndpoint, TcpEndpoint, free_port, split_hostport
 from mlxcel.net.pool import Backoff, ConnectionPool
 from mlxcel.net.secret import ClusterSecret
+from mlxcel.reactor.bus import Envelope, Node, Origin
 from mlxcel.tp.roll_call import RollCall
 from mlxcel.wire.handshake import Channel, Identity
 

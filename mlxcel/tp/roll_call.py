@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from mlxcel.messages import TpJoin
+from mlxcel.base.messages import TpJoin
 
 
 def model_digest(model: Path) -> str:

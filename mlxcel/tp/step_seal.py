@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from mlxcel.errors import StepForged
+from mlxcel.base.errors import StepForged
 
 TAG = 16
 

@@ -9,7 +9,7 @@ array.
 Decoding checks everything before building anything: the kind is known, no field is missing
 or extra, every value has exactly the annotated type (a bool is not an int, an int is not a
 float), integers fit in 64 bits, a tensor's byte length equals dtype size x shape, and no
-bytes trail the message. Any violation raises a :class:`~mlxcel.errors.DecodeError`
+bytes trail the message. Any violation raises a :class:`~mlxcel.base.errors.DecodeError`
 subclass; nothing else escapes :func:`decode`.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import cbor2
 
-from mlxcel.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
-from mlxcel.messages import (
+from mlxcel.base.errors import DecodeError, FieldError, TensorSizeError, UnknownKindError
+from mlxcel.base.messages import (
     ALL_MESSAGES,
     BUNDLED,
     MAX_BUNDLE,

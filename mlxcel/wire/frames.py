@@ -30,7 +30,7 @@ from typing import Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from mlxcel.errors import (
+from mlxcel.base.errors import (
     CounterExhausted,
     FrameAuthFailed,
     FrameTooLarge,
@@ -160,6 +160,10 @@ class FrameOpener:
     @property
     def counter(self) -> int:
         return self._d.n
+
+    @property
+    def rekeys(self) -> int:
+        return self._d.rekeys
 
     def header(self, header: bytes | bytearray | memoryview) -> tuple[int, int]:
         self._check()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 
-from mlxcel.errors import DecryptFailed, HandshakeError, NoiseError
+from mlxcel.base.errors import DecryptFailed, HandshakeError, NoiseError
 from mlxcel.wire.handshake_fields import (
     FLAG_BUSY,
     HANDSHAKE_TIMEOUT,

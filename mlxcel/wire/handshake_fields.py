@@ -12,7 +12,7 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
-from mlxcel.errors import HandshakeError
+from mlxcel.base.errors import HandshakeError
 
 MAGIC = b"MLXC"
 PROTOCOL_VERSION = 2  # 2: timestamp in message 1, CONFIRM frame
@@ -193,6 +193,11 @@ class ReplayGuard:
         self._seen: dict[bytes, float] = {}  # ephemeral key -> expiry (wall clock)
         self.replays = 0
         self.stale = 0
+
+    @property
+    def remembered(self) -> list[bytes]:
+        """The ephemeral keys it remembers now, oldest first."""
+        return list(self._seen)
 
     def check(self, ephemeral: bytes, stamp: float, wall_now: float) -> Failure | None:
         """None to go on; CLOCK_SKEW or REPLAYED to refuse. Records the message if fresh."""

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from mlxcel.errors import DecryptFailed, NoiseError
+from mlxcel.base.errors import DecryptFailed, NoiseError
 
 HASHLEN = 32
 DHLEN = 32

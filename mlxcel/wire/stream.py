@@ -11,7 +11,7 @@ the socket gave (``receive_data``) and takes events (``next_event`` / ``events``
 
 Any protocol problem -- an oversize ``len`` in a header, a frame that fails authentication, an
 exhausted counter, a message over ``max_message``, a record the :class:`MemoryBudget` cannot
-cover, a first frame that is not a CONFIRM -- is a :class:`~mlxcel.errors.FrameError`.
+cover, a first frame that is not a CONFIRM -- is a :class:`~mlxcel.base.errors.FrameError`.
 It is raised by ``next_event`` once the events that came before it have been taken, and the
 stream stays failed. ``receive_data`` itself never raises. The stream has no clock: it says
 what it is waiting for (``in_frame``: a frame or a multi-record message is partly received,
@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mlxcel.errors import BudgetExceeded, FrameError, FrameTooLarge
+from mlxcel.base.errors import BudgetExceeded, FrameError, FrameTooLarge
 from mlxcel.wire.frames import (
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_MESSAGE,

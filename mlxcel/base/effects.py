@@ -1,0 +1,89 @@
+"""What a role core asks its adapter to do.
+
+A role core (``StageCore``, ``CoordinatorCore``, ...) never performs I/O and never reads a
+clock: ``handle(msg, source, now)`` and ``on_timer(now)`` return a list of these effects, and
+the adapter that owns the core carries them out -- over sockets, over an in-process fabric,
+or in :mod:`mlxcel.sim` on a virtual clock. Effects are small frozen dataclasses so a table
+test can compare them with ``==``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcel.base.messages import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msg`` to the peer identity ``dest``.
+
+    ``peer`` is False for a refusal to someone who is not a configured peer of this node: the
+    adapter sends it on a one-off connection, so addresses a member claims cannot pile up.
+    If the message cannot be delivered, the adapter calls the core's ``undeliverable(send,
+    reason, now)`` with this very effect.
+    """
+
+    dest: str
+    msg: Message
+    peer: bool = True
+    # When the message is no longer worth sending (the core's clock): the adapter gives up
+    # on it then, and drops it unsent if it is still queued by then.
+    deadline: float | None = None
+    # Tell the core once it is written (``core.sent(send, now)``): how a core sees a long
+    # transfer make progress, one message at a time.
+    notify: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Hand ``msg`` to this node's local consumer (the frontend), not to the network."""
+
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class StartCompute:
+    """Run ``job`` on the compute backend; answer with ``compute_done``/``compute_failed``."""
+
+    job: Any
+
+
+@dataclass(frozen=True, slots=True)
+class FreeCache:
+    """Drop whatever the compute backend holds for ``key`` (in order with running jobs)."""
+
+    key: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPeer:
+    """Close every connection with ``dest``: a stream that missed a deadline may be wedged."""
+
+    dest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Resolve the local query ``token`` (``value`` is the answer or an exception)."""
+
+    token: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Warn:
+    """A log line: ``kind`` is a rate-limiter class (see :mod:`mlxcel.net.ratelimit`), or
+    the plain level ``debug``, ``info`` or ``warning`` for one-off lines."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The role finished its shutdown: nothing is left in flight."""
+
+
+Effect = Send | Deliver | StartCompute | FreeCache | ResetPeer | Answer | Warn | Stopped
