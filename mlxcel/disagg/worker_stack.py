@@ -70,7 +70,7 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
                 prefill_step_size=gen.prefill_step_size,
                 max_sequences=NODE_CAPACITY,  # what the router lets a node hold
             )
-            engine.runtime.run_steps = gen.stream_interval
+            engine.run_steps = gen.stream_interval
             await engine.attach(node, serve_bus=False)
             make = _prefill_service if spec.role == "prefill" else _decode_service
             service = await make(node, endpoint, engine, compute, spec)

@@ -7,20 +7,21 @@ decode steps (a run ends at any sequence's first token, so that one is not held 
 sequences join between decode steps; finished or cancelled ones leave without stalling the
 rest; up to ``max_batch_size`` sequences share one batched forward pass.
 
-This is the reactor's side -- the sequence table, admission, cancellation, results. All MLX
-work happens in its runtime (:class:`~mlxcel.runtime.engine_runtime.EngineRuntime`) on the
-compute thread; the reactor hands it snapshots and reads back what changed.
+All MLX work happens in :meth:`_step` on the compute thread; the reactor moves messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 from loguru import logger
+from mlx_lm.generate import BatchGenerator
 
 from mlxcel.base.deadlines import deadline_in
-from mlxcel.base.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE
+from mlxcel.base.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE, STREAM_INTERVAL
 from mlxcel.base.handoff import Packed
 from mlxcel.base.messages import (
     CancelRequest,
@@ -32,10 +33,12 @@ from mlxcel.base.messages import (
 )
 from mlxcel.reactor.bus import Envelope, Node
 from mlxcel.runtime.compute import ComputeThread
-from mlxcel.runtime.engine_runtime import EngineRuntime
+from mlxcel.runtime.engine_caches import CacheSteps
+from mlxcel.runtime.engine_solo import SoloSteps
 from mlxcel.runtime.engine_state import (
     EngineSeq,
     EngineSeqState,
+    EngineStep,
     Insert,
     Sink,
     StepToken,
@@ -43,12 +46,25 @@ from mlxcel.runtime.engine_state import (
     entry_problem,
     kv_tokens,
 )
+from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
+from mlxcel.runtime.prompt_cache import PromptCache
+from mlxcel.runtime.sampling import (
+    Sampler,
+    guarded_sampler,
+    key_after_first,
+    logits_processors,
+    top_alternatives,
+)
+from mlxcel.runtime.solo import Solo
+
+# At most this many decode steps (--stream-interval), and about this long, per hand-off.
+RUN_STEPS = STREAM_INTERVAL
+RUN_SECONDS = 0.025
 
 
-class LocalEngine:
-    """The sequence table on the reactor; its runtime steps on the compute thread. Use
-    :meth:`attach` to subscribe it to a node's bus."""
+class LocalEngine(SoloSteps, CacheSteps):
+    """Owns the batch generator. Use :meth:`attach` to subscribe it to a node's bus."""
 
     def __init__(
         self,
@@ -60,23 +76,31 @@ class LocalEngine:
         max_sequences: int = 64,
         prompt_cache_bytes: int = 0,
         max_kv_size: int | None = None,
-        runtime: EngineRuntime | None = None,
     ) -> None:
         self.loaded = loaded
+        self.max_kv_size = max_kv_size  # rotating caches, which only the batch generator makes
         self.compute = compute
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
         self.max_sequences = max_sequences
-        self.runtime = runtime or EngineRuntime(
-            loaded,
-            max_batch_size=max_batch_size,
-            prefill_step_size=prefill_step_size,
-            prompt_cache_bytes=prompt_cache_bytes,
-            max_kv_size=max_kv_size,
-        )
+        # Compute thread: caches of finished prompts for later requests sharing their prefix.
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.eos = loaded.eos_token_ids()
         self._seqs: dict[str, EngineSeq] = {}
         self._by_uid: dict[int, str] = {}
         self._to_remove: list[int] = []
         self._wake = asyncio.Event()
+        # Set by the reactor when sequences join or leave: ends a run of decode steps early.
+        self._interrupt = threading.Event()
+        # Compute thread: uids that produced a token (a new one's first token ends a run).
+        self._started: set[int] = set()
+        self.run_steps = RUN_STEPS
+        self.run_seconds = RUN_SECONDS
+        # Compute thread: the sequence decoding alone, if any (runtime/solo.py).
+        self.solo_enabled = max_kv_size is None
+        self._solo: Solo | None = None
+        self._solo_uids = 0
+        self._gen: BatchGenerator | None = None
         self._node: Node | None = None
         self.steps = 0
         # None: a step may take as long as it takes (one process cannot wedge itself); a
@@ -85,11 +109,11 @@ class LocalEngine:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.sequence_failures = 0
-        # Set when the engine cannot go on (a step its runtime cannot recover from failed, or
-        # abort() was called): every request failed with ``failure``, and nothing more runs.
-        self.failed = asyncio.Event()
-        self.failure = ""
-        # Caches of finished keep-cache sequences, until their owner takes them.
+        # Written by guarded samplers on the compute thread; drained by _step on it too.
+        self._sample_failures: dict[str, str] = {}
+        # Compute thread: samplers of keep-cache sequences (their key travels with the cache).
+        self._kept_samplers: dict[str, tuple[Sampler | None, int]] = {}
+        # Reactor: caches of finished keep-cache sequences, until their owner takes them.
         self.kept: dict[str, tuple[Packed, tuple[int, ...]]] = {}
 
     # --- introspection (metrics, tests) --------------------------------------------------
@@ -104,11 +128,19 @@ class LocalEngine:
     @property
     def decoding_alone(self) -> bool:
         """Whether a request decodes on its own cache now, outside the batch generator."""
-        return self.runtime.decoding_alone
+        return self._solo is not None
 
     def batch_cache_rows(self) -> int:
         """Sequences holding KV caches on the compute side (batch rows, the one alone)."""
-        return self.runtime.batch_cache_rows()
+        if (gen := self._gen) is None:
+            return 0
+        alone = 1 if self._solo is not None else 0
+        return (
+            len(gen._generation_batch)
+            + len(gen._prompt_batch)
+            + len(gen._unprocessed_sequences)
+            + alone
+        )
 
     # --- wiring ---------------------------------------------------------------------------
     async def attach(self, node: Node, *, serve_bus: bool = True) -> None:
@@ -116,7 +148,7 @@ class LocalEngine:
         and cancels from the bus (a serving node); a disaggregated role calls :meth:`submit`
         itself and must not hear requests from the network."""
         self._node = node
-        await self.compute.run(self.runtime.start)
+        self._gen = await self.compute.run(self._make_generator)
         if serve_bus:
             self._subscribe(node)
         node.spawn(self._loop(), name="engine.loop", critical=True)
@@ -127,6 +159,25 @@ class LocalEngine:
         )
         node.bus.subscribe(CancelRequest, self._on_cancel, maxsize=256, name="engine.cancel")
         node.bus.subscribe(ReleaseSequence, self._on_release, maxsize=256, name="engine.release")
+
+    def _reset(self) -> BatchGenerator:
+        """Compute thread: forget every sequence's state; a fresh batch generator."""
+        self._kept_samplers.clear()
+        self._started.clear()
+        self._solo = None
+        if self.prompt_cache is not None:  # its memory may be what the step ran out of
+            self.prompt_cache.clear()
+        return self._make_generator()
+
+    def _make_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            stop_tokens=[[t] for t in sorted(self.eos)],
+            completion_batch_size=self.max_batch_size,
+            prefill_batch_size=self.max_batch_size,
+            prefill_step_size=self.prefill_step_size,
+            max_kv_size=self.max_kv_size,
+        )
 
     async def _on_run_entry(self, env: Envelope[RunEntry]) -> None:
         e = env.msg
@@ -160,7 +211,7 @@ class LocalEngine:
             e, source, cache=cache, key_state=key_state, keep_cache=keep_cache, sink=sink,
             context=context, resumed=int(getattr(cache[0], "offset", 0)) if cache else 0,
         )  # fmt: skip
-        self.runtime.interrupt.set()
+        self._interrupt.set()
         self._wake.set()
         return None
 
@@ -183,7 +234,7 @@ class LocalEngine:
         if seq.uid is not None:
             self._by_uid.pop(seq.uid, None)
             self._to_remove.append(seq.uid)
-        self.runtime.interrupt.set()
+        self._interrupt.set()
         self._wake.set()
 
     async def _reply(self, msg: Any, seq: EngineSeq | None = None) -> None:
@@ -200,7 +251,7 @@ class LocalEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self.runtime.interrupt.clear()  # before the snapshot: a later change stops the run
+            self._interrupt.clear()  # before the snapshot: a later change stops the run
             inserts = [s for s in self._seqs.values() if s.state is EngineSeqState.QUEUED]
             for s in inserts:
                 s.state = EngineSeqState.RUNNING
@@ -213,7 +264,7 @@ class LocalEngine:
             try:
                 async with asyncio.timeout(self.step_timeout):
                     out = await self.compute.run(
-                        self.runtime.step,
+                        self._step,
                         [
                             Insert(s.entry, s.cache, s.key_state, s.keep_cache, s.context)
                             for s in inserts
@@ -287,6 +338,148 @@ class LocalEngine:
             cached_tokens=seq.cached if first else 0,
         )
 
+    def _step(
+        self,
+        inserts: list[Insert],
+        removals: list[int],
+        by_uid: dict[int, str],
+        want_lp: dict[str, int],
+    ) -> EngineStep:
+        """Compute thread: apply joins and leaves, then run a run of steps (batched, or the
+        sequence decoding alone).
+
+        Touches no reactor-owned state: it gets snapshots and returns what changed.
+        """
+        gen = self._gen
+        assert gen is not None
+        out = EngineStep()
+        if removals:
+            # What a cancelled sequence computed still serves a later prompt: a client that
+            # stops at a stop string (the frontend cancels it) or retries after leaving.
+            # (Stored before the sequence lets go: the reactor sees it held until then.)
+            if (solo := self._solo) is not None and solo.uid in removals:
+                self._keep_prompt(solo.fed, solo.cache)
+                self._solo = None
+            if self.prompt_cache is not None:  # those decoding; a prompt batch is padded
+                self._keep_removed([u for u in removals if u in gen._generation_batch.uids])
+            gen.remove(removals)
+            self._started.difference_update(removals)
+        running = set(by_uid.values())
+        for rid in [r for r in self._kept_samplers if r not in running]:
+            self._kept_samplers.pop(rid)  # removed before it finished
+        if inserts and self._solo is not None:  # a second sequence: the first joins the batch
+            self._hand_over(self._solo, by_uid, want_lp, out)
+        if inserts and self._may_solo(inserts):
+            self._start_solo(inserts[0], out)
+        elif inserts:
+            samplers = [self._guarded(i.entry, i.key_state) for i in inserts]
+            caches, seen, prompts = [], [], []
+            for i in inserts:
+                cache, n = self._start(i)
+                caches.append(cache)
+                # A cached prefix (or a handed-off cache's context) is what penalties see.
+                seen.append([*i.context, *i.entry.token_ids[:n]])
+                prompts.append(list(i.entry.token_ids[n:]))
+            tok = self.loaded.tokenizer
+            uids = gen.insert(
+                prompts,
+                max_tokens=[i.entry.sampling.max_tokens for i in inserts],
+                caches=caches,
+                all_tokens=seen,
+                samplers=samplers,
+                logits_processors=[
+                    logits_processors(i.entry.sampling, self.eos, tok) for i in inserts
+                ],
+            )
+            for i, uid, sampler, cached in zip(inserts, uids, samplers, seen, strict=True):
+                rid = i.entry.request_id
+                by_uid[uid] = rid
+                out.new_uids[rid] = uid
+                out.prompt_tokens += len(i.entry.token_ids)
+                if cached:
+                    out.cached[rid] = len(cached)
+                if i.keep_cache:
+                    self._kept_samplers[rid] = (sampler, len(i.entry.token_ids))
+        # Steps run back to back while nothing changes: the reactor wakes once per run, not
+        # per token. A run ends at a new sequence's first token, a finish, a step with
+        # nothing to do, a sampler failure, the reactor asking (a request came or left),
+        # run_seconds, or about run_steps tokens: its tokens are delivered together, and
+        # longer bursts kept the reactor on the GIL while the compute thread waited (8
+        # streams in 16-step runs lost 20% on an H200). A big batch amortizes the hand-off.
+        until = time.perf_counter() + self.run_seconds
+        for _ in range(max(1, self.run_steps // max(1, self.batch_cache_rows()))):
+            out.steps += 1
+            if self._solo is not None:
+                news, busy = self._solo_step(self._solo, want_lp, out), True
+            else:
+                prompt_responses, responses = gen.next()
+                news = self._collect(responses, by_uid, want_lp, out)
+                busy = bool(responses or prompt_responses)
+            if (
+                news
+                or not busy
+                or self._sample_failures
+                or self._interrupt.is_set()
+                or time.perf_counter() >= until
+            ):
+                break
+        out.failed.update(self._sample_failures)  # the guards keep this dict: clear, never swap
+        self._sample_failures.clear()
+        return out
+
+    def _collect(
+        self,
+        responses: list[Any],
+        by_uid: dict[int, str],
+        want_lp: dict[str, int],
+        out: EngineStep,
+    ) -> bool:
+        """Compute thread: one step's tokens into ``out``; True when a sequence produced its
+        first token or finished."""
+        news = False
+        for r in responses:
+            if r.uid not in self._started:
+                self._started.add(r.uid)
+                news = True
+            if r.finish_reason is not None:
+                self._started.discard(r.uid)
+                news = True
+            request_id = by_uid.get(r.uid)
+            if request_id is None:
+                continue
+            self._record(request_id, int(r.token), r.finish_reason, r.logprobs, want_lp, out)
+            if r.finish_reason is not None and request_id not in self._kept_samplers:
+                self._keep_prompt(r.all_tokens, r.prompt_cache)
+            if r.finish_reason is not None and request_id in self._kept_samplers:
+                sampler, prompt_len = self._kept_samplers.pop(request_id)
+                try:
+                    packed = pack(r.prompt_cache or [], prompt_len, int(r.token))
+                except Exception as exc:  # this sequence fails alone, the batch goes on
+                    out.failed[request_id] = f"could not pack the KV cache: {exc}"
+                    continue
+                out.kept[request_id] = (packed, key_after_first(sampler))
+        return news
+
+    def _record(
+        self,
+        request_id: str,
+        token: int,
+        finish: str | None,
+        logprobs: Any,
+        want_lp: dict[str, int],
+        out: EngineStep,
+    ) -> None:
+        lp = top = None
+        if request_id in want_lp:
+            lp = float(logprobs[token].item())
+            if want_lp[request_id]:
+                top = top_alternatives(logprobs, want_lp[request_id])
+        out.tokens.append((request_id, token, finish, lp, top))
+
+    def _guarded(self, e: RunEntry, key: tuple[int, ...] = ()) -> Sampler | None:
+        """Compute thread: this request's sampler, failing alone (None: the shared greedy path)."""
+        return guarded_sampler(e.sampling, self._sample_failures, e.request_id, key)
+
     async def _fail_one(self, request_id: str, why: str) -> None:
         """One sequence failed inside a step the others completed: end it, keep the rest."""
         seq = self._seqs.pop(request_id, None)
@@ -300,29 +493,13 @@ class LocalEngine:
         await self._reply(Error(ErrorCode.SAMPLING_FAILED, why, request_id, seq.entry.nonce), seq)
 
     async def _fail_all(self, why: str) -> None:
-        """After a failed step the batch state is suspect: drop it all and start fresh -- or,
-        where the runtime cannot recover (a tensor-parallel group), end the engine."""
-        if not self.runtime.recoverable:
-            await self.abort(why)
-            await asyncio.Event().wait()  # nothing more can run: no spinning until the node ends
+        """After a failed step the batch state is suspect: drop it all and start fresh."""
         seqs, self._seqs = self._seqs, {}
         self._by_uid.clear()
         self._to_remove.clear()
+        self._sample_failures.clear()
         # On the compute thread, after whatever step may still be running there (a timed-out
         # one): the state it owns is reset by it, never under it.
-        await self.compute.run(self.runtime.reset)
+        self._gen = await self.compute.run(self._reset)
         for rid, s in seqs.items():
             await self._reply(Error(ErrorCode.ENGINE_FAILED, why, rid, s.entry.nonce), s)
-
-    async def abort(self, why: str) -> None:
-        """The engine cannot go on: fail every request now, without waiting on the compute
-        thread (which may be blocked for good, in a collective that will never complete)."""
-        if self.failed.is_set():
-            return
-        code, message = self.runtime.failure(why)
-        self.failure = why
-        logger.error("{} failed: {}", self.runtime.name, why)
-        seqs, self._seqs = self._seqs, {}
-        for rid, s in seqs.items():
-            await self._reply(Error(code, message, rid, s.entry.nonce), s)
-        self.failed.set()

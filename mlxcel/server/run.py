@@ -43,10 +43,10 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 prompt_cache_bytes=gen.prompt_cache_bytes if spec.max_kv_size is None else 0,
                 max_kv_size=spec.max_kv_size,
             )
-            engine.runtime.run_steps = gen.stream_interval
+            engine.run_steps = gen.stream_interval
             await engine.attach(node)
             fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
-            pc = engine.runtime.prompt_cache
+            pc = engine.prompt_cache
             # Every OpenAI parameter serve serves: the engine applies all of mlx-lm's processors.
             serving = Serving(
                 node,

@@ -89,7 +89,7 @@ async def _serve(run: EngineRun, ready: asyncio.Event) -> None:
         )  # type: ignore[arg-type]
         # A run of decode steps ends on the wall clock in production: here only on events
         # and run_steps, so that a run is a function of its seed on any machine.
-        run.engine.runtime.run_seconds, run.engine.runtime.run_steps = math.inf, run.run_steps
+        run.engine.run_seconds, run.engine.run_steps = math.inf, run.run_steps
         await run.engine.attach(node)
         run.frontend = Frontend(node, run.loaded.tokenizer, parallel=run.parallel, queue_size=4)
         run.frontend.attach()

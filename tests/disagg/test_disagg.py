@@ -296,7 +296,7 @@ async def test_router_runner_serves_stats_over_http(
 async def test_a_cache_that_cannot_be_packed_fails_its_request_with_the_reason(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mlxcel.runtime.engine_runtime as engine_mod
+    import mlxcel.runtime.engine as engine_mod
 
     def broken(*_a: object) -> None:
         raise ValueError("layer cache RotatingKVCache does not hold the whole prompt")
