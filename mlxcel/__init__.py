@@ -103,10 +103,15 @@ class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(f"{__name__}.{_MOVED[spec.name.rpartition('.')[2]]}")
+        module = importlib.import_module(f"{__name__}.{_MOVED[spec.name.rpartition('.')[2]]}")
+        # The import machinery is about to give the module the old name's spec: it keeps
+        # its own (reload, and tools that read the spec, see the module where it lives).
+        spec.loader_state = (module.__spec__, module.__loader__)
+        return module
 
     def exec_module(self, module: Any) -> None:
-        pass  # the module it names ran when it was imported
+        # It ran when it was imported under its own name; only its own spec goes back.
+        module.__spec__, module.__loader__ = module.__spec__.loader_state
 
 
 if not any(isinstance(f, _OldNames) for f in sys.meta_path):

@@ -175,7 +175,9 @@ import mlxcel
 for name in mlxcel.__all__:
     assert getattr(mlxcel, name) is not None, name
 for old, new in mlxcel._MOVED.items():
-    assert importlib.import_module("mlxcel." + old) is importlib.import_module("mlxcel." + new)
+    module = importlib.import_module("mlxcel." + old)
+    assert module is importlib.import_module("mlxcel." + new)
+    assert module.__spec__.name == "mlxcel." + new  # it keeps its own spec
 from mlxcel.assembly import assemble
 from mlxcel.messages import Tensor, take_rows
 assert assemble is mlxcel.assemble

@@ -103,7 +103,6 @@ class DecodeService(DisaggAdapter):
         endpoint: Endpoint,
         engine: LocalEngine,
         config: DecodeConfig,
-        dims: tuple[int, int, int, int],
         *,
         check: Callable[[KvHandoff], str | None] | None = None,
         offload: Offload = asyncio.to_thread,
@@ -113,11 +112,18 @@ class DecodeService(DisaggAdapter):
         super().__init__(node, endpoint, core, "decode")
         self.decode = core
         self.engine = engine
-        self.dims = dims  # (layers, kv heads, key dim, value dim) a handoff must match
-        # A handoff's problem (its shapes, and the SHA-256 over every byte: about a second per
-        # GB of cache), found by ``offload`` off the compute thread, which meanwhile keeps
-        # stepping the streams it decodes.
-        self.check = check or (lambda h: check_handoff(h, *dims))
+        # A handoff's problem (its shapes, which the config's dims name, and the SHA-256 over
+        # every byte: about a second per GB of cache), found by ``offload`` off the compute
+        # thread, which meanwhile keeps stepping the streams it decodes.
+        dims = config.dims
+        if check is None and dims is None:
+            raise ValueError("a decode service checks handoffs by its config's dims")
+
+        def by_dims(h: KvHandoff) -> str | None:
+            assert dims is not None
+            return check_handoff(h, *dims)
+
+        self.check = check or by_dims
         self.offload = offload
         # A checked handoff as caches, on the compute thread (MLX arrays belong to it). The
         # simulator's model supplies its own check, worker and load.

@@ -146,5 +146,4 @@ async def _decode_service(
             dims=dims,
             routers=frozenset(spec.router_peers) if spec.router_peers else None,
         ),
-        dims,
     )

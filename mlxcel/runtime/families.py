@@ -110,14 +110,14 @@ class Family:
 
     def head(self, model: nn.Module, h: mx.array) -> mx.array:
         """Final norm and LM head: the family's own, or the embedding when tied."""
+        import mlx.nn as nn
+
         text = self.text_model(model)
         h = text.model.norm(h)
         # mlx-lm builds an LM head exactly when the family's forward uses one: only when untied
         # for most, always for DeepSeek, GLM and gpt-oss; Gemma drops its own when the
         # checkpoint has none, Kimi K3 sets it to None.
         lm_head = getattr(text, "lm_head", None)
-        import mlx.nn as nn
-
         if isinstance(lm_head, nn.Module):
             return lm_head(h)
         return text.model.embed_tokens.as_linear(h)
@@ -343,10 +343,11 @@ class KimiK3(Family):
         return layer(h, mask=mask, cache=cache, blocks=carry)
 
     def finish(self, decoder: nn.Module, h: mx.array, carry: Any) -> mx.array:
-        if carry is None:
-            return h
         import mlx.core as mx
         from mlx_lm.models.kimi_k3 import _attn_res_mix
+
+        if carry is None:
+            return h
 
         if decoder._output_res_w_eff is None:
             decoder._output_res_w_eff = decoder.output_attn_res_norm.weight.astype(
@@ -361,16 +362,18 @@ class KimiK3(Family):
         return hidden if not block else hidden * (math.ceil(layer / int(block)) + 1)
 
     def pack(self, h: mx.array, carry: Any) -> mx.array:
-        if carry is None or carry.raw is None:
-            return h
         import mlx.core as mx
 
+        if carry is None or carry.raw is None:
+            return h
         raw = carry.raw.astype(h.dtype)  # [K, B, L, D]
         k, b, n, d = raw.shape
         flat = raw.transpose(1, 2, 0, 3).reshape(b, n, k * d)
         return mx.concatenate([flat, h], axis=-1)
 
     def unpack(self, decoder: nn.Module, x: mx.array) -> tuple[mx.array, Any]:
+        import mlx.core as mx
+
         carry = self.start_carry(decoder)
         d = decoder.args.hidden_size
         if carry is None or x.shape[-1] == d:
@@ -379,8 +382,6 @@ class KimiK3(Family):
         k = width // d - 1
         parts = x.reshape(b, n, k + 1, d)
         carry.raw = parts[:, :, :k, :].transpose(2, 0, 1, 3)
-        import mlx.core as mx
-
         xf = carry.raw.astype(mx.float32)
         carry.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + decoder.args.rms_norm_eps)
         return parts[:, :, k, :], carry

@@ -14,6 +14,9 @@ bare package again once they are loaded. The submodules stay imported; a later `
 mlx_lm`` in the same process (an embedding program that also runs a model) runs the real
 ``__init__`` then, and reuses them. A process that has already imported mlx-lm loads the
 tokenizer through mlx-lm's own ``load_tokenizer``: both ways give the same tokenizer.
+While it imports, ``sys.modules["mlx_lm"]`` is the bare package for the whole process, so it
+runs where nothing else imports mlx-lm meanwhile: at a model-less node's start, before it
+serves (a second or so, mostly ``transformers``).
 
 The one thing mlx-lm's loader reads from model code is a family's ``TOKENIZER_DEFAULTS``
 (chat template, tool parser and stop ids for checkpoints that do not carry them). Model
@@ -26,7 +29,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,13 +38,14 @@ from typing import Any
 
 from mlxcel.base.errors import ModelLoadError
 from mlxcel.process.logs import adopt_library_logging
+from mlxcel.runtime.families import read_config
 
 
 def load_tokenizer(path: str | Path) -> tuple[Any, dict[str, Any]]:
     """The tokenizer (mlx-lm's ``TokenizerWrapper``) and ``config.json`` of a checkpoint."""
     p = Path(path).expanduser()
+    config = read_config(p)
     try:
-        config = json.loads((p / "config.json").read_text())
         eos = config.get("eos_token_id")
         if _mlx_lm_loaded():
             from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer

@@ -22,9 +22,7 @@ from mlxcel.base.messages import RunResult
 from mlxcel.bringup.push_core import PushCore
 from mlxcel.pipeline import coordinator_core
 from mlxcel.pipeline.stage_gate import StageGate
-from mlxcel.sim.process import RUNNER_BUGS, runner_bugs
-
-PRODUCTION_BUGS = ("skip-owner-check", "accept-stale-nonce", "activate-early", *RUNNER_BUGS)
+from mlxcel.sim.process import runner_bugs
 
 
 @contextmanager

@@ -346,7 +346,6 @@ class DecodeHost(SimProcess):
             endpoint,
             engine,  # type: ignore[arg-type]
             self.cfg,
-            (1, 1, 1, 1),
             check=engine.check,
             offload=engine.worker.run,
             load=engine.load,
