@@ -108,6 +108,7 @@ CORES = {
     "mlxcel.bringup.push_core": {
         "mlxcel.bringup.protocol", "mlxcel.bringup.plan", "mlxcel.pipeline.partition",
     },
+    "mlxcel.runtime.engine_core": {"mlxcel.runtime.engine_state"},
 }  # fmt: skip
 
 

@@ -51,6 +51,12 @@ class StartCompute:
 
 
 @dataclass(frozen=True, slots=True)
+class CutShort:
+    """Ask the compute job under way to end at its next step: what it was given changed (a
+    sequence joined or left), and the next job should see that soon."""
+
+
+@dataclass(frozen=True, slots=True)
 class FreeCache:
     """Drop whatever the compute backend holds for ``key`` (in order with running jobs)."""
 
@@ -86,4 +92,4 @@ class Stopped:
     """The role finished its shutdown: nothing is left in flight."""
 
 
-Effect = Send | Deliver | StartCompute | FreeCache | ResetPeer | Answer | Warn | Stopped
+Effect = Send | Deliver | StartCompute | CutShort | FreeCache | ResetPeer | Answer | Warn | Stopped

@@ -44,6 +44,7 @@ class ErrorCode(enum.StrEnum):
     DECODE_REFUSED = "decode_refused"  # the decode target will not take it (full, draining)
     # tensor parallelism
     TP_JOIN_REFUSED = "tp_join_refused"  # rank 0 will not take this rank into its group
+    TP_GROUP_FAILED = "tp_group_failed"  # a rank failed: the group cannot go on
 
 
 # Codes that mean "not now", not "broken": the client (or a load balancer) may retry.

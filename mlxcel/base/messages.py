@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from mlxcel.base.error_codes import ErrorCode as ErrorCode  # part of the Error contract
 from mlxcel.base.sampling_params import EXTENDED_SAMPLING as EXTENDED_SAMPLING
@@ -438,6 +438,48 @@ class Undecodable(Message):
     rows: tuple[tuple[str, int], ...] = ()
 
 
+# --- local only: a disaggregated node's service and its engine, on one bus ------------------
+# (``cache`` fields hold the runtime's own objects: never encoded, never on the wire.)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEntry(Message):
+    """Local only: run ``entry`` (its prompt, then its first token) and hand back its KV
+    cache with its last result, as a :class:`CacheKept` (a prefill node)."""
+
+    KIND: ClassVar[int] = 1001
+    entry: RunEntry
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKept(Message):
+    """Local only: a :class:`PrefillEntry`'s last result, its packed KV cache (a
+    :class:`~mlxcel.base.handoff.Packed`) and the PRNG key its sampling goes on from."""
+
+    KIND: ClassVar[int] = 1002
+    result: RunResult
+    cache: Any
+    key_state: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeSequence(Message):
+    """Local only: decode ``entry`` (its one token, the handoff's first) after a KV cache
+    computed elsewhere (a decode node). ``cache`` is that cache as the runtime loaded it,
+    holding ``positions`` tokens; ``context`` the tokens before it that its penalties see;
+    ``key_state`` the PRNG key."""
+
+    KIND: ClassVar[int] = 1003
+    entry: RunEntry
+    cache: Any
+    positions: int
+    key_state: tuple[int, ...]
+    context: tuple[int, ...]
+
+
+LOCAL_ONLY: tuple[type[Message], ...] = (Undecodable, PrefillEntry, CacheKept, ResumeSequence)
+
+
 # --- zero-config bring-up (mlxcel.bringup): the assignment channel and discovery beacons -----
 
 
@@ -662,10 +704,10 @@ class Bundle(Message):
     items: tuple[Message, ...]
 
 
-# Every message that may cross the wire: each class above but the local-only Undecodable.
+# Every message that may cross the wire: each class above but the local-only ones.
 # (``slots=True`` replaces each class, and the replaced ones linger among the subclasses.)
 ALL_MESSAGES: tuple[type[Message], ...] = tuple(
-    c for c in Message.__subclasses__() if globals().get(c.__name__) is c and c is not Undecodable
+    c for c in Message.__subclasses__() if globals().get(c.__name__) is c and c not in LOCAL_ONLY
 )
 
 MAX_BUNDLE = 256  # items per Bundle: more is refused whole, before any item is built

@@ -24,6 +24,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxcel.base.effects import Effect, FreeCache, Send, StartCompute, Warn
 from mlxcel.base.errors import IllegalTransition
@@ -69,6 +70,9 @@ class Slot:
     index: int = 1  # the next token's index (the prefill node sent index 0)
     pieces: dict[int, KvHandoff] = field(default_factory=dict)  # parts received so far
     elements: int = 0  # tensor elements those parts carry (bounded by the layout's)
+    # The checked cache as the compute side loaded it, from the check until the commit hands
+    # it to the engine (opaque here; it leaves with the slot).
+    cache: Any = None
 
     @property
     def router(self) -> str:
@@ -326,8 +330,11 @@ class DecodeCore:
         warn = self._refused("handoff part", h.request_id, s.prefill, why)
         return [warn, Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
 
-    def verified(self, slot_id: int, problem: str | None, now: float) -> list[Effect]:
-        """The compute side checked (and staged) the handoff; ``problem`` says why not."""
+    def verified(
+        self, slot_id: int, problem: str | None, now: float, cache: Any = None
+    ) -> list[Effect]:
+        """The compute side checked and loaded the handoff (``cache``); ``problem`` says why
+        not."""
         s = self.slots.get(slot_id)
         if s is None:
             return [FreeCache(slot_id)]
@@ -339,8 +346,8 @@ class DecodeCore:
             return [warn, Send(s.prefill, ack)] + self._end(s, SlotEvent.FAIL)
         s.state = SLOT_TABLE.next(s.state, SlotEvent.VERIFIED)
         s.deadline = now + self.config.verdict_wait
-        # The compute side staged the cache: the slot keeps what it acts on, not the bytes.
-        s.handoff = dataclasses.replace(h, keys=(), values=())
+        # The loaded cache replaces the bytes: the slot keeps what it acts on.
+        s.handoff, s.cache = dataclasses.replace(h, keys=(), values=()), cache
         return [Send(s.prefill, HandoffAck(h.request_id, h.lease, True))]
 
     def _verdict(self, v: HandoffVerdict, source: str) -> list[Effect]:
@@ -366,7 +373,8 @@ class DecodeCore:
         s.deadline = None
         self.counts["committed"] += 1
         self.reads.append((s.prefill, s.handoff.lease))
-        return [StartCompute(ResumeJob(s.id, s.handoff))]
+        cache, s.cache = s.cache, None  # the engine holds it from now on
+        return [StartCompute(ResumeJob(s.id, s.handoff, cache))]
 
     def token(self, slot_id: int, r: RunResult | Error, now: float) -> list[Effect]:
         """What the decode engine produced for ``slot_id``."""
@@ -443,6 +451,7 @@ class DecodeCore:
 
     def _end(self, s: Slot, event: SlotEvent) -> list[Effect]:
         s.state = SLOT_TABLE.next(s.state, event)
+        s.cache = None
         self.slots.pop(s.id, None)
         self._by_lease.pop((s.prefill, s.handoff.lease), None)
         self._by_request.pop((s.router, s.handoff.request_id), None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 # router: dispatch -> first token (a long prompt takes a while); a setting, --prefill-timeout
 from mlxcel.base.defaults import HANDOFF_LEASE, HANDOFF_LEASE_MAX
@@ -213,3 +214,4 @@ class VerifyJob:
 class ResumeJob:
     slot: int
     handoff: KvHandoff  # committed: start decoding it
+    cache: Any = None  # the checked cache, as the compute side loaded it (opaque here)

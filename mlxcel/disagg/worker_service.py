@@ -1,7 +1,10 @@
 """The prefill and decode nodes' services: their cores, carried out through an engine.
 
-Each runs its model through a :class:`~mlxcel.runtime.engine.LocalEngine` that does not
-listen on the bus (requests reach it only through the core).
+Each node runs its model through a :class:`~mlxcel.runtime.engine.LocalEngine` on the same
+bus, which hears only this process: the service hands it ``PrefillEntry`` (a prompt whose KV
+cache is kept) or ``ResumeSequence`` (decode after a handed-off cache) and
+``ReleaseSequence``, and takes back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
+names a lease's prompt ``lease-N`` and a slot's stream ``slot-N``.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from typing import Any
 from mlxcel.base.effects import Effect, FreeCache, StartCompute
 from mlxcel.base.handoff import check as check_handoff
 from mlxcel.base.messages import (
+    CacheKept,
     CancelRequest,
     Error,
-    ErrorCode,
     HandoffAck,
     HandoffVerdict,
     KvHandoff,
+    PrefillEntry,
     PrefillRequest,
     QueryState,
+    ReleaseSequence,
+    ResumeSequence,
     RunEntry,
     RunResult,
     SlotAnswer,
@@ -31,7 +37,8 @@ from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
 from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.service import DisaggAdapter
-from mlxcel.reactor.bus import Node, Origin
+from mlxcel.reactor.adapter import LocalOutbox
+from mlxcel.reactor.bus import Envelope, Node, Origin
 from mlxcel.reactor.endpoint import Endpoint
 from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures as kv_figures
@@ -55,6 +62,7 @@ class PrefillService(DisaggAdapter):
         super().__init__(node, endpoint, core, "prefill")
         self.prefill = core
         self.engine = engine
+        self._to_engine = LocalOutbox(node, "prefill.engine")
 
     def attach(self) -> None:
         self.subscribe(
@@ -62,20 +70,24 @@ class PrefillService(DisaggAdapter):
             Origin.REMOTE,
             maxsize=1024,
         )
+        self._to_engine.start()
+        self.node.bus.subscribe(
+            (CacheKept, RunResult, Error),
+            self._from_engine,
+            maxsize=1024,
+            name="prefill.from-engine",
+            origin=Origin.LOCAL,
+            sync=True,
+        )
         self.start()
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
             job = effect.job
-            rid = f"lease-{job.lease}"
-            entry = RunEntry(rid, 0, job.token_ids, 0, job.sampling, 0)
-            problem = self.engine.submit(
-                entry, "prefill", sink=lambda m: self._done(job.lease, rid, m), keep_cache=True
-            )
-            if problem is not None:
-                self.feed(self.prefill.compute_failed(job.lease, problem, self.now()))
+            entry = RunEntry(_sequence("lease", job.lease), 0, job.token_ids, 0, job.sampling, 0)
+            self._to_engine.put(PrefillEntry(entry))
         elif isinstance(effect, FreeCache):
-            self.engine.cancel(f"lease-{effect.key}", "prefill")
+            self._to_engine.put(ReleaseSequence(_sequence("lease", effect.key)))
         else:
             super().apply(effect)
 
@@ -83,15 +95,24 @@ class PrefillService(DisaggAdapter):
         held = sum(x.held.prompt_len for x in self.prefill.leases.values() if x.held)
         return _engine_figures(self.engine, held)
 
-    def _done(self, lease: int, rid: str, m: RunResult | Error) -> None:
-        if isinstance(m, Error):
-            self.feed(self.prefill.compute_failed(lease, m.message, self.now()))
+    def _from_engine(self, env: Envelope[CacheKept | RunResult | Error]) -> None:
+        """The engine's answer for a lease's prompt: its first token and KV cache, or why
+        not."""
+        m, now = env.msg, self.now()
+        rid = m.result.request_id if isinstance(m, CacheKept) else m.request_id
+        lease = _numbered("lease", rid)
+        if lease is None:
             return
-        packed, key = self.engine.kept.pop(rid, (None, ()))
-        top = (m.top_ids, m.top_logprobs) if m.top_ids and m.top_logprobs else None
+        if isinstance(m, Error):
+            self.feed(self.prefill.compute_failed(lease, m.message, now))
+            return
+        r, packed, key = (
+            (m.result, m.cache, m.key_state) if isinstance(m, CacheKept) else (m, None, ())
+        )
+        top = (r.top_ids, r.top_logprobs) if r.top_ids and r.top_logprobs else None
         self.feed(
             self.prefill.compute_done(
-                lease, m.token_ids, m.finish_reason, m.logprobs, packed, key, self.now(), top
+                lease, r.token_ids, r.finish_reason, r.logprobs, packed, key, now, top
             )
         )
 
@@ -128,7 +149,7 @@ class DecodeService(DisaggAdapter):
         # A checked handoff as caches, on the compute thread (MLX arrays belong to it). The
         # simulator's model supplies its own check, worker and load.
         self.load = load or _unpack
-        self.staged: dict[int, Any] = {}  # slot -> verified caches, not yet read
+        self._to_engine = LocalOutbox(node, "decode.engine")
 
     def attach(self) -> None:
         self.subscribe(
@@ -136,49 +157,58 @@ class DecodeService(DisaggAdapter):
             Origin.REMOTE,
             maxsize=1024,
         )
+        self._to_engine.start()
+        self.node.bus.subscribe(
+            (RunResult, Error),
+            self._from_engine,
+            maxsize=1024,
+            name="decode.from-engine",
+            origin=Origin.LOCAL,
+            sync=True,
+        )
         self.start()
 
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute) and isinstance(effect.job, VerifyJob):
             self.node.spawn(self._verify(effect.job), name="decode.verify")
         elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
-            self._resume(effect.job)
+            self.resume(effect.job)
         elif isinstance(effect, FreeCache):
-            self.staged.pop(effect.key, None)
-            self.engine.cancel(f"slot-{effect.key}", "decode")
+            self._to_engine.put(ReleaseSequence(_sequence("slot", effect.key)))
         else:
             super().apply(effect)
 
     async def _verify(self, job: VerifyJob) -> None:
-        caches = None
+        cache = None
         try:
             problem = await self.offload(self.check, job.handoff)
             if problem is None:
-                caches = await self.engine.compute.run(self.load, job.handoff)
+                cache = await self.engine.compute.run(self.load, job.handoff)
         except Exception as exc:  # a malformed tensor the checks missed: refuse, keep serving
-            problem, caches = f"could not load the handoff: {exc}", None
-        if caches is not None and job.slot in self.decode.slots:
-            self.staged[job.slot] = caches
-        self.feed(self.decode.verified(job.slot, problem, self.now()))
+            problem, cache = f"could not load the handoff: {exc}", None
+        self.feed(self.decode.verified(job.slot, problem, self.now(), cache))
 
-    def _resume(self, job: ResumeJob) -> None:
-        h, slot = job.handoff, job.slot
-        caches = self.staged.pop(slot, None)
-        rid = f"slot-{slot}"
-        problem = "the verified cache is gone" if caches is None else None
-        if problem is None:
-            entry = RunEntry(rid, 0, (h.first_token,), 0, h.sampling, 0)
-            problem = self.engine.submit(
-                entry,
-                "decode",
-                sink=lambda m: self.feed(self.decode.token(slot, m, self.now())),
-                cache=caches,
-                key_state=h.rng_key,
-                context=h.context,
-            )
-        if problem is not None:
-            err = Error(ErrorCode.ENGINE_FAILED, problem, rid)
-            self.feed(self.decode.token(slot, err, self.now()))
+    def resume(self, job: ResumeJob) -> None:
+        """Hand a committed slot's loaded cache to the engine: it decodes from there."""
+        h = job.handoff
+        entry = RunEntry(_sequence("slot", job.slot), 0, (h.first_token,), 0, h.sampling, 0)
+        self._to_engine.put(ResumeSequence(entry, job.cache, h.prompt_len, h.rng_key, h.context))
+
+    def _from_engine(self, env: Envelope[RunResult | Error]) -> None:
+        slot = _numbered("slot", env.msg.request_id)
+        if slot is not None:
+            self.feed(self.decode.token(slot, env.msg, self.now()))
+
+
+def _sequence(kind: str, number: int) -> str:
+    """The engine's id for a lease's prompt or a slot's stream."""
+    return f"{kind}-{number}"
+
+
+def _numbered(kind: str, request_id: str | None) -> int | None:
+    """The lease or slot number of an engine sequence id (None: not one of ``kind``)."""
+    head, _, number = (request_id or "").partition("-")
+    return int(number) if head == kind and number.isdigit() else None
 
 
 def _unpack(handoff: KvHandoff) -> Any:

@@ -64,14 +64,15 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
                 [*spec.decode_peers, *(spec.router_peers or ())],
             )
             engine = LocalEngine(
+                node,
                 loaded,
                 compute,
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
                 max_sequences=NODE_CAPACITY,  # what the router lets a node hold
             )
-            engine.run_steps = gen.stream_interval
-            await engine.attach(node, serve_bus=False)
+            engine.runtime.run_steps = gen.stream_interval
+            await engine.attach()
             make = _prefill_service if spec.role == "prefill" else _decode_service
             service = await make(node, endpoint, engine, compute, spec)
             service.attach()

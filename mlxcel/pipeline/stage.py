@@ -33,7 +33,7 @@ from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.reactor.adapter import CoreAdapter
 from mlxcel.reactor.bus import Node, Origin
 from mlxcel.reactor.endpoint import Endpoint
-from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.compute import ComputeThread, call_back
 
 __all__ = ["StageConfig", "StageService", "StageState"]
 
@@ -118,11 +118,10 @@ class StageService(CoreAdapter):
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute):
             # Submitted now: the compute thread starts while the reactor still sends the
-            # previous job's outputs (ordered with frees). Its end comes back as a callback on
-            # the loop, not as a task per job (a task, a wrapped future and a wake-up each).
+            # previous job's outputs (ordered with frees); its end comes back as a callback.
             job, loop = effect.job, self.loop
             fut = self.compute.submit(self.runtime.run, job)
-            fut.add_done_callback(lambda f: _call_back(loop, self._job_ended, job, f))
+            fut.add_done_callback(lambda f: call_back(loop, self._job_ended, job, f))
         elif isinstance(effect, FreeCache):
             # Queued behind any job still using the cache: the compute thread runs in order.
             self.compute.submit(self.runtime.free, effect.key)
@@ -150,11 +149,3 @@ class StageService(CoreAdapter):
                 took,
             )
         self.feed(self.stage.compute_done(job.id, outputs, took, self.now()))
-
-
-def _call_back(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """On the compute thread: run ``fn(*args)`` on the loop (not if the loop has closed)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop closed: nobody waits for this job any more
-        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from mlxcel.base.errors import SendFailed
 from mlxcel.base.messages import Message
 
 
@@ -39,3 +40,20 @@ class Endpoint(Protocol):
     @property
     def wire_bytes(self) -> int:
         """Bytes this node has written to the network (0 where nothing is on a wire)."""
+
+
+class NoNetwork:
+    """The endpoint of a role that talks only to its own process (the engine): it has no
+    peers, so a send fails (unsent) and no peer is ever lost."""
+
+    identity = "local"
+    wire_bytes = 0
+
+    async def send(self, dest: str, msg: Message, deadline: float) -> None:
+        raise SendFailed(f"{type(msg).__name__} to {dest}: this role has no network", unsent=True)
+
+    def reset(self, dest: str) -> None:
+        pass
+
+    def on_peer_lost(self, callback: Callable[[str], None]) -> None:
+        pass

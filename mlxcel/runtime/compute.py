@@ -58,6 +58,16 @@ class ComputeThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def call_back(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """On the compute thread: run ``fn(*args)`` on the loop (not if the loop has closed).
+    How a job's end reaches its adapter: a callback on the loop, not a task per job (a task,
+    a wrapped future and a wake-up each)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed: nobody waits for this job any more
+        pass
+
+
 def _release_thread_streams() -> None:
     import mlx.core as mx
 

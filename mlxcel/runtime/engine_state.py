@@ -1,28 +1,25 @@
-"""The engine's bookkeeping: a sequence on the reactor's side, what the reactor hands the
-compute thread for a step, what a step hands back, and the check of a new entry."""
+"""The engine's bookkeeping: a sequence in the core's table, the jobs the core hands the
+compute thread, what a step hands back, and the check of a new entry. Pure: no MLX here."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.base.handoff import Packed
-from mlxcel.base.messages import Error, RunEntry, RunResult, prompt_problem
+from mlxcel.base.messages import RunEntry, prompt_problem
 from mlxcel.base.model_config import context_length, vocab_size
-from mlxcel.runtime.sampling import sampling_problem
+from mlxcel.base.sampling_params import sampling_problem
 
 # (request_id, token, finish_reason, logprob, (top ids, top logprobs) or None)
 StepToken = tuple[str, int, str | None, float | None, tuple[list[int], list[float]] | None]
 
 
 class EngineSeqState(enum.Enum):
-    QUEUED = "queued"  # accepted, not yet handed to the batch generator
-    RUNNING = "running"  # inside the batch generator (prefill or decode)
-
-
-Sink = Callable[[RunResult | Error], None]
+    QUEUED = "queued"  # accepted, not yet handed to the compute side
+    RUNNING = "running"  # on the compute side (prefill or decode)
 
 
 @dataclass
@@ -33,11 +30,11 @@ class EngineSeq:
     uid: int | None = None
     generated: int = 0
     # Disaggregated serving: a sequence may start from a handed-off cache (decode node) or
-    # keep its cache when it finishes (prefill node); its results go to ``sink``, not the bus.
-    cache: list[Any] | None = None
+    # keep its cache when it finishes (prefill node). The core only holds ``cache`` until
+    # the job that inserts it; it never looks inside.
+    cache: Any = None
     key_state: tuple[int, ...] = ()
     keep_cache: bool = False
-    sink: Sink | None = None
     cached: int = 0  # prompt tokens the prompt cache supplied (reported with the first token)
     context: tuple[int, ...] = ()  # tokens before a handed-off cache's, for the penalties
     resumed: int = 0  # positions a handed-off cache brought
@@ -55,10 +52,29 @@ def kv_tokens(seqs: Iterable[EngineSeq]) -> int:
 @dataclass(frozen=True, slots=True)
 class Insert:
     entry: RunEntry
-    cache: list[Any] | None
-    key_state: tuple[int, ...]
-    keep_cache: bool
+    cache: Any = None
+    key_state: tuple[int, ...] = ()
+    keep_cache: bool = False
     context: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One step for the compute side: join ``inserts``, drop ``removals`` (batch uids), then
+    run decode steps. ``by_uid`` and ``want_lp`` are the core's table as of now (copies)."""
+
+    id: int
+    inserts: tuple[Insert, ...] = ()
+    removals: tuple[int, ...] = ()
+    by_uid: dict[int, str] = field(default_factory=dict)
+    want_lp: dict[str, int] = field(default_factory=dict)  # request_id -> top_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ResetJob:
+    """Forget every sequence on the compute side (after a failed step): fresh caches."""
+
+    id: int
 
 
 @dataclass

@@ -20,7 +20,6 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxcel.base.messages import SamplingParams
-from mlxcel.serving.grammar import MAX_GRAMMAR
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -54,36 +53,6 @@ def make_sampler(p: SamplingParams, key_state: Sequence[int] = ()) -> Sampler | 
 
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-def sampling_problem(p: SamplingParams, vocab: int) -> str | None:
-    """Why these parameters cannot run on a model of ``vocab`` tokens (None: they can).
-
-    Checked before a sequence joins a batch: a processor that raised inside mlx-lm's batched
-    step would fail every sequence in it, and an out-of-range bias index would not raise at
-    all. The API validates the same ranges; this guards the cluster's messages too."""
-    if len(p.logit_bias_ids) != len(p.logit_bias_values):
-        return "logit_bias ids and values differ in length"
-    if any(not 0 <= t < vocab for t in p.logit_bias_ids):
-        return f"logit_bias names a token outside the vocabulary [0, {vocab})"
-    if len(set(p.logit_bias_ids)) != len(p.logit_bias_ids):
-        return "logit_bias names a token twice"
-    if any(not -100 <= v <= 100 for v in p.logit_bias_values):
-        return "logit_bias values must be within [-100, 100]"
-    if not 0 <= p.top_logprobs <= 20:
-        return "top_logprobs must be within [0, 20]"
-    if not 0 <= p.min_p <= 1:
-        return "min_p must be within [0, 1]"
-    if not 0 < p.repetition_penalty <= 10:
-        return "repetition_penalty must be within (0, 10]"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(p, name) <= 2:
-            return f"{name} must be within [-2, 2]"
-    if p.min_tokens < 0:
-        return "min_tokens must not be negative"
-    if len(p.grammar) > MAX_GRAMMAR:
-        return f"the grammar is longer than {MAX_GRAMMAR} characters"
-    return None
 
 
 def needs_processors(p: SamplingParams) -> bool:

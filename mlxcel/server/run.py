@@ -34,6 +34,7 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
         loaded = await compute.run(load_model, spec.model, False, spec.adapter)
         async with Node("local") as node:
             engine = LocalEngine(
+                node,
                 loaded,
                 compute,
                 max_batch_size=gen.max_batch_size,
@@ -43,10 +44,10 @@ async def local_stack(spec: LocalSpec, gen: Generation) -> AsyncIterator[Stack[L
                 prompt_cache_bytes=gen.prompt_cache_bytes if spec.max_kv_size is None else 0,
                 max_kv_size=spec.max_kv_size,
             )
-            engine.run_steps = gen.stream_interval
-            await engine.attach(node)
+            engine.runtime.run_steps = gen.stream_interval
+            await engine.attach()
             fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
-            pc = engine.prompt_cache
+            pc = engine.runtime.prompt_cache
             # Every OpenAI parameter serve serves: the engine applies all of mlx-lm's processors.
             serving = Serving(
                 node,

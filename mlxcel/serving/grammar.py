@@ -17,8 +17,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-MAX_SCHEMA = 32 << 10  # bytes of JSON schema a request may constrain its output with
-MAX_GRAMMAR = 2 * MAX_SCHEMA  # the grammar text it becomes, as the cluster carries it
+from mlxcel.base.sampling_params import MAX_GRAMMAR, MAX_SCHEMA
+
 COMPILED = 32  # grammars kept compiled per process
 # Compact JSON, as OpenAI's structured outputs write it: free whitespace would let a model
 # spend its token budget on it (a schema can opt in through its "x-guidance" options).

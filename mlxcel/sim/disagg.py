@@ -224,11 +224,9 @@ def run_disagg(
 def _idle(run: DisaggRun) -> bool:
     if run.router.router.routes:
         return False
-    if any(p.prefill.leases or p.caches for p in run.prefill if p.service is not None):
+    if any(p.prefill.leases or p.computing for p in run.prefill if p.service is not None):
         return False
-    return not any(
-        d.decode.slots or d.running or d.staged for d in run.decode if d.service is not None
-    )
+    return not any(d.decode.slots or d.running for d in run.decode if d.service is not None)
 
 
 def check_disagg(run: DisaggRun) -> list[str]:
@@ -258,10 +256,10 @@ def check_disagg(run: DisaggRun) -> list[str]:
     if any(n.active for n in r.nodes.values()):
         bad.append("the router's per-node in-flight counts did not return to 0")
     for p in run.prefill:
-        if p.service is not None and (p.prefill.leases or p.caches):
+        if p.service is not None and (p.prefill.leases or p.computing):
             bad.append(f"{p.identity} still holds leases {sorted(p.prefill.leases)}")
     for d in run.decode:
-        if d.service is not None and (d.decode.slots or d.running or d.staged):
+        if d.service is not None and (d.decode.slots or d.running):
             bad.append(f"{d.identity} still holds slots {sorted(d.decode.slots)}")
     if run.forged and any(
         o.tokens[:1] == [7] and o.finish == "stop"

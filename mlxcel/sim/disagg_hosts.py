@@ -1,6 +1,6 @@
 """The hosts of the disaggregated scenarios: the production router, prefill and decode
-services (adapters and cores) as simulated processes, the fake engines they compute with, and
-the ledger the invariants read.
+services (adapters and cores) and the production engine as simulated processes, the fake
+runtimes that engine steps, and the ledger the invariants read.
 
 The fake model: a prompt's "KV cache" is a 64-bit hash of its tokens, carried as a real
 tensor under the real handoff digest; token ``k`` of a request is a mix of that hash and
@@ -10,19 +10,22 @@ tokens that differ from :func:`reference`.
 
 from __future__ import annotations
 
+import itertools
 import random
 import struct
+import threading
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from mlxcel.base.handoff import Packed, digest_of, tensor_digest
 from mlxcel.base.messages import (
     CancelRequest,
     Error,
+    ErrorCode,
     HandoffVerdict,
     KvHandoff,
     Message,
+    ResumeSequence,
     RunEntry,
     RunResult,
     SamplingParams,
@@ -30,11 +33,13 @@ from mlxcel.base.messages import (
 )
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import ResumeJob
+from mlxcel.disagg.protocol import NODE_CAPACITY, ResumeJob
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.disagg.service import RouterService
 from mlxcel.disagg.worker_service import DecodeService, PrefillService
 from mlxcel.reactor.bus import Envelope, Node, Origin
+from mlxcel.runtime.engine import LocalEngine
+from mlxcel.runtime.engine_state import EngineJob, EngineStep, Insert
 from mlxcel.sim.clock import Scheduler
 from mlxcel.sim.compute import SimCompute
 from mlxcel.sim.hosts import Outcome
@@ -154,50 +159,88 @@ class Ledger:
     computed: list[tuple[str, str, int]] = field(default_factory=list)  # (prefill, rid, nonce)
 
 
-# The engine figures a State reports: an empty config says "capacity unknown" (0).
-_NO_MODEL = SimpleNamespace(config={}, n_layers=1)
+class FakeModel:
+    """What the engine reads of a loaded model, for the fake one: its vocabulary and its
+    end-of-sequence token. (No layer shapes: a State's KV figures say "unknown", 0.)"""
+
+    config = {"vocab_size": VOCAB}
+    n_layers = 1
+
+    def eos_token_ids(self) -> set[int]:
+        return {EOS}
 
 
-class PrefillEngine:
-    """What :class:`PrefillService` asks of its engine, over the fake model: a prompt's
-    "cache" is its hash; computing it takes a fixed cost plus one per token."""
+class FakeRuntime:
+    """The engine's runtime over the fake model: what :class:`LocalEngine` (the real engine
+    core and adapter) steps on its simulated compute thread. Rows are the batch's sequences."""
+
+    recoverable = True
+    step_timeout = None
+    failure_code = ErrorCode.ENGINE_FAILED
+    failure_prefix = ""
+    decoding_alone = False
+
+    def __init__(self) -> None:
+        self.interrupt = threading.Event()
+        self.rows: dict[int, list[Any]] = {}
+        self._uids = itertools.count()
+
+    def start(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.rows.clear()
+
+    def batch_cache_rows(self) -> int:
+        return len(self.rows)
+
+    def step(self, job: EngineJob) -> EngineStep:
+        out = EngineStep(steps=1)
+        for uid in job.removals:
+            self.rows.pop(uid, None)
+        for i in job.inserts:
+            uid = next(self._uids)
+            out.new_uids[i.entry.request_id] = uid
+            out.prompt_tokens += len(i.entry.token_ids)
+            self.insert(uid, i, out)
+        for uid, row in list(self.rows.items()):
+            self.decode(uid, row, out)
+        return out
+
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
+        raise NotImplementedError
+
+    def decode(self, uid: int, row: list[Any], out: EngineStep) -> None:
+        pass
+
+
+class PrefillRuntime(FakeRuntime):
+    """A prompt's "cache" is its hash; computing prompts takes a fixed cost plus one per
+    token (:meth:`cost`). Each prompt gives its first token and its packed cache at once."""
 
     def __init__(self, host: PrefillHost) -> None:
+        super().__init__()
         self.host = host
-        self.loaded = _NO_MODEL
-        self.kept: dict[str, tuple[Packed, tuple[int, ...]]] = {}
-        self.caches: set[int] = set()  # leases whose cache the "engine" holds
-        self.alive = True
 
-    def kv_tokens(self) -> int:
-        return 0
+    def cost(self, fn: Any, args: tuple[Any, ...]) -> float:
+        if fn != self.step:
+            return 0.0
+        return 0.002 + PREFILL_PER_TOKEN_S * sum(len(i.entry.token_ids) for i in args[0].inserts)
 
-    def submit(self, entry: RunEntry, role: str, sink: Any, **_: Any) -> str | None:
-        host, lease = self.host, int(entry.request_id.partition("-")[2])
-        x = host.prefill.leases[lease]
-        host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
-        self.caches.add(lease)
-        took = 0.002 + PREFILL_PER_TOKEN_S * len(entry.token_ids)
-        host.sched.after(took, self._computed, entry, lease, sink)
-        return None
-
-    def _computed(self, entry: RunEntry, lease: int, sink: Any) -> None:
-        if not self.alive or lease not in self.caches:
-            return
-        h = prompt_hash(entry.token_ids)
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
+        host, rid = self.host, i.entry.request_id
+        x = host.prefill.leases.get(int(rid.partition("-")[2]))
+        if x is not None:
+            host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
+        h = prompt_hash(i.entry.token_ids)
         t0 = token(h, 0)
         # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
-        layers = range(self.host.layers)
+        layers = range(host.layers)
         ks = tuple(cache_tensor(h ^ layer) for layer in layers)
         vs = tuple(cache_tensor(~h & MASK ^ layer) for layer in layers)
-        rid = entry.request_id
-        self.kept[rid] = (Packed(len(entry.token_ids), t0, ks, vs, tensor_digest(ks, vs)), ())
-        ids = () if t0 == EOS else (t0,)
-        sink(RunResult(rid, 0, ids, "stop" if t0 == EOS else "length", 0))
-
-    def cancel(self, request_id: str, role: str) -> None:
-        self.caches.discard(int(request_id.partition("-")[2]))
-        self.kept.pop(request_id, None)
+        n = len(i.entry.token_ids)
+        out.kept[rid] = (Packed(n, t0, ks, vs, tensor_digest(ks, vs)), ())
+        out.tokens.append((rid, t0, "stop" if t0 == EOS else "length", None, None))
 
 
 class PrefillHost(SimProcess):
@@ -213,7 +256,7 @@ class PrefillHost(SimProcess):
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.rng = cfg, ledger, rng
         self.layers = 1
-        self.engine: PrefillEngine | None = None
+        self.engine: LocalEngine | None = None
         self.boot()
 
     @property
@@ -221,13 +264,17 @@ class PrefillHost(SimProcess):
         return self.service.prefill  # type: ignore[no-any-return]
 
     @property
-    def caches(self) -> set[int]:
-        return self.engine.caches if self.engine is not None else set()
+    def computing(self) -> int:
+        """Prompts the engine holds now (each leaves it with its first token)."""
+        return self.engine.active if self.engine is not None else 0
+
+    async def prepare(self, node: Node) -> None:
+        self.engine = await _engine(self, node, PrefillRuntime(self))
 
     def build(self, node: Node, endpoint: SimEndpoint) -> PrefillService:
-        self.engine = PrefillEngine(self)
+        assert self.engine is not None
         lease = self.rng.getrandbits(40) + 1
-        return PrefillService(node, endpoint, self.engine, self.cfg, first_lease=lease)  # type: ignore[arg-type]
+        return PrefillService(node, endpoint, self.engine, self.cfg, first_lease=lease)
 
     def started(self, service: PrefillService) -> None:
         service.attach()
@@ -238,76 +285,65 @@ class PrefillHost(SimProcess):
 
     def on_crash(self) -> None:
         if self.engine is not None:
-            self.engine.alive = False
+            self.engine.compute.alive = False  # nothing it runs completes
 
 
-class DecodeEngine:
-    """What :class:`DecodeService` asks of its engine, over the fake model: checking a
-    handoff takes ``verify_s`` on a worker "thread" (loading it then takes no time on the
-    compute "thread"); decoding streams one token a step."""
+@dataclass(frozen=True)
+class FakeCache:
+    """A loaded handoff: its cache's hash, and whose lease it was (for the ledger)."""
+
+    hash: int
+    prefill: str
+    lease: int
+
+
+class DecodeRuntime(FakeRuntime):
+    """Decoding streams one token per row a step (``STEP_S``); checking a handoff takes
+    ``verify_s`` on a worker "thread", loading it no time on the compute one."""
 
     def __init__(self, host: DecodeHost) -> None:
+        super().__init__()
         self.host = host
-        self.loaded = _NO_MODEL
         self.worker = SimCompute(host.sched, lambda _fn, _args: host.verify_s)
-        self.compute = SimCompute(host.sched, lambda _fn, _args: 0.0)
-        self.running: dict[int, tuple[int, int]] = {}  # slot -> (cache hash, tokens left)
-        self.alive = True
 
-    def kv_tokens(self) -> int:
-        return 0
+    def cost(self, fn: Any, args: tuple[Any, ...]) -> float:
+        return STEP_S if fn == self.step else 0.0
 
     def check(self, h: KvHandoff) -> str | None:
         ok = digest_of(h, tensor_digest(h.keys, h.values)) == h.digest
         return None if ok else "digest mismatch"
 
-    def load(self, h: KvHandoff) -> int:
+    def load(self, h: KvHandoff) -> FakeCache:
         host = self.host
-        if "read-uncommitted" in host.inject:  # the bug: decode before the prefill committed
-            slot = next(
-                (s.id for s in host.decode.slots.values() if s.handoff.lease == h.lease), None
-            )
-            if slot is not None:  # once the service staged it (a moment later: 0.1 ms)
-                host.sched.after(1e-4, self._early, slot, h)
-        return cache_hash(h.keys[0])
+        slot = next((s for s in host.decode.slots.values() if s.handoff.lease == h.lease), None)
+        if slot is not None and "read-uncommitted" in host.inject:
+            # The bug: decode before the prefill committed (once the service holds the
+            # cache, a moment later: 0.1 ms).
+            host.sched.after(1e-4, self._early, slot.id, h)
+        prefill = slot.prefill if slot is not None else "?"
+        return FakeCache(cache_hash(h.keys[0]), prefill, h.lease)
 
     def _early(self, slot: int, h: KvHandoff) -> None:
         svc = self.host.service
-        if self.alive and svc is not None and slot in svc.staged:
-            svc._resume(ResumeJob(slot, h))
+        s = svc.decode.slots.get(slot) if svc is not None else None
+        if s is not None and s.cache is not None:
+            svc.resume(ResumeJob(slot, h, s.cache))
 
-    def submit(
-        self, entry: RunEntry, role: str, sink: Any, cache: Any = None, **_: Any
-    ) -> str | None:
-        host, slot = self.host, int(entry.request_id.partition("-")[2])
-        s = host.decode.slots.get(slot)
-        prefill, lease = (s.prefill, s.handoff.lease) if s is not None else ("?", -1)
-        host.ledger.reads.append((prefill, lease, host.identity, host.sched.now))
-        self.running[slot] = (int(cache), entry.sampling.max_tokens)
-        host.sched.after(STEP_S, self._step, slot, 1, sink)
-        if host.crash_after_reads is not None:
-            host.crash_after_reads -= 1
-            if host.crash_after_reads <= 0:
-                host.crash_after_reads = None
-                host.sched.after(STEP_S * 2, host.crash)  # mid-stream, right after the handoff
-        return None
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
+        # (request id, cache hash, tokens left, the next token's index)
+        self.rows[uid] = [i.entry.request_id, i.cache.hash, i.entry.sampling.max_tokens, 1]
 
-    def _step(self, slot: int, k: int, sink: Any) -> None:
-        if not self.alive or slot not in self.running:
-            return
-        h, left = self.running[slot]
+    def decode(self, uid: int, row: list[Any], out: EngineStep) -> None:
+        rid, h, left, k = row
         t = token(h, k)
         done = t == EOS or left <= 1
-        finish = ("stop" if t == EOS else "length") if done else None
         if done:
-            del self.running[slot]
+            del self.rows[uid]
         else:
-            self.running[slot] = (h, left - 1)
-            self.host.sched.after(STEP_S, self._step, slot, k + 1, sink)
-        sink(RunResult(f"slot-{slot}", 0, () if t == EOS else (t,), finish, 0))
-
-    def cancel(self, request_id: str, role: str) -> None:
-        self.running.pop(int(request_id.partition("-")[2]), None)
+            row[2:] = [left - 1, k + 1]
+        out.tokens.append(
+            (rid, t, ("stop" if t == EOS else "length") if done else None, None, None)
+        )
 
 
 class DecodeHost(SimProcess):
@@ -324,7 +360,8 @@ class DecodeHost(SimProcess):
         self.cfg, self.ledger, self.inject = cfg, ledger, inject
         self.verify_s = 0.001
         self.crash_after_reads: int | None = None
-        self.engine: DecodeEngine | None = None
+        self.engine: LocalEngine | None = None
+        self.runtime: DecodeRuntime | None = None
         self.boot()
 
     @property
@@ -332,29 +369,50 @@ class DecodeHost(SimProcess):
         return self.service.decode  # type: ignore[no-any-return]
 
     @property
-    def running(self) -> dict[int, tuple[int, int]]:
-        return self.engine.running if self.engine is not None else {}
+    def running(self) -> int:
+        """Streams the engine decodes now."""
+        return self.engine.active if self.engine is not None else 0
 
-    @property
-    def staged(self) -> dict[int, Any]:
-        return self.service.staged if self.service is not None else {}
+    async def prepare(self, node: Node) -> None:
+        self.runtime = DecodeRuntime(self)
+        self.engine = await _engine(self, node, self.runtime)
 
     def build(self, node: Node, endpoint: SimEndpoint) -> DecodeService:
-        self.engine = engine = DecodeEngine(self)
+        assert self.engine is not None and self.runtime is not None
+        rt = self.runtime
         return DecodeService(
-            node,
-            endpoint,
-            engine,  # type: ignore[arg-type]
-            self.cfg,
-            check=engine.check,
-            offload=engine.worker.run,
-            load=engine.load,
-        )
+            node, endpoint, self.engine, self.cfg, check=rt.check, offload=rt.worker.run,
+            load=rt.load,
+        )  # fmt: skip
 
     def started(self, service: DecodeService) -> None:
         service.attach()
+        # What the service hands its engine, seen as it goes: the moment a handoff is read.
+        service.node.bus.subscribe(
+            ResumeSequence, self._read, maxsize=1024, origin=Origin.LOCAL, sync=True, leaf=True
+        )
+
+    def _read(self, env: Envelope[ResumeSequence]) -> None:
+        cache = env.msg.cache
+        self.ledger.reads.append((cache.prefill, cache.lease, self.identity, self.sched.now))
+        if self.crash_after_reads is not None:
+            self.crash_after_reads -= 1
+            if self.crash_after_reads <= 0:
+                self.crash_after_reads = None
+                self.sched.after(STEP_S * 2, self.crash)  # mid-stream, right after the handoff
 
     def on_crash(self) -> None:
-        if self.engine is not None:
-            self.engine.alive = False
-            self.engine.compute.alive = False
+        if self.engine is not None and self.runtime is not None:
+            self.engine.compute.alive = False  # nothing it runs completes
+            self.runtime.worker.alive = False
+
+
+async def _engine(
+    host: SimProcess, node: Node, runtime: PrefillRuntime | DecodeRuntime
+) -> LocalEngine:
+    """The production engine (core and adapter) over a fake runtime, on the host's clock."""
+    compute = SimCompute(host.sched, runtime.cost)
+    engine = LocalEngine(node, FakeModel(), compute, max_sequences=NODE_CAPACITY, runtime=runtime)  # type: ignore[arg-type]
+    engine.clock = host
+    await engine.attach()
+    return engine

@@ -85,12 +85,12 @@ async def _serve(run: EngineRun, ready: asyncio.Event) -> None:
     compute = SimCompute(run.sched, lambda fn, args: STEP_S * run.slow)
     async with Node("engine") as node:
         run.engine = LocalEngine(
-            run.loaded, compute, max_batch_size=4, prefill_step_size=16, max_sequences=8
+            node, run.loaded, compute, max_batch_size=4, prefill_step_size=16, max_sequences=8
         )  # type: ignore[arg-type]
         # A run of decode steps ends on the wall clock in production: here only on events
         # and run_steps, so that a run is a function of its seed on any machine.
-        run.engine.run_seconds, run.engine.run_steps = math.inf, run.run_steps
-        await run.engine.attach(node)
+        run.engine.runtime.run_seconds, run.engine.runtime.run_steps = math.inf, run.run_steps
+        await run.engine.attach()
         run.frontend = Frontend(node, run.loaded.tokenizer, parallel=run.parallel, queue_size=4)
         run.frontend.attach()
         ready.set()

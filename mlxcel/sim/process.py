@@ -187,12 +187,16 @@ class SimProcess:
     async def _live(self, endpoint: SimEndpoint) -> None:
         async with Node(self.identity) as node:
             self.node = node
+            await self.prepare(node)
             service = self.build(node, endpoint)
             service.clock = self
             service.core = Counted(service.core, self)
             self.service = service
             self.started(service)
             await asyncio.Event().wait()  # until the process is killed
+
+    async def prepare(self, node: Node) -> None:
+        """Before the service is built: what it stands on (a node's engine, started)."""
 
     def build(self, node: Node, endpoint: SimEndpoint) -> CoreAdapter:
         raise NotImplementedError

@@ -29,12 +29,13 @@ from mlxcel.reactor.bus import Node
 from mlxcel.runtime.blas import colocated_env
 from mlxcel.runtime.compute import ComputeThread
 from mlxcel.runtime.devices import device_env, gpu_ids
+from mlxcel.runtime.engine import LocalEngine
 from mlxcel.runtime.kv_usage import figures
 from mlxcel.runtime.model import LoadedModel
 from mlxcel.serving.frontend import Frontend
 from mlxcel.serving.specs import Generation, TensorParallelSpec
 from mlxcel.serving.stack import Serving, Stack
-from mlxcel.tp.engine import TpEngine
+from mlxcel.tp.engine import TpRuntime
 from mlxcel.tp.group import (
     check_shardable,
     cleartext_hosts,
@@ -58,7 +59,7 @@ from mlxcel.tp.step_seal import StepSeal
 @dataclass
 class TpParts:
     loaded: LoadedModel
-    engine: TpEngine
+    engine: LocalEngine
     size: int
 
 
@@ -156,12 +157,14 @@ async def _meet(
         )
 
 
-def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, size: int) -> Serving:
+def _serving(
+    node: Node, fe: Frontend, engine: LocalEngine, loaded: LoadedModel, size: int
+) -> Serving:
     async def health() -> dict[str, object]:
         ranks: dict[str, object] = {"ranks": size}
-        if engine.fatal.is_set():
-            ranks["error"] = engine.fatal_reason
-        return {"ready": not engine.fatal.is_set(), "tensor_parallel": ranks}
+        if engine.failed.is_set():
+            ranks["error"] = engine.failure
+        return {"ready": not engine.failed.is_set(), "tensor_parallel": ranks}
 
     # The group failing stops the runner like a signal does.
     return Serving(
@@ -169,7 +172,7 @@ def _serving(node: Node, fe: Frontend, engine: TpEngine, loaded: LoadedModel, si
         fe,
         lambda: engine.active,
         health,
-        done=engine.fatal,
+        done=engine.failed,
         # Not response_format: the grammar's matcher would have to cross the handoff (or
         # run on every rank): refused by name.
         sampling=EXTENDED_SAMPLING - {"response_format"},
@@ -184,21 +187,22 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
     compute = ComputeThread()
     followers: list[asyncio.subprocess.Process] = []
     stopping = startup_failed = False
-    engine: TpEngine | None = None
+    engine: LocalEngine | None = None
     try:
         meeting = await _meet(spec, gen, size, listed, followers)
         group, loaded = await _join(compute, followers, meeting, spec, size)
         async with Node("tensor-parallel") as node:
-            engine = TpEngine(
+            runtime = TpRuntime(
                 loaded,
-                compute,
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
-                max_sequences=max(gen.parallel, 1),
                 group=group,
                 seal=StepSeal(meeting.step_key),
             )
-            await engine.attach(node)
+            engine = LocalEngine(
+                node, loaded, compute, max_sequences=max(gen.parallel, 1), runtime=runtime
+            )
+            await engine.attach()
             for rank, proc in enumerate(followers, start=1):
                 node.spawn(_watch(proc, rank, engine, lambda: stopping), name=f"tp-rank-{rank}")
             fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
@@ -213,11 +217,11 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                 loaded.name,
                 summary,
                 TpParts(loaded, eng, size),
-                lambda: eng.fatal_reason or None,
+                lambda: eng.failure or None,
             )
             stopping = True
-            if not engine.fatal.is_set():
-                await compute.run(engine.stop_followers)
+            if not engine.failed.is_set():
+                await compute.run(runtime.stop_followers)
     except TpGroupFailed:
         startup_failed = engine is None
         raise
@@ -226,7 +230,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
         # A group that never formed has nothing to wait for: its followers go at once.
         await _reap(followers, patient=engine is not None)
         # A failed group's compute thread may sit in a dead collective: do not join it.
-        if startup_failed or (engine is not None and engine.fatal.is_set()):
+        if startup_failed or (engine is not None and engine.failed.is_set()):
             compute.abandon()
         else:
             compute.close()
@@ -311,7 +315,9 @@ async def _while_ranks_live(  # type: ignore[no-untyped-def]
             e.cancel()
 
 
-async def _watch(proc: asyncio.subprocess.Process, rank: int, engine: TpEngine, stopping) -> None:  # type: ignore[no-untyped-def]
+async def _watch(
+    proc: asyncio.subprocess.Process, rank: int, engine: LocalEngine, stopping
+) -> None:  # type: ignore[no-untyped-def]
     code = await proc.wait()
     if not stopping():
-        await engine.abort(f"rank {rank} exited with status {code}")
+        engine.abort(f"rank {rank} exited with status {code}")

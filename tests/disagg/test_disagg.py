@@ -121,11 +121,10 @@ async def test_cancellation_frees_the_cache_on_both_nodes(tiny: Path) -> None:
                 dec.parts.service.decode.active == 0
                 and dec.parts.engine is not None
                 and dec.parts.engine.active == 0
-                and not dec.parts.service.staged
+                and not any(x.cache for x in dec.parts.service.decode.slots.values())
                 and pre.parts.service.prefill.active == 0
                 and pre.parts.engine is not None
                 and pre.parts.engine.active == 0
-                and not pre.parts.engine.kept
             )
         )
         assert dec.parts.service.decode.counts["cancelled"] == 1
@@ -174,7 +173,7 @@ async def test_an_expired_lease_is_an_error_and_the_cache_is_never_read(tiny: Pa
             await collect(t.router.frontend, PROMPTS[0])
         assert err.value.code == ErrorCode.HANDOFF_TIMEOUT and "lease expired" in str(err.value)
         await until_true(lambda: t.decode.parts.service.decode.active == 0)
-        assert not t.decode.parts.service.decode.reads and not t.decode.parts.service.staged
+        assert not t.decode.parts.service.decode.reads and not t.decode.parts.service.decode.slots
 
 
 def test_handoff_pack_check_and_tamper(tiny: Path) -> None:
@@ -296,7 +295,7 @@ async def test_router_runner_serves_stats_over_http(
 async def test_a_cache_that_cannot_be_packed_fails_its_request_with_the_reason(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mlxcel.runtime.engine as engine_mod
+    import mlxcel.runtime.engine_runtime as engine_mod
 
     def broken(*_a: object) -> None:
         raise ValueError("layer cache RotatingKVCache does not hold the whole prompt")

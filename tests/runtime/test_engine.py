@@ -212,21 +212,22 @@ def test_usage_times_are_exact_on_uvloop(tiny: Path) -> None:
 def _count_handoffs(stack: Stack) -> list[int]:
     """Wrap the engine's compute-thread step; the list grows by one per hand-off."""
     calls: list[int] = []
-    inner = stack.parts.engine._step
+    inner = stack.parts.engine.runtime.step
 
     def counted(*a: object) -> object:
         calls.append(1)
         return inner(*a)  # type: ignore[arg-type]
 
-    stack.parts.engine._step = counted  # type: ignore[method-assign]
+    stack.parts.engine.runtime.step = counted  # type: ignore[method-assign]
     return calls
 
 
 @pytest.mark.parametrize("alone", [True, False])
 async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone: bool) -> None:
     async with assemble(LocalSpec(tiny), Generation(max_batch_size=2, parallel=2)) as stack:
-        stack.parts.engine.run_seconds = 60.0  # only the step count and the events end a run
-        stack.parts.engine.solo_enabled = alone
+        # Only the step count and the events end a run.
+        stack.parts.engine.runtime.run_seconds = 60.0
+        stack.parts.engine.runtime.solo_enabled = alone
         calls = _count_handoffs(stack)
         p = SamplingParams(max_tokens=64)
         both = await asyncio.gather(*(collect(stack, PROMPTS[k], p) for k in range(2 - alone)))
@@ -235,7 +236,7 @@ async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone
         # each first token end a run of their own; a hand-off per token would be 64 or more.
         per_run = 16 if alone else 8
         assert len(calls) <= 64 // per_run + 6, len(calls)
-        stack.parts.engine.run_steps = 1
+        stack.parts.engine.runtime.run_steps = 1
         calls.clear()
         again = await asyncio.gather(*(collect(stack, PROMPTS[k], p) for k in range(2 - alone)))
         assert again == both
@@ -245,8 +246,8 @@ async def test_decode_steps_run_back_to_back_between_hand_offs(tiny: Path, alone
 async def test_a_request_that_arrives_mid_run_joins_at_once(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny), Generation(max_batch_size=2, parallel=2)) as stack:
         # Runs as long as the step limit allows: only the reactor's interrupt can end one.
-        stack.parts.engine.run_steps = 100_000
-        stack.parts.engine.run_seconds = 600.0
+        stack.parts.engine.runtime.run_steps = 100_000
+        stack.parts.engine.runtime.run_seconds = 600.0
         long_usage = Usage()
         long = asyncio.create_task(
             collect(stack, PROMPTS[0], SamplingParams(max_tokens=3000), usage=long_usage)
@@ -277,7 +278,7 @@ async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there
     that token, with a logprob for each token delivered and none for the rest."""
     params = SamplingParams(max_tokens=48, logprobs=True)
     async with assemble(LocalSpec(tiny)) as stack:
-        stack.parts.engine.run_seconds = 60.0  # only the step count ends a run: runs of 16
+        stack.parts.engine.runtime.run_seconds = 60.0  # only the step count ends a run: runs of 16
         fe = stack.frontend
         tok = fe.tokenizer
         ids = fe.encode_prompt(PROMPTS[2])
@@ -316,8 +317,8 @@ async def test_a_run_is_one_message_per_sequence_and_a_stop_inside_it_cuts_there
 async def test_a_stream_interval_of_one_hands_every_token_over_as_it_is_sampled(tiny: Path) -> None:
     """serve --stream-interval 1: no bursts, each token leaves the compute thread alone."""
     async with assemble(LocalSpec(tiny), Generation(stream_interval=1)) as stack:
-        assert stack.parts.engine.run_steps == 1
-        stack.parts.engine.run_seconds = 60.0  # only the step count ends a run
+        assert stack.parts.engine.runtime.run_steps == 1
+        stack.parts.engine.runtime.run_seconds = 60.0  # only the step count ends a run
         calls = _count_handoffs(stack)
         tokens, _, finish = await collect(stack, PROMPTS[0], SamplingParams(max_tokens=32))
         assert finish == "length" and len(tokens) == 32

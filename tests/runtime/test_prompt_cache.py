@@ -50,11 +50,11 @@ async def chat(stack: Stack, seed: int) -> list[tuple[list[int], int]]:
 
 async def test_later_turns_reuse_the_history_and_generate_the_same_tokens(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=0)) as plain:
-        assert plain.parts.engine.prompt_cache is None
+        assert plain.parts.engine.runtime.prompt_cache is None
         without = await chat(plain, 1)
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as cached:
         with_cache = await chat(cached, 1)
-        stats = cached.parts.engine.prompt_cache.stats()  # type: ignore[union-attr]
+        stats = cached.parts.engine.runtime.prompt_cache.stats()  # type: ignore[union-attr]
         assert cached.parts.engine.active == 0 and cached.parts.engine.batch_cache_rows() == 0
     assert [r for r, _ in with_cache] == [r for r, _ in without]
     assert [c for _, c in without] == [0, 0, 0]
@@ -85,11 +85,11 @@ async def test_a_repeated_prompt_still_prefills_its_last_token(tiny: Path) -> No
 async def test_the_cache_stays_within_its_bytes_evicting_the_least_recent(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as probe:
         await turn(probe, prompt(150, 3))
-        one = probe.parts.engine.prompt_cache.nbytes  # type: ignore[union-attr]
+        one = probe.parts.engine.runtime.prompt_cache.nbytes  # type: ignore[union-attr]
     assert one > 0
     # Room for one conversation's cache, not two.
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=one + one // 2)) as stack:
-        pc = stack.parts.engine.prompt_cache
+        pc = stack.parts.engine.runtime.prompt_cache
         assert pc is not None
         a, b = prompt(150, 3), prompt(150, 4)
         reply_a, _ = await turn(stack, a)
@@ -105,7 +105,7 @@ async def test_the_cache_stays_within_its_bytes_evicting_the_least_recent(tiny: 
 
 async def test_an_entry_larger_than_the_whole_cache_is_not_kept(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=1024)) as stack:
-        pc = stack.parts.engine.prompt_cache
+        pc = stack.parts.engine.runtime.prompt_cache
         assert pc is not None
         await turn(stack, prompt(150, 5))
         assert (pc.entries, pc.nbytes, pc.too_large) == (0, 0, 1)
@@ -116,14 +116,14 @@ async def test_a_cancelled_request_keeps_what_it_computed(tiny: Path) -> None:
     computed still serves the next prompt, alone or in the batch."""
     for solo in (True, False):
         async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as stack:
-            stack.parts.engine.solo_enabled = solo
+            stack.parts.engine.runtime.solo_enabled = solo
             ids = prompt(100, 6)
             params = SamplingParams(max_tokens=200)
             async with aclosing(stack.frontend.stream(ids, params, [])) as it:
                 async for _ in it:
                     break  # the client went away after one token
             await until_true(lambda: stack.parts.engine.batch_cache_rows() == 0)
-            pc = stack.parts.engine.prompt_cache
+            pc = stack.parts.engine.runtime.prompt_cache
             assert pc is not None and pc.entries == 1
             _, cached = await turn(stack, ids + [1, 2, 3])
             assert cached == 100, solo
@@ -131,7 +131,7 @@ async def test_a_cancelled_request_keeps_what_it_computed(tiny: Path) -> None:
 
 async def test_a_one_token_prompt_is_a_miss_not_a_hit(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny), Generation(prompt_cache_bytes=64 << 20)) as stack:
-        pc = stack.parts.engine.prompt_cache
+        pc = stack.parts.engine.runtime.prompt_cache
         assert pc is not None
         await turn(stack, [77])
         assert (await turn(stack, [77]))[1] == 0

@@ -24,17 +24,17 @@ SEEDED = SamplingParams(max_tokens=300, temperature=0.9, top_p=0.95, seed=7, log
 
 
 def _record(stack: Stack, name: str) -> list[str]:
-    """Wrap the engine's ``name`` (a compute-thread method whose first argument is a solo or
+    """Wrap the engine runtime's ``name`` (a compute-thread method whose first argument is a solo or
     an insert); the list gets the request id of each call."""
     seen: list[str] = []
-    inner = getattr(stack.parts.engine, name)
+    inner = getattr(stack.parts.engine.runtime, name)
 
     def recorded(first: object, *a: object) -> object:
         rid = getattr(first, "request_id", None) or first.entry.request_id  # type: ignore[attr-defined]
         seen.append(rid)
         return inner(first, *a)
 
-    setattr(stack.parts.engine, name, recorded)
+    setattr(stack.parts.engine.runtime, name, recorded)
     return seen
 
 
@@ -56,13 +56,14 @@ async def test_a_lone_request_decodes_alone_and_keeps_its_tokens_when_another_jo
     tiny: Path,
 ) -> None:
     async with assemble(LocalSpec(tiny), Generation(max_batch_size=4, parallel=4)) as stack:
-        stack.parts.engine.run_steps = 2  # short runs: the second request lands mid-sequence
+        # Short runs: the second request lands mid-sequence.
+        stack.parts.engine.runtime.run_steps = 2
         for params in (GREEDY, SEEDED):
             alone, joined = await lone_and_joined(stack, params)
             assert joined == alone
         assert stack.parts.engine.active == 0 and stack.parts.engine.batch_cache_rows() == 0
         # The batch generator from the start: the same tokens again.
-        stack.parts.engine.solo_enabled = False
+        stack.parts.engine.runtime.solo_enabled = False
         batched = await collect(stack, PROMPTS[4], SEEDED)
         assert batched == alone
 
@@ -80,7 +81,7 @@ async def test_logprobs_alone_equal_logprobs_in_the_batch(tiny: Path) -> None:
 
     async with assemble(LocalSpec(tiny)) as stack:
         alone = await logprobs(stack)
-        stack.parts.engine.solo_enabled = False
+        stack.parts.engine.runtime.solo_enabled = False
         batched = await logprobs(stack)
     assert len(alone) == len(batched) == 8
     for (ta, la, pa), (tb, lb, pb) in zip(alone, batched, strict=True):

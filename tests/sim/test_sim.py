@@ -165,9 +165,9 @@ def test_an_engine_that_streams_a_wrong_token_is_caught(
     parity invariant at once."""
     import dataclasses
 
-    from mlxcel.runtime.engine import LocalEngine
+    from mlxcel.runtime.engine_core import EngineCore
 
-    real = LocalEngine._result
+    real = EngineCore._result
 
     def doubled(self, seq, items):  # type: ignore[no-untyped-def]
         msg = real(self, seq, items)
@@ -175,7 +175,7 @@ def test_an_engine_that_streams_a_wrong_token_is_caught(
             return dataclasses.replace(msg, token_ids=msg.token_ids + msg.token_ids[-1:])
         return msg
 
-    monkeypatch.setattr(LocalEngine, "_result", doubled)
+    monkeypatch.setattr(EngineCore, "_result", doubled)
     results = run_many(range(3), name="engine", model_path=tiny)
     found = [v for r in results for v in r.violations]
     assert found and all("mlx-lm gives" in v or "not a prefix" in v for v in found), found
@@ -186,17 +186,17 @@ def test_an_engine_that_forgets_a_finished_sequence_is_caught(
 ) -> None:
     """A planted leak -- a finished sequence stays in the engine's books (its KV figures and
     its slot with it) -- is found by the end-of-run check."""
-    from mlxcel.runtime.engine import LocalEngine
+    from mlxcel.runtime.engine_core import EngineCore
 
-    real = LocalEngine._result
+    real = EngineCore._result
 
     def forgetful(self, seq, items):  # type: ignore[no-untyped-def]
         msg = real(self, seq, items)
         if msg.finish_reason is not None:
-            self._seqs[seq.entry.request_id] = seq  # the pop undone
+            self.seqs[seq.entry.request_id] = seq  # the pop undone
         return msg
 
-    monkeypatch.setattr(LocalEngine, "_result", forgetful)
+    monkeypatch.setattr(EngineCore, "_result", forgetful)
     results = run_many(range(2), name="engine", model_path=tiny)
     found = [v for r in results for v in r.violations]
     assert any("the engine still holds" in v for v in found), found
