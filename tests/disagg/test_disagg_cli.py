@@ -294,6 +294,10 @@ def test_failover_restart_admission_and_demux(tiny: Path, secret: Path) -> None:
             c.chat.completions.create(model="m", messages=messages(1), max_tokens=4)
         assert err.value.status_code == 503
         assert err.value.response.headers.get("Retry-After") == "1"
+    except BaseException:
+        for p in procs:  # what each node said, in the failure's report
+            print(f"--- {' '.join(map(str, p.proc.args))}\n{p.output[-6000:]}")
+        raise
     finally:
         for p in procs:
             p.stop()
