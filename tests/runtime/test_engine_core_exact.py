@@ -1,0 +1,265 @@
+"""The engine's core, exactly: every input and the effects it answers with, compared with
+``==`` (no MLX, no loop, no clock: the times are the test's)."""
+
+from __future__ import annotations
+
+from mlxcel.base.effects import CutShort, Deliver, StartCompute, Stopped, Warn
+from mlxcel.base.handoff import Packed
+from mlxcel.base.messages import (
+    CacheKept,
+    CancelRequest,
+    Error,
+    ErrorCode,
+    PrefillEntry,
+    ReleaseSequence,
+    ResumeSequence,
+    RunEntry,
+    RunResult,
+    SamplingParams,
+)
+from mlxcel.runtime.engine_core import EngineCore
+from mlxcel.runtime.engine_state import EngineJob, EngineStep, Insert, ResetJob
+
+CONFIG = {"vocab_size": 100, "max_position_embeddings": 64}
+EOS = 0
+FE = "local"  # the frontend's source
+
+
+def entry(
+    rid: str = "a", prompt: tuple[int, ...] = (5, 6, 7), n: int = 4, **kw: object
+) -> RunEntry:
+    return RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=n, **kw), 11)  # type: ignore[arg-type]
+
+
+def core(**kw: object) -> EngineCore:
+    return EngineCore(CONFIG, {EOS}, **kw)  # type: ignore[arg-type]
+
+
+def step(
+    new: dict[str, int] | None = None, tokens: list[tuple[str, int, str | None]] = (), **kw: object
+) -> EngineStep:
+    """What a step hands back: new uids, then (request id, token, finish) in order."""
+    out = EngineStep(steps=1, new_uids=dict(new or {}), **kw)  # type: ignore[arg-type]
+    out.tokens = [(r, t, f, None, None) for r, t, f in tokens]
+    return out
+
+
+def test_an_entry_starts_a_job_and_its_tokens_come_back_as_one_result_per_job() -> None:
+    c, e = core(), entry()
+    assert c.handle(e, FE, 1.0) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {}))]
+    assert c.active == 1 and c.job == 1
+    out = c.compute_done(
+        1, step({"a": 7}, [("a", 40, None), ("a", 41, None)], prompt_tokens=3), 1.1
+    )
+    assert out == [
+        Deliver(RunResult("a", 0, (40, 41), None, 11)),
+        StartCompute(EngineJob(2, (), (), {7: "a"}, {})),
+    ]
+    assert (c.steps, c.prompt_tokens, c.tokens_generated, c.kv_tokens()) == (1, 3, 2, 5)
+    # The end-of-sequence token finishes it and is not part of the text.
+    out = c.compute_done(2, step(tokens=[("a", 42, None), ("a", EOS, "stop")]), 1.2)
+    assert out == [Deliver(RunResult("a", 0, (42,), "stop", 11))]
+    assert (c.active, c.by_uid, c.job, c.next_timer()) == (0, {}, None, None)
+
+
+def test_bad_duplicate_and_surplus_entries_are_refused_by_name_and_start_nothing() -> None:
+    c = core(max_sequences=1)
+
+    def refused(e: RunEntry, why: str) -> list[object]:
+        return [Deliver(Error(ErrorCode.BAD_REQUEST, why, e.request_id, 11))]
+
+    assert c.handle(entry("x", ()), FE, 0.0) == refused(entry("x", ()), "empty prompt")
+    bad = entry("x", (5, 100))
+    assert c.handle(bad, FE, 0.0) == refused(bad, "token id outside the vocabulary [0, 100)")
+    long = entry("x", (5,) * 60, 8)
+    why = "prompt (60 tokens) + max_tokens (8) exceeds the model's context of 64"
+    assert c.handle(long, FE, 0.0) == refused(long, why)
+    bias = entry("x", logit_bias_ids=(100,), logit_bias_values=(1.0,))
+    assert c.handle(bias, FE, 0.0) == refused(
+        bias, "logit_bias names a token outside the vocabulary [0, 100)"
+    )
+    assert c.active == 0 and c.job is None
+    e = entry("a")
+    assert c.handle(e, FE, 0.0) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {}))]
+    assert c.handle(e, FE, 0.0) == refused(e, "request 'a' is already running")
+    b = entry("b")
+    assert c.handle(b, FE, 0.0) == refused(b, "the engine holds its maximum of 1 sequences")
+    assert c.active == 1
+
+
+def test_changes_while_a_job_runs_cut_it_short_once_and_join_the_next_job() -> None:
+    c, a, b, d = core(), entry("a"), entry("b", logprobs=True, top_logprobs=2), entry("d")
+    c.handle(a, FE, 0.0)
+    assert c.handle(b, FE, 0.1) == [CutShort()]
+    assert c.handle(d, FE, 0.1) == []  # said once per job
+    assert c.handle(CancelRequest("d", "client"), FE, 0.2) == []  # queued: simply forgotten
+    out = c.compute_done(1, step({"a": 1}, [("a", 40, None)]), 0.3)
+    assert out == [
+        Deliver(RunResult("a", 0, (40,), None, 11)),
+        StartCompute(EngineJob(2, (Insert(b),), (), {1: "a"}, {"b": 2})),
+    ]
+
+
+def test_only_the_owner_cancels_and_a_running_row_leaves_in_the_next_job() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    c.compute_done(1, step({"a": 3}), 0.1)  # job 2 runs now
+    assert c.handle(CancelRequest("a", "client"), "10.0.0.9:1", 0.2) == []  # not the owner
+    assert c.active == 1
+    assert c.handle(ReleaseSequence("a"), FE, 0.2) == [CutShort()]
+    assert (c.active, c.to_remove) == (0, [3])
+    # Its tokens from the job under way are dropped; the next job removes its row.
+    out = c.compute_done(2, step(tokens=[("a", 40, None)]), 0.3)
+    assert out == [StartCompute(EngineJob(3, (), (3,), {}, {}))]
+    assert c.compute_done(3, step(), 0.4) == [] and c.job is None
+
+
+def test_a_sequence_cancelled_while_its_insert_runs_leaves_with_the_next_job() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    assert c.handle(CancelRequest("a", "client"), FE, 0.1) == [CutShort()]
+    out = c.compute_done(1, step({"a": 9}, [("a", 40, None)]), 0.2)
+    assert out == [StartCompute(EngineJob(2, (), (9,), {}, {}))]
+
+
+def test_a_failed_sampler_fails_its_sequence_alone() -> None:
+    c, b = core(), entry("b")
+    c.handle(entry("a"), FE, 0.0)
+    c.handle(b, FE, 0.0)
+    assert c.compute_done(1, step({"a": 1}, [("a", 40, None)]), 0.1)[-1] == StartCompute(
+        EngineJob(2, (Insert(b),), (), {1: "a"}, {})
+    )
+    out = c.compute_done(2, step({"b": 2}, [("b", 40, None)], failed={"a": "bad sampler"}), 0.2)
+    assert out == [
+        Warn("warning", "engine: request a failed alone: bad sampler"),
+        Deliver(Error(ErrorCode.SAMPLING_FAILED, "bad sampler", "a", 11)),
+        Deliver(RunResult("b", 0, (40,), None, 11)),
+        StartCompute(EngineJob(3, (), (1,), {2: "b"}, {})),
+    ]
+    assert c.sequence_failures == 1
+
+
+def test_a_prefill_entry_hands_back_its_cache_with_its_last_result() -> None:
+    c, e = core(), entry("lease-1", n=1)
+    assert c.handle(PrefillEntry(e), "local", 0.0) == [
+        StartCompute(EngineJob(1, (Insert(e, keep_cache=True),), (), {}, {}))
+    ]
+    packed = Packed(3, 40, (), (), b"d")
+    out = c.compute_done(
+        1,
+        step({"lease-1": 1}, [("lease-1", 40, "length")], kept={"lease-1": (packed, (1, 2))}),
+        0.1,
+    )
+    assert out == [Deliver(CacheKept(RunResult("lease-1", 0, (40,), "length", 11), packed, (1, 2)))]
+    # One that finished without a cache (it could not be packed) fails by name.
+    c.handle(PrefillEntry(e), "local", 0.2)
+    out = c.compute_done(2, step({"lease-1": 2}, [("lease-1", 40, "length")]), 0.3)
+    why = "the finished sequence left no KV cache"
+    assert out == [Deliver(Error(ErrorCode.ENGINE_FAILED, why, "lease-1", 11))]
+
+
+def test_a_resumed_sequence_starts_from_its_cache_and_counts_its_positions() -> None:
+    c, e = core(), entry("slot-1", (40,), 8)
+    msg = ResumeSequence(e, "the cache", 30, (7, 7), (5, 6))
+    assert c.handle(msg, "local", 0.0) == [
+        StartCompute(EngineJob(1, (Insert(e, "the cache", (7, 7), False, (5, 6)),), (), {}, {}))
+    ]
+    assert c.seqs["slot-1"].cache is None  # the job carries it: the core lets go
+    c.compute_done(1, step({"slot-1": 4}, [("slot-1", 41, None)]), 0.1)
+    assert c.kv_tokens() == 30 + 1 + 1
+
+
+def test_the_prompt_cache_count_comes_with_the_first_result_only() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    out = c.compute_done(1, step({"a": 1}, [("a", 40, None)], cached={"a": 2}), 0.1)
+    assert out[0] == Deliver(RunResult("a", 0, (40,), None, 11, cached_tokens=2))
+    out = c.compute_done(2, step(tokens=[("a", 41, None)]), 0.2)
+    assert out[0] == Deliver(RunResult("a", 0, (41,), None, 11))
+
+
+def test_a_sequence_moved_into_the_batch_is_known_by_its_new_row() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    c.compute_done(1, step({"a": -1}), 0.1)  # decoding alone: a negative uid
+    b = entry("b")
+    assert c.handle(b, FE, 0.2) == [CutShort()]
+    out = c.compute_done(2, step(), 0.3)
+    assert out == [StartCompute(EngineJob(3, (Insert(b),), (), {-1: "a"}, {}))]
+    out = c.compute_done(3, step({"b": 5}, moved={"a": 4}), 0.4)  # b's insert moved a
+    assert out == [StartCompute(EngineJob(4, (), (), {4: "a", 5: "b"}, {}))]
+
+
+def test_a_failed_step_fails_everyone_resets_and_goes_on() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    c.handle(entry("b"), FE, 0.0)
+    why = "engine step failed: out of memory"
+    assert c.compute_failed(1, "out of memory", 0.5) == [
+        Warn("warning", f"{why}; failing every running sequence"),
+        Deliver(Error(ErrorCode.ENGINE_FAILED, why, "a", 11)),
+        Deliver(Error(ErrorCode.ENGINE_FAILED, why, "b", 11)),
+        StartCompute(ResetJob(2)),
+    ]
+    assert c.active == 0 and c.resetting
+    e = entry("c")
+    assert c.handle(e, FE, 0.6) == [CutShort()]  # waits for the reset
+    assert c.compute_done(2, EngineStep(), 0.7) == [
+        StartCompute(EngineJob(3, (Insert(e),), (), {}, {}))
+    ]
+
+
+def test_a_reset_that_fails_ends_the_engine() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 0.0)
+    c.compute_failed(1, "boom", 0.1)
+    why = "could not reset after a failed step: still broken"
+    assert c.compute_failed(2, "still broken", 0.2) == [
+        Warn("warning", f"{why}; the engine stops"),
+        Stopped(),
+    ]
+    e = entry("b")
+    assert c.handle(e, FE, 0.3) == [Deliver(Error(ErrorCode.ENGINE_FAILED, why, "b", 11))]
+
+
+def test_an_unrecoverable_engine_fails_everyone_and_refuses_from_then_on() -> None:
+    """Tensor parallelism: a failed step means a rank is gone."""
+    c = core(recoverable=False, failure_code="tp_group_failed", failure_prefix="rank lost: ")
+    c.handle(entry("a"), FE, 0.0)
+    why = "rank lost: engine step failed: collective failed"
+    assert c.compute_failed(1, "collective failed", 0.1) == [
+        Warn("warning", f"{why}; the engine stops"),
+        Deliver(Error("tp_group_failed", why, "a", 11)),
+        Stopped(),
+    ]
+    assert c.failure == why
+    assert c.handle(entry("b"), FE, 0.2) == [Deliver(Error("tp_group_failed", why, "b", 11))]
+
+
+def test_a_step_that_overruns_its_timeout_is_abandoned() -> None:
+    c = core(step_timeout=10.0)
+    assert c.next_timer() is None
+    c.handle(entry("a"), FE, 2.0)
+    assert c.next_timer() == 12.0
+    assert c.on_timer(11.9) == []
+    why = "engine step took longer than 10s"
+    assert c.on_timer(12.0) == [
+        Warn("warning", f"{why}; failing every running sequence"),
+        Deliver(Error(ErrorCode.ENGINE_FAILED, why, "a", 11)),
+        StartCompute(ResetJob(2)),
+    ]
+    # The overrun step's late answer changes nothing.
+    assert c.compute_done(1, step({"a": 1}, [("a", 40, None)]), 13.0) == []
+    assert c.compute_failed(1, "late", 13.0) == []
+    assert c.next_timer() == 22.0  # the reset is timed too
+
+
+def test_abort_ends_the_engine_without_waiting_for_its_step() -> None:
+    c = core(recoverable=False, step_timeout=120.0, failure_prefix="rank lost: ")
+    c.handle(entry("a"), FE, 0.0)
+    assert c.abort("rank 1 exited with status 9") == [
+        Warn("warning", "rank lost: rank 1 exited with status 9; the engine stops"),
+        Deliver(Error(ErrorCode.ENGINE_FAILED, "rank lost: rank 1 exited with status 9", "a", 11)),
+        Stopped(),
+    ]
+    assert c.next_timer() is None and c.abort("again") == []
