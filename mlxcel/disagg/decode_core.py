@@ -104,7 +104,9 @@ class DecodeCore:
         self.queried = False  # a router asked for a State: one may be sending it work
         self.slots: dict[int, Slot] = {}
         self._by_lease: dict[tuple[str, int], int] = {}
-        self._by_request: dict[tuple[str, str], int] = {}
+        # A request's one id (its router's) -> its slot: unique on this node, whichever
+        # router named it, so the engine knows the stream by that id too.
+        self._by_id: dict[str, int] = {}
         self._tombstones: dict[tuple[str, str], float] = {}
         # (prefill, lease) of handoffs that ended here, oldest first (bounded): a late or
         # repeated part of one never opens a new slot.
@@ -159,7 +161,7 @@ class DecodeCore:
             self.queried = True
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
-            sid = self._by_request.get((source, msg.request_id))
+            sid = self._slot_of(msg.request_id, source)
             if sid is None:
                 self._remember_cancel((source, msg.request_id), now)
                 if self._serves(source):
@@ -235,7 +237,7 @@ class DecodeCore:
         s = Slot(next(self._ids), source, h, deadline=now + c.verdict_wait)
         self.slots[s.id] = s
         self._by_lease[(source, h.lease)] = s.id
-        self._by_request[(h.router, h.request_id)] = s.id
+        self._by_id[h.request_id] = s.id
         if h.parts == 1:
             return [StartCompute(VerifyJob(s.id, h))]
         s.state = SlotState.RECEIVING
@@ -246,7 +248,7 @@ class DecodeCore:
         c = self.config
         if (h.router, h.request_id) in self._tombstones:
             return "the router cancelled this request"
-        if (h.router, h.request_id) in self._by_request:
+        if h.request_id in self._by_id:  # from this router, or another's under its id
             return "this node already decodes that request"
         if not self._serves(h.router):
             return f"router {h.router} is not a router of this decode node"
@@ -337,7 +339,7 @@ class DecodeCore:
         not."""
         s = self.slots.get(slot_id)
         if s is None:
-            return [FreeCache(slot_id)]
+            return []  # ended while it was checked: its loaded cache goes with this call
         h = s.handoff
         if problem is not None:
             self.counts["corrupt"] += 1
@@ -437,7 +439,7 @@ class DecodeCore:
     def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:
         m = send.msg
         if isinstance(m, (TokenResult, Error)):
-            sid = self._by_request.get((send.dest, m.request_id or ""))
+            sid = self._slot_of(m.request_id or "", send.dest)
             if sid is not None:  # the router is unreachable: stop generating for nobody
                 return self._end(self.slots[sid], SlotEvent.FAIL)
         return []
@@ -454,9 +456,14 @@ class DecodeCore:
         s.cache = None
         self.slots.pop(s.id, None)
         self._by_lease.pop((s.prefill, s.handoff.lease), None)
-        self._by_request.pop((s.router, s.handoff.request_id), None)
+        self._by_id.pop(s.handoff.request_id, None)
         self._remember_end((s.prefill, s.handoff.lease))
-        return [FreeCache(s.id)]
+        return [FreeCache(s.handoff.request_id)]
+
+    def _slot_of(self, request_id: str, router: str) -> int | None:
+        """The slot decoding ``request_id`` for ``router`` (None: none does)."""
+        sid = self._by_id.get(request_id)
+        return sid if sid is not None and self.slots[sid].router == router else None
 
     def _remember_end(self, key: tuple[str, int]) -> None:
         self._ended[key] = None

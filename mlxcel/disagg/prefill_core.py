@@ -101,7 +101,9 @@ class PrefillCore:
         self.queried = False  # a router asked for a State: one may be sending it work
         self.handoff_s = 0.0  # total time of acknowledged handoffs, send to ack
         self.leases: dict[int, Lease] = {}
-        self._by_request: dict[tuple[str, str], int] = {}
+        # A request's one id (its router's) -> its lease: unique on this node, whichever
+        # router named it, so the engine knows the prompt by that id too.
+        self._by_id: dict[str, int] = {}
         self._ids = itertools.count(first_lease)
         self._finished: dict[tuple[str, str, int], None] = {}  # bounded, oldest first
         self.counts: Counter[str] = Counter()
@@ -135,9 +137,9 @@ class PrefillCore:
             self.queried = True
             return [Send(source, st)]
         if isinstance(msg, CancelRequest):
-            lid = self._by_request.get((source, msg.request_id))
-            if lid is None:
-                return []
+            lid = self._by_id.get(msg.request_id)
+            if lid is None or self.leases[lid].router != source:
+                return []  # unknown, ended, or another router's: changes nothing
             self.counts["cancelled"] += 1
             return self._end(self.leases[lid], LeaseEvent.CANCELLED, abort="cancelled")
         return [Warn("debug", f"prefill: ignoring {type(msg).__name__} from {source}")]
@@ -153,9 +155,10 @@ class PrefillCore:
             return refuse(ErrorCode.UNSUPPORTED_MODEL, c.unsupported)
         if (source, m.request_id, m.nonce) in self._finished:
             return []  # a repeat of a request this node already ran: never run a prompt twice
-        held = self._by_request.get((source, m.request_id))
+        held = self._by_id.get(m.request_id)
         if held is not None:
-            if self.leases[held].request.nonce == m.nonce:
+            x = self.leases[held]
+            if x.router == source and x.request.nonce == m.nonce:
                 return []  # the same request again: it is running already
             return refuse(ErrorCode.BAD_REQUEST, f"request {m.request_id!r} is already running")
         if self.draining:
@@ -182,7 +185,7 @@ class PrefillCore:
             return refuse(ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full")
         lease = Lease(next(self._ids), source, m, target)
         self.leases[lease.id] = lease
-        self._by_request[(source, m.request_id)] = lease.id
+        self._by_id[m.request_id] = lease.id
         self.counts["accepted"] += 1
         one = dataclasses.replace(m.sampling, max_tokens=1)
         # The decode node is asked for a slot as the prompt starts: a full one says so while
@@ -191,7 +194,7 @@ class PrefillCore:
         ask = SlotRequest(m.request_id, lease.id, source) if m.sampling.max_tokens > 1 else None
         lease.slot = None if ask is not None else False
         return ([Send(target, ask)] if ask else []) + [
-            StartCompute(PrefillJob(lease.id, m.token_ids, one))
+            StartCompute(PrefillJob(lease.id, m.request_id, m.token_ids, one))
         ]
 
     def _lease_at(
@@ -232,7 +235,7 @@ class PrefillCore:
         ``top``: its top_logprobs alternatives (ids, logprobs), when asked for."""
         x = self.leases.get(lease_id)
         if x is None:
-            return [FreeCache(lease_id)]  # cancelled (or refused by the decode node) as it ran
+            return []  # cancelled (or refused by the decode node) as it ran: freed then
         m = x.request
         final = finish == "stop" or m.sampling.max_tokens == 1
         # No answer from the decode node yet (a slow or busy link): go on rather than hold
@@ -334,7 +337,7 @@ class PrefillCore:
     def compute_failed(self, lease_id: int, why: str, now: float) -> list[Effect]:
         x = self.leases.get(lease_id)
         if x is None:
-            return [FreeCache(lease_id)]
+            return []  # ended as it ran: freed then
         return self._fail(x, ErrorCode.FORWARD_FAILED, f"prefill failed: {why}")
 
     def _ack(self, a: HandoffAck, source: str, now: float) -> list[Effect]:
@@ -421,12 +424,12 @@ class PrefillCore:
         leased = x.state is LeaseState.LEASED
         x.state = LEASE_TABLE.next(x.state, event)
         self.leases.pop(x.id, None)
-        self._by_request.pop((x.router, x.request.request_id), None)
+        self._by_id.pop(x.request.request_id, None)
         self._finished[(x.router, x.request.request_id, x.request.nonce)] = None
         if len(self._finished) > MAX_TOMBSTONES:
             self._finished.pop(next(iter(self._finished)))
         x.held, x.handoff, x.plan = None, None, []
-        out: list[Effect] = [FreeCache(x.id)]
+        out: list[Effect] = [FreeCache(x.request.request_id)]
         if not leased and x.slot is not False:  # a slot held (or asked for) there: free it
             abort = abort or "no handoff: the request ended at its first token"
         if (leased or x.slot is not False) and abort is not None:

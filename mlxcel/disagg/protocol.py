@@ -200,6 +200,7 @@ SLOT_TABLE: Table[SlotState, SlotEvent] = Table(
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
     lease: int
+    request_id: str  # the request's one id (the router's), the engine's for the prompt too
     token_ids: tuple[int, ...]
     sampling: SamplingParams  # max_tokens=1: the prefill samples only the first token
 

@@ -4,7 +4,8 @@ Each node runs its model through a :class:`~mlxcel.runtime.engine.LocalEngine` o
 bus, which hears only this process: the service hands it ``PrefillEntry`` (a prompt whose KV
 cache is kept) or ``ResumeSequence`` (decode after a handed-off cache) and
 ``ReleaseSequence``, and takes back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
-names a lease's prompt ``lease-N`` and a slot's stream ``slot-N``.
+knows each by the request's one id, the router's; the lease or slot rides in the entry's
+nonce, and comes back in every answer.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ class PrefillService(DisaggAdapter):
     def apply(self, effect: Effect) -> None:
         if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
             job = effect.job
-            entry = RunEntry(_sequence("lease", job.lease), 0, job.token_ids, 0, job.sampling, 0)
+            # The lease rides in the nonce: the engine's answer names it back.
+            entry = RunEntry(job.request_id, 0, job.token_ids, 0, job.sampling, job.lease)
             self._to_engine.put(PrefillEntry(entry))
         elif isinstance(effect, FreeCache):
-            self._to_engine.put(ReleaseSequence(_sequence("lease", effect.key)))
+            self._to_engine.put(ReleaseSequence(effect.key))
         else:
             super().apply(effect)
 
@@ -99,16 +101,15 @@ class PrefillService(DisaggAdapter):
         """The engine's answer for a lease's prompt: its first token and KV cache, or why
         not."""
         m, now = env.msg, self.now()
-        rid = m.result.request_id if isinstance(m, CacheKept) else m.request_id
-        lease = _numbered("lease", rid)
-        if lease is None:
-            return
+        r = m.result if isinstance(m, CacheKept) else m
+        lease = r.nonce or 0
+        x = self.prefill.leases.get(lease)
+        if x is None or x.request.request_id != r.request_id:
+            return  # its lease ended as it ran (and released it)
         if isinstance(m, Error):
             self.feed(self.prefill.compute_failed(lease, m.message, now))
             return
-        r, packed, key = (
-            (m.result, m.cache, m.key_state) if isinstance(m, CacheKept) else (m, None, ())
-        )
+        packed, key = (m.cache, m.key_state) if isinstance(m, CacheKept) else (None, ())
         top = (r.top_ids, r.top_logprobs) if r.top_ids and r.top_logprobs else None
         self.feed(
             self.prefill.compute_done(
@@ -174,7 +175,7 @@ class DecodeService(DisaggAdapter):
         elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
             self.resume(effect.job)
         elif isinstance(effect, FreeCache):
-            self._to_engine.put(ReleaseSequence(_sequence("slot", effect.key)))
+            self._to_engine.put(ReleaseSequence(effect.key))
         else:
             super().apply(effect)
 
@@ -191,24 +192,15 @@ class DecodeService(DisaggAdapter):
     def resume(self, job: ResumeJob) -> None:
         """Hand a committed slot's loaded cache to the engine: it decodes from there."""
         h = job.handoff
-        entry = RunEntry(_sequence("slot", job.slot), 0, (h.first_token,), 0, h.sampling, 0)
+        # The request's own id; the slot rides in the nonce, and the engine names it back.
+        entry = RunEntry(h.request_id, 0, (h.first_token,), 0, h.sampling, job.slot)
         self._to_engine.put(ResumeSequence(entry, job.cache, h.prompt_len, h.rng_key, h.context))
 
     def _from_engine(self, env: Envelope[RunResult | Error]) -> None:
-        slot = _numbered("slot", env.msg.request_id)
-        if slot is not None:
-            self.feed(self.decode.token(slot, env.msg, self.now()))
-
-
-def _sequence(kind: str, number: int) -> str:
-    """The engine's id for a lease's prompt or a slot's stream."""
-    return f"{kind}-{number}"
-
-
-def _numbered(kind: str, request_id: str | None) -> int | None:
-    """The lease or slot number of an engine sequence id (None: not one of ``kind``)."""
-    head, _, number = (request_id or "").partition("-")
-    return int(number) if head == kind and number.isdigit() else None
+        m = env.msg
+        s = self.decode.slots.get(m.nonce or 0)
+        if s is not None and s.handoff.request_id == m.request_id:
+            self.feed(self.decode.token(s.id, m, self.now()))
 
 
 def _unpack(handoff: KvHandoff) -> Any:

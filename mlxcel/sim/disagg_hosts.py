@@ -229,7 +229,7 @@ class PrefillRuntime(FakeRuntime):
 
     def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
         host, rid = self.host, i.entry.request_id
-        x = host.prefill.leases.get(int(rid.partition("-")[2]))
+        x = host.prefill.leases.get(i.entry.nonce)
         if x is not None:
             host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
         h = prompt_hash(i.entry.token_ids)

@@ -33,6 +33,7 @@ from mlxcel.disagg.protocol import (
     MAX_TOMBSTONES,
     PREFILL_TIMEOUT,
     ResumeJob,
+    SlotState,
     VerifyJob,
 )
 
@@ -236,7 +237,9 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     ):  # fmt: skip
         fresh = core(dims=(2, 1, 2, 2))
         assert fresh.handle(q[0], P0, 0.0) == []
-        assert fresh.handle(bad, P0, 0.1) == no(bad, why, what="handoff part") + [FreeCache(1)]
+        assert fresh.handle(bad, P0, 0.1) == no(bad, why, what="handoff part") + [
+            FreeCache(bad.request_id)
+        ]
         assert fresh.counts == {"parts": 1, "corrupt": 1} and fresh.active == 0
     # Every part arrived, but one tensor's pieces do not add up to its shape: refused.
     short = core(dims=(2, 1, 2, 2))
@@ -244,7 +247,9 @@ def test_a_split_handoff_is_kept_part_by_part_and_checked_as_it_comes() -> None:
     for p in thin[:3]:
         assert short.handle(p, P0, 0.0) == []
     why = "handoff tensor 3: tensor float32[1, 1, 3, 2] needs 24 bytes, got 16"
-    assert short.handle(thin[3], P0, 0.1) == no(thin[3], why, what="handoff part") + [FreeCache(1)]
+    assert short.handle(thin[3], P0, 0.1) == no(thin[3], why, what="handoff part") + [
+        FreeCache(thin[3].request_id)
+    ]
 
 
 def test_verification_results_and_verdicts_exactly() -> None:
@@ -253,9 +258,9 @@ def test_verification_results_and_verdicts_exactly() -> None:
     (e,) = c.handle(h, P0, 0.0)
     slot = e.job.slot
     assert c.verified(slot, "handoff digest mismatch", 0.1) == no(h, "handoff digest mismatch") + [
-        FreeCache(slot)
+        FreeCache("r1")
     ]
-    assert c.verified(slot, None, 0.2) == [FreeCache(slot)]  # gone: the compute side frees
+    assert c.verified(slot, None, 0.2) == []  # gone: its loaded cache goes with the call
     assert c.counts == {"corrupt": 1}
     # Verified: acked, deadline renewed, the payload dropped; then committed and resumed.
     h = handoff("r2", 6)
@@ -287,9 +292,7 @@ def test_a_commit_before_the_ack_is_refused_with_a_warning_and_an_abort_frees() 
     assert c.handle(HandoffVerdict("r1", 5, True), P0, 0.1) == [
         Warn("decode-refusal", f"decode: refused a verdict from {P0} (request 'r1'): {want}")
     ]
-    assert c.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 0.2) == [
-        FreeCache(e.job.slot)
-    ]
+    assert c.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 0.2) == [FreeCache("r1")]
     assert c.counts == {"aborted": 1} and not c.reads and c.active == 0
 
 
@@ -301,13 +304,13 @@ def test_tokens_errors_and_finish_go_to_the_router_the_handoff_names() -> None:
     ]
     assert c.token(slot, RunResult("x", 0, (22,), "length", 0), 1.1) == [
         Send(R, TokenResult("r1", 2, (22,), "length", NONCE)),
-        FreeCache(slot),
+        FreeCache("r1"),
     ]
     assert c.token(slot, RunResult("x", 0, (23,), None, 0), 1.2) == []  # ended
     slot = decoding(c, handoff("r2", 6))
     assert c.token(slot, Error(ErrorCode.FORWARD_FAILED, "boom"), 2.0) == [
         Send(R, Error(ErrorCode.FORWARD_FAILED, "decode failed: boom", "r2", NONCE)),
-        FreeCache(slot),
+        FreeCache("r2"),
     ]
     s3 = staged(c, handoff("r3", 7))
     assert c.token(s3, RunResult("x", 0, (1,), None, 0), 3.0) == []  # not committed: no tokens
@@ -316,8 +319,8 @@ def test_tokens_errors_and_finish_go_to_the_router_the_handoff_names() -> None:
 
 def test_verdicts_and_parts_that_never_come_time_out_at_their_deadline() -> None:
     c = core(max_sequences=8)
-    a = staged(c, handoff("a", 1), now=0.0)
-    b = staged(c, handoff("b", 2), now=0.0)
+    staged(c, handoff("a", 1), now=0.0)
+    staged(c, handoff("b", 2), now=0.0)
     p = cut(handoff("c", 3), 8)[0]  # 8 bytes a part: 6 parts
     assert c.handle(p, P0, 0.0) == []
     decoding(c, handoff("d", 4), now=0.0)
@@ -326,11 +329,11 @@ def test_verdicts_and_parts_that_never_come_time_out_at_their_deadline() -> None
     parts = "only 1 of 6 handoff parts came in 15s; it was not read"
     assert c.on_timer(15.0) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, never, "a", NONCE)),
-        FreeCache(a),
+        FreeCache("a"),
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, never, "b", NONCE)),
-        FreeCache(b),
+        FreeCache("b"),
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, parts, "c", NONCE)),
-        FreeCache(3),
+        FreeCache("c"),
     ]
     assert c.counts["verdict_timeouts"] == 3 and c.active == 1  # the decoding one stays
     assert c.on_timer(1e9) == []
@@ -338,7 +341,7 @@ def test_verdicts_and_parts_that_never_come_time_out_at_their_deadline() -> None
 
 def test_a_lost_prefill_node_ends_only_its_uncommitted_handoffs() -> None:
     c = core(max_sequences=8)
-    a = staged(c, handoff("a", 1))
+    staged(c, handoff("a", 1))
     (e,) = c.handle(handoff("b", 2), P0, 0.0)  # still verifying
     decoding(c, handoff("c", 3))
     staged(c, handoff("d", 4), src=P1)
@@ -346,35 +349,35 @@ def test_a_lost_prefill_node_ends_only_its_uncommitted_handoffs() -> None:
     why = "the prefill node was lost before it committed the handoff; not read"
     assert c.peer_lost(P0, 1.0) == [
         Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "a", NONCE)),
-        FreeCache(a),
+        FreeCache("a"),
         Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "b", NONCE)),
-        FreeCache(e.job.slot),
+        FreeCache("b"),
     ]
     assert c.active == 2
 
 
 def test_an_unreachable_router_ends_the_slot_it_was_decoding_for() -> None:
     c = core()
-    slot = decoding(c, handoff())
+    decoding(c, handoff())
     t = Send(R, TokenResult("r1", 1, (5,), None, NONCE))
     assert c.undeliverable(Send(STRANGER, t.msg), "refused", 1.0) == []  # not its router
     assert c.undeliverable(Send(R, HandoffAck("r1", 5, True)), "refused", 1.0) == []
-    assert c.undeliverable(t, "connection refused", 1.0) == [FreeCache(slot)]
+    assert c.undeliverable(t, "connection refused", 1.0) == [FreeCache("r1")]
     assert c.undeliverable(t, "connection refused", 1.1) == [] and c.active == 0
-    slot = decoding(c, handoff("r2", 6))
+    decoding(c, handoff("r2", 6))
     err = Send(R, Error(ErrorCode.FORWARD_FAILED, "x", "r2", NONCE))
-    assert c.undeliverable(err, "refused", 2.0) == [FreeCache(slot)]
+    assert c.undeliverable(err, "refused", 2.0) == [FreeCache("r2")]
 
 
 def test_cancels_free_the_slot_and_refuse_the_handoff_until_the_tombstone_expires() -> None:
     c = core()
-    slot = decoding(c, handoff())
+    decoding(c, handoff())
     # Not its router: nothing held is touched, and the line names the sender.
     assert c.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == [
         Warn("decode-refusal", f"decode: refused a cancel from {STRANGER} (request 'r1'): no "
              "router of this node sent it; remembered, nothing held was touched")
     ]  # fmt: skip
-    assert c.handle(CancelRequest("r1", "gone"), R, 1.0) == [FreeCache(slot)]
+    assert c.handle(CancelRequest("r1", "gone"), R, 1.0) == [FreeCache("r1")]
     assert c.counts == {"committed": 1, "cancelled": 1}
     # The request id stays refused for a minute: a late handoff of it is not read.
     h = handoff("r1", 9)
@@ -426,7 +429,7 @@ def test_a_handoff_whose_verification_never_returns_still_times_out() -> None:
     why = "the prefill node never committed the handoff within 15s; it was not read"
     assert c.on_timer(17.0) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "r1", NONCE)),
-        FreeCache(e.job.slot),
+        FreeCache("r1"),
     ]
 
 
@@ -522,6 +525,23 @@ def test_routers_it_was_told_of_are_the_only_ones_it_streams_to() -> None:
     fresh = DecodeCore(DecodeConfig(vocab=100, max_len=64, routers=frozenset({R})))
     ok = fresh.handle(SlotRequest("b", 2, R), P0, 0.2)  # told of it: no poll needed first
     assert ok == [Send(P0, SlotAnswer("b", 2, True))]
+
+
+def test_a_request_id_is_one_stream_on_the_node_whichever_router_names_it() -> None:
+    """The engine knows a stream by its request's id: a handoff under an id this node
+    decodes is refused, even from another router (which cannot then end the first one's
+    stream by its cancel either)."""
+    c = core(max_sequences=8)
+    c.handle(QueryState(0), STRANGER, 0.0)  # a second router this node serves
+    slot = decoding(c, handoff("r1", 5))
+    other = dataclasses.replace(handoff("r1", 6), router=STRANGER)
+    other = dataclasses.replace(
+        other, digest=digest_of(other, tensor_digest(other.keys, other.values))
+    )
+    assert c.handle(other, P0, 1.0) == no(other, "this node already decodes that request")
+    assert c.handle(CancelRequest("r1", "x"), STRANGER, 1.1) == []  # for its own "r1"
+    assert c.slots[slot].state is SlotState.DECODING
+    assert c.handle(CancelRequest("r1", "gone"), R, 1.2) == [FreeCache("r1")]
 
 
 def test_the_abort_that_follows_a_refused_handoff_is_not_a_stray() -> None:

@@ -337,7 +337,7 @@ def test_prefill_sends_token_zero_then_the_handoff_and_commits_on_ack() -> None:
     out = core.handle(HandoffAck("r1", lease, True), D1, 1.0)
     (v,) = sends(out, HandoffVerdict)
     assert v.dest == D1 and v.msg.commit
-    assert FreeCache(lease) in out and core.active == 0
+    assert FreeCache("r1") in out and core.active == 0
 
 
 def test_prefill_reports_its_handoffs_their_time_and_its_kv_cache_in_state() -> None:
@@ -511,7 +511,7 @@ def test_lease_expiry_is_an_error_at_the_router_and_an_abort_at_decode() -> None
     assert "lease expired" in err.msg.message
     (v,) = sends(out, HandoffVerdict)
     assert v.dest == D1 and not v.msg.commit
-    assert FreeCache(lease) in out
+    assert FreeCache("r1") in out
     # The ack that comes too late gets an abort: the decode node must not read it.
     (late,) = sends(core.handle(HandoffAck("r1", lease, True), D1, 6.0))
     assert isinstance(late.msg, HandoffVerdict) and not late.msg.commit
@@ -523,7 +523,7 @@ def test_refused_handoff_digest_is_reported_to_the_router() -> None:
     out = core.handle(HandoffAck("r1", lease, False, "handoff digest mismatch"), D1, 1.0)
     (err,) = sends(out, Error)
     assert err.msg.code == ErrorCode.HANDOFF_FAILED and "digest mismatch" in err.msg.message
-    assert FreeCache(lease) in out and core.active == 0
+    assert FreeCache("r1") in out and core.active == 0
 
 
 def test_an_ack_from_another_node_changes_nothing() -> None:
@@ -552,7 +552,7 @@ def test_cancel_while_leased_aborts_at_decode_and_frees() -> None:
     assert core.handle(CancelRequest("r1", "x"), STRANGER, 1.0) == []  # not its router
     out = core.handle(CancelRequest("r1", "client went away"), R, 1.0)
     (v,) = sends(out, HandoffVerdict)
-    assert not v.msg.commit and FreeCache(lease) in out and core.active == 0
+    assert not v.msg.commit and FreeCache("r1") in out and core.active == 0
 
 
 def test_undeliverable_handoff_and_lost_decode_are_errors() -> None:
@@ -571,7 +571,7 @@ def test_first_token_that_ends_the_stream_hands_nothing_off() -> None:
     lease, out = start(core, max_tokens=1)
     (t,) = sends(out)
     assert isinstance(t.msg, TokenResult) and t.msg.finish_reason == "length"
-    assert FreeCache(lease) in out and core.active == 0
+    assert FreeCache("r1") in out and core.active == 0
 
 
 def test_lease_table_has_no_way_back_from_ended() -> None:
@@ -613,20 +613,20 @@ def test_decode_reads_a_handoff_only_after_the_commit() -> None:
     (t,) = sends(out)
     assert t.dest == R and t.msg.index == 1 and t.msg.nonce == 42
     out = core.token(slot, RunResult("slot", 0, (22,), "length", 0), 0.4)
-    assert sends(out)[0].msg.index == 2 and FreeCache(slot) in out and core.active == 0
+    assert sends(out)[0].msg.index == 2 and FreeCache("r1") in out and core.active == 0
 
 
 def test_decode_frees_an_aborted_or_never_committed_handoff_unread() -> None:
     core = decode()
-    slot = staged(core)
+    staged(core)
     out = core.handle(HandoffVerdict("r1", 5, False, "lease expired"), P0, 1.0)
-    assert out == [FreeCache(slot)] and not core.reads
+    assert out == [FreeCache("r1")] and not core.reads
     assert core.handle(handoff(), P0, 1.1) == []  # a late repeat of it opens nothing
-    slot = staged(core, lease=6)
+    staged(core, lease=6)
     out = core.on_timer(0.1 + 15.0)
     (err,) = sends(out, Error)
     assert err.dest == R and err.msg.code == ErrorCode.HANDOFF_TIMEOUT
-    assert FreeCache(slot) in out and not core.reads
+    assert FreeCache("r1") in out and not core.reads
 
 
 def test_decode_refuses_a_corrupt_handoff() -> None:
@@ -634,7 +634,7 @@ def test_decode_refuses_a_corrupt_handoff() -> None:
     (job,) = [e.job for e in core.handle(handoff(), P0, 0.0) if isinstance(e, StartCompute)]
     out = core.verified(job.slot, "handoff digest mismatch", 0.1)
     (ack,) = sends(out)
-    assert not ack.msg.ok and "digest" in ack.msg.reason and FreeCache(job.slot) in out
+    assert not ack.msg.ok and "digest" in ack.msg.reason and FreeCache("r1") in out
 
 
 def test_a_cancel_that_overtakes_its_handoff_refuses_it_later() -> None:
@@ -646,10 +646,10 @@ def test_a_cancel_that_overtakes_its_handoff_refuses_it_later() -> None:
 
 def test_cancel_during_decode_frees_the_slot() -> None:
     core = decode()
-    slot = staged(core)
+    staged(core)
     core.handle(HandoffVerdict("r1", 5, True), P0, 0.2)
     assert sends(core.handle(CancelRequest("r1", "x"), STRANGER, 0.3)) == []  # not its router
-    assert core.handle(CancelRequest("r1", "x"), R, 0.3) == [FreeCache(slot)]
+    assert core.handle(CancelRequest("r1", "x"), R, 0.3) == [FreeCache("r1")]
 
 
 def test_slot_table_refuses_a_commit_before_the_ack() -> None:

@@ -130,7 +130,10 @@ def test_each_refusal_comes_before_any_work_with_its_own_code_and_reason() -> No
         lease = len(c.leases) + 1
         one = SamplingParams(max_tokens=1)
         ask = [Send(D1, SlotRequest(m.request_id, lease, R))] if m.sampling.max_tokens > 1 else []
-        assert c.handle(m, R, 0.0) == [*ask, StartCompute(PrefillJob(lease, m.token_ids, one))]
+        assert c.handle(m, R, 0.0) == [
+            *ask,
+            StartCompute(PrefillJob(lease, m.request_id, m.token_ids, one)),
+        ]
     # Full at max_sequences (2): refused, and the next after one ends is accepted.
     assert c.handle(request("x"), R, 0.0) == refused(
         request("x"), ErrorCode.TOO_MANY_SEQUENCES, "this prefill node is full"
@@ -159,13 +162,15 @@ def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -
         request(nonce=NONCE + 1), ErrorCode.BAD_REQUEST, "request 'r1' is already running"
     )
     assert list(c.leases) == [lease]
-    # The same id from another router is another request.
-    *_, e = c.handle(request(), STRANGER, 0.2)
-    assert isinstance(e, StartCompute)
+    # A request's id is its one id on this node while it runs, whichever router names it
+    # (the engine knows the prompt by it): another router's request under it is refused.
+    assert c.handle(request(), STRANGER, 0.2) == [
+        Send(STRANGER, Error(ErrorCode.BAD_REQUEST, "request 'r1' is already running", "r1", NONCE))
+    ]
     c.compute_done(lease, (5,), "stop", None, PACKED, (), 0.3)
     assert c.handle(request(), R, 0.4) == []  # ran already: never again
     lease2 = admit(c, request(nonce=NONCE + 1), 0.5)  # a new nonce is a new request
-    assert lease2 == lease + 2
+    assert lease2 == lease + 1
 
 
 def test_the_first_tokens_alternatives_go_back_with_it_and_the_context_is_the_prompts_tail() -> (
@@ -191,7 +196,7 @@ def test_the_first_token_ends_the_request_on_stop_or_a_one_token_budget() -> Non
         # is given back.
         why = "no handoff: the request ended at its first token"
         give_back = [Send(D1, HandoffVerdict(rid, lease, False, why))] if budget > 1 else []
-        assert out == [Send(R, first), FreeCache(lease), *give_back]
+        assert out == [Send(R, first), FreeCache(rid), *give_back]
     assert c.counts == {"accepted": 2, "finished": 2} and c.active == 0
 
 
@@ -209,9 +214,9 @@ def test_a_decode_node_that_refuses_a_slot_fails_the_request_before_its_first_to
         SlotAnswer("r1", lease, False, "decode node full (256 sequences)"), D1, 0.2
     ) == [
         Send(R, Error(ErrorCode.DECODE_REFUSED, why, "r1", NONCE)),
-        FreeCache(lease),
+        FreeCache("r1"),
     ]
-    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.3) == [FreeCache(lease)]
+    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.3) == []
     assert c.counts["decode_refused"] == 1 and c.counts["stray_slot_answers"] == 2
 
 
@@ -268,7 +273,7 @@ def test_a_handoff_in_parts_goes_a_part_at_a_time_and_each_part_written_renews_i
     )
     assert c.on_timer(6.5) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "r1", NONCE)),
-        FreeCache(lease),
+        FreeCache("r1"),
         Send(D1, HandoffVerdict("r1", lease, False, why[:200])),
     ]
     assert c.sent(more[0], 7.0) == []  # a part of a lease that ended: nothing more goes
@@ -299,7 +304,7 @@ def test_a_prompt_that_left_no_cache_or_no_token_fails_without_a_handoff() -> No
         assert out == [
             Send(R, TokenResult(rid, 0, tokens, None, NONCE)),
             Send(R, Error(ErrorCode.FORWARD_FAILED, "the prompt left no KV cache", rid, NONCE)),
-            FreeCache(lease),
+            FreeCache(rid),
             Send(D1, HandoffVerdict(rid, lease, False, "the prompt left no KV cache")),
         ]
     assert c.active == 0
@@ -310,20 +315,20 @@ def test_compute_that_fails_or_ends_after_a_cancel_frees_the_cache() -> None:
     lease = admit(c, request())
     assert c.compute_failed(lease, "out of memory", 0.1) == [
         Send(R, Error(ErrorCode.FORWARD_FAILED, "prefill failed: out of memory", "r1", NONCE)),
-        FreeCache(lease),
+        FreeCache("r1"),
         Send(D1, HandoffVerdict("r1", lease, False, "prefill failed: out of memory")),
     ]
-    assert c.compute_failed(lease, "again", 0.2) == [FreeCache(lease)]
+    assert c.compute_failed(lease, "again", 0.2) == []
     lease = admit(c, request("r2"))
     assert c.handle(CancelRequest("r2", "x"), STRANGER, 0.3) == []  # not its router
     assert c.handle(CancelRequest("r2", "client went away"), R, 0.3) == [
-        FreeCache(lease),
+        FreeCache("r2"),
         Send(D1, HandoffVerdict("r2", lease, False, "cancelled")),  # its slot given back
     ]
-    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.4) == [FreeCache(lease)]
+    assert c.compute_done(lease, (9,), "length", None, PACKED, (), 0.4) == []
     lease = leased(c, request("r3"))
     assert c.handle(CancelRequest("r3", "client went away"), R, 0.5) == [
-        FreeCache(lease),
+        FreeCache("r3"),
         Send(D1, HandoffVerdict("r3", lease, False, "cancelled")),
     ]
     assert c.counts["cancelled"] == 2 and c.active == 0
@@ -344,7 +349,7 @@ def test_acks_commit_only_the_lease_they_name_from_its_decode_node() -> None:
     assert c.counts["late_acks"] == 3
     assert c.handle(HandoffAck("r1", lease, True), D1, 0.2) == [
         Send(D1, HandoffVerdict("r1", lease, True)),
-        FreeCache(lease),
+        FreeCache("r1"),
     ]
     assert c.counts["committed"] == 1 and list(c.leases) == [computing]
 
@@ -356,7 +361,7 @@ def test_a_refused_ack_fails_the_request_and_aborts_with_a_bounded_reason() -> N
     why = f"decode node {D1} refused the handoff: {reason}"
     assert c.handle(HandoffAck("r1", lease, False, reason), D1, 0.1) == [
         Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "r1", NONCE)),
-        FreeCache(lease),
+        FreeCache("r1"),
         Send(D1, HandoffVerdict("r1", lease, False, why[:200])),
     ]
 
@@ -372,10 +377,10 @@ def test_leases_expire_at_their_deadline_each_with_an_error_and_an_abort() -> No
     )
     assert c.on_timer(when) == [
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "a", NONCE)),
-        FreeCache(a),
+        FreeCache("a"),
         Send(D1, HandoffVerdict("a", a, False, why[:200])),
         Send(R, Error(ErrorCode.HANDOFF_TIMEOUT, why, "b", NONCE)),
-        FreeCache(b),
+        FreeCache("b"),
         Send(D1, HandoffVerdict("b", b, False, why[:200])),
     ]
     assert c.counts["expired"] == 2 and c.next_timer() is None
@@ -399,7 +404,7 @@ def test_a_handoff_that_cannot_be_delivered_fails_its_lease_only() -> None:
     # An unreachable decode node is retryable (503 at the client), not a broken handoff.
     assert c.undeliverable(h, "connection refused", 1.0) == [
         Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "r1", NONCE)),
-        FreeCache(lease),
+        FreeCache("r1"),
         Send(D1, HandoffVerdict("r1", lease, False, why)),
     ]
     assert c.undeliverable(h, "again", 1.1) == []  # that lease is gone
@@ -408,17 +413,17 @@ def test_a_handoff_that_cannot_be_delivered_fails_its_lease_only() -> None:
 
 def test_a_lost_decode_node_fails_every_lease_waiting_on_it_and_only_those() -> None:
     c = core(max_sequences=8)
-    a = leased(c, request("a"))
-    b = leased(c, request("b"))
+    leased(c, request("a"))
+    leased(c, request("b"))
     other = leased(c, request("o", target=D0))
     running = admit(c, request("c"))
     assert c.peer_lost(R, 1.0) == []  # a lost router changes nothing
     why = f"decode node {D1} was lost before it acknowledged the handoff"
     assert c.peer_lost(D1, 1.0) == [
         Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "a", NONCE)),
-        FreeCache(a),
+        FreeCache("a"),
         Send(R, Error(ErrorCode.NODE_UNREACHABLE, why, "b", NONCE)),
-        FreeCache(b),
+        FreeCache("b"),
     ]
     assert sorted(c.leases) == sorted([other, running])
 

@@ -140,32 +140,34 @@ def test_a_failed_sampler_fails_its_sequence_alone() -> None:
 
 
 def test_a_prefill_entry_hands_back_its_cache_with_its_last_result() -> None:
-    c, e = core(), entry("lease-1", n=1)
+    c, e = core(), entry("req-1@a1", n=1)
     assert c.handle(PrefillEntry(e), "local", 0.0) == [
         StartCompute(EngineJob(1, (Insert(e, keep_cache=True),), (), {}, {}))
     ]
     packed = Packed(3, 40, (), (), b"d")
     out = c.compute_done(
         1,
-        step({"lease-1": 1}, [("lease-1", 40, "length")], kept={"lease-1": (packed, (1, 2))}),
+        step({"req-1@a1": 1}, [("req-1@a1", 40, "length")], kept={"req-1@a1": (packed, (1, 2))}),
         0.1,
     )
-    assert out == [Deliver(CacheKept(RunResult("lease-1", 0, (40,), "length", 11), packed, (1, 2)))]
+    assert out == [
+        Deliver(CacheKept(RunResult("req-1@a1", 0, (40,), "length", 11), packed, (1, 2)))
+    ]
     # One that finished without a cache (it could not be packed) fails by name.
     c.handle(PrefillEntry(e), "local", 0.2)
-    out = c.compute_done(2, step({"lease-1": 2}, [("lease-1", 40, "length")]), 0.3)
+    out = c.compute_done(2, step({"req-1@a1": 2}, [("req-1@a1", 40, "length")]), 0.3)
     why = "the finished sequence left no KV cache"
-    assert out == [Deliver(Error(ErrorCode.ENGINE_FAILED, why, "lease-1", 11))]
+    assert out == [Deliver(Error(ErrorCode.ENGINE_FAILED, why, "req-1@a1", 11))]
 
 
 def test_a_resumed_sequence_starts_from_its_cache_and_counts_its_positions() -> None:
-    c, e = core(), entry("slot-1", (40,), 8)
+    c, e = core(), entry("req-2@b2", (40,), 8)
     msg = ResumeSequence(e, "the cache", 30, (7, 7), (5, 6))
     assert c.handle(msg, "local", 0.0) == [
         StartCompute(EngineJob(1, (Insert(e, "the cache", (7, 7), False, (5, 6)),), (), {}, {}))
     ]
-    assert c.seqs["slot-1"].cache is None  # the job carries it: the core lets go
-    c.compute_done(1, step({"slot-1": 4}, [("slot-1", 41, None)]), 0.1)
+    assert c.seqs["req-2@b2"].cache is None  # the job carries it: the core lets go
+    c.compute_done(1, step({"req-2@b2": 4}, [("req-2@b2", 41, None)]), 0.1)
     assert c.kv_tokens() == 30 + 1 + 1
 
 
