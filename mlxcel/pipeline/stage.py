@@ -11,9 +11,7 @@ jobs and results between them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
 
 from loguru import logger
 
@@ -33,19 +31,11 @@ from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.reactor.adapter import CoreAdapter
 from mlxcel.reactor.bus import Node, Origin
 from mlxcel.reactor.endpoint import Endpoint
-from mlxcel.runtime.compute import ComputeThread, call_back
+from mlxcel.runtime.compute import Compute, ComputeThread, call_back
 
 __all__ = ["StageConfig", "StageService", "StageState"]
 
 SLOW_FORWARD_S = 1.0  # a forward pass longer than this is logged
-
-
-class Compute(Protocol):
-    """Where the stage's jobs run, one after another: the compute thread (the simulator
-    supplies one on virtual time)."""
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class StageService(CoreAdapter):

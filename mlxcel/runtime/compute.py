@@ -11,9 +11,17 @@ import asyncio
 import gc
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Compute(Protocol):
+    """Where a role's jobs run, one after another: the compute thread (the simulator
+    supplies one on virtual time)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]: ...
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class ComputeThread:

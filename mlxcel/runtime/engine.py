@@ -18,7 +18,9 @@ join between decode steps; finished or cancelled ones leave without stalling the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from loguru import logger
 
@@ -34,7 +36,7 @@ from mlxcel.base.messages import (
 from mlxcel.reactor.adapter import CoreAdapter, LocalOutbox
 from mlxcel.reactor.bus import Node, Origin
 from mlxcel.reactor.endpoint import NoNetwork
-from mlxcel.runtime.compute import ComputeThread, call_back
+from mlxcel.runtime.compute import Compute, ComputeThread, call_back
 from mlxcel.runtime.engine_core import EngineCore
 from mlxcel.runtime.engine_runtime import EngineRuntime
 from mlxcel.runtime.engine_state import EngineJob, EngineStep, ResetJob
@@ -50,7 +52,7 @@ class LocalEngine(CoreAdapter):
         self,
         node: Node,
         loaded: LoadedModel,
-        compute: ComputeThread,
+        compute: Compute | ComputeThread,
         *,
         max_batch_size: int = MAX_BATCH_SIZE,
         prefill_step_size: int = PREFILL_STEP_SIZE,
@@ -149,9 +151,11 @@ class LocalEngine(CoreAdapter):
         else:
             super().apply(effect)
 
-    def _submit(self, job: EngineJob | ResetJob, fn: object, *args: object) -> None:
+    def _submit(self, job: EngineJob | ResetJob, fn: Callable[..., Any], *args: Any) -> None:
+        """Queued now, in order with what the compute thread already has; its end comes
+        back as a callback on the loop."""
         loop = self.loop
-        fut = self.compute.submit(fn, *args)  # type: ignore[arg-type]
+        fut = self.compute.submit(fn, *args)
         fut.add_done_callback(lambda f: call_back(loop, self._job_ended, job, f))
 
     def _job_ended(self, job: EngineJob | ResetJob, done: Future[EngineStep | None]) -> None:

@@ -87,7 +87,7 @@ async def _serve(run: EngineRun, ready: asyncio.Event) -> None:
     async with Node("engine") as node:
         run.engine = LocalEngine(
             node, run.loaded, compute, max_batch_size=4, prefill_step_size=16, max_sequences=8
-        )  # type: ignore[arg-type]
+        )
         # A run of decode steps ends on the wall clock in production: here only on events
         # and run_steps, so that a run is a function of its seed on any machine.
         run.engine.runtime.run_seconds, run.engine.runtime.run_steps = math.inf, run.run_steps
