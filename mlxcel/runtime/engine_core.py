@@ -12,7 +12,9 @@ What it gives (effects):
 
 * one ``StartCompute(EngineJob)`` at a time -- the sequences that join, the batch rows that
   leave, then a run of decode steps -- and ``CutShort`` when the table changes while one
-  runs, so that the change reaches the compute side within a step;
+  runs, so that the change reaches the compute side within a step. An idle engine starts
+  its next job from the timer, due at once: on the loop's next turn, with every entry that
+  arrived meanwhile; a job that ends starts the next one at once;
 * ``Deliver`` of each sequence's results to its owner, one ``RunResult`` per sequence per
   job (a run ends at any sequence's first token, so that one is not held back); a
   ``PrefillEntry``'s last result comes as ``CacheKept``, with its cache;
@@ -79,6 +81,7 @@ class EngineCore:
         self.by_uid: dict[int, str] = {}
         self.to_remove: list[int] = []  # batch rows to drop in the next job
         self.job: int | None = None  # the job under way (its id), if any
+        self.start_due: float | None = None  # no job under way: when the next one starts
         self.resetting = False  # that job is a ResetJob
         self.job_started = 0.0
         self._jobs = 0
@@ -111,7 +114,7 @@ class EngineCore:
             )  # fmt: skip
             return self._admit(seq, now)
         if isinstance(msg, (CancelRequest, ReleaseSequence)):
-            return self._drop(msg.request_id, source)
+            return self._drop(msg.request_id, source, now)
         return []
 
     def _admit(self, seq: EngineSeq, now: float) -> list[Effect]:
@@ -129,12 +132,12 @@ class EngineCore:
         self.seqs[e.request_id] = seq
         return self._changed(now)
 
-    def _drop(self, request_id: str, source: str) -> list[Effect]:
+    def _drop(self, request_id: str, source: str, now: float) -> list[Effect]:
         seq = self.seqs.get(request_id)
         if seq is None or seq.source != source:
             return []  # unknown, finished, or not the owner: changes nothing
         self._forget(seq)
-        return self._changed(None)
+        return self._changed(now)
 
     def _forget(self, seq: EngineSeq) -> None:
         """Out of the table; its batch row (if it has one yet) leaves in the next job."""
@@ -143,16 +146,20 @@ class EngineCore:
             self.by_uid.pop(seq.uid, None)
             self.to_remove.append(seq.uid)
 
-    def _changed(self, now: float | None) -> list[Effect]:
-        """The table changed: start a job if none runs, else cut the running one short."""
+    def _changed(self, now: float) -> list[Effect]:
+        """The table changed: with no job under way, one starts at ``now`` -- by the timer,
+        on the loop's next turn, so entries that arrive together (a burst of requests)
+        start together; with one under way, it is cut short."""
         if self.job is None:
-            return self._next_job(now)
+            self.start_due = now if self.start_due is None else self.start_due
+            return []
         if self._cut:
             return []
         self._cut = True
         return [CutShort()]
 
-    def _next_job(self, now: float | None) -> list[Effect]:
+    def _next_job(self, now: float) -> list[Effect]:
+        self.start_due = None
         if self.job is not None or self.failure is not None:
             return []
         if not self.seqs and not self.to_remove:
@@ -174,11 +181,9 @@ class EngineCore:
         self._start(job.id, now)
         return [StartCompute(job)]
 
-    def _start(self, job_id: int, now: float | None, *, reset: bool = False) -> None:
+    def _start(self, job_id: int, now: float, *, reset: bool = False) -> None:
         self.job, self._cut, self.resetting = job_id, False, reset
-        # A job started on a result has that result's time; one started on a message has
-        # the message's. (A cancel passes None: only a running job is cut, never timed.)
-        self.job_started = now if now is not None else self.job_started
+        self.job_started = now
 
     # --- the compute side's answers ----------------------------------------------------------
     def compute_done(self, job_id: int, out: EngineStep, now: float) -> list[Effect]:
@@ -244,6 +249,8 @@ class EngineCore:
         due = self.next_timer()
         if due is None or now < due:
             return []
+        if self.job is None:  # the start of a job
+            return self._next_job(now)
         assert self.step_timeout is not None
         why = f"engine step took longer than {self.step_timeout:g}s"
         self.job = None  # abandoned: whatever it returns later is ignored
@@ -252,7 +259,9 @@ class EngineCore:
         return self._fail_all(why, now)
 
     def next_timer(self) -> float | None:
-        if self.job is None or self.step_timeout is None:
+        if self.job is None:
+            return self.start_due
+        if self.step_timeout is None:
             return None
         return self.job_started + self.step_timeout
 
@@ -261,7 +270,7 @@ class EngineCore:
         waiting for the job under way, which may never return."""
         if self.failure is not None:
             return []
-        self.job = None
+        self.job = self.start_due = None
         return self._end(why)
 
     def undeliverable(self, send: Send, reason: str, now: float) -> list[Effect]:

@@ -35,6 +35,15 @@ def core(**kw: object) -> EngineCore:
     return EngineCore(CONFIG, {EOS}, **kw)  # type: ignore[arg-type]
 
 
+def started(c: EngineCore, *msgs: object, now: float = 0.0) -> list[object]:
+    """Hand an idle core ``msgs`` (each answered with nothing yet: a job starts from the
+    timer, due at once), then run that timer: what it starts."""
+    for m in msgs:
+        assert c.handle(m, FE, now) == []  # type: ignore[arg-type]
+    assert c.next_timer() == now
+    return c.on_timer(now)  # type: ignore[return-value]
+
+
 def step(
     new: dict[str, int] | None = None, tokens: list[tuple[str, int, str | None]] = (), **kw: object
 ) -> EngineStep:
@@ -45,15 +54,19 @@ def step(
 
 
 def test_an_entry_starts_a_job_and_its_tokens_come_back_as_one_result_per_job() -> None:
-    c, e = core(), entry()
-    assert c.handle(e, FE, 1.0) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {}))]
-    assert c.active == 1 and c.job == 1
+    c, e, d = core(), entry(), entry("d")
+    # Entries that arrive together start together, on the timer's turn.
+    assert started(c, e, d, now=1.0) == [
+        StartCompute(EngineJob(1, (Insert(e), Insert(d)), (), {}, {}))
+    ]
+    assert c.active == 2 and c.job == 1 and c.next_timer() is None
+    c.handle(CancelRequest("d", "client"), FE, 1.0)
     out = c.compute_done(
-        1, step({"a": 7}, [("a", 40, None), ("a", 41, None)], prompt_tokens=3), 1.1
+        1, step({"a": 7, "d": 8}, [("a", 40, None), ("a", 41, None)], prompt_tokens=3), 1.1
     )
     assert out == [
         Deliver(RunResult("a", 0, (40, 41), None, 11)),
-        StartCompute(EngineJob(2, (), (), {7: "a"}, {})),
+        StartCompute(EngineJob(2, (), (8,), {7: "a"}, {})),  # at once: a job ended
     ]
     assert (c.steps, c.prompt_tokens, c.tokens_generated, c.kv_tokens()) == (1, 3, 2, 5)
     # The end-of-sequence token finishes it and is not part of the text.
@@ -78,9 +91,9 @@ def test_bad_duplicate_and_surplus_entries_are_refused_by_name_and_start_nothing
     assert c.handle(bias, FE, 0.0) == refused(
         bias, "logit_bias names a token outside the vocabulary [0, 100)"
     )
-    assert c.active == 0 and c.job is None
+    assert c.active == 0 and c.job is None and c.next_timer() is None
     e = entry("a")
-    assert c.handle(e, FE, 0.0) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {}))]
+    assert started(c, e) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {}))]
     assert c.handle(e, FE, 0.0) == refused(e, "request 'a' is already running")
     b = entry("b")
     assert c.handle(b, FE, 0.0) == refused(b, "the engine holds its maximum of 1 sequences")
@@ -89,7 +102,7 @@ def test_bad_duplicate_and_surplus_entries_are_refused_by_name_and_start_nothing
 
 def test_changes_while_a_job_runs_cut_it_short_once_and_join_the_next_job() -> None:
     c, a, b, d = core(), entry("a"), entry("b", logprobs=True, top_logprobs=2), entry("d")
-    c.handle(a, FE, 0.0)
+    started(c, a)
     assert c.handle(b, FE, 0.1) == [CutShort()]
     assert c.handle(d, FE, 0.1) == []  # said once per job
     assert c.handle(CancelRequest("d", "client"), FE, 0.2) == []  # queued: simply forgotten
@@ -102,7 +115,7 @@ def test_changes_while_a_job_runs_cut_it_short_once_and_join_the_next_job() -> N
 
 def test_only_the_owner_cancels_and_a_running_row_leaves_in_the_next_job() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     c.compute_done(1, step({"a": 3}), 0.1)  # job 2 runs now
     assert c.handle(CancelRequest("a", "client"), "10.0.0.9:1", 0.2) == []  # not the owner
     assert c.active == 1
@@ -116,7 +129,7 @@ def test_only_the_owner_cancels_and_a_running_row_leaves_in_the_next_job() -> No
 
 def test_a_sequence_cancelled_while_its_insert_runs_leaves_with_the_next_job() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     assert c.handle(CancelRequest("a", "client"), FE, 0.1) == [CutShort()]
     out = c.compute_done(1, step({"a": 9}, [("a", 40, None)]), 0.2)
     assert out == [StartCompute(EngineJob(2, (), (9,), {}, {}))]
@@ -124,7 +137,7 @@ def test_a_sequence_cancelled_while_its_insert_runs_leaves_with_the_next_job() -
 
 def test_a_failed_sampler_fails_its_sequence_alone() -> None:
     c, b = core(), entry("b")
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     c.handle(b, FE, 0.0)
     assert c.compute_done(1, step({"a": 1}, [("a", 40, None)]), 0.1)[-1] == StartCompute(
         EngineJob(2, (Insert(b),), (), {1: "a"}, {})
@@ -141,7 +154,7 @@ def test_a_failed_sampler_fails_its_sequence_alone() -> None:
 
 def test_a_prefill_entry_hands_back_its_cache_with_its_last_result() -> None:
     c, e = core(), entry("req-1@a1", n=1)
-    assert c.handle(PrefillEntry(e), "local", 0.0) == [
+    assert started(c, PrefillEntry(e)) == [
         StartCompute(EngineJob(1, (Insert(e, keep_cache=True),), (), {}, {}))
     ]
     packed = Packed(3, 40, (), (), b"d")
@@ -154,7 +167,7 @@ def test_a_prefill_entry_hands_back_its_cache_with_its_last_result() -> None:
         Deliver(CacheKept(RunResult("req-1@a1", 0, (40,), "length", 11), packed, (1, 2)))
     ]
     # One that finished without a cache (it could not be packed) fails by name.
-    c.handle(PrefillEntry(e), "local", 0.2)
+    started(c, PrefillEntry(e), now=0.2)
     out = c.compute_done(2, step({"req-1@a1": 2}, [("req-1@a1", 40, "length")]), 0.3)
     why = "the finished sequence left no KV cache"
     assert out == [Deliver(Error(ErrorCode.ENGINE_FAILED, why, "req-1@a1", 11))]
@@ -163,7 +176,7 @@ def test_a_prefill_entry_hands_back_its_cache_with_its_last_result() -> None:
 def test_a_resumed_sequence_starts_from_its_cache_and_counts_its_positions() -> None:
     c, e = core(), entry("req-2@b2", (40,), 8)
     msg = ResumeSequence(e, "the cache", 30, (7, 7), (5, 6))
-    assert c.handle(msg, "local", 0.0) == [
+    assert started(c, msg) == [
         StartCompute(EngineJob(1, (Insert(e, "the cache", (7, 7), False, (5, 6)),), (), {}, {}))
     ]
     assert c.seqs["req-2@b2"].cache is None  # the job carries it: the core lets go
@@ -173,7 +186,7 @@ def test_a_resumed_sequence_starts_from_its_cache_and_counts_its_positions() -> 
 
 def test_the_prompt_cache_count_comes_with_the_first_result_only() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     out = c.compute_done(1, step({"a": 1}, [("a", 40, None)], cached={"a": 2}), 0.1)
     assert out[0] == Deliver(RunResult("a", 0, (40,), None, 11, cached_tokens=2))
     out = c.compute_done(2, step(tokens=[("a", 41, None)]), 0.2)
@@ -182,7 +195,7 @@ def test_the_prompt_cache_count_comes_with_the_first_result_only() -> None:
 
 def test_a_sequence_moved_into_the_batch_is_known_by_its_new_row() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     c.compute_done(1, step({"a": -1}), 0.1)  # decoding alone: a negative uid
     b = entry("b")
     assert c.handle(b, FE, 0.2) == [CutShort()]
@@ -194,8 +207,7 @@ def test_a_sequence_moved_into_the_batch_is_known_by_its_new_row() -> None:
 
 def test_a_failed_step_fails_everyone_resets_and_goes_on() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
-    c.handle(entry("b"), FE, 0.0)
+    started(c, entry("a"), entry("b"))
     why = "engine step failed: out of memory"
     assert c.compute_failed(1, "out of memory", 0.5) == [
         Warn("warning", f"{why}; failing every running sequence"),
@@ -213,7 +225,7 @@ def test_a_failed_step_fails_everyone_resets_and_goes_on() -> None:
 
 def test_a_reset_that_fails_ends_the_engine() -> None:
     c = core()
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     c.compute_failed(1, "boom", 0.1)
     why = "could not reset after a failed step: still broken"
     assert c.compute_failed(2, "still broken", 0.2) == [
@@ -227,7 +239,7 @@ def test_a_reset_that_fails_ends_the_engine() -> None:
 def test_an_unrecoverable_engine_fails_everyone_and_refuses_from_then_on() -> None:
     """Tensor parallelism: a failed step means a rank is gone."""
     c = core(recoverable=False, failure_code="tp_group_failed", failure_prefix="rank lost: ")
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     why = "rank lost: engine step failed: collective failed"
     assert c.compute_failed(1, "collective failed", 0.1) == [
         Warn("warning", f"{why}; the engine stops"),
@@ -241,7 +253,7 @@ def test_an_unrecoverable_engine_fails_everyone_and_refuses_from_then_on() -> No
 def test_a_step_that_overruns_its_timeout_is_abandoned() -> None:
     c = core(step_timeout=10.0)
     assert c.next_timer() is None
-    c.handle(entry("a"), FE, 2.0)
+    started(c, entry("a"), now=2.0)
     assert c.next_timer() == 12.0
     assert c.on_timer(11.9) == []
     why = "engine step took longer than 10s"
@@ -258,10 +270,18 @@ def test_a_step_that_overruns_its_timeout_is_abandoned() -> None:
 
 def test_abort_ends_the_engine_without_waiting_for_its_step() -> None:
     c = core(recoverable=False, step_timeout=120.0, failure_prefix="rank lost: ")
-    c.handle(entry("a"), FE, 0.0)
+    started(c, entry("a"))
     assert c.abort("rank 1 exited with status 9") == [
         Warn("warning", "rank lost: rank 1 exited with status 9; the engine stops"),
         Deliver(Error(ErrorCode.ENGINE_FAILED, "rank lost: rank 1 exited with status 9", "a", 11)),
         Stopped(),
     ]
     assert c.next_timer() is None and c.abort("again") == []
+
+
+def test_an_entry_cancelled_before_its_job_starts_leaves_nothing_to_do() -> None:
+    c = core()
+    assert c.handle(entry("a"), FE, 0.0) == []
+    assert c.handle(CancelRequest("a", "client"), FE, 0.0) == []
+    assert c.next_timer() == 0.0 and c.on_timer(0.0) == []
+    assert (c.active, c.job, c.next_timer()) == (0, None, None)
