@@ -80,7 +80,7 @@ class LocalEngine(CoreAdapter):
             failure_prefix=rt.failure_prefix,
         )
         super().__init__(node, NoNetwork(), core, "engine", send_budget=30.0)
-        self.engine = core
+        self.table = core  # the core: its sequence table and what it decides
         self._local = LocalOutbox(node, "engine")
         # Set once the engine cannot go on (see EngineCore): its node should end.
         self.failed = asyncio.Event()
@@ -96,35 +96,35 @@ class LocalEngine(CoreAdapter):
     def abort(self, why: str) -> None:
         """End the engine now (a tensor-parallel rank is gone), without waiting for a step
         that may be blocked in a collective forever."""
-        self.feed(self.engine.abort(why))
+        self.feed(self.table.abort(why))
 
     # --- what metrics, health and tests read ----------------------------------------------------
     @property
     def active(self) -> int:
-        return self.engine.active
+        return self.table.active
 
     def kv_tokens(self) -> int:
-        return self.engine.kv_tokens()
+        return self.table.kv_tokens()
 
     @property
     def failure(self) -> str:
-        return self.engine.failure or ""
+        return self.table.failure or ""
 
     @property
     def steps(self) -> int:
-        return self.engine.steps
+        return self.table.steps
 
     @property
     def tokens_generated(self) -> int:
-        return self.engine.tokens_generated
+        return self.table.tokens_generated
 
     @property
     def prompt_tokens(self) -> int:
-        return self.engine.prompt_tokens
+        return self.table.prompt_tokens
 
     @property
     def sequence_failures(self) -> int:
-        return self.engine.sequence_failures
+        return self.table.sequence_failures
 
     @property
     def decoding_alone(self) -> bool:
@@ -165,6 +165,6 @@ class LocalEngine(CoreAdapter):
             out = done.result()
         except Exception as exc:
             logger.opt(exception=exc).error("engine: a compute job failed")
-            self.feed(self.engine.compute_failed(job.id, str(exc), self.now()))
+            self.feed(self.table.compute_failed(job.id, str(exc), self.now()))
             return
-        self.feed(self.engine.compute_done(job.id, out or EngineStep(), self.now()))
+        self.feed(self.table.compute_done(job.id, out or EngineStep(), self.now()))

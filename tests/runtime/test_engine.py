@@ -181,6 +181,19 @@ async def test_invalid_run_entry_gets_an_error_and_changes_nothing(tiny: Path) -
         assert len((await collect(stack, "hi", SamplingParams(max_tokens=2)))[0]) == 2
 
 
+async def test_the_engine_hears_only_its_own_process(tiny: Path) -> None:
+    """An entry or a cancel that arrives from the network (a peer's identity as its source)
+    never reaches the engine: only the node's own frontend or service speaks to it."""
+    async with assemble(LocalSpec(tiny)) as stack:
+        bus, engine = stack.node.bus, stack.parts.engine
+        peer = "10.0.0.9:9000"
+        assert bus.publish_now(RunEntry("x", 0, (1, 2), 0, SamplingParams(), 5), source=peer)
+        assert bus.unrouted["RunEntry"] == 1 and engine.active == 0
+        assert engine.steps == 0
+        tokens, _, _ = await collect(stack, "hi", SamplingParams(max_tokens=2))
+        assert len(tokens) == 2 and engine.steps > 0
+
+
 async def test_usage_counts_tokens_and_times(tiny: Path) -> None:
     async with assemble(LocalSpec(tiny)) as stack:
         u = Usage()
