@@ -2,9 +2,8 @@
 
 The one-process node's own code -- :class:`~mlxcel.runtime.engine.LocalEngine` (its core on
 the effect runner; its runtime: mlx-lm's batch generator, the solo path, joins and leaves)
-and the :class:`~mlxcel.serving.frontend.Frontend`
-(admission, per-request streams, deadlines, cancellation) on a :class:`~mlxcel.reactor.bus.Node` --
-runs on the virtual loop over the real tiny checkpoint. Only its compute thread is simulated
+and the :class:`~mlxcel.serving.frontend.Frontend` (admission, per-request streams,
+deadlines, cancellation) on a :class:`~mlxcel.reactor.bus.Node` -- runs on the virtual loop over the real tiny checkpoint. Only its compute thread is simulated
 (:class:`~mlxcel.sim.compute.SimCompute`: each job runs on the simulator's thread and takes
 ``STEP_S`` of virtual time, or more while a ``slow`` fault is on), and a run of decode steps
 ends on events and ``run_steps`` only, never on the wall clock.

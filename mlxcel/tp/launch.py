@@ -316,8 +316,8 @@ async def _while_ranks_live(  # type: ignore[no-untyped-def]
 
 
 async def _watch(
-    proc: asyncio.subprocess.Process, rank: int, engine: LocalEngine, stopping
-) -> None:  # type: ignore[no-untyped-def]
+    proc: asyncio.subprocess.Process, rank: int, engine: LocalEngine, stopping: Callable[[], bool]
+) -> None:
     code = await proc.wait()
     if not stopping():
         engine.abort(f"rank {rank} exited with status {code}")
