@@ -123,11 +123,11 @@ class PrefillCore:
     # --- inputs -----------------------------------------------------------------------------
     def handle(self, msg: Message, source: str, now: float) -> list[Effect]:
         if isinstance(msg, PrefillRequest):
-            return self._request(msg, source, now)
+            return self._request(msg, source)
         if isinstance(msg, HandoffAck):
             return self._ack(msg, source, now)
         if isinstance(msg, SlotAnswer):
-            return self._slot_answer(msg, source, now)
+            return self._slot_answer(msg, source)
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
             st = State(
                 "prefill", (), self.active, self.draining, msg.nonce, **self.counters(),
@@ -144,7 +144,7 @@ class PrefillCore:
             return self._end(self.leases[lid], LeaseEvent.CANCELLED, abort="cancelled")
         return [Warn("debug", f"prefill: ignoring {type(msg).__name__} from {source}")]
 
-    def _request(self, m: PrefillRequest, source: str, now: float) -> list[Effect]:
+    def _request(self, m: PrefillRequest, source: str) -> list[Effect]:
         c = self.config
 
         def refuse(code: str, why: str) -> list[Effect]:
@@ -207,7 +207,7 @@ class PrefillCore:
             return None
         return x if x.state is state else None
 
-    def _slot_answer(self, a: SlotAnswer, source: str, now: float) -> list[Effect]:
+    def _slot_answer(self, a: SlotAnswer, source: str) -> list[Effect]:
         x = self._lease_at(a.lease, a.request_id, source, LeaseState.COMPUTING)
         if x is None or x.slot is not None:
             self.counts["stray_slot_answers"] += 1
@@ -285,7 +285,7 @@ class PrefillCore:
         x.handoff, x.plan = h, plan
         x.expires = now + self.config.lease  # renewed by every part written
         self.counts["handed_off"] += 1
-        return out + self._write_parts(x, now)
+        return out + self._write_parts(x)
 
     def _part_bytes(self, nbytes: int) -> int:
         if self.config.part_bytes:
@@ -293,7 +293,7 @@ class PrefillCore:
         low, high = PART_BYTES
         return min(high, max(low, nbytes // 256))
 
-    def _write_parts(self, x: Lease, now: float) -> list[Effect]:
+    def _write_parts(self, x: Lease) -> list[Effect]:
         """Hand the outbox the next parts, up to PART_WINDOW of them unwritten: parts of other
         handoffs to the same node queue between them, so none waits for a whole cache."""
         out: list[Effect] = []
@@ -323,7 +323,7 @@ class PrefillCore:
                 other.expires = min(other.sent_at + self.config.lease_max, now + self.config.lease)
         if x.next_part < len(x.plan) or x.writing:
             x.expires = min(cap, now + self.config.lease)
-            out = self._write_parts(x, now)
+            out = self._write_parts(x)
         else:  # all written: the ack comes once the decode node has checked every byte
             assert x.held is not None
             x.expires = min(cap, now + self.config.lease + x.held.nbytes / LEASE_BYTES_PER_S)

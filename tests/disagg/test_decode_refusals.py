@@ -24,10 +24,11 @@ from mlxcel.base.messages import (
     SamplingParams,
     SlotAnswer,
     SlotRequest,
+    State,
     Tensor,
     TokenResult,
 )
-from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
+from mlxcel.disagg.decode_core import MAX_ROUTERS, DecodeConfig, DecodeCore
 from mlxcel.disagg.protocol import (
     MAX_PARTS,
     MAX_TOMBSTONES,
@@ -552,3 +553,119 @@ def test_the_abort_that_follows_a_refused_handoff_is_not_a_stray() -> None:
     c.handle(bad, P0, 0.0)  # refused: out of range
     assert c.handle(HandoffVerdict("r1", bad.lease, False, "refused"), P0, 0.1) == []
     assert "stray_verdicts" not in c.counts
+
+
+def test_a_query_is_answered_with_the_nodes_figures_and_remembered() -> None:
+    c = DecodeCore(DecodeConfig(vocab=100, max_len=64), counters=lambda: {"wire_bytes_out": 7})
+    assert not c.queried and not c.told_draining
+    assert c.handle(QueryState(3), R, 0.0) == [
+        Send(R, State("decode", (), 0, False, 3, wire_bytes_out=7))
+    ]
+    assert c.queried and not c.told_draining  # it may be sent work now
+    c.draining = True
+    assert c.handle(QueryState(4), P0, 0.1) == [
+        Send(P0, State("decode", (), 0, True, 4, wire_bytes_out=7))
+    ]
+    assert c.told_draining
+
+
+def test_the_routers_it_serves_are_the_last_64_that_spoke() -> None:
+    c = DecodeCore(DecodeConfig(vocab=100, max_len=64, max_sequences=200))
+    routers = [f"127.0.1.{i}:9000" for i in range(MAX_ROUTERS)]
+    for r in routers:
+        c.handle(QueryState(0), r, 0.0)
+    assert list(c.routers) == routers  # 64: every one kept
+    c.handle(QueryState(0), routers[0], 0.1)  # it spoke again: the newest now
+    c.handle(QueryState(0), "127.0.2.1:9000", 0.2)  # one more: the oldest is forgotten
+    assert list(c.routers) == [*routers[2:], routers[0], "127.0.2.1:9000"]
+    why = f"router {routers[1]} is not a router of this decode node"
+    assert c.handle(SlotRequest("a", 1, routers[1]), P0, 0.3)[1] == Send(
+        P0, SlotAnswer("a", 1, False, why)
+    )
+    assert c.handle(SlotRequest("b", 2, routers[0]), P0, 0.3) == [
+        Send(P0, SlotAnswer("b", 2, True))
+    ]
+
+
+def test_parts_are_checked_against_the_key_and_the_value_width() -> None:
+    """Keys and values of a layer may differ in width: even layout entries are keys."""
+    v = Tensor("float32", (1, 1, 3, 3), bytes(range(36)))
+    h = handoff(layers=2)
+    h = dataclasses.replace(h, values=(v, v))
+    h = dataclasses.replace(h, digest=digest_of(h, tensor_digest(h.keys, h.values)))
+    c = core(dims=(2, 1, 2, 3))
+    *first, last = cut(h)
+    for p in first:
+        assert c.handle(p, P0, 0.0) == []
+    assert c.handle(last, P0, 0.0) == [StartCompute(VerifyJob(1, h))]
+    whole = dataclasses.replace(h, request_id="r2", lease=6)
+    whole = dataclasses.replace(whole, digest=digest_of(whole, tensor_digest(h.keys, h.values)))
+    assert c.handle(whole, P0, 0.0) == [StartCompute(VerifyJob(2, whole))]
+
+
+def test_more_malformed_parts_are_refused_by_name() -> None:
+    c = core(max_sequences=8)
+    p0 = cut(handoff())[0]
+    row = Tensor("float32", (1, 2), bytes(8))
+    cases = [
+        (
+            dataclasses.replace(p0, lease=1, pieces=(0, 1)),  # two pieces, one tensor
+            "a handoff part must hold pieces, each naming its tensor",
+        ),
+        (
+            dataclasses.replace(p0, lease=2, layout=((), ()), keys=(row,)),  # scalars: 1 wide
+            "a piece of shape [1, 2] for a tensor 1 wide",
+        ),
+    ]
+    for h, why in cases:
+        assert c.handle(h, P0, 0.0) == no(h, why)
+    # The most parts a handoff may have is still taken.
+    most = dataclasses.replace(p0, lease=3, parts=MAX_PARTS)
+    assert c.handle(most, P0, 0.0) == [] and c.active == 1
+
+
+def test_a_refusal_line_names_at_most_80_characters_of_the_request_id() -> None:
+    c = core()
+    h = handoff("x" * 100, first=-1)
+    why = "first token or max_tokens out of range"
+    assert c.handle(h, P0, 0.0) == [
+        Warn(
+            "decode-refusal",
+            f"decode: refused a handoff from {P0} (request {'x' * 80!r}): {why}",
+        ),
+        Send(P0, HandoffAck("x" * 100, 5, False, why)),
+    ]
+
+
+def test_after_a_refused_slot_request_its_abort_is_expected_and_strays_are_counted() -> None:
+    c = core(max_sequences=1)
+    c.handle(SlotRequest("a", 1, R), P0, 0.0)
+    assert c.handle(SlotRequest("b", 2, R), P0, 0.0)[1].msg.ok is False  # full
+    assert c.handle(HandoffVerdict("b", 2, False, "refused"), P0, 0.1) == []
+    for lease in (7, 8):
+        c.handle(HandoffVerdict("z", lease, True), P0, 0.2)
+    assert c.counts == {"slots_refused": 1, "stray_verdicts": 2}
+
+
+def test_a_held_slot_sets_the_timer_and_the_loaded_cache_goes_to_the_engine() -> None:
+    c = core()
+    c.handle(SlotRequest("a", 5, R), P0, 1.0)
+    assert c.next_timer() == 1.0 + PREFILL_TIMEOUT
+    h = handoff("a", 5)
+    (e,) = c.handle(h, P0, 2.0)
+    assert c.verified(e.job.slot, None, 2.1, cache="the loaded cache") == [
+        Send(P0, HandoffAck("a", 5, True))
+    ]
+    light = dataclasses.replace(h, keys=(), values=())
+    assert c.handle(HandoffVerdict("a", 5, True), P0, 2.2) == [
+        StartCompute(ResumeJob(e.job.slot, light, "the loaded cache"))
+    ]
+
+
+def test_the_alternatives_go_to_the_router_with_each_token() -> None:
+    c = core()
+    slot = decoding(c, handoff())
+    r = RunResult("x", 0, (21,), None, 0, (-0.1,), top_ids=(21, 4), top_logprobs=(-0.1, -2.5))
+    assert c.token(slot, r, 1.0) == [
+        Send(R, TokenResult("r1", 1, (21,), None, NONCE, (-0.1,), (21, 4), (-0.1, -2.5)))
+    ]

@@ -20,15 +20,17 @@ from mlxcel.base.messages import (
     KvHandoff,
     PrefillRequest,
     Progress,
+    QueryState,
     RunEntry,
     SamplingParams,
     SlotAnswer,
     SlotRequest,
+    State,
     Tensor,
     TokenResult,
 )
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import MAX_TOMBSTONES, PrefillJob
+from mlxcel.disagg.protocol import MAX_PARTS, MAX_TOMBSTONES, PrefillJob
 
 R = "127.0.0.6:9000"  # the router
 D0, D1 = "127.0.0.4:9000", "127.0.0.5:9000"
@@ -467,3 +469,81 @@ def test_a_part_written_to_a_node_renews_every_handoff_still_going_to_it() -> No
     assert c.leases[b].expires == 5.0
     c.sent(pa, 4.0)  # a's part written: b's lease moves too
     assert c.leases[a].expires == 9.0 and c.leases[b].expires == 9.0
+
+
+def test_a_query_is_answered_with_the_nodes_figures_and_its_handoff_time() -> None:
+    c = PrefillCore(
+        PrefillConfig(decode_peers=(D0,), vocab=100, max_len=64, lease=5.0),
+        counters=lambda: {"wire_bytes_out": 7},
+    )
+    assert not c.queried and not c.told_draining
+    a, b = leased(c, request("a"), now=1.0), leased(c, request("b"), now=1.0)
+    c.handle(HandoffAck("a", a, True), D1, 2.0)  # 1 s from the handoff to its ack
+    c.handle(HandoffAck("b", b, True), D1, 1.5)  # and half a second
+    assert c.handle(QueryState(3), R, 2.0) == [
+        Send(R, State("prefill", (), 0, False, 3, wire_bytes_out=7, handoffs=2,
+                      handoff_us=1_500_000))
+    ]  # fmt: skip
+    assert c.queried and not c.told_draining
+    c.draining = True
+    assert c.handle(QueryState(4), R, 2.1)[0].msg.draining and c.told_draining
+    m = request("c")
+    assert c.handle(m, R, 2.2) == refused(
+        m, ErrorCode.DRAINING, "this prefill node is shutting down"
+    )
+
+
+def test_a_request_for_two_tokens_asks_for_a_slot_and_answers_count_once() -> None:
+    c = core()
+    m = request(max_tokens=2)
+    lease = admit(c, m)  # asks the decode node, which says yes
+    assert c.handle(SlotAnswer("r1", lease, True), D1, 0.1) == []  # a repeat: a stray
+    assert c.counts["stray_slot_answers"] == 1
+    for rid in ("x", "y"):
+        lx = admit(c, request(rid), slot=False)
+        c.handle(SlotAnswer(rid, lx, False, "full"), D1, 0.2)
+    assert c.counts["decode_refused"] == 2
+
+
+def test_a_cache_is_cut_in_parts_of_a_256th_within_the_bounds() -> None:
+    """4 MiB of cache: parts of 16 KiB, 32 rows of 512 bytes."""
+    rows = 4096
+    big = Tensor("float32", (1, 1, rows, 128), bytes(rows * 512))
+    packed = Packed(rows, 9, (big,), (big,), tensor_digest((big,), (big,)))
+    c = core(max_len=1 << 20, lease_max=100.0)
+    lease = admit(c, request())
+    out = c.compute_done(lease, (9,), "length", None, packed, (), 0.0)
+    (part,) = [e.msg for e in out if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]
+    assert (part.parts, part.pieces, [t.shape for t in part.keys]) == (256, (0,), [(32, 128)])
+
+
+def test_a_cache_needing_more_parts_than_a_handoff_may_have_is_not_sent() -> None:
+    """One float32 row a part (4 bytes): 2 x 8,192 rows is the most, one row more is not."""
+    for rows, parts in ((MAX_PARTS // 2, MAX_PARTS), (MAX_PARTS // 2 + 1, MAX_PARTS + 2)):
+        t = Tensor("float32", (1, 1, rows, 1), bytes(4 * rows))
+        packed = Packed(3, 9, (t,), (t,), tensor_digest((t,), (t,)))
+        c = core(part_bytes=4)
+        lease = admit(c, request())
+        out = c.compute_done(lease, (9,), "length", None, packed, (), 0.0)
+        if parts <= MAX_PARTS:
+            assert out[-1].msg.parts == parts
+            continue
+        why = f"this prompt's KV cache ({8 * rows} bytes) needs {parts} parts; at most {MAX_PARTS}"
+        assert out[1:] == [
+            Send(R, Error(ErrorCode.HANDOFF_FAILED, why, "r1", NONCE)),
+            FreeCache("r1"),
+            Send(D1, HandoffVerdict("r1", lease, False, why)),
+        ]
+
+
+def test_the_router_hears_of_progress_at_most_once_a_second() -> None:
+    c = core(part_bytes=8, lease_max=100.0)
+    lease = admit(c, request())
+    out = c.compute_done(lease, (9,), "length", None, PACKED, (), 0.0)
+    (p,) = [e for e in out if isinstance(e, Send) and isinstance(e.msg, KvHandoff)]
+    said = []
+    for t in (1.0, 1.5, 1.9, 2.0):
+        nxt = c.sent(p, t)
+        said += [t for e in nxt if isinstance(e.msg, Progress)]
+        p = nxt[0]
+    assert said == [1.0, 2.0]

@@ -285,3 +285,161 @@ def test_an_entry_cancelled_before_its_job_starts_leaves_nothing_to_do() -> None
     assert c.handle(CancelRequest("a", "client"), FE, 0.0) == []
     assert c.next_timer() == 0.0 and c.on_timer(0.0) == []
     assert (c.active, c.job, c.next_timer()) == (0, None, None)
+
+
+def test_the_default_table_holds_64_sequences() -> None:
+    c = core()
+    for i in range(64):
+        assert c.handle(entry(f"r{i}"), FE, 0.0) == []
+    e = entry("r64")
+    why = "the engine holds its maximum of 64 sequences"
+    assert c.handle(e, FE, 0.0) == [Deliver(Error(ErrorCode.BAD_REQUEST, why, "r64", 11))]
+
+
+def test_a_burst_starts_when_its_first_entry_came() -> None:
+    c = core()
+    c.handle(entry("a"), FE, 1.0)
+    c.handle(entry("b"), FE, 1.5)
+    assert c.next_timer() == 1.0  # not pushed back by the later entry
+
+
+def test_counters_add_up_over_jobs() -> None:
+    c = core()
+    started(c, entry("a", n=8))
+    c.compute_done(1, step({"a": 1}, [("a", 40, None), ("a", 41, None)], prompt_tokens=3), 0.1)
+    c.compute_done(2, step(tokens=[("a", 42, None)], prompt_tokens=1), 0.2)
+    assert (c.steps, c.prompt_tokens, c.tokens_generated) == (2, 4, 3)
+    assert c.kv_tokens() == 3 + 3  # the prompt and every generated token
+    c.compute_done(3, step(tokens=[("a", 43, None)], failed={"x": "-", "a": "bad", "b": "-"}), 0.3)
+    assert c.sequence_failures == 1  # unknown ids are not counted
+
+
+def test_every_sequence_that_fails_alone_is_told() -> None:
+    c, a, b = core(), entry("a"), entry("b")
+    started(c, a, b)
+    out = c.compute_done(1, step({"a": 1, "b": 2}, failed={"a": "nan", "b": "inf"}), 0.1)
+    assert out == [
+        Warn("warning", "engine: request a failed alone: nan"),
+        Deliver(Error(ErrorCode.SAMPLING_FAILED, "nan", "a", 11)),
+        Warn("warning", "engine: request b failed alone: inf"),
+        Deliver(Error(ErrorCode.SAMPLING_FAILED, "inf", "b", 11)),
+        StartCompute(EngineJob(2, (), (1, 2), {}, {})),
+    ]
+    assert c.sequence_failures == 2
+
+
+def test_only_a_final_end_of_sequence_token_is_left_out() -> None:
+    c = core()
+    started(c, entry("a", n=8), entry("b", n=8))
+    out = c.compute_done(
+        1,
+        step(
+            {"a": 1, "b": 2},
+            [("a", EOS, None), ("b", 40, None), ("b", 41, None), ("b", EOS, "stop")],
+        ),
+        0.1,
+    )
+    assert out[:2] == [
+        Deliver(RunResult("a", 0, (EOS,), None, 11)),  # not finishing: an ordinary token
+        Deliver(RunResult("b", 0, (40, 41), "stop", 11)),
+    ]
+    out = c.compute_done(2, step(tokens=[("a", 40, None), ("a", EOS, "length")]), 0.2)
+    assert out == [Deliver(RunResult("a", 0, (40, EOS), "length", 11))]
+
+
+def test_log_probabilities_come_with_their_tokens() -> None:
+    c, e = core(), entry("a", logprobs=True, top_logprobs=2)
+    assert started(c, e) == [StartCompute(EngineJob(1, (Insert(e),), (), {}, {"a": 2}))]
+    out = EngineStep(steps=1, new_uids={"a": 1})
+    out.tokens = [
+        ("a", 40, None, -0.5, ([40, 9], [-0.5, -1.5])),
+        ("a", 41, None, -0.25, ([41, 8], [-0.25, -2.0])),
+    ]
+    assert c.compute_done(1, out, 0.1)[0] == Deliver(
+        RunResult(
+            "a", 0, (40, 41), None, 11,
+            logprobs=(-0.5, -0.25), top_ids=(40, 9, 41, 8), top_logprobs=(-0.5, -1.5, -0.25, -2.0),
+        )
+    )  # fmt: skip
+
+
+def test_results_after_a_cancelled_sequence_still_come() -> None:
+    c = core()
+    started(c, entry("a"), entry("b"))
+    c.handle(CancelRequest("a", "client"), FE, 0.1)
+    out = c.compute_done(1, step({"a": 1, "b": 2}, [("a", 40, None), ("b", 41, None)]), 0.2)
+    assert out == [
+        Deliver(RunResult("b", 0, (41,), None, 11)),
+        StartCompute(EngineJob(2, (), (1,), {2: "b"}, {})),
+    ]
+
+
+def test_a_prefill_without_a_cache_fails_alone() -> None:
+    c, a, b = core(), entry("a", n=1), entry("b", n=1)
+    started(c, PrefillEntry(a), PrefillEntry(b))
+    packed = Packed(3, 40, (), (), b"d")
+    out = c.compute_done(
+        1,
+        step(
+            {"a": 1, "b": 2}, [("a", 40, "length"), ("b", 41, "length")], kept={"b": (packed, ())}
+        ),
+        0.1,
+    )
+    why = "the finished sequence left no KV cache"
+    assert out == [
+        Deliver(Error(ErrorCode.ENGINE_FAILED, why, "a", 11)),
+        Deliver(CacheKept(RunResult("b", 0, (41,), "length", 11), packed, ())),
+    ]
+
+
+def test_prefill_and_resumed_sequences_are_cancelled_by_their_owner() -> None:
+    c, a, b = core(), entry("a"), entry("b", (40,))
+    c.handle(PrefillEntry(a), FE, 0.0)
+    c.handle(ResumeSequence(b, "the cache", 30, (), ()), FE, 0.0)
+    assert c.handle(ReleaseSequence("a"), FE, 0.0) == []
+    assert c.handle(CancelRequest("b", "client"), FE, 0.0) == []
+    assert c.active == 0
+
+
+def test_a_sequence_moved_then_cancelled_leaves_by_its_new_row() -> None:
+    c = core()
+    started(c, entry("a"), entry("b"))
+    c.compute_done(1, step({"a": -1, "b": -2}), 0.1)
+    c.handle(CancelRequest("b", "client"), FE, 0.2)  # b's new row comes back: it goes
+    out = c.compute_done(2, step(moved={"a": 4, "b": 5}), 0.3)
+    assert out == [StartCompute(EngineJob(3, (), (-2, 5), {4: "a"}, {}))]
+    c.handle(CancelRequest("a", "client"), FE, 0.4)
+    assert c.compute_done(3, step(), 0.5) == [StartCompute(EngineJob(4, (), (4,), {}, {}))]
+
+
+def test_every_job_is_timed_from_its_start() -> None:
+    c = core(step_timeout=10.0)
+    started(c, entry("a"), now=1.0)
+    c.compute_done(1, step({"a": 1}), 3.0)  # the next job starts at once
+    assert c.next_timer() == 13.0
+    c.compute_failed(2, "boom", 4.0)  # so does the reset
+    assert c.next_timer() == 14.0
+
+
+def test_an_overrun_ends_an_unrecoverable_engine_and_an_overrunning_reset_ends_any() -> None:
+    c = core(recoverable=False, step_timeout=10.0)
+    started(c, entry("a"))
+    why = "engine step took longer than 10s"
+    assert c.on_timer(10.0) == [
+        Warn("warning", f"{why}; the engine stops"),
+        Deliver(Error(ErrorCode.ENGINE_FAILED, why, "a", 11)),
+        Stopped(),
+    ]
+    assert c.next_timer() is None and c.failure == why
+    c = core(step_timeout=10.0)
+    started(c, entry("a"))
+    c.compute_failed(1, "boom", 1.0)  # a reset starts at 1.0
+    assert c.on_timer(11.0) == [Warn("warning", f"{why}; the engine stops"), Stopped()]
+    assert c.next_timer() is None
+
+
+def test_a_stopped_engine_still_names_a_bad_entry_as_bad() -> None:
+    c = core()
+    c.abort("gone")
+    e = entry("x", ())
+    assert c.handle(e, FE, 0.0) == [Deliver(Error(ErrorCode.BAD_REQUEST, "empty prompt", "x", 11))]
