@@ -7,8 +7,9 @@
 #   tools/mutation.sh                 # every module (about 7,000 mutants, about 30 minutes on 2 cores)
 #   tools/mutation.sh 'mlxcel.wire.frames*'   # mutants whose name matches
 #
-# Needs `pip install mutmut` (not a test extra: CI does not run it). Results stay in mutants/
-# (git-ignored) between runs: only mutants of changed functions run again.
+# Needs `pip install -e ".[mutation]"` (mutmut 3.8.1; not a test extra: CI does not run
+# it). Results stay in mutants/ (git-ignored) between runs: only mutants of changed
+# functions run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mutmut run --max-children "${MUTMUT_CHILDREN:-2}" "$@" >/dev/null 2>&1 || true

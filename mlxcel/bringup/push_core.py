@@ -122,7 +122,6 @@ class PushCore:
         self.outcome: Outcome | None = None
         self.push_start = now
         self._deadline = now + (cfg.discovery_window if not cfg.peers else 0.0)
-        self._pending: list[Effect] = []
         if cfg.peers:
             self.found = list(dict.fromkeys(cfg.peers))
 

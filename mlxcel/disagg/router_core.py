@@ -254,7 +254,7 @@ class RouterCore:
                 f"{self.nodes[d].id}: {lost.id} {why} before its first token",
             )
         )
-        return out + self._dispatch(r, now, "restart")
+        return out + self._dispatch(r, now)
 
     def undeliverable(
         self, send: Send, reason: str, now: float, unsent: bool = False
@@ -296,7 +296,7 @@ class RouterCore:
         self.nodes[r.prefill].active -= 1
         r.prefill = nxt
         self.counts["failovers"] += 1
-        return self._dispatch(r, now, "failover")
+        return self._dispatch(r, now)
 
     # --- admission and dispatch -----------------------------------------------------------
     def _admit(self, e: RunEntry, now: float) -> list[Effect]:
@@ -328,9 +328,9 @@ class RouterCore:
         self.nodes[d].active += 1
         self.nodes[d].dispatched += 1
         self.counts["routed"] += 1
-        return self._dispatch(r, now, "dispatch")
+        return self._dispatch(r, now)
 
-    def _dispatch(self, r: Route, now: float, why: str) -> list[Effect]:
+    def _dispatch(self, r: Route, now: float) -> list[Effect]:
         node = self.nodes[r.prefill]
         node.active += 1
         node.dispatched += 1

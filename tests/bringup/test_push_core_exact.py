@@ -785,3 +785,74 @@ def test_a_resolved_delivery_failure_is_not_named_in_a_later_deadline() -> None:
         "bring-up failed: stage-1 at 127.0.0.3:19001 did not commit in time; "
         "not committed: stage-1; no stage was started",
     )
+
+
+# --- the texts of planning by memory, progress and deadlines --------------------------------------
+def test_the_split_by_memory_is_logged_with_each_stages_share() -> None:
+    core = started()
+    mem = {S0: 1000, S1: 1000, S2: 4000}
+    for a in ALL:
+        out = core.handle(AssignAccepted(2, ATTEMPT, ID[a], mem[a]), a, 0.2)
+    assert out[0] == Warn(
+        "info",
+        "assignment: split by the peers' memory: "
+        "stage-0=127.0.0.2:19001 (layers 0-0, 150 B of 1000 B), "
+        "stage-1=127.0.0.3:19001 (layers 1-1, 100 B of 1000 B), "
+        "stage-2=127.0.0.4:19001 (layers 2-7, 650 B of 3.9 KiB)",
+    )
+
+
+def test_a_model_that_does_not_fit_ends_its_summary_saying_nothing_started() -> None:
+    core = started()
+    for a in ALL:
+        core.handle(AssignAccepted(2, ATTEMPT, ID[a], 300), a, 0.2)
+    assert core.outcome is not None and core.outcome.summary.endswith("; no stage was started")
+
+
+def test_a_dry_run_with_a_peer_that_does_not_say_its_memory_plans_the_first_split() -> None:
+    core = PushCore(config(dry_run=True), 4.0)
+    core.start(4.0)
+    core.handle(AssignAccepted(2, ATTEMPT, ID[S0], 100), S0, 4.1)
+    core.handle(AssignAccepted(2, ATTEMPT, ID[S1]), S1, 4.2)  # an older mlxcel: no figure
+    out = core.handle(AssignAccepted(2, ATTEMPT, ID[S2], 100), S2, 4.3)
+    text = "dry run: planned " + STAGES_TEXT
+    assert out == [*sends(AssignAbort(ATTEMPT, text), 14.3), PushDone(True, text)]
+    assert core.outcome == Outcome(True, text, core.plan, 4.3)
+
+
+def test_progress_counts_from_the_start_of_each_phase() -> None:
+    core = PushCore(config(peers=(), beacon_key=KEY, discovery_window=30.0), 2.0)
+    core.start(2.0)
+    core.found = [S0, S1]
+    assert core.progress(12.4) == (
+        f"discovery: 2 of 3 peers ({S0}, {S1}) after 10 s of 30 s; listening for beacons"
+    )
+    core = PushCore(config(), 3.0)
+    core.start(3.0)
+    assert core.progress(8.0).endswith("to accept (5 s of 60 s)")
+    core = activating(at=2.0)
+    assert core.progress(5.0) == (
+        f"assignment: waiting for {ID[S0]} at {S0}, {ID[S1]} at {S1}, {ID[S2]} at {S2} to "
+        "activate (5 s of 60 s)"
+    )
+
+
+def test_the_discovery_deadline_names_every_dropped_address() -> None:
+    core = PushCore(config(peers=(), beacon_key=KEY, n_peers=2), 0.0)
+    core.start(0.0)
+    for host, nonce in (("127.0.0.3", b"a"), ("127.0.0.4", b"b")):
+        core.beacon(beacon(f"{host}:7", nonce), host, 1.0, 1000.0)
+        core.verified(f"{host}:7", "connection refused", 1.1)
+    text = (
+        "bring-up failed: discovered 0 of 2 peers within 30 s; dropped 127.0.0.3:7: connection "
+        "refused; dropped 127.0.0.4:7: connection refused; are they beaconing to this host's "
+        "discovery port with the same secret? No stage was started"
+    )
+    assert core.on_timer(30.0) == [PushDone(False, text)]
+
+
+def test_offers_carry_the_weight_digest() -> None:
+    weighed = dataclasses.replace(MODEL, weights="cd" * 32)
+    core = PushCore(config(model=weighed), 0.0)
+    offers = core.start(0.0)
+    assert [s.msg.weights for s in offers] == ["cd" * 32] * 3  # type: ignore[union-attr]

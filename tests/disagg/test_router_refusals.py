@@ -17,6 +17,7 @@ from mlxcel.base.messages import (
     ErrorCode,
     HandoffAck,
     PrefillRequest,
+    QueryState,
     RunEntry,
     RunResult,
     SamplingParams,
@@ -499,7 +500,10 @@ def test_a_request_restarts_at_most_max_restarts_times() -> None:
     r.peer_lost(lost, 5.0)
     out = r.probe_result(lost, False, "timed out", 5.0)
     why = f"prefill node {r.nodes[lost].id} was lost while serving this request"
-    assert out[1:3] == failed("a", ErrorCode.NODE_UNREACHABLE, why)
+    assert out[1:] == [
+        *failed("a", ErrorCode.NODE_UNREACHABLE, why),
+        cancel(D0, "a@3", why),  # the other node: the decode node
+    ]
     assert "a" not in r.routes and r.counts["restarted"] == 2
 
 
@@ -631,3 +635,187 @@ def test_stats_name_the_metrics_and_count_every_failover() -> None:
     assert r.handle(TokenResult("", 1, (1,), None, 5), D0, 2.0) == [
         Send(D0, CancelRequest("", "no such request"))
     ]
+
+
+# --- a decode node's refusal, handoffs that time out, dropped connections ---------------------
+def test_a_refused_handoff_starts_over_on_another_decode_node_at_most_twice() -> None:
+    r = router([P0], [D0, D1])
+    (a,) = r.handle(entry("a"), "local", 0.0)  # P0 + D0
+    r.handle(entry("b"), "local", 0.0)  # P0 + D1: the next pick would be D0 again
+    refusal = "decode node full " + "x" * 250
+    out = r.handle(Error(ErrorCode.DECODE_REFUSED, refusal, "a@1", a.msg.nonce), P0, 0.5)
+    why = f"decode-0 refused the handoff ({refusal[:200]})"
+    assert out == [
+        cancel(P0, "a@1", f"{why}; restarted"),
+        cancel(D0, "a@1", f"{why}; restarted"),
+        Warn(
+            "info",
+            f"router: request a restarted on prefill-0 and decode-1: {why} before its first token",
+        ),
+        Send(P0, PrefillRequest("a@3", (1, 2, 3), sp(), D1, 3), deadline=5.5),
+    ]
+    assert node_stats(r) == {
+        "prefill-0": (True, 3, 2, 0, 0, ""),
+        "decode-0": (True, 1, 0, 0, 0, ""),
+        "decode-1": (True, 2, 2, 0, 0, ""),
+    }
+    out = r.handle(Error(ErrorCode.DECODE_REFUSED, "full", "a@3", 3), P0, 0.6)
+    assert out[-1] == Send(P0, PrefillRequest("a@4", (1, 2, 3), sp(), D0, 4), deadline=5.6)
+    # Twice is the most: the third refusal reaches the client.
+    out = r.handle(Error(ErrorCode.DECODE_REFUSED, "full", "a@4", 4), P0, 0.7)
+    assert out == [
+        *failed("a", ErrorCode.DECODE_REFUSED, "prefill-0: full"),
+        cancel(D0, "a@4", "prefill-0: full"),
+    ]
+    # A refusal counts against the decode node that refused, and nothing else does.
+    assert [r.nodes[n].strikes for n in (P0, D0, D1)] == [0, 1, 1]
+    # Every node holds what it still serves: b, waiting for its first token.
+    assert [node_stats(r)[n][2] for n in ("prefill-0", "decode-0", "decode-1")] == [1, 0, 1]
+
+
+def test_a_restarted_request_fails_over_from_a_draining_prefill_node() -> None:
+    r = router([P0, P1], [D0, D1])
+    (a,) = r.handle(entry("a"), "local", 0.0)  # P0 + D0
+    out = r.handle(Error(ErrorCode.DECODE_REFUSED, "full", "a@1", a.msg.nonce), P0, 0.1)
+    assert out[-1] == Send(P1, PrefillRequest("a@2", (1, 2, 3), sp(), D1, 2), deadline=5.1)
+    drain = Error(ErrorCode.DRAINING, "shutting down", "a@2", 2)
+    assert r.handle(drain, P1, 0.2) == [
+        Send(P0, PrefillRequest("a@2", (1, 2, 3), sp(), D1, 2), deadline=5.2)
+    ]
+    r.handle(TokenResult("a@2", 0, (5,), None, 2), P0, 0.3)  # P0's part is done
+    assert [node_stats(r)[n][2] for n in ("prefill-0", "prefill-1", "decode-1")] == [0, 0, 1]
+
+
+def test_a_decode_node_that_refuses_three_handoffs_in_a_row_is_routed_around() -> None:
+    r = router([P0], [D0])
+    for i in range(3):
+        (s,) = r.handle(entry(f"r{i}"), "local", 1.0)
+        out = r.handle(
+            Error(ErrorCode.DECODE_REFUSED, "full", s.msg.request_id, s.msg.nonce),
+            P0,
+            1.0,
+        )
+    why = (
+        "decode node decode-0 refused the handoff (full) before this request's first token "
+        "and no other decode node can take it"
+    )
+    assert out == [
+        Warn(
+            "warning",
+            "router: routing around decode-0 for 5s: 3 handoffs through it failed in a row "
+            "(last: full)",
+        ),
+        *failed("r2", ErrorCode.NO_NODE_AVAILABLE, why),
+        cancel(P0, s.msg.request_id, why),
+    ]
+
+
+def test_handoffs_that_time_out_count_against_both_nodes_and_the_third_routes_around() -> None:
+    r = router([P0], [D0], handoff_timeout=10.0)
+    for rid in ("a", "b"):
+        (s,) = r.handle(entry(rid), "local", 0.0)
+        r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), P0, 0.0)
+    why = "handoff timeout: decode-0 did not start decoding within 10s of the first token"
+    assert r.on_timer(10.0) == [  # two at once: both fail
+        *failed("a", ErrorCode.HANDOFF_TIMEOUT, why),
+        cancel(P0, "a@1", why),
+        cancel(D0, "a@1", why),
+        *failed("b", ErrorCode.HANDOFF_TIMEOUT, why),
+        cancel(P0, "b@2", why),
+        cancel(D0, "b@2", why),
+    ]
+    assert (r.nodes[P0].strikes, r.nodes[D0].strikes) == (2, 2)
+    (s,) = r.handle(entry("c"), "local", 11.0)
+    r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), P0, 11.0)
+    line = "3 handoffs through it failed in a row (last: " + why + ")"
+    assert r.on_timer(21.0) == [
+        Warn("warning", f"router: routing around prefill-0 for 5s: {line}"),
+        Warn("warning", f"router: routing around decode-0 for 5s: {line}"),
+        *failed("c", ErrorCode.HANDOFF_TIMEOUT, why),
+        cancel(P0, "c@3", why),
+        cancel(D0, "c@3", why),
+    ]
+    # A prompt that times out before its first token is no handoff: no strike.
+    r.handle(entry("d"), "local", 30.0)
+    assert len(r.on_timer(r.next_timer())) == 4  # type: ignore[arg-type]
+    assert (r.nodes[P0].strikes, r.nodes[D0].strikes) == (3, 3)
+
+
+def test_errors_that_are_not_handoff_failures_leave_no_strike() -> None:
+    r = router([P0], [D0])
+    (s,) = r.handle(entry("a"), "local", 0.0)
+    r.handle(Error(ErrorCode.FORWARD_FAILED, "boom", s.msg.request_id, s.msg.nonce), P0, 0.1)
+    assert (r.nodes[P0].strikes, r.nodes[D0].strikes) == (0, 0)
+
+
+def test_streams_on_a_dropped_decode_connection_fail_together_and_only_those() -> None:
+    r = router([P0], [D0, D1])
+    for rid in ("a", "b", "c"):  # a and c on D0, b on D1
+        (s,) = r.handle(entry(rid, max_tokens=8), "local", 0.0)
+        r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), P0, 0.1)
+        if rid != "c":  # c waits for its handoff: not streaming yet
+            r.handle(
+                TokenResult(s.msg.request_id, 1, (2,), None, s.msg.nonce), s.msg.decode_target, 0.2
+            )
+    r.peer_lost(P0, 1.0)  # the prefill node's connection: no stream waits on it
+    assert [r.routes[x].quiet_by for x in "abc"] == [None, None, None]
+    r.peer_lost(D0, 1.0)
+    r.peer_lost(D0, 2.0)  # again: the first grace stands
+    assert [r.routes[x].quiet_by for x in "abc"] == [6.0, None, None]
+    (s,) = r.handle(entry("d", max_tokens=8), "local", 2.0)  # on D1
+    r.handle(TokenResult(s.msg.request_id, 0, (1,), None, s.msg.nonce), P0, 2.1)
+    r.handle(TokenResult(s.msg.request_id, 1, (2,), None, s.msg.nonce), D1, 2.2)
+    r.peer_lost(D1, 3.0)
+    out = r.on_timer(8.0)  # every stream whose grace ended fails, in one go
+    assert [e.msg.request_id for e in out if isinstance(e, Deliver)] == ["a", "b", "d"]
+
+
+def test_a_node_back_after_a_dropped_connection_restarts_its_own_requests_at_most_twice() -> None:
+    def drop_and_answer(r: RouterCore, node: str, t: float) -> None:
+        r.probe_result(node, False, "timed out", t)
+        r.peer_lost(node, t)
+        r.probe_result(node, True, "", t + 0.5)
+
+    r = router([P0], [D0, D1])
+    r.handle(entry("a"), "local", 0.0)  # P0 + D0
+    r.handle(entry("b"), "local", 0.0)  # P0 + D1
+    drop_and_answer(r, D0, 1.0)
+    assert r.stats()["nodes"][1]["seen_at"] == 1.5  # decode-0 answered then
+    assert (r.routes["a"].wire, r.routes["b"].wire) == ("a@3", "b@2")  # b: not on that node
+    r = router([P0], [D0])
+    r.handle(entry("a"), "local", 0.0)
+    for t in (1.0, 2.0, 3.0):
+        drop_and_answer(r, D0, t)
+    assert r.routes["a"].restarts == 2 and r.counts["restarted"] == 2
+
+
+def test_a_node_marked_down_by_a_failed_send_is_back_with_its_downtime() -> None:
+    r = router([P0, P1], [D0])
+    (s,) = r.handle(entry("a"), "local", 0.0)
+    r.undeliverable(s, "connection refused", 1.0, unsent=True)
+    assert r.probe_result(P0, True, "", 3.0) == [
+        Warn("info", "router: prefill-0 is back after 2.0s down (connection refused)")
+    ]
+
+
+def test_a_draining_prefill_node_with_no_other_fails_the_request_with_its_words() -> None:
+    r = router([P0], [D0])
+    (s,) = r.handle(entry("a"), "local", 0.0)
+    err = Error(ErrorCode.DRAINING, "this prefill node is shutting down", "a@1", s.msg.nonce)
+    why = "no prefill node reachable (last: prefill-0: this prefill node is shutting down)"
+    assert r.handle(err, P0, 0.1) == [
+        *failed("a", ErrorCode.NODE_UNREACHABLE, why),
+        cancel(D0, "a@1", why),
+    ]
+
+
+def test_token_alternatives_reach_the_client_and_figures_are_asked_for_exactly() -> None:
+    r = router([P0], [D0])
+    (s,) = r.handle(entry("a"), "local", 0.0)
+    t = TokenResult("a@1", 0, (5,), None, s.msg.nonce, (-0.5,), (5, 6), (-0.5, -1.0))
+    assert r.handle(t, P0, 0.1) == [
+        Deliver(
+            RunResult("a", 0, (5,), None, NONCE, (-0.5,), top_ids=(5, 6), top_logprobs=(-0.5, -1.0))
+        )
+    ]
+    assert r.ask_figures(D0, 1.0) == [Send(D0, QueryState(0), deadline=3.0)]
