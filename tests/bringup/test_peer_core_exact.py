@@ -953,3 +953,62 @@ def test_a_member_speaking_for_another_coordinator_cannot_end_a_waiting_peer() -
         Refusal.COORDINATOR,
         f"coordinator identity mismatch: the offer names {COORD}, the handshake bound {STRANGER}",
     )
+
+
+def test_a_repeated_offer_is_accepted_again_with_the_memory() -> None:
+    peer = PeerCore(facts(memory=48 << 30), 0.0)
+    peer.handle(offer(), COORD, 1.0)
+    assert peer.handle(offer(), COORD, 1.5) == [
+        Send(COORD, AssignAccepted(2, 7, "stage-0", 48 << 30))
+    ]
+
+
+def test_an_offer_split_by_memory_is_derived_from_the_same_figures() -> None:
+    gib = [1.0, 1.0, 4.0]
+    memory = [g * 2**30 for g in gib]
+    ranges = [derived_range(COSTS, 3, i, memory) for i in range(3)]
+    assert ranges[0] != (0, 3)  # the figures change the split
+    stages = tuple(
+        (f"stage-{i}", addr, f"{lo}-{hi - 1}")
+        for i, ((_, addr, _), (lo, hi)) in enumerate(zip(STAGES, ranges, strict=True))
+    )
+    text = toml(stages)
+    for i, g in enumerate(gib):  # each stage's memory_gb after its layers
+        head = f'layers = "{stages[i][2]}"\n'
+        at = text.index(head, text.index(f'id = "stage-{i}"'))
+        text = text[: at + len(head)] + f"memory_gb = {g}\n" + text[at + len(head) :]
+    asked: list[object] = []
+
+    def derive(n_stages: int, index: int, memory: list[float] | None) -> tuple[int, int]:
+        asked.append(memory)
+        return derived_range(COSTS, n_stages, index, memory)
+
+    peer = PeerCore(facts(derive=derive), 0.0)
+    out = peer.handle(offer(layers=ranges[0], cluster_toml=text), COORD, 1.0)
+    assert out == [
+        Send(COORD, AssignAccepted(2, 7, "stage-0")),
+        Warn("info", f"assignment: accepted stage-0 (layers 0-0 of 8) from {COORD}"),
+    ]
+    assert asked == [memory]
+
+
+def test_the_derived_ranges_held_are_at_most_64() -> None:
+    calls: list[int] = []
+
+    def derive(n_stages: int, index: int, memory: list[float] | None) -> tuple[int, int]:
+        calls.append(n_stages)
+        return (0, 3)
+
+    peer = PeerCore(facts(derive=derive), 0.0)
+
+    def ask(n_stages: int) -> None:  # derived, then refused (the cluster lists 3 stages)
+        (send, _warn) = peer.handle(offer(n_stages=n_stages), COORD, 1.0)
+        assert send.msg.code == Refusal.CLUSTER_TOML  # type: ignore[union-attr]
+
+    for n in range(4, 68):  # 64 ranges: all held
+        ask(n)
+    ask(4)
+    assert len(calls) == 64
+    ask(68)  # a 65th: the ones held are forgotten
+    ask(4)
+    assert calls[-2:] == [68, 4]
