@@ -141,11 +141,13 @@ async def test_a_lost_peer_reaches_the_core_and_its_answer_is_carried_out() -> N
 async def test_a_send_whose_deadline_is_now_is_dropped_unsent_and_counted() -> None:
     async with Node("n") as node:
         ep = Endpoint(open_now=True)
-        adapter = CoreAdapter(node, ep, Core(), "n", 1.0)  # type: ignore[arg-type]
+        core = Core()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
         adapter.now = lambda: 100.0  # type: ignore[method-assign]
         adapter.feed([Send("s0", entry(1), deadline=100.0), Send("s0", entry(2), deadline=100.0)])
         adapter.feed([Send("s0", entry(3), deadline=100.001)])
         assert adapter.expired_sends == 2 and ep.now == [("s0", entry(3))]
+        assert core.lost_sends == []  # the core is told only where it asks (report_expired)
 
 
 async def test_a_role_that_asks_is_told_of_each_expired_send_as_never_sent() -> None:
@@ -556,3 +558,120 @@ async def test_an_idle_outbox_is_removed_with_its_task_and_their_number_is_cappe
         adapter.feed([Send("d3", entry(9))])
         await until_true(lambda: len(ep.sent) == 4)
         assert ep.sent[-1][:2] == ("d3", entry(9))
+
+
+class TellingCore(Core):
+    """A core that asks to hear of written sends (``Send.notify``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[Send, float]] = []
+        self.answer: list[Effect] = []
+
+    def sent(self, send: Send, now: float) -> list[Effect]:
+        self.written.append((send, now))
+        return list(self.answer)
+
+
+class SettlingEndpoint(Endpoint):
+    """``settled(dest)`` returns once ``settle`` is set: the bytes have left the host."""
+
+    def __init__(self, open_now: bool = False) -> None:
+        super().__init__(open_now)
+        self.settling: list[str] = []
+        self.settle = asyncio.Event()
+
+    async def settled(self, dest: str) -> None:
+        self.settling.append(dest)
+        await self.settle.wait()
+
+
+async def test_the_core_hears_of_the_sends_it_asked_about_once_they_left_the_host() -> None:
+    async with Node("n") as node:
+        ep, core = SettlingEndpoint(open_now=True), TellingCore()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        told = Send("s0", entry(1), notify=True)
+        core.answer = [Send("s1", entry(9))]
+        t0 = adapter.now()
+        adapter.feed([told, Send("s0", entry(2))])
+        assert ep.now == [("s0", entry(1)), ("s0", entry(2))]
+        assert core.written == []  # on a later turn, never inside this feed
+        await until_true(lambda: ep.settling == ["s0"])
+        assert core.written == []  # and not before its bytes left the host
+        ep.settle.set()
+        await until_true(lambda: bool(core.written))
+        ((send, when),) = core.written
+        assert send == told and t0 <= when <= adapter.now()
+        await until_true(lambda: ("s1", entry(9)) in ep.now)  # its answer is carried out
+
+
+async def test_a_queued_send_is_told_of_when_the_outbox_wrote_it() -> None:
+    async with Node("n") as node:
+        ep, core = Endpoint(), TellingCore()  # no send_now: every send goes through its outbox
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.start()
+        told = Send("s0", entry(1), notify=True)
+        adapter.feed([told])
+        await until_true(lambda: bool(core.written))
+        assert [s for s, _ in core.written] == [told]
+
+
+async def test_flush_waits_for_a_send_held_behind_a_bundle_and_for_other_peers() -> None:
+    async with Node("n") as node:
+        ep = Endpoint()
+        ep.gate.clear()  # every send hangs until released
+        adapter = CoreAdapter(node, ep, Core(), "n", 30.0)  # type: ignore[arg-type]
+        adapter.bundles = True
+        adapter.feed([Send("s1", entry(5))])  # another peer's send, on its way meanwhile
+        await until_true(lambda: len(ep.sent) == 1)
+        big = act(3, BUNDLE_TENSOR_BYTES)  # too big to join the bundle: held, then alone
+        adapter.feed([Send("s0", act(1, 8)), Send("s0", act(2, 8)), Send("s0", big)])
+        await until_true(lambda: len(ep.sent) == 2)  # the two activations, as one bundle
+        assert isinstance(ep.sent[1][1], Bundle)
+        assert await adapter.flush(adapter.now() + 0.02) is False  # the big one waits its turn
+        ep.gate.set()
+        assert await adapter.flush(adapter.now() + 5) is True
+        assert [type(m).__name__ for _, m, _, _ in ep.sent] == ["RunEntry", "Bundle", "Activation"]
+
+
+async def test_a_core_on_its_own_host_clock_is_told_at_least_the_time_it_asked_for() -> None:
+    """The simulator's skewed hosts: the core lives on the host's clock, loop timers are
+    armed in the loop's. Here the conversion is off by 5 s (a host clock read behind the
+    time it maps to), so the timer fires when the host clock still reads before the due
+    time: the core is told the due time, never a "now" earlier than what it asked for."""
+    loop = asyncio.get_running_loop()
+
+    class Host:
+        def now(self) -> float:
+            return loop.time() + 995.0
+
+        def loop_time(self, t: float) -> float:
+            return t - 1000.0
+
+    class Timed(Core):
+        def __init__(self) -> None:
+            super().__init__()
+            self.due: float | None = None
+            self.told: list[float] = []
+
+        def next_timer(self) -> float | None:
+            return self.due
+
+        def on_timer(self, now: float) -> list[Effect]:
+            self.told.append(now)
+            self.due = None
+            return []
+
+    async with Node("n") as node:
+        ep, core = Endpoint(open_now=True), Timed()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.clock = Host()
+        adapter.start()
+        before = loop.time()
+        t = adapter.now()
+        assert before + 995.0 <= t <= loop.time() + 995.0  # the host's clock, not the loop's
+        due = core.due = t + 5.0  # 5 s ahead on the host clock: armed at loop time t - 995
+        adapter.feed([])
+        await until_true(lambda: bool(core.told))
+        assert core.told == [due]
