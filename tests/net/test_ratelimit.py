@@ -127,3 +127,40 @@ def test_given_a_scheduler_the_summary_comes_when_the_window_ends() -> None:
     lines.clear()
     lim.warn("decode-refusal", "next")  # said already: the next warning carries no summary
     assert lines == [("WARNING", "next")]
+
+
+def test_a_window_end_says_its_count_once_and_a_stale_timer_says_nothing() -> None:
+    clock = Clock()
+    lines: list[tuple[str, str]] = []
+    timers: list[tuple[float, object]] = []
+    lim = WarningLimiter(
+        clock,
+        emit=lambda level, msg: lines.append((level, msg)),
+        schedule=lambda delay, fn: timers.append((delay, fn)),
+    )
+    for i in range(5):  # the budget, at the window's start
+        lim.warn("noise", f"r{i}")
+    clock.t += 59.5
+    lim.warn("noise", "late")  # the first suppressed, half a second before the window ends
+    assert [d for d, _ in timers] == [0.5]
+    clock.t += 0.5
+    lines.clear()
+    timers[0][1]()  # type: ignore[operator]
+    timers[0][1]()  # type: ignore[operator]  # said once: nothing more
+    assert lines == [
+        (
+            "WARNING",
+            "1 cluster warnings (noise) were logged at debug during the 60s window that just ended",
+        )
+    ]
+    # A window whose summary went out with the next window's first warning: its timer,
+    # firing late, says nothing.
+    for i in range(6):
+        lim.warn("noise", f"s{i}")  # a new window: five, then one suppressed
+    clock.t += 61.0
+    lines.clear()
+    lim.warn("noise", "next")
+    assert lines[0][1].startswith("1 cluster warnings (noise)")
+    lines.clear()
+    timers[1][1]()  # type: ignore[operator]
+    assert lines == []

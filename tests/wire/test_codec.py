@@ -302,9 +302,11 @@ def test_a_bad_bundle_item_becomes_undecodable_and_the_rest_still_arrive() -> No
     not_bundled = _item(QueryState(5))
     broken = {"kind": RunEntry.KIND, "request_id": "r1", "nonce": 9}
     good = _item(ReleaseSequence("ok"))
-    out = decode(_raw_bundle([nested, not_bundled, broken, good]))
+    rows = {"kind": StepEntry.KIND, "request_ids": ["a", "b"], "nonces": [1, 2]}
+    out = decode(_raw_bundle([nested, not_bundled, broken, good, rows]))
     assert isinstance(out, Bundle)
-    first, second, third, fourth = out.items
+    first, second, third, fourth, fifth = out.items
+    assert isinstance(fifth, Undecodable) and fifth.rows == (("a", 1), ("b", 2))
     assert isinstance(first, Undecodable) and first.kind == Bundle.KIND
     assert isinstance(second, Undecodable) and second.nonce == 5
     assert isinstance(third, Undecodable) and (third.request_id, third.nonce) == ("r1", 9)
@@ -480,6 +482,11 @@ def test_an_item_that_cannot_travel_in_a_bundle_is_named_with_what_was_salvaged(
     assert salvage(cbor2.dumps(rows)) == (35, None, None, (("a", 1), ("b", 2)))
     many = {"kind": 34, "request_ids": [f"r{i}" for i in range(300)], "nonces": list(range(300))}
     assert len(salvage(cbor2.dumps(many))[3]) == 256
+    # Pairs as far as both lists go; no rows without both lists.
+    short = {"kind": 35, "request_ids": ["a", "b", "c"], "nonces": [1, 2]}
+    assert salvage(cbor2.dumps(short)) == (35, None, None, (("a", 1), ("b", 2)))
+    assert salvage(cbor2.dumps({"kind": 35, "request_ids": ["a"]})) == (35, None, None, ())
+    assert salvage(cbor2.dumps({"kind": 35, "nonces": [1]})) == (35, None, None, ())
 
 
 @pytest.mark.parametrize(
