@@ -30,6 +30,7 @@ from mlxcel.wire.frames import (
     KIND_KEEPALIVE,
     KIND_MESSAGE,
     KIND_PART,
+    KIND_PING,
     LAST_COUNTER,
     AeadProtection,
     ChaChaSuite,
@@ -45,6 +46,7 @@ from mlxcel.wire.stream import (
     KeepaliveReceived,
     MemoryBudget,
     MessageReceived,
+    PingReceived,
     StreamEvent,
     message_frames,
 )
@@ -123,6 +125,23 @@ def test_keepalive_and_confirm() -> None:
     assert drain(s) == [ConfirmReceived(), KeepaliveReceived()]
     s.receive_data(bytes(tx.seal(KIND_CONFIRM, b"")))  # only the first frame may confirm
     assert drain(s) == [FrameDropped(KIND_CONFIRM, 0)]
+
+
+def test_a_ping_is_an_event_only_when_empty_and_between_messages() -> None:
+    tx, rx = ends()
+    s = FrameStream(rx, confirm_first=True)
+    wire = tx.seal(KIND_CONFIRM, b"") + tx.seal(KIND_PING, b"")
+    wire += tx.seal(KIND_PING, b"data")  # a PING with a payload
+    wire += tx.seal(KIND_PART, b"ab") + tx.seal(KIND_PING, b"")  # a PING inside a run
+    wire += tx.seal(KIND_MESSAGE, b"m")
+    s.receive_data(bytes(wire))
+    assert drain(s) == [
+        ConfirmReceived(),
+        PingReceived(),
+        FrameDropped(KIND_PING, 0),
+        FrameDropped(KIND_PING, 2),
+        MessageReceived(b"m"),
+    ]
 
 
 @pytest.mark.parametrize(
