@@ -454,3 +454,11 @@ def test_message_frames_bounds_are_inclusive_and_named() -> None:
     for bad in (0, DEFAULT_MAX_FRAME + 1):
         with pytest.raises(ValueError, match=f"^record_size must be 1..{DEFAULT_MAX_FRAME}$"):
             message_frames(tx, b"x", record_size=bad)
+
+
+def test_an_empty_frame_of_the_unprotected_baseline_is_an_empty_message() -> None:
+    """``bench frames`` compares the suites with framing alone: there an empty frame has no
+    body to wait for, and is opened as soon as its header is in."""
+    tx, s = Unprotected(), FrameStream(Unprotected())
+    s.receive_data(bytes(tx.seal(KIND_MESSAGE, b"")))
+    assert drain(s) == [MessageReceived(b"")]
