@@ -604,6 +604,26 @@ async def test_the_core_hears_of_the_sends_it_asked_about_once_they_left_the_hos
         ((send, when),) = core.written
         assert send == told and t0 <= when <= adapter.now()
         await until_true(lambda: ("s1", entry(9)) in ep.now)  # its answer is carried out
+        assert node.task_errors == 0  # the send nobody asked about started nothing
+
+
+async def test_every_send_of_a_written_bundle_is_told_and_every_answer_carried_out() -> None:
+    class Answering(TellingCore):
+        def sent(self, send: Send, now: float) -> list[Effect]:
+            super().sent(send, now)
+            return [Send("s1", entry(100 + send.msg.nonce))]  # type: ignore[union-attr]
+
+    async with Node("n") as node:
+        ep, core = Endpoint(open_now=True), Answering()
+        adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+        adapter.bundles = True
+        adapter.start()
+        told = [Send("s0", entry(1), notify=True), Send("s0", entry(2), notify=True)]
+        adapter.feed(told)
+        assert ep.now == [("s0", Bundle((entry(1), entry(2))))]
+        await until_true(lambda: len(ep.now) == 2)
+        assert [s for s, _ in core.written] == told
+        assert ep.now[1:] == [("s1", Bundle((entry(101), entry(102))))]
 
 
 async def test_a_queued_send_is_told_of_when_the_outbox_wrote_it() -> None:
