@@ -761,3 +761,16 @@ def test_accept_stale_nonce_takes_a_result_with_any_nonce_of_its_request() -> No
         out = c.handle(result("r", (3,), 99), S2, 0.5)
     assert out == [Deliver(RunResult("r", 0, (3,), None, 77)), step("r", (3,), 1, 5, 2.5)]
     assert c.reqs["r"].pending == {5}
+
+
+def test_a_stage_found_down_fails_its_queries_and_a_first_answer_may_name_nothing() -> None:
+    c = core()
+    (token, _) = c.query(S1, 0.0, 10.0)
+    c.query(S0, 0.0, 10.0)
+    why = "no State for a query within 2s"
+    assert norm(c.stage_health(S1, False, why, 0.5)) == [
+        Warn("warning", f"coordinator: stage {S1} lost: {why}"),
+        Failed(token, UNREACHABLE, f"stage {S1} is unreachable: {why}"),
+    ]
+    assert c.next_timer() == 10.0  # the query to S0 still waits
+    assert c.stage_health(S0, True, "", 0.6) == [Warn("info", f"coordinator: stage {S0} joined")]
