@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from mlxcel.net.ratelimit import WarningLimiter
@@ -17,6 +19,21 @@ def make() -> tuple[WarningLimiter, Clock, list[tuple[str, str]]]:
     clock = Clock()
     lines: list[tuple[str, str]] = []
     return WarningLimiter(clock, emit=lambda level, msg: lines.append((level, msg))), clock, lines
+
+
+def make_scheduled() -> tuple[
+    WarningLimiter, Clock, list[tuple[str, str]], list[tuple[float, Callable[[], None]]]
+]:
+    """A limiter whose window-end timers are kept (delay, callback) for the test to fire."""
+    clock = Clock()
+    lines: list[tuple[str, str]] = []
+    timers: list[tuple[float, Callable[[], None]]] = []
+    lim = WarningLimiter(
+        clock,
+        emit=lambda level, msg: lines.append((level, msg)),
+        schedule=lambda delay, fn: timers.append((delay, fn)),
+    )
+    return lim, clock, lines, timers
 
 
 def test_five_warnings_per_class_per_minute_then_debug() -> None:
@@ -100,14 +117,7 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
 
 def test_given_a_scheduler_the_summary_comes_when_the_window_ends() -> None:
     """Not with the class's next warning (which may come minutes later, or never)."""
-    clock = Clock()
-    lines: list[tuple[str, str]] = []
-    timers: list[tuple[float, object]] = []
-    lim = WarningLimiter(
-        clock,
-        emit=lambda level, msg: lines.append((level, msg)),
-        schedule=lambda delay, fn: timers.append((delay, fn)),
-    )
+    lim, clock, lines, timers = make_scheduled()
     for i in range(8):
         clock.t += 1.0
         lim.warn("decode-refusal", f"r{i}")
@@ -116,7 +126,7 @@ def test_given_a_scheduler_the_summary_comes_when_the_window_ends() -> None:
     assert [d for d, _ in timers] == [55.0]
     lines.clear()
     clock.t += 55.0
-    timers[0][1]()  # type: ignore[operator]
+    timers[0][1]()
     assert lines == [
         (
             "WARNING",
@@ -130,14 +140,7 @@ def test_given_a_scheduler_the_summary_comes_when_the_window_ends() -> None:
 
 
 def test_a_window_end_says_its_count_once_and_a_stale_timer_says_nothing() -> None:
-    clock = Clock()
-    lines: list[tuple[str, str]] = []
-    timers: list[tuple[float, object]] = []
-    lim = WarningLimiter(
-        clock,
-        emit=lambda level, msg: lines.append((level, msg)),
-        schedule=lambda delay, fn: timers.append((delay, fn)),
-    )
+    lim, clock, lines, timers = make_scheduled()
     for i in range(5):  # the budget, at the window's start
         lim.warn("noise", f"r{i}")
     clock.t += 59.5
@@ -145,8 +148,8 @@ def test_a_window_end_says_its_count_once_and_a_stale_timer_says_nothing() -> No
     assert [d for d, _ in timers] == [0.5]
     clock.t += 0.5
     lines.clear()
-    timers[0][1]()  # type: ignore[operator]
-    timers[0][1]()  # type: ignore[operator]  # said once: nothing more
+    timers[0][1]()
+    timers[0][1]()  # said once: nothing more
     assert lines == [
         (
             "WARNING",
@@ -162,5 +165,5 @@ def test_a_window_end_says_its_count_once_and_a_stale_timer_says_nothing() -> No
     lim.warn("noise", "next")
     assert lines[0][1].startswith("1 cluster warnings (noise)")
     lines.clear()
-    timers[1][1]()  # type: ignore[operator]
+    timers[1][1]()
     assert lines == []
