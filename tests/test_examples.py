@@ -18,6 +18,13 @@ from pathlib import Path
 from tests.conftest import ROOT, descendants, free_port
 
 
+def default_sigint() -> None:
+    """In the script's process, before it starts: SIGINT as a terminal delivers it. A test run
+    started in the background (``nohup``, ``&`` without job control) ignores SIGINT, and a
+    signal ignored when bash starts is one its ``trap`` cannot catch."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_the_loopback_script_lets_every_node_drain(tiny: Path, tmp_path: Path) -> None:
     here = tmp_path / "distributed"
     shutil.copytree(ROOT / "examples" / "distributed", here)  # its secret is written there
@@ -27,7 +34,7 @@ def test_ctrl_c_on_the_loopback_script_lets_every_node_drain(tiny: Path, tmp_pat
     script = subprocess.Popen(
         ["bash", str(here / "run_loopback.sh"), "2", str(tiny), str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True, cwd=tmp_path,
+        start_new_session=True, cwd=tmp_path, preexec_fn=default_sigint,
     )  # fmt: skip
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(script.stdout or ()), daemon=True).start()
