@@ -67,6 +67,24 @@ class Core:
         return list(self.reply)
 
 
+class TimedCore(Core):
+    """A core whose timer is due at ``due``; each firing is recorded with the time it was
+    told, and fires once (the due time is cleared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.due: float | None = None
+        self.told: list[float] = []
+
+    def next_timer(self) -> float | None:
+        return self.due
+
+    def on_timer(self, now: float) -> list[Effect]:
+        self.told.append(now)
+        self.due = None
+        return []
+
+
 class BatchingCore(Core):
     def handle_bundle(self, items: tuple[Message, ...], source: str, now: float) -> list[Effect]:
         self.calls.append(("bundle", items, source, now))
@@ -470,25 +488,12 @@ async def test_a_subscription_keeps_its_origin_and_size() -> None:
 
 
 async def test_a_timer_withdrawn_by_a_message_is_disarmed_and_closing_clears_it() -> None:
-    class Timed(Core):
-        def __init__(self) -> None:
-            super().__init__()
-            self.due: float | None = None
-            self.fired = 0
-
-        def next_timer(self) -> float | None:
-            return self.due
-
-        def on_timer(self, now: float) -> list[Effect]:
-            self.fired += 1
-            return []
-
     lines: list[str] = []
     sink = logger.add(lambda m: lines.append(m.record["message"]), level="ERROR")
     try:
         node = Node("n")
         await node.__aenter__()
-        core = Timed()
+        core = TimedCore()
         adapter = CoreAdapter(node, Endpoint(), core, "n", 1.0)  # type: ignore[arg-type]
         adapter.start()
         core.due = adapter.now() + 0.05
@@ -501,7 +506,7 @@ async def test_a_timer_withdrawn_by_a_message_is_disarmed_and_closing_clears_it(
         adapter.feed([])
         await node.__aexit__(None, None, None)
         assert adapter.timer_due is None
-        assert not adapter.running and core.fired == 0
+        assert not adapter.running and core.told == []
     finally:
         logger.remove(sink)
     assert lines == []
@@ -669,22 +674,8 @@ async def test_a_core_on_its_own_host_clock_is_told_at_least_the_time_it_asked_f
         def loop_time(self, t: float) -> float:
             return t - 1000.0
 
-    class Timed(Core):
-        def __init__(self) -> None:
-            super().__init__()
-            self.due: float | None = None
-            self.told: list[float] = []
-
-        def next_timer(self) -> float | None:
-            return self.due
-
-        def on_timer(self, now: float) -> list[Effect]:
-            self.told.append(now)
-            self.due = None
-            return []
-
     async with Node("n") as node:
-        ep, core = Endpoint(open_now=True), Timed()
+        ep, core = Endpoint(open_now=True), TimedCore()
         adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
         adapter.clock = Host()
         adapter.start()
