@@ -268,6 +268,11 @@ class SecureConnection:
         return not transport.is_closing() and transport.get_write_buffer_size() == 0
 
     def _write(self, frame: bytearray) -> None:
+        # The peer may have gone while a long message waited for its drain: uvloop raises a
+        # bare RuntimeError on a write to a closed transport, which would end the caller's
+        # outbox task for good instead of failing this one send.
+        if self.writer.transport.is_closing():
+            raise ConnectionClosed(f"{self!r} closed while sending")
         self.writer.write(frame)
         self.frames_out += 1
         self.bytes_out += len(frame)

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from mlxcel.base.deadlines import deadline_in
-from mlxcel.base.errors import ConnectFailed, HandshakeError, InterfaceError
+from mlxcel.base.errors import ConnectFailed, ConnectionClosed, HandshakeError, InterfaceError
 from mlxcel.base.messages import Ack, Activation, RunEntry, SamplingParams, Tensor
 from mlxcel.net.handshake_io import drive
 from mlxcel.net.interfaces import interface_ipv4, probe_rdma
@@ -576,3 +576,17 @@ async def test_messages_received_over_a_connection_reach_the_heap_trimmer(monkey
         big = Tensor("uint8", (2 << 20,), bytes(2 << 20))
         await conn.send(Activation("r1", 0, big, 0, SamplingParams(), 2))
         await until_true(lambda: any(n > 2 << 20 for n in seen))
+
+
+async def test_a_write_onto_a_transport_that_closed_fails_the_send_by_type() -> None:
+    """The peer went while a long message was being written (a decode node killed during a
+    handoff): the send fails with ConnectionClosed, which the outbox answers by failing that
+    send, and not with the event loop's own error (uvloop raises a bare RuntimeError), which
+    ended the outbox task and left every later send to that address queued for nobody."""
+    async with server() as srv, Node("client") as client:
+        conn = await _established(srv, client, "127.0.0.2")
+        conn.writer.transport.abort()  # gone under the sender; the reader has not seen it yet
+        assert not conn.closed
+        payload = bytes(4 * conn.record_size)  # several records: the waiting path
+        with pytest.raises(ConnectionClosed, match="closed while sending$"):
+            await conn.send_payload(payload, deadline_in(5))
