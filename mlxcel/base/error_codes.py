@@ -29,6 +29,9 @@ class ErrorCode(enum.StrEnum):
     FORWARD_FAILED = "forward_failed"  # the runtime raised while running a step
     SAMPLING_FAILED = "sampling_failed"  # this sequence's sampler raised
     ENGINE_FAILED = "engine_failed"  # the one-process engine failed
+    # a step started from a prompt-cache entry the stage does not hold (restarted, evicted, or
+    # over its budget): the coordinator prefills the request in full instead
+    PREFIX_NOT_CACHED = "prefix_not_cached"
     DOWNSTREAM_UNREACHABLE = "downstream_unreachable"  # a stage could not pass a step on
     STAGE_UNREACHABLE = "stage_unreachable"  # the coordinator lost or cannot reach a stage
     DEADLINE_EXCEEDED = "deadline_exceeded"  # an exchange passed its deadline
@@ -59,6 +62,7 @@ UNAVAILABLE = frozenset(
         ErrorCode.NO_NODE_AVAILABLE,
         ErrorCode.NODE_UNREACHABLE,
         ErrorCode.DECODE_REFUSED,
+        ErrorCode.PREFIX_NOT_CACHED,
     }
 )
 TIMEOUTS = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.HANDOFF_TIMEOUT})

@@ -146,6 +146,11 @@ class PrepareSequence(Message):
     # How the sequence samples, sent once: a StepEntry's rows carry none (None: the sequence
     # runs only RunEntry steps, which carry their own).
     sampling: SamplingParams | None = None
+    # Start the sequence's cache from the prompt-cache entry ``prefix`` (one this owner asked
+    # the stage to keep), its first ``prefix_len`` positions; 0: an empty cache. A stage that
+    # does not hold it fails the sequence's first step with ``prefix_not_cached``.
+    prefix: int = 0
+    prefix_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +166,10 @@ class RunEntry(Message):
     nonce: int
     # False: a prompt chunk that only fills caches; the final stage answers with no token.
     sample: bool = True
+    # The prompt cache's namespace (mlxcel.base.prefix_index.cache_namespace): the entry may
+    # start from a prefix cached for this namespace only. Set by the frontend; "" is the
+    # namespace of requests with no API key and no cache_salt.
+    cache_ns: str = ""
 
 
 def prompt_problem(
@@ -280,10 +289,23 @@ class CancelRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class ReleaseSequence(Message):
-    """Free every cache held for ``request_id``."""
+    """Free every cache held for ``request_id`` -- with ``keep``, after keeping its first
+    ``keep_len`` positions as the prompt-cache entry ``keep`` (a stage whose cache does not
+    hold exactly that many, or whose budget cannot take it, keeps nothing)."""
 
     KIND: ClassVar[int] = 6
     request_id: str
+    keep: int = 0
+    keep_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictPrefixes(Message):
+    """Coordinator -> every stage: forget these prompt-cache entries (eviction is decided by
+    the owner of the index, once, and carried out everywhere)."""
+
+    KIND: ClassVar[int] = 37
+    entries: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -715,3 +737,4 @@ MAX_STEP_ROWS = 256  # rows per StepEntry, StepActivation or StepResult
 # What a Bundle may carry: the pipeline's per-sequence traffic.
 BUNDLED: tuple[type[Message], ...] = (PrepareSequence, RunEntry, Activation, RunResult)
 BUNDLED += (StepEntry, StepActivation, StepResult, CancelRequest, ReleaseSequence, Ack, Error)
+BUNDLED += (EvictPrefixes,)

@@ -16,26 +16,34 @@ from pathlib import Path
 
 from mlxcel.base.errors import ConfigError, ListenError
 from mlxcel.config.settings import ServeSettings
-from mlxcel.server.access import parse_origins
+from mlxcel.server.access import parse_api_keys, parse_origins
 
 
 @dataclass(frozen=True)
 class ApiOptions:
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # each its own prompt-cache tenant
     origins: tuple[str, ...] = ()
     max_model_len: int | None = None
     chat_template: str | None = None
+    shared_prompt_cache: bool = False  # --prompt-cache-scope shared
 
 
 def api_options(s: ServeSettings) -> ApiOptions:
-    key = s.api_key.get_secret_value() if s.api_key is not None else None
-    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
-        raise ConfigError("--api-key", "must be non-empty and contain no whitespace")
+    text = s.api_key.get_secret_value() if s.api_key is not None else None
+    file_text = None
+    if s.api_key_file is not None:
+        try:
+            file_text = s.api_key_file.expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("--api-key-file", f"cannot read {s.api_key_file}: {exc}") from None
+        if not parse_api_keys(None, file_text):
+            raise ConfigError("--api-key-file", f"{s.api_key_file} holds no key")
     return ApiOptions(
-        key,
+        parse_api_keys(text, file_text),
         parse_origins(s.allowed_origins),
         s.max_model_len,
         read_chat_template(s.chat_template) if s.chat_template is not None else None,
+        s.prompt_cache_scope == "shared",
     )
 
 

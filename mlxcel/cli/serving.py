@@ -155,7 +155,8 @@ async def _serve_http(s: ServeSettings, stack: Stack[Any], api: ApiOptions) -> N
         header_timeout=s.http_header_timeout,
         body_timeout=s.http_body_timeout,
         max_connections=s.max_http_connections,
-        api_key=api.api_key,
+        api_keys=api.api_keys,
+        shared_prompt_cache=api.shared_prompt_cache,
         allowed_origins=api.origins,
         sampling_defaults={
             k: v

@@ -4,6 +4,7 @@ call it and how much it may send (a part of :class:`mlxcel.config.settings.Serve
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 
@@ -63,8 +64,19 @@ class HttpApiSettings(_Base):
     )
     api_key: SecretStr | None = Field(
         None,
-        description="require Authorization: Bearer KEY on every request but /health/live "
-        "(prefer the environment variable: a flag shows in the process list)",
+        description="require Authorization: Bearer KEY on every request but /health/live; "
+        "several keys separated by commas, each its own prompt-cache tenant (prefer the "
+        "environment variable or --api-key-file: a flag shows in the process list)",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="a file of API keys, one a line (# comments), added to --api-key's",
+    )
+    prompt_cache_scope: Literal["key", "shared"] = Field(
+        "key",
+        description="who shares prompt-cache entries: key (each API key only its own, and "
+        "only with the same cache_salt) or shared (every key one cache; cache_salt still "
+        "separates)",
     )
     allowed_origins: str | None = Field(
         None,

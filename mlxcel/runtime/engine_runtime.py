@@ -85,6 +85,8 @@ class EngineRuntime:
         self._sample_failures: dict[str, str] = {}
         # Samplers of keep-cache sequences (their key travels with the cache).
         self._kept_samplers: dict[str, tuple[Sampler | None, int]] = {}
+        # Each running sequence's prompt-cache namespace, by uid: what it is kept under.
+        self._namespace: dict[int, str] = {}
 
     def start(self) -> None:
         """The batch generator, made on the compute thread (its arrays belong to it)."""
@@ -93,6 +95,7 @@ class EngineRuntime:
     def reset(self) -> None:
         """Forget every sequence's state after a failed step; a fresh batch generator."""
         self._kept_samplers.clear()
+        self._namespace.clear()
         self._started.clear()
         self._sample_failures.clear()
         self._solo = None
@@ -142,10 +145,12 @@ class EngineRuntime:
             # stops at a stop string (the frontend cancels it) or retries after leaving.
             # (Stored before the sequence lets go: the reactor sees it held until then.)
             if (solo := self._solo) is not None and solo.uid in removals:
-                self._keep_prompt(solo.fed, solo.cache)
+                self._keep_prompt(solo.uid, solo.fed, solo.cache)
                 self._solo = None
             if self.prompt_cache is not None:  # those decoding; a prompt batch is padded
                 self._keep_removed([u for u in removals if u in gen._generation_batch.uids])
+            for uid in removals:
+                self._namespace.pop(uid, None)
             gen.remove(removals)
             self._started.difference_update(removals)
         running = set(by_uid.values())
@@ -211,6 +216,7 @@ class EngineRuntime:
             out.prompt_tokens += len(i.entry.token_ids)
             if cached:
                 out.cached[rid] = len(cached)
+            self._namespace[uid] = i.entry.cache_ns
             if i.keep_cache:
                 self._kept_samplers[rid] = (sampler, len(i.entry.token_ids))
 
@@ -236,8 +242,9 @@ class EngineRuntime:
                 continue
             self._record(request_id, int(r.token), r.finish_reason, r.logprobs, want_lp, out)
             if r.finish_reason is not None and request_id not in self._kept_samplers:
-                self._keep_prompt(r.all_tokens, r.prompt_cache)
+                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache)
             if r.finish_reason is not None and request_id in self._kept_samplers:
+                self._namespace.pop(r.uid, None)
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:
                     packed = pack(r.prompt_cache or [], prompt_len, int(r.token))
@@ -269,27 +276,31 @@ class EngineRuntime:
 
     # --- the prompt cache ------------------------------------------------------------------
     def _keep_removed(self, uids: list[int]) -> None:
+        """The caches of the sequences ``uids``, removed while decoding."""
         assert self.gen is not None
+        if not uids:
+            return
         try:
             taken = self.gen.extract_cache(uids)
         except Exception as exc:  # the cache is an optimization: never fail a step on it
             logger.warning("prompt cache: could not take a cancelled sequence's cache: {}", exc)
             return
-        for cache, tokens in taken.values():
-            self._keep_prompt(list(tokens), cache)
+        for uid, (cache, tokens) in taken.items():
+            self._keep_prompt(uid, list(tokens), cache)
 
-    def _keep_prompt(self, tokens: list[int] | None, cache: list[Any] | None) -> None:
-        """A finished sequence's cache, for later prompts that start alike."""
+    def _keep_prompt(self, uid: int, tokens: list[int] | None, cache: list[Any] | None) -> None:
+        """A finished sequence's cache, for later prompts of its namespace that start alike."""
+        namespace = self._namespace.pop(uid, "")
         if self.prompt_cache is not None and tokens and cache:
-            self.prompt_cache.store(tokens, cache)
+            self.prompt_cache.store(tokens, cache, namespace)
 
     def _start(self, i: Insert) -> tuple[list[Any] | None, int]:
         """The cache a sequence starts from and how many of its prompt tokens that cache
         covers. A handed-off cache covers what came before ``token_ids``; otherwise the
-        prompt cache may cover a prefix of them."""
+        prompt cache may cover a prefix of them (its namespace's only)."""
         if i.cache is not None or i.keep_cache or self.prompt_cache is None:
             return i.cache, 0
-        return self.prompt_cache.fetch(i.entry.token_ids)
+        return self.prompt_cache.fetch(i.entry.token_ids, i.entry.cache_ns)
 
     # --- a sequence decoding alone -----------------------------------------------------------
     def _may_solo(self, inserts: list[Insert]) -> bool:
@@ -316,6 +327,7 @@ class EngineRuntime:
             self.prefill_step_size,
         )
         out.new_uids[rid] = self._solo_uids
+        self._namespace[self._solo_uids] = i.entry.cache_ns
         out.prompt_tokens += len(tokens)
         if n:
             out.cached[rid] = n
@@ -326,7 +338,7 @@ class EngineRuntime:
             return False  # a prefill chunk
         self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
         if t.finish is not None:  # kept before it lets go: the reactor sees it held till then
-            self._keep_prompt(solo.fed, solo.cache)
+            self._keep_prompt(solo.uid, solo.fed, solo.cache)
             self._solo = None
         return t.first or t.finish is not None
 
@@ -342,7 +354,7 @@ class EngineRuntime:
         if t is not None:
             self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
         if rest is None:  # that token finished it
-            self._keep_prompt(solo.fed, solo.cache)
+            self._keep_prompt(solo.uid, solo.fed, solo.cache)
             self._solo = None
             return
         (uid,) = self.gen.insert(
@@ -353,6 +365,7 @@ class EngineRuntime:
             samplers=[solo.sampler],
         )
         self._solo = None
+        self._namespace[uid] = self._namespace.pop(solo.uid, "")
         by_uid[uid] = solo.request_id
         out.moved[solo.request_id] = uid
         if solo.generated:

@@ -1,7 +1,9 @@
 """Reuse the KV cache of a prompt's longest cached prefix across requests.
 
 A multi-turn chat resends its whole history every turn; with this store the engine prefills
-only what is new. The store is mlx-lm's own ``LRUPromptCache`` (a token trie, the one
+only what is new. Entries belong to a namespace -- a tenant's (API key, ``cache_salt``; see
+:func:`mlxcel.base.prefix_index.cache_namespace`) -- and a prompt reuses only its own
+namespace's: mlx-lm's trie is keyed by a "model" name, and the namespace is that key. The store is mlx-lm's own ``LRUPromptCache`` (a token trie, the one
 ``mlx_lm.server`` uses), bounded in bytes; it evicts the least recently *stored* entry (a
 lookup does not refresh one; a conversation's next turn stores a longer entry that replaces
 it). This module adds what a server needs around it: the one-token rule on exact hits,
@@ -25,9 +27,6 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-# Every entry belongs to the one model this engine serves.
-_MODEL = "model"
-
 
 class PromptCache:
     def __init__(self, max_bytes: int) -> None:
@@ -49,13 +48,14 @@ class PromptCache:
     def entries(self) -> int:
         return len(self._lru)
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """A private copy of the cache of ``tokens``' longest cached prefix and how many
-        tokens it covers; ``(None, 0)`` on a miss. At least one token is always left to
-        prefill: the model must see the last prompt token to produce the first new one."""
+    def fetch(self, tokens: Sequence[int], namespace: str = "") -> tuple[list[Any] | None, int]:
+        """A private copy of the cache of ``tokens``' longest prefix cached in ``namespace``
+        and how many tokens it covers; ``(None, 0)`` on a miss. At least one token is always
+        left to prefill: the model must see the last prompt token to produce the first new
+        one."""
         toks = list(tokens)
         try:
-            cache, rest = self._lru.fetch_nearest_cache(_MODEL, toks)
+            cache, rest = self._lru.fetch_nearest_cache(namespace, toks)
             if cache is not None and not rest:  # an exact hit: give back the last token
                 if can_trim_prompt_cache(cache):
                     trim_prompt_cache(cache, 1)
@@ -73,18 +73,18 @@ class PromptCache:
         self.reused_tokens += reused
         return cache, reused
 
-    def store(self, tokens: Sequence[int], cache: list[Any]) -> None:
-        """Keep ``cache`` (covering exactly ``tokens``) for later prompts that start with
-        them. One entry larger than the whole budget is not kept (it would evict everything
-        and then itself)."""
+    def store(self, tokens: Sequence[int], cache: list[Any], namespace: str = "") -> None:
+        """Keep ``cache`` (covering exactly ``tokens``) for later prompts of ``namespace``
+        that start with them. One entry larger than the whole budget is not kept (it would
+        evict everything and then itself)."""
         if not tokens or not cache:
             return
         try:
-            _compact(cache)
+            compact(cache)
             if sum(c.nbytes for c in cache) > self.max_bytes:
                 self.too_large += 1
                 return
-            self._lru.insert_cache(_MODEL, list(tokens), cache)
+            self._lru.insert_cache(namespace, list(tokens), cache)
         except Exception as exc:  # the cache is an optimization: never fail a request on it
             logger.warning("prompt cache: could not keep a finished sequence: {}", exc)
 
@@ -102,7 +102,7 @@ class PromptCache:
         }
 
 
-def _compact(cache: list[Any]) -> None:
+def compact(cache: list[Any]) -> None:
     """Make ``cache`` hold exactly its tokens, evaluated. A cache taken out of the batch is
     an unevaluated slice that keeps the whole batch's buffer alive, and a sequence's own
     cache grows in 256-token steps: either way its real footprint would exceed the

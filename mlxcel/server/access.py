@@ -1,10 +1,13 @@
 """Who may call the HTTP API: an API key, and the browser origins allowed to (CORS).
 
-- ``--api-key``: every request but ``GET /health/live`` (a liveness probe carries no
-  credentials), ``GET /dashboard`` (a page without data; its polls send the key), ``GET /``
-  (a redirect to it) and a CORS preflight must send ``Authorization: Bearer KEY``; the key is
-  compared in constant time, and a missing or wrong one gets 401 in the OpenAI error shape
-  with ``WWW-Authenticate: Bearer``. The key is never logged.
+- ``--api-key`` (one key or several, or ``--api-key-file``): every request but
+  ``GET /health/live`` (a liveness probe carries no credentials), ``GET /dashboard`` (a page
+  without data; its polls send the key), ``GET /`` (a redirect to it) and a CORS preflight
+  must send ``Authorization: Bearer KEY``; the key is compared in constant time against every
+  key (all of them, whichever matches), and a missing or wrong one gets 401 in the OpenAI
+  error shape with ``WWW-Authenticate: Bearer``. A key is never logged. Each key is a
+  **tenant**: the request carries a label derived from its key (``request[TENANT]``), and the
+  prompt cache is shared only inside one tenant (``mlxcel.base.prefix_index``).
 - ``--allowed-origins``: a comma-separated list of origins (``https://app.example``), or
   ``*`` for any. A request from an allowed origin gets ``Access-Control-Allow-Origin`` (on
   streams too: the header is added as the response is prepared); a preflight (``OPTIONS``
@@ -23,6 +26,10 @@ from typing import Any
 from aiohttp import web
 
 from mlxcel.base.errors import ConfigError
+from mlxcel.base.prefix_index import tenant_of
+
+# The tenant label of an authenticated request ("": a server without keys, or a shared cache).
+TENANT = web.RequestKey("tenant", str)
 
 # Liveness carries no credentials; the dashboard page holds no data (its polls of /cluster
 # send the key).
@@ -66,8 +73,10 @@ def _unauthorized(message: str) -> web.Response:
     return _error(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
-def api_key_middleware(key: str) -> Any:
-    expected = key.encode()
+def api_key_middleware(keys: str | tuple[str, ...], shared_cache: bool = False) -> Any:
+    """Requests must carry one of ``keys``; each key is its own tenant of the prompt cache
+    unless ``shared_cache`` (then every key shares one)."""
+    expected = [(k.encode(), "" if shared_cache else tenant_of(k)) for k in _keys(keys)]
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -79,11 +88,40 @@ def api_key_middleware(key: str) -> Any:
             return _unauthorized(
                 "this server needs an API key: send the header Authorization: Bearer <key>"
             )
-        if not hmac.compare_digest(given.strip().encode(), expected):
+        raw, tenant = given.strip().encode(), None
+        for key, label in expected:  # every key is compared: the time says nothing of which
+            if hmac.compare_digest(raw, key) and tenant is None:
+                tenant = label
+        if tenant is None:
             return _unauthorized("incorrect API key provided")
+        request[TENANT] = tenant
         return await handler(request)
 
     return require_api_key
+
+
+def _keys(keys: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (keys,) if isinstance(keys, str) else tuple(keys)
+
+
+def parse_api_keys(text: str | None, file_text: str | None) -> tuple[str, ...]:
+    """``--api-key`` (one key, or several separated by commas) and the lines of
+    ``--api-key-file`` (one key a line; blank lines and lines starting with ``#`` are skipped),
+    as one tuple in order, without repeats. Raises ConfigError naming a malformed key: empty,
+    or holding whitespace (a pasted line break would otherwise lock every client out)."""
+    keys: list[str] = []
+    for flag, items in (
+        ("--api-key", [k.strip() for k in text.split(",")] if text is not None else []),
+        ("--api-key-file", [ln.strip() for ln in (file_text or "").splitlines()
+                            if ln.strip() and not ln.lstrip().startswith("#")]),
+    ):  # fmt: skip
+        for i, key in enumerate(items, 1):
+            if not key or any(c.isspace() for c in key):
+                where = f"key {i}" if flag == "--api-key" else f"line {i} (of the keys)"
+                raise ConfigError(flag, f"{where} must be non-empty and contain no whitespace")
+            if key not in keys:
+                keys.append(key)
+    return tuple(keys)
 
 
 def _is_preflight(request: web.Request) -> bool:

@@ -24,8 +24,9 @@ from pydantic import BaseModel, ValidationError
 from mlxcel.base.error_codes import http_status
 from mlxcel.base.errors import AdmissionRejected, DeadlineExceeded, EngineError, RequestError
 from mlxcel.base.messages import EXTENDED_SAMPLING, ErrorCode, SamplingParams
+from mlxcel.base.prefix_index import cache_namespace
 from mlxcel.server import logprobs as lp
-from mlxcel.server.access import Cors, api_key_middleware
+from mlxcel.server.access import TENANT, Cors, api_key_middleware
 from mlxcel.server.access_log import USAGE, access_log
 from mlxcel.server.body_budget import BODIES_IN_FLIGHT, BodyBudget
 from mlxcel.server.metrics import Metrics
@@ -218,8 +219,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         await asyncio.to_thread(lp.prepare, fe.tokenizer)  # once per tokenizer, then cached
     usage = Usage()
     request[USAGE] = usage
+    namespace = cache_namespace(request.get(TENANT, ""), req.cache_salt)
     stream = fe.stream(
-        prompt_ids, params, req.stop_list(), usage, skip_special=req.skip_special_tokens
+        prompt_ids,
+        params,
+        req.stop_list(),
+        usage,
+        skip_special=req.skip_special_tokens,
+        cache_ns=namespace,
     )
     if req.stream:
         opts = req.stream_options
@@ -421,7 +428,8 @@ def build_app(
     mode: str = "one process",
     guard: Any = None,
     body_timeout: float = 30.0,
-    api_key: str | None = None,
+    api_keys: tuple[str, ...] = (),
+    shared_prompt_cache: bool = False,
     allowed_origins: tuple[str, ...] = (),
     sampling_defaults: dict[str, float] | None = None,
 ) -> web.Application:
@@ -432,8 +440,8 @@ def build_app(
     cors = Cors(allowed_origins) if allowed_origins else None
     if cors is not None:
         middlewares.append(cors.middleware)
-    if api_key:
-        middlewares.append(api_key_middleware(api_key))
+    if api_keys:
+        middlewares.append(api_key_middleware(api_keys, shared_prompt_cache))
     app = web.Application(client_max_size=max_body_bytes, middlewares=[*middlewares, json_errors])
     if cors is not None:
         app.on_response_prepare.append(cors.on_prepare)

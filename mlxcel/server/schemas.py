@@ -27,6 +27,7 @@ MAX_INT = (1 << 31) - 1  # bigger token counts and top_k mean "no limit" and mus
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits only
 MAX_LOGIT_BIAS = 1024  # entries; each is an index the processor adds a bias at
 MAX_ARG_DEPTH = 32  # tool call arguments sent as a JSON string (the body's own limit is 64)
+MAX_CACHE_SALT_BYTES = 256  # vLLM's cache_salt, as UTF-8
 
 
 def _depth(value: Any) -> int:
@@ -201,6 +202,16 @@ class _Sampling(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # vLLM's: the prompt cache is shared only between requests of one tenant (API key) that
+    # give the same salt (docs/security.md, "The prompt cache and its tenants").
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v is not None and len(v.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise ValueError(f"at most {MAX_CACHE_SALT_BYTES} bytes (UTF-8)")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -293,9 +293,12 @@ class Frontend:
         usage: Usage | None = None,
         deadline: float | None = None,
         skip_special: bool = False,
+        cache_ns: str = "",
     ) -> AsyncIterator[Delta]:
         """Generate; yields :class:`Delta`, the last one carrying ``finish_reason``.
-        ``skip_special`` leaves special tokens' text out (their ids and logprobs stay)."""
+        ``skip_special`` leaves special tokens' text out (their ids and logprobs stay);
+        ``cache_ns`` is the prompt-cache namespace the request may reuse entries of (and adds
+        its own to): its tenant's (:func:`mlxcel.base.prefix_index.cache_namespace`)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
         limit = self.token_limit
@@ -332,7 +335,9 @@ class Frontend:
         self.in_flight += 1
         finished = False
         try:
-            entry = RunEntry(request_id, 0, tuple(prompt_ids), 0, params, next(self._nonces))
+            entry = RunEntry(
+                request_id, 0, tuple(prompt_ids), 0, params, next(self._nonces), cache_ns=cache_ns
+            )
             await self.node.bus.publish(entry, deadline=deadline)
             detok = self.tokenizer.detokenizer
             hidden = special_token_ids(self.tokenizer) if skip_special else frozenset()

@@ -40,6 +40,8 @@ class HttpOptions:
     body_timeout: float = 30.0  # seconds to send its body once the headers are in
     max_connections: int | None = None  # open HTTP connections (None: below the fd limit)
     api_key: str | None = None  # every request but /health/live needs it (Bearer)
+    api_keys: tuple[str, ...] = ()  # or any of these (with api_key): each its own tenant
+    shared_prompt_cache: bool = False  # every key shares one prompt cache
     allowed_origins: tuple[str, ...] = ()  # CORS: origins, or ("*",); () sends no CORS header
     # Sampling for a request that gives none: "temperature", "top_p", "min_p" (serve's --temp,
     # --top-p, --min-p); what is missing here is OpenAI's default.
@@ -214,7 +216,8 @@ def openai_app(
         mode=serving.label,
         guard=guard,
         body_timeout=http.body_timeout,
-        api_key=http.api_key,
+        api_keys=(*((http.api_key,) if http.api_key else ()), *http.api_keys),
+        shared_prompt_cache=http.shared_prompt_cache,
         allowed_origins=http.allowed_origins,
         sampling_defaults=http.sampling_defaults,
     )

@@ -120,11 +120,14 @@ class Stack(Generic[P]):
         *,
         stop: Sequence[str] = (),
         usage: Usage | None = None,
+        cache_ns: str = "",
     ) -> AsyncIterator[Delta]:
-        """Generate from a prompt (text, encoded as is, or token ids): the frontend's deltas."""
+        """Generate from a prompt (text, encoded as is, or token ids): the frontend's deltas.
+        ``cache_ns``: the prompt-cache namespace (an embedding service's tenant, through
+        :func:`mlxcel.base.prefix_index.cache_namespace`; "" the open one)."""
         fe = self.frontend
         ids = await fe.encode_prompt_async(prompt)
-        async with aclosing(fe.stream(ids, params, stop, usage)) as deltas:
+        async with aclosing(fe.stream(ids, params, stop, usage, cache_ns=cache_ns)) as deltas:
             async for d in deltas:
                 yield d
 
