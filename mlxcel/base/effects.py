@@ -64,6 +64,37 @@ class FreeCache:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadPrefix:
+    """Start ``key``'s cache from ``owner``'s prompt-cache entry ``entry``, its first
+    ``tokens`` positions (in order with jobs: the sequence's first step finds it loaded, or
+    fails ``prefix_not_cached``)."""
+
+    key: Any
+    owner: str
+    entry: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeepPrefix:
+    """Keep ``key``'s cache, exactly ``tokens`` positions, as ``owner``'s prompt-cache entry
+    ``entry`` (before the FreeCache that follows it)."""
+
+    key: Any
+    owner: str
+    entry: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropPrefixes:
+    """Forget ``owner``'s prompt-cache entries ``entries`` (every one of its entries: ())."""
+
+    owner: str
+    entries: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ResetPeer:
     """Close every connection with ``dest``: a stream that missed a deadline may be wedged."""
 
@@ -92,4 +123,17 @@ class Stopped:
     """The role finished its shutdown: nothing is left in flight."""
 
 
-Effect = Send | Deliver | StartCompute | CutShort | FreeCache | ResetPeer | Answer | Warn | Stopped
+Effect = (
+    Send
+    | Deliver
+    | StartCompute
+    | CutShort
+    | FreeCache
+    | LoadPrefix
+    | KeepPrefix
+    | DropPrefixes
+    | ResetPeer
+    | Answer
+    | Warn
+    | Stopped
+)

@@ -186,9 +186,10 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
     )
     prompt_cache_bytes: ByteSize = Field(
         "1GiB",  # type: ignore[assignment]  # validated into a ByteSize
-        description="one-process serving: memory for KV caches of finished requests, reused "
-        "by later prompts that share their prefix (multi-turn chat); 0 turns it off; "
-        "bytes or a size such as 512MiB",
+        description="memory for KV caches of finished requests, reused by later prompts of "
+        "the same tenant that share their prefix (multi-turn chat), per node: one process, "
+        "or each pipeline stage for its own layers (the coordinator plans by its own value); "
+        "0 turns it off; bytes or a size such as 512MiB",
     )
 
     @field_validator("prompt_cache_bytes")
@@ -395,11 +396,11 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
         if (
             "prompt_cache_bytes" in self.model_fields_set
             and self.prompt_cache_bytes
-            and (pipelined or self.tp_size > 1 or self.node_role != "hybrid")
+            and (self.tp_size > 1 or self.node_role != "hybrid")
         ):
             raise ValueError(
-                "--prompt-cache-bytes is for one-process serving (no pipeline, tensor "
-                "parallelism or --node-role)"
+                "--prompt-cache-bytes is for one-process serving and pipelines (not yet for "
+                "tensor parallelism or --node-role)"
             )
         return self
 

@@ -5,7 +5,8 @@ mismatch, identity not owned, suite mismatch, failed frame, unknown kind), ``rou
 ``at-capacity``, the pipeline's own drops (``coordinator-drop``, ``stage-drop``), a decode
 node's refusals (``decode-refusal``), discovery's drops and the HTTP port's refusals
 (``http-cap``: a connection cap; ``http-slow``: a header deadline; ``http-evict``: a
-connection closed for another address's) -- each may log ``per_window`` warnings per
+connection closed for another address's), and a prompt cache's mismatches between the index
+and the nodes that hold its entries (``prefix-mismatch``) -- each may log ``per_window`` warnings per
 ``window`` seconds; the rest go to debug. How many went to debug is said when their window
 ends (given ``schedule``, the loop's ``call_later``), else with the class's next warning.
 The clock is injected (the loop's clock in production).
@@ -30,6 +31,7 @@ CLASSES = (
     "discovery-drop",
     "decode-refusal",
     "http-evict",
+    "prefix-mismatch",
 )
 MAX_MESSAGE = 500
 

@@ -87,6 +87,8 @@ class PipelineCoordinator(CoreAdapter):
         micro_batch_size: int | None = None,
         stage_max_batch: int | None = None,
         first_nonce: int | None = None,
+        prompt_cache_tokens: int = 0,
+        first_entry: int | None = None,
     ) -> None:
         core = CoordinatorCore(
             stages,
@@ -102,6 +104,8 @@ class PipelineCoordinator(CoreAdapter):
             pick_token=pick_token if return_logits else None,
             # Unpredictable per process (the simulator draws it from its seed).
             first_nonce=secrets.randbits(48) + 1 if first_nonce is None else first_nonce,
+            prompt_cache_tokens=prompt_cache_tokens,
+            first_entry=secrets.randbits(48) + 1 if first_entry is None else first_entry,
         )
         super().__init__(node, endpoint, core, "coordinator", step_timeout)
         self.coord = core
@@ -317,4 +321,5 @@ def coordinator_serving(
         sampling=frozenset() if return_logits else EXTENDED_SAMPLING,
         label="pipeline",
         topology=topology,
+        prompt_cache=coordinator.coord.prefixes.stats if coordinator.coord.prefixes else None,
     )

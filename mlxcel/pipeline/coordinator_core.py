@@ -34,6 +34,7 @@ from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
+    EvictPrefixes,
     Message,
     PrepareSequence,
     Progress,
@@ -46,6 +47,7 @@ from mlxcel.base.messages import (
     StepResult,
     Undecodable,
 )
+from mlxcel.base.prefix_index import PrefixIndex
 from mlxcel.pipeline.coordinator_protocol import (
     REQ_TABLE,
     Exchange,
@@ -59,6 +61,7 @@ from mlxcel.pipeline.coordinator_protocol import (
     admission_problem,
     claim,
     for_client,
+    fresh,
     match_result,
     missed_text,
     picked,
@@ -93,6 +96,8 @@ class CoordinatorCore:
         prefill_step_size: int = PREFILL_STEP_SIZE,
         pick_token: PickToken | None = None,
         first_nonce: int = 1,
+        prompt_cache_tokens: int = 0,
+        first_entry: int = 1,
     ) -> None:
         if return_logits and pick_token is None:
             raise ValueError("return_logits needs a pick_token function")
@@ -115,6 +120,14 @@ class CoordinatorCore:
         self.micro = MicroBatches(max(1, -(-max_in_flight // self.micro_batch_size)))
         self.prefill_step_size = prefill_step_size
         self.pick_token = pick_token
+        # The prompt cache's index (which prefixes the stages hold, for whom): the stages
+        # keep the KV of their own layers under its entry ids. ``prompt_cache_tokens``: the
+        # positions every stage's budget holds (0: no prompt cache). Entry ids start from a
+        # random point (the adapter's), as nonces do: never an earlier coordinator's.
+        self.prefixes = (
+            PrefixIndex(prompt_cache_tokens, first_entry) if prompt_cache_tokens > 0 else None
+        )
+        self.refilled = 0  # requests prefilled in full after a stage lacked their prefix
         self.reqs: dict[str, Req] = {}
         self._waiting: collections.deque[str] = collections.deque()
         self.exchanges = Exchanges(first_nonce, step_timeout)
@@ -222,6 +235,8 @@ class CoordinatorCore:
         """Fail every request in the stages and queries to ``stage``, after ``missed`` (nonce,
         why): the exchange whose deadline gave the stage up. No parked step goes out meanwhile."""
         victims = self._in_stages()  # a snapshot: requests admitted while failing these live
+        if self.prefixes is not None:  # the stage forgets our entries as the connection goes
+            self._evict(self.prefixes.clear(), now, out)
         self.micro.holding = True
         try:
             if missed is not None:
@@ -282,9 +297,10 @@ class CoordinatorCore:
             self.failed += 1
             out.append(Deliver(Error(*refused, rid, m.nonce)))
             return
-        # As mlx-lm's batch generator does: every prompt token but the last fills caches in
-        # chunks; the last one runs as the first decode step. Same shapes, same numerics.
-        self.reqs[rid] = Req(m, prefix=m.token_ids[:-1], next_tokens=m.token_ids[-1:])
+        hit = None
+        if self.prefixes is not None:  # only the request's own namespace: its tenant's
+            hit = self.prefixes.lookup(m.cache_ns, m.token_ids, now)
+        self.reqs[rid] = fresh(m, hit)
         self._waiting.append(rid)
         self._admit(now, out)
 
@@ -301,7 +317,7 @@ class CoordinatorCore:
             for stage in self.stages:
                 nonce = self.exchanges.open(Ack, stage, rid, 0, now)
                 req.pending.add(nonce)
-                out.append(self._send(stage, claim(req.entry, nonce)))
+                out.append(self._send(stage, claim(req, nonce)))
 
     def _cancel(self, rid: str, now: float, out: list[Effect]) -> None:
         req = self.reqs.get(rid)
@@ -340,19 +356,67 @@ class CoordinatorCore:
         for msg in step_entries(mb, ready, nonces):
             out.append(self._send(self.stages[0], msg))
 
-    def _end(self, req: Req, now: float, out: list[Effect]) -> None:
-        """The request left (finished, failed or cancelled): free its slot and its stages."""
+    def _end(self, req: Req, now: float, out: list[Effect], keep: tuple[int, int] = (0, 0)) -> None:
+        """The request left (finished, failed or cancelled): free its slot and its stages
+        (each keeping its cache as the prompt-cache entry ``keep``: (id, positions))."""
         rid = req.entry.request_id
         self.reqs.pop(rid, None)
+        self._leave(req, now, out, keep)
+        self._flush(req.micro_batch, now, out)  # it may have been the step others waited for
+        self._admit(now, out)
+
+    def _leave(self, req: Req, now: float, out: list[Effect], keep: tuple[int, int]) -> None:
+        rid = req.entry.request_id
         for nonce in req.pending:
             self._exchanges.pop(nonce, None)
         req.pending = set()
         self.micro.leave(req, req.admitted)
+        self._unpin(req)
         if req.admitted:
             req.admitted = False
             # Best effort, briefly: a stage that misses it frees the sequence at its lease.
-            out.extend(Send(s, ReleaseSequence(rid), deadline=now + 5.0) for s in self.stages)
-        self._flush(req.micro_batch, now, out)  # it may have been the step others waited for
+            release = ReleaseSequence(rid, *keep)
+            out.extend(Send(s, release, deadline=now + 5.0) for s in self.stages)
+
+    # --- the prompt cache ---------------------------------------------------------------------
+    def _unpin(self, req: Req) -> None:
+        if self.prefixes is not None and req.from_entry:
+            self.prefixes.unpin(req.from_entry)
+            req.from_entry = 0
+
+    def _kept_as(self, req: Req, now: float, out: list[Effect]) -> tuple[int, int]:
+        """A finished request's cache as a new prompt-cache entry: (id, positions), or (0, 0)
+        when it is not kept (no cache, or its tokens are held already). What the entry makes
+        redundant or pushes out is evicted everywhere first."""
+        if self.prefixes is None or req.pos < 1:
+            return 0, 0
+        self._unpin(req)  # the entry it started from may be what its own entry replaces
+        fed = (*req.entry.token_ids, *req.sampled)[: req.pos]  # the last token was never fed
+        entry, gone = self.prefixes.insert(req.entry.cache_ns, fed, now)
+        self._evict(gone, now, out)
+        return (entry, req.pos) if entry else (0, 0)
+
+    def _evict(self, entries: list[int], now: float, out: list[Effect]) -> None:
+        if entries:  # ordered before any later keep on each stage's connection
+            msg = EvictPrefixes(tuple(entries))
+            out.extend(Send(s, msg, deadline=now + 5.0) for s in self.stages)
+
+    def _refill(self, req: Req, source: str, why: str, now: float, out: list[Effect]) -> None:
+        """A stage lacks the cached prefix ``req`` started from (it restarted, or its budget
+        refused the entry): the entry is forgotten everywhere and the request prefills in
+        full, from the front of the queue. Never an error, never wrong tokens."""
+        assert self.prefixes is not None
+        entry = req.from_entry
+        self.refilled += 1
+        text = f"coordinator: {source} lacks prompt-cache entry {entry} ({why}): prefilling "
+        out.append(Warn("prefix-mismatch", text + f"{req.entry.request_id} in full"))
+        self._leave(req, now, out, (0, 0))
+        self.prefixes.drop(entry)
+        self._evict([entry], now, out)
+        rid = req.entry.request_id
+        self.reqs[rid] = fresh(req.entry)
+        self._waiting.appendleft(rid)
+        self._flush(req.micro_batch, now, out)
         self._admit(now, out)
 
     # --- exchanges ----------------------------------------------------------------------------
@@ -438,19 +502,22 @@ class CoordinatorCore:
             token, lp = m.token, m.logprobs
         req.pos += ex.seq_len
         req.generated += 1
+        req.sampled.append(token)
         rid = e.request_id
+        cached = req.cached if req.generated == 1 else 0
         if token in self.eos:
-            out.append(Deliver(RunResult(rid, e.micro_batch, (), "stop", e.nonce)))
+            out.append(Deliver(RunResult(rid, e.micro_batch, (), "stop", e.nonce,
+                                         cached_tokens=cached)))  # fmt: skip
         else:
             finish = "length" if req.generated >= e.sampling.max_tokens else None
-            out.append(Deliver(for_client(e, token, finish, lp, m)))
+            out.append(Deliver(for_client(e, token, finish, lp, m, cached)))
             if finish is None:
                 req.next_tokens = (token,)
                 self._next_step(req, now, out)
                 return
         req.state = REQ_TABLE.next(req.state, ReqEvent.FINISH)
         self.completed += 1
-        self._end(req, now, out)
+        self._end(req, now, out, self._kept_as(req, now, out))
 
     def _on_reply(self, m: Ack | State, source: str, now: float, out: list[Effect]) -> None:
         ex = self._exchanges.get(m.nonce)
@@ -491,4 +558,8 @@ class CoordinatorCore:
             self._drop(out, "not from the stage the exchange addressed", m, source, ex.dest)
             return
         assert m.nonce is not None
+        req = self.reqs.get(ex.request_id)
+        if m.code == ErrorCode.PREFIX_NOT_CACHED and req is not None and req.from_entry:
+            if m.nonce in req.pending and not req.generated:
+                return self._refill(req, source, m.message[:200], now, out)
         self._close(m.nonce, out, m.code, f"{source}: {m.message}", now)

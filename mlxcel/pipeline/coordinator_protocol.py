@@ -30,6 +30,7 @@ from mlxcel.base.messages import (
     Tensor,
     prompt_problem,
 )
+from mlxcel.base.prefix_index import Hit
 
 PENALTY_CONTEXT = 20  # prompt tokens the final stage's penalties look back on (mlx-lm's)
 
@@ -152,6 +153,11 @@ class Req:
     admitted: bool = False  # holds an in-flight slot (and sequences on the stages)
     micro_batch: int = 0  # which micro-batch its decode steps travel in
     parked: bool = False  # its decode step waits for the rest of its micro-batch
+    # The prompt-cache entry its stages start from (pinned in the index while it runs), and
+    # how many of its prompt tokens that covers; the tokens it sampled (the eos included).
+    from_entry: int = 0
+    cached: int = 0
+    sampled: list[int] = field(default_factory=list)
 
 
 class MicroBatches:
@@ -267,13 +273,25 @@ def missed_text(ex: Exchange, final: str, step_timeout: float, now: float) -> st
     return f"{what} within {ex.deadline - ex.sent_at:g}s"
 
 
-def claim(e: RunEntry, nonce: int) -> PrepareSequence:
-    """A stage's claim on ``e``: its whole length, the prompt's tail that the final stage's
-    logits processors look back on (as the one-process engine's would), and how it samples
-    (sent once: the decode steps' StepEntry rows carry none)."""
+def claim(req: Req, nonce: int) -> PrepareSequence:
+    """A stage's claim on ``req``: its whole length, the prompt's tail that the final stage's
+    logits processors look back on (as the one-process engine's would), how it samples
+    (sent once: the decode steps' StepEntry rows carry none), and the cached prefix its cache
+    starts from."""
+    e = req.entry
     total = len(e.token_ids) + e.sampling.max_tokens
     tail = tuple(e.token_ids[-PENALTY_CONTEXT:])
-    return PrepareSequence(e.request_id, total, nonce, tail, e.sampling)
+    return PrepareSequence(e.request_id, total, nonce, tail, e.sampling, req.from_entry, req.cached)
+
+
+def fresh(e: RunEntry, hit: Hit | None = None) -> Req:
+    """A request as it waits for admission. As mlx-lm's batch generator does: every prompt
+    token but the last fills caches in chunks; the last one runs as the first decode step
+    (same shapes, same numerics). A prompt-cache ``hit`` covers the first chunks' tokens."""
+    n = hit.tokens if hit is not None else 0
+    req = Req(e, prefix=e.token_ids[n:-1], next_tokens=e.token_ids[-1:], pos=n, cached=n)
+    req.from_entry = hit.entry if hit is not None else 0
+    return req
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,9 +364,12 @@ def sends_first(effects: list[Effect]) -> list[Effect]:
     ]
 
 
-def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, p: Picked) -> RunResult:
+def for_client(
+    e: RunEntry, token: int, finish: str | None, lp: Any, p: Picked, cached: int = 0
+) -> RunResult:
     """What the frontend gets for one decoded token: the final stage's logprob (when the
-    request asked for logprobs) and its top_logprobs alternatives travel on."""
+    request asked for logprobs) and its top_logprobs alternatives travel on; the first one
+    says how many prompt tokens came from the prompt cache (``cached``)."""
     return RunResult(
         e.request_id,
         e.micro_batch,
@@ -358,4 +379,5 @@ def for_client(e: RunEntry, token: int, finish: str | None, lp: Any, p: Picked) 
         logprobs=lp if e.sampling.logprobs else None,
         top_ids=p.top_ids or None,
         top_logprobs=p.top_logprobs or None,
+        cached_tokens=cached,
     )

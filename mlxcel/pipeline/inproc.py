@@ -19,6 +19,7 @@ from mlxcel.pipeline.stage_protocol import keep_alive_interval
 from mlxcel.pipeline.stage_runtime import StageRuntime
 from mlxcel.reactor.bus import Node
 from mlxcel.runtime.compute import ComputeThread
+from mlxcel.runtime.kv_usage import prompt_cache_positions
 from mlxcel.runtime.model import LayerRange, LoadedModel, load_model
 from mlxcel.serving.frontend import Frontend
 from mlxcel.serving.specs import Generation, PipelineSpec
@@ -79,6 +80,12 @@ async def pipeline_stack(
                 prefill_step_size=gen.prefill_step_size,
                 micro_batch_size=micro,
                 stage_max_batch=stage_batch,
+                prompt_cache_tokens=prompt_cache_positions(
+                    gen.prompt_cache_bytes,
+                    loaded.config,
+                    [p.end - p.start for p in stages_plan],
+                    one_process=True,
+                ),  # fmt: skip
             )
             coordinator.attach()
             fe = Frontend.attached(node, loaded.tokenizer, gen, context_length(loaded.config))
@@ -124,10 +131,12 @@ async def _stages(
         )
         if spec.stage_threads and i:
             threads.append(ComputeThread(f"mlxcel-stage{i}"))
+        # The process's prompt-cache budget, shared by the stages as their layers are.
+        share = gen.prompt_cache_bytes * (sp.end - sp.start) // stages_plan[-1].end
         svc = StageService(
             node,
             fabric.endpoint(names[i], node),
-            StageRuntime(LayerRange(loaded, sp.start, sp.end), cfg.device_handoff),
+            StageRuntime(LayerRange(loaded, sp.start, sp.end), cfg.device_handoff, share),
             threads[-1],
             cfg,
         )

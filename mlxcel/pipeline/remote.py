@@ -34,6 +34,7 @@ from mlxcel.pipeline.coordinator import PipelineCoordinator, coordinator_serving
 from mlxcel.pipeline.partition import StagePlan
 from mlxcel.pipeline.split import CLUSTER_SOURCES, make_plan
 from mlxcel.reactor.bus import Node
+from mlxcel.runtime.kv_usage import prompt_cache_positions
 from mlxcel.serving.frontend import Frontend
 from mlxcel.serving.specs import CoordinatorSpec, Generation
 from mlxcel.serving.stack import Stack
@@ -147,6 +148,14 @@ async def coordinator_stack(
             prefill_step_size=gen.prefill_step_size,
             micro_batch_size=spec.micro_batch_size,
             stage_max_batch=gen.max_batch_size,
+            # Each stage process has its own --prompt-cache-bytes; the coordinator plans as if
+            # it were its own (a stage given less refuses entries past it: they prefill again).
+            prompt_cache_tokens=prompt_cache_positions(
+                gen.prompt_cache_bytes,
+                config,
+                [p.end - p.start for p in stages_plan],
+                one_process=False,
+            ),  # fmt: skip
         )
         coordinator.attach()
         await listener.start()

@@ -15,7 +15,15 @@ from concurrent.futures import Future
 
 from loguru import logger
 
-from mlxcel.base.effects import Effect, FreeCache, StartCompute, Stopped
+from mlxcel.base.effects import (
+    DropPrefixes,
+    Effect,
+    FreeCache,
+    KeepPrefix,
+    LoadPrefix,
+    StartCompute,
+    Stopped,
+)
 from mlxcel.base.messages import Bundle, Undecodable
 from mlxcel.pipeline.stage_core import StageCore
 from mlxcel.pipeline.stage_protocol import (
@@ -115,10 +123,30 @@ class StageService(CoreAdapter):
         elif isinstance(effect, FreeCache):
             # Queued behind any job still using the cache: the compute thread runs in order.
             self.compute.submit(self.runtime.free, effect.key)
+        elif isinstance(effect, LoadPrefix):  # before the sequence's first step, in order
+            e = effect
+            self.compute.submit(self.runtime.load_prefix, e.key, e.owner, e.entry, e.tokens)
+        elif isinstance(effect, KeepPrefix):  # before the FreeCache that follows it
+            e, loop = effect, self.loop
+            fut = self.compute.submit(self.runtime.keep_prefix, e.key, e.owner, e.entry, e.tokens)
+            fut.add_done_callback(lambda f: call_back(loop, self._kept, e, f))
+        elif isinstance(effect, DropPrefixes):
+            self.compute.submit(self.runtime.drop_prefixes, effect.owner, effect.entries)
         elif isinstance(effect, Stopped):
             self.stopped.set()
         else:
             super().apply(effect)
+
+    def _kept(self, e: KeepPrefix, done: Future[str | None]) -> None:
+        """A refused keep is no error (the entry answers "not cached" when asked for), but
+        the operator should know the budgets disagree."""
+        if done.cancelled():
+            return
+        exc = done.exception()
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else done.result()
+        if why is not None and self.running:
+            text = f"stage {self.config.index}: prompt-cache entry {e.entry} not kept: {why}"
+            self.limiter.warn("prefix-mismatch", text)
 
     def _job_ended(self, job: ComputeJob, done: Future[tuple[list[StepOutput], float]]) -> None:
         if not self.running or done.cancelled():  # the node closed meanwhile

@@ -32,7 +32,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from mlxcel.base.effects import Effect, FreeCache, Send, StartCompute, Stopped, Warn
+from mlxcel.base.effects import (
+    DropPrefixes,
+    Effect,
+    FreeCache,
+    KeepPrefix,
+    LoadPrefix,
+    Send,
+    StartCompute,
+    Stopped,
+    Warn,
+)
 from mlxcel.base.errors import ProtocolError
 from mlxcel.base.messages import (
     MAX_STEP_ROWS,
@@ -42,6 +52,7 @@ from mlxcel.base.messages import (
     CancelRequest,
     Error,
     ErrorCode,
+    EvictPrefixes,
     Message,
     PrepareSequence,
     Progress,
@@ -58,6 +69,7 @@ from mlxcel.base.messages import (
 from mlxcel.pipeline.stage_batch import Passing, rows_problem
 from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.pipeline.stage_protocol import (
+    MAX_EVICTIONS,
     MAY_SEND,
     NODE_TABLE,
     SEQ_TABLE,
@@ -112,6 +124,7 @@ class StageCore(StageGate):
         self._last_was_decode = False
         self._keepalive = KeepAlive(config.progress_interval)
         self._stuck: int | None = None  # a timed-out job the compute thread has not returned
+        self._owners: set[str] = set()  # identities whose prompt-cache entries this stage holds
 
     @property
     def is_first(self) -> bool:
@@ -236,9 +249,15 @@ class StageCore(StageGate):
         return min(times) if times else None
 
     def peer_lost(self, identity: str, now: float) -> list[Effect]:
-        """A connection with ``identity`` closed: nobody is left to release what it owns."""
+        """A connection with ``identity`` closed: nobody is left to release what it owns, or
+        to evict the prompt-cache entries it asked this stage to keep (a coordinator that
+        comes back starts a fresh index; one that asks for an entry gone meanwhile gets
+        ``prefix_not_cached`` and prefills in full)."""
         out: list[Effect] = []
         self._free(out, [rid for rid, seq in self.seqs.items() if seq.owner == identity])
+        if identity in self._owners:
+            self._owners.discard(identity)
+            out.append(DropPrefixes(identity))
         self._start_next(now, out)
         self._maybe_stopped(out)
         return out
@@ -283,22 +302,50 @@ class StageCore(StageGate):
                 ErrorCode.TOO_MANY_SEQUENCES,
                 f"stage holds its maximum of {self.config.max_sequences} sequences",
             )
+        if (m.prefix == 0) != (m.prefix_len == 0) or not 0 <= m.prefix_len < m.max_len:
+            why = f"a cached prefix of {m.prefix_len} positions does not fit {m.max_len}"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, why)
         if old is not None:  # a fresh claim: whatever was cached under this id is discarded
             self._free(out, [m.request_id], quiet=True)
         self._generation += 1
         key = (m.request_id, self._generation)
-        self.seqs[m.request_id] = Seq(
-            key, source, m.max_len, now, nonce=m.nonce, context=m.context, sampling=m.sampling
-        )
+        seq = Seq(key, source, m.max_len, now, nonce=m.nonce, context=m.context,
+                  sampling=m.sampling, tokens=m.prefix_len)  # fmt: skip
+        self.seqs[m.request_id] = seq
+        if m.prefix:  # queued on the compute thread before any step of this sequence
+            self._owners.add(source)
+            out.append(LoadPrefix(key, source, m.prefix, m.prefix_len))
         self._send(out, source, Ack(m.request_id, m.nonce))
 
     def _on_ReleaseSequence(
         self, m: CancelRequest | ReleaseSequence, source: str, now: float, out: list[Effect]
     ) -> None:
+        if (seq := self._owned(m, source)) is None:
+            return
+        if isinstance(m, ReleaseSequence) and m.keep:
+            if seq.state is SeqState.IDLE and m.keep_len == seq.tokens > 0:
+                self._owners.add(source)
+                out.append(KeepPrefix(seq.key, source, m.keep, m.keep_len))
+            else:  # the coordinator's view and ours differ: keep nothing rather than a guess
+                why = (f"not keeping {m.request_id!r} as prompt-cache entry {m.keep}: it holds "
+                       f"{seq.tokens} positions ({seq.state.value}), not {m.keep_len}")  # fmt: skip
+                out.append(Warn("prefix-mismatch", f"{self._me}: {why}"))
+        self._free(out, [m.request_id], quiet=seq.state is not SeqState.QUEUED)
+
+    def _on_CancelRequest(
+        self, m: CancelRequest, source: str, now: float, out: list[Effect]
+    ) -> None:
         if (seq := self._owned(m, source)) is not None:  # logged only if queued work is lost
             self._free(out, [m.request_id], quiet=seq.state is not SeqState.QUEUED)
 
-    _on_CancelRequest = _on_ReleaseSequence
+    def _on_EvictPrefixes(
+        self, m: EvictPrefixes, source: str, now: float, out: list[Effect]
+    ) -> None:
+        if len(m.entries) > MAX_EVICTIONS:
+            why = f"EvictPrefixes names {len(m.entries)} entries (at most {MAX_EVICTIONS})"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, why)
+        if m.entries:  # entries are the sender's own: another owner's cannot be named
+            out.append(DropPrefixes(source, tuple(m.entries)))
 
     def _on_BeginDrain(self, m: BeginDrain, source: str, now: float, out: list[Effect]) -> None:
         if self.state is StageState.SERVING:

@@ -48,6 +48,7 @@ async def stage_stack(spec: StageSpec, gen: Generation) -> AsyncIterator[Stack[S
                 StageRuntime(
                     LayerRange(loaded, stage_plan.start, stage_plan.end),
                     device_handoff=False,
+                    prompt_cache_bytes=gen.prompt_cache_bytes,
                 ),
                 compute,
                 StageConfig(

@@ -1,8 +1,8 @@
 """The stage protocol's tables and data: who may send what, the state machines, the steps.
 
 Authorization (by the authenticated source of each message) is ``MAY_SEND``: commands --
-PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain, Shutdown, QueryState --
-only from the configured coordinator; activations only from the upstream stage. On top, the
+PrepareSequence, RunEntry, CancelRequest, ReleaseSequence, BeginDrain, Shutdown, QueryState,
+EvictPrefixes -- only from the configured coordinator; activations only from the upstream stage. On top, the
 identity that prepared a request id owns it on that stage (checked by the core).
 
 ``SEQ_TABLE`` is one sequence's life on a stage; ``NODE_TABLE`` the stage's own. A pair that is
@@ -22,6 +22,7 @@ from mlxcel.base.messages import (
     BeginDrain,
     CancelRequest,
     ErrorCode,
+    EvictPrefixes,
     Message,
     PrepareSequence,
     QueryState,
@@ -35,6 +36,7 @@ from mlxcel.base.messages import (
 )
 
 MAX_ACTIVATION_TOKENS = 1 << 20
+MAX_EVICTIONS = 4096  # prompt-cache entries one EvictPrefixes may name
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -55,6 +57,7 @@ MAY_SEND: dict[type[Message], Sender] = {
     BeginDrain: Sender.COORDINATOR,
     Shutdown: Sender.COORDINATOR,
     QueryState: Sender.COORDINATOR,
+    EvictPrefixes: Sender.COORDINATOR,
     Activation: Sender.UPSTREAM,
     StepActivation: Sender.UPSTREAM,
 }

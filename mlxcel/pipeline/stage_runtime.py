@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +30,7 @@ from mlxcel.pipeline.stage_sampling import SamplingExtras
 from mlxcel.pipeline.stage_warmup import warm_up as stage_warm_up
 from mlxcel.runtime.kv_usage import figures as kv_figures
 from mlxcel.runtime.model import LayerRange, cache_arrays, extract_row, merge_rows
+from mlxcel.runtime.prefix_store import PrefixStore
 from mlxcel.runtime.sampling import Sampler, make_sampler
 from mlxcel.runtime.tensors import dtype_name, from_tensor, row_tensors, to_tensor
 
@@ -119,7 +120,9 @@ class StageRuntime:
     for exactly that step, and undoes it otherwise (see :meth:`start_ahead`).
     """
 
-    def __init__(self, layers: LayerRange, device_handoff: bool = False) -> None:
+    def __init__(
+        self, layers: LayerRange, device_handoff: bool = False, prompt_cache_bytes: int = 0
+    ) -> None:
         self.layers = layers
         self.width = layers.in_width or layers.loaded.hidden_size
         self.vocab = layers.loaded.vocab_size
@@ -139,6 +142,10 @@ class StageRuntime:
         self._pos: dict[SeqKey, int] = {}  # positions each sequence's cache holds
         self.ahead_used = 0  # decode steps served from a step started ahead
         self.ahead_undone = 0
+        # The KV of this range's layers for the prompt prefixes the coordinator indexes, and
+        # why a sequence that should have started from one could not (its first step fails).
+        self.prefixes = PrefixStore(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self._not_loaded: dict[SeqKey, str] = {}
 
     @property
     def started_ahead(self) -> tuple[SeqKey, ...]:
@@ -154,6 +161,7 @@ class StageRuntime:
         if self._ahead is not None and key in self._ahead.keys:
             self._undo_ahead()
         self._pos.pop(key, None)
+        self._not_loaded.pop(key, None)
         self.caches.pop(key, None)
         self.samplers.pop(key, None)
         self.extras.free(key)
@@ -165,11 +173,54 @@ class StageRuntime:
         """The job's outputs and how long it ran *on this thread*: timed here, not on the
         reactor, so the hand-offs to and from the thread count as protocol overhead."""
         t0 = time.perf_counter()
-        outs = self._run(job)
+        if self._not_loaded and any(s.key in self._not_loaded for s in job.steps):
+            outs = self._run_loaded(job)
+        else:
+            outs = self._run(job)
         t1 = time.perf_counter()
         self.timing.jobs += 1
         self.timing.spans.append((t0, t1))
         return outs, t1 - t0
+
+    # --- the prompt cache's entries (the coordinator indexes them; see PrefixStore) ----------
+    def load_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> None:
+        """Start ``key``'s cache from ``owner``'s entry (its first ``tokens`` positions); if it
+        cannot be had, the sequence's first step fails ``prefix_not_cached``."""
+        cache, why = (None, "this stage keeps no prompt cache")
+        try:
+            if self.prefixes is not None:
+                cache, why = self.prefixes.load(owner, entry, tokens)
+        except Exception as exc:  # never a sequence on a cache that lacks its prefix
+            cache, why = None, f"prompt-cache entry {entry} could not be copied: {exc}"
+        if cache is None:
+            self._not_loaded[key] = why
+            return
+        self.caches[key] = cache
+        self._pos[key] = tokens
+
+    def keep_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> str | None:
+        """Keep ``key``'s cache as ``owner``'s entry (before its FreeCache); why not."""
+        if self.prefixes is None:
+            return "this stage keeps no prompt cache"
+        if key in self._not_loaded:
+            return "its cache was never loaded"
+        return self.prefixes.keep(owner, entry, self._take_out(key), tokens)
+
+    def drop_prefixes(self, owner: str, entries: tuple[int, ...] = ()) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(owner, entries)
+
+    def _run_loaded(self, job: ComputeJob) -> list[StepOutput]:
+        """``job`` without the steps whose sequence could not start from its cached prefix:
+        those fail alone (``prefix_not_cached``), the rest run as one job."""
+        ok = [s for s in job.steps if s.key not in self._not_loaded]
+        ran = iter(self._run(replace(job, steps=tuple(ok))) if ok else [])
+        return [
+            StepFailed(ErrorCode.PREFIX_NOT_CACHED, self._not_loaded[s.key])
+            if s.key in self._not_loaded
+            else next(ran)
+            for s in job.steps
+        ]
 
     def warm_up(self, tokens: int, first: bool, last: bool, batch: int = 1) -> None:
         """Serve throwaway sequences before serving (see :mod:`.stage_warmup`)."""

@@ -51,3 +51,17 @@ def figures(
     """``kv_tokens`` and ``kv_capacity``, as State, /cluster and the metrics name them."""
     per_token = bytes_per_token(config, n_layers, shards)
     return {"kv_tokens": used_tokens, "kv_capacity": capacity(used_tokens, per_token)}
+
+
+def prompt_cache_positions(
+    budget: int, config: dict[str, Any], stage_layers: list[int], one_process: bool
+) -> int:
+    """How many cached prompt positions a split model's index may hold when each node's
+    prompt cache has ``budget`` bytes (``--prompt-cache-bytes``): the stages of one process
+    share one budget; stage processes each have their own, and the one with most layers bounds
+    it. 0: no cache (no budget, or a config that does not say what a token costs)."""
+    if budget <= 0 or not stage_layers:
+        return 0
+    costs = [bytes_per_token(config, n) for n in stage_layers]
+    per_token = sum(costs) if one_process else max(costs)
+    return budget // per_token if per_token > 0 else 0

@@ -129,7 +129,14 @@ class _PromptCacheCollector:
             "prompt tokens taken from the prompt cache instead of prefilled",
             s["reused_tokens"],
         )
-        yield GaugeMetricFamily("mlxcel_prompt_cache_bytes", "bytes the cache holds", s["bytes"])
+        if "bytes" in s:  # one process; a split model's index counts positions
+            yield GaugeMetricFamily(
+                "mlxcel_prompt_cache_bytes", "bytes the cache holds", s["bytes"]
+            )
+        if "tokens" in s:
+            yield GaugeMetricFamily(
+                "mlxcel_prompt_cache_tokens", "positions the cached prefixes hold", s["tokens"]
+            )
         yield GaugeMetricFamily(
             "mlxcel_prompt_cache_entries", "cached token sequences", s["entries"]
         )

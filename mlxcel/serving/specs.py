@@ -40,7 +40,7 @@ class Generation:
     request_timeout: float = d.REQUEST_TIMEOUT
     max_batch_size: int = d.MAX_BATCH_SIZE
     prefill_step_size: int = d.PREFILL_STEP_SIZE
-    prompt_cache_bytes: int = 0  # one process only: 0 keeps no prompt cache
+    prompt_cache_bytes: int = 0  # per node, one process or a pipeline: 0 keeps none
     # Decode steps per hand-off from the engine (one process and disaggregated nodes).
     stream_interval: int = d.STREAM_INTERVAL
 

@@ -108,6 +108,7 @@ def test_suppressed_lines_go_to_debug_with_their_text_and_are_counted() -> None:
         "discovery-drop": 0,
         "decode-refusal": 0,
         "http-evict": 0,
+        "prefix-mismatch": 0,
     }
     assert lim.warned["router-drop"] == 5
     lines.clear()

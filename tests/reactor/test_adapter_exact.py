@@ -278,6 +278,7 @@ async def test_log_lines_go_to_their_level_and_cluster_warnings_through_the_limi
                 "discovery-drop": 0,
                 "decode-refusal": 0,
                 "http-evict": 0,
+                "prefix-mismatch": 0,
             }
 
             class Bogus:

@@ -29,6 +29,7 @@ from mlxcel.base.messages import (
     Bundle,
     CancelRequest,
     Error,
+    EvictPrefixes,
     HandoffAck,
     HandoffVerdict,
     KvHandoff,
@@ -85,7 +86,9 @@ sampling = st.builds(
 int_rows = st.lists(u64, max_size=6).map(tuple)
 
 messages = st.one_of(
-    st.builds(PrepareSequence, ids, small_ints, u64, int_rows, st.none() | sampling),
+    st.builds(
+        PrepareSequence, ids, small_ints, u64, int_rows, st.none() | sampling, u64, small_ints
+    ),
     st.builds(
         StepEntry, small_ints, st.lists(ids, max_size=4).map(tuple), int_rows, int_rows, int_rows
     ),
@@ -111,7 +114,15 @@ messages = st.one_of(
         st.lists(st.lists(floats, max_size=3).map(tuple), max_size=3).map(tuple),
     ),
     st.builds(
-        RunEntry, ids, small_ints, st.lists(u64, max_size=20).map(tuple), small_ints, sampling, u64
+        RunEntry,
+        ids,
+        small_ints,
+        st.lists(u64, max_size=20).map(tuple),
+        small_ints,
+        sampling,
+        u64,
+        st.booleans(),
+        ids,
     ),
     st.builds(Activation, ids, small_ints, tensors(), small_ints, sampling, u64),
     st.builds(
@@ -125,7 +136,8 @@ messages = st.one_of(
         st.none() | tensors(),
     ),
     st.builds(CancelRequest, ids, ids),
-    st.builds(ReleaseSequence, ids),
+    st.builds(ReleaseSequence, ids, u64, small_ints),
+    st.builds(EvictPrefixes, st.lists(u64, max_size=5).map(tuple)),
     st.builds(Ack, ids, u64),
     st.builds(Error, ids, ids, st.none() | ids, st.none() | u64),
     st.builds(BeginDrain, ids),
@@ -239,6 +251,7 @@ def test_every_message_class_is_covered_by_the_strategy() -> None:
         "StepResult",
         "CancelRequest",
         "ReleaseSequence",
+        "EvictPrefixes",
         "Ack",
         "Error",
         "BeginDrain",
