@@ -37,7 +37,9 @@ async def turn(stack: Stack, ids: list[int], ns: str = "") -> tuple[list[int], i
     return out, usage.cached_tokens
 
 
-async def chat(stack: Stack, seed: int, ns: str = "", turns: int = 3) -> list[tuple[list[int], int]]:
+async def chat(
+    stack: Stack, seed: int, ns: str = "", turns: int = 3
+) -> list[tuple[list[int], int]]:
     """Turns that each resend the whole history plus new user tokens."""
     history, out = words(300, seed), []
     for k in range(turns):
