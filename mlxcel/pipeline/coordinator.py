@@ -321,5 +321,5 @@ def coordinator_serving(
         sampling=frozenset() if return_logits else EXTENDED_SAMPLING,
         label="pipeline",
         topology=topology,
-        prompt_cache=coordinator.coord.prefixes.stats if coordinator.coord.prefixes else None,
+        prompt_cache=None if (index := coordinator.coord.prefixes) is None else index.stats,
     )

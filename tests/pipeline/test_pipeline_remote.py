@@ -27,6 +27,20 @@ MODEL = "tiny-qwen3"
 MESSAGES = [{"role": "user", "content": "Tell me about pipelines"}]
 
 
+CHAT = [
+    {
+        "role": "user",
+        "content": "Our pipeline has three hosts. The first holds the embedding and layers "
+        "zero to nine, the second the middle layers, the third the last layers and the head. "
+        "Each decode step sends one activation per hop. What limits our tokens per second?",
+    }
+]
+
+
+def second_turn(reply: str) -> list[dict[str, str]]:
+    return [*CHAT, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+
+
 def write_cluster(tmp: Path, n_stages: int, secret: Path) -> tuple[Path, list[str]]:
     coord = f"127.0.0.1:{free_port('127.0.0.1')}"
     stages = [f"127.0.0.{i + 2}:{free_port(f'127.0.0.{i + 2}')}" for i in range(n_stages)]
@@ -140,6 +154,16 @@ def reference(tiny: Path) -> dict[str, str]:
             .message.content
             or ""
         }
+        reply = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+        out["turn1"] = reply.choices[0].message.content or ""
+        out["turn2"] = (
+            c.chat.completions.create(
+                model=MODEL, messages=second_turn(out["turn1"]), max_tokens=16, temperature=0
+            )  # fmt: skip
+            .choices[0]
+            .message.content
+            or ""
+        )
         for i in range(8):
             out[f"p{i}"] = (
                 c.completions.create(
@@ -169,6 +193,41 @@ def cluster(
     assert coord.stop() == 0, "".join(coord.lines)
     for s in stages:
         assert s.stop() == 0, "".join(s.lines)
+
+
+def test_a_chats_second_turn_starts_from_the_history_every_stage_kept(
+    cluster, reference: dict[str, str]
+) -> None:  # type: ignore[no-untyped-def]
+    """The default prompt cache on a stage-process pipeline: turn 2 prefills only what is new
+    on every stage, with the one-process answer; another tenant's probe reuses nothing."""
+    port, _, _, _ = cluster
+    c = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+    )
+    first = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+    assert first.choices[0].message.content == reference["turn1"]
+    second = c.chat.completions.create(
+        model=MODEL, messages=second_turn(reference["turn1"]), max_tokens=16, temperature=0
+    )  # type: ignore[arg-type]
+    assert second.choices[0].message.content == reference["turn2"]
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= 0.8 * second.usage.prompt_tokens, (cached, second.usage)
+    # The same history under a cache_salt is another namespace: nothing to reuse.
+    salted = c.chat.completions.create(
+        model=MODEL,
+        messages=second_turn(reference["turn1"]),
+        max_tokens=16,
+        temperature=0,
+        extra_body={"cache_salt": "another tenant"},
+    )  # type: ignore[arg-type]
+    assert salted.choices[0].message.content == reference["turn2"]
+    assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert "mlxcel_prompt_cache_hits_total" in metrics
+    assert "mlxcel_prompt_cache_tokens" in metrics
 
 
 def settled_health(port: int, timeout: float = 5.0) -> dict:
