@@ -127,3 +127,29 @@ async def test_distinct_prompts_evict_old_entries_and_no_stage_passes_its_budget
         for s in stores:
             assert s is not None and 0 < s.nbytes <= s.max_bytes
             assert len(s) == len(index)  # evicted everywhere, never half-present
+
+
+def test_a_store_refuses_past_its_budget_and_serves_only_its_owner() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcel.runtime.prefix_store import PrefixStore
+
+    def kv(n: int) -> list[KVCache]:
+        c = KVCache()
+        c.update_and_fetch(mx.ones((1, 2, n, 8)), mx.ones((1, 2, n, 8)))
+        return [c]
+
+    one = 2 * 2 * 8 * 4  # keys and values of one position, float32
+    store = PrefixStore(max_bytes=10 * one)
+    assert store.keep("c", 1, kv(6), 6) is None
+    assert store.nbytes == 6 * one  # compacted to its positions, not the 256-step buffer
+    why = store.keep("c", 2, kv(6), 6)
+    assert why is not None and "budget" in why and len(store) == 1
+    assert "not 5" in (store.keep("c", 3, kv(6), 5) or "")
+    cache, _ = store.load("c", 1, 4)
+    assert cache is not None and cache[0].offset == 4
+    assert store.load("eve", 1, 4) == (None, "prompt-cache entry 1 is not held here")
+    assert store.load("c", 1, 7)[0] is None
+    store.drop("c", (1,))
+    assert (len(store), store.nbytes) == (0, 0)
