@@ -1,28 +1,44 @@
-"""``python -m mlxcel bench prompt-cache``: what a cached history saves on a chat's next turn.
+"""``python -m mlxcel bench prompt-cache``: what a cached history saves on a chat's next turn,
+in every mode that keeps a prompt cache.
 
 Turn 1 sends ``history`` random tokens (seeded) and generates ``tokens`` greedily; turn 2
-resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. Measured
-in one run, time to first token (TTFT) of each turn:
+resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. For each
+mode (``local``: one process; ``pipeline``: two stages in this process; ``stages``: two stage
+processes on 127.0.0.2/127.0.0.3 over the encrypted transport, the coordinator here) and each
+history length, one run measures the time to first token (TTFT) of:
 
-- mlxcel's engine through its frontend (``assemble(LocalSpec)``, the path ``serve`` uses) with its
-  prompt cache, and turn 2 again on an engine without one;
-- mlx-lm as its own chat loop uses it: one ``make_prompt_cache`` carried from turn 1 into
-  turn 2, which then feeds only the tokens the cache lacks.
+- turn 1 (nothing cached);
+- turn 2 in the same tenant's namespace: its history cached;
+- turn 2 again in another tenant's namespace (the same tokens, a cache it cannot read): the
+  full prefill, on the same warm process -- the uncached figure;
 
-The ``ratio`` row is turn 2's TTFT over turn 1's, for each engine.
+beside mlx-lm as its own chat loop uses it (one ``make_prompt_cache`` carried from turn 1
+into turn 2, which then feeds only what the cache lacks; and turn 2 on a fresh cache).
+
+Each mode's summary row gives ``cached_vs_uncached`` (turn 2 cached / uncached) and
+``cached_vs_local`` (its cached turn 2 / the one-process cached turn 2).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from mlxcel.bench.engine import mlx_lm_stream, mlxcel_stream
+from mlxcel.base.prefix_index import cache_namespace
+from mlxcel.bench.engine import mlx_lm_stream
+
+CACHE_BYTES = 4 << 30  # every mode's budget: far above what these chats hold
+TENANT = cache_namespace("bench", None)
+_strangers = itertools.count()
 
 
-def _mlx_lm_chat(model: Any, tokenizer: Any, history: list[int], user: list[int], n: int) -> list:
+def _mlx_lm_chat(model: Any, tokenizer: Any, history: list[int], user: list[int], n: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -30,23 +46,89 @@ def _mlx_lm_chat(model: Any, tokenizer: Any, history: list[int], user: list[int]
     second = history + reply + user
     held = int(cache[0].offset)  # what the cache already holds of turn 2's tokens
     ttft2, _, _ = mlx_lm_stream(model, tokenizer, second[held:], n, cache)
-    return [(1, len(history), 0, ttft1), (2, len(second), held, ttft2)]
+    fresh, _, _ = mlx_lm_stream(model, tokenizer, second, n, make_prompt_cache(model))
+    return {
+        "turn1_ms": ttft1,
+        "cached_ms": ttft2,
+        "uncached_ms": fresh,
+        "prompt_tokens": len(second),
+        "cached_tokens": held,
+    }
 
 
-async def _mlxcel_turn(fe: Any, ids: list[int], tokens: int) -> tuple[float, list[int], int]:
-    u, reply = await mlxcel_stream(fe, ids, tokens)
+async def _turn(fe: Any, ids: list[int], tokens: int, ns: str) -> tuple[float, list[int], int]:
+    from mlxcel.base.messages import SamplingParams
+    from mlxcel.serving.frontend import Usage
+
+    u, out = Usage(), []
+    params = SamplingParams(max_tokens=tokens)
+    async with aclosing(fe.stream(ids, params, usage=u, cache_ns=ns)) as it:
+        async for d in it:
+            out.extend(d.token_ids)
     assert u.first_token_at is not None
-    return (u.first_token_at - u.submitted_at) * 1e3, reply, u.cached_tokens
+    return (u.first_token_at - u.submitted_at) * 1e3, out, u.cached_tokens
+
+
+async def _mlxcel_chat(fe: Any, history: list[int], user: list[int], n: int) -> dict:
+    ttft1, reply, _ = await _turn(fe, history, n, TENANT)
+    second = history + reply + user
+    cached_ms, _, cached = await _turn(fe, second, n, TENANT)
+    # A tenant of its own for each chat: nothing it ran before can share a token with it.
+    stranger = cache_namespace("another tenant", str(next(_strangers)))
+    uncached_ms, _, none = await _turn(fe, second, n, stranger)
+    assert none == 0, "another tenant's turn reused the cache"
+    return {
+        "turn1_ms": ttft1,
+        "cached_ms": cached_ms,
+        "uncached_ms": uncached_ms,
+        "prompt_tokens": len(second),
+        "cached_tokens": cached,
+    }
+
+
+@asynccontextmanager
+async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
+    from mlxcel.serving.assembly import Generation, LocalSpec, PipelineSpec, assemble
+
+    gen = Generation(prompt_cache_bytes=CACHE_BYTES)
+    if mode == "stages":
+        async with _stage_processes(model, gen) as fe:
+            yield fe
+        return
+    spec = LocalSpec(model) if mode == "local" else PipelineSpec(model, 2)
+    async with assemble(spec, gen) as st:
+        yield st.frontend
+
+
+@asynccontextmanager
+async def _stage_processes(model: Path, gen: Any) -> AsyncIterator[Any]:
+    from mlxcel.net.secret import load_cluster_secret
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.pipeline.launch import LoopbackCluster
+    from mlxcel.serving.assembly import CoordinatorSpec, assemble
+
+    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+        budget = ("--prompt-cache-bytes", str(CACHE_BYTES))
+        async with LoopbackCluster(
+            model, 2, Path(tmp), spawn_coordinator=False, extra_args=budget
+        ) as cl:
+            cfg = load_cluster_config(cl.config)
+            secret = load_cluster_secret(None, {}, cl.config)
+            assert secret is not None
+            spec = CoordinatorSpec(cfg, cfg.coordinator, model, secret)
+            async with assemble(spec, gen) as rc:
+                yield rc.frontend
 
 
 async def run_bench(model: Path, s: Any) -> int:
     from mlx_lm.utils import load
 
     from mlxcel.runtime.blas import blas_name
-    from mlxcel.serving.assembly import Generation, LocalSpec, assemble
 
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
+    histories = [int(x) for x in s.history.split(",") if x.strip()]
+    modes = [m.strip() for m in s.modes.split(",") if m.strip()]
     rng = random.Random(0)
 
     def draw(n: int) -> list[int]:
@@ -54,56 +136,48 @@ async def run_bench(model: Path, s: Any) -> int:
 
     # Each engine first runs a whole chat of the same sizes on other tokens: kernels compile
     # on a shape's first use (10-30 s on a GPU), which is not what a second turn costs.
-    warm, warm_user = draw(s.history), draw(s.turn_tokens)
-    history, user = draw(s.history), draw(s.turn_tokens)
+    chats = {h: (draw(h), draw(s.turn_tokens), draw(h), draw(s.turn_tokens)) for h in histories}
     rows: list[dict] = []
 
-    def row(engine: str, turn: int, prompt: int, cached: int, ttft: float) -> None:
+    def row(engine: str, history: int, r: dict) -> None:
         rows.append(
             {
                 "bench": "prompt-cache",
                 "engine": engine,
-                "turn": turn,
-                "prompt_tokens": prompt,
-                "cached_tokens": cached,
-                "ttft_ms": round(ttft, 1),
+                "history": history,
+                **{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()},
+                "cached_vs_uncached": round(r["cached_ms"] / r["uncached_ms"], 3),
                 "blas": blas_name(),
             }
         )
 
-    _mlx_lm_chat(ref_model, ref_tok, warm, warm_user, s.tokens)
-    for turn, prompt, cached, ttft in _mlx_lm_chat(ref_model, ref_tok, history, user, s.tokens):
-        row("mlx-lm", turn, prompt, cached, ttft)
-    async with assemble(LocalSpec(model), Generation(prompt_cache_bytes=4 << 30)) as st:
-        _, warm_reply, _ = await _mlxcel_turn(st.frontend, warm, s.tokens)
-        await _mlxcel_turn(st.frontend, warm + warm_reply + warm_user, s.tokens)
-        ttft1, reply, _ = await _mlxcel_turn(st.frontend, history, s.tokens)
-        second = history + reply + user
-        ttft2, _, cached = await _mlxcel_turn(st.frontend, second, s.tokens)
-    row("mlxcel", 1, len(history), 0, ttft1)
-    row("mlxcel", 2, len(second), cached, ttft2)
-    async with assemble(LocalSpec(model), Generation(prompt_cache_bytes=0)) as st:
-        await _mlxcel_turn(st.frontend, warm + warm_reply + warm_user, s.tokens)
-        off, _, _ = await _mlxcel_turn(st.frontend, second, s.tokens)
-    row("mlxcel, no cache", 2, len(second), 0, off)
-    ref1, ref2 = rows[0]["ttft_ms"], rows[1]["ttft_ms"]
-    rows.append(
-        {
-            "bench": "prompt-cache",
-            "ratio": round(ttft2 / ttft1, 3),  # mlxcel: turn 2 / turn 1
-            "mlx_lm_ratio": round(ref2 / ref1, 3) if ref1 else 0.0,
-        }
-    )
+    for h, (warm, warm_user, history, user) in chats.items():
+        _mlx_lm_chat(ref_model, ref_tok, warm, warm_user, s.tokens)
+        row("mlx-lm", h, _mlx_lm_chat(ref_model, ref_tok, history, user, s.tokens))
+    del ref_model
+    for mode in modes:
+        async with _frontend(mode, model) as fe:
+            for h, (warm, warm_user, history, user) in chats.items():
+                await _mlxcel_chat(fe, warm, warm_user, s.tokens)
+                row(f"mlxcel {mode}", h, await _mlxcel_chat(fe, history, user, s.tokens))
+    local = {r["history"]: r["cached_ms"] for r in rows if r["engine"] == "mlxcel local"}
+    for r in rows:
+        if r["engine"].startswith("mlxcel") and r["history"] in local:
+            r["cached_vs_local"] = round(r["cached_ms"] / local[r["history"]], 3)
     if s.json_lines:
         for r in rows:
             print(json.dumps(r), flush=True)
         return 0
-    print(f"model {model} | {s.history}-token history, +{s.turn_tokens} tokens in turn 2")
-    for r in rows[:-1]:
+    print(f"model {model} | turn 2 adds {s.turn_tokens} tokens to the history and the reply")
+    print(
+        f"{'engine':>16} {'history':>7} {'turn 1':>9} {'cached':>9} {'uncached':>9} "
+        f"{'cached/unc':>10} {'vs local':>8}  cached tokens"
+    )
+    for r in rows:
         print(
-            f"{r['engine']:>17} turn {r['turn']}: TTFT {r['ttft_ms']:>8.1f} ms "
-            f"({r['prompt_tokens']} prompt tokens, {r['cached_tokens']} from cache)"
+            f"{r['engine']:>16} {r['history']:>7} {r['turn1_ms']:>7.1f}ms {r['cached_ms']:>7.1f}ms "
+            f"{r['uncached_ms']:>7.1f}ms {r['cached_vs_uncached']:>10.3f} "
+            f"{r.get('cached_vs_local', float('nan')):>8.3f}  "
+            f"{r['cached_tokens']} of {r['prompt_tokens']}"
         )
-    last = rows[-1]
-    print(f"turn 2 / turn 1 TTFT: mlxcel x{last['ratio']}, mlx-lm x{last['mlx_lm_ratio']}")
     return 0

@@ -393,8 +393,36 @@ class BenchHostileSettings(BenchBringupSettings):
 
 
 class BenchPromptCacheSettings(BenchPipelineSettings):
-    """Time to first token of a chat's second turn, with the history cached and without."""
+    """Time to first token of a chat's second turn, with the history cached and without, in
+    each mode, beside mlx-lm's own chat loop."""
 
-    history: int = Field(2048, ge=16, le=65536, description="tokens of history in turn 1")
+    history: str = Field(
+        "2048,8192", description="tokens of history in turn 1, one run each (comma-separated)"
+    )
+    modes: str = Field(
+        "local,pipeline,stages",
+        description="where mlxcel runs: local (one process), pipeline (2 stages in-process), "
+        "stages (2 stage processes on 127.0.0.2/127.0.0.3), comma-separated",
+    )
     turn_tokens: int = Field(32, ge=1, le=4096, description="new user tokens in turn 2")
     tokens: int = Field(32, ge=2, le=4096, description="greedy tokens each turn generates")
+
+    @field_validator("history")
+    @classmethod
+    def _history(cls, v: str) -> str:
+        sizes = [x.strip() for x in v.split(",") if x.strip()]
+        if not sizes or not all(x.isdigit() and 16 <= int(x) <= 65536 for x in sizes):
+            raise ValueError(f"{v!r}: give token counts from 16 to 65536, comma-separated")
+        return v
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, v: str) -> str:
+        modes = [x.strip() for x in v.split(",") if x.strip()]
+        unknown = [m for m in modes if m not in PROMPT_CACHE_MODES]
+        if not modes or unknown:
+            raise ValueError(f"{v!r}: modes are {', '.join(PROMPT_CACHE_MODES)}")
+        return v
+
+
+PROMPT_CACHE_MODES = ("local", "pipeline", "stages")

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.test_cli import run_cli
+from tests.conftest import error_line
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -235,30 +238,47 @@ def test_bench_engine_prints_both_engines_from_one_run(tiny: Path) -> None:
     assert by[("mlx-lm", 1)] == by[("mlxcel", 1)] and by[("mlx-lm", 3)] == by[("mlxcel", 3)]
 
 
-def test_bench_prompt_cache_prints_both_turns_for_both_engines(tiny: Path) -> None:
-    argv = ["bench", "prompt-cache", "--json", "-m", str(tiny)]
-    r = _bench([*argv, "--history", "100", "--turn-tokens", "7", "--tokens", "5"])
+def test_bench_prompt_cache_prints_every_mode_beside_mlx_lm(tiny: Path) -> None:
+    argv = ["bench", "prompt-cache", "--json", "-m", str(tiny), "--modes", "local,pipeline"]
+    r = _bench([*argv, "--history", "100,60", "--turn-tokens", "7", "--tokens", "5"])
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    turns = [(row.get("engine"), row.get("turn")) for row in rows]
-    assert turns == [
-        ("mlx-lm", 1),
-        ("mlx-lm", 2),
-        ("mlxcel", 1),
-        ("mlxcel", 2),
-        ("mlxcel, no cache", 2),
-        (None, None),
+    assert [(row["engine"], row["history"]) for row in rows] == [
+        ("mlx-lm", 100),
+        ("mlx-lm", 60),
+        ("mlxcel local", 100),
+        ("mlxcel local", 60),
+        ("mlxcel pipeline", 100),
+        ("mlxcel pipeline", 60),
     ]
-    by = {(row["engine"], row["turn"]): row for row in rows[:-1]}
-    assert all(row["ttft_ms"] > 0 for row in by.values())
-    assert by[("mlxcel", 1)]["prompt_tokens"] == 100 and by[("mlxcel", 1)]["cached_tokens"] == 0
-    # Turn 2 is the history, the reply (5 tokens at most) and 7 more; the cache held the
-    # history and the reply, for both engines alike.
-    for engine in ("mlx-lm", "mlxcel"):
-        second = by[(engine, 2)]
-        assert 108 <= second["prompt_tokens"] <= 112
-        assert second["cached_tokens"] == second["prompt_tokens"] - 7
-    assert by[("mlxcel, no cache", 2)]["cached_tokens"] == 0
-    assert rows[-1]["ratio"] > 0 and rows[-1]["mlx_lm_ratio"] > 0
+    for row in rows:
+        assert row["turn1_ms"] > 0 and row["cached_ms"] > 0 and row["uncached_ms"] > 0
+        # (Ratios of the unrounded times: within rounding of the printed ones.)
+        assert row["cached_vs_uncached"] == pytest.approx(
+            row["cached_ms"] / row["uncached_ms"], abs=0.02
+        )
+        # Turn 2 is the history, the reply (5 tokens at most) and 7 more; the cache held the
+        # history and the reply (a pipeline never fed the reply's last token: one less).
+        h = row["history"]
+        assert h + 8 <= row["prompt_tokens"] <= h + 12
+        fed = 8 if row["engine"] == "mlxcel pipeline" else 7
+        assert row["cached_tokens"] == row["prompt_tokens"] - fed
+        if row["engine"] != "mlx-lm":
+            local = next(x for x in rows if (x["engine"], x["history"]) == ("mlxcel local", h))
+            want = row["cached_ms"] / local["cached_ms"]
+            assert row["cached_vs_local"] == pytest.approx(want, rel=0.05, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--modes", "local,tp", "modes are local, pipeline, stages"), ("--history", "8,100", "16")],
+)
+def test_bench_prompt_cache_refuses_unknown_modes_and_sizes(
+    tiny: Path, flag: str, value: str, needle: str
+) -> None:
+    r = run_cli("bench", "prompt-cache", "-m", str(tiny), flag, value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = error_line(r.stderr)
+    assert flag in line and needle in line
 
 
 def test_pipeline_load_tool_reports_rate_overhead_and_cpu_per_process(tiny: Path) -> None:
