@@ -147,6 +147,8 @@ class CoreAdapter:
         self.feed(self.core.handle(msg, env.source, now))
 
     def _peer_lost(self, identity: str) -> None:
+        if not self.running:  # the node is closing its connections: nobody left to tell
+            return
         self.feed(self.core.peer_lost(identity, self.now()))
 
     def feed(self, effects: list[Effect]) -> None:

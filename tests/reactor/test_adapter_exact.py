@@ -156,6 +156,21 @@ async def test_a_lost_peer_reaches_the_core_and_its_answer_is_carried_out() -> N
         assert ep.now == [("s2", entry(7))]
 
 
+async def test_a_peer_lost_while_the_node_closes_its_connections_reaches_no_core() -> None:
+    """A closing node loses every connection: the core is not asked (what it would send, a
+    stage's eviction or a release, could only fail on a node that spawns no more tasks)."""
+    node = Node("n")
+    await node.__aenter__()
+    ep, core = Endpoint(open_now=True), Core()
+    adapter = CoreAdapter(node, ep, core, "n", 1.0)  # type: ignore[arg-type]
+    adapter.start()
+    core.reply = [Send("s2", entry(7))]
+    await node.__aexit__(None, None, None)
+    assert ep.lost_callback is not None
+    ep.lost_callback("s1")
+    assert core.calls == [] and ep.now == []
+
+
 async def test_a_send_whose_deadline_is_now_is_dropped_unsent_and_counted() -> None:
     async with Node("n") as node:
         ep = Endpoint(open_now=True)
