@@ -399,6 +399,11 @@ class TpInsert:
     request_id: str
     token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # Rank 0 starts it from its prompt cache's entry for ``token_ids[:cached]`` in the
+    # namespace ``cache_ns``: every rank starts from its own shard of that entry, or -- if
+    # any rank lacks it -- every rank prefills it in full (mlxcel.tp.group.agree).
+    cached: int = 0
+    cache_ns: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +445,9 @@ class TpRing(Message):
     ring: tuple[str, ...]
     backend: str
     step_key: bytes
+    # Rank 0's prompt-cache budget: every rank keeps its shard of the same entries, so every
+    # rank's cache makes the same choices (0: none).
+    prompt_cache_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

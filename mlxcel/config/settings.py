@@ -188,7 +188,8 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
         "1GiB",  # type: ignore[assignment]  # validated into a ByteSize
         description="memory for KV caches of finished requests, reused by later prompts of "
         "the same tenant that share their prefix (multi-turn chat), per node: one process, "
-        "or each pipeline stage for its own layers (the coordinator plans by its own value); "
+        "each pipeline stage for its own layers (the coordinator plans by its own value), or "
+        "each tensor-parallel rank for its shard (rank 0's value); "
         "0 turns it off; bytes or a size such as 512MiB",
     )
 
@@ -396,11 +397,11 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
         if (
             "prompt_cache_bytes" in self.model_fields_set
             and self.prompt_cache_bytes
-            and (self.tp_size > 1 or self.node_role != "hybrid")
+            and self.node_role != "hybrid"
         ):
             raise ValueError(
-                "--prompt-cache-bytes is for one-process serving and pipelines (not yet for "
-                "tensor parallelism or --node-role)"
+                "--prompt-cache-bytes is for one-process serving, pipelines and tensor "
+                "parallelism (not yet for --node-role)"
             )
         return self
 

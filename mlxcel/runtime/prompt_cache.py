@@ -73,6 +73,18 @@ class PromptCache:
         self.reused_tokens += reused
         return cache, reused
 
+    def fetch_exactly(self, tokens: Sequence[int], namespace: str, n: int) -> list[Any] | None:
+        """A private copy of the cache of ``tokens``' first ``n`` tokens, or None when this
+        cache cannot give exactly that (a tensor-parallel rank following rank 0's choice)."""
+        cache, got = self.fetch(tokens, namespace)
+        if cache is None or got < n:
+            return None
+        if got > n:
+            if not can_trim_prompt_cache(cache):
+                return None
+            trim_prompt_cache(cache, got - n)
+        return cache
+
     def store(self, tokens: Sequence[int], cache: list[Any], namespace: str = "") -> None:
         """Keep ``cache`` (covering exactly ``tokens``) for later prompts of ``namespace``
         that start with them. One entry larger than the whole budget is not kept (it would

@@ -16,6 +16,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -46,8 +47,9 @@ def run_follower(
     from mlx_lm.generate import BatchGenerator
 
     from mlxcel.base.errors import StepForged, TpGroupFailed
+    from mlxcel.runtime.prompt_cache import PromptCache
     from mlxcel.runtime.sampling import guarded_sampler, logits_processors
-    from mlxcel.tp.group import broadcast_step, init_group, load_sharded
+    from mlxcel.tp.group import agree, broadcast_step, init_group, load_sharded
     from mlxcel.tp.rendezvous import RING_BOUND
     from mlxcel.tp.step_seal import StepSeal
 
@@ -63,30 +65,76 @@ def run_follower(
             prefill_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
         )
+        # This rank's shard of rank 0's prompt-cache entries: the same budget and the same
+        # sequences finishing in the same steps make the same entries; rank 0 decides which
+        # one a sequence starts from, and ``agree`` catches any rank that cannot follow.
+        budget = meeting.prompt_cache_bytes
+        kept = PromptCache(budget) if budget > 0 else None
+        namespace: dict[int, str] = {}
         logger.info("tp rank {} of {} ready", rank, group.size())
         while True:
             step = broadcast_step(group, None, seal)
             if step.stop:
                 return 0
             if step.removals:
+                if kept is not None:  # rank 0 keeps what a cancelled sequence computed
+                    decoding = [u for u in step.removals if u in gen._generation_batch.uids]
+                    for uid, (cache, toks) in gen.extract_cache(decoding).items():
+                        kept.store(list(toks), cache, namespace.get(uid, ""))
+                for uid in step.removals:
+                    namespace.pop(uid, None)
                 gen.remove(list(step.removals))
             if step.inserts:
-                gen.insert(
-                    [list(i.token_ids) for i in step.inserts],
+                starts = _starts(kept, step.inserts, group, agree)
+                uids = gen.insert(
+                    [list(i.token_ids[n:]) for i, (_, n) in zip(step.inserts, starts, strict=True)],
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
+                    caches=[c for c, _ in starts],
+                    all_tokens=[
+                        list(i.token_ids[:n])
+                        for i, (_, n) in zip(step.inserts, starts, strict=True)
+                    ],
                     samplers=[guarded_sampler(i.sampling, {}, i.request_id) for i in step.inserts],
                     # The same processors as rank 0, or the ranks' next inputs would differ.
                     logits_processors=[
                         logits_processors(i.sampling, eos, loaded.tokenizer) for i in step.inserts
                     ],
                 )
-            gen.next()
+                for uid, i in zip(uids, step.inserts, strict=True):
+                    namespace[uid] = i.cache_ns
+            _, responses = gen.next()
+            for r in responses:
+                if r.finish_reason is not None:
+                    ns = namespace.pop(r.uid, "")
+                    if kept is not None:
+                        kept.store(r.all_tokens, r.prompt_cache, ns)
     except (StepForged, TpGroupFailed) as exc:
         logger.error("tp rank {}: {}; leaving the group", rank, exc)
         return 1
     except RuntimeError as exc:
         logger.error("tp rank {}: group failed: {}", rank, exc)
         return 1
+
+
+def _starts(kept: Any, inserts: Any, group: Any, agree: Any) -> list[tuple[Any, int]]:
+    """Each inserted sequence's starting cache and the prompt tokens it covers, as rank 0
+    chose: this rank's own copy of the same entry; where any rank lacks it, no cache on
+    every rank (the sequence prefills in full)."""
+    starts: list[tuple[Any, int]] = []
+    for i in inserts:
+        cache = kept.fetch_exactly(i.token_ids, i.cache_ns, i.cached) if i.cached and kept else None
+        starts.append((cache, i.cached))
+    cached = [k for k, i in enumerate(inserts) if i.cached]
+    if cached:  # rank 0 asks exactly when a step starts any sequence from its cache
+        for k, ok in zip(
+            cached, agree(group, [starts[k][0] is not None for k in cached]), strict=True
+        ):
+            if not ok:
+                if starts[k][0] is None:
+                    logger.warning("tp: this rank lacks the cached prefix rank 0 chose for {}",
+                                   inserts[k].request_id)  # fmt: skip
+                starts[k] = (None, 0)
+    return starts
 
 
 def main() -> int:

@@ -313,6 +313,19 @@ def _broadcast(group: Any, step: TpStep | None, seal: StepSeal, mx: Any, np: Any
     return msg
 
 
+def agree(group: Any, ok: list[bool]) -> list[bool]:
+    """Whether every rank can do item ``i`` (each rank passes its own ``ok``): one small
+    all_sum, on the generation stream like the steps' own collectives. Every rank must call it
+    for the same items in the same order (rank 0 decides when, in the step it broadcasts)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        votes = mx.array([0 if x else 1 for x in ok], dtype=mx.int32)
+        refused = mx.distributed.all_sum(votes, group=group).tolist()
+    return [n == 0 for n in refused]
+
+
 def load_sharded(path: Path, group: Any) -> Any:
     """Load a checkpoint lazily, shard it with mlx-lm, and materialise this rank's part."""
     import mlx.core as mx

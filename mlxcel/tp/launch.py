@@ -150,7 +150,7 @@ async def _meet(
             await _spawn_followers(spec, gen, rv.address, size, followers, secret)
         own = listed[0] if listed is not None else None
         return await _while_ranks_live(
-            rv.meet(own, pick_backend(spec.backend)),
+            rv.meet(own, pick_backend(spec.backend), gen.prompt_cache_bytes),
             followers,
             rv.waiting_for,
             spec.startup_timeout,
@@ -196,6 +196,7 @@ async def tp_stack(spec: TensorParallelSpec, gen: Generation) -> AsyncIterator[S
                 loaded,
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
+                prompt_cache_bytes=meeting.prompt_cache_bytes,
                 group=group,
                 seal=StepSeal(meeting.step_key),
             )

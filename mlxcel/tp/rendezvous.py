@@ -67,6 +67,7 @@ class Meeting:
     ring: tuple[str, ...]
     backend: str
     step_key: bytes
+    prompt_cache_bytes: int = 0  # rank 0's: every rank keeps the same entries
 
 
 class Rendezvous:
@@ -143,7 +144,9 @@ class Rendezvous:
         ranks = ", ".join(str(r) for r in self.roll.missing())
         return f"rank(s) {ranks} to join rank 0 at {self.address}"
 
-    async def meet(self, own_ring: str | None, backend: str) -> Meeting:
+    async def meet(
+        self, own_ring: str | None, backend: str, prompt_cache_bytes: int = 0
+    ) -> Meeting:
         """Wait for the full roll, then send every rank the ring; rank 0's own ring listener
         is ``own_ring`` (None: a port free now on the rendezvous host). Accepting stops
         first: once ranks dial MLX's ring, nothing of this listener may answer them."""
@@ -151,8 +154,8 @@ class Rendezvous:
         assert self._listener is not None
         self._listener.stop_accepting()
         own = own_ring or ring_address(self.host, free_port(self.host))
-        meeting = Meeting(self.roll.ring(own), backend, os.urandom(32))
-        ring = TpRing(meeting.ring, meeting.backend, meeting.step_key)
+        meeting = Meeting(self.roll.ring(own), backend, os.urandom(32), prompt_cache_bytes)
+        ring = TpRing(meeting.ring, meeting.backend, meeting.step_key, prompt_cache_bytes)
         sends = [self._answer(src, ring) for src in self.roll.sources()]
         await asyncio.gather(*sends)
         return meeting
@@ -195,7 +198,7 @@ async def attend(secret: ClusterSecret, rendezvous: str, join: TpJoin, timeout: 
         raise TpGroupFailed(f"rank 0 at {rendezvous} refused rank {join.rank}: {got.message}")
     if len(got.ring) < 2 or not 0 < join.rank < len(got.ring) or got.ring[join.rank] != join.ring:
         raise TpGroupFailed(f"rank 0 at {rendezvous} sent a ring that does not hold this rank")
-    return Meeting(got.ring, got.backend, got.step_key)
+    return Meeting(got.ring, got.backend, got.step_key, got.prompt_cache_bytes)
 
 
 async def _join_until(

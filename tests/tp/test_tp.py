@@ -207,8 +207,30 @@ def test_serve_tp2_through_the_openai_client(
 
     want = asyncio.run(parity.one_node(checkpoints[family], MODEL))
     parity.assert_same(asyncio.run(parity.against(srv.base_url, MODEL)), want, "tensor parallel")
+    # A conversation's next turn starts from every rank's shard of its history (the default
+    # prompt cache, rank 0 deciding), with one process's tokens.
+    history = "Tensor parallel ranks each hold a shard of every layer's matrices. " * 6
+    first = c.completions.create(model=MODEL, prompt=history, max_tokens=8, temperature=0)
+    second = history + first.choices[0].text + " Why?"
+    r = c.completions.create(model=MODEL, prompt=second, max_tokens=8, temperature=0)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    assert (r.usage.prompt_tokens_details.cached_tokens or 0) >= 0.8 * r.usage.prompt_tokens
+    assert r.choices[0].text == asyncio.run(one_process(checkpoints[family], second))
+    salted = c.completions.create(
+        model=MODEL, prompt=second, max_tokens=8, temperature=0, extra_body={"cache_salt": "t2"}
+    )
+    assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's: nothing
+    assert salted.choices[0].text == r.choices[0].text
     assert srv.stop() == 0
     assert srv.left_behind() == []  # the follower rank exited with the server
+
+
+async def one_process(model: Path, prompt: str) -> str:
+    from mlxcel.serving.assembly import Generation
+
+    async with assemble(LocalSpec(model), Generation(prompt_cache_bytes=0)) as st:
+        return (await st.generate(prompt, SamplingParams(max_tokens=8))).text
 
 
 def _followers(pid: int) -> list[int]:
@@ -505,3 +527,35 @@ def test_a_step_with_a_wrong_tag_a_replay_or_a_reorder_is_refused() -> None:
         StepSeal(key).open(b"step one" + bytes(16))  # forged: no key
     with pytest.raises(StepForged):
         StepSeal(bytes(32)).open(StepSeal(key).seal(b"x"))  # another launch's key
+
+
+def test_a_rank_that_lacks_rank_0s_prefix_makes_every_rank_prefill_it_in_full() -> None:
+    """Rank 0 chose a cached prefix for two sequences; this rank holds only the first. Its
+    vote fails the second on every rank (the group's all_sum), so each prefills in full."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcel.base.messages import TpInsert
+    from mlxcel.runtime.prompt_cache import PromptCache
+    from mlxcel.tp.follower import _starts
+
+    kept = PromptCache(1 << 20)
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+    kept.store([1, 2, 3, 4, 5, 6], [c], "ns")
+    sp = SamplingParams(max_tokens=4)
+    inserts = (
+        TpInsert("a", (1, 2, 3, 4, 5, 6, 7), sp, cached=6, cache_ns="ns"),
+        TpInsert("b", (1, 2, 3, 4, 9), sp, cached=4, cache_ns="other"),  # not held here
+        TpInsert("c", (5, 5), sp),
+    )
+    votes: list[list[bool]] = []
+
+    def agree(group: object, ok: list[bool]) -> list[bool]:
+        votes.append(ok)
+        return ok  # a group of this rank alone: its own vote decides
+
+    starts = _starts(kept, inserts, None, agree)
+    assert votes == [[True, False]]  # only the sequences rank 0 started from a prefix vote
+    assert starts[0][1] == 6 and starts[0][0] is not None and starts[0][0][0].offset == 6
+    assert starts[1] == (None, 0) and starts[2] == (None, 0)
