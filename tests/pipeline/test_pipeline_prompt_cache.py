@@ -115,15 +115,22 @@ async def test_a_stage_that_lost_its_entry_answers_not_cached_and_the_turn_prefi
 async def test_distinct_prompts_evict_old_entries_and_no_stage_passes_its_budget(
     tiny: Path,
 ) -> None:
+    import mlx.core as mx
+
     budget = 2 << 20
     async with assemble(PipelineSpec(tiny, 2), Generation(prompt_cache_bytes=budget)) as st:
         index = st.parts.coordinator.coord.prefixes
         assert index is not None
-        for seed in range(12):
+        await turn(st, words(400, 99))
+        compute = st.parts.stages[0].compute
+        held = await compute.run(mx.get_active_memory)  # MLX's live arrays, not its free list
+        for seed in range(24):
             await turn(st, words(400, 100 + seed))
+        grown = await compute.run(mx.get_active_memory) - held
+        assert grown <= budget, f"{grown} bytes more after 24 distinct prompts"
         stores = [s.runtime.prefixes for s in st.parts.stages]
         await until_true(lambda: all(len(p) == len(index) for p in stores))  # type: ignore[arg-type]
-        assert index.evicted > 0 and len(index) < 12
+        assert index.evicted > 0 and len(index) < 24
         for s in stores:
             assert s is not None and 0 < s.nbytes <= s.max_bytes
             assert len(s) == len(index)  # evicted everywhere, never half-present
