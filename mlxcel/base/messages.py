@@ -302,7 +302,7 @@ class ReleaseSequence(Message):
 @dataclass(frozen=True, slots=True)
 class EvictPrefixes(Message):
     """Coordinator -> every stage: forget these prompt-cache entries (eviction is decided by
-    the owner of the index, once, and carried out everywhere)."""
+    the owner of the index, once, and carried out everywhere); at most ``MAX_EVICTIONS``."""
 
     KIND: ClassVar[int] = 37
     entries: tuple[int, ...]
@@ -742,6 +742,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = tuple(
 
 MAX_BUNDLE = 256  # items per Bundle: more is refused whole, before any item is built
 MAX_STEP_ROWS = 256  # rows per StepEntry, StepActivation or StepResult
+MAX_EVICTIONS = 4096  # prompt-cache entries per EvictPrefixes
 # What a Bundle may carry: the pipeline's per-sequence traffic.
 BUNDLED: tuple[type[Message], ...] = (PrepareSequence, RunEntry, Activation, RunResult)
 BUNDLED += (StepEntry, StepActivation, StepResult, CancelRequest, ReleaseSequence, Ack, Error)

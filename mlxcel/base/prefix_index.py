@@ -41,18 +41,20 @@ def tenant_of(api_key: str) -> str:
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (slices compare in C: a binary search)."""
+    """How many leading tokens ``a`` and ``b`` share: blocks compare in C, then the first
+    block that differs token by token."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    i = 0
+    while a[i : i + _BLOCK] == b[i : i + _BLOCK]:
+        i += _BLOCK
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+_BLOCK = 256
 
 
 @dataclass
@@ -78,6 +80,7 @@ class PrefixIndex:
     def __init__(self, capacity: int, first_id: int = 1) -> None:
         self.capacity = capacity
         self.entries: dict[int, Entry] = {}
+        self._by_namespace: dict[str, dict[int, Entry]] = {}  # a lookup reads its own only
         self.held = 0  # positions of every entry
         # Ids are never reused; a coordinator that restarts starts from a fresh random point,
         # so a node that kept an older coordinator's entry cannot take it for a new one.
@@ -93,9 +96,7 @@ class PrefixIndex:
         first new one); None when nothing is shared. The entry is refreshed and pinned: the
         caller unpins it once the request no longer needs it (:meth:`unpin`)."""
         best, best_n = None, 0
-        for e in self.entries.values():
-            if e.namespace != namespace:
-                continue
+        for e in self._by_namespace.get(namespace, {}).values():
             n = common_prefix(e.tokens, tokens)
             if n > best_n:
                 best, best_n = e, n
@@ -121,30 +122,32 @@ class PrefixIndex:
         until it fits."""
         if not tokens or len(tokens) > self.capacity:
             return 0, []
-        gone: list[int] = []
-        for e in list(self.entries.values()):
-            if e.namespace != namespace:
-                continue
+        gone: list[Entry] = []
+        for e in self._by_namespace.get(namespace, {}).values():
             n = common_prefix(e.tokens, tokens)
             if n == len(tokens):  # held whole by an entry as long or longer
                 e.used = now
                 return 0, []
             if n == len(e.tokens) and not e.pins:
-                gone.append(e.id)
-                self._remove(e.id)
+                gone.append(e)
+        room = self.held - sum(len(e.tokens) for e in gone)
+        going = {e.id for e in gone}
         for e in sorted(self.entries.values(), key=lambda e: e.used):
-            if self.held + len(tokens) <= self.capacity:
+            if room + len(tokens) <= self.capacity:
                 break
-            if not e.pins:
-                gone.append(e.id)
-                self._remove(e.id)
-        if self.held + len(tokens) > self.capacity:  # what is left is pinned: not now
-            return 0, gone
+            if not e.pins and e.id not in going:
+                gone.append(e)
+                room -= len(e.tokens)
+        if room + len(tokens) > self.capacity:  # what is left is pinned: not now, evict none
+            return 0, []
+        for e in gone:
+            self._remove(e.id)
         entry = Entry(next(self._ids), namespace, tuple(tokens), now)
         self.entries[entry.id] = entry
+        self._by_namespace.setdefault(namespace, {})[entry.id] = entry
         self.held += len(tokens)
         self.evicted += len(gone)
-        return entry.id, gone
+        return entry.id, [e.id for e in gone]
 
     def drop(self, entry: int) -> bool:
         """Forget ``entry`` (a node answered that it does not hold it); whether it was here."""
@@ -161,12 +164,17 @@ class PrefixIndex:
         """Forget every entry; their ids (to evict everywhere)."""
         gone = list(self.entries)
         self.entries.clear()
+        self._by_namespace.clear()
         self.held = 0
         return gone
 
     def _remove(self, entry: int) -> None:
         e = self.entries.pop(entry)
         self.held -= len(e.tokens)
+        mine = self._by_namespace[e.namespace]
+        del mine[entry]
+        if not mine:  # a namespace without entries takes no room (every salt is one)
+            del self._by_namespace[e.namespace]
 
     def stats(self) -> dict[str, int]:
         return {

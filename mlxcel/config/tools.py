@@ -200,7 +200,8 @@ class SimSettings(_HasModel):
     stages: int | None = Field(None, ge=2, le=512, description="force the number of stages")
     inject: str | None = Field(
         None,
-        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce; "
+        description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce, "
+        "shared-prefix-index; "
         "bringup: activate-early; disagg: read-uncommitted; any scenario, in the effect "
         "runner: runner-drop-delivery)",
     )
@@ -212,6 +213,7 @@ class SimSettings(_HasModel):
         known = (
             "skip-owner-check",
             "accept-stale-nonce",
+            "shared-prefix-index",
             "activate-early",
             "read-uncommitted",
             "runner-drop-delivery",

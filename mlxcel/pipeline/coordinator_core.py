@@ -30,6 +30,7 @@ from mlxcel.base.errors import PipelineError
 from mlxcel.base.membership import MembershipLog
 from mlxcel.base.messages import (
     LOCAL,
+    MAX_EVICTIONS,
     Ack,
     CancelRequest,
     Error,
@@ -397,9 +398,12 @@ class CoordinatorCore:
         return (entry, req.pos) if entry else (0, 0)
 
     def _evict(self, entries: list[int], now: float, out: list[Effect]) -> None:
-        if entries:  # ordered before any later keep on each stage's connection
-            msg = EvictPrefixes(tuple(entries))
-            out.extend(Send(s, msg, deadline=now + 5.0) for s in self.stages)
+        """Every stage forgets ``entries``: ordered before any later keep on each stage's
+        connection, with no deadline (an eviction lost would leave a stage holding what the
+        index no longer names; a connection lost drops them all there anyway)."""
+        for i in range(0, len(entries), MAX_EVICTIONS):
+            msg = EvictPrefixes(tuple(entries[i : i + MAX_EVICTIONS]))
+            out.extend(Send(s, msg) for s in self.stages)
 
     def _refill(self, req: Req, source: str, why: str, now: float, out: list[Effect]) -> None:
         """A stage lacks the cached prefix ``req`` started from (it restarted, or its budget

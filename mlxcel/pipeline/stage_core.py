@@ -45,6 +45,7 @@ from mlxcel.base.effects import (
 )
 from mlxcel.base.errors import ProtocolError
 from mlxcel.base.messages import (
+    MAX_EVICTIONS,
     MAX_STEP_ROWS,
     Ack,
     Activation,
@@ -69,7 +70,6 @@ from mlxcel.base.messages import (
 from mlxcel.pipeline.stage_batch import Passing, rows_problem
 from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.pipeline.stage_protocol import (
-    MAX_EVICTIONS,
     MAY_SEND,
     NODE_TABLE,
     SEQ_TABLE,

@@ -36,7 +36,6 @@ from mlxcel.base.messages import (
 )
 
 MAX_ACTIVATION_TOKENS = 1 << 20
-MAX_EVICTIONS = 4096  # prompt-cache entries one EvictPrefixes may name
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -3,10 +3,12 @@ another node indexes (:mod:`mlxcel.base.prefix_index`).
 
 A pipeline stage keeps, under the entry ids its coordinator chose, the caches of the sequences
 the coordinator asked it to keep; a later sequence starts from a private copy of one, trimmed
-to the prefix it shares. The store never evicts on its own -- the index decides, once, for
-every node, so an entry is never present on one stage and gone on another by the store's
-choice. What it can do alone is refuse: an entry that would take it past its byte budget is
-not kept, and a later load of it answers "not cached" (the request then prefills in full).
+to the prefix it shares. Eviction is the index's: it decides, once, for every node. The
+store acts alone only to stay within its byte budget when the index's plan and this node
+disagree (a smaller ``--prompt-cache-bytes`` here, or an eviction that never arrived): it
+then drops its own least recently used entries to make room, and an entry larger than the
+whole budget is not kept. Either way a later load of an entry gone answers "not cached" and
+the request prefills in full; the coordinator then forgets that entry everywhere.
 
 Entries are the owner's: an entry is found only under the identity that asked for it to be
 kept, so one coordinator (or a member claiming to be one) cannot load another's.
@@ -36,6 +38,7 @@ class PrefixStore:
         self._entries: dict[tuple[str, int], tuple[list[Any], int, int]] = {}  # caches, len, bytes
         self.nbytes = 0
         self.kept = self.refused = self.loaded = self.missed = self.dropped = 0
+        self.made_room = 0  # entries this store evicted itself to stay in its budget
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,12 +55,14 @@ class PrefixStore:
         old = self._entries.pop((owner, entry), None)
         if old is not None:
             self.nbytes -= old[2]
-        if self.nbytes + size > self.max_bytes:
+        if size > self.max_bytes:
             self.refused += 1
-            return (
-                f"{size} bytes would take this node's prompt cache past its budget "
-                f"({self.nbytes} of {self.max_bytes} held)"
-            )
+            return f"{size} bytes are more than this node's whole budget ({self.max_bytes})"
+        for key in list(self._entries):  # oldest first: made room for the newest
+            if self.nbytes + size <= self.max_bytes:
+                break
+            self.nbytes -= self._entries.pop(key)[2]
+            self.made_room += 1
         self._entries[(owner, entry)] = (cache, tokens, size)
         self.nbytes += size
         self.kept += 1
@@ -77,6 +82,7 @@ class PrefixStore:
         if tokens < length and not can_trim_prompt_cache(cache):
             self.missed += 1  # a rotating or recurrent state cannot be stepped back
             return None, f"prompt-cache entry {entry} cannot be cut to {tokens} positions"
+        self._entries[(owner, entry)] = self._entries.pop((owner, entry))  # most recent
         mine = copy.deepcopy(cache)
         if tokens < length:
             trim_prompt_cache(mine, length - tokens)
@@ -98,6 +104,7 @@ class PrefixStore:
             "max_bytes": self.max_bytes,
             "kept": self.kept,
             "refused": self.refused,
+            "made_room": self.made_room,
             "loaded": self.loaded,
             "missed": self.missed,
         }

@@ -97,11 +97,21 @@ class PromptCache:
                 self.too_large += 1
                 return
             self._lru.insert_cache(namespace, list(tokens), cache)
+            self._prune()
         except Exception as exc:  # the cache is an optimization: never fail a request on it
             logger.warning("prompt cache: could not keep a finished sequence: {}", exc)
 
+    def _prune(self) -> None:
+        """Drop the trie roots of namespaces left without an entry: mlx-lm's trie keeps an
+        evicted "model"'s empty root, and every ``cache_salt`` is a namespace of its own, so
+        a client sending a new salt each time would otherwise grow it without bound."""
+        roots = self._lru._trie._trie
+        for namespace in [ns for ns, root in roots.items() if not root]:
+            del roots[namespace]
+
     def clear(self) -> None:
         self._lru.trim_to(n_sequences=0)
+        self._prune()
 
     def stats(self) -> dict[str, int]:
         return {

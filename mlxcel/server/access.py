@@ -112,7 +112,7 @@ def parse_api_keys(text: str | None, file_text: str | None) -> tuple[str, ...]:
     keys: list[str] = []
     for flag, items in (
         ("--api-key", [k.strip() for k in text.split(",")] if text is not None else []),
-        ("--api-key-file", [ln.strip() for ln in (file_text or "").splitlines()
+        ("--api-key-file", [ln.strip() for ln in (file_text or "").lstrip("\ufeff").splitlines()
                             if ln.strip() and not ln.lstrip().startswith("#")]),
     ):  # fmt: skip
         for i, key in enumerate(items, 1):

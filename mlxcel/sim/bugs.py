@@ -8,6 +8,8 @@ it back after.
   answer to any exchange of the same request.
 - ``activate-early``: a ``--pp-auto`` coordinator ends a phase when one peer answered, not
   every peer.
+- ``shared-prefix-index``: the prompt-cache index finds entries across namespaces (one
+  tenant starts from another's cached prefix).
 - ``runner-drop-delivery``: the effect runner loses the first message a role takes off the
   network (:func:`mlxcel.sim.process.runner_bugs`).
 """
@@ -19,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from mlxcel.base.messages import RunResult
+from mlxcel.base.prefix_index import PrefixIndex
 from mlxcel.bringup.push_core import PushCore
 from mlxcel.pipeline import coordinator_core
 from mlxcel.pipeline.stage_gate import StageGate
@@ -46,6 +49,15 @@ def _stale_matching(real: Any) -> Any:
     return match
 
 
+def _any_namespace(index: PrefixIndex, real: Any, tokens: tuple[int, ...], now: float) -> Any:
+    """The best hit in any namespace (the bug), found by asking the real lookup per one."""
+    hits = [real(index, ns, tokens, now) for ns in {e.namespace for e in index.entries.values()}]
+    found = [h for h in hits if h is not None]
+    for h in found[1:]:
+        index.unpin(h.entry)
+    return found[0] if found else None
+
+
 @contextmanager
 def planted(inject: frozenset[str]) -> Iterator[None]:
     """The bugs named in ``inject`` live in production code for the block."""
@@ -55,6 +67,10 @@ def planted(inject: frozenset[str]) -> Iterator[None]:
         if "accept-stale-nonce" in inject:
             real = coordinator_core.match_result
             stack.enter_context(_replaced(coordinator_core, "match_result", _stale_matching(real)))
+        if "shared-prefix-index" in inject:
+            real_lookup = PrefixIndex.lookup
+            anyone = lambda self, ns, tokens, now: _any_namespace(self, real_lookup, tokens, now)  # noqa: E731
+            stack.enter_context(_replaced(PrefixIndex, "lookup", anyone))
         if "activate-early" in inject:
             early = staticmethod(lambda steps, step: step in steps)
             stack.enter_context(_replaced(PushCore, "all_reached", early))

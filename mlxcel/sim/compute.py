@@ -71,6 +71,7 @@ class SimStageRuntime:
         self.vocab = model.vocab
         self.timing = _NoTiming()
         self.slow = 1.0  # the host's compute time multiplier (a slow node)
+        self.traced: Callable[..., None] | None = None  # the scheduler's trace, for this host
 
     def cost(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
         if fn == self.run:
@@ -82,6 +83,17 @@ class SimStageRuntime:
 
     def free(self, key: SeqKey) -> None:
         self.backend.free(key)
+
+    def load_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> None:
+        self.backend.load_prefix(key, owner, entry, tokens)
+        if self.traced is not None:  # which cache a sequence starts from is part of the run
+            self.traced("load", key[0], entry, tokens)
+
+    def keep_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> str | None:
+        return self.backend.keep_prefix(key, owner, entry, tokens)
+
+    def drop_prefixes(self, owner: str, entries: tuple[int, ...] = ()) -> None:
+        self.backend.drop_prefixes(owner, entries)
 
     def warm_up(self, *args: Any) -> None:
         pass

@@ -88,9 +88,11 @@ class StageHost(SimProcess):
         model: FakeModel,  # or mlxcel.sim.real_model.RealModel: same interface
         layers: tuple[int, int],
         skew: float = 0.0,
+        prefix_capacity: int = 0,
     ) -> None:
         super().__init__(identity, sched, net, skew)
         self.config = config
+        self.prefix_capacity = prefix_capacity  # positions its prompt-cache entries may hold
         self.model = model
         self.layers = layers
         self.violations: list[str] = []
@@ -122,8 +124,11 @@ class StageHost(SimProcess):
 
     def build(self, node: Node, endpoint: SimEndpoint) -> StageService:
         backend = self.model.stage(self.config.index, self.config.n_stages)
+        if self.prefix_capacity:  # a restarted stage holds no entry
+            backend.capacity = self.prefix_capacity
         self.runtime = runtime = SimStageRuntime(backend, self.model, self.layers)
         runtime.slow = self._slow
+        runtime.traced = lambda *fields: self.sched.trace(self.identity, *fields)
         self._compute = SimCompute(self.sched, runtime.cost)
         svc = StageService(node, endpoint, runtime, self._compute, self.config)  # type: ignore[arg-type]
         svc.core = OwnershipCheck(svc.stage, self)
@@ -157,6 +162,7 @@ class Outcome:
     max_tokens: int
     deadline: float
     submitted: float
+    namespace: str = ""  # its tenant's prompt-cache namespace
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None  # stop / length, or "error:<code>", or "cancelled"
     ended_at: float | None = None
@@ -237,16 +243,19 @@ class CoordinatorHost(SimProcess):
             return
         out.record(msg, self.sched.now)
         tokens = getattr(msg, "token_ids", ())
-        self.sched.trace("deliver", out.request_id, type(msg).__name__, tokens, out.finish)
+        cached = getattr(msg, "cached_tokens", 0)  # what the client sees of the prompt cache
+        self.sched.trace("deliver", out.request_id, type(msg).__name__, tokens, out.finish, cached)
 
-    def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int, timeout: float) -> None:
-        out = Outcome(rid, prompt, max_tokens, self.sched.now + timeout, self.sched.now)
+    def submit(
+        self, rid: str, prompt: tuple[int, ...], max_tokens: int, timeout: float, ns: str = ""
+    ) -> None:
+        out = Outcome(rid, prompt, max_tokens, self.sched.now + timeout, self.sched.now, ns)
         self.outcomes[rid] = out
         self.sched.trace("submit", rid)
         if self.node is None:  # the client cannot connect
             out.finish, out.ended_at = "error:coordinator_down", self.sched.now
             return
-        entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
+        entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1, cache_ns=ns)
         if not self.node.bus.publish_now(entry):
             out.finish, out.ended_at = "error:coordinator_busy", self.sched.now
             return

@@ -56,17 +56,53 @@ class FakeModel:
 
 @dataclass
 class FakeStage:
-    """One stage's backend: the fake caches, and what it was asked to hold and free."""
+    """One stage's backend: the fake caches, and what it was asked to hold and free.
+
+    Its prompt-cache entries are a cache's running hash after each position (so an entry cut
+    back to n positions is exact), kept under (owner, entry id) within ``capacity`` positions;
+    ``loads`` records which entry each sequence started from, for the tenant invariant."""
 
     model: FakeModel
     index: int
     caches: dict[SeqKey, int] = field(default_factory=dict)
     fail_sampling: bool = False
+    capacity: int = 0  # positions its prompt-cache entries may hold
+    history: dict[SeqKey, list[int]] = field(default_factory=dict)
+    entries: dict[tuple[str, int], tuple[list[int], str]] = field(default_factory=dict)
+    loads: list[tuple[str, str]] = field(default_factory=list)  # (request, entry's creator)
+    missing: set[SeqKey] = field(default_factory=set)
+
+    def load_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> None:
+        held = self.entries.pop((owner, entry), None)
+        if held is None or len(held[0]) < tokens:
+            self.missing.add(key)
+            return
+        self.entries[(owner, entry)] = held  # the most recently used
+        self.history[key] = held[0][:tokens]
+        self.caches[key] = held[0][tokens - 1]
+        self.loads.append((key[0], held[1]))
+
+    def keep_prefix(self, key: SeqKey, owner: str, entry: int, tokens: int) -> str | None:
+        seen = self.history.get(key, [])
+        if key in self.missing or len(seen) != tokens or tokens > self.capacity:
+            return "not kept"
+        self.entries.pop((owner, entry), None)
+        while sum(len(h) for h, _ in self.entries.values()) + tokens > self.capacity:
+            del self.entries[next(iter(self.entries))]  # room, least recently used first
+        self.entries[(owner, entry)] = (list(seen), key[0])
+        return None
+
+    def drop_prefixes(self, owner: str, entries: tuple[int, ...] = ()) -> None:
+        for k in [k for k in self.entries if k[0] == owner and (not entries or k[1] in entries)]:
+            del self.entries[k]
 
     def run(self, job: ComputeJob) -> list[StepOutput]:
         salt = self.model.salt(self.index)
         outs: list[StepOutput] = []
         for step in job.steps:
+            if step.key in self.missing:
+                outs.append(StepFailed(ErrorCode.PREFIX_NOT_CACHED, "entry not held"))
+                continue
             h = self.caches.get(step.key, 0)
             if step.tokens is not None:
                 xs = list(step.tokens)
@@ -80,6 +116,7 @@ class FakeStage:
                 h = mix(h, x, salt)
                 ys.append(h)
             self.caches[step.key] = h
+            self.history.setdefault(step.key, []).extend(ys)
             if not job.last:
                 row = self.model.width * 4
                 body = b"".join(y.to_bytes(8, "little") + bytes(row - 8) for y in ys)
@@ -94,6 +131,8 @@ class FakeStage:
 
     def free(self, key: SeqKey) -> None:
         self.caches.pop(key, None)
+        self.history.pop(key, None)
+        self.missing.discard(key)
 
 
 def reference(

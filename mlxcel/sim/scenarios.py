@@ -48,7 +48,7 @@ FAULT_KINDS = ("drop", "delay", "duplicate", "reorder", "partition", "crash", "s
 FAULT_KINDS += ("outsider", "insider")
 SCENARIOS = ("mixed", "scale", "tiny", "bringup", "disagg", "engine")
 # The pipeline scenarios' own bugs (mlxcel.sim.bugs plants them; test_sim runs each).
-BUGS = ("skip-owner-check", "accept-stale-nonce", *RUNNER_BUGS)
+BUGS = ("skip-owner-check", "accept-stale-nonce", "shared-prefix-index", *RUNNER_BUGS)
 COORDINATOR = "10.0.0.1:7000"
 INTRUDER = "10.0.0.66:7000"  # on the coordinator's port: passes a wildcard coordinator check
 REQUEST_TIMEOUT = 600.0  # the client's own deadline; the pipeline must end requests well before
@@ -102,6 +102,10 @@ class Cluster:
     targeted: set[str] = field(default_factory=set)
 
 
+# The prompt-cache namespaces requests come from (the open one, and two tenants').
+TENANTS = ("", "tenant-a", "tenant-b")
+
+
 def build(
     rng: random.Random,
     seed: int,
@@ -124,6 +128,13 @@ def build(
     # A coordinator configured with an unspecified IP accepts any identity on its port.
     coordinator_id = "0.0.0.0:7000" if wildcard else COORDINATOR
     max_batch = rng.randint(1, 8)
+    # The prompt cache (fake model only): the coordinator's index and each stage's store,
+    # sometimes smaller than the index plans for (entries refused, then prefilled in full).
+    # (Drawn from a stream of their own: a seed's other choices stay what they were.)
+    own = random.Random(f"prompt-cache:{seed}")
+    cached = model is fake and own.random() < 0.7
+    index_tokens = own.choice([40, 120, 600]) if cached else 0
+    store_tokens = own.choice([index_tokens // 2, index_tokens, 4 * index_tokens])
     stages = []
     per = model.n_layers // n_stages
     for i, name in enumerate(names):
@@ -139,7 +150,9 @@ def build(
             forward_timeout=FORWARD_TIMEOUT,
             progress_interval=keep_alive_interval(STEP_TIMEOUT, n_stages),
         )
-        host = StageHost(name, sched, net, cfg, model, (i * per, (i + 1) * per))
+        host = StageHost(
+            name, sched, net, cfg, model, (i * per, (i + 1) * per), prefix_capacity=store_tokens
+        )
         stages.append(host)
         net.add(host)
     max_in_flight = rng.randint(1, 8)
@@ -158,6 +171,8 @@ def build(
             max_sequences=max_in_flight,
             prefill_step_size=chunk,
             first_nonce=1 if incarnation == 1 else rng.randrange(1 << 48),
+            prompt_cache_tokens=index_tokens,
+            first_entry=1 if incarnation == 1 else own.randrange(1 << 48),
         )
 
     cluster = Cluster(sched, net, model, None, stages)  # type: ignore[arg-type]
@@ -336,13 +351,23 @@ def _run_scenario(
     horizon = 3.0
     coord = cluster.coordinator
     arrivals = []
+    earlier: list[tuple[tuple[int, ...], int, float]] = []  # (prompt, max_tokens, at)
     for i in range(n_requests):
         prompt = tuple(rng.randrange(cluster.model.vocab) for _ in range(rng.randint(1, 40)))
         max_tokens = rng.randint(1, 8 if name == "tiny" else 24)
         at = rng.uniform(0.0, horizon)
+        # Tenants, and conversations: a later turn resends an earlier request's prompt and
+        # reply (from any tenant: the same tokens in another namespace must reuse nothing).
+        ns = rng.choice(TENANTS)
+        if earlier and rng.random() < 0.5:
+            before, before_max, before_at = rng.choice(earlier)
+            reply = tuple(cluster.model.reference(n_stages, before, before_max))
+            prompt = before + reply + prompt[: rng.randint(1, 8)]
+            at = before_at + rng.uniform(0.2, 1.5)
+        earlier.append((prompt, max_tokens, at))
         rid = f"req-{i}"
         arrivals.append((rid, at))
-        cluster.sched.at(at, coord.submit, rid, prompt, max_tokens, REQUEST_TIMEOUT)
+        cluster.sched.at(at, coord.submit, rid, prompt, max_tokens, REQUEST_TIMEOUT, ns)
         if rng.random() < 0.1:
             cluster.sched.at(at + rng.uniform(0.0, 1.0), coord.cancel, rid)
     schedule_faults(cluster, rng, kinds, horizon, arrivals)
@@ -449,8 +474,19 @@ def check(cluster: Cluster) -> list[str]:
         bad.extend(o.problems(want, o.request_id in cluster.targeted, cluster.plan))
     for host in [*cluster.stages, cluster.coordinator]:
         bad.extend(host.errors + host.conservation())
+    outcomes = cluster.coordinator.outcomes
     for host in cluster.stages:
         bad.extend(host.violations)
+        for rid, creator in getattr(host.backend, "loads", ()):
+            mine, theirs = outcomes[rid].namespace, outcomes[creator].namespace
+            if mine != theirs:
+                bad.append(
+                    f"{host.identity}: {rid} (tenant {mine!r}) started from the cache "
+                    f"{creator} (tenant {theirs!r}) left"
+                )
+        held = sum(len(h) for h, _ in getattr(host.backend, "entries", {}).values())
+        if held > getattr(host.backend, "capacity", 0) and held:
+            bad.append(f"{host.identity} holds {held} cached positions, past its budget")
         stage = host.stage
         if stage is not None:
             if stage.seqs:

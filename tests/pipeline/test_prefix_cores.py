@@ -251,3 +251,16 @@ def test_an_index_never_answers_across_namespaces_or_past_its_capacity(ops: list
             ix.unpin(hit.entry)
         ix.insert(ns, tokens, float(i))
         assert ix.held == sum(len(e.tokens) for e in ix.entries.values()) <= ix.capacity
+
+
+def test_a_large_eviction_goes_in_messages_a_stage_accepts() -> None:
+    c = coordinator(capacity=20_000)
+    assert c.prefixes is not None
+    for i in range(5000):
+        c.prefixes.insert("n", (i + 16, i), 0.0)
+    out = c.peer_lost(S0, 1.0)
+    per_stage = [[m for d, m in msgs(out, EvictPrefixes) if d == s] for s in (S0, S1)]
+    assert [[len(m.entries) for m in ms] for ms in per_stage] == [[4096, 904]] * 2
+    stage = core(index=0, n=2)
+    for m in per_stage[0]:
+        assert stage.handle(m, C, 2.0) == [DropPrefixes(C, m.entries)]

@@ -234,3 +234,15 @@ def test_a_bad_cache_size_or_mode_is_refused_naming_the_flag(
     assert r.returncode == 2 and "Traceback" not in r.stderr
     line = error_line(r.stderr)
     assert "--prompt-cache-bytes" in line and needle in line
+
+
+def test_a_flood_of_namespaces_leaves_only_those_with_entries() -> None:
+    """Every cache_salt is a namespace: one client sending a new salt each time must not grow
+    the cache past its entries (mlx-lm's trie keeps an evicted namespace's empty root)."""
+    pc = PromptCache(3 * 4 * 8 * 2 * 4 * 4)  # about three 4-token entries
+    for i in range(200):
+        pc.store([1, 2, 3, 4], [_kv(4)], f"salt-{i}")
+    roots = pc._lru._trie._trie
+    assert pc.entries <= 3 and len(roots) == pc.entries
+    pc.clear()
+    assert len(roots) == 0

@@ -64,6 +64,9 @@ def test_each_key_and_each_salt_is_its_own_cache(
         assert needle in err["message"]
     assert cached(alice, salt="é" * 128) == 0  # 256 bytes of UTF-8: accepted
     assert "key-alice" not in srv.output and "key-carol" not in srv.output
+    # `mlxcel status` in the server's own environment (its several keys) sends the first.
+    r = run_cli("status", srv.base_url, env={"MLXCEL_API_KEY": "key-alice,key-bob"})
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_shared_scope_shares_between_keys_but_not_salts(
@@ -113,7 +116,8 @@ def test_malformed_keys_are_refused_naming_the_flag(
 
 
 def test_keys_parse_in_order_without_repeats() -> None:
-    assert parse_api_keys(" a , b,a", "# c\n\nc\n  d  \nb\n") == ("a", "b", "c", "d")
+    assert parse_api_keys(" a , b,a", "\ufeff# c\n\nc\n  d  \nb\n") == ("a", "b", "c", "d")
+    assert parse_api_keys(None, "\ufeffk1\r\nk2\r\n") == ("k1", "k2")  # a BOM, CRLF lines
 
 
 def test_an_unreadable_or_empty_key_file_is_refused(tiny: Path, tmp_path: Path) -> None:
