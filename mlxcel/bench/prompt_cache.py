@@ -4,8 +4,8 @@ in every mode that keeps a prompt cache.
 Turn 1 sends ``history`` random tokens (seeded) and generates ``tokens`` greedily; turn 2
 resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. For each
 mode (``local``: one process; ``pipeline``: two stages in this process; ``stages``: two stage
-processes on 127.0.0.2/127.0.0.3 over the encrypted transport, the coordinator here) and each
-history length, one run measures the time to first token (TTFT) of:
+processes on 127.0.0.2/127.0.0.3 over the encrypted transport, the coordinator here; ``tp``:
+two tensor-parallel ranks, rank 0 here) and each history length, one run measures the time to first token (TTFT) of:
 
 - turn 1 (nothing cached);
 - turn 2 in the same tenant's namespace: its history cached;
@@ -94,6 +94,12 @@ async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
     if mode == "stages":
         async with _stage_processes(model, gen) as fe:
             yield fe
+        return
+    if mode == "tp":
+        from mlxcel.serving.assembly import TensorParallelSpec
+
+        async with assemble(TensorParallelSpec(model, 2), gen) as st:
+            yield st.frontend
         return
     spec = LocalSpec(model) if mode == "local" else PipelineSpec(model, 2)
     async with assemble(spec, gen) as st:

@@ -402,9 +402,10 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
         "2048,8192", description="tokens of history in turn 1, one run each (comma-separated)"
     )
     modes: str = Field(
-        "local,pipeline,stages",
+        "local,pipeline,stages,tp",
         description="where mlxcel runs: local (one process), pipeline (2 stages in-process), "
-        "stages (2 stage processes on 127.0.0.2/127.0.0.3), comma-separated",
+        "stages (2 stage processes on 127.0.0.2/127.0.0.3), tp (2 tensor-parallel ranks), "
+        "comma-separated",
     )
     turn_tokens: int = Field(32, ge=1, le=4096, description="new user tokens in turn 2")
     tokens: int = Field(32, ge=2, le=4096, description="greedy tokens each turn generates")
@@ -427,4 +428,4 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
         return v
 
 
-PROMPT_CACHE_MODES = ("local", "pipeline", "stages")
+PROMPT_CACHE_MODES = ("local", "pipeline", "stages", "tp")

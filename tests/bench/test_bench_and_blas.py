@@ -270,7 +270,10 @@ def test_bench_prompt_cache_prints_every_mode_beside_mlx_lm(tiny: Path) -> None:
 
 @pytest.mark.parametrize(
     ("flag", "value", "needle"),
-    [("--modes", "local,tp", "modes are local, pipeline, stages"), ("--history", "8,100", "16")],
+    [
+        ("--modes", "local,disagg", "modes are local, pipeline, stages, tp"),
+        ("--history", "8,100", "16"),
+    ],
 )
 def test_bench_prompt_cache_refuses_unknown_modes_and_sizes(
     tiny: Path, flag: str, value: str, needle: str
