@@ -622,6 +622,7 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_target: str
     nonce: int  # the router's per-request nonce; every result for the request carries it
+    cache_ns: str = ""  # the prompt cache's namespace (its tenant's): see RunEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -717,6 +718,10 @@ class TokenResult(Message):
     # top_logprobs alternatives, as in RunResult: per token, sampling.top_logprobs (id, logprob)
     top_ids: tuple[int, ...] | None = None
     top_logprobs: tuple[float, ...] | None = None
+    # Index 0: prompt tokens the prefill node took from its prompt cache, and whether it now
+    # keeps this prompt there (what a router routes the next turn by).
+    cached_tokens: int = 0
+    kept: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,3 +186,51 @@ class PrefixIndex:
             "capacity_tokens": self.capacity,
             "evicted": self.evicted,
         }
+
+
+class PrefixAffinity:
+    """Which node holds which cached prompts, as the nodes themselves reported them: a
+    router's view of its prefill nodes' prompt caches. A node that said it keeps a prompt is
+    recorded as holding it (in its tenant's namespace); a node that later served less of a
+    recorded prefix than expected has evicted it, and the record goes. Bounded per node in
+    positions, least recently used first; no record crosses namespaces."""
+
+    def __init__(self, positions_per_node: int) -> None:
+        self.positions_per_node = positions_per_node
+        self._nodes: dict[str, PrefixIndex] = {}
+
+    def held(self, node: str, namespace: str, tokens: tuple[int, ...], now: float) -> None:
+        ix = self._nodes.setdefault(node, PrefixIndex(self.positions_per_node))
+        ix.insert(namespace, tokens, now)
+
+    def best(
+        self, nodes: list[str], namespace: str, tokens: tuple[int, ...], now: float
+    ) -> tuple[str, int, int] | None:
+        """Among ``nodes``, the one holding the longest prefix of ``tokens`` in
+        ``namespace``: (node, its record, positions), or None."""
+        found = None
+        for node in nodes:
+            ix = self._nodes.get(node)
+            hit = ix.lookup(namespace, tokens, now) if ix is not None else None
+            if hit is None:
+                continue
+            assert ix is not None
+            ix.unpin(hit.entry)  # a record, not a cache: nothing loads from it
+            if found is None or hit.tokens > found[2]:
+                found = (node, hit.entry, hit.tokens)
+        return found
+
+    def served(self, node: str, record: int, expected: int, cached: int) -> None:
+        """``node`` took ``cached`` prompt tokens from its cache where ``record`` promised
+        ``expected``: less means it evicted that prompt; the record goes."""
+        ix = self._nodes.get(node)
+        if ix is not None and cached < expected:
+            ix.drop(record)
+
+    def forget(self, node: str) -> None:
+        """``node`` restarted (or went away): whatever it held is gone."""
+        self._nodes.pop(node, None)
+
+    def records(self, node: str) -> int:
+        ix = self._nodes.get(node)
+        return len(ix) if ix is not None else 0

@@ -5,7 +5,8 @@ Turn 1 sends ``history`` random tokens (seeded) and generates ``tokens`` greedil
 resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client does. For each
 mode (``local``: one process; ``pipeline``: two stages in this process; ``stages``: two stage
 processes on 127.0.0.2/127.0.0.3 over the encrypted transport, the coordinator here; ``tp``:
-two tensor-parallel ranks, rank 0 here) and each history length, one run measures the time to first token (TTFT) of:
+two tensor-parallel ranks, rank 0 here; ``disagg``: a router, a prefill node and a decode
+node on 127.0.0.4-6, in this process) and each history length, one run measures the time to first token (TTFT) of:
 
 - turn 1 (nothing cached);
 - turn 2 in the same tenant's namespace: its history cached;
@@ -23,17 +24,30 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import tempfile
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from mlxcel.base.errors import ConfigError
 from mlxcel.base.prefix_index import cache_namespace
 from mlxcel.bench.engine import mlx_lm_stream
 
 CACHE_BYTES = 4 << 30  # every mode's budget: far above what these chats hold
+
+
+def _context(model: Path) -> int:
+    from mlxcel.base.model_config import context_length
+
+    try:
+        return int(context_length(json.loads((model / "config.json").read_text())) or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 TENANT = cache_namespace("bench", None)
 _strangers = itertools.count()
 
@@ -95,6 +109,10 @@ async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
         async with _stage_processes(model, gen) as fe:
             yield fe
         return
+    if mode == "disagg":
+        async with _disaggregated(model, gen) as fe:
+            yield fe
+        return
     if mode == "tp":
         from mlxcel.serving.assembly import TensorParallelSpec
 
@@ -104,6 +122,31 @@ async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
     spec = LocalSpec(model) if mode == "local" else PipelineSpec(model, 2)
     async with assemble(spec, gen) as st:
         yield st.frontend
+
+
+@asynccontextmanager
+async def _disaggregated(model: Path, gen: Any) -> AsyncIterator[Any]:
+    """A router, a prefill node (keeping its prompt cache) and a decode node, each on its
+    own node in this process over authenticated TCP on 127.0.0.4-6."""
+    from mlxcel.net.network import free_port
+    from mlxcel.net.secret import ClusterSecret
+    from mlxcel.serving.assembly import DisaggSpec, assemble
+
+    secret = ClusterSecret(os.urandom(32), "bench")
+    p, d, r = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (4, 5, 6))
+    async with AsyncExitStack() as stack:
+        for spec in (
+            DisaggSpec("prefill", model, secret, p, (), (d,)),
+            DisaggSpec("decode", model, secret, d),
+        ):
+            node = await stack.enter_async_context(assemble(spec, gen))
+            await node.parts.listener.start()
+            stack.push_async_callback(node.parts.listener.close)
+        router = DisaggSpec("router", model, secret, r, (p,), (d,), startup_timeout=60)
+        rt = await stack.enter_async_context(assemble(router, gen))
+        await rt.parts.listener.start()
+        stack.push_async_callback(rt.parts.listener.close)
+        yield rt.frontend
 
 
 @asynccontextmanager
@@ -131,18 +174,29 @@ async def run_bench(model: Path, s: Any) -> int:
 
     from mlxcel.runtime.blas import blas_name
 
+    histories = [int(x) for x in s.history.split(",") if x.strip()]
+    context = _context(model)
+    for h in histories:
+        need = h + s.turn_tokens + 3 * s.tokens
+        if context and need > context:
+            raise ConfigError(
+                "--history",
+                f"{h} tokens of history, {s.turn_tokens} more in turn 2 and {s.tokens} "
+                f"generated each turn need {need} positions; the model holds {context}",
+            )
     ref_model, ref_tok = load(str(model))
     vocab = int(ref_model.args.vocab_size) if hasattr(ref_model, "args") else 256
-    histories = [int(x) for x in s.history.split(",") if x.strip()]
     modes = [m.strip() for m in s.modes.split(",") if m.strip()]
     rng = random.Random(0)
 
     def draw(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]
 
-    # Each engine first runs a whole chat of the same sizes on other tokens: kernels compile
-    # on a shape's first use (10-30 s on a GPU), which is not what a second turn costs.
-    chats = {h: (draw(h), draw(s.turn_tokens), draw(h), draw(s.turn_tokens)) for h in histories}
+    # Each engine first runs a whole chat on other tokens (at the first history length: the
+    # prompt runs in the same chunks at every length): kernels compile on a shape's first
+    # use (10-30 s on a GPU), which is not what a second turn costs.
+    chats = {h: (draw(h), draw(s.turn_tokens)) for h in histories}
+    warm = (draw(histories[0]), draw(s.turn_tokens))
     rows: list[dict] = []
 
     def row(engine: str, history: int, r: dict) -> None:
@@ -157,14 +211,14 @@ async def run_bench(model: Path, s: Any) -> int:
             }
         )
 
-    for h, (warm, warm_user, history, user) in chats.items():
-        _mlx_lm_chat(ref_model, ref_tok, warm, warm_user, s.tokens)
+    _mlx_lm_chat(ref_model, ref_tok, *warm, s.tokens)
+    for h, (history, user) in chats.items():
         row("mlx-lm", h, _mlx_lm_chat(ref_model, ref_tok, history, user, s.tokens))
     del ref_model
     for mode in modes:
         async with _frontend(mode, model) as fe:
-            for h, (warm, warm_user, history, user) in chats.items():
-                await _mlxcel_chat(fe, warm, warm_user, s.tokens)
+            await _mlxcel_chat(fe, *warm, s.tokens)
+            for h, (history, user) in chats.items():
                 row(f"mlxcel {mode}", h, await _mlxcel_chat(fe, history, user, s.tokens))
     local = {r["history"]: r["cached_ms"] for r in rows if r["engine"] == "mlxcel local"}
     for r in rows:

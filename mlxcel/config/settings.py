@@ -397,11 +397,13 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
         if (
             "prompt_cache_bytes" in self.model_fields_set
             and self.prompt_cache_bytes
-            and self.node_role != "hybrid"
+            and self.node_role in ("decode", "router")
         ):
             raise ValueError(
-                "--prompt-cache-bytes is for one-process serving, pipelines and tensor "
-                "parallelism (not yet for --node-role)"
+                f"--prompt-cache-bytes is for the node that prefills: one process, a "
+                f"pipeline, tensor parallelism or a prefill node, not --node-role "
+                f"{self.node_role} (a decode node takes each request's whole cache from "
+                "its prefill node; a router keeps none)"
             )
         return self
 

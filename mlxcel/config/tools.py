@@ -399,12 +399,15 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
     each mode, beside mlx-lm's own chat loop."""
 
     history: str = Field(
-        "2048,8192", description="tokens of history in turn 1, one run each (comma-separated)"
+        "2048,8000",
+        description="tokens of history in turn 1, one run each (comma-separated); each with "
+        "turn 2 and its replies must fit the model's context (8192 for the embedded models)",
     )
     modes: str = Field(
-        "local,pipeline,stages,tp",
+        "local,pipeline,stages,tp,disagg",
         description="where mlxcel runs: local (one process), pipeline (2 stages in-process), "
         "stages (2 stage processes on 127.0.0.2/127.0.0.3), tp (2 tensor-parallel ranks), "
+        "disagg (a router, a prefill and a decode node on 127.0.0.4-6), "
         "comma-separated",
     )
     turn_tokens: int = Field(32, ge=1, le=4096, description="new user tokens in turn 2")
@@ -428,4 +431,4 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
         return v
 
 
-PROMPT_CACHE_MODES = ("local", "pipeline", "stages", "tp")
+PROMPT_CACHE_MODES = ("local", "pipeline", "stages", "tp", "disagg")

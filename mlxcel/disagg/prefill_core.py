@@ -84,6 +84,7 @@ class PrefillConfig:
     # Tensor bytes in one handoff message (0: 1/64 of the cache, within PART_BYTES): small
     # parts let other handoffs to the same node through between them.
     part_bytes: int = 0
+    keeps_prompts: bool = False  # its engine keeps a prompt cache (told to the router)
 
 
 class PrefillCore:
@@ -194,7 +195,7 @@ class PrefillCore:
         ask = SlotRequest(m.request_id, lease.id, source) if m.sampling.max_tokens > 1 else None
         lease.slot = None if ask is not None else False
         return ([Send(target, ask)] if ask else []) + [
-            StartCompute(PrefillJob(lease.id, m.request_id, m.token_ids, one))
+            StartCompute(PrefillJob(lease.id, m.request_id, m.token_ids, one, m.cache_ns))
         ]
 
     def _lease_at(
@@ -230,9 +231,11 @@ class PrefillCore:
         key_state: tuple[int, ...],
         now: float,
         top: tuple[tuple[int, ...], tuple[float, ...]] | None = None,
+        cached: int = 0,
     ) -> list[Effect]:
         """The prompt ran: ``token_ids`` is the first token (empty at end of sequence);
-        ``top``: its top_logprobs alternatives (ids, logprobs), when asked for."""
+        ``top``: its top_logprobs alternatives (ids, logprobs), when asked for; ``cached``:
+        the prompt tokens the prompt cache supplied."""
         x = self.leases.get(lease_id)
         if x is None:
             return []  # cancelled (or refused by the decode node) as it ran: freed then
@@ -249,6 +252,8 @@ class PrefillCore:
             m.nonce,
             logprobs,
             *(top or (None, None)),
+            cached_tokens=cached,
+            kept=self.config.keeps_prompts,
         )
         out: list[Effect] = [Send(x.router, first)]
         if final:

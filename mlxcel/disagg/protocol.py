@@ -203,6 +203,7 @@ class PrefillJob:
     request_id: str  # the request's one id (the router's), the engine's for the prompt too
     token_ids: tuple[int, ...]
     sampling: SamplingParams  # max_tokens=1: the prefill samples only the first token
+    cache_ns: str = ""  # the prompt cache's namespace: its tenant's
 
 
 @dataclass(frozen=True, slots=True)

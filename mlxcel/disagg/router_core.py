@@ -30,6 +30,7 @@ from mlxcel.base.messages import (
     TokenResult,
     prompt_problem,
 )
+from mlxcel.base.prefix_index import PrefixAffinity
 from mlxcel.disagg.protocol import (
     DROP_GRACE,
     HANDOFF_TIMEOUT,
@@ -46,6 +47,11 @@ from mlxcel.disagg.route import Route
 from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
 
 FIGURES_WAIT = 2.0  # a State query not sent by then is not worth sending
+# Cache-aware routing: a prefix this long at least, on a node this many requests busier than
+# the least busy one at most; the positions of prompts recorded per node.
+MIN_AFFINITY = 16
+AFFINITY_SLACK = 2
+AFFINITY_POSITIONS = 1 << 22
 # Errors from a node that say a handoff between the two nodes failed (the link, or one of them)
 HANDOFF_CODES = frozenset(
     {ErrorCode.HANDOFF_TIMEOUT, ErrorCode.HANDOFF_FAILED, ErrorCode.NODE_UNREACHABLE}
@@ -64,8 +70,12 @@ class RouterCore:
         capacity: int = NODE_CAPACITY,
         vocab: int = 1 << 30,
         max_len: int = 1 << 30,
+        affinity_positions: int = AFFINITY_POSITIONS,
     ) -> None:
         self.vocab, self.max_len = vocab, max_len
+        # Which prefill node holds which prompts (their own reports): a conversation's next
+        # turn goes where its history is cached, when that node is not much busier.
+        self.affinity = PrefixAffinity(affinity_positions)
         self.table = NodeTable(prefill, decode, capacity)
         self.nodes = self.table.by_address
         self._nonces = itertools.count(first_nonce)
@@ -308,7 +318,7 @@ class RouterCore:
             problem = prompt_problem(e.token_ids, max_tokens, self.vocab, self.max_len) or ""
         if problem:  # refused here, as a single node would: no node sees it
             return [Deliver(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))]
-        p = self.table.pick("prefill", now)
+        p, expected = self._prefill_for(e, now)
         d = self.table.pick("decode", now)
         if p is None or d is None:
             self.counts["rejected"] += 1
@@ -323,6 +333,7 @@ class RouterCore:
             e.request_id, f"{e.request_id}@{nonce:x}", e, nonce, p, d, now + self.prefill_timeout
         )
         r.tried.add(p)
+        r.expected = expected
         self.routes[r.request_id] = r
         self._wire[r.wire] = r.request_id
         self.nodes[d].active += 1
@@ -330,11 +341,28 @@ class RouterCore:
         self.counts["routed"] += 1
         return self._dispatch(r, now)
 
+    def _prefill_for(self, e: RunEntry, now: float) -> tuple[str | None, tuple[int, int] | None]:
+        """The prefill node for ``e``: the one whose prompt cache holds the longest prefix of
+        it (in its tenant's namespace) while that node is at most AFFINITY_SLACK requests
+        busier than the least busy one; otherwise the next by load (SGLang's cache-aware
+        policy, with the nodes' own reports in place of its approximate tree)."""
+        ready = [a for a in self.table.by_role["prefill"] if self.table.can_take(a, now)]
+        hit = self.affinity.best(ready, e.cache_ns, e.token_ids, now)
+        if hit is not None and hit[2] >= MIN_AFFINITY:
+            node, record, n = hit
+            least = min(self.nodes[a].active for a in ready)
+            if self.nodes[node].active <= least + AFFINITY_SLACK:
+                self.counts["cache_routed"] += 1
+                return node, (record, n)
+        return self.table.pick("prefill", now), None
+
     def _dispatch(self, r: Route, now: float) -> list[Effect]:
         node = self.nodes[r.prefill]
         node.active += 1
         node.dispatched += 1
-        req = PrefillRequest(r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce)
+        req = PrefillRequest(
+            r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce, r.entry.cache_ns
+        )
         return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
 
     def _cancel(self, request_id: str) -> list[Effect]:
@@ -407,6 +435,11 @@ class RouterCore:
         if t.index == 0 and r.prefill_busy:  # the prefill node's part is done
             r.prefill_busy = False
             self.nodes[r.prefill].active -= 1
+        if t.index == 0:  # what the prefill node says of its prompt cache
+            if r.expected is not None:
+                self.affinity.served(r.prefill, r.expected[0], r.expected[1], t.cached_tokens)
+            if t.kept:
+                self.affinity.held(r.prefill, r.entry.cache_ns, r.entry.token_ids, now)
         r.deadline = now + self.handoff_timeout
         out: list[Effect] = [
             Deliver(
@@ -419,6 +452,7 @@ class RouterCore:
                     t.logprobs,
                     top_ids=t.top_ids,
                     top_logprobs=t.top_logprobs,
+                    cached_tokens=t.cached_tokens if t.index == 0 else 0,
                 )
             )
         ]
@@ -473,6 +507,7 @@ class RouterCore:
             return []
         node.online, node.down_since = False, now
         node.figures = {}  # a lost node's last figures are not its figures
+        self.affinity.forget(node.address)  # nor its prompt cache, once it is back
         return list(self.membership.lost(node.id, node.last_error, now))
 
     def stats(self) -> dict[str, Any]:

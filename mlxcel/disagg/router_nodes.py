@@ -79,6 +79,12 @@ class NodeTable:
         self._rr = {"prefill": itertools.cycle(prefill), "decode": itertools.cycle(decode)}
         self.by_role = {"prefill": list(prefill), "decode": list(decode)}
 
+    def can_take(self, address: str, now: float) -> bool:
+        """Whether node ``address`` takes a request now: online, not draining, below its
+        capacity, its handoffs not failing."""
+        n = self.by_address[address]
+        return n.online and not n.draining and n.active < self.capacity and not n.avoided(now)
+
     def pick(
         self, role: str, now: float, exclude: frozenset[str] | set[str] = frozenset()
     ) -> str | None:

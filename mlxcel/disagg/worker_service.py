@@ -86,7 +86,9 @@ class PrefillService(DisaggAdapter):
         if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
             job = effect.job
             # The lease rides in the nonce: the engine's answer names it back.
-            entry = RunEntry(job.request_id, 0, job.token_ids, 0, job.sampling, job.lease)
+            entry = RunEntry(
+                job.request_id, 0, job.token_ids, 0, job.sampling, job.lease, cache_ns=job.cache_ns
+            )
             self._to_engine.put(PrefillEntry(entry))
         elif isinstance(effect, FreeCache):
             self._to_engine.put(ReleaseSequence(effect.key))
@@ -113,8 +115,16 @@ class PrefillService(DisaggAdapter):
         top = (r.top_ids, r.top_logprobs) if r.top_ids and r.top_logprobs else None
         self.feed(
             self.prefill.compute_done(
-                lease, r.token_ids, r.finish_reason, r.logprobs, packed, key, now, top
-            )
+                lease,
+                r.token_ids,
+                r.finish_reason,
+                r.logprobs,
+                packed,
+                key,
+                now,
+                top,
+                r.cached_tokens,
+            )  # fmt: skip
         )
 
 

@@ -70,6 +70,9 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
                 max_sequences=NODE_CAPACITY,  # what the router lets a node hold
+                # A prefill node keeps the prompts it ran, for the next turns the router sends
+                # it (a decode node keeps nothing: each handoff brings the whole cache).
+                prompt_cache_bytes=gen.prompt_cache_bytes if spec.role == "prefill" else 0,
             )
             engine.runtime.run_steps = gen.stream_interval
             await engine.attach()
@@ -125,6 +128,7 @@ async def _prefill_service(
         lease=spec.handoff_lease,
         lease_max=spec.handoff_lease_max,
         max_sequences=NODE_CAPACITY,
+        keeps_prompts=engine.runtime.prompt_cache is not None,
     )
     return PrefillService(node, endpoint, engine, cfg)
 

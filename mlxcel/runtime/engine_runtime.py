@@ -244,14 +244,17 @@ class EngineRuntime:
             if r.finish_reason is not None and request_id not in self._kept_samplers:
                 self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache)
             if r.finish_reason is not None and request_id in self._kept_samplers:
-                self._namespace.pop(r.uid, None)
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:
                     packed = pack(r.prompt_cache or [], prompt_len, int(r.token))
                 except Exception as exc:  # this sequence fails alone, the batch goes on
+                    self._namespace.pop(r.uid, None)
                     out.failed[request_id] = f"could not pack the KV cache: {exc}"
                     continue
                 out.kept[request_id] = (packed, key_after_first(sampler))
+                # A prefill node's prompt, for its conversation's next turn (after packing:
+                # keeping compacts the cache the handoff was just read from).
+                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache)
         return news
 
     def _record(
@@ -298,7 +301,7 @@ class EngineRuntime:
         """The cache a sequence starts from and how many of its prompt tokens that cache
         covers. A handed-off cache covers what came before ``token_ids``; otherwise the
         prompt cache may cover a prefix of them (its namespace's only)."""
-        if i.cache is not None or i.keep_cache or self.prompt_cache is None:
+        if i.cache is not None or self.prompt_cache is None:
             return i.cache, 0
         return self.prompt_cache.fetch(i.entry.token_ids, i.entry.cache_ns)
 

@@ -271,8 +271,9 @@ def test_bench_prompt_cache_prints_every_mode_beside_mlx_lm(tiny: Path) -> None:
 @pytest.mark.parametrize(
     ("flag", "value", "needle"),
     [
-        ("--modes", "local,disagg", "modes are local, pipeline, stages, tp"),
+        ("--modes", "local,ring", "modes are local, pipeline, stages, tp, disagg"),
         ("--history", "8,100", "16"),
+        ("--history", "100,9000", "the model holds"),
     ],
 )
 def test_bench_prompt_cache_refuses_unknown_modes_and_sizes(

@@ -223,7 +223,7 @@ def test_the_server_reports_cached_tokens_and_counts_hits(
                 "--serving-bind",
                 "127.0.0.5:1",
             ],
-            "not yet for --node-role",
+            "not --node-role decode",
         ),
     ],
 )

@@ -157,13 +157,18 @@ messages = st.one_of(
     st.builds(
         TpStep,
         st.lists(
-            st.builds(TpInsert, ids, st.lists(u64, max_size=5).map(tuple), sampling), max_size=3
+            st.builds(
+                TpInsert, ids, st.lists(u64, max_size=5).map(tuple), sampling, small_ints, ids
+            ),
+            max_size=3,
         ).map(tuple),
         st.lists(small_ints, max_size=4).map(tuple),
         st.booleans(),
     ),
     st.builds(TpJoin, small_ints, ids, ids, ids, ids),
-    st.builds(TpRing, st.lists(ids, max_size=4).map(tuple), ids, st.binary(max_size=32)),
+    st.builds(
+        TpRing, st.lists(ids, max_size=4).map(tuple), ids, st.binary(max_size=32), small_ints
+    ),
     st.builds(
         AssignOffer,
         small_ints,
@@ -187,7 +192,7 @@ messages = st.one_of(
     st.builds(AssignActivated, u64),
     st.builds(AssignAbort, u64, ids),
     st.builds(Beacon, ids, ids, ids, floats, st.binary(max_size=32), st.binary(max_size=32)),
-    st.builds(PrefillRequest, ids, st.lists(u64, max_size=5).map(tuple), sampling, ids, u64),
+    st.builds(PrefillRequest, ids, st.lists(u64, max_size=5).map(tuple), sampling, ids, u64, ids),
     st.builds(
         KvHandoff,
         ids,
@@ -216,6 +221,10 @@ messages = st.one_of(
         st.none() | ids,
         u64,
         st.none() | st.lists(floats, max_size=3).map(tuple),
+        st.none() | st.lists(u64, max_size=3).map(tuple),
+        st.none() | st.lists(floats, max_size=3).map(tuple),
+        small_ints,
+        st.booleans(),
     ),
 )
 
