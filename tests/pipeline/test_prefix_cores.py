@@ -257,7 +257,7 @@ def test_a_large_eviction_goes_in_messages_a_stage_accepts() -> None:
     c = coordinator(capacity=20_000)
     assert c.prefixes is not None
     for i in range(5000):
-        c.prefixes.insert("n", (i + 16, i), 0.0)
+        c.prefixes.insert(f"tenant-{i}", (i + 16, i), 0.0)  # one scan each: fast
     out = c.peer_lost(S0, 1.0)
     per_stage = [[m for d, m in msgs(out, EvictPrefixes) if d == s] for s in (S0, S1)]
     assert [[len(m.entries) for m in ms] for ms in per_stage] == [[4096, 904]] * 2
