@@ -76,6 +76,8 @@ def run_follower(
             step = broadcast_step(group, None, seal)
             if step.stop:
                 return 0
+            # Rank 0's order: its cache is looked up before the step's leaves are kept.
+            starts = _starts(kept, step.inserts, group, agree) if step.inserts else []
             if step.removals:
                 if kept is not None:  # rank 0 keeps what a cancelled sequence computed
                     decoding = [u for u in step.removals if u in gen._generation_batch.uids]
@@ -85,7 +87,6 @@ def run_follower(
                     namespace.pop(uid, None)
                 gen.remove(list(step.removals))
             if step.inserts:
-                starts = _starts(kept, step.inserts, group, agree)
                 uids = gen.insert(
                     [list(i.token_ids[n:]) for i, (_, n) in zip(step.inserts, starts, strict=True)],
                     max_tokens=[i.sampling.max_tokens for i in step.inserts],
