@@ -27,8 +27,9 @@ class Route:
     # Its decode node dropped a connection: tokens sent on it may be lost, so the stream must
     # go on by this time (a live node's next token comes on a new connection at once).
     quiet_by: float | None = None
-    # The prefill node was chosen for the prompt it was recorded to hold: (record, positions).
-    expected: tuple[int, int] | None = None
+    # The prefill node was chosen for the prompt it was recorded to hold: (that node, its
+    # record, positions). A failover to another node makes it moot.
+    expected: tuple[str, int, int] | None = None
 
     def missed(self, prefill: str, decode: str, prefill_timeout: float, handoff: float) -> str:
         """What its deadline passing means, where it stood (``prefill``, ``decode``: the

@@ -341,7 +341,9 @@ class RouterCore:
         self.counts["routed"] += 1
         return self._dispatch(r, now)
 
-    def _prefill_for(self, e: RunEntry, now: float) -> tuple[str | None, tuple[int, int] | None]:
+    def _prefill_for(
+        self, e: RunEntry, now: float
+    ) -> tuple[str | None, tuple[str, int, int] | None]:
         """The prefill node for ``e``: the one whose prompt cache holds the longest prefix of
         it (in its tenant's namespace) while that node is at most AFFINITY_SLACK requests
         busier than the least busy one; otherwise the next by load (SGLang's cache-aware
@@ -353,7 +355,7 @@ class RouterCore:
             least = min(self.nodes[a].active for a in ready)
             if self.nodes[node].active <= least + AFFINITY_SLACK:
                 self.counts["cache_routed"] += 1
-                return node, (record, n)
+                return node, (node, record, n)
         return self.table.pick("prefill", now), None
 
     def _dispatch(self, r: Route, now: float) -> list[Effect]:
@@ -436,8 +438,8 @@ class RouterCore:
             r.prefill_busy = False
             self.nodes[r.prefill].active -= 1
         if t.index == 0:  # what the prefill node says of its prompt cache
-            if r.expected is not None:
-                self.affinity.served(r.prefill, r.expected[0], r.expected[1], t.cached_tokens)
+            if r.expected is not None and r.expected[0] == r.prefill:  # not failed over
+                self.affinity.served(r.prefill, r.expected[1], r.expected[2], t.cached_tokens)
             if t.kept:
                 self.affinity.held(r.prefill, r.entry.cache_ns, r.entry.token_ids, now)
         r.deadline = now + self.handoff_timeout

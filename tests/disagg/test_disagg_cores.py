@@ -815,3 +815,71 @@ def test_router_bookkeeping_of_a_completed_a_failed_and_a_cancelled_request() ->
         (s.dest, "cancelled"),
         (s.msg.decode_target, "cancelled"),
     }
+
+
+# --- the router's cache-aware routing ----------------------------------------------------------
+def chat_turn(r: RouterCore, rid: str, tokens: tuple[int, ...], ns: str, now: float) -> Send:
+    e = RunEntry(rid, 0, tokens, 0, SamplingParams(max_tokens=1), 7, cache_ns=ns)
+    (s,) = sends(r.handle(e, "local", now), PrefillRequest)
+    assert s.msg.cache_ns == ns
+    return s
+
+
+def finish(r: RouterCore, s: Send, cached: int, kept: bool, now: float) -> RunResult:
+    m = s.msg
+    t = TokenResult(m.request_id, 0, (5,), "length", m.nonce, cached_tokens=cached, kept=kept)
+    (out,) = delivered(r.handle(t, s.dest, now))
+    return out
+
+
+def test_a_turn_goes_to_the_prefill_node_that_reported_keeping_its_history() -> None:
+    r = online_router()
+    history = tuple(range(100, 140))
+    first = chat_turn(r, "a1", history, "alice", 0.0)
+    assert first.dest == P0
+    assert finish(r, first, 0, True, 0.1).cached_tokens == 0
+    # Round robin alone would now pick P1; the history is on P0.
+    second = chat_turn(r, "a2", (*history, 7, 8), "alice", 0.2)
+    assert second.dest == P0 and r.counts["cache_routed"] == 1
+    assert finish(r, second, 40, True, 0.3).cached_tokens == 40  # passed on to the client
+    # Another tenant's identical turn is routed by load, never by alice's records.
+    assert chat_turn(r, "b1", (*history, 7, 8), "bob", 0.4).dest == P1
+    assert r.counts["cache_routed"] == 1
+
+
+def test_a_busier_node_or_a_node_that_evicted_the_history_is_not_chosen_for_it() -> None:
+    r = online_router()
+    history = tuple(range(100, 140))
+    first = chat_turn(r, "a1", history, "alice", 0.0)
+    finish(r, first, 0, True, 0.1)
+    busy = [chat_turn(r, f"x{i}", (i + 1,), "", 0.2) for i in range(6)]  # 3 each, in flight
+    assert {s.dest for s in busy[0::2]} == {P1} and {s.dest for s in busy[1::2]} == {P0}
+    for s in busy[0::2]:  # P1's three end: P0 is now 3 busier than P1
+        finish(r, s, 0, False, 0.3)
+    assert chat_turn(r, "a2", (*history, 9), "alice", 0.4).dest == P1
+    for s in busy[1::2]:
+        finish(r, s, 0, False, 0.5)
+    # P0 is free again and still holds the history; it serves less than promised (it evicted
+    # it): the record goes, and the next turn is routed by load.
+    s = chat_turn(r, "a3", (*history, 9, 9), "alice", 0.6)
+    assert s.dest == P0
+    finish(r, s, 0, False, 0.7)
+    assert r.affinity.records(P0) == 0
+    routed = r.counts["cache_routed"]
+    chat_turn(r, "a4", (*history, 9, 9, 9), "alice", 0.8)
+    assert r.counts["cache_routed"] == routed
+
+
+def test_a_node_marked_down_loses_its_records_and_a_failover_drops_none_of_the_others() -> None:
+    r = online_router()
+    history = tuple(range(100, 140))
+    finish(r, chat_turn(r, "a1", history, "alice", 0.0), 0, True, 0.1)  # on P0
+    finish(r, chat_turn(r, "b1", tuple(range(200, 240)), "alice", 0.2), 0, True, 0.3)  # P1
+    s = chat_turn(r, "a2", (*history, 1), "alice", 0.4)
+    assert s.dest == P0  # P0 holds it ...
+    out = r.undeliverable(s, "connection refused", 0.5, unsent=True)  # fails over to P1
+    assert [x.dest for x in sends(out, PrefillRequest)] == [P1]
+    assert r.affinity.records(P0) == 0  # marked down: its cache is not trusted when back
+    (moved,) = sends(out, PrefillRequest)
+    finish(r, moved, 0, True, 0.6)  # P1 served less than P0's record promised: not P1's
+    assert r.affinity.records(P1) == 2
