@@ -106,8 +106,10 @@ def _render(view: dict[str, Any], before: dict[str, Any] | None) -> str:
 
 def status(s: StatusSettings) -> int:
     key = s.api_key.get_secret_value() if s.api_key is not None else None
-    if key is not None and "," in key:  # MLXCEL_API_KEY holding the server's several keys
-        key = key.split(",")[0].strip()
+    if key is not None:  # MLXCEL_API_KEY may hold the server's several keys: send the first
+        from mlxcel.server.access import parse_api_keys
+
+        key = parse_api_keys(key, None)[0]
     before = fetch(s.url, key)
     if not s.watch:
         time.sleep(min(1.0, s.interval))  # a second view: tokens a second need two

@@ -406,8 +406,8 @@ class CoordinatorCore:
             out.extend(Send(s, msg) for s in self.stages)
 
     def _refill(self, req: Req, source: str, why: str, now: float, out: list[Effect]) -> None:
-        """A stage lacks the cached prefix ``req`` started from (it restarted, or its budget
-        refused the entry): the entry is forgotten everywhere and the request prefills in
+        """A stage lacks the cached prefix ``req`` started from (it restarted, or dropped the
+        entry to stay within its own budget): the entry is forgotten everywhere and the request prefills in
         full, from the front of the queue. Never an error, never wrong tokens."""
         assert self.prefixes is not None
         entry = req.from_entry

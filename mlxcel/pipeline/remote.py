@@ -149,7 +149,8 @@ async def coordinator_stack(
             micro_batch_size=spec.micro_batch_size,
             stage_max_batch=gen.max_batch_size,
             # Each stage process has its own --prompt-cache-bytes; the coordinator plans as if
-            # it were its own (a stage given less refuses entries past it: they prefill again).
+            # it were its own (a stage given less makes room by its oldest entries: a request
+            # that asks for one of those prefills in full).
             prompt_cache_tokens=prompt_cache_positions(
                 gen.prompt_cache_bytes,
                 config,

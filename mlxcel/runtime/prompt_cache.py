@@ -3,7 +3,8 @@
 A multi-turn chat resends its whole history every turn; with this store the engine prefills
 only what is new. Entries belong to a namespace -- a tenant's (API key, ``cache_salt``; see
 :func:`mlxcel.base.prefix_index.cache_namespace`) -- and a prompt reuses only its own
-namespace's: mlx-lm's trie is keyed by a "model" name, and the namespace is that key. The store is mlx-lm's own ``LRUPromptCache`` (a token trie, the one
+namespace's: mlx-lm's trie is keyed by a "model" name, and the namespace is that key. The
+store is mlx-lm's own ``LRUPromptCache`` (a token trie, the one
 ``mlx_lm.server`` uses), bounded in bytes; it evicts the least recently *stored* entry (a
 lookup does not refresh one; a conversation's next turn stores a longer entry that replaces
 it). This module adds what a server needs around it: the one-token rule on exact hits,

@@ -73,10 +73,10 @@ def _unauthorized(message: str) -> web.Response:
     return _error(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
-def api_key_middleware(keys: str | tuple[str, ...], shared_cache: bool = False) -> Any:
+def api_key_middleware(keys: tuple[str, ...], shared_cache: bool = False) -> Any:
     """Requests must carry one of ``keys``; each key is its own tenant of the prompt cache
     unless ``shared_cache`` (then every key shares one)."""
-    expected = [(k.encode(), "" if shared_cache else tenant_of(k)) for k in _keys(keys)]
+    expected = [(k.encode(), "" if shared_cache else tenant_of(k)) for k in keys]
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -98,10 +98,6 @@ def api_key_middleware(keys: str | tuple[str, ...], shared_cache: bool = False) 
         return await handler(request)
 
     return require_api_key
-
-
-def _keys(keys: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (keys,) if isinstance(keys, str) else tuple(keys)
 
 
 def parse_api_keys(text: str | None, file_text: str | None) -> tuple[str, ...]:
