@@ -39,8 +39,9 @@ def digest_of(h: KvHandoff, tensors: bytes) -> bytes:
         tuple(h.rng_key),
         h.prompt_len,
         tuple(h.context),
+        h.cache_ns,
     )
-    d = hashlib.sha256(b"mlxcel-kv-handoff-1|")
+    d = hashlib.sha256(b"mlxcel-kv-handoff-2|")
     d.update(repr(fields).encode())
     d.update(tensors)
     return d.digest()
@@ -105,7 +106,9 @@ def _row_bytes(t: Tensor) -> int:
 
 
 def part_of(h: KvHandoff, plan: list[list[Piece]], k: int) -> KvHandoff:
-    """Part ``k`` of ``h`` as ``plan`` cuts it; ``h`` itself when the plan has one part."""
+    """Part ``k`` of ``h`` as ``plan`` cuts it; ``h`` itself when the plan has one part. The
+    prompt's tokens travel in part 0 only (a long prompt in every part would cost more than
+    small parts' tensors); the digest binds them once the parts are joined."""
     if len(plan) == 1:
         return h
     tensors = tensors_of(h)
@@ -123,11 +126,12 @@ def part_of(h: KvHandoff, plan: list[list[Piece]], k: int) -> KvHandoff:
         parts=len(plan),
         pieces=tuple(i for i, _, _ in plan[k]),
         layout=tuple(tuple(t.shape) for t in tensors),
+        context=h.context if k == 0 else (),
     )
 
 
 def header(h: KvHandoff) -> tuple[object, ...]:
-    """What every part of one handoff must agree on."""
+    """What every part of one handoff must agree on (the prompt's tokens ride in part 0)."""
     return (
         h.request_id,
         h.lease,
@@ -140,7 +144,7 @@ def header(h: KvHandoff) -> tuple[object, ...]:
         h.digest,
         h.parts,
         h.layout,
-        h.context,
+        h.cache_ns,
     )
 
 

@@ -507,7 +507,24 @@ class ResumeSequence(Message):
     context: tuple[int, ...]
 
 
-LOCAL_ONLY: tuple[type[Message], ...] = (Undecodable, PrefillEntry, CacheKept, ResumeSequence)
+@dataclass(frozen=True, slots=True)
+class ContinueEntry(Message):
+    """Local only: run ``entry`` from its namespace's prompt cache, which must supply at
+    least ``min_cached`` of its prompt tokens; otherwise it ends at once with
+    ``prefix_not_cached``, nothing prefilled (a decode node continuing a conversation)."""
+
+    KIND: ClassVar[int] = 1004
+    entry: RunEntry
+    min_cached: int
+
+
+LOCAL_ONLY: tuple[type[Message], ...] = (
+    Undecodable,
+    PrefillEntry,
+    CacheKept,
+    ResumeSequence,
+    ContinueEntry,
+)
 
 
 # --- zero-config bring-up (mlxcel.bringup): the assignment channel and discovery beacons -----
@@ -623,6 +640,10 @@ class PrefillRequest(Message):
     decode_target: str
     nonce: int  # the router's per-request nonce; every result for the request carries it
     cache_ns: str = ""  # the prompt cache's namespace (its tenant's): see RunEntry
+    # Sent to a decode node (a conversation it keeps): the prompt tokens its cache must
+    # supply at least, or it answers ``prefix_not_cached`` and prefills nothing (a stale
+    # record at the router never costs a decode node a whole prompt). 0 for a prefill node.
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,11 +672,13 @@ class KvHandoff(Message):
     digest: bytes  # SHA-256 over the whole handoff but ``lease`` and the split (see mlxcel.base.handoff)
     part: int = 0
     parts: int = 1
-    # The prompt's last tokens (as many as a penalty looks back): the decode node's
-    # penalties see the same context the prefill node's did.
+    # The prompt's tokens, all of them (in the first part only): the decode node's penalties
+    # look back on them, and a decode node that keeps conversations stores the cache under
+    # them when the stream ends, in ``cache_ns``.
     context: tuple[int, ...] = ()
     pieces: tuple[int, ...] = ()  # a part: the tensor index of each piece in ``keys``
     layout: tuple[tuple[int, ...], ...] = ()  # a part: the shape of every tensor, wire order
+    cache_ns: str = ""  # the request's prompt-cache namespace (its tenant's): see RunEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -718,8 +741,10 @@ class TokenResult(Message):
     # top_logprobs alternatives, as in RunResult: per token, sampling.top_logprobs (id, logprob)
     top_ids: tuple[int, ...] | None = None
     top_logprobs: tuple[float, ...] | None = None
-    # Index 0: prompt tokens the prefill node took from its prompt cache, and whether it now
-    # keeps this prompt there (what a router routes the next turn by).
+    # Index 0: prompt tokens the node took from its prompt cache. ``kept``: at index 0 from a
+    # prefill node, it now keeps this prompt; on the last token from a decode node, it keeps
+    # the whole conversation (the prompt and what it generated). What a router routes the
+    # next turn by.
     cached_tokens: int = 0
     kept: bool = False
 

@@ -397,13 +397,11 @@ class ServeSettings(ModelSettings, PipelineSettings, HttpApiSettings, MlxLmSetti
         if (
             "prompt_cache_bytes" in self.model_fields_set
             and self.prompt_cache_bytes
-            and self.node_role in ("decode", "router")
+            and self.node_role == "router"
         ):
             raise ValueError(
-                f"--prompt-cache-bytes is for the node that prefills: one process, a "
-                f"pipeline, tensor parallelism or a prefill node, not --node-role "
-                f"{self.node_role} (a decode node takes each request's whole cache from "
-                "its prefill node; a router keeps none)"
+                "--prompt-cache-bytes is for a node that runs the model: a router keeps no "
+                "cache (its prefill and decode nodes each take their own)"
             )
         return self
 

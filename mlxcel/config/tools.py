@@ -202,7 +202,8 @@ class SimSettings(_HasModel):
         None,
         description="deliberate bugs, comma-separated (skip-owner-check, accept-stale-nonce, "
         "shared-prefix-index; "
-        "bringup: activate-early; disagg: read-uncommitted; any scenario, in the effect "
+        "bringup: activate-early; disagg: read-uncommitted, prefill-drops-namespace; any "
+        "scenario, in the effect "
         "runner: runner-drop-delivery)",
     )
     json_lines: bool = json_lines_field()
@@ -216,6 +217,7 @@ class SimSettings(_HasModel):
             "shared-prefix-index",
             "activate-early",
             "read-uncommitted",
+            "prefill-drops-namespace",
             "runner-drop-delivery",
         )
         for bug in (v or "").split(","):

@@ -14,6 +14,15 @@ Before that, as a prompt starts, its prefill node asks for a slot (``SlotRequest
 held, counted against ``max_sequences``, until the handoff comes; a full or draining node,
 or a request for a router it does not serve, says why not while the prompt still runs. Every
 refusal leaves a rate-limited line naming its sender (``decode-refusal``).
+
+A decode node with a prompt cache keeps each finished conversation -- the prompt the handoff
+carried and every token it generated -- in the request's namespace, and says so on the last
+token (``kept``). The next turn of that conversation comes from the router as a
+``PrefillRequest`` (a *continuation*): this node runs it from its own cache, prefilling only
+what is new, and streams every token from index 0 itself. The request names how many prompt
+tokens the cache must supply; a cache that evicted the conversation answers
+``prefix_not_cached`` before prefilling anything, and the router sends the turn the usual way.
+Only a router this node serves may ask.
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ from mlxcel.base.messages import (
     HandoffVerdict,
     KvHandoff,
     Message,
+    PrefillRequest,
     QueryState,
     RunResult,
     SlotAnswer,
     SlotRequest,
     State,
     TokenResult,
+    prompt_problem,
 )
 from mlxcel.disagg.protocol import (
     MAX_PARTS,
@@ -51,10 +62,12 @@ from mlxcel.disagg.protocol import (
     SLOT_TABLE,
     TOMBSTONE_TTL,
     VERDICT_WAIT,
+    ContinueJob,
     ResumeJob,
     SlotEvent,
     SlotState,
     VerifyJob,
+    min_cached,
 )
 
 MAX_ROUTERS = 64  # router identities remembered (the newest that spoke to this node)
@@ -63,9 +76,10 @@ MAX_ROUTERS = 64  # router identities remembered (the newest that spoke to this 
 @dataclass
 class Slot:
     id: int
-    prefill: str  # who sent the handoff (and holds its lease)
-    handoff: KvHandoff
+    prefill: str  # who sent the handoff (and holds its lease); "" for a continuation
+    handoff: KvHandoff  # a continuation's: its header only (no lease, no tensors)
     state: SlotState = SlotState.VERIFYING
+    continued: bool = False  # a conversation's next turn, run here from this node's cache
     deadline: float | None = None
     index: int = 1  # the next token's index (the prefill node sent index 0)
     pieces: dict[int, KvHandoff] = field(default_factory=dict)  # parts received so far
@@ -91,6 +105,7 @@ class DecodeConfig:
     dims: tuple[int, int, int, int] | None = None
     # The routers it serves (--router-peers); None: any router that polls this node.
     routers: frozenset[str] | None = None
+    keeps: bool = False  # its engine keeps finished conversations (a prompt cache)
 
 
 class DecodeCore:
@@ -153,6 +168,8 @@ class DecodeCore:
             return self._verdict(msg, source)
         if isinstance(msg, SlotRequest):
             return self._slot_request(msg, source, now)
+        if isinstance(msg, PrefillRequest):
+            return self._continue(msg, source)
         if isinstance(msg, QueryState):
             self._router_seen(source)
         if isinstance(msg, QueryState):  # figures for the router's stats (no secrets)
@@ -211,6 +228,47 @@ class DecodeCore:
             return f"decode node full ({self.config.max_sequences} sequences)"
         return ""
 
+    def _continue(self, m: PrefillRequest, source: str) -> list[Effect]:
+        """A router sends a conversation's next turn here, where its history is cached."""
+        c = self.config
+        why = ""
+        if (source, m.request_id) in self._tombstones:
+            why = "the router cancelled this request"
+        elif m.request_id in self._by_id:
+            sid = self._by_id[m.request_id]
+            if self.slots[sid].continued and self.slots[sid].handoff.nonce == m.nonce:
+                return []  # the same request again: it runs already
+            why = "this node already decodes that request"
+        elif not c.keeps:
+            why = "this decode node keeps no conversations (no prompt cache)"
+        else:
+            why = self._no_slot(source)
+        if not why:
+            why = prompt_problem(m.token_ids, m.sampling.max_tokens, c.vocab, c.max_len) or ""
+            if why:  # checked by the router already: a member's malformed request
+                self.counts["refused"] += 1
+                return [
+                    self._refused("continuation", m.request_id, source, why),
+                    Send(source, Error(ErrorCode.BAD_REQUEST, why, m.request_id, m.nonce)),
+                ]
+        if why:  # not now: the router sends the turn the usual way, through a prefill node
+            self.counts["refused"] += 1
+            return [
+                self._refused("continuation", m.request_id, source, why),
+                Send(source, Error(ErrorCode.DECODE_REFUSED, why, m.request_id, m.nonce)),
+            ]
+        head = KvHandoff(
+            m.request_id, 0, source, m.nonce, 0, m.sampling, (), len(m.token_ids), (), (), b"",
+            cache_ns=m.cache_ns,
+        )  # fmt: skip
+        s = Slot(next(self._ids), "", head, SlotState.DECODING, continued=True, index=0)
+        self.slots[s.id] = s
+        self._by_id[m.request_id] = s.id
+        self.counts["continued"] += 1
+        need = min_cached(m.cached, len(m.token_ids))
+        return [StartCompute(ContinueJob(s.id, m.request_id, m.token_ids, m.sampling,
+                                         m.cache_ns, need))]  # fmt: skip
+
     def _refused(self, what: str, request_id: str, source: str, why: str) -> Warn:
         """The line a refusal leaves in this node's log (rate limited), naming the sender."""
         return Warn(
@@ -258,6 +316,8 @@ class DecodeCore:
             return "first token or max_tokens out of range"
         if h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
             return f"prompt and max_tokens exceed the model's context of {c.max_len}"
+        if len(h.context) > h.prompt_len or any(not 0 <= t < c.vocab for t in h.context):
+            return "the handoff's prompt tokens are longer than its prompt or out of range"
         return ""
 
     def _shape_problem(self, h: KvHandoff) -> str:
@@ -282,6 +342,8 @@ class DecodeCore:
 
     def _part_problem(self, h: KvHandoff) -> str:
         """A part's pieces: row ranges of tensors the layout names, as wide as their tensor."""
+        if h.part and h.context:
+            return "the prompt's tokens travel in a handoff's first part only"
         n = len(h.layout)
         if not n or n % 2 or (self.config.dims and n != 2 * self.config.dims[0]):
             return f"a handoff layout of {n} tensors"
@@ -384,6 +446,10 @@ class DecodeCore:
         if s is None or s.state is not SlotState.DECODING:
             return []
         h = s.handoff
+        if isinstance(r, Error) and r.code == ErrorCode.PREFIX_NOT_CACHED and s.continued:
+            self.counts["not_cached"] += 1  # evicted since the router's record: it reroutes
+            err = Error(r.code, r.message, h.request_id, h.nonce)
+            return [Send(s.router, err)] + self._end(s, SlotEvent.FAIL)
         if isinstance(r, Error):
             err = Error(r.code, f"decode failed: {r.message}", h.request_id, h.nonce)
             return [Send(s.router, err)] + self._end(s, SlotEvent.FAIL)
@@ -396,6 +462,10 @@ class DecodeCore:
             r.logprobs,
             r.top_ids,
             r.top_logprobs,
+            cached_tokens=r.cached_tokens if s.index == 0 else 0,
+            # The engine stores the conversation as it ends, under the prompt's tokens (all
+            # of them: a handoff brings the whole prompt).
+            kept=r.finish_reason is not None and self.config.keeps and self._whole(s),
         )
         s.index += 1
         out: list[Effect] = [Send(s.router, t)]
@@ -403,6 +473,12 @@ class DecodeCore:
             self.counts["completed"] += 1
             out += self._end(s, SlotEvent.FINISH)
         return out
+
+    @staticmethod
+    def _whole(s: Slot) -> bool:
+        """Whether the engine knows every token of ``s``'s cache: a continuation's prompt, or a
+        handoff that carried all of its prompt's tokens."""
+        return s.continued or len(s.handoff.context) == s.handoff.prompt_len
 
     def on_timer(self, now: float) -> list[Effect]:
         for key in [k for k, t in self._tombstones.items() if t <= now]:
@@ -455,9 +531,10 @@ class DecodeCore:
         s.state = SLOT_TABLE.next(s.state, event)
         s.cache = None
         self.slots.pop(s.id, None)
-        self._by_lease.pop((s.prefill, s.handoff.lease), None)
         self._by_id.pop(s.handoff.request_id, None)
-        self._remember_end((s.prefill, s.handoff.lease))
+        if not s.continued:  # a handoff's lease: a late part or verdict of it changes nothing
+            self._by_lease.pop((s.prefill, s.handoff.lease), None)
+            self._remember_end((s.prefill, s.handoff.lease))
         return [FreeCache(s.handoff.request_id)]
 
     def _slot_of(self, request_id: str, router: str) -> int | None:

@@ -46,7 +46,6 @@ from mlxcel.disagg.protocol import (
     MAX_TOMBSTONES,
     PART_BYTES,
     PART_WINDOW,
-    PENALTY_CONTEXT,
     LeaseEvent,
     LeaseState,
     PrefillJob,
@@ -278,7 +277,8 @@ class PrefillCore:
             packed.keys,
             packed.values,
             b"",
-            context=m.token_ids[-PENALTY_CONTEXT:],
+            context=m.token_ids,  # penalties look back on it; a decode node keeps it
+            cache_ns=m.cache_ns,
         )
         h = dataclasses.replace(h, digest=digest_of(h, packed.tensors))
         plan = plan_parts(h, self._part_bytes(packed.nbytes))

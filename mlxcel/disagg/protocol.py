@@ -41,11 +41,14 @@ PROBE_INTERVAL = 1.0  # router: liveness probe period per node
 TOMBSTONE_TTL = 60.0  # decode: a cancel that came before its handoff is remembered this long
 MAX_TOMBSTONES = 4096  # also the prefill node's memory of requests it finished
 MAX_EARLY = 256  # router: tokens that arrived ahead of an earlier index, per request
-PENALTY_CONTEXT = 20  # prompt tokens a handoff carries: what mlx-lm's penalties look back on
 MAX_PARTS = 16384  # decode: messages one handoff may be split into (512 GiB of parts)
 NODE_CAPACITY = 256  # router: requests in flight per node before it counts as full
 DROP_GRACE = 5.0  # router: a stream whose decode node dropped a connection must go on within
 MAX_RESTARTS = 2  # router: times a request with no token out yet starts over on other nodes
+# router: a conversation's next turn runs on the decode node that keeps its history when at
+# most this many of its prompt tokens are new there (that node prefills them between its other
+# streams' steps: a short stall for them, where a handoff would carry the whole history)
+CONTINUE_MAX = 1024
 
 
 def parse_allowlist(raw: str | None) -> tuple[frozenset[str] | None, list[str]]:
@@ -210,6 +213,24 @@ class PrefillJob:
 class VerifyJob:
     slot: int
     handoff: KvHandoff  # to check and stage
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueJob:
+    """A decode node runs a conversation's next turn from its own prompt cache."""
+
+    slot: int
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_ns: str
+    min_cached: int  # prompt tokens the cache must supply, or the turn goes elsewhere
+
+
+def min_cached(expected: int, prompt_len: int) -> int:
+    """The prompt tokens a node's cache must supply for a turn the router expected it to hold
+    ``expected`` of: never the whole prompt (the last token is always run again)."""
+    return max(0, min(expected, prompt_len - 1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,13 @@ class Route:
     # The prefill node was chosen for the prompt it was recorded to hold: (that node, its
     # record, positions). A failover to another node makes it moot.
     expected: tuple[str, int, int] | None = None
+    generated: list[int] = field(default_factory=list)  # the tokens delivered so far
+
+    @property
+    def continued(self) -> bool:
+        """A conversation's next turn, run by the decode node that keeps its history (it
+        prefills what is new and streams every token itself)."""
+        return self.prefill == self.decode
 
     def missed(self, prefill: str, decode: str, prefill_timeout: float, handoff: float) -> str:
         """What its deadline passing means, where it stood (``prefill``, ``decode``: the

@@ -32,6 +32,7 @@ from mlxcel.base.messages import (
 )
 from mlxcel.base.prefix_index import PrefixAffinity
 from mlxcel.disagg.protocol import (
+    CONTINUE_MAX,
     DROP_GRACE,
     HANDOFF_TIMEOUT,
     MAX_EARLY,
@@ -42,6 +43,7 @@ from mlxcel.disagg.protocol import (
     SEND_WAIT,
     RouteEvent,
     RouteState,
+    min_cached,
 )
 from mlxcel.disagg.route import Route
 from mlxcel.disagg.router_nodes import NodeTable, PeerNode, figures_of, node_stats
@@ -225,14 +227,21 @@ class RouterCore:
         return out
 
     def _restart(
-        self, r: Route, lost: PeerNode, now: float, avoid: bool = True, why: str = ""
+        self,
+        r: Route,
+        lost: PeerNode,
+        now: float,
+        avoid: bool = True,
+        why: str = "",
+        counted: bool = True,
     ) -> list[Effect]:
         """Start ``r`` again under a new wire id, on nodes other than ``lost`` (``avoid``) or
         on any; what the old nodes hold of it is cancelled (their late results no longer
-        match anything)."""
+        match anything). ``counted``: it uses up one of MAX_RESTARTS (a turn its decode node
+        no longer keeps starts over the usual way without)."""
         skip = {lost.address} if avoid else set()
         why = why or ("was lost" if avoid else "dropped its connection")
-        p = self.table.pick("prefill", now, exclude=skip)
+        p, expected = self._prefill_for(r.entry, now, skip)
         d = self.table.pick("decode", now, exclude=skip)
         if p is None or d is None:
             role = "prefill" if p is None else "decode"
@@ -251,7 +260,8 @@ class RouterCore:
         r.deadline = now + self.prefill_timeout
         r.early.clear()
         r.tried = {p}
-        r.restarts += 1
+        r.restarts += int(counted)
+        r.expected = expected
         self.routes[r.request_id] = r
         self._wire[r.wire] = r.request_id
         self.nodes[d].active += 1
@@ -294,6 +304,8 @@ class RouterCore:
 
     def _failover(self, r: Route, reason: str, now: float) -> list[Effect]:
         """``r``'s prefill node did not run it (never reached, or refused it unrun)."""
+        if r.continued:  # the decode node meant to run it all: the turn starts over elsewhere
+            return self._restart(r, self.nodes[r.decode], now, why=f"did not take it ({reason})")
         r.tried.add(r.prefill)
         nxt = self.table.pick("prefill", now, exclude=r.tried)
         if nxt is None:
@@ -318,8 +330,12 @@ class RouterCore:
             problem = prompt_problem(e.token_ids, max_tokens, self.vocab, self.max_len) or ""
         if problem:  # refused here, as a single node would: no node sees it
             return [Deliver(Error(ErrorCode.BAD_REQUEST, problem, e.request_id, e.nonce))]
-        p, expected = self._prefill_for(e, now)
-        d = self.table.pick("decode", now)
+        expected = self._continuation(e, now)
+        if expected is not None:  # its decode node prefills the new part itself
+            p = d = expected[0]
+        else:
+            p, expected = self._prefill_for(e, now)
+            d = self.table.pick("decode", now)
         if p is None or d is None:
             self.counts["rejected"] += 1
             role = "prefill" if p is None else "decode"
@@ -342,13 +358,18 @@ class RouterCore:
         return self._dispatch(r, now)
 
     def _prefill_for(
-        self, e: RunEntry, now: float
+        self, e: RunEntry, now: float, exclude: set[str] | None = None
     ) -> tuple[str | None, tuple[str, int, int] | None]:
         """The prefill node for ``e``: the one whose prompt cache holds the longest prefix of
         it (in its tenant's namespace) while that node is at most AFFINITY_SLACK requests
         busier than the least busy one; otherwise the next by load (SGLang's cache-aware
         policy, with the nodes' own reports in place of its approximate tree)."""
-        ready = [a for a in self.table.by_role["prefill"] if self.table.can_take(a, now)]
+        skip = exclude or set()
+        ready = [
+            a
+            for a in self.table.by_role["prefill"]
+            if self.table.can_take(a, now) and a not in skip
+        ]
         hit = self.affinity.best(ready, e.cache_ns, e.token_ids, now)
         if hit is not None and hit[2] >= MIN_AFFINITY:
             node, record, n = hit
@@ -356,12 +377,35 @@ class RouterCore:
             if self.nodes[node].active <= least + AFFINITY_SLACK:
                 self.counts["cache_routed"] += 1
                 return node, (node, record, n)
-        return self.table.pick("prefill", now), None
+        return self.table.pick("prefill", now, exclude=skip), None
+
+    def _continuation(self, e: RunEntry, now: float) -> tuple[str, int, int] | None:
+        """The decode node that keeps the longest prefix of ``e`` (a conversation it decoded
+        before, in its tenant's namespace), if at most CONTINUE_MAX of ``e``'s tokens are new
+        there and that node is at most AFFINITY_SLACK requests busier than the least busy
+        one: (node, its record, positions). The next turn then needs no prefill node and no
+        handoff."""
+        ready = [a for a in self.table.by_role["decode"] if self.table.can_take(a, now)]
+        hit = self.affinity.best(ready, e.cache_ns, e.token_ids, now)
+        if hit is None or hit[2] < MIN_AFFINITY or len(e.token_ids) - hit[2] > CONTINUE_MAX:
+            return None
+        least = min(self.nodes[a].active for a in ready)
+        if self.nodes[hit[0]].active > least + AFFINITY_SLACK:
+            return None
+        self.counts["continued"] += 1
+        return hit
 
     def _dispatch(self, r: Route, now: float) -> list[Effect]:
         node = self.nodes[r.prefill]
         node.active += 1
         node.dispatched += 1
+        if r.continued:  # to the decode node that keeps the conversation
+            assert r.expected is not None
+            need = min_cached(r.expected[2], len(r.entry.token_ids))
+            req = PrefillRequest(
+                r.wire, r.entry.token_ids, r.entry.sampling, "", r.nonce, r.entry.cache_ns, need
+            )
+            return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
         req = PrefillRequest(
             r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce, r.entry.cache_ns
         )
@@ -398,6 +442,14 @@ class RouterCore:
             if msg.code == ErrorCode.DRAINING and source == r.prefill and not r.next_index:
                 node.draining = True  # shutting down, and it ran nothing: another one may
                 return self._failover(r, msg.message, now)
+            if msg.code == ErrorCode.PREFIX_NOT_CACHED and r.continued and not r.next_index:
+                # The decode node evicted the conversation since its record: never an error;
+                # the turn goes the usual way (a prefill node, a handoff).
+                assert r.expected is not None
+                self.affinity.served(r.decode, r.expected[1], r.expected[2], 0)
+                self.counts["continue_missed"] += 1
+                why = "no longer keeps the conversation"
+                return self._restart(r, node, now, avoid=False, why=why, counted=False)
             refused = msg.code == ErrorCode.DECODE_REFUSED and source == r.prefill
             if refused and not r.next_index and r.restarts < MAX_RESTARTS:
                 # The decode node will not take it (full, draining), and the client has seen
@@ -437,11 +489,18 @@ class RouterCore:
         if t.index == 0 and r.prefill_busy:  # the prefill node's part is done
             r.prefill_busy = False
             self.nodes[r.prefill].active -= 1
-        if t.index == 0:  # what the prefill node says of its prompt cache
+        if t.index == 0:  # what the node that ran the prompt says of its prompt cache
             if r.expected is not None and r.expected[0] == r.prefill:  # not failed over
                 self.affinity.served(r.prefill, r.expected[1], r.expected[2], t.cached_tokens)
-            if t.kept:
-                self.affinity.held(r.prefill, r.entry.cache_ns, r.entry.token_ids, now)
+        from_decode = t.index > 0 or r.continued
+        if t.kept and not from_decode:  # a prefill node keeps the prompt
+            self.affinity.held(r.prefill, r.entry.cache_ns, r.entry.token_ids, now)
+        r.generated.extend(t.token_ids)
+        if t.kept and from_decode and t.finish_reason is not None:
+            # The decode node keeps the conversation: the prompt and what it generated (the
+            # last token may not have run through the model yet: the record claims it not).
+            kept = (*r.entry.token_ids, *r.generated[:-1])
+            self.affinity.held(r.decode, r.entry.cache_ns, kept, now)
         r.deadline = now + self.handoff_timeout
         out: list[Effect] = [
             Deliver(
@@ -460,9 +519,10 @@ class RouterCore:
         ]
         if r.state is RouteState.DONE:
             self.counts["completed"] += 1
-            for a in (r.prefill, r.decode):
+            for a in dict.fromkeys((r.prefill, r.decode)):  # one node, for a continuation
                 self.nodes[a].completed += 1
-                self.nodes[a].handoff_done()
+                if not r.continued:
+                    self.nodes[a].handoff_done()
             out += self._end(r)
         return out
 
@@ -476,7 +536,7 @@ class RouterCore:
     def _fail(self, r: Route, code: str, why: str, cancel: tuple[str, ...] = ()) -> list[Effect]:
         r.state = ROUTE_TABLE.next(r.state, RouteEvent.FAIL)
         self.counts["failed"] += 1
-        for a in (r.prefill, r.decode):
+        for a in dict.fromkeys((r.prefill, r.decode)):
             self.nodes[a].failed += 1
         # The client learns which node (by id), never its address: what /router/stats hides
         # must not leak through an error message. The log keeps the addresses.

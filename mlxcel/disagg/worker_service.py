@@ -2,8 +2,8 @@
 
 Each node runs its model through a :class:`~mlxcel.runtime.engine.LocalEngine` on the same
 bus, which hears only this process: the service hands it ``PrefillEntry`` (a prompt whose KV
-cache is kept) or ``ResumeSequence`` (decode after a handed-off cache) and
-``ReleaseSequence``, and takes back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
+cache is kept), ``ResumeSequence`` (decode after a handed-off cache), ``ContinueEntry`` (a
+conversation's next turn from the decode node's own cache) and ``ReleaseSequence``, and takes back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
 knows each by the request's one id, the router's; the lease or slot rides in the entry's
 nonce, and comes back in every answer.
 """
@@ -20,6 +20,7 @@ from mlxcel.base.handoff import check as check_handoff
 from mlxcel.base.messages import (
     CacheKept,
     CancelRequest,
+    ContinueEntry,
     Error,
     HandoffAck,
     HandoffVerdict,
@@ -36,7 +37,7 @@ from mlxcel.base.messages import (
 )
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import PrefillJob, ResumeJob, VerifyJob
+from mlxcel.disagg.protocol import ContinueJob, PrefillJob, ResumeJob, VerifyJob
 from mlxcel.disagg.service import DisaggAdapter
 from mlxcel.reactor.adapter import LocalOutbox
 from mlxcel.reactor.bus import Envelope, Node, Origin
@@ -164,7 +165,7 @@ class DecodeService(DisaggAdapter):
 
     def attach(self) -> None:
         self.subscribe(
-            [KvHandoff, HandoffVerdict, SlotRequest, CancelRequest, QueryState],
+            [KvHandoff, HandoffVerdict, SlotRequest, PrefillRequest, CancelRequest, QueryState],
             Origin.REMOTE,
             maxsize=1024,
         )
@@ -184,6 +185,12 @@ class DecodeService(DisaggAdapter):
             self.node.spawn(self._verify(effect.job), name="decode.verify")
         elif isinstance(effect, StartCompute) and isinstance(effect.job, ResumeJob):
             self.resume(effect.job)
+        elif isinstance(effect, StartCompute) and isinstance(effect.job, ContinueJob):
+            j = effect.job  # the slot rides in the nonce, as for a resumed handoff
+            entry = RunEntry(
+                j.request_id, 0, j.token_ids, 0, j.sampling, j.slot, cache_ns=j.cache_ns
+            )
+            self._to_engine.put(ContinueEntry(entry, j.min_cached))
         elif isinstance(effect, FreeCache):
             self._to_engine.put(ReleaseSequence(effect.key))
         else:
@@ -202,8 +209,11 @@ class DecodeService(DisaggAdapter):
     def resume(self, job: ResumeJob) -> None:
         """Hand a committed slot's loaded cache to the engine: it decodes from there."""
         h = job.handoff
-        # The request's own id; the slot rides in the nonce, and the engine names it back.
-        entry = RunEntry(h.request_id, 0, (h.first_token,), 0, h.sampling, job.slot)
+        # The request's own id; the slot rides in the nonce, and the engine names it back. The
+        # namespace is where the engine keeps the conversation when it ends.
+        entry = RunEntry(
+            h.request_id, 0, (h.first_token,), 0, h.sampling, job.slot, cache_ns=h.cache_ns
+        )
         self._to_engine.put(ResumeSequence(entry, job.cache, h.prompt_len, h.rng_key, h.context))
 
     def _from_engine(self, env: Envelope[RunResult | Error]) -> None:

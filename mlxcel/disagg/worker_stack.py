@@ -70,9 +70,9 @@ async def worker_stack(spec: DisaggSpec, gen: Generation) -> AsyncIterator[Stack
                 max_batch_size=gen.max_batch_size,
                 prefill_step_size=gen.prefill_step_size,
                 max_sequences=NODE_CAPACITY,  # what the router lets a node hold
-                # A prefill node keeps the prompts it ran, for the next turns the router sends
-                # it (a decode node keeps nothing: each handoff brings the whole cache).
-                prompt_cache_bytes=gen.prompt_cache_bytes if spec.role == "prefill" else 0,
+                # A prefill node keeps the prompts it ran, a decode node the conversations it
+                # finished: the router sends a next turn to whichever holds more of it.
+                prompt_cache_bytes=gen.prompt_cache_bytes,
             )
             engine.runtime.run_steps = gen.stream_interval
             await engine.attach()
@@ -150,5 +150,6 @@ async def _decode_service(
             verdict_wait=spec.handoff_lease + 5.0,
             dims=dims,
             routers=frozenset(spec.router_peers) if spec.router_peers else None,
+            keeps=engine.runtime.prompt_cache is not None,
         ),
     )

@@ -28,6 +28,7 @@ from mlxcel.base.defaults import MAX_BATCH_SIZE, PREFILL_STEP_SIZE
 from mlxcel.base.effects import CutShort, Deliver, Effect, StartCompute, Stopped
 from mlxcel.base.messages import (
     CancelRequest,
+    ContinueEntry,
     PrefillEntry,
     ReleaseSequence,
     ResumeSequence,
@@ -88,7 +89,9 @@ class LocalEngine(CoreAdapter):
     async def attach(self) -> None:
         """Make the runtime's state on the compute thread, then take messages."""
         await self.compute.run(self.runtime.start)
-        classes = [RunEntry, PrefillEntry, ResumeSequence, CancelRequest, ReleaseSequence]
+        classes = [
+            RunEntry, PrefillEntry, ResumeSequence, ContinueEntry, CancelRequest, ReleaseSequence,
+        ]  # fmt: skip
         self.subscribe(classes, Origin.LOCAL, maxsize=INBOX)
         self._local.start()
         self.start()

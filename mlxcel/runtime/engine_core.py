@@ -6,7 +6,9 @@ runs the jobs it hands out.
 
 What it takes (``handle``): ``RunEntry`` (start a sequence), ``PrefillEntry`` (start one and
 keep its KV cache: a prefill node), ``ResumeSequence`` (start one after a handed-off cache: a
-decode node), ``CancelRequest`` and ``ReleaseSequence`` (drop one: only its owner may).
+decode node), ``ContinueEntry`` (start one only if the prompt cache supplies enough of it: a
+decode node continuing a conversation), ``CancelRequest`` and ``ReleaseSequence`` (drop one:
+only its owner may).
 
 What it gives (effects):
 
@@ -19,7 +21,8 @@ What it gives (effects):
   job (a run ends at any sequence's first token, so that one is not held back); a
   ``PrefillEntry``'s last result comes as ``CacheKept``, with its cache;
 * ``Deliver(Error)``: a refused entry (``bad_request``, at once), a sequence whose sampler
-  failed (alone: the others go on), every sequence after a failed or overrunning step.
+  failed (alone: the others go on), a ``ContinueEntry`` its cache fell short for
+  (``prefix_not_cached``, unrun), every sequence after a failed or overrunning step.
 
 After a failed step the compute side's state is suspect: a recoverable engine fails every
 sequence, resets it (``StartCompute(ResetJob)``) and goes on; one that is not (tensor
@@ -34,6 +37,7 @@ from mlxcel.base.effects import CutShort, Deliver, Effect, Send, StartCompute, S
 from mlxcel.base.messages import (
     CacheKept,
     CancelRequest,
+    ContinueEntry,
     Error,
     ErrorCode,
     Message,
@@ -113,6 +117,8 @@ class EngineCore:
                 context=msg.context, resumed=msg.positions,
             )  # fmt: skip
             return self._admit(seq, now)
+        if isinstance(msg, ContinueEntry):
+            return self._admit(EngineSeq(msg.entry, source, min_cached=msg.min_cached), now)
         if isinstance(msg, (CancelRequest, ReleaseSequence)):
             return self._drop(msg.request_id, source, now)
         return []
@@ -171,7 +177,8 @@ class EngineCore:
         self._jobs += 1
         job = EngineJob(
             self._jobs,
-            tuple(Insert(s.entry, s.cache, s.key_state, s.keep_cache, s.context) for s in inserts),
+            tuple(Insert(s.entry, s.cache, s.key_state, s.keep_cache, s.context, s.min_cached)
+                  for s in inserts),
             tuple(removals),
             dict(self.by_uid),
             {r: s.entry.sampling.top_logprobs for r, s in self.seqs.items() if s.entry.sampling.logprobs},
@@ -207,6 +214,8 @@ class EngineCore:
                 s.cached = n
         for request_id, why in out.failed.items():
             effects += self._fail_one(request_id, why)
+        for request_id, n in out.uncached.items():
+            effects += self._not_cached(request_id, n)
         for request_id, items in by_sequence(out.tokens).items():
             seq = self.seqs.get(request_id)
             if seq is None:
@@ -318,6 +327,18 @@ class EngineCore:
             Warn("warning", f"engine: request {request_id} failed alone: {why}"),
             Deliver(Error(ErrorCode.SAMPLING_FAILED, why, request_id, seq.entry.nonce)),
         ]
+
+    def _not_cached(self, request_id: str, n: int) -> list[Effect]:
+        """A continuation whose cache no longer holds what it needs: it ends, unrun."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return []
+        self._forget(seq)
+        why = (
+            f"the prompt cache holds {n} of this prompt's tokens, fewer than the "
+            f"{seq.min_cached} expected (evicted); nothing was prefilled"
+        )
+        return [Deliver(Error(ErrorCode.PREFIX_NOT_CACHED, why, request_id, seq.entry.nonce))]
 
     def _fail_every(self, why: str) -> list[Effect]:
         seqs, self.seqs = self.seqs, {}

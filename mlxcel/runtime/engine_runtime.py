@@ -28,7 +28,7 @@ from mlxcel.base.messages import ErrorCode, RunEntry
 from mlxcel.runtime.engine_state import EngineJob, EngineStep, Insert
 from mlxcel.runtime.kv_handoff import pack
 from mlxcel.runtime.model import LoadedModel
-from mlxcel.runtime.prompt_cache import PromptCache
+from mlxcel.runtime.prompt_cache import PromptCache, covers
 from mlxcel.runtime.sampling import (
     Sampler,
     guarded_sampler,
@@ -192,10 +192,17 @@ class EngineRuntime:
     def _insert(
         self, gen: BatchGenerator, inserts: list[Insert], by_uid: dict[int, str], out: EngineStep
     ) -> None:
+        starts = [(i, *self._start(i)) for i in inserts]
+        for i, _, n in starts:
+            if n < i.min_cached:  # a continuation its cache no longer holds: never started
+                out.uncached[i.entry.request_id] = n
+        starts = [(i, cache, n) for i, cache, n in starts if n >= i.min_cached]
+        if not starts:
+            return
+        inserts = [i for i, _, _ in starts]
         samplers = [self._guarded(i.entry, i.key_state) for i in inserts]
         caches, seen, prompts = [], [], []
-        for i in inserts:
-            cache, n = self._start(i)
+        for i, cache, n in starts:
             caches.append(cache)
             # A cached prefix (or a handed-off cache's context) is what penalties see.
             seen.append([*i.context, *i.entry.token_ids[:n]])
@@ -292,10 +299,13 @@ class EngineRuntime:
             self._keep_prompt(uid, list(tokens), cache)
 
     def _keep_prompt(self, uid: int, tokens: list[int] | None, cache: list[Any] | None) -> None:
-        """A finished sequence's cache, for later prompts of its namespace that start alike."""
+        """A finished sequence's cache, for later prompts of its namespace that start alike --
+        only when ``tokens`` are exactly what it holds (a handoff that brought only its
+        prompt's last tokens is decoded, never kept)."""
         namespace = self._namespace.pop(uid, "")
         if self.prompt_cache is not None and tokens and cache:
-            self.prompt_cache.store(tokens, cache, namespace)
+            if covers(cache, len(tokens)):
+                self.prompt_cache.store(tokens, cache, namespace)
 
     def _start(self, i: Insert) -> tuple[list[Any] | None, int]:
         """The cache a sequence starts from and how many of its prompt tokens that cache
@@ -315,6 +325,9 @@ class EngineRuntime:
 
     def _start_solo(self, i: Insert, out: EngineStep) -> None:
         cache, n = self._start(i)
+        if n < i.min_cached:  # a continuation its cache no longer holds: never started
+            out.uncached[i.entry.request_id] = n
+            return
         rid, tokens = i.entry.request_id, list(i.entry.token_ids)
         self._solo_uids -= 1  # negative: never one of the batch generator's uids
         self._solo = Solo(

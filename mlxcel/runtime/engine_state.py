@@ -38,6 +38,7 @@ class EngineSeq:
     cached: int = 0  # prompt tokens the prompt cache supplied (reported with the first token)
     context: tuple[int, ...] = ()  # tokens before a handed-off cache's, for the penalties
     resumed: int = 0  # positions a handed-off cache brought
+    min_cached: int = 0  # prompt tokens its prompt cache must supply (a continuation), or it ends
 
 
 def kv_tokens(seqs: Iterable[EngineSeq]) -> int:
@@ -56,6 +57,7 @@ class Insert:
     key_state: tuple[int, ...] = ()
     keep_cache: bool = False
     context: tuple[int, ...] = ()
+    min_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class EngineStep:
     new_uids: dict[str, int] = field(default_factory=dict)
     moved: dict[str, int] = field(default_factory=dict)  # request_id -> its uid from now on
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why (its sampler)
+    # request_id -> the prompt tokens the cache had, less than the entry's min_cached: it
+    # never started
+    uncached: dict[str, int] = field(default_factory=dict)
     kept: dict[str, tuple[Packed, tuple[int, ...]]] = field(default_factory=dict)
 
 

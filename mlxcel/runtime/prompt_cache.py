@@ -125,6 +125,12 @@ class PromptCache:
         }
 
 
+def covers(cache: list[Any], n: int) -> bool:
+    """Whether ``cache`` holds exactly ``n`` positions, as far as its layers say (a recurrent
+    layer keeps no count): what storing it under ``n`` tokens requires."""
+    return all(c.offset == n for c in cache if isinstance(getattr(c, "offset", None), int))
+
+
 def compact(cache: list[Any]) -> None:
     """Make ``cache`` hold exactly its tokens, evaluated. A cache taken out of the batch is
     an unevaluated slice that keeps the whole batch's buffer alive, and a sequence's own

@@ -10,19 +10,25 @@ it back after.
   every peer.
 - ``shared-prefix-index``: the prompt-cache index finds entries across namespaces (one
   tenant starts from another's cached prefix).
+- ``prefill-drops-namespace``: a prefill node runs every prompt in the open namespace (its
+  prompt cache serves one tenant's prefix to another).
 - ``runner-drop-delivery``: the effect runner loses the first message a role takes off the
   network (:func:`mlxcel.sim.process.runner_bugs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+from mlxcel.base.effects import Effect, StartCompute
 from mlxcel.base.messages import RunResult
 from mlxcel.base.prefix_index import PrefixIndex
 from mlxcel.bringup.push_core import PushCore
+from mlxcel.disagg.protocol import PrefillJob
+from mlxcel.disagg.worker_service import PrefillService
 from mlxcel.pipeline import coordinator_core
 from mlxcel.pipeline.stage_gate import StageGate
 from mlxcel.sim.process import runner_bugs
@@ -58,6 +64,15 @@ def _any_namespace(index: PrefixIndex, real: Any, tokens: tuple[int, ...], now: 
     return found[0] if found else None
 
 
+def _open_namespace(real: Any) -> Any:
+    def apply(self: PrefillService, effect: Effect) -> None:
+        if isinstance(effect, StartCompute) and isinstance(effect.job, PrefillJob):
+            effect = StartCompute(dataclasses.replace(effect.job, cache_ns=""))
+        real(self, effect)
+
+    return apply
+
+
 @contextmanager
 def planted(inject: frozenset[str]) -> Iterator[None]:
     """The bugs named in ``inject`` live in production code for the block."""
@@ -71,6 +86,9 @@ def planted(inject: frozenset[str]) -> Iterator[None]:
             real_lookup = PrefixIndex.lookup
             anyone = lambda self, ns, tokens, now: _any_namespace(self, real_lookup, tokens, now)  # noqa: E731
             stack.enter_context(_replaced(PrefixIndex, "lookup", anyone))
+        if "prefill-drops-namespace" in inject:
+            real_apply = PrefillService.apply
+            stack.enter_context(_replaced(PrefillService, "apply", _open_namespace(real_apply)))
         if "activate-early" in inject:
             early = staticmethod(lambda steps, step: step in steps)
             stack.enter_context(_replaced(PushCore, "all_reached", early))

@@ -4,11 +4,15 @@ simulated network, the production cores, a fake model, seeded faults.
 The hosts and the fake model are in :mod:`mlxcel.sim.disagg_hosts`. Faults: loss, delay, duplication, reordering, a
 partition, a prefill crash, a decode node crashing right after it took a handoff, a decode
 node so slow to verify that the lease expires, skewed clocks, and a secret holder that is no
-configured peer forging results. :func:`check` adds to the pipeline invariants (every
-request ends, completed ones are exact, nothing leaks): **no handoff is read unless its
-prefill node committed it while holding the lease**, and **no request is computed again
-after a failure** (the only second dispatch is the failover of a request that never reached
-its first prefill node).
+configured peer forging results. Prompt caches on most seeds: prefill nodes keep prompts,
+decode nodes conversations, within budgets small enough to evict; requests come from three
+tenants, and later turns resend an earlier request's prompt and reply plus new tokens (from
+its tenant mostly, sometimes another's). :func:`check` adds to the pipeline invariants
+(every request ends, completed ones are exact -- a turn answered from a wrong or half-gone
+entry is not -- nothing leaks): **no handoff is read unless its prefill node committed it
+while holding the lease**, **no request is computed again after a failure** (the only
+second dispatch is the failover of a request that never reached its first prefill node),
+and **no request starts from an entry another tenant left**.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from mlxcel.sim.disagg_hosts import (
     cache_tensor,
     reference,
 )
-from mlxcel.sim.hosts import Intruder
+from mlxcel.sim.hosts import TENANTS, Intruder
 from mlxcel.sim.network import Link, SimNetwork
 from mlxcel.sim.process import logged_errors
 
@@ -61,7 +65,7 @@ DISAGG_FAULTS = (
     "skew",
     "insider",
 )
-DISAGG_BUGS = ("read-uncommitted",)
+DISAGG_BUGS = ("read-uncommitted", "prefill-drops-namespace")
 FORGER = "10.0.3.99:8300"
 # Faults that may legitimately fail the requests they overlap (plus how long they echo).
 HARMFUL = frozenset({"drop", "partition", "crash-prefill", "crash-decode", "lease-expire"})
@@ -85,8 +89,15 @@ class DisaggRun:
 
 
 def build_disagg(
-    rng: random.Random, n_prefill: int, n_decode: int, faults: list[str], inject: frozenset[str]
+    rng: random.Random,
+    n_prefill: int,
+    n_decode: int,
+    faults: list[str],
+    inject: frozenset[str],
+    caches: tuple[int, int] = (0, 0),
 ) -> DisaggRun:
+    """``caches``: the positions each prefill and each decode node's prompt cache holds (0:
+    none)."""
     sched = Scheduler()
     net = SimNetwork(sched, rng, Link(latency=rng.choice([0.0002, 0.001, 0.005])))
     pre = [f"10.0.3.{10 + i}:8305" for i in range(n_prefill)]
@@ -96,15 +107,18 @@ def build_disagg(
     net.add(router)
     # 1-4 "layers" of 16 bytes, sent one layer per message: handoffs arrive in parts.
     layers = rng.randint(1, 4)
-    pcfg = PrefillConfig(tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16)
-    dcfg = DecodeConfig(VOCAB, 1 << 20, 64)
+    pcfg = PrefillConfig(
+        tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16,
+        keeps_prompts=caches[0] > 0,
+    )  # fmt: skip
+    dcfg = DecodeConfig(VOCAB, 1 << 20, 64, keeps=caches[1] > 0)
     run = DisaggRun(sched, net, router, [], [], ledger, faults)
     for a in pre:
-        run.prefill.append(PrefillHost(a, sched, net, pcfg, ledger, rng))
+        run.prefill.append(PrefillHost(a, sched, net, pcfg, ledger, rng, caches[0]))
         run.prefill[-1].layers = layers
         net.add(run.prefill[-1])
     for a in dec:
-        run.decode.append(DecodeHost(a, sched, net, dcfg, ledger, inject))
+        run.decode.append(DecodeHost(a, sched, net, dcfg, ledger, inject, caches[1]))
         net.add(run.decode[-1])
     return run
 
@@ -193,19 +207,39 @@ def run_disagg(
     n_decode = rng.randint(1, nodes or 8)
     faults = [DISAGG_FAULTS[seed % len(DISAGG_FAULTS)]]
     faults += [k for k in DISAGG_FAULTS if k not in faults and rng.random() < 0.1]
-    run = build_disagg(rng, n_prefill, n_decode, faults, inject & frozenset(DISAGG_BUGS))
+    # The prompt caches, tenants and conversations draw from a stream of their own: a seed's
+    # other choices stay what they were.
+    own = random.Random(f"disagg-cache:{seed}")
+    cached = own.random() < 0.8
+    caches = (
+        own.choice([0, 300, 3000]) if cached else 0,
+        own.choice([0, 600, 6000]) if cached else 0,
+    )
+    run = build_disagg(rng, n_prefill, n_decode, faults, inject & frozenset(DISAGG_BUGS), caches)
     horizon = 3.0
     n_requests = rng.randint(3, 24)
+    sent: list[tuple[tuple[int, ...], int, str, float]] = []
     for i in range(n_requests):
         # Long prompts arrive while short ones decode.
         plen = rng.choice([rng.randint(1, 40), rng.randint(200, 2000)])
         prompt = tuple(rng.randrange(VOCAB) for _ in range(plen))
         at = 1.5 + rng.uniform(0.0, horizon)  # after the first probe round
-        run.sched.at(at, run.router.submit, f"req-{i}", prompt, rng.randint(1, 32))
+        max_tokens = rng.randint(1, 32)
+        tenant = own.choice(TENANTS)
+        if sent and own.random() < 0.5:  # an earlier request's next turn
+            before, n, tenant_before, then = own.choice(sent)
+            new = tuple(own.randrange(VOCAB) for _ in range(own.randint(1, 30)))
+            prompt = (*before, *reference(before, n), *new)
+            at = then + own.uniform(0.2, 3.0)
+            # Mostly its own tenant's; else another's probe with the very same tokens.
+            tenant = tenant_before if own.random() < 0.7 else own.choice(TENANTS)
+        sent.append((prompt, max_tokens, tenant, at))
+        run.ledger.tenants[f"req-{i}"] = tenant
+        run.sched.at(at, run.router.submit, f"req-{i}", prompt, max_tokens, tenant)
         if rng.random() < 0.1:
             run.sched.at(at + rng.uniform(0.0, 0.5), run.router.cancel, f"req-{i}")
     _faults(run, rng, 1.5 + horizon)
-    last_restart = 1.5 + horizon + 40.0  # every crashed node is back by then
+    last_restart = max(at for *_, at in sent) + 40.0  # every crashed node is back by then
 
     def settled() -> bool:  # nothing left to happen but probes: stop early
         if run.sched.now < last_restart or any(
@@ -234,6 +268,12 @@ def check_disagg(run: DisaggRun) -> list[str]:
     for o in run.router.outcomes.values():
         want = reference(o.prompt, o.max_tokens)
         bad.extend(o.problems(want, o.request_id in run.targeted, run.plan))
+    for host, rid, reader, owner in run.ledger.reused:
+        if reader != owner:
+            bad.append(
+                f"{host}: {rid} (tenant {reader!r}) started from a cached prefix tenant "
+                f"{owner!r} left"
+            )
     for prefill, lease, decode, at in run.ledger.reads:
         committed = run.ledger.commits.get((prefill, lease))
         if committed is None or committed > at:

@@ -6,6 +6,15 @@ The fake model: a prompt's "KV cache" is a 64-bit hash of its tokens, carried as
 tensor under the real handoff digest; token ``k`` of a request is a mix of that hash and
 ``k``. A decode node that read the wrong cache, read one twice, or skipped a token streams
 tokens that differ from :func:`reference`.
+
+The hash is a fold over the tokens, so its value after each position is that position's
+"KV row": a prompt cache (:class:`SimPromptCache`, mlx-lm's LRU faked) keeps a prompt's rows
+and a later prompt that starts alike folds on from the row where they part. A decode node
+keeps a conversation's rows as its stream ends, computed from the prompt tokens the handoff
+carried -- rows that do not match the handed-off hash are kept wrong, as a real engine would
+keep a cache under the wrong tokens -- so a turn answered from a wrong entry streams wrong
+tokens. Every lookup that reuses an entry is written to the ledger with the tenant that left
+the entry and the tenant that reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import itertools
 import random
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +65,20 @@ PREFILL_PER_TOKEN_S = 0.0005
 CLIENT_TIMEOUT = 900.0  # the client's own deadline: the cluster must end requests first
 
 
+SEED_HASH = 0x5EED
+
+
 def prompt_hash(prompt: tuple[int, ...]) -> int:
-    h = 0x5EED
-    for t in prompt:
+    return fold(SEED_HASH, prompt)[-1] if prompt else SEED_HASH
+
+
+def fold(h: int, tokens: tuple[int, ...] | list[int]) -> list[int]:
+    """The hash after each of ``tokens``, starting from ``h``: the fake model's KV rows."""
+    rows = []
+    for t in tokens:
         h = mix(h, t, 17)
-    return h
+        rows.append(h)
+    return rows
 
 
 def token(h: int, k: int) -> int:
@@ -84,6 +103,45 @@ def cache_tensor(h: int) -> Tensor:
 
 def cache_hash(t: Tensor) -> int:
     return int(struct.unpack("<Q", t.data)[0])
+
+
+@dataclass
+class CacheEntry:
+    rows: list[int]  # the hash after each position
+    owner: str  # the tenant whose request left it (the ledger's truth, not a namespace)
+
+
+class SimPromptCache:
+    """mlx-lm's LRU prompt cache, faked: entries by namespace, bounded in positions, the least
+    recently stored evicted first; a lookup leaves at least one token to run."""
+
+    def __init__(self, positions: int) -> None:
+        self.positions = positions
+        self.entries: OrderedDict[tuple[str, tuple[int, ...]], CacheEntry] = OrderedDict()
+
+    def fetch(self, ns: str, tokens: tuple[int, ...]) -> tuple[list[int], str]:
+        """The rows of ``tokens``' longest prefix kept in ``ns`` (empty: none) and the tenant
+        that left that entry."""
+        best: tuple[list[int], str] = ([], "")
+        for (entry_ns, toks), e in self.entries.items():
+            if entry_ns != ns:
+                continue
+            n = 0
+            for a, b in zip(toks, tokens[:-1], strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > len(best[0]):
+                best = (e.rows[:n], e.owner)
+        return best
+
+    def store(self, ns: str, tokens: tuple[int, ...], rows: list[int], owner: str) -> None:
+        if not tokens or len(tokens) > self.positions:
+            return
+        self.entries.pop((ns, tokens), None)
+        self.entries[(ns, tokens)] = CacheEntry(rows, owner)
+        while sum(len(k[1]) for k in self.entries) > self.positions:
+            self.entries.popitem(last=False)
 
 
 class RouterHost(SimProcess):
@@ -128,11 +186,12 @@ class RouterHost(SimProcess):
         if o is not None:
             o.record(env.msg, self.sched.now)
 
-    def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int) -> None:
-        o = Outcome(rid, prompt, max_tokens, self.sched.now + CLIENT_TIMEOUT, self.sched.now)
+    def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int, ns: str = "") -> None:
+        o = Outcome(rid, prompt, max_tokens, self.sched.now + CLIENT_TIMEOUT, self.sched.now, ns)
         self.outcomes[rid] = o
         self.sched.at(o.deadline, self._client_deadline, rid)
-        entry = RunEntry(rid, 0, prompt, 0, SamplingParams(max_tokens=max_tokens), 1)
+        sampling = SamplingParams(max_tokens=max_tokens)
+        entry = RunEntry(rid, 0, prompt, 0, sampling, 1, cache_ns=ns)
         assert self.node is not None
         if not self.node.bus.publish_now(entry):
             o.finish, o.ended_at = "error:router_busy", self.sched.now
@@ -157,6 +216,12 @@ class Ledger:
     commits: dict[tuple[str, int], float] = field(default_factory=dict)
     reads: list[tuple[str, int, str, float]] = field(default_factory=list)  # ..., decode, when
     computed: list[tuple[str, str, int]] = field(default_factory=list)  # (prefill, rid, nonce)
+    tenants: dict[str, str] = field(default_factory=dict)  # the client's request id -> tenant
+    # Each prompt-cache reuse: (host, wire id, the reader's tenant, the entry's tenant)
+    reused: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def tenant(self, wire_id: str) -> str:
+        return self.tenants.get(wire_id.partition("@")[0], "")
 
 
 class FakeModel:
@@ -200,14 +265,15 @@ class FakeRuntime:
             self.rows.pop(uid, None)
         for i in job.inserts:
             uid = next(self._uids)
+            if self.insert(uid, i, out) is False:
+                continue  # never started (a continuation its cache fell short for)
             out.new_uids[i.entry.request_id] = uid
             out.prompt_tokens += len(i.entry.token_ids)
-            self.insert(uid, i, out)
         for uid, row in list(self.rows.items()):
             self.decode(uid, row, out)
         return out
 
-    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> bool:
         raise NotImplementedError
 
     def decode(self, uid: int, row: list[Any], out: EngineStep) -> None:
@@ -221,18 +287,24 @@ class PrefillRuntime(FakeRuntime):
     def __init__(self, host: PrefillHost) -> None:
         super().__init__()
         self.host = host
+        self.cache = SimPromptCache(host.cache_positions) if host.cache_positions else None
+
+    def reset(self) -> None:
+        super().reset()
+        if self.cache is not None:
+            self.cache.entries.clear()
 
     def cost(self, fn: Any, args: tuple[Any, ...]) -> float:
         if fn != self.step:
             return 0.0
         return 0.002 + PREFILL_PER_TOKEN_S * sum(len(i.entry.token_ids) for i in args[0].inserts)
 
-    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> bool:
         host, rid = self.host, i.entry.request_id
         x = host.prefill.leases.get(i.entry.nonce)
         if x is not None:
             host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
-        h = prompt_hash(i.entry.token_ids)
+        h = run_prompt(self.cache, host.identity, host.ledger, i.entry, out)[-1]
         t0 = token(h, 0)
         # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
         layers = range(host.layers)
@@ -241,6 +313,23 @@ class PrefillRuntime(FakeRuntime):
         n = len(i.entry.token_ids)
         out.kept[rid] = (Packed(n, t0, ks, vs, tensor_digest(ks, vs)), ())
         out.tokens.append((rid, t0, "stop" if t0 == EOS else "length", None, None))
+        return True
+
+
+def run_prompt(
+    cache: SimPromptCache | None, host: str, ledger: Ledger, e: RunEntry, out: EngineStep
+) -> list[int]:
+    """The rows of ``e``'s prompt: its namespace's longest cached prefix's (the reuse written
+    to the ledger), the rest computed on from there; then the prompt is kept."""
+    prompt, rid = e.token_ids, e.request_id
+    reused, owner = cache.fetch(e.cache_ns, prompt) if cache is not None else ([], "")
+    rows = [*reused, *fold(reused[-1] if reused else SEED_HASH, prompt[len(reused) :])]
+    if reused:
+        out.cached[rid] = len(reused)
+        ledger.reused.append((host, rid, ledger.tenant(rid), owner))
+    if cache is not None:
+        cache.store(e.cache_ns, prompt, rows, ledger.tenant(rid))
+    return rows
 
 
 class PrefillHost(SimProcess):
@@ -252,9 +341,11 @@ class PrefillHost(SimProcess):
         cfg: PrefillConfig,
         ledger: Ledger,
         rng: random.Random,
+        cache_positions: int = 0,
     ) -> None:
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.rng = cfg, ledger, rng
+        self.cache_positions = cache_positions  # its prompt cache (0: none; lost on a crash)
         self.layers = 1
         self.engine: LocalEngine | None = None
         self.boot()
@@ -295,6 +386,7 @@ class FakeCache:
     hash: int
     prefill: str
     lease: int
+    positions: int = 0  # the prompt's length
 
 
 class DecodeRuntime(FakeRuntime):
@@ -305,6 +397,12 @@ class DecodeRuntime(FakeRuntime):
         super().__init__()
         self.host = host
         self.worker = SimCompute(host.sched, lambda _fn, _args: host.verify_s)
+        self.cache = SimPromptCache(host.cache_positions) if host.cache_positions else None
+
+    def reset(self) -> None:
+        super().reset()
+        if self.cache is not None:
+            self.cache.entries.clear()
 
     def cost(self, fn: Any, args: tuple[Any, ...]) -> float:
         return STEP_S if fn == self.step else 0.0
@@ -321,7 +419,7 @@ class DecodeRuntime(FakeRuntime):
             # cache, a moment later: 0.1 ms).
             host.sched.after(1e-4, self._early, slot.id, h)
         prefill = slot.prefill if slot is not None else "?"
-        return FakeCache(cache_hash(h.keys[0]), prefill, h.lease)
+        return FakeCache(cache_hash(h.keys[0]), prefill, h.lease, h.prompt_len)
 
     def _early(self, slot: int, h: KvHandoff) -> None:
         svc = self.host.service
@@ -329,18 +427,46 @@ class DecodeRuntime(FakeRuntime):
         if s is not None and s.cache is not None:
             svc.resume(ResumeJob(slot, h, s.cache))
 
-    def insert(self, uid: int, i: Insert, out: EngineStep) -> None:
-        # (request id, cache hash, tokens left, the next token's index)
-        self.rows[uid] = [i.entry.request_id, i.cache.hash, i.entry.sampling.max_tokens, 1]
+    def insert(self, uid: int, i: Insert, out: EngineStep) -> bool:
+        e, host = i.entry, self.host
+        if i.cache is None:  # a conversation's next turn, from this node's own cache
+            reused, _ = self.cache.fetch(e.cache_ns, e.token_ids) if self.cache else ([], "")
+            if len(reused) < i.min_cached:
+                out.uncached[e.request_id] = len(reused)
+                return False
+            rows = run_prompt(self.cache, host.identity, host.ledger, e, out)
+            # (request id, cache hash, tokens left, the next token's index, prompt rows,
+            # the prompt, tokens generated, its namespace)
+            self.rows[uid] = [e.request_id, rows[-1], e.sampling.max_tokens, 0, rows,
+                              e.token_ids, [], e.cache_ns]  # fmt: skip
+            return True
+        # After a handoff: token 0 came from the prefill node; the prompt's rows are what
+        # the tokens the handoff carried fold to -- kept only if they are all of its
+        # positions, and wrong if they are not the handed-off cache's.
+        c: FakeCache = i.cache
+        rows = None
+        if len(i.context) == c.positions:
+            rows = fold(SEED_HASH, i.context)
+            if rows and rows[-1] != c.hash:
+                rows = [r ^ 1 for r in rows]
+        self.rows[uid] = [e.request_id, c.hash, e.sampling.max_tokens, 1, rows, i.context,
+                          list(e.token_ids), e.cache_ns]  # fmt: skip
+        return True
 
     def decode(self, uid: int, row: list[Any], out: EngineStep) -> None:
-        rid, h, left, k = row
+        rid, h, left, k, rows, prompt, generated, ns = row
         t = token(h, k)
+        generated.append(t)
         done = t == EOS or left <= 1
         if done:
             del self.rows[uid]
+            if self.cache is not None and rows:  # the conversation, for its next turn
+                fed = generated[:-1]
+                kept = [*rows, *fold(rows[-1], fed)]
+                owner = self.host.ledger.tenant(rid)
+                self.cache.store(ns, (*prompt, *fed), kept, owner)
         else:
-            row[2:] = [left - 1, k + 1]
+            row[2:4] = [left - 1, k + 1]
         out.tokens.append(
             (rid, t, ("stop" if t == EOS else "length") if done else None, None, None)
         )
@@ -355,9 +481,11 @@ class DecodeHost(SimProcess):
         cfg: DecodeConfig,
         ledger: Ledger,
         inject: frozenset[str],
+        cache_positions: int = 0,
     ) -> None:
         super().__init__(identity, sched, net)
         self.cfg, self.ledger, self.inject = cfg, ledger, inject
+        self.cache_positions = cache_positions  # its prompt cache (0: none; lost on a crash)
         self.verify_s = 0.001
         self.crash_after_reads: int | None = None
         self.engine: LocalEngine | None = None

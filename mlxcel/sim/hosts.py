@@ -153,6 +153,10 @@ class StageHost(SimProcess):
             self._compute.alive = False  # what was computing dies with the process
 
 
+# The prompt-cache namespaces requests come from (the open one, and two tenants').
+TENANTS = ("", "tenant-a", "tenant-b")
+
+
 @dataclass
 class Outcome:
     """What one request's client saw."""

@@ -38,7 +38,7 @@ from mlxcel.reactor.bus import Node
 from mlxcel.reactor.faults import Fault, FaultPlan, window
 from mlxcel.sim.bugs import planted
 from mlxcel.sim.clock import Scheduler
-from mlxcel.sim.hosts import CoordinatorHost, Intruder, StageHost
+from mlxcel.sim.hosts import TENANTS, CoordinatorHost, Intruder, StageHost
 from mlxcel.sim.model import FakeModel
 from mlxcel.sim.network import Link, SimNetwork
 from mlxcel.sim.process import RUNNER_BUGS, logged_errors
@@ -100,10 +100,6 @@ class Cluster:
     # complete. Duplicates, reordering, clock skew and outsiders must never fail anything.
     plan: FaultPlan = field(default_factory=FaultPlan)
     targeted: set[str] = field(default_factory=set)
-
-
-# The prompt-cache namespaces requests come from (the open one, and two tenants').
-TENANTS = ("", "tenant-a", "tenant-b")
 
 
 def build(

@@ -271,15 +271,17 @@ def test_failover_restart_admission_and_demux(tiny: Path, secret: Path) -> None:
         assert all(asyncio.run(_chats(rt, 4)))
         assert stats(rt)["nodes"][1]["dispatched"] > 4
 
-        # Every prefill node down: 503 with Retry-After, at once.
+        # Every prefill node down: 503 with Retry-After, at once, for a prompt no decode node
+        # keeps (one that continues a conversation a decode node holds needs no prefill node).
         p0.proc.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 20
         while stats(rt)["nodes"][0]["healthy"]:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         c = openai.OpenAI(base_url=rt.base_url + "/v1", api_key="x", max_retries=0)
+        fresh = [{"role": "user", "content": "A prompt nobody sent before, about otters"}]
         with pytest.raises(openai.APIStatusError) as err:
-            c.chat.completions.create(model="m", messages=messages(1), max_tokens=4)
+            c.chat.completions.create(model="m", messages=fresh, max_tokens=4)
         assert err.value.status_code == 503
         assert err.value.response.headers.get("Retry-After") == "1"
         assert "no prefill node" in str(err.value)

@@ -175,7 +175,7 @@ def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -
     assert lease2 == lease + 1
 
 
-def test_the_first_tokens_alternatives_go_back_with_it_and_the_context_is_the_prompts_tail() -> (
+def test_the_first_tokens_alternatives_go_back_with_it_and_the_handoff_carries_the_prompt() -> (
     None
 ):
     c = core()
@@ -184,7 +184,8 @@ def test_the_first_tokens_alternatives_go_back_with_it_and_the_context_is_the_pr
     out = c.compute_done(lease, (9,), "length", (-0.5,), PACKED, (), 1.0, ((9, 4), (-0.5, -1.5)))
     assert out[0] == Send(R, TokenResult("r1", 0, (9,), None, NONCE, (-0.5,), (9, 4), (-0.5, -1.5)))
     handoff = out[1].msg  # type: ignore[union-attr]
-    assert handoff.context == tuple(range(10, 30))  # the last 20: mlx-lm's penalty window
+    # All of it: penalties look back on it, and a decode node keeps the conversation under it
+    assert handoff.context == tuple(range(30)) and handoff.cache_ns == m.cache_ns
 
 
 def test_the_first_token_ends_the_request_on_stop_or_a_one_token_budget() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -56,14 +57,35 @@ def test_disaggregated_clusters_keep_the_handoff_invariants() -> None:
     from mlxcel.sim.disagg import run_disagg
 
     shapes = set()
+    caches: Counter[str] = Counter()
     for seed in range(60):
         run, bad, _n = run_disagg(seed)
         assert bad == [], (seed, run.faults, bad[:5])
         shapes.add((len(run.prefill), len(run.decode)))
         # Every handoff read was committed first; leases that expired were never read.
         assert all(r[:2] in run.ledger.commits for r in run.ledger.reads)
+        caches["reused"] += len(run.ledger.reused)
+        caches.update(run.router.router.counts)
     assert max(p for p, _ in shapes) == 8 and max(d for _, d in shapes) == 8
     assert min(p for p, _ in shapes) == 1 and min(d for _, d in shapes) == 1
+    # The prompt caches were at work: turns routed to the prefill node holding their
+    # prompt, continued on the decode node holding their conversation, and sent the usual
+    # way when that node had evicted it -- exact tokens all the same (checked above).
+    assert caches["reused"] > 20 and caches["cache_routed"] > 5
+    assert caches["continued"] > 10 and caches["continue_missed"] > 0
+
+
+def test_a_prefill_node_that_ignores_the_tenant_is_caught() -> None:
+    results = [
+        run_scenario("disagg", s, inject=frozenset({"prefill-drops-namespace"})) for s in range(12)
+    ]
+    failing = [r for r in results if r.violations]
+    assert failing, "prefill-drops-namespace went unnoticed in 12 seeds"
+    assert any("started from a cached prefix tenant" in v for v in failing[0].violations)
+    first = failing[0]
+    r = sim(*first.replay.split()[4:], "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["violations"] == len(first.violations)
+    assert run_scenario("disagg", first.seed).violations == []
 
 
 def test_reading_a_handoff_before_its_commit_is_caught() -> None:
