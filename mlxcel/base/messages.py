@@ -227,6 +227,8 @@ class RunResult(Message):
     top_ids: tuple[int, ...] | None = None
     top_logprobs: tuple[float, ...] | None = None
     cached_tokens: int = 0  # on a sequence's first result: prompt tokens served from cache
+    # On its last result: the engine kept the finished sequence in its prompt cache.
+    kept: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ resends all of it, the reply and ``turn_tokens`` new tokens, as a chat client do
 mode (``local``: one process; ``pipeline``: two stages in this process; ``stages``: two stage
 processes on 127.0.0.2/127.0.0.3 over the encrypted transport, the coordinator here; ``tp``:
 two tensor-parallel ranks, rank 0 here; ``disagg``: a router, a prefill node and a decode
-node on 127.0.0.4-6, in this process) and each history length, one run measures the time to first token (TTFT) of:
+node on 127.0.0.4-6, in this process, the decode node keeping the conversations it finished;
+``disagg-prefill``: the same with only the prefill node keeping a cache) and each history length, one run measures the time to first token (TTFT) of:
 
 - turn 1 (nothing cached);
 - turn 2 in the same tenant's namespace: its history cached;
@@ -109,8 +110,8 @@ async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
         async with _stage_processes(model, gen) as fe:
             yield fe
         return
-    if mode == "disagg":
-        async with _disaggregated(model, gen) as fe:
+    if mode in ("disagg", "disagg-prefill"):
+        async with _disaggregated(model, gen, decode_keeps=mode == "disagg") as fe:
             yield fe
         return
     if mode == "tp":
@@ -125,9 +126,12 @@ async def _frontend(mode: str, model: Path) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def _disaggregated(model: Path, gen: Any) -> AsyncIterator[Any]:
-    """A router, a prefill node (keeping its prompt cache) and a decode node, each on its
-    own node in this process over authenticated TCP on 127.0.0.4-6."""
+async def _disaggregated(model: Path, gen: Any, decode_keeps: bool) -> AsyncIterator[Any]:
+    """A router, a prefill node (keeping its prompt cache) and a decode node (keeping the
+    conversations it finished, or nothing), each on its own node in this process over
+    authenticated TCP on 127.0.0.4-6."""
+    import dataclasses
+
     from mlxcel.net.network import free_port
     from mlxcel.net.secret import ClusterSecret
     from mlxcel.serving.assembly import DisaggSpec, assemble
@@ -135,11 +139,12 @@ async def _disaggregated(model: Path, gen: Any) -> AsyncIterator[Any]:
     secret = ClusterSecret(os.urandom(32), "bench")
     p, d, r = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (4, 5, 6))
     async with AsyncExitStack() as stack:
-        for spec in (
-            DisaggSpec("prefill", model, secret, p, (), (d,)),
-            DisaggSpec("decode", model, secret, d),
+        plain = dataclasses.replace(gen, prompt_cache_bytes=0)
+        for spec, g in (
+            (DisaggSpec("prefill", model, secret, p, (), (d,)), gen),
+            (DisaggSpec("decode", model, secret, d), gen if decode_keeps else plain),
         ):
-            node = await stack.enter_async_context(assemble(spec, gen))
+            node = await stack.enter_async_context(assemble(spec, g))
             await node.parts.listener.start()
             stack.push_async_callback(node.parts.listener.close)
         router = DisaggSpec("router", model, secret, r, (p,), (d,), startup_timeout=60)

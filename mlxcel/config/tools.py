@@ -409,7 +409,8 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
         "local,pipeline,stages,tp,disagg",
         description="where mlxcel runs: local (one process), pipeline (2 stages in-process), "
         "stages (2 stage processes on 127.0.0.2/127.0.0.3), tp (2 tensor-parallel ranks), "
-        "disagg (a router, a prefill and a decode node on 127.0.0.4-6), "
+        "disagg (a router, a prefill and a decode node on 127.0.0.4-6: the decode node keeps "
+        "the conversation), disagg-prefill (the same, only the prefill node keeps a cache), "
         "comma-separated",
     )
     turn_tokens: int = Field(32, ge=1, le=4096, description="new user tokens in turn 2")
@@ -433,4 +434,4 @@ class BenchPromptCacheSettings(BenchPipelineSettings):
         return v
 
 
-PROMPT_CACHE_MODES = ("local", "pipeline", "stages", "tp", "disagg")
+PROMPT_CACHE_MODES = ("local", "pipeline", "stages", "tp", "disagg", "disagg-prefill")

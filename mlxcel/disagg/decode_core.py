@@ -56,6 +56,7 @@ from mlxcel.base.messages import (
     prompt_problem,
 )
 from mlxcel.disagg.protocol import (
+    CONTINUE_MAX,
     MAX_PARTS,
     MAX_TOMBSTONES,
     PREFILL_TIMEOUT,
@@ -67,6 +68,7 @@ from mlxcel.disagg.protocol import (
     SlotEvent,
     SlotState,
     VerifyJob,
+    decode_namespace,
     min_cached,
 )
 
@@ -235,14 +237,21 @@ class DecodeCore:
         if (source, m.request_id) in self._tombstones:
             why = "the router cancelled this request"
         elif m.request_id in self._by_id:
-            sid = self._by_id[m.request_id]
-            if self.slots[sid].continued and self.slots[sid].handoff.nonce == m.nonce:
+            s = self.slots[self._by_id[m.request_id]]
+            if s.continued and s.router == source and s.handoff.nonce == m.nonce:
                 return []  # the same request again: it runs already
             why = "this node already decodes that request"
         elif not c.keeps:
             why = "this decode node keeps no conversations (no prompt cache)"
         else:
             why = self._no_slot(source)
+        need = min_cached(m.cached, len(m.token_ids))
+        if not why and (need < 1 or len(m.token_ids) - need > CONTINUE_MAX):
+            # What a router never sends: a decode node prefills no long prompt.
+            why = (
+                f"a continuation prefills at most {CONTINUE_MAX} new tokens here; this one "
+                f"would prefill {len(m.token_ids) - need}"
+            )
         if not why:
             why = prompt_problem(m.token_ids, m.sampling.max_tokens, c.vocab, c.max_len) or ""
             if why:  # checked by the router already: a member's malformed request
@@ -265,9 +274,9 @@ class DecodeCore:
         self.slots[s.id] = s
         self._by_id[m.request_id] = s.id
         self.counts["continued"] += 1
-        need = min_cached(m.cached, len(m.token_ids))
-        return [StartCompute(ContinueJob(s.id, m.request_id, m.token_ids, m.sampling,
-                                         m.cache_ns, need))]  # fmt: skip
+        ns = decode_namespace(source, m.cache_ns)
+        return [StartCompute(ContinueJob(s.id, m.request_id, m.token_ids, m.sampling, ns,
+                                         need))]  # fmt: skip
 
     def _refused(self, what: str, request_id: str, source: str, why: str) -> Warn:
         """The line a refusal leaves in this node's log (rate limited), naming the sender."""
@@ -316,14 +325,14 @@ class DecodeCore:
             return "first token or max_tokens out of range"
         if h.prompt_len < 1 or h.prompt_len + 1 + h.sampling.max_tokens > c.max_len:
             return f"prompt and max_tokens exceed the model's context of {c.max_len}"
-        if len(h.context) > h.prompt_len or any(not 0 <= t < c.vocab for t in h.context):
-            return "the handoff's prompt tokens are longer than its prompt or out of range"
         return ""
 
     def _shape_problem(self, h: KvHandoff) -> str:
         """Cheap checks of one message of a handoff, before anything is kept."""
         if not 0 <= h.part < h.parts <= MAX_PARTS:
             return f"part {h.part} of {h.parts} (at most {MAX_PARTS} parts)"
+        if len(h.context) > h.prompt_len or any(not 0 <= t < self.config.vocab for t in h.context):
+            return "the handoff's prompt tokens are longer than its prompt or out of range"
         if h.parts > 1:
             return self._part_problem(h)
         if h.pieces or h.layout:
@@ -463,9 +472,7 @@ class DecodeCore:
             r.top_ids,
             r.top_logprobs,
             cached_tokens=r.cached_tokens if s.index == 0 else 0,
-            # The engine stores the conversation as it ends, under the prompt's tokens (all
-            # of them: a handoff brings the whole prompt).
-            kept=r.finish_reason is not None and self.config.keeps and self._whole(s),
+            kept=r.kept,  # the engine kept the conversation as it ended (it says so)
         )
         s.index += 1
         out: list[Effect] = [Send(s.router, t)]
@@ -473,12 +480,6 @@ class DecodeCore:
             self.counts["completed"] += 1
             out += self._end(s, SlotEvent.FINISH)
         return out
-
-    @staticmethod
-    def _whole(s: Slot) -> bool:
-        """Whether the engine knows every token of ``s``'s cache: a continuation's prompt, or a
-        handoff that carried all of its prompt's tokens."""
-        return s.continued or len(s.handoff.context) == s.handoff.prompt_len
 
     def on_timer(self, now: float) -> list[Effect]:
         for key in [k for k, t in self._tombstones.items() if t <= now]:

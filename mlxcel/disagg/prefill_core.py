@@ -83,7 +83,6 @@ class PrefillConfig:
     # Tensor bytes in one handoff message (0: 1/64 of the cache, within PART_BYTES): small
     # parts let other handoffs to the same node through between them.
     part_bytes: int = 0
-    keeps_prompts: bool = False  # its engine keeps a prompt cache (told to the router)
 
 
 class PrefillCore:
@@ -231,10 +230,12 @@ class PrefillCore:
         now: float,
         top: tuple[tuple[int, ...], tuple[float, ...]] | None = None,
         cached: int = 0,
+        kept: bool = False,
     ) -> list[Effect]:
         """The prompt ran: ``token_ids`` is the first token (empty at end of sequence);
         ``top``: its top_logprobs alternatives (ids, logprobs), when asked for; ``cached``:
-        the prompt tokens the prompt cache supplied."""
+        the prompt tokens the prompt cache supplied; ``kept``: the engine keeps the prompt
+        in its cache now (told to the router, which routes the next turn by it)."""
         x = self.leases.get(lease_id)
         if x is None:
             return []  # cancelled (or refused by the decode node) as it ran: freed then
@@ -252,7 +253,7 @@ class PrefillCore:
             logprobs,
             *(top or (None, None)),
             cached_tokens=cached,
-            kept=self.config.keeps_prompts,
+            kept=kept,
         )
         out: list[Effect] = [Send(x.router, first)]
         if final:

@@ -227,6 +227,14 @@ class ContinueJob:
     min_cached: int  # prompt tokens the cache must supply, or the turn goes elsewhere
 
 
+def decode_namespace(router: str, cache_ns: str) -> str:
+    """Where a decode node keeps a conversation, and looks for it: the request's namespace
+    (its tenant's) under the router it came through. A conversation kept for one router is
+    continued for that router only -- another member that polls the node, or names a
+    namespace it saw pass, finds nothing there to probe."""
+    return f"{router}|{cache_ns}"
+
+
 def min_cached(expected: int, prompt_len: int) -> int:
     """The prompt tokens a node's cache must supply for a turn the router expected it to hold
     ``expected`` of: never the whole prompt (the last token is always run again)."""

@@ -58,6 +58,8 @@ AFFINITY_POSITIONS = 1 << 22
 HANDOFF_CODES = frozenset(
     {ErrorCode.HANDOFF_TIMEOUT, ErrorCode.HANDOFF_FAILED, ErrorCode.NODE_UNREACHABLE}
 )
+# A decode node's answers to a continuation that mean "not here, not now" (it ran nothing)
+CONTINUE_DECLINED = frozenset({ErrorCode.PREFIX_NOT_CACHED, ErrorCode.DECODE_REFUSED})
 
 
 class RouterCore:
@@ -198,7 +200,10 @@ class RouterCore:
         if node is not None:
             node.suspect = True
             for r in self.routes.values():  # streams on it must go on soon (see Route)
-                if r.decode == identity and r.state is RouteState.DECODING and r.quiet_by is None:
+                streaming = r.state is RouteState.DECODING or (
+                    r.continued and r.state is RouteState.HANDOFF  # its token 0 came from there
+                )
+                if r.decode == identity and streaming and r.quiet_by is None:
                     r.quiet_by = now + DROP_GRACE
         return []
 
@@ -397,8 +402,8 @@ class RouterCore:
 
     def _dispatch(self, r: Route, now: float) -> list[Effect]:
         node = self.nodes[r.prefill]
-        node.active += 1
-        node.dispatched += 1
+        node.active += 1  # (a continuation's node counts twice until its token 0)
+        node.dispatched += int(not r.continued)  # counted once, as its decode node
         if r.continued:  # to the decode node that keeps the conversation
             assert r.expected is not None
             need = min_cached(r.expected[2], len(r.entry.token_ids))
@@ -442,13 +447,19 @@ class RouterCore:
             if msg.code == ErrorCode.DRAINING and source == r.prefill and not r.next_index:
                 node.draining = True  # shutting down, and it ran nothing: another one may
                 return self._failover(r, msg.message, now)
-            if msg.code == ErrorCode.PREFIX_NOT_CACHED and r.continued and not r.next_index:
-                # The decode node evicted the conversation since its record: never an error;
-                # the turn goes the usual way (a prefill node, a handoff).
+            if r.continued and not r.next_index and msg.code in CONTINUE_DECLINED:
+                # The decode node evicted the conversation since its record, or will not run
+                # the turn now (full, draining, restarted without a cache): never an error,
+                # never a failed handoff; the record goes and the turn goes the usual way (a
+                # prefill node, a handoff), which never comes back here.
                 assert r.expected is not None
                 self.affinity.served(r.decode, r.expected[1], r.expected[2], 0)
                 self.counts["continue_missed"] += 1
-                why = "no longer keeps the conversation"
+                why = (
+                    "no longer keeps the conversation"
+                    if msg.code == ErrorCode.PREFIX_NOT_CACHED
+                    else f"declined the turn ({msg.message[:200]})"
+                )
                 return self._restart(r, node, now, avoid=False, why=why, counted=False)
             refused = msg.code == ErrorCode.DECODE_REFUSED and source == r.prefill
             if refused and not r.next_index and r.restarts < MAX_RESTARTS:
@@ -530,7 +541,9 @@ class RouterCore:
     def _handoff_failed(self, r: Route, why: str, now: float) -> list[Effect]:
         """A handoff between ``r``'s nodes failed: a node whose handoffs keep failing (a slow
         or broken link, a full or faulty decode node) is routed around for a while."""
-        lines = (self.nodes[a].handoff_failed(why, now) for a in (r.prefill, r.decode))
+        lines = (
+            self.nodes[a].handoff_failed(why, now) for a in dict.fromkeys((r.prefill, r.decode))
+        )
         return [Warn("warning", line) for line in lines if line]
 
     def _fail(self, r: Route, code: str, why: str, cancel: tuple[str, ...] = ()) -> list[Effect]:

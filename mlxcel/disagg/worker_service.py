@@ -37,7 +37,13 @@ from mlxcel.base.messages import (
 )
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
 from mlxcel.disagg.prefill_core import PrefillConfig, PrefillCore
-from mlxcel.disagg.protocol import ContinueJob, PrefillJob, ResumeJob, VerifyJob
+from mlxcel.disagg.protocol import (
+    ContinueJob,
+    PrefillJob,
+    ResumeJob,
+    VerifyJob,
+    decode_namespace,
+)
 from mlxcel.disagg.service import DisaggAdapter
 from mlxcel.reactor.adapter import LocalOutbox
 from mlxcel.reactor.bus import Envelope, Node, Origin
@@ -125,6 +131,7 @@ class PrefillService(DisaggAdapter):
                 now,
                 top,
                 r.cached_tokens,
+                r.kept,
             )  # fmt: skip
         )
 
@@ -211,9 +218,8 @@ class DecodeService(DisaggAdapter):
         h = job.handoff
         # The request's own id; the slot rides in the nonce, and the engine names it back. The
         # namespace is where the engine keeps the conversation when it ends.
-        entry = RunEntry(
-            h.request_id, 0, (h.first_token,), 0, h.sampling, job.slot, cache_ns=h.cache_ns
-        )
+        ns = decode_namespace(h.router, h.cache_ns)
+        entry = RunEntry(h.request_id, 0, (h.first_token,), 0, h.sampling, job.slot, cache_ns=ns)
         self._to_engine.put(ResumeSequence(entry, job.cache, h.prompt_len, h.rng_key, h.context))
 
     def _from_engine(self, env: Envelope[RunResult | Error]) -> None:

@@ -128,7 +128,6 @@ async def _prefill_service(
         lease=spec.handoff_lease,
         lease_max=spec.handoff_lease_max,
         max_sequences=NODE_CAPACITY,
-        keeps_prompts=engine.runtime.prompt_cache is not None,
     )
     return PrefillService(node, endpoint, engine, cfg)
 

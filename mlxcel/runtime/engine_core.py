@@ -33,6 +33,8 @@ it takes -- one process cannot wedge itself; a collective that lost a rank can).
 
 from __future__ import annotations
 
+import dataclasses
+
 from mlxcel.base.effects import CutShort, Deliver, Effect, Send, StartCompute, Stopped, Warn
 from mlxcel.base.messages import (
     CacheKept,
@@ -221,6 +223,8 @@ class EngineCore:
             if seq is None:
                 continue  # cancelled while the step ran
             result = self._result(seq, items)
+            if result.finish_reason is not None and request_id in out.stored:
+                result = dataclasses.replace(result, kept=True)  # its prompt cache keeps it
             kept = out.kept.get(request_id)
             if result.finish_reason is not None and seq.keep_cache:
                 if kept is None:

@@ -145,7 +145,7 @@ class EngineRuntime:
             # stops at a stop string (the frontend cancels it) or retries after leaving.
             # (Stored before the sequence lets go: the reactor sees it held until then.)
             if (solo := self._solo) is not None and solo.uid in removals:
-                self._keep_prompt(solo.uid, solo.fed, solo.cache)
+                self._keep_prompt(solo.uid, solo.fed, solo.cache, out)
                 self._solo = None
             if self.prompt_cache is not None:  # those decoding; a prompt batch is padded
                 self._keep_removed([u for u in removals if u in gen._generation_batch.uids])
@@ -249,7 +249,7 @@ class EngineRuntime:
                 continue
             self._record(request_id, int(r.token), r.finish_reason, r.logprobs, want_lp, out)
             if r.finish_reason is not None and request_id not in self._kept_samplers:
-                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache)
+                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache, out, request_id)
             if r.finish_reason is not None and request_id in self._kept_samplers:
                 sampler, prompt_len = self._kept_samplers.pop(request_id)
                 try:
@@ -261,7 +261,7 @@ class EngineRuntime:
                 out.kept[request_id] = (packed, key_after_first(sampler))
                 # A prefill node's prompt, for its conversation's next turn (after packing:
                 # keeping compacts the cache the handoff was just read from).
-                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache)
+                self._keep_prompt(r.uid, r.all_tokens, r.prompt_cache, out, request_id)
         return news
 
     def _record(
@@ -298,14 +298,23 @@ class EngineRuntime:
         for uid, (cache, tokens) in taken.items():
             self._keep_prompt(uid, list(tokens), cache)
 
-    def _keep_prompt(self, uid: int, tokens: list[int] | None, cache: list[Any] | None) -> None:
+    def _keep_prompt(
+        self,
+        uid: int,
+        tokens: list[int] | None,
+        cache: list[Any] | None,
+        out: EngineStep | None = None,
+        request_id: str | None = None,
+    ) -> None:
         """A finished sequence's cache, for later prompts of its namespace that start alike --
         only when ``tokens`` are exactly what it holds (a handoff that brought only its
-        prompt's last tokens is decoded, never kept)."""
+        prompt's last tokens is decoded, never kept). ``request_id``: a finished request,
+        whose last result says whether it was kept."""
         namespace = self._namespace.pop(uid, "")
-        if self.prompt_cache is not None and tokens and cache:
-            if covers(cache, len(tokens)):
-                self.prompt_cache.store(tokens, cache, namespace)
+        if self.prompt_cache is not None and tokens and cache and covers(cache, len(tokens)):
+            kept = self.prompt_cache.store(tokens, cache, namespace)
+            if kept and out is not None and request_id is not None:
+                out.stored.add(request_id)
 
     def _start(self, i: Insert) -> tuple[list[Any] | None, int]:
         """The cache a sequence starts from and how many of its prompt tokens that cache
@@ -354,7 +363,7 @@ class EngineRuntime:
             return False  # a prefill chunk
         self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
         if t.finish is not None:  # kept before it lets go: the reactor sees it held till then
-            self._keep_prompt(solo.uid, solo.fed, solo.cache)
+            self._keep_prompt(solo.uid, solo.fed, solo.cache, out, solo.request_id)
             self._solo = None
         return t.first or t.finish is not None
 
@@ -370,7 +379,7 @@ class EngineRuntime:
         if t is not None:
             self._record(solo.request_id, t.token, t.finish, t.logprobs, want_lp, out)
         if rest is None:  # that token finished it
-            self._keep_prompt(solo.uid, solo.fed, solo.cache)
+            self._keep_prompt(solo.uid, solo.fed, solo.cache, out, solo.request_id)
             self._solo = None
             return
         (uid,) = self.gen.insert(

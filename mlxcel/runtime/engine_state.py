@@ -91,6 +91,7 @@ class EngineStep:
     # request_id -> the prompt tokens the cache had, less than the entry's min_cached: it
     # never started
     uncached: dict[str, int] = field(default_factory=dict)
+    stored: set[str] = field(default_factory=set)  # finished ones the prompt cache now keeps
     kept: dict[str, tuple[Packed, tuple[int, ...]]] = field(default_factory=dict)
 
 

@@ -86,21 +86,23 @@ class PromptCache:
             trim_prompt_cache(cache, got - n)
         return cache
 
-    def store(self, tokens: Sequence[int], cache: list[Any], namespace: str = "") -> None:
+    def store(self, tokens: Sequence[int], cache: list[Any], namespace: str = "") -> bool:
         """Keep ``cache`` (covering exactly ``tokens``) for later prompts of ``namespace``
-        that start with them. One entry larger than the whole budget is not kept (it would
-        evict everything and then itself)."""
+        that start with them; whether it was kept. One entry larger than the whole budget is
+        not kept (it would evict everything and then itself)."""
         if not tokens or not cache:
-            return
+            return False
         try:
             compact(cache)
             if sum(c.nbytes for c in cache) > self.max_bytes:
                 self.too_large += 1
-                return
+                return False
             self._lru.insert_cache(namespace, list(tokens), cache)
             self._prune()
+            return True
         except Exception as exc:  # the cache is an optimization: never fail a request on it
             logger.warning("prompt cache: could not keep a finished sequence: {}", exc)
+            return False
 
     def _prune(self) -> None:
         """Drop the trie roots of namespaces left without an entry: mlx-lm's trie keeps an

@@ -108,8 +108,7 @@ def build_disagg(
     # 1-4 "layers" of 16 bytes, sent one layer per message: handoffs arrive in parts.
     layers = rng.randint(1, 4)
     pcfg = PrefillConfig(
-        tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16,
-        keeps_prompts=caches[0] > 0,
+        tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16
     )  # fmt: skip
     dcfg = DecodeConfig(VOCAB, 1 << 20, 64, keeps=caches[1] > 0)
     run = DisaggRun(sched, net, router, [], [], ledger, faults)
@@ -213,7 +212,7 @@ def run_disagg(
     cached = own.random() < 0.8
     caches = (
         own.choice([0, 300, 3000]) if cached else 0,
-        own.choice([0, 600, 6000]) if cached else 0,
+        own.choice([0, 150, 600, 6000]) if cached else 0,
     )
     run = build_disagg(rng, n_prefill, n_decode, faults, inject & frozenset(DISAGG_BUGS), caches)
     horizon = 3.0

@@ -135,13 +135,16 @@ class SimPromptCache:
                 best = (e.rows[:n], e.owner)
         return best
 
-    def store(self, ns: str, tokens: tuple[int, ...], rows: list[int], owner: str) -> None:
+    def store(self, ns: str, tokens: tuple[int, ...], rows: list[int], owner: str) -> bool:
+        """Keep ``rows`` under ``tokens``; whether it was kept (one over the whole budget
+        is not)."""
         if not tokens or len(tokens) > self.positions:
-            return
+            return False
         self.entries.pop((ns, tokens), None)
         self.entries[(ns, tokens)] = CacheEntry(rows, owner)
         while sum(len(k[1]) for k in self.entries) > self.positions:
             self.entries.popitem(last=False)
+        return True
 
 
 class RouterHost(SimProcess):
@@ -327,8 +330,8 @@ def run_prompt(
     if reused:
         out.cached[rid] = len(reused)
         ledger.reused.append((host, rid, ledger.tenant(rid), owner))
-    if cache is not None:
-        cache.store(e.cache_ns, prompt, rows, ledger.tenant(rid))
+    if cache is not None and cache.store(e.cache_ns, prompt, rows, ledger.tenant(rid)):
+        out.stored.add(rid)
     return rows
 
 
@@ -464,7 +467,8 @@ class DecodeRuntime(FakeRuntime):
                 fed = generated[:-1]
                 kept = [*rows, *fold(rows[-1], fed)]
                 owner = self.host.ledger.tenant(rid)
-                self.cache.store(ns, (*prompt, *fed), kept, owner)
+                if self.cache.store(ns, (*prompt, *fed), kept, owner):
+                    out.stored.add(rid)
         else:
             row[2:4] = [left - 1, k + 1]
         out.tokens.append(

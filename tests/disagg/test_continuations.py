@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlxcel.base.effects import Deliver, FreeCache, Send, StartCompute, Warn
+from mlxcel.base.handoff import digest_of, tensor_digest
 from mlxcel.base.messages import (
     CancelRequest,
     ContinueEntry,
@@ -21,11 +22,11 @@ from mlxcel.base.messages import (
     TokenResult,
 )
 from mlxcel.disagg.decode_core import DecodeConfig, DecodeCore
-from mlxcel.disagg.protocol import CONTINUE_MAX, ContinueJob, min_cached
+from mlxcel.disagg.protocol import CONTINUE_MAX, ContinueJob, decode_namespace, min_cached
 from mlxcel.disagg.router_core import RouterCore
 from mlxcel.runtime.engine_core import EngineCore
 from mlxcel.runtime.engine_state import EngineJob, EngineStep, Insert
-from tests.disagg.test_decode_refusals import decoding, handoff
+from tests.disagg.test_decode_refusals import cut, decoding, handoff
 from tests.disagg.test_disagg_cores import D0, D1, P0, P1, STRANGER, R, delivered, sends
 
 NS = "alice"
@@ -139,8 +140,12 @@ def test_a_continuation_the_decode_node_refuses_or_never_gets_starts_over_elsewh
     s = turn(r, "a2", (*history, 1), 0.2)
     refusal = Error(ErrorCode.DECODE_REFUSED, "decode node full", s.msg.request_id, s.msg.nonce)
     (again,) = sends(r.handle(refusal, D0, 0.3), PrefillRequest)
-    assert again.dest in (P0, P1) and again.msg.decode_target == D1  # D0 avoided
-    assert r.routes["a2"].restarts == 1
+    # The usual way, its record gone; not a failed handoff (no strike against D0), not one of
+    # the request's restarts.
+    assert again.dest in (P0, P1) and again.msg.decode_target in (D0, D1)
+    assert r.routes["a2"].restarts == 0 and r.nodes[D0].strikes == 0
+    assert r.affinity.records(D0) == 0 and r.counts["continue_missed"] == 1
+    stream(r, again, again.msg.decode_target, [5, 6], 0.35, kept=True)
     s = turn(r, "a3", (*history, 2), 0.4)
     if s.dest == D0:  # unsent: the connection could not be made
         (again,) = sends(r.undeliverable(s, "connection refused", 0.5, unsent=True), PrefillRequest)
@@ -173,13 +178,14 @@ def test_a_continuation_runs_from_the_cache_and_streams_every_token_itself() -> 
     (start,) = out
     assert isinstance(start, StartCompute) and isinstance(start.job, ContinueJob)
     slot = start.job.slot
-    assert start.job == ContinueJob(slot, "r1", HISTORY, m.sampling, NS, 30)
+    # Looked up under the namespace as kept for this router: no other member finds it.
+    assert start.job == ContinueJob(slot, "r1", HISTORY, m.sampling, decode_namespace(R, NS), 30)
     assert c.handle(m, R, 1.1) == []  # the same request again: it runs already
     first = RunResult("r1", 0, (5,), None, slot, cached_tokens=30)
     assert c.token(slot, first, 1.2) == [
         Send(R, TokenResult("r1", 0, (5,), None, 9, cached_tokens=30))
     ]
-    last = RunResult("r1", 0, (6,), "length", slot)
+    last = RunResult("r1", 0, (6,), "length", slot, kept=True)  # the engine kept it
     assert c.token(slot, last, 1.3) == [
         Send(R, TokenResult("r1", 1, (6,), "length", 9, kept=True)),
         FreeCache("r1"),
@@ -214,7 +220,19 @@ def test_every_continuation_refusal_names_why_and_takes_nothing() -> None:
     assert decode().handle(bad, R, 0.0) == refused(
         bad, "token id outside the vocabulary [0, 1000)", code=ErrorCode.BAD_REQUEST
     )
-    assert all(not c.slots for c in (decode(),))
+    # What no router sends: a whole prompt to prefill, or more new tokens than a continuation
+    # may bring -- a decode node never prefills a long prompt between its streams' steps.
+    whole = ask(cached=0)
+    why = (
+        f"a continuation prefills at most {CONTINUE_MAX} new tokens here; this one would prefill 40"
+    )
+    assert decode().handle(whole, R, 0.0) == refused(whole, why)
+    long = ask(tokens=tuple(range(CONTINUE_MAX + 20)), cached=10)
+    why = (
+        f"a continuation prefills at most {CONTINUE_MAX} new tokens here; this one would "
+        f"prefill {CONTINUE_MAX + 10}"
+    )
+    assert decode(max_len=4096).handle(long, R, 0.0) == refused(long, why)
 
 
 def test_not_cached_goes_back_to_the_router_and_a_cancel_or_a_lost_router_frees_the_slot() -> None:
@@ -235,23 +253,35 @@ def test_not_cached_goes_back_to_the_router_and_a_cancel_or_a_lost_router_frees_
     assert c.undeliverable(send, "connection reset", 0.5) == [FreeCache("r3")]
 
 
-def test_a_handoff_keeps_its_conversation_only_when_it_brought_the_whole_prompt() -> None:
-    whole = dataclasses.replace(handoff("r1"), router=R, context=(1, 2, 3))
-    tail = dataclasses.replace(handoff("r2", lease=6), router=R, context=(3,))
-    c = decode(vocab=100)
-    for h in (whole, tail):
+def test_a_handoffs_prompt_tokens_are_checked_in_whichever_order_its_parts_come() -> None:
+    # The last token says what the engine did: kept, or not (over budget, or a handoff that
+    # brought only part of its prompt's tokens, which the engine never keeps).
+    for kept in (False, True):
+        c = decode(vocab=100)
+        h = dataclasses.replace(handoff("r1"), router=R, context=(1, 2, 3))
         slot = decoding(c, h, now=0.0)
-        (msg,) = [
-            e.msg
-            for e in c.token(slot, RunResult(h.request_id, 0, (4,), "stop", slot), 0.1)
-            if isinstance(e, Send)
-        ]
-        assert msg.kept is (h is whole)
-    # Prompt tokens longer than the prompt, or outside the vocabulary: refused on arrival.
+        r = RunResult("r1", 0, (4,), "stop", slot, kept=kept)
+        (msg,) = [e.msg for e in c.token(slot, r, 0.1) if isinstance(e, Send)]
+        assert msg.kept is kept
+    # Prompt tokens longer than the prompt, or outside the vocabulary: refused on arrival,
+    # whole or in parts, whichever part comes first.
     for context in ((1, 2, 3, 4), (1, 2, 300)):
-        h = dataclasses.replace(handoff("r3", lease=7), router=R, context=context)
+        h = dataclasses.replace(handoff("r3", lease=7, layers=2), router=R, context=context)
+        h = dataclasses.replace(h, digest=digest_of(h, tensor_digest(h.keys, h.values)))
         out = decode(vocab=100).handle(h, P0, 0.0)
         assert [type(e) for e in out] == [Warn, Send] and not out[1].msg.ok  # type: ignore[union-attr]
+        parts = cut(h)
+        assert len(parts) == 4 and parts[0].context == context and not parts[1].context
+        c = decode(vocab=100)
+        assert c.handle(parts[1], P0, 0.0) == []  # a later part first: nothing to check yet
+        out = c.handle(parts[0], P0, 0.1)
+        assert isinstance(out[1], Send) and not out[1].msg.ok  # type: ignore[union-attr]
+        assert "prompt tokens" in out[1].msg.reason and not c.slots  # type: ignore[union-attr]
+    # A later part that carries prompt tokens: refused (they ride in the first part only).
+    h = dataclasses.replace(handoff("r4", lease=8, layers=2), router=R, context=(1, 2))
+    p1 = dataclasses.replace(cut(h)[1], context=(1,))
+    out = decode(vocab=100).handle(p1, P0, 0.0)
+    assert "first part only" in out[1].msg.reason  # type: ignore[union-attr]
 
 
 def test_min_cached_never_asks_for_the_whole_prompt() -> None:
@@ -273,3 +303,27 @@ def test_the_engine_ends_a_continuation_its_cache_fell_short_for_unrun() -> None
     )
     assert out == [Deliver(Error(ErrorCode.PREFIX_NOT_CACHED, why, "c1", 3))]
     assert c.active == 0 and c.kv_tokens() == 0
+
+
+def test_a_finished_sequence_says_whether_the_engine_kept_it() -> None:
+    c = EngineCore({"vocab_size": 100, "max_position_embeddings": 64}, {0})
+    e = RunEntry("k1", 0, (5, 6, 7), 0, SamplingParams(max_tokens=2), 3)
+    c.handle(e, "local", 0.0)
+    c.on_timer(0.0)
+    out = c.compute_done(1, EngineStep(steps=1, new_uids={"k1": 1}), 0.1)
+    assert not [e for e in out if isinstance(e, Deliver)]  # no token yet: nothing to say
+    step = EngineStep(steps=1, stored={"k1"})
+    step.tokens = [("k1", 9, None, None, None), ("k1", 8, "length", None, None)]
+    out = c.compute_done(2, step, 0.2)
+    assert out[0] == Deliver(RunResult("k1", 0, (9, 8), "length", 3, kept=True))
+
+
+def test_a_cache_is_kept_only_under_exactly_the_tokens_it_holds() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcel.runtime.prompt_cache import covers
+
+    kv = KVCache()
+    kv.update_and_fetch(mx.zeros((1, 1, 5, 2)), mx.zeros((1, 1, 5, 2)))
+    assert covers([kv], 5) and not covers([kv], 3) and not covers([kv], 25)

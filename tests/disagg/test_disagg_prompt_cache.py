@@ -97,3 +97,40 @@ async def test_next_turns_go_where_their_history_is_cached_and_reuse_it(
         assert routed["cache_routed"] == 4 and routed.get("continued", 0) == 0
         hits = [n.parts.service.engine.runtime.prompt_cache.hits for n in prefills]
         assert sum(hits) >= 4
+
+
+async def test_distinct_conversations_evict_old_entries_and_no_node_passes_its_budget(
+    tiny: Path,
+) -> None:
+    import mlx.core as mx
+
+    budget = 2 << 20
+    secret = ClusterSecret(bytes(range(32)), "test")
+    p, d, r = (f"127.0.0.{i}:{free_port(f'127.0.0.{i}')}" for i in (26, 27, 28))
+    cache = Generation(prompt_cache_bytes=budget)
+    async with AsyncExitStack() as stack:
+        nodes = []
+        for spec in (
+            DisaggSpec("prefill", tiny, secret, p, (), (d,)),
+            DisaggSpec("decode", tiny, secret, d),
+        ):
+            node = await stack.enter_async_context(assemble(spec, cache))
+            await node.parts.listener.start()
+            stack.push_async_callback(node.parts.listener.close)
+            nodes.append(node)
+        rt = await stack.enter_async_context(
+            assemble(DisaggSpec("router", tiny, secret, r, (p,), (d,), startup_timeout=20))
+        )
+        await rt.parts.listener.start()
+        stack.push_async_callback(rt.parts.listener.close)
+        await turn(rt, words(400, 99))
+        engines = [n.parts.service.engine for n in nodes]
+        # Both nodes live in this process: MLX's live arrays (not its free list) are theirs.
+        held = await engines[0].compute.run(mx.get_active_memory)
+        for seed in range(24):
+            await turn(rt, words(400, 100 + seed), ALICE)
+        grown = await engines[0].compute.run(mx.get_active_memory) - held
+        assert grown <= 2 * budget, f"{grown} bytes more after 24 distinct conversations"
+        for e in engines:
+            pc = e.runtime.prompt_cache
+            assert pc is not None and 0 < pc.nbytes <= budget and pc.entries < 24

@@ -175,9 +175,7 @@ def test_a_request_repeated_while_it_runs_or_after_it_ended_never_runs_twice() -
     assert lease2 == lease + 1
 
 
-def test_the_first_tokens_alternatives_go_back_with_it_and_the_handoff_carries_the_prompt() -> (
-    None
-):
+def test_the_first_tokens_alternatives_go_back_with_it_and_the_handoff_carries_the_prompt() -> None:
     c = core()
     m = request(tokens=tuple(range(30)))
     lease = admit(c, m)
