@@ -16,8 +16,9 @@ or a request for a router it does not serve, says why not while the prompt still
 refusal leaves a rate-limited line naming its sender (``decode-refusal``).
 
 A decode node with a prompt cache keeps each finished conversation -- the prompt the handoff
-carried and every token it generated -- in the request's namespace, and says so on the last
-token (``kept``). The next turn of that conversation comes from the router as a
+carried and every token it generated -- in the request's namespace under the router it came
+through (:func:`~mlxcel.disagg.protocol.decode_namespace`), and says so on the last token
+(``kept``, when its engine did keep it). The next turn of that conversation comes from the router as a
 ``PrefillRequest`` (a *continuation*): this node runs it from its own cache, prefilling only
 what is new, and streams every token from index 0 itself. The request names how many prompt
 tokens the cache must supply; a cache that evicted the conversation answers

@@ -3,7 +3,8 @@
 Each node runs its model through a :class:`~mlxcel.runtime.engine.LocalEngine` on the same
 bus, which hears only this process: the service hands it ``PrefillEntry`` (a prompt whose KV
 cache is kept), ``ResumeSequence`` (decode after a handed-off cache), ``ContinueEntry`` (a
-conversation's next turn from the decode node's own cache) and ``ReleaseSequence``, and takes back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
+conversation's next turn from the decode node's own cache) and ``ReleaseSequence``, and takes
+back its ``CacheKept``, ``RunResult`` and ``Error``. The engine
 knows each by the request's one id, the router's; the lease or slot rides in the entry's
 nonce, and comes back in every answer.
 """

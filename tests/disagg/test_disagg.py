@@ -97,8 +97,10 @@ async def test_handoff_decodes_exactly_what_one_node_decodes(
         # (A figure is as of the node's last poll: one taken while streams still decoded
         # shows their cache, so wait for a poll after the last one ended.)
         await until_true(
-            lambda: figures()["prefill-0"].get("handoffs") == 2 * len(PROMPTS)
-            and figures()["decode-0"].get("kv_tokens") == 0
+            lambda: (
+                figures()["prefill-0"].get("handoffs") == 2 * len(PROMPTS)
+                and figures()["decode-0"].get("kv_tokens") == 0
+            )
         )
         pre, dec = figures()["prefill-0"], figures()["decode-0"]
         assert 0 < pre["handoff_s"] < 2 * len(PROMPTS) * 10
