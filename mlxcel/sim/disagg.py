@@ -107,9 +107,7 @@ def build_disagg(
     net.add(router)
     # 1-4 "layers" of 16 bytes, sent one layer per message: handoffs arrive in parts.
     layers = rng.randint(1, 4)
-    pcfg = PrefillConfig(
-        tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16
-    )  # fmt: skip
+    pcfg = PrefillConfig(tuple(dec[:1]), None, None, VOCAB, 1 << 20, LEASE, 64, part_bytes=16)
     dcfg = DecodeConfig(VOCAB, 1 << 20, 64, keeps=caches[1] > 0)
     run = DisaggRun(sched, net, router, [], [], ledger, faults)
     for a in pre:
