@@ -61,13 +61,15 @@ def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
             messages = body["messages"]
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise RequestError("messages: a list of message objects", param="messages")
-            ids = await asyncio.to_thread(fe.apply_chat_template, messages)
+            ids = await fe.apply_chat_template_async(messages)
         else:
             text = body[field]
             if not isinstance(text, str):
                 raise RequestError(f"{field}: a string", param=field)
             special = _flag(body, "add_special_tokens" if field == "prompt" else "add_special")
-            ids = await asyncio.to_thread(_encode, fe.tokenizer, text, special)
+            # Bounded as a completion's prompt: a text past the context is refused by name
+            # at the first chunk that shows it, never tokenized whole.
+            ids = await fe.tokenize_async(text, special, field)
         return {"tokens": ids, "count": len(ids), "max_model_len": fe.token_limit}
 
     async def detokenize(fe: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -117,9 +119,3 @@ def _decode(tokenizer: Any, ids: Any, vocab: int) -> str:
         why = f"tokens: a list of at most {MAX_TOKENS_IN} token ids in [0, {vocab})"
         raise RequestError(why, param="tokens")
     return str(tokenizer.decode(ids))
-
-
-def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
-    from mlxcel.serving.prompts import encode_within
-
-    return encode_within(tokenizer, text, None, special=special)

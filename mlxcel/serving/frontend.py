@@ -20,6 +20,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from loguru import logger
@@ -276,6 +277,15 @@ class Frontend:
         if not isinstance(prompt, str):
             return list(prompt)
         return await _to_the_end(self.encode_prompt, prompt)
+
+    async def tokenize_async(self, text: str, special: bool, param: str) -> list[int]:
+        """``text``'s ids within a prompt's token limit, as a completion's prompt is encoded
+        (``/tokenize``): a text longer than the context stops at the first chunk past it
+        (``context_length_exceeded`` naming ``param``), whatever its size."""
+        encode = partial(
+            encode_within, self.tokenizer, text, self.token_limit, special=special, param=param
+        )
+        return await _to_the_end(encode)  # type: ignore[no-any-return]
 
     async def apply_chat_template_async(
         self,

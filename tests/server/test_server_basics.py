@@ -227,12 +227,22 @@ def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_
         ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
         ("/tokenize", {"messages": "hi"}, "messages"),
         ("/tokenize", [1, 2], None),
+        # Bounded as a completion's prompt is: past the context, refused by name.
+        ("/tokenize", {"prompt": "many words " * 8000}, "prompt"),
+        ("/tokenize", {"content": "many words " * 8000}, "content"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "many words " * 8000}]},
+            "messages",
+        ),
         ("/detokenize", {"tokens": [1, -1]}, "tokens"),
         ("/detokenize", {"tokens": [1, 1 << 40]}, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ]:
         status, err = post(path, body)
         assert status == 400 and err["error"]["param"] == param, (path, body, err)
+        if "many words " in json.dumps(body):
+            assert err["error"]["code"] == "context_length_exceeded", err
     # The key is asked for, as on every data route.
     assert raw(server, "POST", "/tokenize", {"prompt": "x"})[0] == 401
     status, _, data = raw(server, "GET", "/version", **auth)
