@@ -119,9 +119,9 @@ def test_a_decode_node_that_no_longer_keeps_it_costs_a_reroute_never_an_error() 
     assert s.dest == D0
     why = "the prompt cache holds 0 of this prompt's tokens"
     out = r.handle(Error(ErrorCode.PREFIX_NOT_CACHED, why, s.msg.request_id, s.msg.nonce), D0, 0.3)
-    # Started over under a new wire id by a prefill node (P0 keeps the first turn's prompt? no:
-    # it said nothing), D0 told to let go of the old id; the record is gone and the restart
-    # is not one of the request's MAX_RESTARTS.
+    # Started over under a new wire id through a prefill node (by load: none reported keeping
+    # the first turn's prompt), D0 told to let go of the old id; the record is gone and the
+    # restart is not one of the request's MAX_RESTARTS.
     (again,) = sends(out, PrefillRequest)
     assert again.dest in (P0, P1) and again.msg.decode_target in (D0, D1)
     assert again.msg.request_id != s.msg.request_id
@@ -145,11 +145,14 @@ def test_a_continuation_the_decode_node_refuses_or_never_gets_starts_over_elsewh
     assert again.dest in (P0, P1) and again.msg.decode_target in (D0, D1)
     assert r.routes["a2"].restarts == 0 and r.nodes[D0].strikes == 0
     assert r.affinity.records(D0) == 0 and r.counts["continue_missed"] == 1
-    stream(r, again, again.msg.decode_target, [5, 6], 0.35, kept=True)
+    keeper = again.msg.decode_target
+    stream(r, again, keeper, [5, 6], 0.35, kept=True)
+    # That node keeps the turn now: the next one goes there; it cannot be reached (the message
+    # never left), so the turn starts over on the other nodes, that one avoided.
     s = turn(r, "a3", (*history, 2), 0.4)
-    if s.dest == D0:  # unsent: the connection could not be made
-        (again,) = sends(r.undeliverable(s, "connection refused", 0.5, unsent=True), PrefillRequest)
-        assert again.dest in (P0, P1) and again.msg.decode_target == D1
+    assert s.dest == keeper and s.msg.decode_target == ""
+    (again,) = sends(r.undeliverable(s, "connection refused", 0.5, unsent=True), PrefillRequest)
+    assert again.dest in (P0, P1) and again.msg.decode_target == ({D0, D1} - {keeper}).pop()
 
 
 # --- the decode node ---------------------------------------------------------------------------
