@@ -39,7 +39,7 @@ from mlxcel.server.params import (
     template_tools,
 )
 from mlxcel.server.responses import Output, TokenMeter, account, sse, usage_body
-from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxcel.server.schemas import ChatCompletionRequest, CompletionRequest, messages_problem
 from mlxcel.server.tools import tool_text_for
 from mlxcel.serving.frontend import Frontend, Usage
 from mlxcel.serving.grammar import check_grammar
@@ -287,6 +287,8 @@ async def _prompt(
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     schema: type[BaseModel] = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    if kind == "chat" and (problem := messages_problem(body.get("messages"))):
+        raise RequestError(problem, param="messages")  # counted before any is validated
     try:
         req = schema.model_validate(body)
     except ValidationError as exc:

@@ -28,6 +28,10 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits only
 MAX_LOGIT_BIAS = 1024  # entries; each is an index the processor adds a bias at
 MAX_ARG_DEPTH = 32  # tool call arguments sent as a JSON string (the body's own limit is 64)
 MAX_CACHE_SALT_BYTES = 256  # vLLM's cache_salt, as UTF-8
+# Messages in one chat body: each costs a validated object and a pass of the chat template
+# before a single token is counted, so a body of many tiny messages (94k in 3.85 MB took
+# +717 MiB and held every other request for seconds) is refused by its count first.
+MAX_MESSAGES = 4096
 
 
 def _depth(value: Any) -> int:
@@ -249,8 +253,16 @@ class _Sampling(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def messages_problem(messages: Any) -> str | None:
+    """Why a body's ``messages`` is refused before anything is built from it (None: it may be
+    validated): more than MAX_MESSAGES of them."""
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        return f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}"
+    return None
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from mlxcel import __version__
 from mlxcel.base.errors import RequestError
+from mlxcel.server.schemas import messages_problem
 
 MAX_TOKENS_IN = 1 << 20  # ids one /detokenize may name (a body limit bounds it too)
 
@@ -59,6 +60,8 @@ def add_text_routes(app: web.Application, *, has_dashboard: bool) -> None:
         field = given[0]
         if field == "messages":
             messages = body["messages"]
+            if problem := messages_problem(messages):
+                raise RequestError(problem, param="messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise RequestError("messages: a list of message objects", param="messages")
             ids = await fe.apply_chat_template_async(messages)

@@ -139,6 +139,8 @@ def test_eight_concurrent_streams_match_sequential(
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"model": MODEL, "messages": []}, "messages"),
+        # Counted before any is built: a body of many tiny messages costs no template pass.
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
@@ -175,6 +177,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
     assert err["type"] == "invalid_request_error" and err["message"]
     if param is not None:
         assert err["param"] == param
+    if len(body.get("messages", ())) > 4096:  # by their count, not by what the template made
+        assert "at most 4096 messages" in err["message"], err
     ok = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
     )  # type: ignore[arg-type]

@@ -226,6 +226,7 @@ def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
         ("/tokenize", {"messages": "hi"}, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
         ("/tokenize", [1, 2], None),
         # Bounded as a completion's prompt is: past the context, refused by name.
         ("/tokenize", {"prompt": "many words " * 8000}, "prompt"),
@@ -243,6 +244,8 @@ def test_tokenize_detokenize_version_and_the_root_as_llama_server_and_vllm_have_
         assert status == 400 and err["error"]["param"] == param, (path, body, err)
         if "many words " in json.dumps(body):
             assert err["error"]["code"] == "context_length_exceeded", err
+        if isinstance(body, dict) and len(body.get("messages", ())) > 4096:
+            assert "at most 4096 messages" in err["error"]["message"], err
     # The key is asked for, as on every data route.
     assert raw(server, "POST", "/tokenize", {"prompt": "x"})[0] == 401
     status, _, data = raw(server, "GET", "/version", **auth)
