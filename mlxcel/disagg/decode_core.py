@@ -253,19 +253,17 @@ class DecodeCore:
                 f"a continuation prefills at most {CONTINUE_MAX} new tokens here; this one "
                 f"would prefill {len(m.token_ids) - need}"
             )
+        # Not now: the router sends the turn the usual way, through a prefill node. A malformed
+        # prompt (the router checked it already: a member's) is a bad request instead.
+        code = ErrorCode.DECODE_REFUSED
         if not why:
             why = prompt_problem(m.token_ids, m.sampling.max_tokens, c.vocab, c.max_len) or ""
-            if why:  # checked by the router already: a member's malformed request
-                self.counts["refused"] += 1
-                return [
-                    self._refused("continuation", m.request_id, source, why),
-                    Send(source, Error(ErrorCode.BAD_REQUEST, why, m.request_id, m.nonce)),
-                ]
-        if why:  # not now: the router sends the turn the usual way, through a prefill node
+            code = ErrorCode.BAD_REQUEST
+        if why:
             self.counts["refused"] += 1
             return [
                 self._refused("continuation", m.request_id, source, why),
-                Send(source, Error(ErrorCode.DECODE_REFUSED, why, m.request_id, m.nonce)),
+                Send(source, Error(code, why, m.request_id, m.nonce)),
             ]
         head = KvHandoff(
             m.request_id, 0, source, m.nonce, 0, m.sampling, (), len(m.token_ids), (), (), b"",

@@ -404,16 +404,14 @@ class RouterCore:
         node = self.nodes[r.prefill]
         node.active += 1  # (a continuation's node counts twice until its token 0)
         node.dispatched += int(not r.continued)  # counted once, as its decode node
-        if r.continued:  # to the decode node that keeps the conversation
+        # A continuation goes to the decode node that keeps the conversation: no decode target,
+        # and the prompt tokens its cache must supply.
+        target, need = r.decode, 0
+        if r.continued:
             assert r.expected is not None
-            need = min_cached(r.expected[2], len(r.entry.token_ids))
-            req = PrefillRequest(
-                r.wire, r.entry.token_ids, r.entry.sampling, "", r.nonce, r.entry.cache_ns, need
-            )
-            return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
-        req = PrefillRequest(
-            r.wire, r.entry.token_ids, r.entry.sampling, r.decode, r.nonce, r.entry.cache_ns
-        )
+            target, need = "", min_cached(r.expected[2], len(r.entry.token_ids))
+        e = r.entry
+        req = PrefillRequest(r.wire, e.token_ids, e.sampling, target, r.nonce, e.cache_ns, need)
         return [Send(r.prefill, req, deadline=min(r.deadline, now + SEND_WAIT))]
 
     def _cancel(self, request_id: str) -> list[Effect]:

@@ -307,7 +307,9 @@ class PrefillRuntime(FakeRuntime):
         x = host.prefill.leases.get(i.entry.nonce)
         if x is not None:
             host.ledger.computed.append((host.identity, x.request.request_id, x.request.nonce))
-        h = run_prompt(self.cache, host.identity, host.ledger, i.entry, out)[-1]
+        rows = run_prompt(self.cache, host.identity, host.ledger, i.entry, out)
+        assert rows is not None  # (no minimum asked)
+        h = rows[-1]
         t0 = token(h, 0)
         # One tensor per "layer"; at 16 bytes a layer, a small part size splits the handoff.
         layers = range(host.layers)
@@ -320,12 +322,21 @@ class PrefillRuntime(FakeRuntime):
 
 
 def run_prompt(
-    cache: SimPromptCache | None, host: str, ledger: Ledger, e: RunEntry, out: EngineStep
-) -> list[int]:
+    cache: SimPromptCache | None,
+    host: str,
+    ledger: Ledger,
+    e: RunEntry,
+    out: EngineStep,
+    min_cached: int = 0,
+) -> list[int] | None:
     """The rows of ``e``'s prompt: its namespace's longest cached prefix's (the reuse written
-    to the ledger), the rest computed on from there; then the prompt is kept."""
+    to the ledger), the rest computed on from there; then the prompt is kept. None, with
+    nothing run, when the cache supplies fewer than ``min_cached`` tokens."""
     prompt, rid = e.token_ids, e.request_id
     reused, owner = cache.fetch(e.cache_ns, prompt) if cache is not None else ([], "")
+    if len(reused) < min_cached:
+        out.uncached[rid] = len(reused)
+        return None
     rows = [*reused, *fold(reused[-1] if reused else SEED_HASH, prompt[len(reused) :])]
     if reused:
         out.cached[rid] = len(reused)
@@ -433,11 +444,9 @@ class DecodeRuntime(FakeRuntime):
     def insert(self, uid: int, i: Insert, out: EngineStep) -> bool:
         e, host = i.entry, self.host
         if i.cache is None:  # a conversation's next turn, from this node's own cache
-            reused, _ = self.cache.fetch(e.cache_ns, e.token_ids) if self.cache else ([], "")
-            if len(reused) < i.min_cached:
-                out.uncached[e.request_id] = len(reused)
+            rows = run_prompt(self.cache, host.identity, host.ledger, e, out, i.min_cached)
+            if rows is None:
                 return False
-            rows = run_prompt(self.cache, host.identity, host.ledger, e, out)
             # (request id, cache hash, tokens left, the next token's index, prompt rows,
             # the prompt, tokens generated, its namespace)
             self.rows[uid] = [e.request_id, rows[-1], e.sampling.max_tokens, 0, rows,

@@ -28,19 +28,13 @@ from mlxcel.runtime.engine_core import EngineCore
 from mlxcel.runtime.engine_state import EngineJob, EngineStep, Insert
 from tests.disagg.test_decode_refusals import cut, decoding, handoff
 from tests.disagg.test_disagg_cores import D0, D1, P0, P1, STRANGER, R, delivered, sends
+from tests.disagg.test_disagg_cores import online_router as router
 
 NS = "alice"
 HISTORY = tuple(range(100, 140))
 
 
 # --- the router --------------------------------------------------------------------------------
-def router() -> RouterCore:
-    r = RouterCore([P0, P1], [D0, D1])
-    for a in (P0, P1, D0, D1):
-        r.probe_result(a, True, "", 0.0)
-    return r
-
-
 def turn(r: RouterCore, rid: str, tokens: tuple[int, ...], now: float, n: int = 3) -> Send:
     e = RunEntry(rid, 0, tokens, 0, SamplingParams(max_tokens=n), 7, cache_ns=NS)
     (s,) = sends(r.handle(e, "local", now), PrefillRequest)
